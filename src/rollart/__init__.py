@@ -1,0 +1,3 @@
+"""rollart: disaggregated, staleness-bounded agentic RL training for LLMs."""
+
+__version__ = "0.1.0"

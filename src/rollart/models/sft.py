@@ -1,0 +1,135 @@
+"""Supervised warm-up (SFT) of a causal LM on (prompt, completion) text pairs.
+
+Used to give the tiny policy the answer format of the environments before RL: a few epochs of
+AdamW on the negative log-likelihood of the completion tokens only (prompt tokens are context,
+never targets), token-level mean over each batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Annotated
+
+import msgspec
+import torch
+from torch import nn
+
+
+class SFTConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """Hyper-parameters of `sft_warmup`."""
+
+    epochs: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 3
+    lr: Annotated[float, msgspec.Meta(gt=0, le=1.0)] = 3e-3
+    weight_decay: Annotated[float, msgspec.Meta(ge=0, le=1.0)] = 0.0
+    batch_size: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 16
+    max_grad_norm: Annotated[float, msgspec.Meta(gt=0)] = 1.0
+    seed: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # Append the tokenizer's eos id to each completion so the model learns to stop.
+    append_eos: bool = True
+    max_length: Annotated[int, msgspec.Meta(ge=2)] | None = None
+
+
+def _encode_pairs(
+    tokenizer, pairs: list[tuple[str, str]], cfg: SFTConfig
+) -> list[tuple[list[int], int]]:
+    """Encode each pair to (token ids, number of prompt tokens)."""
+    out = []
+    eos = tokenizer.eos_token_id
+    if cfg.append_eos and eos is None:
+        raise ValueError("append_eos=True but the tokenizer has no eos_token_id")
+    for i, (prompt, completion) in enumerate(pairs):
+        p = tokenizer.encode(prompt, add_special_tokens=False)
+        c = tokenizer.encode(completion, add_special_tokens=False)
+        if cfg.append_eos:
+            c = [*c, eos]
+        if not c:
+            raise ValueError(f"demonstration {i} has an empty completion")
+        ids = p + c
+        if cfg.max_length is not None and len(ids) > cfg.max_length:
+            raise ValueError(
+                f"demonstration {i} has {len(ids)} tokens > max_length {cfg.max_length}"
+            )
+        out.append((ids, len(p)))
+    return out
+
+
+def completion_nll(
+    model: nn.Module, input_ids: torch.Tensor, target_mask: torch.Tensor, attention_mask
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed negative log-likelihood of the masked target tokens.
+
+    Args:
+        input_ids: [B, T] int64. target_mask: [B, T] bool, True where token t is a target
+            (predicted from tokens < t; position 0 is never a target). attention_mask: [B, T].
+
+    Returns:
+        (nll_sum scalar float32 with grad, num_targets scalar int64).
+    """
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
+    targets = input_ids[:, 1:]
+    nll = nn.functional.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
+    mask = target_mask[:, 1:]
+    return (nll * mask).sum(), mask.sum()
+
+
+def sft_warmup(
+    model: nn.Module,
+    tokenizer,
+    pairs: Iterable[tuple[str, str]],
+    cfg: SFTConfig | None = None,
+) -> list[float]:
+    """Train `model` in place on (prompt, completion) text pairs; return the loss history.
+
+    Args:
+        model: a transformers causal LM (any device; batches follow its parameters' device).
+        tokenizer: its tokenizer (needs `pad_token_id`; `eos_token_id` when `append_eos`).
+        pairs: (prompt, completion) strings; the prompt is used verbatim (render chat templates
+            before calling), the completion's tokens (+ eos) are the only targets.
+        cfg: hyper-parameters (defaults: 3 epochs, AdamW lr 3e-3, batch 16, grad clip 1.0).
+
+    Returns:
+        Per optimizer step, the mean NLL in nats per completion token, in training order
+        (`ceil(len(pairs) / batch_size) * epochs` entries).
+
+    Raises:
+        ValueError: no pairs, an empty completion, a pair longer than `max_length`, or a
+            non-finite loss.
+    """
+    cfg = cfg or SFTConfig()
+    data = _encode_pairs(tokenizer, list(pairs), cfg)
+    if not data:
+        raise ValueError("sft_warmup needs at least one (prompt, completion) pair")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    device = next(model.parameters()).device
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    history: list[float] = []
+    was_training = model.training
+    model.train()
+    try:
+        for _ in range(cfg.epochs):
+            order = torch.randperm(len(data), generator=gen).tolist()
+            for start in range(0, len(order), cfg.batch_size):
+                batch = [data[i] for i in order[start : start + cfg.batch_size]]
+                width = max(len(ids) for ids, _ in batch)
+                input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
+                attn = torch.zeros((len(batch), width), dtype=torch.long)
+                target = torch.zeros((len(batch), width), dtype=torch.bool)
+                for row, (ids, n_prompt) in enumerate(batch):
+                    input_ids[row, : len(ids)] = torch.tensor(ids)
+                    attn[row, : len(ids)] = 1
+                    target[row, max(n_prompt, 1) : len(ids)] = True
+                nll, count = completion_nll(
+                    model, input_ids.to(device), target.to(device), attn.to(device)
+                )
+                loss = nll / count.clamp(min=1)
+                if not torch.isfinite(loss):
+                    raise ValueError(f"non-finite SFT loss at step {len(history)}")
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+                opt.step()
+                history.append(float(loss.detach()))
+    finally:
+        model.train(was_training)
+    return history

@@ -1,0 +1,64 @@
+"""Typed errors shared by every client and service.
+
+Two families, never mixed up:
+
+- ``RemoteError`` and subclasses: *per item*. One request (a generate call, an env step, a reward
+  call) failed; the peer is alive and keeps serving. The caller fails that trajectory only.
+- ``PeerDeadError``: *fatal*. The peer process is gone or stopped answering heartbeats; every
+  pending and future call to it fails with this error until it is replaced.
+
+Neither is ever turned into a reward of 0 by rollart code.
+"""
+
+from __future__ import annotations
+
+
+class RollartError(Exception):
+    """Base class of every error rollart raises on purpose."""
+
+
+class ConfigError(RollartError, ValueError):
+    """A configuration value is invalid. The message names the file (if any), field and reason."""
+
+
+class RemoteError(RollartError):
+    """A remote call failed for this item only; the peer keeps serving.
+
+    Attributes:
+        code: machine-readable error code (see ``rollart.transport.messages.ErrorCode``).
+        message: human-readable reason naming what was wrong.
+    """
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"[{code}] {message}")
+        self.code = code
+        self.message = message
+
+
+class RemoteTimeoutError(RemoteError):
+    """No reply arrived within the call's ``timeout_s``; the peer may still be alive."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("timeout", message)
+
+
+class PeerDeadError(RollartError):
+    """Fatal: the peer process is dead or unresponsive (missed heartbeats, process exit)."""
+
+
+class EnvError(RemoteError):
+    """An environment raised, timed out or was misused; fails that env session only."""
+
+
+class RewardError(RollartError):
+    """A reward call failed (HTTP error, timeout, invalid reward). Fails that trajectory only.
+
+    Attributes:
+        status: HTTP status when a response arrived, else ``None`` (timeout / connection error).
+        reason: what went wrong, naming the function and cause.
+    """
+
+    def __init__(self, reason: str, status: int | None = None) -> None:
+        super().__init__(reason if status is None else f"HTTP {status}: {reason}")
+        self.status = status
+        self.reason = reason

@@ -1,0 +1,283 @@
+"""Every message that crosses a process boundary in rollart, as msgspec Structs.
+
+Wire format (ZeroMQ multipart, ROUTER/DEALER):
+
+    frame 0: call id, 8 bytes big-endian unsigned (matches a reply to its request)
+    frame 1: msgpack of one ``Request`` (or, in a reply, one ``Reply``) Struct, tagged by class
+             name in the ``kind`` field
+    frame 2..: raw tensor bytes, one frame per ``TensorMeta`` listed in the message (no pickle)
+
+A request whose frames cannot be decoded gets an ``ErrorReply`` naming the problem; the server
+keeps serving. Structs are ``forbid_unknown_fields`` so a peer of another version fails loudly.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+PosInt = Annotated[int, msgspec.Meta(gt=0)]
+Probability = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
+
+#: Error codes carried by ``ErrorReply.code``. Per-item codes: the peer keeps serving.
+ErrorCode = Literal[
+    "bad_request",  # frames or fields could not be decoded / failed validation
+    "unknown_kind",  # a message kind this service does not handle
+    "too_large",  # message over the service's max_message_bytes
+    "not_found",  # unknown request id, session id, env name, ...
+    "env_error",  # the environment raised
+    "env_timeout",  # the environment step exceeded its timeout
+    "stale_version",  # a weight version older than (or equal to) the current one
+    "checksum_mismatch",  # a weight bucket's bytes do not match its checksum
+    "incomplete_version",  # apply requested before every bucket of the version arrived
+    "engine_error",  # the inference engine rejected this request
+    "internal",  # an unexpected exception in the handler (message has the repr)
+    "timeout",  # client side: no reply within timeout_s
+]
+
+
+class Msg(msgspec.Struct, tag_field="kind", tag=True, forbid_unknown_fields=True, kw_only=True):
+    """Base of every wire message; the class name is the ``kind`` tag."""
+
+
+class TensorMeta(msgspec.Struct, forbid_unknown_fields=True, array_like=True):
+    """Describes one raw tensor frame.
+
+    ``dtype`` is a torch dtype name without the prefix (``"bfloat16"``, ``"float32"``); ``shape``
+    is the tensor shape; ``nbytes`` the frame's exact byte length.
+    """
+
+    name: str
+    dtype: str
+    shape: list[int]
+    nbytes: NonNegInt
+
+
+# ----------------------------------------------------------------------------------------------
+# Common
+# ----------------------------------------------------------------------------------------------
+
+
+class Ping(Msg):
+    """Liveness probe; every service answers with ``Pong``."""
+
+
+class Pong(Msg):
+    service: str
+    pid: int
+
+
+class Ack(Msg):
+    """Generic success reply for requests that return nothing else."""
+
+    detail: str = ""
+
+
+class ErrorReply(Msg):
+    """A request failed for this item only; ``message`` names what was wrong."""
+
+    code: str
+    message: str
+
+
+# ----------------------------------------------------------------------------------------------
+# Inference worker
+# ----------------------------------------------------------------------------------------------
+
+
+class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Sampling parameters; mirror vLLM's names. ``max_tokens`` counts generated tokens."""
+
+    max_tokens: PosInt
+    temperature: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0
+    top_p: Probability = 1.0
+    top_k: Annotated[int, msgspec.Meta(ge=-1)] = -1
+    seed: int | None = None
+    stop_token_ids: list[int] = []
+    #: also return the prompt's per-token logprobs (``GenerateResult.prompt_logprobs``)
+    prompt_logprobs: bool = False
+
+
+class WorkerStats(Msg):
+    """Load and version of one inference worker, attached to replies.
+
+    ``num_running`` / ``num_waiting``: requests this worker is generating / holding back.
+    ``version``: policy version whose weights the engine serves now.
+    """
+
+    worker: str
+    num_running: NonNegInt
+    num_waiting: NonNegInt
+    version: NonNegInt
+    paused: bool = False
+    num_generated_tokens: NonNegInt = 0
+
+
+class Generate(Msg):
+    """Generate one continuation of ``prompt_token_ids``."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+
+
+class GenerateResult(Msg):
+    """The engine's continuation.
+
+    ``token_ids``, ``logprobs`` and ``versions`` have equal length ``num_tokens``:
+    ``logprobs[i]`` is the behaviour logprob (float, natural log, under the distribution actually
+    sampled) of ``token_ids[i]``; ``versions[i]`` is the policy version that produced it.
+    ``finish_reason``: ``"stop"`` (eos / stop token), ``"length"`` (hit ``max_tokens`` or the
+    model's context), ``"abort"`` (aborted: the tokens so far are returned).
+    ``prompt_logprobs``: when requested, one entry per prompt token (``None`` for the first).
+    """
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: Literal["stop", "length", "abort"]
+    num_prompt_tokens: NonNegInt
+    stats: WorkerStats
+    prompt_logprobs: list[float | None] | None = None
+
+
+class Abort(Msg):
+    """Abort one request; its pending ``Generate`` replies with ``finish_reason="abort"``."""
+
+    request_id: str
+
+
+class Pause(Msg):
+    """Pause generation. ``keep``: in-flight requests wait, keeping their KV cache;
+    ``abort``: in-flight requests are aborted and reply with what they produced."""
+
+    mode: Literal["keep", "abort"] = "keep"
+
+
+class Resume(Msg):
+    """Resume generation after ``Pause``."""
+
+
+class GetStats(Msg):
+    """Ask a worker for its ``WorkerStats``."""
+
+
+class WeightBucket(Msg):
+    """One bucket of a weight version; tensor bytes follow as frames, in ``tensors`` order.
+
+    ``checksum``: CRC32 (``zlib.crc32``) over the concatenated tensor frames, as 8 hex digits.
+    Buckets are staged; nothing is applied until ``ApplyWeights`` for the same ``version``.
+    """
+
+    version: PosInt
+    bucket_index: NonNegInt
+    num_buckets: PosInt
+    tensors: list[TensorMeta]
+    checksum: str
+
+
+class ApplyWeights(Msg):
+    """Apply staged version ``version`` (every bucket must have arrived).
+
+    The reply (``WeightsApplied``) comes only after the engine serves the new weights. Versions
+    not newer than the current one are rejected with ``stale_version``.
+    ``reprefill``: recompute the KV cache of in-flight requests under the new weights (the
+    paper's sync protocol, §6.2) instead of keeping KV computed by the old ones.
+    """
+
+    version: PosInt
+    reprefill: bool = False
+
+
+class WeightsApplied(Msg):
+    version: NonNegInt
+    apply_time_s: float
+    stats: WorkerStats
+
+
+# ----------------------------------------------------------------------------------------------
+# Environment host
+# ----------------------------------------------------------------------------------------------
+
+
+class EnvOpen(Msg):
+    """Open a session of env ``env_name`` (e.g. ``"game:GuessTheNumber-v0-easy"``,
+    ``"rg:basic_arithmetic"``, ``"py:pkg.mod:Class"``) reset with ``seed``."""
+
+    env_name: str
+    seed: int
+    options: dict[str, Any] = {}
+
+
+class EnvOpened(Msg):
+    """First observation (text) of a new session, and the env's info."""
+
+    session_id: str
+    observation: str
+    info: dict[str, Any] = {}
+
+
+class EnvStep(Msg):
+    session_id: str
+    action: str
+
+
+class EnvStepResult(Msg):
+    """Gymnasium-style step result. ``reward`` is the env's own per-step reward (float)."""
+
+    session_id: str
+    observation: str
+    reward: float
+    terminated: bool
+    truncated: bool
+    info: dict[str, Any] = {}
+
+
+class EnvClose(Msg):
+    session_id: str
+
+
+class EnvHostStats(Msg):
+    host: str
+    num_sessions: NonNegInt
+    num_steps: NonNegInt
+    num_errors: NonNegInt
+
+
+class GetEnvStats(Msg):
+    """Ask an env host for its ``EnvHostStats``."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Unions decoded by services and clients
+# ----------------------------------------------------------------------------------------------
+
+Request = (
+    Ping
+    | Generate
+    | Abort
+    | Pause
+    | Resume
+    | GetStats
+    | WeightBucket
+    | ApplyWeights
+    | EnvOpen
+    | EnvStep
+    | EnvClose
+    | GetEnvStats
+)
+
+Reply = (
+    Pong
+    | Ack
+    | ErrorReply
+    | WorkerStats
+    | GenerateResult
+    | WeightsApplied
+    | EnvOpened
+    | EnvStepResult
+    | EnvHostStats
+)
