@@ -29,7 +29,7 @@ class SFTConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only
     max_length: Annotated[int, msgspec.Meta(ge=2)] | None = None
 
 
-def _encode_pairs(
+def encode_pairs(
     tokenizer, pairs: list[tuple[str, str]], cfg: SFTConfig
 ) -> list[tuple[list[int], int]]:
     """Encode each pair to (token ids, number of prompt tokens)."""
@@ -51,6 +51,23 @@ def _encode_pairs(
             )
         out.append((ids, len(p)))
     return out
+
+
+def collate_sft(
+    batch: list[tuple[list[int], int]], pad_token_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-pad encoded pairs (ids, num_prompt_tokens) into `input_ids` [B, T] int64,
+    `attention_mask` [B, T] int64 and `target_mask` [B, T] bool (True on completion tokens only;
+    position 0 never, since it has no prefix to be predicted from)."""
+    width = max(len(ids) for ids, _ in batch)
+    input_ids = torch.full((len(batch), width), pad_token_id, dtype=torch.long)
+    attn = torch.zeros((len(batch), width), dtype=torch.long)
+    target = torch.zeros((len(batch), width), dtype=torch.bool)
+    for row, (ids, n_prompt) in enumerate(batch):
+        input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        attn[row, : len(ids)] = 1
+        target[row, max(n_prompt, 1) : len(ids)] = True
+    return input_ids, attn, target
 
 
 def completion_nll(
@@ -96,7 +113,7 @@ def sft_warmup(
             non-finite loss.
     """
     cfg = cfg or SFTConfig()
-    data = _encode_pairs(tokenizer, list(pairs), cfg)
+    data = encode_pairs(tokenizer, list(pairs), cfg)
     if not data:
         raise ValueError("sft_warmup needs at least one (prompt, completion) pair")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -111,14 +128,7 @@ def sft_warmup(
             order = torch.randperm(len(data), generator=gen).tolist()
             for start in range(0, len(order), cfg.batch_size):
                 batch = [data[i] for i in order[start : start + cfg.batch_size]]
-                width = max(len(ids) for ids, _ in batch)
-                input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
-                attn = torch.zeros((len(batch), width), dtype=torch.long)
-                target = torch.zeros((len(batch), width), dtype=torch.bool)
-                for row, (ids, n_prompt) in enumerate(batch):
-                    input_ids[row, : len(ids)] = torch.tensor(ids)
-                    attn[row, : len(ids)] = 1
-                    target[row, max(n_prompt, 1) : len(ids)] = True
+                input_ids, attn, target = collate_sft(batch, pad)
                 nll, count = completion_nll(
                     model, input_ids.to(device), target.to(device), attn.to(device)
                 )

@@ -148,6 +148,8 @@ def build_tiny_model(
         `rollart_tiny_spec.json` (the spec, for provenance).
 
     Raises:
+        ValueError: the head size `hidden_size / num_heads` is not an integer in [32, 512], or
+            `num_heads` is not a multiple of `num_kv_heads`.
         msgspec.ValidationError: a spec field is out of bounds (the message names it).
     """
     spec = TinyModelSpec(

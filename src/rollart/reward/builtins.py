@@ -60,6 +60,53 @@ def _reference_text(reference: Any, fn: str) -> str:
     return text
 
 
+def _mv_parse(text: str, configs: list[Any], fallback_mode: str = "first_match") -> list[Any]:
+    """math-verify parse; [] if nothing parses; TimeoutError if it ran out of time.
+
+    ``fallback_mode="first_match"`` keeps the extracted string next to the sympy value (so a
+    string-only answer can still match); ``"no_fallback"`` returns only sympy values."""
+    from math_verify import parse
+    from math_verify.errors import TimeoutException
+
+    try:
+        return parse(
+            text,
+            extraction_config=configs,
+            fallback_mode=fallback_mode,
+            parsing_timeout=MATH_PARSE_TIMEOUT_S,
+            raise_on_error=True,
+        )
+    except TimeoutException:
+        # math-verify's timeout is a BaseException and, left alone, it would read as "no answer"
+        # and so as reward 0: surface it as a failure instead.
+        raise TimeoutError(
+            f"math-verify took over {MATH_PARSE_TIMEOUT_S} s parsing {text[:200]!r}"
+        ) from None
+    except Exception:
+        return []
+
+
+def _mv_equal(gold: list[Any], answer: list[Any]) -> bool:
+    """True iff any (gold, answer) pair verifies; a comparison error counts as "not equal" as in
+    math-verify, but a comparison timeout with no success is raised as TimeoutError."""
+    from math_verify import verify
+    from math_verify.errors import TimeoutException
+
+    timed_out = False
+    for g in gold:
+        for a in answer:
+            try:
+                if verify(g, a, timeout_seconds=MATH_VERIFY_TIMEOUT_S, raise_on_error=True):
+                    return True
+            except TimeoutException:
+                timed_out = True
+            except Exception:
+                continue
+    if timed_out:
+        raise TimeoutError(f"math-verify took over {MATH_VERIFY_TIMEOUT_S} s comparing answers")
+    return False
+
+
 @reward_function("math", executor="process")
 def math_reward(prompt: str, response: str, reference: Any, metadata: dict) -> tuple[float, dict]:
     r"""Math answer check with math-verify: 1.0 iff the final answer equals the reference.
@@ -67,38 +114,37 @@ def math_reward(prompt: str, response: str, reference: Any, metadata: dict) -> t
     The final answer is the last ``\boxed{}`` in the response if any, else math-verify's own
     extraction of the last LaTeX / plain expression. The reference (string or number, e.g.
     ``"\frac{1}{2}"`` or ``0.5``) is parsed by math-verify; equivalence is symbolic/numeric
-    (``math_verify.verify``, gold first). Raises RewardInputError if the reference does not parse.
+    (``math_verify.verify``, gold first). Raises RewardInputError if the reference does not
+    parse, TimeoutError if math-verify runs out of time (never scored as 0).
     """
-    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig
 
     ref_text = _reference_text(reference, "math")
     configs = [LatexExtractionConfig(), ExprExtractionConfig()]
-    gold = parse(ref_text, extraction_config=configs, parsing_timeout=MATH_PARSE_TIMEOUT_S)
-    if not gold and "$" not in ref_text:
-        # Bare LaTeX such as "\frac{1}{2}" is only found between math delimiters.
-        gold = parse(f"${ref_text}$", extraction_config=configs, parsing_timeout=MATH_PARSE_TIMEOUT_S)
+    gold: list[Any] = []
+    if "$" not in ref_text and "\\boxed" not in ref_text:
+        # A bare reference (2\pi, \frac{1}{2}, (x+1)^2) is LaTeX without delimiters; the
+        # plain-expression extractor alone would read 2\pi as 2.
+        gold = _mv_parse(f"${ref_text}$", [LatexExtractionConfig()], "no_fallback")
+    if not gold:
+        gold = _mv_parse(ref_text, configs, "no_fallback")
     if not gold:
         raise RewardInputError(f"math: reference {ref_text!r} does not parse as a math answer")
 
     boxed = last_boxed(response)
     if boxed is not None:
         source = "boxed"
-        answer = parse(
-            f"\\boxed{{{boxed}}}",
-            extraction_config=[LatexExtractionConfig(boxed_match_priority=0)],
-            parsing_timeout=MATH_PARSE_TIMEOUT_S,
-        )
+        answer = _mv_parse(f"\\boxed{{{boxed}}}", [LatexExtractionConfig(boxed_match_priority=0)])
     else:
         source = "final_expression"
-        answer = parse(response, extraction_config=configs, parsing_timeout=MATH_PARSE_TIMEOUT_S)
+        answer = _mv_parse(response, configs)
     details: dict[str, Any] = {"answer_source": source, "reference_parsed": str(gold[-1])}
     if not answer:
         details["answer"] = boxed
         details["reason"] = "no parseable final answer in the response"
         return 0.0, details
     details["answer"] = str(answer[-1])
-    ok = verify(gold, answer, timeout_seconds=MATH_VERIFY_TIMEOUT_S)
-    return (1.0 if ok else 0.0), details
+    return (1.0 if _mv_equal(gold, answer) else 0.0), details
 
 
 @functools.lru_cache(maxsize=256)
@@ -150,8 +196,10 @@ def reasoning_gym_reward(
             "reasoning_gym: metadata.entry (the dataset item, with 'answer') is required"
         )
     if mode not in _RG_MODES:
-        raise RewardInputError(f"reasoning_gym: metadata.extract must be one of {_RG_MODES}, got {mode!r}")
-    entry.setdefault("metadata", {})
+        raise RewardInputError(
+            f"reasoning_gym: metadata.extract must be one of {_RG_MODES}, got {mode!r}"
+        )
+    entry = {"metadata": {}, **entry}  # some scorers read entry["metadata"]; don't mutate input
     score_fn = _rg_score_fn(dataset)
     answer, source = _rg_answer(response, mode)
     score = score_fn(answer, entry)

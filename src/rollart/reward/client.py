@@ -76,7 +76,9 @@ class RewardClient:
         if max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {max_retries}")
         if backoff_s < 0 or max_backoff_s < 0:
-            raise ValueError(f"backoff_s and max_backoff_s must be >= 0, got {backoff_s}, {max_backoff_s}")
+            raise ValueError(
+                f"backoff_s and max_backoff_s must be >= 0, got {backoff_s}, {max_backoff_s}"
+            )
         self.base_url = base_url
         self.max_concurrency = max_concurrency
         self.timeout_s = timeout_s
@@ -95,7 +97,10 @@ class RewardClient:
         return self
 
     async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
     ) -> None:
         await self.close()
 
@@ -145,7 +150,9 @@ class RewardClient:
         session = self._require_session()
         url = self.url_for(name)
         body = _encoder.encode(
-            RewardRequest(prompt=prompt, response=response, reference=reference, metadata=metadata or {})
+            RewardRequest(
+                prompt=prompt, response=response, reference=reference, metadata=metadata or {}
+            )
         )
         attempt = 0
         while True:

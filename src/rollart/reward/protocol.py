@@ -17,29 +17,10 @@ import math
 from numbers import Real
 from typing import Any
 
-import msgspec
+from rollart.transport.messages import ErrorResponse, RewardRequest, RewardResponse
 
-
-class RewardRequest(msgspec.Struct, forbid_unknown_fields=True):
-    """Body of ``POST /v1/reward/{name}``."""
-
-    prompt: str
-    response: str
-    reference: Any
-    metadata: dict[str, Any] = msgspec.field(default_factory=dict)
-
-
-class RewardResponse(msgspec.Struct):
-    """Successful reply: ``reward`` is finite; ``details`` is function-specific."""
-
-    reward: float
-    details: dict[str, Any] = msgspec.field(default_factory=dict)
-
-
-class ErrorResponse(msgspec.Struct):
-    """Any non-200 reply."""
-
-    error: str
+__all__ = ["ErrorResponse", "InvalidRewardError", "RewardRequest", "RewardResponse",
+           "validate_result"]
 
 
 class InvalidRewardError(ValueError):

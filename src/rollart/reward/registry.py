@@ -22,7 +22,7 @@ import importlib
 import inspect
 import re
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Literal
 
@@ -79,7 +79,9 @@ def _make_spec(
     if not callable(fn):
         raise TypeError(f"reward function {name!r} is not callable: {fn!r}")
     if executor not in _EXECUTORS:
-        raise ValueError(f"reward function {name!r}: executor must be one of {_EXECUTORS}, got {executor!r}")
+        raise ValueError(
+            f"reward function {name!r}: executor must be one of {_EXECUTORS}, got {executor!r}"
+        )
     if timeout_s is not None and not (timeout_s > 0):
         raise ValueError(f"reward function {name!r}: timeout_s must be > 0, got {timeout_s!r}")
     try:
@@ -220,13 +222,6 @@ class RewardRegistry:
             raise KeyError(
                 f"unknown reward function {name!r}; known: {sorted(self._functions)}"
             ) from None
-
-    def with_timeout(self, default_timeout_s: float) -> RewardRegistry:
-        """A copy where functions without their own ``timeout_s`` get ``default_timeout_s``."""
-        out = RewardRegistry()
-        for spec in self._functions.values():
-            out.add(spec if spec.timeout_s is not None else replace(spec, timeout_s=default_timeout_s))
-        return out
 
     def names(self) -> list[str]:
         return sorted(self._functions)

@@ -3,8 +3,9 @@
 Async functions run on the loop; sync ones run inline (trivial functions only), in a thread
 pool, or in a process pool (CPU-bound scoring: sympy holds the GIL, so threads would stall the
 server). Every call is bounded by the function's ``timeout_s``, which includes queueing for a pool
-slot. A timed-out thread or process task cannot be killed; it finishes in the background (the
-built-in math scorer bounds itself with math-verify's own timeouts), so pools are sized with room.
+slot. A timed-out thread or process task cannot be killed: the caller gets its 504 at once, but
+the pool slot stays busy until the task returns (the built-in math scorer bounds itself with
+math-verify's own timeouts; user functions should bound themselves too).
 """
 
 from __future__ import annotations
@@ -14,11 +15,15 @@ import concurrent.futures as cf
 import functools
 import multiprocessing
 import os
+import threading
+import time
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
 from rollart.reward.protocol import InvalidRewardError, RewardResponse, validate_result
 from rollart.reward.registry import RewardFunction, RewardInputError
+
+THREAD_PREFIX = "rollart-reward"
 
 
 class ScoringError(Exception):
@@ -67,7 +72,7 @@ class RewardRunner:
         if self.num_processes < 1:
             raise ValueError(f"num_processes must be >= 1, got {num_processes}")
         self.default_timeout_s = default_timeout_s
-        self._threads = cf.ThreadPoolExecutor(num_threads, thread_name_prefix="reward")
+        self._threads = cf.ThreadPoolExecutor(num_threads, thread_name_prefix=THREAD_PREFIX)
         self._warm_up = warm_up
         self._processes: cf.ProcessPoolExecutor | None = None
 
@@ -98,8 +103,10 @@ class RewardRunner:
         """
         timeout_s = spec.timeout_s if spec.timeout_s is not None else self.default_timeout_s
         args = (prompt, response, reference, metadata)
+        deadline = asyncio.timeout(timeout_s)
+        pool: cf.ProcessPoolExecutor | None = None
         try:
-            async with asyncio.timeout(timeout_s):
+            async with deadline:
                 if spec.is_async:
                     result = await spec.fn(*args)
                 elif spec.executor == "inline":
@@ -111,21 +118,33 @@ class RewardRunner:
                     )
                 else:
                     loop = asyncio.get_running_loop()
+                    pool = self._process_pool()
                     result = await loop.run_in_executor(
-                        self._process_pool(), functools.partial(_call, spec.fn, *args)
+                        pool, functools.partial(_call, spec.fn, *args)
                     )
-        except TimeoutError:
-            raise ScoringError(
-                504, f"reward function {spec.name!r} timed out after {timeout_s:g} s"
-            ) from None
+        except TimeoutError as exc:
+            if deadline.expired():
+                reason = f"timed out after {timeout_s:g} s"
+            else:  # the function's own time limit (e.g. math-verify's)
+                reason = f"timed out: {exc}"
+            raise ScoringError(504, f"reward function {spec.name!r} {reason}") from None
         except RewardInputError as exc:
-            raise ScoringError(422, f"reward function {spec.name!r} rejected the input: {exc}") from None
+            raise ScoringError(
+                422, f"reward function {spec.name!r} rejected the input: {exc}"
+            ) from None
         except BrokenProcessPool as exc:
-            self._processes = None  # a worker died (e.g. OOM-killed): start a fresh pool next call
+            # A worker died (e.g. OOM-killed): the pool is unusable; start a fresh one next call.
+            # Only the first failed call replaces it; others may already see the new pool.
+            if pool is not None and pool is self._processes:
+                self._processes = None
+                pool.shutdown(wait=False, cancel_futures=True)
             raise ScoringError(
                 503, f"reward function {spec.name!r}: process pool broken ({exc}); retry"
             ) from None
-        except Exception as exc:
+        except (asyncio.CancelledError, KeyboardInterrupt):
+            raise
+        except BaseException as exc:
+            # BaseException too: a SystemExit raised in a worker would otherwise stop the server.
             raise ScoringError(
                 500, f"reward function {spec.name!r} raised {type(exc).__name__}: {exc}"
             ) from None
@@ -146,3 +165,18 @@ class RewardRunner:
             for proc in procs:
                 if proc.is_alive():
                     proc.terminate()
+
+    def wait_threads(self, timeout_s: float) -> int:
+        """After :meth:`close`, wait up to ``timeout_s`` for pool threads to finish.
+
+        Returns the number still running: calls that timed out earlier and never returned, which
+        would otherwise keep the interpreter from exiting (pool threads are joined at exit).
+        """
+        deadline = time.monotonic() + timeout_s
+        alive = []
+        for t in threading.enumerate():
+            if t.name.startswith(THREAD_PREFIX):
+                t.join(max(0.0, deadline - time.monotonic()))
+                if t.is_alive():
+                    alive.append(t)
+        return len(alive)

@@ -62,8 +62,11 @@ async def _json_errors(
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return _error(exc.status, exc.text or exc.reason, headers={"Allow": exc.headers["Allow"]}
-                      if "Allow" in exc.headers else None)
+        return _error(
+            exc.status,
+            f"{exc.reason}: {request.method} {request.path}",
+            headers={"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None,
+        )
     except Exception as exc:  # a bug in the service itself: report it, keep serving
         log.exception("unhandled error on %s %s", request.method, request.path)
         return _error(500, f"internal error: {type(exc).__name__}: {exc}")
@@ -96,7 +99,8 @@ class _RewardHandler:
             return _error(400, f"malformed JSON in request body: {exc}")
         if self.inflight >= self.max_inflight:
             return _error(
-                429, f"server busy: {self.inflight} calls in flight (limit {self.max_inflight})",
+                429,
+                f"server busy: {self.inflight} calls in flight (limit {self.max_inflight})",
                 headers={"Retry-After": "1"},
             )
         self.inflight += 1
@@ -112,12 +116,14 @@ class _RewardHandler:
         try:
             payload = _encoder.encode(result)
         except (TypeError, msgspec.EncodeError) as exc:
-            return _error(422, f"reward function {name!r} returned details that are not JSON: {exc}")
+            return _error(
+                422, f"reward function {name!r} returned details that are not JSON: {exc}"
+            )
         return web.Response(body=payload, content_type="application/json")
 
     def _too_large(self, size: int | None) -> str:
-        got = f"{size} bytes" if size is not None else "more"
-        return f"request body too large: {got}, limit is {self.max_body_bytes} bytes"
+        got = f" ({size} bytes)" if size is not None else ""
+        return f"request body too large{got}: the limit is {self.max_body_bytes} bytes"
 
 
 async def _list(request: web.Request) -> web.Response:
@@ -131,7 +137,9 @@ async def _list(request: web.Request) -> web.Response:
         }
         for spec in request.app[_REGISTRY]
     ]
-    return web.Response(body=_encoder.encode({"functions": functions}), content_type="application/json")
+    return web.Response(
+        body=_encoder.encode({"functions": functions}), content_type="application/json"
+    )
 
 
 async def _healthz(request: web.Request) -> web.Response:
@@ -169,7 +177,9 @@ def create_app(
         max_inflight: concurrent scoring calls above this get 429 with ``Retry-After: 1``.
     """
     if max_body_bytes < 1 or max_inflight < 1:
-        raise ValueError(f"max_body_bytes and max_inflight must be >= 1, got {max_body_bytes}, {max_inflight}")
+        raise ValueError(
+            f"max_body_bytes and max_inflight must be >= 1, got {max_body_bytes}, {max_inflight}"
+        )
     app = web.Application(middlewares=[_json_errors], client_max_size=max_body_bytes)
     app[_REGISTRY] = registry
     app[_RUNNER] = runner
@@ -191,18 +201,39 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="TCP port; 0 picks a free one")
-    p.add_argument("--functions", action="append", default=[], metavar="[NAME=]pkg.mod[:func]",
-                   help="user reward functions by import path (repeatable)")
+    p.add_argument(
+        "--functions",
+        action="append",
+        default=[],
+        metavar="[NAME=]pkg.mod[:func]",
+        help="user reward functions by import path (repeatable)",
+    )
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
-    p.add_argument("--max-inflight", type=int, default=DEFAULT_MAX_INFLIGHT,
-                   help="concurrent calls before answering 429")
-    p.add_argument("--timeout-s", type=float, default=30.0,
-                   help="per-call limit for functions without their own, seconds")
+    p.add_argument(
+        "--max-inflight",
+        type=int,
+        default=DEFAULT_MAX_INFLIGHT,
+        help="concurrent calls before answering 429",
+    )
+    p.add_argument(
+        "--timeout-s",
+        type=float,
+        default=30.0,
+        help="per-call limit for functions without their own, seconds",
+    )
     p.add_argument("--threads", type=int, default=8, help="thread-pool size for sync functions")
-    p.add_argument("--processes", type=int, default=None,
-                   help="process-pool size for CPU-bound functions (default min(4, cpus))")
-    p.add_argument("--ready-file", type=Path, default=None,
-                   help="write the bound 'host:port' here once listening")
+    p.add_argument(
+        "--processes",
+        type=int,
+        default=None,
+        help="process-pool size for CPU-bound functions (default min(4, cpus))",
+    )
+    p.add_argument(
+        "--ready-file",
+        type=Path,
+        default=None,
+        help="write the bound 'host:port' here once listening",
+    )
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     if not 0 <= args.port <= 65535:
@@ -220,15 +251,13 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 def _write_ready_file(path: Path, host: str, port: int) -> None:
     # Write-then-rename so a poller never reads a half-written address.
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(f"{host}:{port}\n")
+    shown = f"[{host}]" if ":" in host else host  # IPv6 literal
+    tmp.write_text(f"{shown}:{port}\n")
     os.replace(tmp, path)
 
 
-async def serve(args: argparse.Namespace, registry: RewardRegistry) -> int:
+async def serve(args: argparse.Namespace, registry: RewardRegistry, runner: RewardRunner) -> int:
     """Listen until SIGINT/SIGTERM, then drain and shut down. Returns the exit code."""
-    runner = RewardRunner(
-        num_threads=args.threads, num_processes=args.processes, default_timeout_s=args.timeout_s
-    )
     if any(spec.executor == "process" and not spec.is_async for spec in registry):
         runner.start_process_pool()
     app = create_app(
@@ -265,11 +294,29 @@ def main(argv: list[str] | None = None) -> int:
     except (ImportError, ValueError, TypeError) as exc:
         print(f"rollart serve-reward: cannot load reward functions: {exc}", file=sys.stderr)
         return 2
+    runner = RewardRunner(
+        num_threads=args.threads, num_processes=args.processes, default_timeout_s=args.timeout_s
+    )
     try:
-        return uvloop.run(serve(args, registry))
+        code = uvloop.run(serve(args, registry, runner))
     except OSError as exc:
-        print(f"rollart serve-reward: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
-        return 1
+        print(
+            f"rollart serve-reward: cannot listen on {args.host}:{args.port}: {exc}",
+            file=sys.stderr,
+        )
+        code = 1
+    finally:
+        runner.close()
+    hung = runner.wait_threads(timeout_s=2.0)
+    if hung:
+        # Threads cannot be killed and the interpreter joins them at exit: a hung user function
+        # would keep a stopped service alive indefinitely.
+        log.warning("abandoning %d reward call(s) still running after their timeout", hung)
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":

@@ -102,10 +102,10 @@ def grpo_advantages(
     # "All equal" is decided exactly (max == min), not by std < tol: float rounding of the mean
     # could otherwise leave a tiny non-zero r - mean divided by a tiny std.
     big = torch.finfo(torch.float64).max
-    gmax = torch.full_like(count, -big).index_reduce_(
+    gmax = torch.full_like(count, -big).scatter_reduce_(
         0, inverse, torch.where(v, r, torch.full_like(r, -big)), "amax"
     )
-    gmin = torch.full_like(count, big).index_reduce_(
+    gmin = torch.full_like(count, big).scatter_reduce_(
         0, inverse, torch.where(v, r, torch.full_like(r, big)), "amin"
     )
     informative = (count >= 2) & (gmax > gmin)
@@ -172,7 +172,10 @@ def decoupled_ppo_loss(
     shape = logprobs.shape
     if logprobs.dim() != 2:
         raise ValueError(f"logprobs must be [B, T], got shape {tuple(shape)}")
-    for name, t in (("proximal_logprobs", proximal_logprobs), ("behaviour_logprobs", behaviour_logprobs)):
+    for name, t in (
+        ("proximal_logprobs", proximal_logprobs),
+        ("behaviour_logprobs", behaviour_logprobs),
+    ):
         if t.shape != shape:
             raise ValueError(f"{name} shape {tuple(t.shape)} != logprobs shape {tuple(shape)}")
     mask = _as_bool_mask(loss_mask, "loss_mask", shape)

@@ -1,0 +1,1 @@
+"""rollart benchmarks: ``python -m benchmarks.NAME [--quick] --json OUT`` (see README.md)."""

@@ -1,0 +1,408 @@
+"""The scenario: one TOML file describing a rollart run, decoded into msgspec Structs.
+
+Layout (tables of ``scenarios/*.toml``)::
+
+    [run]          seed, steps, mode, alpha, batch/group sizes, redundancy, limits, retries
+    [model]        path ("tiny" = the project's own tiny model, else a local HF checkpoint dir)
+    [[pools]]      inference worker pools: name, hardware label, num_workers, engine options
+    [[domains]]    task domains: env name, pool affinity, reward function, mix weight, sampling
+    [[env_hosts]]  environment host processes (and optional latency injection)
+    [reward]       the HTTP reward service (launched locally or an existing URL)
+    [trainer]      optimisation and checkpoint settings
+
+Every Struct rejects unknown fields, bounds are ``msgspec.Meta`` constraints, and cross-field
+rules are checked by :func:`validate_scenario`. Nothing is ever rewritten after loading: a bad
+value raises :class:`ConfigError` naming the file, the field and the reason.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from rollart.envhost.latency import LatencyConfig
+from rollart.transport.errors import ConfigError
+
+__all__ = [
+    "ConfigError",
+    "DomainConfig",
+    "EngineConfig",
+    "EnvHostConfig",
+    "ModelConfig",
+    "PoolConfig",
+    "RetryConfig",
+    "RewardServiceConfig",
+    "RunConfig",
+    "SamplingConfig",
+    "Scenario",
+    "TrainerConfig",
+    "load_scenario",
+    "parse_scenario",
+    "scenario_to_json",
+    "validate_scenario",
+]
+
+Mode = Literal["sync", "sync_plus", "one_off", "areal", "rollart"]
+PosInt = Annotated[int, msgspec.Meta(ge=1)]
+NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+PosFloat = Annotated[float, msgspec.Meta(gt=0)]
+NonNegFloat = Annotated[float, msgspec.Meta(ge=0)]
+Name = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
+
+class _Cfg(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """Base: unknown fields are errors; instances are immutable."""
+
+
+class RetryConfig(_Cfg):
+    """Per-trajectory retry policy after a failure (env error, generation or reward failure:
+    every reason is counted; a staleness restart does not use up an attempt)."""
+
+    #: attempts per group slot, first one included (1 = never retry).
+    max_attempts: Annotated[int, msgspec.Meta(ge=1, le=100)] = 3
+    #: this many trajectory failures in a row, with no success in between, stop the run
+    #: (fatal): a broken env or reward endpoint must not spin forever.
+    max_failures_in_a_row: PosInt = 100
+
+
+class RunConfig(_Cfg):
+    """What to run: algorithm shape, asynchrony mode, staleness bound and per-trajectory limits."""
+
+    #: master seed: domain mixing, env seeds per group, unbiased selection.
+    seed: NonNegInt = 0
+    #: training steps (one batch each); ``rollart run --steps`` overrides it on the command line.
+    steps: PosInt = 10
+    #: sync: batch-barrier rollout, no overlap; sync_plus: trajectory-level rollout, no overlap;
+    #: one_off: one-step off-policy at batch level; areal: staleness checked at admission only;
+    #: rollart: per-turn staleness check, full overlap of rollout and training.
+    mode: Mode = "rollart"
+    #: staleness bound: a sample trained into version v+1 has every token from version >= v-alpha.
+    alpha: Annotated[int, msgspec.Meta(ge=0, le=64)] = 1
+    #: samples per training batch (a multiple of ``group_size``).
+    batch_size: PosInt = 8
+    #: GRPO group size: trajectories sharing one prompt / env seed.
+    group_size: PosInt = 4
+    #: extra trajectories launched per group; the slowest are cancelled once ``group_size`` finish.
+    redundancy: NonNegInt = 0
+    #: ``first``: keep the first ``group_size`` finishers (the paper's); ``unbiased``: wait up to
+    #: ``selection_deadline_s`` after ``group_size`` finished and keep a random ``group_size``.
+    selection: Literal["first", "unbiased"] = "first"
+    #: unbiased selection deadline, seconds after the group_size-th member finished.
+    selection_deadline_s: NonNegFloat = 30.0
+    #: a trajectory that can no longer meet the staleness bound: ``restart`` it, or ``drop`` it.
+    on_stale: Literal["restart", "drop"] = "restart"
+    #: recompute the KV cache of in-flight requests after a weight update (else keep it).
+    reprefill: bool = False
+    #: maximum assistant turns per trajectory.
+    max_turns: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 8
+    #: generated tokens per turn (the engine's ``max_tokens``).
+    max_tokens_per_turn: PosInt = 256
+    #: total tokens of one training sequence (prompt + generated + observations).
+    max_tokens_per_trajectory: PosInt = 2048
+    #: timeout of one generate call, seconds.
+    generate_timeout_s: PosFloat = 600.0
+    #: timeout of one env open / step call, seconds.
+    env_timeout_s: PosFloat = 120.0
+    retry: RetryConfig = msgspec.field(default_factory=RetryConfig)
+
+
+class ModelConfig(_Cfg):
+    """The policy checkpoint: ``"tiny"`` builds the project's tiny model, else a local HF dir."""
+
+    #: ``"tiny"`` or a local Hugging Face checkpoint directory (no downloads).
+    path: Annotated[str, msgspec.Meta(min_length=1)] = "tiny"
+    #: seed of the tiny model's weights (ignored for a checkpoint path).
+    tiny_seed: NonNegInt = 0
+    #: run the tiny model's supervised warm-up on env demonstrations before RL.
+    tiny_warmup: bool = True
+    #: data type of the weights in trainer and engine.
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+
+
+class EngineConfig(_Cfg):
+    """vLLM engine options of every worker of a pool (names follow the worker's
+    ``rollart.inference.engine.EngineOptions``; the engine's seed is ``run.seed`` + worker index,
+    its dtype ``model.dtype``)."""
+
+    #: KV cache size in bytes (vLLM ``kv_cache_memory_bytes``); 256 MiB suits the tiny model.
+    kv_cache_bytes: PosInt = 256 << 20
+    #: context length; ``None`` keeps the model's.
+    max_model_len: PosInt | None = None
+    #: concurrent sequences per engine; ``None`` keeps vLLM's default.
+    max_num_seqs: PosInt | None = None
+    enforce_eager: bool = False
+    enable_prefix_caching: bool = True
+    #: GPU pools: tensor-parallel degree and memory fraction (ignored by CPU workers).
+    tensor_parallel_size: PosInt = 1
+    gpu_memory_utilization: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
+
+
+class PoolConfig(_Cfg):
+    """A pool of identical inference workers on one kind of hardware."""
+
+    name: Name
+    #: hardware label, e.g. ``h800`` (compute-strong), ``h20`` (bandwidth), ``cpu``.
+    hardware: Annotated[str, msgspec.Meta(min_length=1, max_length=32)] = "cpu"
+    num_workers: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 1
+    engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
+    #: addresses of already running workers (``tcp://host:port``), one per worker; empty: the
+    #: launcher starts ``num_workers`` workers locally.
+    addresses: list[str] = msgspec.field(default_factory=list)
+
+
+class SamplingConfig(_Cfg):
+    """Sampling parameters of a domain's generations (vLLM names)."""
+
+    temperature: NonNegFloat = 1.0
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
+    top_k: Annotated[int, msgspec.Meta(ge=-1)] = -1
+
+
+class DomainConfig(_Cfg):
+    """A task domain: which env, which pool serves it, how it is rewarded, how often sampled."""
+
+    name: Name
+    #: env name as the env host knows it, e.g. ``game:GuessTheNumber-v0-easy``,
+    #: ``rg:basic_arithmetic``, or one registered with ``Cluster.register_env``.
+    env: Annotated[str, msgspec.Meta(min_length=1)]
+    #: pool (by name) whose workers generate for this domain (hardware affinity).
+    pool: Name
+    #: reward function name: a function of the reward service (``reasoning_gym``, ``math``, ...),
+    #: or a local one (``env_return`` = the env's summed step rewards, or one registered with
+    #: ``Cluster.register_reward``).
+    reward: Annotated[str, msgspec.Meta(min_length=1)]
+    #: ``"service"``: the scenario's reward service; ``"local"``: in-process; or an http(s) URL
+    #: of any endpoint speaking the reward contract (``{name}`` is replaced by the function name).
+    reward_url: Annotated[str, msgspec.Meta(min_length=1)] = "service"
+    #: extra JSON metadata sent with every reward call of this domain.
+    reward_metadata: dict[str, Any] = msgspec.field(default_factory=dict)
+    #: relative frequency of this domain's groups (normalised over all domains).
+    weight: PosFloat = 1.0
+    sampling: SamplingConfig = msgspec.field(default_factory=SamplingConfig)
+    #: system message (omitted when empty).
+    system_prompt: str = ""
+    #: first user message; ``{observation}`` is the env's first observation.
+    prompt_template: str = "{observation}"
+    #: later user messages; ``{observation}`` is the env's new observation.
+    turn_template: str = "{observation}"
+    #: extra keyword arguments of the tokenizer's chat template (e.g. enable_thinking = false).
+    chat_template_kwargs: dict[str, Any] = msgspec.field(default_factory=dict)
+    #: options passed to the env's reset.
+    env_options: dict[str, Any] = msgspec.field(default_factory=dict)
+    #: per-domain cap on turns (defaults to ``run.max_turns``; must not exceed it).
+    max_turns: PosInt | None = None
+
+
+class EnvHostConfig(_Cfg):
+    """One environment host process (``rollart serve-env``; names follow its ``HostConfig``)."""
+
+    name: Name
+    #: ``tcp://host:port`` of a running host; ``None``: the launcher starts it locally.
+    address: str | None = None
+    #: wall-clock limit of one env step inside the host, seconds (injected latency excluded).
+    step_timeout_s: PosFloat = 60.0
+    #: limit of building and resetting an env, seconds.
+    open_timeout_s: PosFloat = 120.0
+    #: sessions open at once (opens beyond are refused, failing that trajectory).
+    max_sessions: PosInt = 1024
+    #: threads running env code.
+    threads: PosInt = 8
+    #: injected latency / failures: env name, family (``game``, ``rg``, ``py``) or ``"*"``
+    #: -> distribution (``rollart.envhost.latency.LatencyConfig``).
+    latency: dict[str, LatencyConfig] = msgspec.field(default_factory=dict)
+
+
+class RewardServiceConfig(_Cfg):
+    """The HTTP reward service (``rollart serve-reward``) and the controller's client limits."""
+
+    #: service root URL of a running service; ``None``: the launcher starts one locally.
+    url: str | None = None
+    host: str = "127.0.0.1"
+    #: port of a locally launched service (0: any free port).
+    port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
+    #: import paths of user reward modules the service loads.
+    modules: list[str] = msgspec.field(default_factory=list)
+    max_concurrency: PosInt = 64
+    timeout_s: PosFloat = 30.0
+    max_retries: NonNegInt = 3
+    backoff_s: NonNegFloat = 0.5
+
+
+class TrainerConfig(_Cfg):
+    """Optimisation (GRPO / decoupled PPO) and checkpointing; names mirror the trainer's."""
+
+    lr: PosFloat = 1e-5
+    weight_decay: NonNegFloat = 0.0
+    clip_eps: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.2
+    clip_eps_high: Annotated[float, msgspec.Meta(gt=0, le=10)] | None = None
+    kl_coef: NonNegFloat = 0.0
+    max_grad_norm: PosFloat = 1.0
+    #: padded tokens per micro-batch (forward/backward memory budget).
+    max_tokens_per_microbatch: Annotated[int, msgspec.Meta(ge=2)] = 8192
+    num_minibatches: PosInt = 1
+    #: save a checkpoint every N steps (0: never).
+    checkpoint_every: NonNegInt = 0
+    #: bytes per weight bucket sent to the inference workers.
+    weight_bucket_bytes: PosInt = 1 << 30
+    device: str = "cpu"
+
+
+class Scenario(_Cfg):
+    """A whole run. Use :func:`load_scenario`; a hand-built one goes through
+    :func:`validate_scenario` before use."""
+
+    pools: list[PoolConfig]
+    domains: list[DomainConfig]
+    run: RunConfig = msgspec.field(default_factory=RunConfig)
+    model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    env_hosts: list[EnvHostConfig] = msgspec.field(default_factory=list)
+    reward: RewardServiceConfig = msgspec.field(default_factory=RewardServiceConfig)
+    trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _fail(source: str, field: str, reason: str) -> ConfigError:
+    return ConfigError(f"{source}: {field}: {reason}")
+
+
+def _unique(source: str, table: str, names: list[str]) -> None:
+    seen: set[str] = set()
+    for i, name in enumerate(names):
+        if name in seen:
+            raise _fail(source, f"{table}[{i}].name", f"duplicate name {name!r}")
+        seen.add(name)
+
+
+def validate_scenario(scenario: Scenario, source: str = "<scenario>") -> Scenario:
+    """Check cross-field rules (``msgspec`` already checked types and bounds on decode).
+
+    Returns ``scenario`` unchanged. Raises ConfigError ``"{source}: {field}: {reason}"``.
+    """
+    run = scenario.run
+    if not scenario.pools:
+        raise _fail(source, "pools", "at least one pool is required")
+    if not scenario.domains:
+        raise _fail(source, "domains", "at least one domain is required")
+    if run.batch_size % run.group_size:
+        raise _fail(
+            source,
+            "run.batch_size",
+            f"{run.batch_size} is not a multiple of run.group_size {run.group_size}",
+        )
+    if run.mode in ("sync", "sync_plus") and run.alpha != 0:
+        raise _fail(source, "run.alpha", f"mode {run.mode!r} is on-policy: alpha must be 0")
+    if run.mode == "one_off" and run.alpha != 1:
+        raise _fail(source, "run.alpha", "mode 'one_off' is one step off-policy: alpha must be 1")
+    if run.mode in ("areal", "rollart") and run.alpha == 0:
+        raise _fail(
+            source, "run.alpha", f"mode {run.mode!r} overlaps rollout and training: alpha >= 1"
+        )
+    if run.max_tokens_per_turn > run.max_tokens_per_trajectory:
+        raise _fail(
+            source,
+            "run.max_tokens_per_turn",
+            f"{run.max_tokens_per_turn} exceeds run.max_tokens_per_trajectory "
+            f"{run.max_tokens_per_trajectory}",
+        )
+    _unique(source, "pools", [p.name for p in scenario.pools])
+    _unique(source, "domains", [d.name for d in scenario.domains])
+    _unique(source, "env_hosts", [h.name for h in scenario.env_hosts])
+    for i, pool in enumerate(scenario.pools):
+        if pool.addresses and len(pool.addresses) != pool.num_workers:
+            raise _fail(
+                source,
+                f"pools[{i}].addresses",
+                f"{len(pool.addresses)} addresses for num_workers = {pool.num_workers}",
+            )
+    pools = {p.name for p in scenario.pools}
+    for i, dom in enumerate(scenario.domains):
+        if dom.pool not in pools:
+            raise _fail(
+                source, f"domains[{i}].pool", f"unknown pool {dom.pool!r}; pools: {sorted(pools)}"
+            )
+        if dom.reward_url not in ("service", "local") and not dom.reward_url.startswith(
+            ("http://", "https://")
+        ):
+            raise _fail(
+                source,
+                f"domains[{i}].reward_url",
+                f"{dom.reward_url!r} is not 'service', 'local' or an http(s) URL",
+            )
+        if dom.max_turns is not None and dom.max_turns > run.max_turns:
+            raise _fail(
+                source,
+                f"domains[{i}].max_turns",
+                f"{dom.max_turns} exceeds run.max_turns {run.max_turns}",
+            )
+        for field in ("prompt_template", "turn_template"):
+            template = getattr(dom, field)
+            try:
+                template.format(observation="")
+            except (KeyError, IndexError, ValueError) as exc:
+                raise _fail(
+                    source,
+                    f"domains[{i}].{field}",
+                    f"only the {{observation}} placeholder is allowed ({type(exc).__name__}: "
+                    f"{exc}); write literal braces as {{{{ and }}}}",
+                ) from None
+    if scenario.reward.url is not None and not scenario.reward.url.startswith(
+        ("http://", "https://")
+    ):
+        raise _fail(source, "reward.url", f"{scenario.reward.url!r} is not an http(s) URL")
+    return scenario
+
+
+def _validation_message(exc: msgspec.ValidationError) -> str:
+    # msgspec says "... - at `$.run.batch_size`"; name the field first, as the other errors do.
+    text = str(exc)
+    if " - at `$." in text:
+        reason, _, where = text.rpartition(" - at `$.")
+        return f"{where.rstrip('`')}: {reason}"
+    return text
+
+
+def parse_scenario(data: bytes | str, source: str = "<scenario>") -> Scenario:
+    """Decode and validate a scenario from TOML text.
+
+    Raises:
+        ConfigError: invalid TOML, an unknown field, a value out of bounds or a cross-field rule
+            broken; the message starts with ``source`` and names the field.
+    """
+    try:
+        scenario = msgspec.toml.decode(data, type=Scenario)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"{source}: {_validation_message(exc)}") from None
+    except msgspec.DecodeError as exc:
+        raise ConfigError(f"{source}: invalid TOML: {exc}") from None
+    return validate_scenario(scenario, source)
+
+
+def load_scenario(path: str | Path) -> Scenario:
+    """Read, decode and validate the scenario file at ``path``.
+
+    Raises:
+        ConfigError: the file is missing / unreadable, or anything :func:`parse_scenario` rejects.
+    """
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read scenario: {exc.strerror or exc}") from None
+    return parse_scenario(data, str(path))
+
+
+def scenario_to_json(scenario: Scenario) -> bytes:
+    """The resolved scenario (defaults filled in) as indented JSON, for ``DIR/config.json``."""
+    return msgspec.json.format(msgspec.json.encode(scenario), indent=2) + b"\n"
+
+
+def scenario_from_json(data: bytes | str, source: str = "<config.json>") -> Scenario:
+    """Inverse of :func:`scenario_to_json` (resume reads a run dir's config.json). ConfigError."""
+    try:
+        scenario = msgspec.json.decode(data, type=Scenario)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+    return validate_scenario(scenario, source)

@@ -1,0 +1,726 @@
+"""Staleness-bounded sample buffer and version protocol: a pure state machine.
+
+No I/O, no asyncio, no clocks: the asyncio controller drives it, and the hypothesis property
+tests (``tests/unit/test_staleness_protocol.py``) exercise this very class.
+
+Versions
+    The trainer's version ``v`` (property ``version``) is the number of weight updates applied.
+    ``take_batch()`` returns the batch that produces ``v + 1``; then the trainer trains and the
+    controller calls ``advance_version()``. The two strictly alternate (a second batch before
+    ``advance_version`` raises ``SampleBufferError``), so every batch is checked against the
+    version it really trains at.
+
+Admissibility (RollArt section 6.2, bound alpha)
+    A sample may go into the batch taken at version ``v`` only if every generated token's version
+    is ``>= v - alpha``. ``v`` only grows, so a sample that fails this once never passes again.
+    It is checked (1) at every turn start in ``begin_turn`` (``check="per_turn"``; with
+    ``check="admission"``, the AReaL policy, only at the first turn), (2) when a trajectory
+    completes, (3) on every ``advance_version`` for all held samples, and (4) again on every
+    sample at batch assembly in ``take_batch``. A stale held sample is dropped (counted,
+    ``on_drop(id, "stale")``) and its slot gets a fresh trajectory (``drain_restarts``).
+
+begin_turn verdicts, in order of precedence
+    ``"cancel"``: the trajectory is no longer needed (group complete, retired or consumed, or the
+    id is finished/forgotten): abort it and call ``cancel``. ``"restart"``: an already generated
+    token is older than ``v - alpha`` and ``on_stale="restart"``: abort, then
+    ``restart_trajectory`` gives a fresh id in the same slot (staleness does not use up retry
+    attempts). ``"drop"``: the same but ``on_stale="drop"``: keep going; the sample will be
+    dropped when it completes and only then replaced (so the group never exceeds its slots).
+    ``"wait"``: the worker serves a version older than ``v - alpha`` (alpha = 0 with a lagging
+    worker): do not generate; call ``begin_turn`` again once the worker has the new weights.
+    ``"continue"``: generate.
+
+Groups, slots and redundancy
+    ``try_start_group`` creates ``group_size + redundancy`` slots, one trajectory each. A slot
+    holds at most one live-or-held trajectory; retries, restarts and stale replacements reuse the
+    slot. Selection ``"first"`` keeps the first ``group_size`` completions and returns the still
+    running members for the caller to cancel. ``"unbiased"`` collects finishers until the caller's
+    deadline (``close_group``) or until none is left running, then keeps a uniformly random
+    ``group_size`` of them (the buffer's ``rng`` unless one is passed); after a deadline with too
+    few finishers, the next finishers are kept. Finished-but-unkept members are dropped
+    (``"unselected"``). Failed or cancelled members never enter a group's kept samples.
+
+Failures
+    ``fail(id, reason)`` counts the failure by reason (never a reward of 0). If the slot's attempt
+    is ``< max_attempts`` and the group still collects members, a retry id (attempt + 1) is
+    returned. A group that can no longer reach ``group_size`` (held + live members fall short)
+    is retired: its held samples are dropped (``"retired"``), its live members get ``"cancel"``.
+
+In-flight bound and liveness
+    A group is in flight from admission until it is consumed or retired *and* has no live
+    member. ``try_start_group`` returns ``None`` (admission paused) while
+    ``groups_in_flight >= max_groups = (alpha + 1) * batch_size // group_size``. As a group never
+    has more than ``group_size + redundancy`` live-or-held trajectories, at all times
+    ``running + held <= (alpha + 1) * batch_size + redundancy * groups_in_flight``.
+    Liveness: stale held samples are replaced, never left occupying a slot; groups that cannot
+    fill are retired; consumed/retired groups leave as soon as their stragglers are cancelled.
+    So if the caller runs every trajectory it is given to completion at the current version,
+    ``max_groups >= batch_size / group_size`` groups fill with admissible samples and
+    ``take_batch`` succeeds.
+
+Races
+    Calls on a trajectory that already finished, was cancelled, or whose group was forgotten are
+    no-ops with a neutral result (counted as ``late_calls``); never-issued ids raise
+    ``SampleBufferError``.
+"""
+
+from __future__ import annotations
+
+import enum
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import msgspec
+
+from rollart.controller.sample import BufferStats, Sample
+from rollart.transport.errors import ConfigError, RollartError
+
+__all__ = ["BufferStats", "Sample", "SampleBuffer", "SampleBufferError", "TurnVerdict"]
+
+TurnVerdict = Literal["continue", "restart", "drop", "wait", "cancel"]
+_SNAPSHOT_FORMAT = 1
+
+
+class SampleBufferError(RollartError, RuntimeError):
+    """The buffer protocol was misused (unknown id, wrong call order); names the id and rule."""
+
+
+class _S(enum.Enum):
+    RUNNING = "running"
+    ABORTING = "aborting"  # told "restart", awaiting restart_trajectory / cancel
+    HELD = "held"  # completed, sample kept or awaiting selection
+    DONE = "done"  # any terminal state
+
+
+_LIVE = (_S.RUNNING, _S.ABORTING)
+
+
+@dataclass(slots=True, eq=False)
+class _Traj:
+    tid: str
+    group: _Group
+    slot: int
+    attempt: int
+    state: _S = _S.RUNNING
+    min_version: int | None = None
+    num_tokens: int = 0
+    turns: int = 0
+    doomed: bool = False
+    sample: Sample | None = None
+
+
+@dataclass(slots=True, eq=False)
+class _Group:
+    key: str
+    seq: int
+    slots: list[_Traj | None]  # None: slot closed for good
+    kept: list[_Traj] = field(default_factory=list)
+    finished: list[_Traj] = field(default_factory=list)  # unbiased candidates
+    selected: bool = False
+    closing: bool = False
+    status: Literal["open", "consumed", "retired"] = "open"
+    all_tids: list[str] = field(default_factory=list)
+
+    def live(self) -> list[_Traj]:
+        return [t for t in self.slots if t is not None and t.state in _LIVE]
+
+
+class SampleBuffer:
+    """Staleness-bounded buffer of GRPO groups; see the module docstring for every rule.
+
+    Args:
+        alpha: staleness bound in versions (>= 0; 0 = on-policy).
+        batch_size: samples per ``take_batch`` (> 0, a multiple of ``group_size``).
+        group_size: kept members per group (> 0).
+        redundancy: extra members started per group (>= 0).
+        selection: ``"first"`` or ``"unbiased"``.
+        check: ``"per_turn"`` (rollart) or ``"admission"`` (AReaL: first turn only).
+        on_stale: ``"restart"`` (abort now) or ``"drop"`` (finish, then drop).
+        max_attempts: attempts per slot for failures (>= 1).
+        initial_version: trainer version at start (>= 0).
+        rng: for unbiased selection when ``close_group`` gets none (default ``Random(0)``).
+        on_drop: called ``(traj_id, reason)`` whenever a completed sample is discarded.
+
+    Raises:
+        ConfigError: any argument out of range, naming it.
+    """
+
+    def __init__(
+        self,
+        *,
+        alpha: int,
+        batch_size: int,
+        group_size: int,
+        redundancy: int = 0,
+        selection: Literal["first", "unbiased"] = "first",
+        check: Literal["per_turn", "admission"] = "per_turn",
+        on_stale: Literal["restart", "drop"] = "restart",
+        max_attempts: int = 3,
+        initial_version: int = 0,
+        rng: random.Random | None = None,
+        on_drop: Callable[[str, str], None] | None = None,
+    ) -> None:
+        for name, val, lo in (
+            ("alpha", alpha, 0),
+            ("batch_size", batch_size, 1),
+            ("group_size", group_size, 1),
+            ("redundancy", redundancy, 0),
+            ("max_attempts", max_attempts, 1),
+            ("initial_version", initial_version, 0),
+        ):
+            if not isinstance(val, int) or isinstance(val, bool):
+                raise ConfigError(f"SampleBuffer: {name} must be an int, got {val!r}")
+            if val < lo:
+                raise ConfigError(f"SampleBuffer: {name} must be >= {lo}, got {val}")
+        if batch_size % group_size:
+            raise ConfigError(
+                f"SampleBuffer: batch_size {batch_size} is not a multiple of group_size "
+                f"{group_size} (take_batch returns whole groups)"
+            )
+        for name, val, allowed in (
+            ("selection", selection, ("first", "unbiased")),
+            ("check", check, ("per_turn", "admission")),
+            ("on_stale", on_stale, ("restart", "drop")),
+        ):
+            if val not in allowed:
+                raise ConfigError(f"SampleBuffer: {name} must be one of {allowed}, got {val!r}")
+        self.alpha, self.batch_size, self.group_size = alpha, batch_size, group_size
+        self.redundancy, self.selection, self.check = redundancy, selection, check
+        self.on_stale, self.max_attempts = on_stale, max_attempts
+        self.max_groups = (alpha + 1) * batch_size // group_size
+        self._version = initial_version
+        self._outstanding = False
+        self._rng = rng if rng is not None else random.Random(0)
+        self._on_drop = on_drop
+        self._groups: dict[str, _Group] = {}
+        self._trajs: dict[str, _Traj] = {}
+        self._next_seq = 0
+        self._group_seq = 0
+        self._restarts: list[str] = []
+        self._c: dict[str, int] = dict.fromkeys(
+            (
+                "started",
+                "completed",
+                "consumed",
+                "batches",
+                "retries",
+                "restarted_stale",
+                "replaced_stale",
+                "cancelled",
+                "groups_retired",
+                "late_calls",
+                "finished_members",
+                "finished_len",
+                "kept_members",
+                "kept_len",
+                "cancelled_len",
+            ),
+            0,
+        )
+        self._failed: dict[str, int] = {}
+        self._dropped: dict[str, int] = {}
+        self._wasted: dict[str, int] = {}
+        self._last_staleness: list[int] = []
+
+    # ------------------------------------------------------------------ properties / queries
+    @property
+    def version(self) -> int:
+        """Trainer version: weight updates applied (int >= 0)."""
+        return self._version
+
+    @property
+    def batch_outstanding(self) -> bool:
+        """True between a successful ``take_batch`` and the next ``advance_version``."""
+        return self._outstanding
+
+    def admissible(self, min_version: int | None) -> bool:
+        """Whether tokens whose oldest version is ``min_version`` may train at this version."""
+        return min_version is None or min_version >= self._version - self.alpha
+
+    def group_of(self, traj_id: str) -> str:
+        """Group key of a live or held trajectory. Raises ``SampleBufferError`` otherwise."""
+        return self._get(traj_id, allow_forgotten=False).group.key
+
+    def held_sample_ids(self) -> set[str]:
+        """Ids of completed samples still held (kept or awaiting selection), not consumed."""
+        return {t.tid for g in self._groups.values() for t in (*g.kept, *g.finished)}
+
+    def running_ids(self) -> list[str]:
+        """Ids of live trajectories (running, or told to restart), in creation order."""
+        return [t.tid for t in self._trajs.values() if t.state in _LIVE]
+
+    def ready_samples(self) -> int:
+        """Samples in complete, unconsumed groups (all admissible after the last sweep)."""
+        return self.group_size * sum(1 for g in self._groups.values() if self._complete(g))
+
+    def drain_restarts(self) -> list[str]:
+        """Trajectory ids the buffer created on its own (stale replacements, restore); the
+        caller must start each (``group_of`` gives the group). Each id is returned once."""
+        out, self._restarts = self._restarts, []
+        return out
+
+    # ------------------------------------------------------------------ admission
+    def try_start_group(self, group_key: str) -> list[str] | None:
+        """Admit a group of ``group_size + redundancy`` trajectories; their ids, or ``None``
+        while ``groups_in_flight >= max_groups`` (admission paused).
+
+        Raises:
+            SampleBufferError: ``group_key`` is already in flight.
+        """
+        if group_key in self._groups:
+            raise SampleBufferError(f"group {group_key!r} is already in flight")
+        if len(self._groups) >= self.max_groups:
+            return None
+        g = _Group(key=group_key, seq=self._group_seq, slots=[])
+        self._group_seq += 1
+        self._groups[group_key] = g
+        for i in range(self.group_size + self.redundancy):
+            g.slots.append(None)
+            self._new_traj(g, i, attempt=1)
+        return [t.tid for t in g.slots if t is not None]
+
+    # ------------------------------------------------------------------ per trajectory
+    def begin_turn(self, traj_id: str, serving_version: int) -> TurnVerdict:
+        """Staleness check at a turn start; ``serving_version`` is the worker's version now.
+
+        Returns a verdict (module docstring). Raises ``SampleBufferError`` if
+        ``serving_version`` is negative or ahead of the trainer, or the id was never issued.
+        """
+        t = self._get(traj_id)
+        if t is None or t.state not in _LIVE:
+            self._c["late_calls"] += 1
+            return "cancel"
+        if not 0 <= serving_version <= self._version:
+            raise SampleBufferError(
+                f"trajectory {traj_id!r}: serving_version {serving_version} outside "
+                f"[0, trainer version {self._version}]"
+            )
+        if not self._slot_open(t):
+            return "cancel"
+        if t.state is _S.ABORTING:
+            return "restart"
+        if t.doomed:
+            return "drop"
+        if self.check == "per_turn" or t.turns == 0:
+            if not self.admissible(t.min_version):
+                if self.on_stale == "restart":
+                    t.state = _S.ABORTING
+                    return "restart"
+                t.doomed = True
+                return "drop"
+            if not self.admissible(serving_version):
+                return "wait"
+        t.turns += 1
+        return "continue"
+
+    def record_tokens(self, traj_id: str, versions: Sequence[int]) -> None:
+        """Record the versions (ints in ``[0, version]``) of tokens just generated."""
+        t = self._get(traj_id)
+        if t is None or t.state not in _LIVE:
+            self._c["late_calls"] += 1
+            return
+        if t.state is _S.ABORTING:
+            raise SampleBufferError(f"trajectory {traj_id!r} was told to restart; no tokens")
+        bad = [v for v in versions if not 0 <= v <= self._version]
+        if bad:
+            raise SampleBufferError(
+                f"trajectory {traj_id!r}: token versions {bad[:3]} outside "
+                f"[0, trainer version {self._version}]"
+            )
+        if versions:
+            lo = min(versions)
+            t.min_version = lo if t.min_version is None else min(t.min_version, lo)
+            t.num_tokens += len(versions)
+
+    def complete(self, traj_id: str, sample: Sample) -> list[str]:
+        """A trajectory finished with a reward. Returns the ids of running siblings the caller
+        must cancel (group just reached ``group_size`` kept members), usually ``[]``.
+
+        Raises:
+            SampleBufferError: ``sample.sample_id``/``group_key`` do not match, or the
+                trajectory was told to restart.
+        """
+        t = self._get(traj_id)
+        if t is None or t.state not in _LIVE:
+            self._c["late_calls"] += 1
+            return []
+        g = t.group
+        if sample.sample_id != traj_id or sample.group_key != g.key:
+            raise SampleBufferError(
+                f"trajectory {traj_id!r} of group {g.key!r}: sample is "
+                f"{sample.sample_id!r} of group {sample.group_key!r}"
+            )
+        if t.state is _S.ABORTING:
+            raise SampleBufferError(f"trajectory {traj_id!r} was told to restart, not complete")
+        sv = sample.min_version
+        if sv is not None:
+            t.min_version = sv if t.min_version is None else min(t.min_version, sv)
+        t.num_tokens = max(t.num_tokens, sample.num_generated)
+        t.sample, t.state = sample, _S.HELD
+        self._c["completed"] += 1
+        self._c["finished_members"] += 1
+        self._c["finished_len"] += sample.num_generated
+        if not self._slot_open(t):
+            self._drop(t, "retired" if g.status == "retired" else "unselected")
+            self._maybe_forget(g)
+            return []
+        if t.doomed or not self.admissible(t.min_version):
+            self._replace_stale(t)
+            return []
+        if self.selection == "unbiased" and not g.selected:
+            g.finished.append(t)
+            return self._maybe_select(g, None)
+        self._keep(t)
+        return self._cancel_surplus(g) if len(g.kept) == self.group_size else []
+
+    def close_group(self, group_key: str, rng: random.Random | None = None) -> list[str]:
+        """Unbiased selection deadline: keep a random ``group_size`` of the finished members
+        (if enough) and return the running members to cancel; otherwise keep the next
+        finishers. No-op (``[]``) for ``"first"`` or a group already selected / gone."""
+        g = self._groups.get(group_key)
+        if g is None or g.status != "open" or g.selected or self.selection != "unbiased":
+            return []
+        g.closing = True
+        return self._maybe_select(g, rng)
+
+    def fail(self, traj_id: str, reason: str) -> str | None:
+        """Per-trajectory failure (counted by ``reason``, never a reward). Returns a retry id
+        (same slot, attempt + 1) if attempts remain and the group still collects members."""
+        t = self._get(traj_id)
+        if t is None or t.state not in _LIVE:
+            self._c["late_calls"] += 1
+            return None
+        if not reason:
+            raise SampleBufferError(f"trajectory {traj_id!r}: fail() needs a reason")
+        self._failed[reason] = self._failed.get(reason, 0) + 1
+        self._finish(t, "failed")
+        g = t.group
+        if self._slot_open(t) and t.attempt < self.max_attempts:
+            self._c["retries"] += 1
+            return self._new_traj(g, t.slot, t.attempt + 1).tid
+        self._close_slot(t)
+        return None
+
+    def cancel(self, traj_id: str) -> None:
+        """The caller aborted a live trajectory (redundancy, shutdown, "cancel" verdict).
+        Its slot closes; a group that can no longer fill is retired. No-op if not live."""
+        t = self._get(traj_id)
+        if t is None or t.state not in _LIVE:
+            self._c["late_calls"] += 1
+            return
+        self._c["cancelled"] += 1
+        self._c["cancelled_len"] += t.num_tokens
+        self._finish(t, "cancelled")
+        self._close_slot(t)
+
+    def restart_trajectory(self, traj_id: str) -> str | None:
+        """After a ``"restart"`` verdict: a fresh id in the same slot (same attempt), or
+        ``None`` if the group no longer needs it. Raises if no such verdict was given."""
+        t = self._get(traj_id)
+        if t is None or t.state not in _LIVE:
+            self._c["late_calls"] += 1
+            return None
+        if t.state is not _S.ABORTING:
+            raise SampleBufferError(f"trajectory {traj_id!r} was not told to restart")
+        self._c["restarted_stale"] += 1
+        self._finish(t, "stale")
+        if self._slot_open(t):
+            return self._new_traj(t.group, t.slot, t.attempt).tid
+        self._close_slot(t)
+        return None
+
+    # ------------------------------------------------------------------ trainer side
+    def take_batch(self) -> list[Sample] | None:
+        """Exactly ``batch_size`` samples of whole complete groups, each re-checked admissible
+        at ``version``, oldest groups first; marks them consumed. ``None`` if not enough.
+
+        Raises:
+            SampleBufferError: a batch is already outstanding for this version.
+        """
+        if self._outstanding:
+            raise SampleBufferError(
+                f"a batch for version {self._version} is outstanding; call advance_version()"
+            )
+        self._sweep_stale()
+        ready = [g for g in self._groups.values() if self._complete(g)]
+        need = self.batch_size // self.group_size
+        if len(ready) < need:
+            return None
+        ready.sort(key=lambda g: (min(self._mv(t) for t in g.kept), g.seq))
+        out: list[Sample] = []
+        self._last_staleness = []
+        for g in ready[:need]:
+            for t in g.kept:
+                if not self.admissible(t.min_version):  # unreachable after the sweep
+                    raise SampleBufferError(f"internal: stale sample {t.tid!r} in a batch")
+                assert t.sample is not None
+                out.append(t.sample)
+                self._last_staleness.append(self._version - self._mv(t))
+                t.state, t.sample = _S.DONE, None
+            g.kept, g.status = [], "consumed"
+            self._maybe_forget(g)
+        self._c["consumed"] += len(out)
+        self._c["batches"] += 1
+        self._outstanding = True
+        return out
+
+    def advance_version(self) -> None:
+        """The trainer applied the update of the outstanding batch: ``version += 1``; held
+        samples that became stale are dropped and replaced (``drain_restarts``)."""
+        if not self._outstanding:
+            raise SampleBufferError(
+                f"advance_version at version {self._version} without a batch taken"
+            )
+        self._outstanding = False
+        self._version += 1
+        self._sweep_stale()
+
+    # ------------------------------------------------------------------ stats / checkpoint
+    def stats(self) -> BufferStats:
+        """Counters and gauges (see ``BufferStats``)."""
+        c = self._c
+        running = sum(len(g.live()) for g in self._groups.values())
+        held = sum(len(g.kept) + len(g.finished) for g in self._groups.values())
+        st = self._last_staleness
+        return BufferStats(
+            version=self._version,
+            alpha=self.alpha,
+            batch_size=self.batch_size,
+            group_size=self.group_size,
+            redundancy=self.redundancy,
+            max_groups=self.max_groups,
+            groups_in_flight=len(self._groups),
+            running=running,
+            held=held,
+            in_flight=running + held,
+            in_flight_bound=(self.alpha + 1) * self.batch_size
+            + self.redundancy * len(self._groups),
+            ready_samples=self.ready_samples(),
+            started=c["started"],
+            completed=c["completed"],
+            consumed=c["consumed"],
+            batches=c["batches"],
+            retries=c["retries"],
+            failed=dict(self._failed),
+            restarted_stale=c["restarted_stale"],
+            replaced_stale=c["replaced_stale"],
+            dropped=dict(self._dropped),
+            cancelled=c["cancelled"],
+            groups_retired=c["groups_retired"],
+            wasted_tokens=dict(self._wasted),
+            late_calls=c["late_calls"],
+            finished_members=c["finished_members"],
+            finished_mean_len=c["finished_len"] / max(c["finished_members"], 1),
+            kept_members=c["kept_members"],
+            kept_mean_len=c["kept_len"] / max(c["kept_members"], 1),
+            cancelled_mean_len=c["cancelled_len"] / max(c["cancelled"], 1),
+            last_batch_max_staleness=max(st, default=0),
+            last_batch_mean_staleness=sum(st) / len(st) if st else 0.0,
+        )
+
+    def snapshot(self) -> dict[str, Any]:
+        """JSON-able state for checkpoint/resume: config, version, every in-flight group's held
+        samples and which slots were running (those are restarted on restore). A batch
+        outstanding at snapshot time is not included (it was handed to the trainer)."""
+        groups = []
+        for g in sorted(self._groups.values(), key=lambda g: g.seq):
+            if g.status != "open":
+                continue
+            groups.append(
+                {
+                    "key": g.key,
+                    "selected": g.selected,
+                    "closing": g.closing,
+                    "slots": [
+                        None
+                        if t is None or not self._slot_open(t)
+                        else {
+                            "attempt": t.attempt,
+                            "state": "held" if t.state is _S.HELD else "running",
+                            "kept": t in g.kept,
+                            "min_version": t.min_version,
+                            "sample": msgspec.to_builtins(t.sample)
+                            if t.sample is not None
+                            else None,
+                        }
+                        for t in g.slots
+                    ],
+                }
+            )
+        cfg = {
+            k: getattr(self, k)
+            for k in (
+                "alpha",
+                "batch_size",
+                "group_size",
+                "redundancy",
+                "selection",
+                "check",
+                "on_stale",
+                "max_attempts",
+            )
+        }
+        return {
+            "format": _SNAPSHOT_FORMAT,
+            "config": cfg,
+            "version": self._version,
+            "next_seq": self._next_seq,
+            "groups": groups,
+        }
+
+    @classmethod
+    def restore(
+        cls,
+        snap: dict[str, Any],
+        *,
+        rng: random.Random | None = None,
+        on_drop: Callable[[str, str], None] | None = None,
+    ) -> SampleBuffer:
+        """Rebuild from ``snapshot()``: held samples come back (then re-checked for staleness);
+        each slot that was running gets a fresh trajectory id, listed by ``drain_restarts()``.
+        Counters restart from zero. Raises ``ConfigError`` on an unknown snapshot format."""
+        if snap.get("format") != _SNAPSHOT_FORMAT:
+            raise ConfigError(
+                f"SampleBuffer.restore: unknown snapshot format {snap.get('format')!r}"
+            )
+        buf = cls(**snap["config"], initial_version=snap["version"], rng=rng, on_drop=on_drop)
+        buf._next_seq = snap["next_seq"]
+        for gs in snap["groups"]:
+            g = _Group(
+                key=gs["key"],
+                seq=buf._group_seq,
+                slots=[None] * len(gs["slots"]),
+                selected=gs["selected"],
+                closing=gs["closing"],
+            )
+            buf._group_seq += 1
+            buf._groups[g.key] = g
+            for i, ss in enumerate(gs["slots"]):
+                if ss is None:
+                    continue
+                if ss["state"] == "running":
+                    buf._restarts.append(buf._new_traj(g, i, ss["attempt"]).tid)
+                    continue
+                t = buf._new_traj(g, i, ss["attempt"], tid=ss["sample"]["sample_id"])
+                t.sample = msgspec.convert(ss["sample"], Sample)
+                t.state, t.min_version = _S.HELD, ss["min_version"]
+                (g.kept if ss["kept"] else g.finished).append(t)
+        buf._sweep_stale()
+        return buf
+
+    # ------------------------------------------------------------------ internals
+    def _get(self, tid: str, allow_forgotten: bool = True) -> _Traj | None:
+        t = self._trajs.get(tid)
+        if t is not None:
+            return t
+        _, _, seq = tid.rpartition("/")
+        if allow_forgotten and seq.isdigit() and int(seq) < self._next_seq:
+            return None
+        raise SampleBufferError(f"unknown trajectory id {tid!r}")
+
+    def _new_traj(self, g: _Group, slot: int, attempt: int, tid: str | None = None) -> _Traj:
+        if tid is None:
+            tid = f"{g.key}/{self._next_seq}"
+            self._next_seq += 1
+        t = _Traj(tid=tid, group=g, slot=slot, attempt=attempt)
+        g.slots[slot] = t
+        g.all_tids.append(tid)
+        self._trajs[tid] = t
+        self._c["started"] += 1
+        return t
+
+    def _mv(self, t: _Traj) -> int:
+        return self._version if t.min_version is None else t.min_version
+
+    def _complete(self, g: _Group) -> bool:
+        return g.status == "open" and len(g.kept) == self.group_size
+
+    def _slot_open(self, t: _Traj) -> bool:
+        """Whether the group still wants this trajectory's slot filled."""
+        g = t.group
+        if g.status != "open" or g.slots[t.slot] is not t:
+            return False
+        return t in g.kept or len(g.kept) < self.group_size
+
+    def _finish(self, t: _Traj, reason: str) -> None:
+        t.state = _S.DONE
+        if t.num_tokens:
+            self._wasted[reason] = self._wasted.get(reason, 0) + t.num_tokens
+
+    def _drop(self, t: _Traj, reason: str) -> None:
+        """Discard a completed sample (counted, reported to ``on_drop``)."""
+        g = t.group
+        for lst in (g.kept, g.finished):
+            if t in lst:
+                lst.remove(t)
+        t.sample = None
+        self._dropped[reason] = self._dropped.get(reason, 0) + 1
+        self._finish(t, reason)
+        if self._on_drop is not None:
+            self._on_drop(t.tid, reason)
+
+    def _keep(self, t: _Traj) -> None:
+        t.group.kept.append(t)
+        assert t.sample is not None
+        self._c["kept_members"] += 1
+        self._c["kept_len"] += t.sample.num_generated
+
+    def _replace_stale(self, t: _Traj) -> None:
+        """A completed sample can never be admitted: drop it, refill its slot."""
+        self._drop(t, "stale")
+        self._c["replaced_stale"] += 1
+        self._restarts.append(self._new_traj(t.group, t.slot, t.attempt).tid)
+
+    def _sweep_stale(self) -> None:
+        for g in list(self._groups.values()):
+            if g.status != "open":
+                continue
+            for t in [*g.kept, *g.finished]:
+                if not self.admissible(t.min_version):
+                    self._replace_stale(t)
+
+    def _close_slot(self, t: _Traj) -> None:
+        g = t.group
+        if g.slots[t.slot] is t:
+            g.slots[t.slot] = None
+        if g.status == "open" and not self._complete(g):
+            potential = len(g.kept) + len(g.finished) + len(g.live())
+            if potential < self.group_size:
+                self._retire(g)
+            elif self.selection == "unbiased" and not g.selected:
+                # Selection only fires here with no member left running, so nothing to cancel.
+                self._maybe_select(g, None)
+        self._maybe_forget(g)
+
+    def _retire(self, g: _Group) -> None:
+        g.status = "retired"
+        self._c["groups_retired"] += 1
+        for t in [*g.kept, *g.finished]:
+            self._drop(t, "retired")
+
+    def _maybe_select(self, g: _Group, rng: random.Random | None) -> list[str]:
+        """Unbiased selection once the deadline passed or no member is left running."""
+        live = [t for t in g.live() if self._slot_open(t)]
+        if len(g.finished) < self.group_size or not (g.closing or not live):
+            return []
+        chosen = set((rng or self._rng).sample(g.finished, self.group_size))
+        finished, g.finished, g.selected = g.finished, [], True
+        for t in finished:  # kept in completion order, so batches are reproducible
+            if t in chosen:
+                self._keep(t)
+            else:
+                self._drop(t, "unselected")
+        return self._cancel_surplus(g)
+
+    def _cancel_surplus(self, g: _Group) -> list[str]:
+        """Group complete: close every other slot; its live members are for the caller to
+        cancel (they stay counted in flight until ``cancel``)."""
+        return [t.tid for t in g.live() if t not in g.kept]
+
+    def _maybe_forget(self, g: _Group) -> None:
+        if g.status != "open" and not g.live() and self._groups.get(g.key) is g:
+            del self._groups[g.key]
+            for tid in g.all_tids:
+                self._trajs.pop(tid, None)

@@ -1,0 +1,469 @@
+"""The asyncio controller: admission of groups, trajectory tasks, and the training loop.
+
+One :class:`Controller` wires the LLM proxy, env and reward routers, the
+:class:`~rollart.controller.buffer.SampleBuffer` (pure state machine, driven from here) and the
+trainer. Background work:
+
+- the *admission loop* starts GRPO groups whenever the buffer's in-flight bound allows (and, in
+  ``sync`` / ``sync_plus`` / ``one_off``, while at most one batch of groups is in flight), mixing
+  domains by weight with a seeded RNG; each group gets one env seed shared by its members;
+- one task per trajectory (:func:`~rollart.controller.trajectory.run_trajectory`) whose outcome
+  becomes a buffer call (complete / fail -> retry / restart / cancel); siblings the buffer asks
+  to cancel are cancelled (aborting generation, closing the env session);
+- the weight push of the newest version (trainer -> workers, staged), overlapping rollout.
+
+:meth:`Controller.step` is one training step, per the paper's protocol (§6.2): get batch ->
+pause generation -> apply the newest weights -> resume -> train (overlap modes; rollout keeps
+going during training), or get batch -> pause -> train -> apply the new weights -> resume (no
+overlap). A background task that raises anything but a per-trajectory outcome is *fatal*: it is
+re-raised by the next (or the pending) ``step`` call, never left to hang.
+
+Time is ``loop.time()`` unless a ``clock`` is injected, so a simulator's virtual clock works.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+from rollart.config import DomainConfig, Scenario
+from rollart.controller.buffer import SampleBuffer
+from rollart.controller.metrics import StepMetrics, step_metrics
+from rollart.controller.modes import TurnBarrier, mode_spec
+from rollart.controller.ports import Tokenizer, TrainerBackend, TrainResult
+from rollart.controller.proxy import LLMProxy
+from rollart.controller.sample import Sample
+from rollart.controller.services import EnvRouter, RewardRouter
+from rollart.controller.tokens import ChatTokens
+from rollart.controller.trajectory import (
+    TrajectoryContext,
+    TrajectoryFailed,
+    TrajectoryNotNeeded,
+    TrajectoryStale,
+    run_trajectory,
+)
+from rollart.controller.weightsync import WeightSync
+from rollart.transport.errors import RollartError
+
+log = logging.getLogger(__name__)
+
+
+class ControllerStalledError(RollartError):
+    """Fatal: no batch can be produced (nothing running, admission cannot start a group)."""
+
+
+class _Signal:
+    """Wake every current waiter on ``notify()`` (an Event re-armed after each notify)."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    def notify(self) -> None:
+        self._event.set()
+        self._event = asyncio.Event()
+
+    async def wait(self) -> None:
+        await self._event.wait()
+
+
+class Controller:
+    """Drives a scenario's rollout and training (see the module docstring).
+
+    Args:
+        scenario: a validated scenario (``run`` and ``domains`` are used here).
+        proxy: LLM proxy over the scenario's pools (its ``version`` = weights the workers serve).
+        envs, rewards: env and reward routers.
+        trainer: the trainer port; its ``version`` must equal the workers' at start.
+        tokenizer: the policy's tokenizer (chat template, encode, decode).
+        clock: monotonic seconds; default the running loop's ``time``.
+        resume: a :meth:`snapshot` to continue from (held samples kept, in-flight trajectories
+            restarted, same group seeds and RNG stream); the trainer must be at its version.
+
+    Raises:
+        ConfigError: a domain whose reward cannot be routed, or an unknown pool affinity.
+    """
+
+    def __init__(
+        self,
+        scenario: Scenario,
+        *,
+        proxy: LLMProxy,
+        envs: EnvRouter,
+        rewards: RewardRouter,
+        trainer: TrainerBackend,
+        tokenizer: Tokenizer,
+        clock: Callable[[], float] | None = None,
+        resume: dict[str, Any] | None = None,
+    ) -> None:
+        run = scenario.run
+        self.scenario, self.run = scenario, run
+        self.spec = mode_spec(run.mode)
+        self.proxy, self.envs, self.rewards, self.trainer = proxy, envs, rewards, trainer
+        self._rng = random.Random(run.seed)
+        self.buffer = SampleBuffer(
+            alpha=run.alpha,
+            batch_size=run.batch_size,
+            group_size=run.group_size,
+            redundancy=run.redundancy,
+            selection=run.selection,
+            check=self.spec.check,
+            on_stale=run.on_stale,
+            max_attempts=run.retry.max_attempts,
+            initial_version=trainer.version,
+            rng=random.Random(run.seed + 1),
+        )
+        self.domains: dict[str, DomainConfig] = {d.name: d for d in scenario.domains}
+        self._groups: dict[str, tuple[DomainConfig, int]] = {}
+        self._group_seq = 0
+        self._step = 0
+        if resume is not None:
+            self._restore(resume)
+        for d in scenario.domains:
+            rewards.check(d.name, d.reward, d.reward_url)
+            proxy.pool_of(d.name)
+        chats: dict[str, ChatTokens] = {}
+        by_kwargs: dict[str, ChatTokens] = {}
+        for d in scenario.domains:
+            key = repr(sorted(d.chat_template_kwargs.items()))
+            if key not in by_kwargs:
+                by_kwargs[key] = ChatTokens(tokenizer, d.chat_template_kwargs)
+            chats[d.name] = by_kwargs[key]
+        self._clock = clock
+        self._chats = chats
+        self._ctx: TrajectoryContext | None = None
+        self._finished: Counter[str] = Counter()
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._cancelled: set[str] = set()
+        self._aux: set[asyncio.Task[Any]] = set()
+        self._changed: _Signal | None = None
+        self._weights_changed: _Signal | None = None
+        self._admission_open = True
+        self._fatal: BaseException | None = None
+        self._sync: WeightSync | None = None
+        self._failures_in_a_row = 0
+        self._last_failures: list[str] = []
+        self._started = False
+        self._closed = False
+        self._last_step_end = 0.0
+        #: the samples of the last training step
+        self.last_batch: list[Sample] = []
+
+    # ------------------------------------------------------------------ lifecycle
+    def clock(self) -> float:
+        return self._clock() if self._clock is not None else asyncio.get_running_loop().time()
+
+    async def start(self) -> None:
+        """Start admitting groups (idempotent). Must run inside the event loop."""
+        if self._started:
+            return
+        await self.trainer.set_workers(self.proxy.workers())
+        await self._align_worker_versions()
+        self._started = True
+        self._changed, self._weights_changed = _Signal(), _Signal()
+        self._ctx = TrajectoryContext(
+            run=self.run, proxy=self.proxy, envs=self.envs, rewards=self.rewards,
+            chat=self._chats, buffer=self.buffer, clock=self.clock,
+            wait_for_weights=self._wait_for_weights,
+            barrier=TurnBarrier() if self.spec.turn_barrier else None,
+        )
+        self._sync = WeightSync(
+            self.proxy, self.trainer, self.clock, reprefill=self.run.reprefill,
+            on_applied=self._weights_changed.notify, on_push_done=self._on_done,
+        )
+        self._last_step_end = self.clock()
+        self._spawn_aux(self._admission_loop(), "admission")
+        self._launch_restarts()
+
+    async def _align_worker_versions(self) -> None:
+        """Make every worker serve the trainer's version before the first turn (a resumed run
+        restarts workers from the base checkpoint: push and apply the trainer's weights)."""
+        workers = self.proxy.workers()
+        served = [s.version for s in await asyncio.gather(*(w.stats() for w in workers))]
+        want = self.trainer.version
+        if any(v > want for v in served):
+            raise RollartError(f"workers serve versions {served}, newer than the trainer's {want}")
+        if any(v < want for v in served):
+            log.info("workers serve %s; applying the trainer's version %d", served, want)
+            await self.trainer.push_weights(want, workers)
+            await self.proxy.pause("keep")
+            try:
+                await self.proxy.apply_weights(want, reprefill=False)
+            finally:
+                await self.proxy.resume()
+        self.proxy.version = want
+
+    async def close(self) -> None:
+        """Cancel every trajectory and background task and wait for their cleanup."""
+        if self._closed:
+            return
+        self._closed = True
+        tasks = [*self._tasks.values(), *self._aux]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._sync is not None:
+            await self._sync.close()
+
+    @property
+    def barrier(self) -> TurnBarrier | None:
+        return self._ctx.barrier if self._ctx is not None else None
+
+    @property
+    def num_running(self) -> int:
+        """Trajectory tasks alive now."""
+        return len(self._tasks)
+
+    def snapshot(self) -> dict[str, Any]:
+        """JSON-able state for checkpoint/resume: the buffer's snapshot (between steps: no
+        batch outstanding), the domain and seed of every group it holds, the admission RNG."""
+        snap = self.buffer.snapshot()
+        keys = {g["key"] for g in snap["groups"]}
+        return {
+            "format": 1,
+            "step": self._step,
+            "buffer": snap,
+            "groups": {k: [self._groups[k][0].name, self._groups[k][1]] for k in sorted(keys)},
+            "group_seq": self._group_seq,
+            "rng": list(self._rng.getstate()[1]),
+        }
+
+    def _restore(self, snap: dict[str, Any]) -> None:
+        if snap.get("format") != 1:
+            raise RollartError(f"controller snapshot: unknown format {snap.get('format')!r}")
+        self.buffer = SampleBuffer.restore(snap["buffer"], rng=random.Random(self.run.seed + 1))
+        if self.buffer.version != self.trainer.version:
+            raise RollartError(
+                f"controller snapshot is at version {self.buffer.version}, the trainer at "
+                f"{self.trainer.version}"
+            )
+        for key, (domain, seed) in snap["groups"].items():
+            if domain not in self.domains:
+                raise RollartError(f"controller snapshot: group {key!r} of unknown domain "
+                                   f"{domain!r}")
+            self._groups[key] = (self.domains[domain], seed)
+        self._group_seq = snap["group_seq"]
+        self._step = snap["step"]
+        self._rng.setstate((3, tuple(snap["rng"]), None))
+
+    # ------------------------------------------------------------------ supervision
+    def _notify(self) -> None:
+        if self._changed is not None:
+            self._changed.notify()
+
+    def _on_done(self, task: asyncio.Task[Any]) -> None:
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None and self._fatal is None and not self._closed:
+            log.error("fatal error in %s: %s: %s", task.get_name(), type(exc).__name__, exc)
+            self._fatal = exc
+        self._notify()
+
+    def _spawn_aux(self, coro: Any, name: str) -> asyncio.Task[Any]:
+        task = asyncio.create_task(coro, name=name)
+        self._aux.add(task)
+        task.add_done_callback(self._aux.discard)
+        task.add_done_callback(self._on_done)
+        return task
+
+    def _raise_if_fatal(self) -> None:
+        if self._fatal is not None:
+            raise self._fatal
+
+    async def _wait_for_weights(self, version: int) -> None:
+        assert self._weights_changed is not None
+        while self.proxy.version <= version:
+            await self._weights_changed.wait()
+
+    # ------------------------------------------------------------------ admission
+    def _can_admit(self) -> bool:
+        if not self._admission_open or self._closed:
+            return False
+        if self.spec.one_batch_in_flight:
+            per_batch = self.run.batch_size // self.run.group_size
+            return self.buffer.stats().groups_in_flight < per_batch
+        return True
+
+    def _pick_domain(self) -> DomainConfig:
+        domains = list(self.domains.values())
+        return self._rng.choices(domains, weights=[d.weight for d in domains])[0]
+
+    async def _admission_loop(self) -> None:
+        assert self._changed is not None
+        while True:
+            started = False
+            if self._can_admit():
+                key = f"g{self._group_seq}"
+                ids = self.buffer.try_start_group(key)
+                if ids is not None:
+                    self._group_seq += 1
+                    self._groups[key] = (self._pick_domain(), self._rng.randrange(2**31))
+                    for tid in ids:
+                        self._launch(tid, key)
+                    started = True
+            if not started:
+                await self._changed.wait()
+
+    def _launch(self, tid: str, group_key: str) -> None:
+        if self._ctx is not None and self._ctx.barrier is not None:
+            # Join now, not when the task first runs: otherwise the first member to reach the
+            # barrier would find itself alone and go ahead.
+            self._ctx.barrier.join(tid)
+        task = asyncio.create_task(self._run_one(tid, group_key), name=f"traj-{tid}")
+        self._tasks[tid] = task
+        task.add_done_callback(lambda t, tid=tid: self._tasks.pop(tid, None))
+        if self._ctx is not None and self._ctx.barrier is not None:
+            # Also when cancelled before its first step (its finally blocks never run).
+            task.add_done_callback(lambda t, b=self._ctx.barrier, tid=tid: b.leave(tid))
+        task.add_done_callback(self._on_done)
+
+    def _launch_restarts(self) -> None:
+        for tid in self.buffer.drain_restarts():
+            self._launch(tid, self.buffer.group_of(tid))
+
+    def _cancel_traj(self, tid: str) -> None:
+        # The buffer learns at once (so this step's counters include it); the task then aborts
+        # its generation and closes its env session.
+        self.buffer.cancel(tid)
+        task = self._tasks.get(tid)
+        if task is not None:
+            self._cancelled.add(tid)
+            task.cancel()
+
+    # ------------------------------------------------------------------ one trajectory
+    async def _run_one(self, tid: str, key: str) -> None:
+        assert self._ctx is not None
+        domain, seed = self._groups[key]
+        try:
+            sample = await run_trajectory(self._ctx, tid, key, domain, seed)
+        except TrajectoryFailed as exc:
+            log.info("trajectory %s failed: %s", tid, exc)
+            self._failures_in_a_row += 1
+            self._last_failures = [*self._last_failures[-4:], str(exc)]
+            if self._failures_in_a_row >= self.run.retry.max_failures_in_a_row:
+                raise ControllerStalledError(
+                    f"{self._failures_in_a_row} trajectory failures in a row "
+                    f"(run.retry.max_failures_in_a_row); last: {self._last_failures}"
+                ) from exc
+            retry = self.buffer.fail(tid, exc.reason)
+            if retry is not None:
+                self._launch(retry, key)
+        except TrajectoryStale:
+            fresh = self.buffer.restart_trajectory(tid)
+            if fresh is not None:
+                self._launch(fresh, key)
+        except TrajectoryNotNeeded:
+            self.buffer.cancel(tid)
+        except asyncio.CancelledError:
+            if tid not in self._cancelled:  # shutdown, not a sibling cancel
+                self.buffer.cancel(tid)
+            raise
+        else:
+            self._failures_in_a_row = 0
+            for sibling in self.buffer.complete(tid, sample):
+                self._cancel_traj(sibling)
+            if self.run.selection == "unbiased":
+                self._finished[key] += 1
+                if self._finished[key] == self.run.group_size:
+                    del self._finished[key]
+                    self._spawn_aux(self._selection_deadline(key), f"deadline-{key}")
+        finally:
+            self._cancelled.discard(tid)
+            if not self._closed:
+                self._launch_restarts()
+            self._notify()
+
+    async def _selection_deadline(self, key: str) -> None:
+        await asyncio.sleep(self.run.selection_deadline_s)
+        for tid in self.buffer.close_group(key):
+            self._cancel_traj(tid)
+        self._notify()
+
+    # ------------------------------------------------------------------ training side
+    async def _get_batch(self) -> list[Sample]:
+        assert self._changed is not None
+        while True:
+            self._raise_if_fatal()
+            batch = self.buffer.take_batch()
+            self._launch_restarts()
+            if batch is not None:
+                return batch
+            room = self.buffer.stats().groups_in_flight < self.buffer.max_groups
+            if not self._tasks and not (room and self._can_admit()):
+                raise ControllerStalledError(
+                    f"no batch can be produced at version {self.buffer.version}: nothing is "
+                    f"running and admission is paused ({self.buffer.stats()})"
+                )
+            await self._changed.wait()
+
+    async def step(self) -> StepMetrics:
+        """Run one training step and return its metrics.
+
+        Raises:
+            the first fatal background error (PoolExhaustedError, EnvHostsExhaustedError,
+            ControllerStalledError, a bug), or an error of the trainer / weight sync.
+        """
+        if not self._started:
+            await self.start()
+        stats_before = self.buffer.stats()
+        tokens_before = self._ctx.generated_tokens if self._ctx else 0
+        rerouted_before = self.proxy.num_rerouted
+        t0 = self.clock()
+        batch = await self._get_batch()
+        self.last_batch = batch
+        t_batch = self.clock()
+        version = self.buffer.version
+        self._admission_open = False
+        assert self._sync is not None
+        try:
+            if self.spec.overlap:
+                sync_total, sync_exposed = await self._sync.apply_newest()
+                self._admission_open = True  # rollout goes on while the trainer trains
+                self._notify()
+                result, train_s = await self._train(batch, version)
+                self._sync.start_push(result.version)
+            else:
+                pause_s = await self._sync.pause()
+                result, train_s = await self._train(batch, version)
+                # Nothing overlaps in these modes: the whole sync is exposed.
+                sync_total = sync_exposed = pause_s + await self._sync.push_apply_resume(
+                    result.version
+                )
+        finally:
+            self._admission_open = True
+            self._notify()
+        t_end = self.clock()
+        self._step += 1
+        metrics = step_metrics(
+            step=self._step,
+            mode=self.run.mode,
+            policy_version=result.version,
+            batch=batch,
+            before=stats_before,
+            after=self.buffer.stats(),
+            step_time_s=t_end - self._last_step_end,
+            trainer_idle_s=t_batch - t0,
+            train_time_s=train_s,
+            weight_sync_total_s=sync_total,
+            weight_sync_exposed_s=sync_exposed,
+            num_generated_tokens=(self._ctx.generated_tokens if self._ctx else 0) - tokens_before,
+            num_rerouted=self.proxy.num_rerouted - rerouted_before,
+            train_metrics=result.metrics,
+        )
+        self._last_step_end = t_end
+        return metrics
+
+    async def _train(self, batch: list[Sample], version: int) -> tuple[TrainResult, float]:
+        t0 = self.clock()
+        result = await self.trainer.train(batch)
+        if result.version != version + 1:
+            raise RollartError(
+                f"trainer returned version {result.version} after training at {version}"
+            )
+        self.buffer.advance_version()
+        self._launch_restarts()
+        return result, self.clock() - t0

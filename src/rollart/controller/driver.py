@@ -1,0 +1,174 @@
+"""The async driver API for user scripts.
+
+::
+
+    import rollart
+
+    async def main() -> None:
+        async with rollart.Cluster.from_scenario("scenarios/quickstart.toml",
+                                                 backends=backends) as cluster:
+            @cluster.reward("length_penalty")          # domains with reward_url = "local"
+            def length_penalty(prompt, response, reference, metadata):
+                return -len(response) / 1000
+
+            cluster.set_affinity("arith", "decode")    # move a domain to another pool
+            async for step in cluster.train(steps=20):
+                print(step.step, step.metrics.reward_mean_by_domain)
+
+``backends`` holds the clients the cluster drives (inference workers per pool, env hosts, the
+reward service, the trainer, the tokenizer): the real clients of running services (the launcher
+builds them) or simulated in-process ones (``rollart.sim``). The cluster does not own them: their
+owner closes them after the cluster exits. Register local rewards and envs before ``train``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rollart.config import Scenario, load_scenario, validate_scenario
+from rollart.controller.controller import Controller
+from rollart.controller.metrics import StepMetrics
+from rollart.controller.ports import (
+    EnvBackend,
+    GenerationBackend,
+    RewardBackend,
+    Tokenizer,
+    TrainerBackend,
+)
+from rollart.controller.proxy import LLMProxy
+from rollart.controller.sample import Sample
+from rollart.controller.services import EnvRouter, LocalEnvBackend, RewardFn, RewardRouter
+from rollart.transport.errors import ConfigError
+
+
+@dataclass
+class Backends:
+    """The services a cluster drives. ``pools`` maps each scenario pool name to its workers;
+    ``reward_endpoints`` maps the http(s) URLs domains name to clients; ``clock`` overrides the
+    loop's monotonic clock (simulators)."""
+
+    pools: dict[str, list[GenerationBackend]]
+    trainer: TrainerBackend
+    tokenizer: Tokenizer
+    env_hosts: list[EnvBackend] = field(default_factory=list)
+    reward_service: RewardBackend | None = None
+    reward_endpoints: dict[str, RewardBackend] = field(default_factory=dict)
+    clock: Callable[[], float] | None = None
+
+
+@dataclass
+class TrainStep:
+    """One finished training step: its number (1-based), metrics and the samples trained on."""
+
+    step: int
+    metrics: StepMetrics
+    samples: list[Sample]
+
+
+class Cluster:
+    """A scenario bound to its backends; use ``async with``. See the module docstring."""
+
+    def __init__(self, scenario: Scenario, backends: Backends,
+                 resume: dict[str, Any] | None = None) -> None:
+        self.scenario = validate_scenario(scenario)
+        self.backends = backends
+        self._resume = resume
+        missing = {p.name for p in scenario.pools} - set(backends.pools)
+        if missing:
+            raise ConfigError(f"backends: no workers for pools {sorted(missing)}")
+        self._affinity = {d.name: d.pool for d in scenario.domains}
+        self._local_rewards: dict[str, RewardFn] = {}
+        self._local_envs: dict[str, Callable[[], Any]] = {}
+        self.controller: Controller | None = None
+
+    @classmethod
+    def from_scenario(cls, scenario: str | Path | Scenario, *, backends: Backends,
+                      resume: dict[str, Any] | None = None) -> Cluster:
+        """A cluster for a scenario file path or a ``Scenario``; ``resume``: a
+        :meth:`snapshot` of an earlier run (the trainer restored to its version).
+        Raises ConfigError."""
+        if not isinstance(scenario, Scenario):
+            scenario = load_scenario(scenario)
+        return cls(scenario, backends, resume)
+
+    def snapshot(self) -> dict[str, Any]:
+        """JSON-able controller state between steps, for :meth:`from_scenario` ``resume``."""
+        if self.controller is None:
+            raise RuntimeError("snapshot() needs a started cluster")
+        return self.controller.snapshot()
+
+    # ------------------------------------------------------------------ registration
+    def register_reward(self, name: str, fn: RewardFn) -> None:
+        """Register local reward ``fn(prompt, response, reference, metadata) -> float |
+        (float, details)`` (sync or async) for domains with ``reward_url = "local"``."""
+        if self.controller is not None:
+            self.controller.rewards.register(name, fn)
+        self._local_rewards[name] = fn
+
+    def reward(self, name: str) -> Callable[[RewardFn], RewardFn]:
+        """Decorator form of :meth:`register_reward`."""
+
+        def deco(fn: RewardFn) -> RewardFn:
+            self.register_reward(name, fn)
+            return fn
+
+        return deco
+
+    def register_env(self, name: str, factory: Callable[[], Any]) -> None:
+        """Serve env ``name`` in-process: ``factory()`` returns an object with ``reset(seed)``
+        and ``step(action)`` (see ``LocalEnvBackend``). Register before entering."""
+        if self.controller is not None:
+            raise RuntimeError("register_env must be called before the cluster starts")
+        self._local_envs[name] = factory
+
+    def set_affinity(self, domain: str, pool: str) -> None:
+        """Route ``domain``'s generations to ``pool`` (takes effect at the next turn).
+        Raises ConfigError for an unknown domain or pool."""
+        if domain not in self._affinity:
+            raise ConfigError(f"set_affinity: unknown domain {domain!r}; "
+                              f"domains: {sorted(self._affinity)}")
+        if pool not in self.backends.pools:
+            raise ConfigError(f"set_affinity: unknown pool {pool!r}; "
+                              f"pools: {sorted(self.backends.pools)}")
+        self._affinity[domain] = pool
+        if self.controller is not None:
+            self.controller.proxy.set_affinity(domain, pool)
+
+    # ------------------------------------------------------------------ running
+    async def __aenter__(self) -> Cluster:
+        b, sc = self.backends, self.scenario
+        hardware = {p.name: p.hardware for p in sc.pools}
+        proxy = LLMProxy(
+            {name: (hardware.get(name, "?"), workers) for name, workers in b.pools.items()},
+            self._affinity,
+            version=b.trainer.version,
+        )
+        self.controller = Controller(
+            sc,
+            proxy=proxy,
+            envs=EnvRouter(b.env_hosts, LocalEnvBackend(self._local_envs)),
+            rewards=RewardRouter(b.reward_service, b.reward_endpoints, self._local_rewards),
+            trainer=b.trainer,
+            tokenizer=b.tokenizer,
+            clock=b.clock,
+            resume=self._resume,
+        )
+        await self.controller.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.controller is not None:
+            await self.controller.close()
+
+    async def train(self, steps: int | None = None) -> AsyncIterator[TrainStep]:
+        """Run ``steps`` training steps (default ``run.steps``), yielding each as it ends.
+
+        Raises the controller's fatal errors (see ``Controller.step``)."""
+        if self.controller is None:
+            raise RuntimeError("use 'async with Cluster.from_scenario(...) as cluster'")
+        for _ in range(self.scenario.run.steps if steps is None else steps):
+            metrics = await self.controller.step()
+            yield TrainStep(metrics.step, metrics, self.controller.last_batch)

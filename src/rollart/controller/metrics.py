@@ -1,0 +1,125 @@
+"""Per-step metrics of a run: one :class:`StepMetrics` per training step (``metrics.jsonl``).
+
+Counters (``num_aborted``, ``num_failed``, ``wasted_tokens``, ...) are the change of the sample
+buffer's cumulative counters over the step, so each trajectory is counted in exactly one step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import msgspec
+
+from rollart.controller.sample import BufferStats, Sample
+
+
+class StepMetrics(msgspec.Struct, kw_only=True):
+    """Metrics of one training step. Times are seconds of the controller's clock.
+
+    - ``policy_version``: trainer version after this step's update.
+    - ``reward_mean`` / ``reward_mean_by_domain``: mean reward of the batch's samples.
+    - ``step_time_s``: end of the previous step (or start) to end of this one.
+    - ``rollout_time_s``: first start to last finish of the batch's trajectories.
+    - ``trainer_idle_s``: time the trainer waited for the batch (get batch).
+    - ``train_time_s``: the trainer's update.
+    - ``weight_sync_total_s``: weight push + pause/apply/resume time of the version applied in
+      this step; ``weight_sync_exposed_s``: the part of it the training loop waited for.
+    - ``staleness_max`` / ``staleness_mean``: trainer version minus each sample's oldest
+      generated-token version, in versions.
+    - ``num_aborted``: trajectories cancelled (redundancy, not needed) or restarted (stale).
+    - ``num_failed``: failures by reason (never scored); ``num_retries``: of those, retried.
+    - ``num_generated_tokens``: tokens generated during the step (all trajectories).
+    - ``wasted_tokens``: generated tokens thrown away (cancelled, failed, stale, unselected).
+    - ``response_len_kept_mean``: mean generated tokens of the batch's samples;
+      ``response_len_all_mean``: of every trajectory that finished during the step (kept or
+      not), so the selection bias of redundancy is visible.
+    """
+
+    step: int
+    mode: str
+    policy_version: int
+    reward_mean: float
+    reward_mean_by_domain: dict[str, float]
+    num_samples: int
+    step_time_s: float
+    rollout_time_s: float
+    train_time_s: float
+    weight_sync_total_s: float
+    weight_sync_exposed_s: float
+    trainer_idle_s: float
+    staleness_max: int
+    staleness_mean: float
+    num_aborted: int
+    num_failed: dict[str, int]
+    num_retries: int
+    num_rerouted: int
+    num_generated_tokens: int
+    wasted_tokens: int
+    response_len_kept_mean: float
+    response_len_all_mean: float
+    num_turns_mean: float
+    train_metrics: dict[str, float] = {}
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+def _delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
+    out = {k: v - before.get(k, 0) for k, v in after.items()}
+    return {k: v for k, v in sorted(out.items()) if v}
+
+
+def step_metrics(
+    *,
+    step: int,
+    mode: str,
+    policy_version: int,
+    batch: Sequence[Sample],
+    before: BufferStats,
+    after: BufferStats,
+    step_time_s: float,
+    trainer_idle_s: float,
+    train_time_s: float,
+    weight_sync_total_s: float,
+    weight_sync_exposed_s: float,
+    num_generated_tokens: int,
+    num_rerouted: int = 0,
+    train_metrics: dict[str, float] | None = None,
+) -> StepMetrics:
+    """Assemble a step's metrics from its batch and the buffer counters around it."""
+    by_domain: dict[str, list[float]] = {}
+    for s in batch:
+        by_domain.setdefault(s.domain, []).append(s.reward)
+    starts = [s.metadata["t_start"] for s in batch if "t_start" in s.metadata]
+    ends = [s.metadata["t_end"] for s in batch if "t_end" in s.metadata]
+    finished = after.finished_members - before.finished_members
+    finished_len = (after.finished_mean_len * after.finished_members
+                    - before.finished_mean_len * before.finished_members)
+    return StepMetrics(
+        step=step,
+        mode=mode,
+        policy_version=policy_version,
+        reward_mean=_mean([s.reward for s in batch]),
+        reward_mean_by_domain={d: _mean(r) for d, r in sorted(by_domain.items())},
+        num_samples=len(batch),
+        step_time_s=step_time_s,
+        rollout_time_s=(max(ends) - min(starts)) if starts and ends else 0.0,
+        train_time_s=train_time_s,
+        weight_sync_total_s=weight_sync_total_s,
+        weight_sync_exposed_s=weight_sync_exposed_s,
+        trainer_idle_s=trainer_idle_s,
+        staleness_max=after.last_batch_max_staleness,
+        staleness_mean=after.last_batch_mean_staleness,
+        num_aborted=(after.cancelled - before.cancelled)
+        + (after.restarted_stale - before.restarted_stale),
+        num_failed=_delta(after.failed, before.failed),
+        num_retries=after.retries - before.retries,
+        num_rerouted=num_rerouted,
+        num_generated_tokens=num_generated_tokens,
+        wasted_tokens=sum(after.wasted_tokens.values()) - sum(before.wasted_tokens.values()),
+        response_len_kept_mean=_mean([s.num_generated for s in batch]),
+        response_len_all_mean=round(finished_len / finished, 6) if finished > 0 else 0.0,
+        num_turns_mean=_mean([s.num_turns for s in batch]),
+        train_metrics=dict(train_metrics or {}),
+    )

@@ -1,0 +1,162 @@
+"""The controller's ports: the small interfaces it needs from the services it drives.
+
+Real clients (``rollart.inference.client.InferenceClient``, ``rollart.envhost.client.EnvClient``,
+``rollart.reward.client.RewardClient``, the trainer client) and the in-process simulated backends
+of ``rollart.sim`` both satisfy them structurally; the controller never imports a concrete
+service. Errors follow ``rollart.transport.errors``: ``RemoteError`` (and ``EnvError``,
+``RemoteTimeoutError``) fail one item, ``PeerDeadError`` means the process is gone,
+``RewardError`` fails one reward call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+
+import msgspec
+
+from rollart.transport import messages as m
+
+if TYPE_CHECKING:
+    from rollart.controller.buffer import Sample
+
+
+@runtime_checkable
+class GenerationBackend(Protocol):
+    """One inference worker (``InferenceClient`` or a simulated one).
+
+    ``last_stats`` is the most recent ``WorkerStats`` seen (``None`` before any reply); ``dead``
+    turns true once the worker is known to be gone (calls then raise ``PeerDeadError``).
+    """
+
+    name: str
+    last_stats: m.WorkerStats | None
+
+    @property
+    def dead(self) -> bool: ...
+
+    async def generate(
+        self, request: m.Generate, *, timeout_s: float | None = None
+    ) -> m.GenerateResult:
+        """Generate; if the awaiting task is cancelled, the request is aborted on the worker."""
+        ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    async def pause(self, mode: Literal["keep", "abort"] = "keep") -> None: ...
+
+    async def resume(self) -> None: ...
+
+    async def apply_weights(self, version: int, *, reprefill: bool = False) -> m.WeightsApplied:
+        """Apply the staged weights of ``version`` (pushed before by the trainer)."""
+        ...
+
+    async def stats(self) -> m.WorkerStats: ...
+
+
+@runtime_checkable
+class EnvBackend(Protocol):
+    """One environment host (``EnvClient``, a simulated host, or in-process envs)."""
+
+    name: str
+
+    @property
+    def dead(self) -> bool: ...
+
+    async def open(
+        self,
+        env_name: str,
+        seed: int,
+        options: dict[str, Any] | None = None,
+        *,
+        timeout_s: float | None = None,
+    ) -> m.EnvOpened: ...
+
+    async def step(
+        self, session_id: str, action: str, *, timeout_s: float | None = None
+    ) -> m.EnvStepResult: ...
+
+    async def close_session(self, session_id: str) -> None: ...
+
+
+class RewardOutcome(Protocol):
+    """What a reward call returns (``rollart.reward.client.RewardResult`` fits)."""
+
+    reward: float
+    details: dict[str, Any]
+
+
+@runtime_checkable
+class RewardBackend(Protocol):
+    """Scores one response (``RewardClient`` or local functions). Raises ``RewardError``."""
+
+    async def score(
+        self,
+        name: str,
+        prompt: str,
+        response: str,
+        reference: Any = None,
+        metadata: dict[str, Any] | None = None,
+    ) -> RewardOutcome: ...
+
+
+class TrainResult(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Outcome of one training step: the trainer's new ``version`` (previous + 1) and scalar
+    ``metrics`` (loss, grad norm, clip fraction, ... as the trainer names them)."""
+
+    version: int
+    metrics: dict[str, float] = msgspec.field(default_factory=dict)
+
+
+@runtime_checkable
+class TrainerBackend(Protocol):
+    """The trainer, as the controller coordinates it (paper §6.2).
+
+    ``version`` is the number of updates applied so far (0 = initial weights, already loaded by
+    the inference workers). One step: the controller takes a batch, has the workers apply the
+    newest published version (pause -> ``apply_weights`` -> resume), then calls ``train``.
+    ``push_weights`` stages the weights of ``version`` on every worker (buckets of
+    ``weight_bucket_bytes``; nothing is applied): the controller runs it in the background, so
+    the transfer overlaps rollout (§6.3).
+    """
+
+    @property
+    def version(self) -> int: ...
+
+    async def train(self, samples: Sequence[Sample]) -> TrainResult:
+        """One update on ``samples`` (whole GRPO groups; advantages are the trainer's job).
+
+        Returns ``TrainResult`` with ``version == self.version`` after the update (previous + 1).
+        """
+        ...
+
+    async def set_workers(self, workers: Sequence[GenerationBackend]) -> None:
+        """The workers later versions go to (called at start, before any ``train``)."""
+        ...
+
+    async def push_weights(self, version: int, workers: Sequence[GenerationBackend]) -> None:
+        """Stage version ``version`` (must be ``self.version``) on every worker in ``workers``
+        and return once it is staged (a trainer that pushes by itself just waits for that)."""
+        ...
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """The subset of a Hugging Face tokenizer the controller uses (``PreTrainedTokenizerFast``
+    fits): chat template rendering to text, encode without added specials, decode."""
+
+    eos_token: str | None
+    eos_token_id: int | None
+
+    def apply_chat_template(
+        self,
+        conversation: list[dict[str, str]],
+        *,
+        tokenize: bool = ...,
+        add_generation_prompt: bool = ...,
+        **kwargs: Any,
+    ) -> Any: ...
+
+    def encode(self, text: str, *, add_special_tokens: bool = ...) -> list[int]: ...
+
+    def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = ...) -> str: ...

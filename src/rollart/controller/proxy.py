@@ -1,0 +1,222 @@
+"""The LLM proxy: pools of inference workers, domain affinity, least-loaded sticky routing.
+
+Routing of one generate call for trajectory ``traj_id`` of domain ``d``:
+
+1. the pool is ``affinity[d]`` (from the scenario; ``set_affinity`` changes it at run time);
+2. if the trajectory already has a worker in that pool that is alive, it goes there again
+   (sticky: its previous turns are in that worker's prefix cache);
+3. otherwise the least-loaded live worker of the pool, load being
+   ``max(reported, local)``: ``reported`` = ``num_running + num_waiting`` of the worker's last
+   ``WorkerStats`` (covers work from other clients), ``local`` = requests this proxy has in flight
+   there (covers requests sent since that report). Ties go to the first worker in pool order.
+
+A worker that raises ``PeerDeadError`` (or reports ``dead``) is removed from its pool and the
+request is re-sent to another worker of the same pool; when a pool has no live worker left the
+call raises :class:`PoolExhaustedError`, a fatal error for the run (distinct from per-request
+``RemoteError``). Cancelling the awaiting task cancels the worker call, which aborts the request
+on the worker (the client's contract).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from rollart.controller.ports import GenerationBackend
+from rollart.transport import messages as m
+from rollart.transport.errors import ConfigError, PeerDeadError
+
+log = logging.getLogger(__name__)
+
+
+class PoolExhaustedError(PeerDeadError):
+    """Fatal: every worker of a pool is dead, so a domain mapped to it cannot generate."""
+
+
+@dataclass
+class Pool:
+    """Workers of one hardware kind. ``workers`` holds the live ones, in declaration order."""
+
+    name: str
+    hardware: str
+    workers: list[GenerationBackend]
+    removed: list[str] = field(default_factory=list)
+
+
+class LLMProxy:
+    """Routes generate calls of trajectories to inference workers.
+
+    Args:
+        pools: pool name -> (hardware label, workers); at least one worker per pool.
+        affinity: domain name -> pool name.
+        version: policy version the workers serve at start (0: the initial weights).
+
+    Raises:
+        ConfigError: an empty pool, a duplicate worker name, or affinity to an unknown pool.
+    """
+
+    def __init__(
+        self,
+        pools: Mapping[str, tuple[str, Sequence[GenerationBackend]]],
+        affinity: Mapping[str, str],
+        *,
+        version: int = 0,
+    ) -> None:
+        self._pools: dict[str, Pool] = {}
+        seen: set[str] = set()
+        for name, (hardware, workers) in pools.items():
+            if not workers:
+                raise ConfigError(f"pool {name!r}: no workers")
+            for w in workers:
+                if w.name in seen:
+                    raise ConfigError(f"pool {name!r}: duplicate worker name {w.name!r}")
+                seen.add(w.name)
+            self._pools[name] = Pool(name, hardware, list(workers))
+        self._affinity: dict[str, str] = {}
+        for domain, pool in affinity.items():
+            self.set_affinity(domain, pool)
+        self._in_flight: dict[str, int] = {name: 0 for name in seen}
+        self._sticky: dict[str, GenerationBackend] = {}
+        self.version = version
+        #: requests re-sent after their worker died (a count, for metrics)
+        self.num_rerouted = 0
+
+    # -- configuration ----------------------------------------------------------------------
+
+    @property
+    def pools(self) -> dict[str, Pool]:
+        return self._pools
+
+    def set_affinity(self, domain: str, pool: str) -> None:
+        """Route ``domain``'s later turns to ``pool``. Raises ConfigError for an unknown pool."""
+        if pool not in self._pools:
+            raise ConfigError(
+                f"affinity of domain {domain!r}: unknown pool {pool!r}; pools: "
+                f"{sorted(self._pools)}"
+            )
+        self._affinity[domain] = pool
+
+    def pool_of(self, domain: str) -> Pool:
+        """The pool serving ``domain``. Raises ConfigError for a domain without affinity."""
+        try:
+            return self._pools[self._affinity[domain]]
+        except KeyError:
+            raise ConfigError(
+                f"domain {domain!r} has no pool affinity; domains: {sorted(self._affinity)}"
+            ) from None
+
+    def workers(self) -> list[GenerationBackend]:
+        """Every live worker of every pool."""
+        return [w for pool in self._pools.values() for w in pool.workers]
+
+    # -- routing ----------------------------------------------------------------------------
+
+    def load(self, worker: GenerationBackend) -> int:
+        """Routing load of ``worker`` (see the module docstring), a request count."""
+        stats = worker.last_stats
+        reported = stats.num_running + stats.num_waiting if stats is not None else 0
+        return max(reported, self._in_flight.get(worker.name, 0))
+
+    def _remove(self, pool: Pool, worker: GenerationBackend, why: str) -> None:
+        if worker in pool.workers:
+            pool.workers.remove(worker)
+            pool.removed.append(worker.name)
+            log.warning("pool %s: worker %s removed (%s)", pool.name, worker.name, why)
+        for traj, w in list(self._sticky.items()):
+            if w is worker:
+                del self._sticky[traj]
+
+    def route(self, traj_id: str, domain: str) -> GenerationBackend:
+        """Pick the worker for ``traj_id``'s next turn (sticky, else least-loaded).
+
+        Raises:
+            PoolExhaustedError: no live worker in the domain's pool.
+        """
+        pool = self.pool_of(domain)
+        for w in [w for w in pool.workers if w.dead]:
+            self._remove(pool, w, "reported dead")
+        sticky = self._sticky.get(traj_id)
+        if sticky is not None and sticky in pool.workers:
+            return sticky
+        if not pool.workers:
+            raise PoolExhaustedError(
+                f"pool {pool.name!r} ({pool.hardware}) has no live worker left "
+                f"(removed: {pool.removed}); domain {domain!r} cannot generate"
+            )
+        best = min(pool.workers, key=self.load)  # min keeps the first of equal loads
+        self._sticky[traj_id] = best
+        return best
+
+    async def generate(
+        self,
+        traj_id: str,
+        domain: str,
+        request: m.Generate,
+        *,
+        timeout_s: float | None = None,
+    ) -> m.GenerateResult:
+        """Generate one turn of ``traj_id`` on a worker of ``domain``'s pool.
+
+        Raises:
+            RemoteError: the worker failed this request (per trajectory).
+            PoolExhaustedError: fatal, see :meth:`route`.
+        """
+        while True:
+            worker = self.route(traj_id, domain)
+            self._in_flight[worker.name] += 1
+            try:
+                return await worker.generate(request, timeout_s=timeout_s)
+            except PeerDeadError as exc:
+                self._remove(self.pool_of(domain), worker, f"{type(exc).__name__}: {exc}")
+                self.num_rerouted += 1
+            finally:
+                self._in_flight[worker.name] -= 1
+
+    def release(self, traj_id: str) -> None:
+        """Forget ``traj_id``'s sticky worker (the trajectory ended)."""
+        self._sticky.pop(traj_id, None)
+
+    # -- weight sync ------------------------------------------------------------------------
+
+    async def _on_all(self, what: str, call) -> list:
+        """Run ``call(worker)`` on every live worker at once; dead ones are removed.
+
+        Raises PoolExhaustedError if that empties a pool; other errors propagate (fatal: a
+        worker that cannot pause or apply weights leaves the run inconsistent).
+        """
+        pairs = [(pool, w) for pool in self._pools.values() for w in pool.workers]
+        results = await asyncio.gather(*(call(w) for _, w in pairs), return_exceptions=True)
+        out = []
+        for (pool, w), res in zip(pairs, results, strict=True):
+            if isinstance(res, PeerDeadError):
+                self._remove(pool, w, f"{what}: {res}")
+            elif isinstance(res, BaseException):
+                raise res
+            else:
+                out.append(res)
+        for pool in self._pools.values():
+            if not pool.workers:
+                raise PoolExhaustedError(f"pool {pool.name!r}: every worker died during {what}")
+        return out
+
+    async def pause(self, mode: Literal["keep", "abort"] = "keep") -> None:
+        """Suspend generation on every worker (``keep``: in-flight requests wait)."""
+        await self._on_all("pause", lambda w: w.pause(mode))
+
+    async def resume(self) -> None:
+        await self._on_all("resume", lambda w: w.resume())
+
+    async def apply_weights(self, version: int, *, reprefill: bool = False) -> list[m.WeightsApplied]:
+        """Apply the staged ``version`` on every worker; afterwards ``self.version == version``.
+
+        Call between :meth:`pause` and :meth:`resume` (paper §6.2). ``reprefill``: recompute the
+        KV cache of in-flight requests under the new weights.
+        """
+        out = await self._on_all(
+            f"apply_weights({version})", lambda w: w.apply_weights(version, reprefill=reprefill)
+        )
+        self.version = version
+        return out

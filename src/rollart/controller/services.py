@@ -1,0 +1,205 @@
+"""Routing of env and reward calls: env hosts, in-process envs, reward endpoints.
+
+- :class:`EnvRouter`: opens each session on the live env host with the fewest open sessions
+  (from this controller), remembers which host holds it, and routes step / close there. Env
+  names registered in-process (``Cluster.register_env``) are served by a
+  :class:`LocalEnvBackend` instead. A host that dies is skipped for new sessions; when none is
+  left, :class:`EnvHostsExhaustedError` (fatal) is raised.
+- :class:`RewardRouter`: a domain's reward goes to the reward service (``reward_url =
+  "service"``), to any endpoint speaking the reward contract (an http(s) URL), or to a local
+  function (``"local"``): ``env_return`` (the env's summed step rewards) or one registered with
+  ``Cluster.register_reward``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import itertools
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import msgspec
+
+from rollart.controller.ports import EnvBackend, RewardBackend, RewardOutcome
+from rollart.transport import messages as m
+from rollart.transport.errors import ConfigError, EnvError, PeerDeadError, RewardError
+
+
+class EnvHostsExhaustedError(PeerDeadError):
+    """Fatal: no live env host is left to open sessions on."""
+
+
+class LocalEnvBackend:
+    """In-process envs registered by name; each session is one env object.
+
+    ``factories[name]()`` returns an object with ``reset(seed) -> (observation: str, info: dict)``
+    and ``step(action: str) -> (observation, reward, terminated, truncated, info)`` (sync or
+    async) and optionally ``close()``. An exception in the env raises ``EnvError("env_error")``.
+    """
+
+    name = "local"
+    dead = False
+
+    def __init__(self, factories: Mapping[str, Callable[[], Any]] | None = None) -> None:
+        self.factories: dict[str, Callable[[], Any]] = dict(factories or {})
+        self._sessions: dict[str, Any] = {}
+        self._ids = itertools.count()
+
+    @staticmethod
+    async def _call(fn: Callable[..., Any], *args: Any) -> Any:
+        try:
+            out = fn(*args)
+            return await out if inspect.isawaitable(out) else out
+        except Exception as exc:
+            raise EnvError("env_error", f"{type(exc).__name__}: {exc}") from exc
+
+    async def open(self, env_name: str, seed: int, options: dict[str, Any] | None = None, *,
+                   timeout_s: float | None = None) -> m.EnvOpened:
+        if env_name not in self.factories:
+            raise EnvError("not_found", f"no local env {env_name!r}")
+        env = await self._call(self.factories[env_name])
+        obs, info = await self._call(env.reset, seed)
+        sid = f"local-{next(self._ids)}"
+        self._sessions[sid] = env
+        return m.EnvOpened(session_id=sid, observation=obs, info=dict(info or {}))
+
+    async def step(self, session_id: str, action: str, *, timeout_s: float | None = None
+                   ) -> m.EnvStepResult:
+        env = self._sessions.get(session_id)
+        if env is None:
+            raise EnvError("not_found", f"no local session {session_id!r}")
+        obs, reward, terminated, truncated, info = await self._call(env.step, action)
+        return m.EnvStepResult(session_id=session_id, observation=obs, reward=float(reward),
+                               terminated=bool(terminated), truncated=bool(truncated),
+                               info=dict(info or {}))
+
+    async def close_session(self, session_id: str) -> None:
+        env = self._sessions.pop(session_id, None)
+        close = getattr(env, "close", None)
+        if close is not None:
+            await self._call(close)
+
+
+class EnvRouter:
+    """Env sessions across hosts (see the module docstring). Same call shapes as EnvBackend."""
+
+    def __init__(self, hosts: list[EnvBackend], local: LocalEnvBackend | None = None) -> None:
+        self.hosts = list(hosts)
+        self.local = local or LocalEnvBackend()
+        self._where: dict[str, EnvBackend] = {}
+        self._open_count: dict[int, int] = {id(h): 0 for h in self.hosts}
+
+    def _pick(self, env_name: str) -> EnvBackend:
+        if env_name in self.local.factories:
+            return self.local
+        live = [h for h in self.hosts if not h.dead]
+        if not live:
+            raise EnvHostsExhaustedError(
+                f"no live env host for env {env_name!r} (hosts: {[h.name for h in self.hosts]})"
+            )
+        return min(live, key=lambda h: self._open_count.get(id(h), 0))
+
+    async def open(self, env_name: str, seed: int, options: dict[str, Any] | None = None, *,
+                   timeout_s: float | None = None) -> m.EnvOpened:
+        """Open a session on the least-busy live host. Raises EnvError / PeerDeadError
+        (that host died: per trajectory) / EnvHostsExhaustedError (fatal)."""
+        host = self._pick(env_name)
+        opened = await host.open(env_name, seed, options, timeout_s=timeout_s)
+        self._where[opened.session_id] = host
+        self._open_count[id(host)] = self._open_count.get(id(host), 0) + 1
+        return opened
+
+    def _host(self, session_id: str) -> EnvBackend:
+        try:
+            return self._where[session_id]
+        except KeyError:
+            raise EnvError("not_found", f"session {session_id!r} is not open") from None
+
+    async def step(self, session_id: str, action: str, *, timeout_s: float | None = None
+                   ) -> m.EnvStepResult:
+        return await self._host(session_id).step(session_id, action, timeout_s=timeout_s)
+
+    async def close_session(self, session_id: str) -> None:
+        """Close and forget a session; a dead host's sessions are just forgotten."""
+        host = self._where.pop(session_id, None)
+        if host is None:
+            return
+        self._open_count[id(host)] = self._open_count.get(id(host), 1) - 1
+        if not host.dead:
+            await host.close_session(session_id)
+
+
+class _LocalResult(msgspec.Struct):
+    reward: float
+    details: dict[str, Any] = {}
+
+
+RewardFn = Callable[[str, str, Any, dict[str, Any]], Any]
+
+
+def env_return_reward(prompt: str, response: str, reference: Any, metadata: dict) -> float:
+    """The env's own return: the sum of its step rewards (``metadata["env_return"]``)."""
+    return float(metadata["env_return"])
+
+
+class RewardRouter:
+    """Scores a domain's trajectories at its configured endpoint.
+
+    Args:
+        service: client of the scenario's reward service (``reward_url = "service"``).
+        endpoints: URL -> client for domains naming an http(s) URL.
+        local: name -> function ``fn(prompt, response, reference, metadata)`` returning a float
+            or ``(float, details)`` (sync or async); ``env_return`` is always available.
+    """
+
+    def __init__(self, service: RewardBackend | None = None,
+                 endpoints: Mapping[str, RewardBackend] | None = None,
+                 local: Mapping[str, RewardFn] | None = None) -> None:
+        self.service = service
+        self.endpoints = dict(endpoints or {})
+        self.local: dict[str, RewardFn] = {"env_return": env_return_reward, **(local or {})}
+
+    def register(self, name: str, fn: RewardFn) -> None:
+        self.local[name] = fn
+
+    def check(self, domain: str, reward: str, reward_url: str) -> None:
+        """Raise ConfigError if the domain's reward cannot be routed (before the run starts)."""
+        if reward_url == "local" and reward not in self.local:
+            raise ConfigError(f"domain {domain!r}: no local reward function {reward!r} "
+                              f"(registered: {sorted(self.local)})")
+        if reward_url == "service" and self.service is None:
+            raise ConfigError(f"domain {domain!r}: reward_url 'service' but no reward service")
+        if reward_url not in ("local", "service") and reward_url not in self.endpoints:
+            raise ConfigError(f"domain {domain!r}: no client for reward endpoint {reward_url!r}")
+
+    async def score(self, reward: str, reward_url: str, prompt: str, response: str,
+                    reference: Any, metadata: dict[str, Any]) -> RewardOutcome:
+        """Score one response. Raises RewardError (the trajectory fails; never reward 0)."""
+        if reward_url == "local":
+            return await self._score_local(reward, prompt, response, reference, metadata)
+        client = self.service if reward_url == "service" else self.endpoints.get(reward_url)
+        if client is None:
+            raise RewardError(f"no reward client for {reward_url!r}")
+        return await client.score(reward, prompt, response, reference, metadata)
+
+    async def _score_local(self, name: str, prompt: str, response: str, reference: Any,
+                           metadata: dict[str, Any]) -> RewardOutcome:
+        fn = self.local.get(name)
+        if fn is None:
+            raise RewardError(f"no local reward function {name!r}")
+        try:
+            out = fn(prompt, response, reference, metadata)
+            if inspect.isawaitable(out):
+                out = await out
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            raise RewardError(f"local reward {name!r} raised {type(exc).__name__}: {exc}") from exc
+        reward, details = out if isinstance(out, tuple) else (out, {})
+        if isinstance(reward, bool) or not isinstance(reward, (int, float)):
+            raise RewardError(f"local reward {name!r} returned {type(reward).__name__}, not a number")
+        if not math.isfinite(reward):
+            raise RewardError(f"local reward {name!r} returned non-finite {reward!r}")
+        return _LocalResult(float(reward), dict(details))

@@ -1,0 +1,122 @@
+"""The controller's side of training: GRPO advantages and the trainer-service adapter.
+
+:func:`grpo_advantages` turns a batch of scored samples (whole groups) into per-sample
+advantages, and :class:`RemoteTrainer` adapts ``rollart.trainer.client.TrainerClient`` (the
+``rollart serve-trainer`` process) to the controller's ``TrainerBackend`` port: ``train`` sends
+the samples as ``TrainSample`` with their advantages, ``push_weights`` waits until the trainer
+has staged the new version on every worker (the trainer pushes by itself after each step, so the
+transfer overlaps rollout, paper §6.3).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Literal, Protocol
+
+from rollart.controller.ports import GenerationBackend, TrainResult
+from rollart.controller.sample import Sample
+from rollart.transport import messages as m
+from rollart.transport.errors import RollartError
+
+AdvantageNorm = Literal["std", "none"]
+
+
+def grpo_advantages(samples: Sequence[Sample], norm: AdvantageNorm = "std",
+                    eps: float = 1e-6) -> list[float]:
+    """Group-relative advantages, one per sample, in ``samples`` order.
+
+    ``A_i = r_i - mean(r_group)``, divided by ``std(r_group) + eps`` when ``norm == "std"``
+    (GRPO, Shao et al. 2024, DeepSeekMath §4.1.2; population std) or left unscaled when
+    ``norm == "none"`` (Dr. GRPO, Liu et al. 2025, which drops the std to avoid weighting
+    groups by their difficulty). Groups are keyed by ``sample.group_key``.
+    """
+    groups: dict[str, list[float]] = {}
+    for s in samples:
+        groups.setdefault(s.group_key, []).append(s.reward)
+    stats: dict[str, tuple[float, float]] = {}
+    for key, rewards in groups.items():
+        mean = sum(rewards) / len(rewards)
+        std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
+        stats[key] = (mean, std)
+    out = []
+    for s in samples:
+        mean, std = stats[s.group_key]
+        adv = s.reward - mean
+        out.append(adv / (std + eps) if norm == "std" else adv)
+    return out
+
+
+def to_train_samples(samples: Sequence[Sample], norm: AdvantageNorm = "std"
+                     ) -> list[m.TrainSample]:
+    """The wire form of a batch, with GRPO advantages. Raises ValueError (from
+    ``TrainSample``) for a sample the trainer cannot use (e.g. no generated token)."""
+    advantages = grpo_advantages(samples, norm)
+    return [
+        m.TrainSample(token_ids=s.token_ids, loss_mask=s.loss_mask,
+                      behaviour_logprobs=s.behaviour_logprobs, advantage=a, sample_id=s.sample_id)
+        for s, a in zip(samples, advantages, strict=True)
+    ]
+
+
+class TrainerClientLike(Protocol):
+    """What :class:`RemoteTrainer` needs of ``TrainerClient``."""
+
+    async def train(self, step: int, samples: Sequence[m.TrainSample]) -> m.TrainResult: ...
+
+    async def set_workers(self, addresses: Sequence[str]) -> None: ...
+
+    async def wait_published(self, version: int) -> m.Published: ...
+
+
+class RemoteTrainer:
+    """``TrainerBackend`` over the trainer service.
+
+    Args:
+        client: a ``TrainerClient``.
+        version: the trainer's version now (0 for a fresh run; the checkpoint's on resume).
+        norm: advantage normalisation (see :func:`grpo_advantages`).
+
+    ``set_workers`` registers the workers' addresses (``InferenceClient.address``) with the
+    trainer, which pushes every new version to them right after the step; ``push_weights``
+    re-registers them if the set changed (a dead worker was removed) and waits until
+    ``version`` is staged. Raises ``RollartError`` naming live workers the push failed on.
+    """
+
+    def __init__(self, client: TrainerClientLike, *, version: int = 0,
+                 norm: AdvantageNorm = "std") -> None:
+        self.client = client
+        self._version = version
+        self.norm: AdvantageNorm = norm
+        self._addresses: list[str] | None = None
+        #: last ``Published`` reply (bytes and seconds of the transfer)
+        self.last_published: m.Published | None = None
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    async def set_workers(self, workers: Sequence[GenerationBackend]) -> None:
+        addresses = [getattr(w, "address") for w in workers]  # noqa: B009 - not in the port
+        if addresses != self._addresses:
+            await self.client.set_workers(addresses)
+            self._addresses = addresses
+
+    async def train(self, samples: Sequence[Sample]) -> TrainResult:
+        reply = await self.client.train(self._version, to_train_samples(samples, self.norm))
+        if reply.version != self._version + 1:
+            raise RollartError(
+                f"trainer answered version {reply.version} for a step at {self._version}"
+            )
+        self._version = reply.version
+        return TrainResult(version=reply.version,
+                           metrics={**reply.metrics, "trainer_step_s": reply.train_time_s})
+
+    async def push_weights(self, version: int, workers: Sequence[GenerationBackend]) -> None:
+        await self.set_workers(workers)
+        published = await self.client.wait_published(version)
+        self.last_published = published
+        # A worker removed since (dead) may be among the failures; only live ones matter.
+        failed = {a: why for a, why in published.failed.items() if a in (self._addresses or [])}
+        if failed:
+            raise RollartError(f"weights of version {version} not staged on: {failed}")

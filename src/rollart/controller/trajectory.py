@@ -1,0 +1,289 @@
+"""One coroutine per trajectory: env session -> turns (check, generate, env step) -> reward.
+
+:func:`run_trajectory` returns a token-exact :class:`~rollart.controller.sample.Sample` or raises
+one of three per-trajectory outcomes the controller turns into buffer calls:
+
+- :class:`TrajectoryFailed` (``reason``: ``env_error``, ``env_timeout``, ``env_not_found``,
+  ``env_host_lost``, ``generation_error``, ``generation_timeout``, ``generation_aborted``,
+  ``reward_error``, ``prompt_too_long``): never a reward of 0; the buffer may retry the slot;
+- :class:`TrajectoryStale`: the per-turn staleness check said restart;
+- :class:`TrajectoryNotNeeded`: the buffer said the group no longer needs it.
+
+Fatal errors (a pool or every env host gone, a bug) propagate unchanged. Cancellation (redundant
+member, shutdown) cancels the pending generate call, which aborts it on the worker, and the env
+session is closed in a shielded ``finally`` so cleanup runs even while being cancelled.
+
+Limits: ``max_turns`` assistant turns, ``max_tokens_per_turn`` generated tokens per turn,
+``max_tokens_per_trajectory`` tokens in the whole training sequence. ``finish_reason`` of the
+sample: ``terminated`` / ``env_truncated`` (the env ended it), ``length`` (the engine reported
+``finish_reason="length"`` on a turn: the env still scores that truncated action, then the
+trajectory ends), ``max_tokens`` (the sequence budget ran out), ``max_turns``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollart.config import DomainConfig, RunConfig
+from rollart.controller.modes import TurnBarrier
+from rollart.controller.proxy import LLMProxy
+from rollart.controller.sample import Sample
+from rollart.controller.services import EnvHostsExhaustedError, EnvRouter, RewardRouter
+from rollart.controller.tokens import ChatTokens
+from rollart.transport import messages as m
+from rollart.transport.errors import (
+    EnvError,
+    PeerDeadError,
+    RemoteError,
+    RemoteTimeoutError,
+    RewardError,
+)
+
+log = logging.getLogger(__name__)
+
+#: seconds allowed for closing an env session during cleanup
+CLOSE_TIMEOUT_S = 10.0
+
+
+class TrajectoryFailed(Exception):
+    """Per-trajectory failure with a machine-readable ``reason`` and a human ``detail``."""
+
+    def __init__(self, reason: str, detail: str, num_generated: int = 0) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+        self.num_generated = num_generated
+
+
+class TrajectoryStale(Exception):
+    """The buffer's staleness check said ``restart``: abort and start a fresh attempt."""
+
+
+class TrajectoryNotNeeded(Exception):
+    """The buffer said ``cancel``: the group has enough members (or was retired)."""
+
+
+@dataclass
+class TrajectoryContext:
+    """Everything a trajectory coroutine uses; one per controller.
+
+    ``buffer`` is the ``SampleBuffer`` (begin_turn / record_tokens); ``wait_for_weights(v)``
+    returns once the workers serve a version newer than ``v`` (used on a ``wait`` verdict);
+    ``barrier`` is set in ``sync`` mode; ``clock`` is the event loop's monotonic time (seconds).
+    """
+
+    run: RunConfig
+    proxy: LLMProxy
+    envs: EnvRouter
+    rewards: RewardRouter
+    chat: dict[str, ChatTokens]
+    buffer: Any
+    clock: Callable[[], float]
+    wait_for_weights: Callable[[int], Awaitable[None]]
+    barrier: TurnBarrier | None = None
+    generated_tokens: int = 0
+    env_steps: int = 0
+    extra_metadata: dict[str, Any] = field(default_factory=dict)
+
+
+def _env_failure(exc: BaseException) -> TrajectoryFailed:
+    if isinstance(exc, RemoteTimeoutError):
+        return TrajectoryFailed("env_timeout", str(exc))
+    if isinstance(exc, EnvError):
+        reason = {"env_timeout": "env_timeout", "not_found": "env_not_found"}.get(
+            exc.code, "env_error"
+        )
+        return TrajectoryFailed(reason, str(exc))
+    if isinstance(exc, RemoteError):
+        return TrajectoryFailed("env_error", str(exc))
+    return TrajectoryFailed("env_host_lost", f"{type(exc).__name__}: {exc}")
+
+
+async def _close_session(envs: EnvRouter, session_id: str) -> None:
+    try:
+        async with asyncio.timeout(CLOSE_TIMEOUT_S):
+            await envs.close_session(session_id)
+    except Exception as exc:  # cleanup must not mask the trajectory's own outcome
+        log.warning("closing env session %s failed: %s: %s", session_id, type(exc).__name__, exc)
+
+
+async def run_trajectory(
+    ctx: TrajectoryContext, traj_id: str, group_key: str, domain: DomainConfig, seed: int
+) -> Sample:
+    """Run trajectory ``traj_id`` of ``domain`` with env ``seed`` to a scored sample.
+
+    Raises:
+        TrajectoryFailed, TrajectoryStale, TrajectoryNotNeeded: see the module docstring.
+        PoolExhaustedError, EnvHostsExhaustedError: fatal.
+    """
+    run, envs, chat = ctx.run, ctx.envs, ctx.chat[domain.name]
+    t_start = ctx.clock()
+    session_id: str | None = None
+    token_ids: list[int] = []
+    loss_mask: list[int] = []
+    logprobs: list[float] = []
+    versions: list[int] = []
+    num_generated = 0
+    if ctx.barrier is not None:
+        ctx.barrier.join(traj_id)
+    try:
+        try:
+            opened = await envs.open(domain.env, seed, domain.env_options,
+                                     timeout_s=run.env_timeout_s)
+        except EnvHostsExhaustedError:
+            raise
+        except (RemoteError, PeerDeadError) as exc:
+            raise _env_failure(exc) from exc
+        session_id = opened.session_id
+        messages = []
+        if domain.system_prompt:
+            messages.append({"role": "system", "content": domain.system_prompt})
+        prompt_text = domain.prompt_template.format(observation=opened.observation)
+        messages.append({"role": "user", "content": prompt_text})
+        token_ids = chat.prompt_ids(messages)
+        loss_mask = [0] * len(token_ids)
+        logprobs = [0.0] * len(token_ids)
+        versions = [-1] * len(token_ids)
+        num_prompt = len(token_ids)
+        sampling = domain.sampling
+        max_turns = domain.max_turns or run.max_turns
+        env_return = 0.0
+        responses: list[str] = []
+        finish = "max_turns"
+        turn = 0
+        while turn < max_turns:
+            verdict = ctx.buffer.begin_turn(traj_id, ctx.proxy.version)
+            if verdict == "restart":
+                raise TrajectoryStale(traj_id)
+            if verdict == "cancel":
+                raise TrajectoryNotNeeded(traj_id)
+            if verdict == "wait":
+                await ctx.wait_for_weights(ctx.proxy.version)
+                continue
+            budget = run.max_tokens_per_trajectory - len(token_ids)
+            if budget <= 0 and num_generated == 0:
+                raise TrajectoryFailed(
+                    "prompt_too_long",
+                    f"prompt of {len(token_ids)} tokens leaves no room under "
+                    f"run.max_tokens_per_trajectory = {run.max_tokens_per_trajectory}",
+                )
+            if budget <= 0:
+                finish = "max_tokens"
+                break
+            max_new = min(run.max_tokens_per_turn, budget)
+            if ctx.barrier is not None:
+                await ctx.barrier.wait(traj_id)
+            request = m.Generate(
+                request_id=f"{traj_id}/t{turn}",
+                prompt_token_ids=list(token_ids),
+                sampling=m.SamplingParams(
+                    max_tokens=max_new,
+                    temperature=sampling.temperature,
+                    top_p=sampling.top_p,
+                    top_k=sampling.top_k,
+                ),
+            )
+            try:
+                result = await ctx.proxy.generate(traj_id, domain.name, request,
+                                                  timeout_s=run.generate_timeout_s)
+            except RemoteTimeoutError as exc:
+                raise TrajectoryFailed("generation_timeout", str(exc), num_generated) from exc
+            except RemoteError as exc:
+                raise TrajectoryFailed("generation_error", str(exc), num_generated) from exc
+            n = len(result.token_ids)
+            if len(result.logprobs) != n or len(result.versions) != n:
+                raise TrajectoryFailed(
+                    "generation_error",
+                    f"worker returned {n} tokens, {len(result.logprobs)} logprobs, "
+                    f"{len(result.versions)} versions",
+                    num_generated,
+                )
+            token_ids += result.token_ids
+            loss_mask += [1] * n
+            logprobs += result.logprobs
+            versions += result.versions
+            num_generated += n
+            ctx.generated_tokens += n
+            ctx.buffer.record_tokens(traj_id, result.versions)
+            if result.finish_reason == "abort":
+                raise TrajectoryFailed(
+                    "generation_aborted", f"worker aborted turn {turn}", num_generated
+                )
+            action = chat.decode(result.token_ids)
+            responses.append(action)
+            turn += 1
+            try:
+                step = await envs.step(session_id, action, timeout_s=run.env_timeout_s)
+            except (RemoteError, PeerDeadError) as exc:
+                failure = _env_failure(exc)
+                failure.num_generated = num_generated
+                raise failure from exc
+            ctx.env_steps += 1
+            env_return += step.reward
+            if result.finish_reason == "length":
+                finish = "length" if max_new == run.max_tokens_per_turn else "max_tokens"
+                break
+            if step.terminated or step.truncated:
+                finish = "terminated" if step.terminated else "env_truncated"
+                break
+            if turn >= max_turns:
+                break
+            content = domain.turn_template.format(observation=step.observation)
+            obs_ids = chat.observation_ids(content, result.token_ids)
+            if len(token_ids) + len(obs_ids) >= run.max_tokens_per_trajectory:
+                finish = "max_tokens"
+                break
+            token_ids += obs_ids
+            loss_mask += [0] * len(obs_ids)
+            logprobs += [0.0] * len(obs_ids)
+            versions += [-1] * len(obs_ids)
+        if ctx.barrier is not None:
+            ctx.barrier.leave(traj_id)
+        metadata = {
+            **opened.info,
+            **domain.reward_metadata,
+            "env_name": domain.env,
+            "seed": seed,
+            "env_return": env_return,
+            "num_turns": turn,
+            "finish_reason": finish,
+            "responses": responses,
+        }
+        try:
+            scored = await ctx.rewards.score(
+                domain.reward, domain.reward_url, prompt_text,
+                responses[-1] if responses else "", opened.info.get("reference"), metadata,
+            )
+        except RewardError as exc:
+            raise TrajectoryFailed("reward_error", str(exc), num_generated) from exc
+        return Sample(
+            sample_id=traj_id,
+            group_key=group_key,
+            token_ids=token_ids,
+            loss_mask=loss_mask,
+            behaviour_logprobs=logprobs,
+            versions=versions,
+            reward=float(scored.reward),
+            domain=domain.name,
+            num_turns=turn,
+            finish_reason=finish,
+            metadata={
+                "seed": seed,
+                "num_prompt_tokens": num_prompt,
+                "env_return": env_return,
+                "t_start": t_start,
+                "t_end": ctx.clock(),
+                "reward_details": dict(scored.details),
+                **ctx.extra_metadata,
+            },
+        )
+    finally:
+        if ctx.barrier is not None:
+            ctx.barrier.leave(traj_id)
+        ctx.proxy.release(traj_id)
+        if session_id is not None:
+            await asyncio.shield(_close_session(envs, session_id))

@@ -1,0 +1,171 @@
+"""Building the vLLM ``AsyncLLM`` engine and converting between rollart and vLLM types.
+
+Everything here that touches vLLM imports it lazily, so ``rollart.inference`` (the client in
+particular) imports without vLLM installed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from rollart.transport import messages as m
+from rollart.transport.errors import RemoteError
+
+if TYPE_CHECKING:
+    from vllm import RequestOutput
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+EXTENSION_CLS = "rollart.inference.extension.WeightSyncExtension"
+DEFAULT_KV_CACHE_BYTES = 256 << 20
+
+
+class EngineOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """How the worker builds its engine (mirrors vLLM engine argument names).
+
+    ``kv_cache_bytes``: KV cache size in bytes (vLLM ``kv_cache_memory_bytes``).
+    ``max_model_len`` / ``max_num_seqs``: ``None`` keeps vLLM's defaults.
+    ``dtype``: ``"auto"`` or a torch dtype name (``"float32"``, ``"bfloat16"``).
+    """
+
+    model: str
+    kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
+    max_model_len: int | None = None
+    max_num_seqs: int | None = None
+    dtype: str = "auto"
+    seed: int = 0
+    enforce_eager: bool = False
+    enable_prefix_caching: bool = True
+
+
+class SchedulerCounts:
+    """Latest running / waiting request counts reported by the engine's scheduler."""
+
+    def __init__(self) -> None:
+        self.running = 0
+        self.waiting = 0
+
+
+def _stats_logger_factory(counts: SchedulerCounts) -> Any:
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class _SchedulerCountsLogger(StatLoggerBase):
+        # vLLM calls record() after every engine step that produced outputs.
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            self.engine_index = engine_index
+
+        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
+            if scheduler_stats is not None:
+                counts.running = scheduler_stats.num_running_reqs
+                counts.waiting = scheduler_stats.num_waiting_reqs
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return _SchedulerCountsLogger
+
+
+def build_engine(opts: EngineOptions, counts: SchedulerCounts) -> AsyncLLM:
+    """Start an ``AsyncLLM`` (its engine core runs in a spawned child process).
+
+    Must be called from inside a running event loop (vLLM starts its output handler task).
+    Behaviour logprobs are ``processed_logprobs``: the sampled token's logprob under the
+    distribution actually sampled from (after temperature / top-p / top-k), as an importance
+    ratio needs. Raises whatever vLLM raises when the model cannot be loaded.
+    """
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    args = AsyncEngineArgs(
+        model=opts.model,
+        dtype=opts.dtype,
+        seed=opts.seed,
+        max_model_len=opts.max_model_len,
+        max_num_seqs=opts.max_num_seqs,
+        kv_cache_memory_bytes=opts.kv_cache_bytes,
+        enforce_eager=opts.enforce_eager,
+        enable_prefix_caching=opts.enable_prefix_caching,
+        logprobs_mode="processed_logprobs",
+        worker_extension_cls=EXTENSION_CLS,
+        # The custom logger below replaces vLLM's periodic throughput log lines.
+        disable_log_stats=True,
+    )
+    return AsyncLLM.from_engine_args(args, stat_loggers=[_stats_logger_factory(counts)])
+
+
+def to_vllm_sampling(s: m.SamplingParams) -> Any:
+    """rollart ``SamplingParams`` -> vLLM ``SamplingParams`` (final output only, 1 sample,
+    the sampled token's logprob, optionally the prompt tokens' logprobs)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(
+        max_tokens=s.max_tokens,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k if s.top_k > 0 else 0,
+        seed=s.seed,
+        stop_token_ids=list(s.stop_token_ids) or None,
+        ignore_eos=s.ignore_eos,
+        logprobs=0,
+        prompt_logprobs=0 if s.prompt_logprobs else None,
+        output_kind=RequestOutputKind.FINAL_ONLY,
+        detokenize=False,
+    )
+
+
+_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+@dataclass
+class Completion:
+    """The parts of a finished vLLM ``RequestOutput`` a ``GenerateResult`` needs."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str
+    prompt_logprobs: list[float | None] | None
+
+
+def completion_from_output(out: RequestOutput, fallback_version: int) -> Completion:
+    """Extract tokens, behaviour logprobs, per-token versions and finish reason.
+
+    Per-token versions come from vLLM's weight-version spans (the engine core labels each step's
+    outputs with the version set by ``update_weight_version``); tokens without a label get
+    ``fallback_version``.
+
+    Raises:
+        RemoteError(code="engine_error"): the engine finished the request with an error reason
+            or returned no logprob for a sampled token.
+    """
+    comp = out.outputs[0]
+    token_ids = list(comp.token_ids)
+    reason = _FINISH.get(str(comp.finish_reason))
+    if reason is None:
+        raise RemoteError(
+            "engine_error", f"request {out.request_id} finished with {comp.finish_reason!r}"
+        )
+    logprobs: list[float] = []
+    entries = comp.logprobs or []
+    if len(entries) != len(token_ids):
+        raise RemoteError(
+            "engine_error",
+            f"request {out.request_id}: {len(entries)} logprobs for {len(token_ids)} tokens",
+        )
+    for tok, entry in zip(token_ids, entries, strict=True):
+        logprobs.append(float(entry[tok].logprob))
+    versions = [fallback_version] * len(token_ids)
+    for span in comp.weight_versions or []:
+        v = int(span.version) if str(span.version).isdigit() else fallback_version
+        versions[span.start : span.end] = [v] * (span.end - span.start)
+    prompt_lps: list[float | None] | None = None
+    if out.prompt_logprobs is not None:
+        ids = out.prompt_token_ids or []
+        prompt_lps = [
+            None if entry is None else float(entry[tok].logprob)
+            for tok, entry in zip(ids, out.prompt_logprobs, strict=True)
+        ]
+    return Completion(token_ids, logprobs, versions, reason, prompt_lps)

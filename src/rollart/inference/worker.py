@@ -1,0 +1,379 @@
+"""The inference worker process (``rollart serve-inference``): vLLM ``AsyncLLM`` behind an RpcServer.
+
+Operations (messages in ``rollart.transport.messages``, inference section):
+
+- ``Generate`` -> ``GenerateResult``: token ids in, generated ids + behaviour logprobs + the policy
+  version of every token out; requests run concurrently (vLLM continuous batching).
+- ``Abort`` -> ``Ack``; the aborted ``Generate`` replies ``finish_reason="abort"`` with its tokens.
+- ``Pause(keep|abort)`` / ``Resume`` -> ``Ack``; ``GetStats`` -> ``WorkerStats``.
+- ``WeightBucket`` -> ``Ack`` (staged, checked; see ``weights.py``); ``ApplyWeights`` ->
+  ``WeightsApplied`` once the engine serves the new version.
+
+Weight versions and the KV cache: the engine core labels every step's tokens with the version set
+by ``update_weight_version`` (set while paused, right after the reload), which gives exact
+per-token versions even for requests that span an update. Each prompt is submitted with
+``cache_salt`` = the version current at submission, so a new request never reuses prefix-cache
+blocks computed under older weights, even when ``reset_prefix_cache`` cannot drop blocks still
+held by in-flight requests (``ApplyWeights(reprefill=False)``, the keep-the-KV mode).
+
+A dead engine core makes the process exit with status 1 and a ``FATAL`` line on stderr; clients
+then see ``PeerDeadError``. A failure inside one request replies ``engine_error`` for it only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from rollart.inference.engine import (
+    DEFAULT_KV_CACHE_BYTES,
+    EngineOptions,
+    SchedulerCounts,
+    build_engine,
+    completion_from_output,
+    to_vllm_sampling,
+)
+from rollart.inference.weights import TIED_LM_HEAD, CheckpointLayout, WeightStager
+from rollart.transport import messages as m
+from rollart.transport.errors import RemoteError
+from rollart.transport.rpc import RpcServer
+
+log = logging.getLogger("rollart.inference.worker")
+
+#: how long an Abort keeps re-issuing the engine abort while the request is still registering
+ABORT_GRACE_S = 5.0
+ENGINE_POLL_S = 0.5
+
+
+class _Active:
+    """An in-flight Generate: ``done`` is set once its handler has its final output."""
+
+    def __init__(self) -> None:
+        self.done = asyncio.Event()
+
+
+class InferenceWorker:
+    """The RPC handlers around one ``AsyncLLM``.
+
+    Args:
+        engine: a started ``AsyncLLM`` built with ``rollart``'s worker extension.
+        name: worker name reported in ``WorkerStats``.
+        version: policy version of the weights the engine starts with.
+        stager: where weight buckets are staged.
+        counts: scheduler counts fed by the engine's stat logger.
+    """
+
+    def __init__(
+        self,
+        engine,
+        *,
+        name: str,
+        version: int,
+        stager: WeightStager,
+        counts: SchedulerCounts,
+    ) -> None:
+        self.engine = engine
+        self.name = name
+        self.version = version
+        self.stager = stager
+        self.counts = counts
+        self.paused = False
+        self.generated_tokens = 0
+        self.fatal = asyncio.Event()
+        self.fatal_reason = ""
+        self._active: dict[str, _Active] = {}
+        # Pause / Resume / ApplyWeights change the engine's pause state: one at a time.
+        self._control = asyncio.Lock()
+
+    def handlers(self) -> dict[type, object]:
+        return {
+            m.Generate: self.generate,
+            m.Abort: self.abort,
+            m.Pause: self.pause,
+            m.Resume: self.resume,
+            m.GetStats: self.get_stats,
+            m.WeightBucket: self.weight_bucket,
+            m.ApplyWeights: self.apply_weights,
+        }
+
+    def stats(self) -> m.WorkerStats:
+        """Counts from this worker's registry, split running/waiting by the scheduler's report."""
+        total = len(self._active)
+        waiting = min(self.counts.waiting, total)
+        return m.WorkerStats(
+            worker=self.name,
+            num_running=total - waiting,
+            num_waiting=waiting,
+            version=self.version,
+            paused=self.paused,
+            num_generated_tokens=self.generated_tokens,
+        )
+
+    def die(self, reason: str) -> None:
+        """Mark the worker unusable; ``serve`` exits the process with status 1."""
+        if not self.fatal.is_set():
+            self.fatal_reason = reason
+            self.fatal.set()
+
+    async def watch_engine(self) -> None:
+        """Poll the engine's liveness; a dead engine core is fatal for the process."""
+        while not self.fatal.is_set():
+            if self.engine.errored:
+                self.die("the vLLM engine core died (see its log above)")
+                return
+            await asyncio.sleep(ENGINE_POLL_S)
+
+    # -- generation ------------------------------------------------------------------------------
+
+    async def generate(self, msg: m.Generate, _frames) -> m.GenerateResult:
+        from vllm.exceptions import VLLMClientError
+        from vllm.inputs import TokensPrompt
+        from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
+
+        rid = msg.request_id
+        if rid in self._active:
+            raise RemoteError("bad_request", f"request id {rid!r} is already in flight")
+        if not msg.prompt_token_ids:
+            raise RemoteError("bad_request", f"request {rid!r}: prompt_token_ids is empty")
+        state = self._active[rid] = _Active()
+        submitted_version = self.version
+        prompt = TokensPrompt(
+            prompt_token_ids=list(msg.prompt_token_ids), cache_salt=f"v{submitted_version}"
+        )
+        final = None
+        try:
+            async for out in self.engine.generate(prompt, to_vllm_sampling(msg.sampling), rid):
+                final = out
+        except EngineDeadError as exc:
+            self.die(f"the vLLM engine died during request {rid!r}: {exc}")
+            raise RemoteError("engine_error", f"engine dead: {exc}") from exc
+        except (VLLMClientError, ValueError, TypeError) as exc:
+            raise RemoteError("engine_error", f"request {rid!r} rejected: {exc}") from exc
+        except EngineGenerateError as exc:
+            cause = exc.__cause__ or exc
+            raise RemoteError(
+                "engine_error", f"request {rid!r} failed: {type(cause).__name__}: {cause}"
+            ) from exc
+        finally:
+            del self._active[rid]
+            state.done.set()
+        if final is None:
+            raise RemoteError("engine_error", f"request {rid!r}: the engine returned no output")
+        comp = completion_from_output(final, fallback_version=submitted_version)
+        self.generated_tokens += len(comp.token_ids)
+        return m.GenerateResult(
+            request_id=rid,
+            token_ids=comp.token_ids,
+            logprobs=comp.logprobs,
+            versions=comp.versions,
+            finish_reason=comp.finish_reason,
+            num_prompt_tokens=len(msg.prompt_token_ids),
+            stats=self.stats(),
+            prompt_logprobs=comp.prompt_logprobs,
+        )
+
+    async def abort(self, msg: m.Abort, _frames) -> m.Ack:
+        """Abort ``msg.request_id``; idempotent (an unknown or finished id is acknowledged)."""
+        state = self._active.get(msg.request_id)
+        if state is None:
+            return m.Ack(detail=f"request {msg.request_id!r} is not in flight")
+        # The Generate handler may still be inside engine.add_request, where vLLM ignores an
+        # abort for an id it does not know yet: repeat until the request has finished.
+        deadline = time.monotonic() + ABORT_GRACE_S
+        while not state.done.is_set() and time.monotonic() < deadline:
+            await self.engine.abort(msg.request_id)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(state.done.wait(), 0.1)
+        if not state.done.is_set():
+            return m.Ack(detail=f"abort of {msg.request_id!r} requested; still finishing")
+        return m.Ack(detail=f"aborted {msg.request_id!r}")
+
+    # -- pause / resume / stats ------------------------------------------------------------------
+
+    async def pause(self, msg: m.Pause, _frames) -> m.Ack:
+        """``keep``: in-flight requests wait with their KV cache; ``abort``: they are aborted
+        (each replies with the tokens it has). New requests queue until ``Resume``."""
+        async with self._control:
+            # The prefix cache stays: cache_salt already separates weight versions.
+            await self.engine.pause_generation(mode=msg.mode, clear_cache=False)
+            self.paused = True
+        return m.Ack(detail=f"paused ({msg.mode})")
+
+    async def resume(self, _msg: m.Resume, _frames) -> m.Ack:
+        async with self._control:
+            await self.engine.resume_generation()
+            self.paused = False
+        return m.Ack(detail="resumed")
+
+    async def get_stats(self, _msg: m.GetStats, _frames) -> m.WorkerStats:
+        return self.stats()
+
+    # -- weights ---------------------------------------------------------------------------------
+
+    async def weight_bucket(self, msg: m.WeightBucket, frames) -> m.Ack:
+        nbytes = await self.stager.stage(msg, frames, self.version)
+        return m.Ack(
+            detail=f"staged bucket {msg.bucket_index + 1}/{msg.num_buckets} of version "
+            f"{msg.version} ({nbytes} bytes)"
+        )
+
+    async def apply_weights(self, msg: m.ApplyWeights, _frames) -> m.WeightsApplied:
+        """Pause (keep), reload in the engine, reset the prefix cache (``reprefill``: also
+        recompute in-flight requests' KV), label new tokens with the version, resume. A worker
+        that was paused by a client stays paused."""
+        async with self._control:
+            staged = self.stager.take(msg.version, self.version)
+            start = time.perf_counter()
+            was_paused = self.paused
+            if not was_paused:
+                await self.engine.pause_generation(mode="keep", clear_cache=False)
+            layout = self.stager.layout
+            skip = [TIED_LM_HEAD] if layout is not None and layout.tied else []
+            try:
+                await self.engine.collective_rpc(
+                    "rollart_reload_weights", args=(staged.paths(), skip)
+                )
+            except Exception as exc:
+                # Part of the model may hold new weights: it no longer serves any one version.
+                self.die(f"reloading weight version {msg.version} failed part-way: {exc!r}")
+                raise RemoteError("engine_error", f"weight reload failed: {exc}") from exc
+            # Returns False while in-flight requests hold blocks (keep mode); cache_salt then
+            # keeps new requests off the old blocks.
+            await self.engine.reset_prefix_cache(reset_running_requests=msg.reprefill)
+            await self.engine.update_weight_version(str(msg.version))
+            self.version = msg.version
+            self.stager.discard_up_to(msg.version)
+            if not was_paused:
+                await self.engine.resume_generation()
+            elapsed = time.perf_counter() - start
+        log.info("%s: applied weight version %d in %.3f s", self.name, msg.version, elapsed)
+        return m.WeightsApplied(version=msg.version, apply_time_s=elapsed, stats=self.stats())
+
+
+# -- process ---------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="rollart serve-inference", description="Serve a vLLM inference worker over ZeroMQ."
+    )
+    p.add_argument("--model", required=True, help="local Hugging Face checkpoint directory")
+    p.add_argument(
+        "--address", default="tcp://127.0.0.1:0", help="ZeroMQ bind address (:0 = any port)"
+    )
+    p.add_argument("--name", default="inference", help="worker name in stats and logs")
+    p.add_argument("--ready-file", help="write the bound address here once serving")
+    p.add_argument("--kv-cache-bytes", type=int, default=DEFAULT_KV_CACHE_BYTES)
+    p.add_argument("--max-model-len", type=int)
+    p.add_argument("--max-num-seqs", type=int)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--version", type=int, default=0, help="policy version of the --model weights")
+    p.add_argument("--stage-dir", help="where weight buckets are staged (default /dev/shm)")
+    p.add_argument("--log-level", default="INFO")
+    args = p.parse_args(argv)
+    model = Path(args.model)
+    if not (model / "config.json").is_file():
+        p.error(f"--model {args.model}: not a checkpoint directory (no config.json)")
+    if args.kv_cache_bytes <= 0:
+        p.error(f"--kv-cache-bytes must be positive, got {args.kv_cache_bytes}")
+    if args.version < 0:
+        p.error(f"--version must be >= 0, got {args.version}")
+    return args
+
+
+def _write_ready_file(path: str, address: str) -> None:
+    # Atomic: a launcher polling for the file never reads a partial address.
+    tmp = f"{path}.tmp{os.getpid()}"
+    Path(tmp).write_text(address + "\n")
+    os.replace(tmp, path)
+
+
+async def serve(args: argparse.Namespace) -> int:
+    """Start the engine and the server; return the process exit status (1 on a fatal error)."""
+    opts = EngineOptions(
+        model=args.model,
+        kv_cache_bytes=args.kv_cache_bytes,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        dtype=args.dtype,
+        seed=args.seed,
+        enforce_eager=args.enforce_eager,
+        enable_prefix_caching=not args.no_prefix_caching,
+    )
+    stager = WeightStager(args.stage_dir, CheckpointLayout.from_model_dir(args.model))
+    counts = SchedulerCounts()
+    engine = None
+    server = None
+    tasks: list[asyncio.Task] = []
+    try:
+        engine = build_engine(opts, counts)
+        await engine.update_weight_version(str(args.version))
+        worker = InferenceWorker(
+            engine, name=args.name, version=args.version, stager=stager, counts=counts
+        )
+        server = RpcServer(args.address, worker.handlers(), name=args.name)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        tasks = [
+            asyncio.create_task(server.serve_forever()),
+            asyncio.create_task(worker.watch_engine()),
+            asyncio.create_task(worker.fatal.wait()),
+            asyncio.create_task(stop.wait()),
+        ]
+        if args.ready_file:
+            _write_ready_file(args.ready_file, server.address)
+        log.info(
+            "%s: serving %s on %s (version %d)", args.name, args.model, server.address, args.version
+        )
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        if worker.fatal.is_set():
+            print(
+                f"rollart inference worker {args.name}: FATAL: {worker.fatal_reason}",
+                file=sys.stderr,
+            )
+            return 1
+        return 0
+    finally:
+        for t in tasks:
+            t.cancel()
+        if server is not None:
+            await server.close()
+        if engine is not None:
+            engine.shutdown()
+        stager.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``rollart serve-inference``; returns the exit status."""
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        import uvloop
+    except ImportError:  # uvloop is a dependency; plain asyncio still works without it
+        uvloop = None
+    run = uvloop.run if uvloop is not None else asyncio.run
+    try:
+        return run(serve(args))
+    except Exception as exc:  # start-up failures (model load, bind) end the process clearly
+        log.exception("%s: failed", args.name)
+        print(f"rollart inference worker {args.name}: FATAL: {exc!r}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    # The guard matters: vLLM spawns its engine core, which re-imports this module as __mp_main__.
+    sys.exit(main())

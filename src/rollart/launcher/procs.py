@@ -1,0 +1,160 @@
+"""Local process supervision for ``rollart run``: start service processes, find their addresses,
+notice when one dies, and stop them all (no orphans).
+
+Each service writes its bound address to a ``--ready-file`` once it serves, so services bind port
+0 and nothing races for fixed ports. Children run in their own process group and get SIGTERM
+when this process dies (Linux ``PR_SET_PDEATHSIG``), so a killed launcher leaves no orphans.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import os
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rollart.transport.errors import RollartError
+
+
+class ProcessFailedError(RollartError):
+    """A supervised process exited unexpectedly (fatal for the run). Names it and its log."""
+
+    def __init__(self, name: str, returncode: int | None, log_path: Path, tail: str) -> None:
+        self.name = name
+        self.returncode = returncode
+        self.log_path = log_path
+        super().__init__(
+            f"process {name!r} exited with code {returncode} (log: {log_path})\n"
+            f"--- last lines of its log ---\n{tail}"
+        )
+
+
+def _set_pdeathsig() -> None:  # runs in the child between fork and exec
+    with contextlib.suppress(Exception):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def log_tail(path: Path, num_lines: int = 30) -> str:
+    """The last ``num_lines`` lines of a log file ('' if it does not exist)."""
+    try:
+        with path.open("rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 16384))
+            return "\n".join(f.read().decode(errors="replace").splitlines()[-num_lines:])
+    except OSError:
+        return ""
+
+
+@dataclass
+class ServiceProcess:
+    """One supervised child process and where its log and ready file are."""
+
+    name: str
+    argv: list[str]
+    log_path: Path
+    ready_path: Path
+    proc: asyncio.subprocess.Process | None = None
+    address: str | None = None
+    expected_exit: bool = field(default=False)
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.returncode is None
+
+
+class Supervisor:
+    """Starts services, waits until each is ready, watches them, and stops them all.
+
+    Args:
+        run_dir: logs go to ``run_dir/logs/NAME.log``; ready files to ``run_dir/ready/``.
+        env: extra environment variables for every child.
+    """
+
+    def __init__(self, run_dir: Path, env: dict[str, str] | None = None) -> None:
+        self.run_dir = run_dir
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        (run_dir / "ready").mkdir(parents=True, exist_ok=True)
+        self._env = {**os.environ, **(env or {})}
+        self.services: dict[str, ServiceProcess] = {}
+        self._failed: asyncio.Future[ServiceProcess] | None = None
+
+    async def start(self, name: str, argv: Sequence[str], *, env: dict[str, str] | None = None,
+                    ready_timeout_s: float = 300.0) -> str:
+        """Start ``argv`` (a ``--ready-file`` option is appended) and wait for its address.
+
+        Returns:
+            The address the service wrote to its ready file.
+        Raises:
+            ProcessFailedError: the process exited before it was ready.
+            TimeoutError: not ready within ``ready_timeout_s``.
+        """
+        if name in self.services:
+            raise ValueError(f"service {name!r} already started")
+        svc = ServiceProcess(
+            name=name, argv=list(argv),
+            log_path=self.run_dir / "logs" / f"{name}.log",
+            ready_path=self.run_dir / "ready" / f"{name}.addr",
+        )
+        svc.ready_path.unlink(missing_ok=True)
+        self.services[name] = svc
+        log = svc.log_path.open("ab")
+        try:
+            svc.proc = await asyncio.create_subprocess_exec(
+                *svc.argv, "--ready-file", str(svc.ready_path),
+                stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log,
+                env={**self._env, **(env or {})},
+                start_new_session=True, preexec_fn=_set_pdeathsig,
+            )
+        finally:
+            log.close()
+        deadline = time.monotonic() + ready_timeout_s
+        while True:
+            if svc.ready_path.exists() and (text := svc.ready_path.read_text().strip()):
+                svc.address = text
+                return text
+            if svc.proc.returncode is not None:
+                raise ProcessFailedError(name, svc.proc.returncode, svc.log_path,
+                                         log_tail(svc.log_path))
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{name!r} not ready after {ready_timeout_s:.0f} s "
+                                   f"(log: {svc.log_path})")
+            await asyncio.sleep(0.1)
+
+    async def wait_any_failure(self) -> ProcessFailedError:
+        """Return (never raise) an error for the first service that exits unexpectedly."""
+        while True:
+            for svc in self.services.values():
+                if svc.proc is not None and svc.proc.returncode is not None \
+                        and not svc.expected_exit:
+                    return ProcessFailedError(svc.name, svc.proc.returncode, svc.log_path,
+                                              log_tail(svc.log_path))
+            await asyncio.sleep(0.2)
+
+    async def stop_all(self, timeout_s: float = 15.0) -> None:
+        """SIGTERM every child's process group, then SIGKILL what is left after ``timeout_s``."""
+        live = [s for s in self.services.values() if s.alive]
+        for svc in live:
+            svc.expected_exit = True
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(svc.proc.pid, signal.SIGTERM)  # type: ignore[union-attr]
+        deadline = time.monotonic() + timeout_s
+        for svc in live:
+            remaining = max(0.1, deadline - time.monotonic())
+            try:
+                await asyncio.wait_for(svc.proc.wait(), remaining)  # type: ignore[union-attr]
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(svc.proc.pid, signal.SIGKILL)  # type: ignore[union-attr]
+                await svc.proc.wait()  # type: ignore[union-attr]
+
+
+def python_module(module: str, *args: str) -> list[str]:
+    """argv running ``python -m module args`` with this interpreter."""
+    return [sys.executable, "-m", module, *args]

@@ -1,0 +1,117 @@
+"""SIMULATED cost models: seconds for prefill, decode steps, weight transfer and training.
+
+Roofline models (Williams et al., "Roofline", CACM 2009) applied to transformer inference as in
+"Efficient Memory Management for LLM Serving" (vLLM, SOSP'23) and "Splitwise" (ISCA'24): prefill
+is compute-bound, a decode step is memory-bound until the batch is large enough to be
+compute-bound. An engine spans ``tp`` devices (tensor parallel): their FLOP/s and bandwidth add.
+
+- prefill_s = 2 x active_params x num_tokens / (tp x flops x mfu)
+  (2 FLOPs per parameter per token for a forward pass; attention's O(context) FLOPs omitted).
+- decode_step_s = max(
+      (weight bytes read + KV bytes of the batch) / (tp x hbm_bytes_per_s x bw_efficiency),
+      2 x active_params x batch_size / (tp x flops x mfu))
+- transfer_s = bytes / link_bytes_per_s + latency_s
+- train_step_s = flops_per_token x active_params x num_tokens / (num_gpus x flops x train_mfu),
+  with 6 FLOPs per parameter per token for forward + backward (Kaplan et al. 2020, §2.1), plus
+  2 more when the loss needs a separate forward for old / proximal logprobs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rollart.sim.hardware import HardwareProfile
+from rollart.sim.models import ModelProfile
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Achieved fractions of peak (SIMULATED assumptions, not measurements).
+
+    Defaults: prefill MFU 0.5 and decode bandwidth efficiency 0.7 are typical of vLLM on Hopper
+    (vLLM and Splitwise papers report 40-60% MFU for prefill and 60-80% of HBM bandwidth for
+    decode); training MFU 0.4 (Megatron-LM reports 40-50% on large runs).
+    """
+
+    mfu: float = 0.5
+    bw_efficiency: float = 0.7
+    train_mfu: float = 0.4
+
+    def __post_init__(self) -> None:
+        for field in ("mfu", "bw_efficiency", "train_mfu"):
+            value = getattr(self, field)
+            if not 0.0 < value <= 1.0:
+                raise ValueError(f"Efficiency.{field} must be in (0, 1], got {value}")
+
+
+DEFAULT_EFFICIENCY = Efficiency()
+
+
+def _check_tp(tp: int) -> None:
+    if tp < 1:
+        raise ValueError(f"tp (devices per engine) must be >= 1, got {tp}")
+
+
+def prefill_s(model: ModelProfile, hw: HardwareProfile, num_tokens: int, *, tp: int = 1,
+              eff: Efficiency = DEFAULT_EFFICIENCY) -> float:
+    """Seconds to prefill ``num_tokens`` prompt tokens (compute-bound)."""
+    _check_tp(tp)
+    if num_tokens < 0:
+        raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+    return 2.0 * model.active_params * num_tokens / (tp * hw.flops * eff.mfu)
+
+
+def decode_step_s(model: ModelProfile, hw: HardwareProfile, batch_size: int,
+                  kv_tokens: float, *, tp: int = 1,
+                  eff: Efficiency = DEFAULT_EFFICIENCY) -> float:
+    """Seconds for one decode step of ``batch_size`` sequences holding ``kv_tokens`` in total.
+
+    The step reads the weights once (MoE: the experts the batch routes to) plus every cached
+    K/V of the batch; a large enough batch becomes compute-bound instead (roofline max).
+    Returns 0.0 for an empty batch.
+    """
+    _check_tp(tp)
+    if batch_size < 0 or kv_tokens < 0:
+        raise ValueError(f"batch_size and kv_tokens must be >= 0, got {batch_size}, {kv_tokens}")
+    if batch_size == 0:
+        return 0.0
+    bytes_read = model.weight_bytes_read(batch_size) + kv_tokens * model.kv_bytes_per_token
+    memory_s = bytes_read / (tp * hw.hbm_bytes_per_s * eff.bw_efficiency)
+    compute_s = 2.0 * model.active_params * batch_size / (tp * hw.flops * eff.mfu)
+    return max(memory_s, compute_s)
+
+
+def transfer_s(num_bytes: float, bytes_per_s: float, *, latency_s: float = 0.0) -> float:
+    """Seconds to move ``num_bytes`` over a link of ``bytes_per_s`` (plus a fixed latency)."""
+    if num_bytes < 0 or bytes_per_s <= 0 or latency_s < 0:
+        raise ValueError(f"need num_bytes >= 0, bytes_per_s > 0, latency_s >= 0; got "
+                         f"{num_bytes}, {bytes_per_s}, {latency_s}")
+    return num_bytes / bytes_per_s + latency_s
+
+
+def train_step_s(model: ModelProfile, hw: HardwareProfile, num_tokens: int, *, num_gpus: int,
+                 extra_forward: bool = True, eff: Efficiency = DEFAULT_EFFICIENCY) -> float:
+    """Seconds for one optimizer step over ``num_tokens`` tokens on ``num_gpus`` devices.
+
+    ``extra_forward``: add a forward pass (2 FLOPs/param/token) for old or proximal logprobs.
+    """
+    if num_gpus < 1:
+        raise ValueError(f"num_gpus must be >= 1, got {num_gpus}")
+    if num_tokens < 0:
+        raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+    flops_per_token = (8.0 if extra_forward else 6.0) * model.active_params
+    return flops_per_token * num_tokens / (num_gpus * hw.flops * eff.train_mfu)
+
+
+def kv_capacity_tokens(model: ModelProfile, hw: HardwareProfile, *, tp: int = 1,
+                       memory_utilization: float = 0.9) -> int:
+    """KV cache tokens an engine of ``tp`` devices holds after loading the weights.
+
+    Raises ``ValueError`` when the weights alone do not fit (pick a larger ``tp``).
+    """
+    _check_tp(tp)
+    free = tp * hw.memory_bytes * memory_utilization - model.weight_bytes
+    if free <= 0:
+        raise ValueError(f"{model.name} ({model.weight_bytes / 1e9:.1f} GB of weights) does not "
+                         f"fit on {tp} x {hw.name} at memory_utilization={memory_utilization}")
+    return int(free // model.kv_bytes_per_token)

@@ -1,0 +1,91 @@
+"""SIMULATED hardware: accelerator profiles used by rollart's cost models.
+
+Nothing here touches a real device. Each profile gives the peak numbers a roofline cost model
+needs; achieved fractions (MFU, bandwidth efficiency) live in ``rollart.sim.costs``.
+
+Sources (dense, i.e. without 2:4 sparsity; SXM parts):
+
+- H100 SXM5 80 GB: 989 TFLOP/s bf16 dense, 3.35 TB/s HBM3, 80 GB (NVIDIA H100 Tensor Core GPU
+  datasheet, "BF16 Tensor Core 1,979 TFLOPS*" with *sparsity, i.e. 989 dense).
+- H800 SXM5 80 GB: the export variant of H100 with the same SMs and HBM3 and cut NVLink
+  (400 GB/s); 989 TFLOP/s, 3.35 TB/s (NVIDIA H800 datasheet; the RollArt paper §2 uses these).
+- H20 96 GB: 148 TFLOP/s bf16 dense, 4.0 TB/s HBM3, 96 GB (NVIDIA HGX H20 product brief; RollArt
+  paper §2: "~148 TFLOP/s, 4.0 TB/s").
+- H200 SXM 141 GB: 989 TFLOP/s bf16 dense, 4.8 TB/s HBM3e, 141 GB (NVIDIA H200 datasheet).
+- ``cpu``: this development machine's class, 2 vCPUs of an AMD EPYC Zen 4 with AVX512-BF16.
+  Estimate: 2 cores x 3.0 GHz x 64 bf16 FLOP/cycle (two 256-bit FMA pipes running VDPBF16PS)
+  = 0.384 TFLOP/s peak; ~20 GB/s of DRAM bandwidth for a 2-vCPU share of a socket; 8 GiB.
+
+Relative cost (for equal-cost pools): H800 = 1.0 by definition. H20 = 1/3, derived from the
+paper's equal-cost pools (64 H800 + 24 H20 costs the same as 72 H800, so 24 H20 = 8 H800).
+H100 = 1.0 (same silicon as H800). H200 = 1.25 (assumption: list prices ~25% above H100).
+CPU = 0.01 (assumption; only used for env pools, never compared to GPUs).
+
+``link_bytes_per_s``: the bandwidth one engine sees for cross-cluster weight transfer. 0.42 GB/s
+is what the paper's Table 4 implies for its naive path (Qwen3-32B bf16, 65.5 GB, in 157 s);
+``h2d_bytes_per_s`` is host-to-device copy over PCIe Gen5 x16 (~25 GB/s achieved), used for
+applying weights that are already staged in host memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+TERA = 1e12
+GIGA = 1e9
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """Peak capabilities of one accelerator (SIMULATED; see module docstring for sources).
+
+    Attributes:
+        name: label used in pools and outputs (``"h800"``).
+        flops: dense bf16 FLOP/s.
+        hbm_bytes_per_s: memory bandwidth in bytes/s.
+        memory_bytes: device memory in bytes.
+        relative_cost: price relative to one H800 (equal-cost pool sizing).
+        link_bytes_per_s: cross-cluster weight-transfer bandwidth in bytes/s.
+        h2d_bytes_per_s: host-to-device copy bandwidth in bytes/s.
+    """
+
+    name: str
+    flops: float
+    hbm_bytes_per_s: float
+    memory_bytes: float
+    relative_cost: float
+    link_bytes_per_s: float = 0.42 * GIGA
+    h2d_bytes_per_s: float = 25 * GIGA
+
+    def __post_init__(self) -> None:
+        for field in ("flops", "hbm_bytes_per_s", "memory_bytes", "relative_cost",
+                      "link_bytes_per_s", "h2d_bytes_per_s"):
+            if not getattr(self, field) > 0:
+                raise ValueError(f"HardwareProfile {self.name!r}: {field} must be > 0, "
+                                 f"got {getattr(self, field)!r}")
+
+
+H800 = HardwareProfile("h800", 989 * TERA, 3.35 * TERA, 80 * GIGA, 1.0)
+H20 = HardwareProfile("h20", 148 * TERA, 4.0 * TERA, 96 * GIGA, 1.0 / 3.0)
+H100 = HardwareProfile("h100", 989 * TERA, 3.35 * TERA, 80 * GIGA, 1.0)
+H200 = HardwareProfile("h200", 989 * TERA, 4.8 * TERA, 141 * GIGA, 1.25)
+CPU = HardwareProfile("cpu", 0.384 * TERA, 20 * GIGA, 8 * GIGA, 0.01,
+                      link_bytes_per_s=1 * GIGA, h2d_bytes_per_s=20 * GIGA)
+
+HARDWARE: dict[str, HardwareProfile] = {p.name: p for p in (H800, H20, H100, H200, CPU)}
+
+
+def get_hardware(name: str) -> HardwareProfile:
+    """The profile called ``name`` (case-insensitive). Raises ``KeyError`` naming the choices."""
+    try:
+        return HARDWARE[name.lower()]
+    except KeyError:
+        raise KeyError(f"unknown hardware {name!r}; known: {sorted(HARDWARE)}") from None
+
+
+def equal_cost_count(budget: float, hardware: HardwareProfile) -> int:
+    """How many whole ``hardware`` devices a ``budget`` (in H800 units) buys (floor)."""
+    if budget < 0:
+        raise ValueError(f"budget must be >= 0, got {budget}")
+    # The epsilon keeps 24 * (1/3) == 8.0 from flooring to 7 through float rounding.
+    return int(budget / hardware.relative_cost + 1e-9)

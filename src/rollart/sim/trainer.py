@@ -1,0 +1,98 @@
+"""SIMULATED trainer (the controller's ``TrainerBackend`` port).
+
+A step sleeps ``rollart.sim.costs.train_step_s`` for the batch's tokens and bumps the version;
+``push_weights`` streams the model's bytes to every worker as ``SimTensor`` buckets (each worker
+charges ``bytes / link_bytes_per_s`` of its own link, in parallel). No tensors exist.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from rollart.controller.ports import GenerationBackend, TrainResult
+from rollart.sim import costs
+from rollart.sim.hardware import HardwareProfile
+from rollart.sim.models import ModelProfile
+
+
+@dataclass(frozen=True)
+class SimTensor:
+    """Stands for a weight tensor of ``nbytes`` bytes (SIMULATED; no data)."""
+
+    nbytes: int
+
+
+class SimTrainer:
+    """A SIMULATED trainer on ``num_gpus`` x ``hardware`` training ``model``.
+
+    Args:
+        bucket_bytes: weight bucket size (the paper streams ~1 GB buckets, §6.3).
+        extra_forward: charge a forward pass for proximal / old logprobs (decoupled PPO).
+
+    Attributes: ``version`` (updates applied), ``step_times_s`` (each step's simulated time),
+    ``push_times_s`` (each push's duration, seconds).
+    """
+
+    def __init__(self, *, model: ModelProfile, hardware: HardwareProfile, num_gpus: int,
+                 bucket_bytes: int = 1 << 30, extra_forward: bool = True,
+                 eff: costs.Efficiency = costs.DEFAULT_EFFICIENCY) -> None:
+        if num_gpus < 1 or bucket_bytes < 1:
+            raise ValueError(f"num_gpus and bucket_bytes must be >= 1, got {num_gpus}, "
+                             f"{bucket_bytes}")
+        self.model, self.hardware, self.num_gpus = model, hardware, num_gpus
+        self.bucket_bytes, self.extra_forward, self.eff = bucket_bytes, extra_forward, eff
+        self._version = 0
+        self.step_times_s: list[float] = []
+        self.push_times_s: list[float] = []
+        self.num_tokens_trained = 0
+        self.workers: list[GenerationBackend] = []
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    async def train(self, samples: Sequence[Any]) -> TrainResult:
+        """One simulated update over every token of ``samples`` (objects with ``num_tokens``,
+        e.g. ``rollart.controller.sample.Sample``). Raises ``ValueError`` on an empty batch."""
+        if not samples:
+            raise ValueError("SimTrainer.train: empty batch")
+        num_tokens = sum(int(s.num_tokens) for s in samples)
+        dur = costs.train_step_s(self.model, self.hardware, num_tokens, num_gpus=self.num_gpus,
+                                 extra_forward=self.extra_forward, eff=self.eff)
+        await asyncio.sleep(dur)
+        self._version += 1
+        self.step_times_s.append(dur)
+        self.num_tokens_trained += num_tokens
+        return TrainResult(version=self._version,
+                           metrics={"sim_train_s": dur, "num_tokens": float(num_tokens)})
+
+    async def set_workers(self, workers: Sequence[GenerationBackend]) -> None:
+        """Remember the workers later versions go to (``push_weights`` is given them too)."""
+        self.workers = list(workers)
+
+    def _buckets(self) -> Iterator[tuple[str, SimTensor]]:
+        remaining = int(self.model.weight_bytes)
+        i = 0
+        while remaining > 0:
+            n = min(self.bucket_bytes, remaining)
+            yield f"bucket.{i}", SimTensor(n)
+            remaining -= n
+            i += 1
+
+    async def push_weights(self, version: int, workers: Sequence[GenerationBackend]) -> None:
+        """Stage ``version`` (must equal ``self.version``) on every worker, in parallel.
+
+        Raises ``ValueError`` for another version.
+        """
+        if version != self._version:
+            raise ValueError(f"SimTrainer.push_weights: version {version} is not the current "
+                             f"{self._version}")
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        await asyncio.gather(*(
+            w.push_weights(version, self._buckets(), bucket_bytes=self.bucket_bytes)  # type: ignore[attr-defined]
+            for w in workers if not w.dead))
+        self.push_times_s.append(loop.time() - start)

@@ -1,0 +1,425 @@
+"""SIMULATED inference worker: continuous batching timed by the roofline cost model.
+
+``SimInferenceWorker`` has the methods of ``rollart.inference.client.InferenceClient`` and runs
+in-process: no engine, no tokens computed. Time passes only through ``asyncio`` sleeps on the
+running loop's clock, so under a virtual clock (``rollart.sim.clock``) hours of simulated
+generation take seconds, and under a normal loop the same code runs in real time.
+
+Engine model (vLLM-like, one iteration at a time):
+- admit waiting requests while ``len(running) < max_batch`` and their prompt fits the KV cache;
+  prefill them (and any pending re-prefill) in one iteration of ``prefill_s`` (the tokens of a
+  prompt already in the prefix cache are not recomputed); each emits its first token;
+- otherwise decode: every running request gains one token per ``decode_step_s``. Steps are
+  simulated in chunks up to the next finish; an arrival, abort or pause ends the chunk at the
+  next step boundary so admission latency is exact to one step;
+- when decode growth would overflow the KV cache, the latest admitted request is preempted back
+  to the waiting queue and recomputed later (vLLM's recompute preemption).
+
+Response lengths: the prompt's domain (``DomainTable.for_prompt``) gives the distribution; the
+draw is seeded by ``(seed, request_id)``, independent of routing and arrival order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from rollart.sim import costs
+from rollart.sim.hardware import HardwareProfile
+from rollart.sim.models import ModelProfile
+from rollart.sim.workload import (
+    EOS_TOKEN_ID,
+    GEN_TOKEN_ID,
+    Dist,
+    DomainTable,
+    seeded_rng,
+)
+from rollart.transport import messages as m
+from rollart.transport.errors import PeerDeadError, RemoteError, RemoteTimeoutError
+
+_EPS = 1e-9
+_HEAD = 16
+
+
+@dataclass
+class _Request:
+    rid: str
+    prompt: list[int]
+    target: int  # tokens this request will generate before finishing
+    finish: Literal["stop", "length"]
+    logprob: float
+    fut: asyncio.Future
+    generated: int = 0
+    to_prefill: int = 0  # tokens the next prefill must compute for this request
+    segments: list[list[int]] = field(default_factory=list)  # [version, num_tokens]
+
+    @property
+    def kv_tokens(self) -> int:
+        return len(self.prompt) + self.generated
+
+
+class SimInferenceWorker:
+    """A SIMULATED inference engine on ``tp`` x ``hardware`` serving ``model``.
+
+    Args:
+        name: worker name (stats, logs).
+        hardware, model, tp: the engine's devices and model (``tp`` devices, tensor parallel).
+        domains: task domains; the prompt's domain picks the response-length distribution.
+        seed: base seed of response-length draws.
+        max_batch: most concurrently running requests (vLLM ``max_num_seqs``).
+        eff: achieved fractions of peak (``rollart.sim.costs.Efficiency``).
+        memory_utilization: share of device memory for weights + KV cache.
+        default_response: response-length distribution for prompts of no known domain.
+        prefix_cache: reuse the KV of a previous request's prompt + response when a new prompt
+            extends it (multi-turn), as vLLM's automatic prefix caching does.
+
+    Raises ``ValueError`` if the model does not fit on ``tp`` devices.
+    """
+
+    def __init__(self, name: str, *, hardware: HardwareProfile, model: ModelProfile,
+                 domains: DomainTable, seed: int = 0, tp: int = 1, max_batch: int = 256,
+                 eff: costs.Efficiency = costs.DEFAULT_EFFICIENCY,
+                 memory_utilization: float = 0.9,
+                 default_response: Dist | None = None, prefix_cache: bool = True) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.name = name
+        self.hardware, self.model, self.tp, self.eff = hardware, model, tp, eff
+        self.domains, self.seed, self.max_batch = domains, seed, max_batch
+        self.capacity = costs.kv_capacity_tokens(model, hardware, tp=tp,
+                                                 memory_utilization=memory_utilization)
+        self.default_response = default_response or Dist("lognormal", 512, 256, 1, 1e9)
+        self.prefix_cache = prefix_cache
+        self.dead = False
+        self.last_stats: m.WorkerStats | None = None
+        self.version = 0
+        self.paused = False
+        self.num_generated_tokens = 0
+        self.busy_s = 0.0  # engine time spent in prefill or decode (utilisation)
+        self._waiting: collections.deque[_Request] = collections.deque()
+        self._running: dict[str, _Request] = {}
+        self._staged: dict[int, float] = {}  # version -> bytes staged
+        self._cache: collections.OrderedDict[tuple[int, int, int], int] = \
+            collections.OrderedDict()
+        self._heads: dict[int, set[tuple[int, int, int]]] = {}
+        self._cache_tokens = 0
+        self._reprefill_tokens = 0
+        self._chunk: tuple[float, float, int] | None = None  # (start, step_s, steps)
+        self._wake_fut: asyncio.Future | None = None
+        self._parked = asyncio.Event()
+        self._engine_task: asyncio.Task | None = None
+
+    # ---------------------------------------------------------------- InferenceClient methods
+
+    async def generate(self, request: m.Generate, *,
+                       timeout_s: float | None = None) -> m.GenerateResult:
+        """Generate (simulated) tokens for ``request``; see ``m.GenerateResult``.
+
+        Raises ``PeerDeadError`` when the worker was killed, ``RemoteError("engine_error")``
+        when the prompt alone exceeds the KV cache, ``RemoteTimeoutError`` after ``timeout_s``
+        (the request is aborted). Cancelling the caller aborts the request.
+        """
+        self._check_alive()
+        if request.request_id in self._running or any(
+                r.rid == request.request_id for r in self._waiting):
+            raise RemoteError("bad_request", f"duplicate request_id {request.request_id!r}")
+        if len(request.prompt_token_ids) + 1 > self.capacity:
+            raise RemoteError("engine_error", f"prompt of {len(request.prompt_token_ids)} tokens "
+                              f"exceeds the KV cache ({self.capacity} tokens) of {self.name}")
+        spec = self.domains.for_prompt(request.prompt_token_ids)
+        dist = spec.response_tokens if spec is not None else self.default_response
+        rng = seeded_rng(self.seed, request.request_id)
+        wanted = max(1, dist.sample_int(rng))
+        max_tokens = request.sampling.max_tokens
+        req = _Request(
+            rid=request.request_id, prompt=request.prompt_token_ids,
+            target=min(wanted, max_tokens), finish="stop" if wanted <= max_tokens else "length",
+            logprob=-rng.uniform(0.05, 1.5), fut=asyncio.get_running_loop().create_future(),
+        )
+        req.to_prefill = len(req.prompt) - self._cached_prefix(req.prompt)
+        self._waiting.append(req)
+        self._ensure_engine()
+        self._wake()
+        try:
+            if timeout_s is None:
+                return await asyncio.shield(req.fut)
+            try:
+                return await asyncio.wait_for(asyncio.shield(req.fut), timeout_s)
+            except TimeoutError:
+                await self.abort(req.rid)
+                raise RemoteTimeoutError(f"{self.name}: generate {req.rid} exceeded "
+                                         f"timeout_s={timeout_s}") from None
+        except asyncio.CancelledError:
+            await self.abort(req.rid)
+            raise
+
+    async def abort(self, request_id: str) -> None:
+        """Abort ``request_id``: its ``generate`` returns ``finish_reason="abort"`` with the
+        tokens produced so far. Unknown ids are ignored (it may have just finished)."""
+        req = self._running.pop(request_id, None)
+        if req is not None:
+            self._credit(req, self._chunk_progress())
+        else:
+            for i, r in enumerate(self._waiting):
+                if r.rid == request_id:
+                    req = r
+                    del self._waiting[i]
+                    break
+        if req is not None:
+            self._resolve(req, "abort")
+            self._wake()
+
+    async def pause(self, mode: Literal["keep", "abort"] = "keep") -> None:
+        """Stop generating at the next step boundary. ``keep``: requests wait (KV kept);
+        ``abort``: every request returns now with ``finish_reason="abort"``."""
+        self._check_alive()
+        self.paused = True
+        if mode == "abort":
+            for rid in [*self._running, *(r.rid for r in self._waiting)]:
+                await self.abort(rid)
+        if self._engine_task is not None and not self._engine_task.done():
+            self._wake()
+            await self._parked.wait()
+
+    async def resume(self) -> None:
+        self._check_alive()
+        self.paused = False
+        self._wake()
+
+    async def stats(self) -> m.WorkerStats:
+        self._check_alive()
+        return self._stats()
+
+    async def push_weights(self, version: int, named_tensors: Iterable[tuple[str, Any]], *,
+                           bucket_bytes: int) -> None:
+        """Stage ``version``: takes ``sum(t.nbytes) / hardware.link_bytes_per_s`` seconds.
+
+        ``named_tensors`` yields ``(name, tensor)`` with any object that has ``nbytes``
+        (``rollart.sim.trainer.SimTensor`` or a real tensor).
+        """
+        self._check_alive()
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+        total = float(sum(t.nbytes for _, t in named_tensors))
+        await asyncio.sleep(costs.transfer_s(total, self.hardware.link_bytes_per_s))
+        self._staged[version] = total
+
+    async def apply_weights(self, version: int, *, reprefill: bool = False) -> m.WeightsApplied:
+        """Load staged ``version`` (host -> device copy time; ``tp`` devices in parallel).
+
+        ``reprefill``: running requests recompute their KV at the next iteration.
+        Raises ``RemoteError`` with ``stale_version`` or ``incomplete_version``.
+        """
+        self._check_alive()
+        if version <= self.version:
+            raise RemoteError("stale_version", f"{self.name}: version {version} <= current "
+                              f"{self.version}")
+        if version not in self._staged:
+            raise RemoteError("incomplete_version", f"{self.name}: version {version} was not "
+                              "pushed")
+        nbytes = self._staged.pop(version)
+        apply_s = costs.transfer_s(nbytes, self.tp * self.hardware.h2d_bytes_per_s)
+        await asyncio.sleep(apply_s)
+        self.version = version
+        self._staged = {v: b for v, b in self._staged.items() if v > version}
+        self._cache.clear()  # KV computed by older weights is not reused by new requests
+        self._heads.clear()
+        self._cache_tokens = 0
+        if reprefill:
+            self._reprefill_tokens += sum(r.kv_tokens for r in self._running.values())
+        self._wake()
+        return m.WeightsApplied(version=version, apply_time_s=apply_s, stats=self._stats())
+
+    async def close(self) -> None:
+        self.kill("closed")
+
+    def kill(self, reason: str = "killed") -> None:
+        """Fault injection: the worker dies; every pending and later call raises
+        ``PeerDeadError``."""
+        if self.dead:
+            return
+        self.dead = True
+        for req in [*self._running.values(), *self._waiting]:
+            if not req.fut.done():
+                req.fut.set_exception(PeerDeadError(f"{self.name}: {reason}"))
+        self._running.clear()
+        self._waiting.clear()
+        if self._engine_task is not None:
+            self._engine_task.cancel()
+
+    # ------------------------------------------------------------------------------ engine
+
+    def _check_alive(self) -> None:
+        if self.dead:
+            raise PeerDeadError(f"simulated worker {self.name} is dead")
+
+    def _stats(self) -> m.WorkerStats:
+        self.last_stats = m.WorkerStats(
+            worker=self.name, num_running=len(self._running), num_waiting=len(self._waiting),
+            version=self.version, paused=self.paused,
+            num_generated_tokens=self.num_generated_tokens)
+        return self.last_stats
+
+    def _ensure_engine(self) -> None:
+        if self._engine_task is None or self._engine_task.done():
+            self._engine_task = asyncio.get_running_loop().create_task(
+                self._engine(), name=f"sim-engine-{self.name}")
+
+    def _wake(self) -> None:
+        fut = self._wake_fut
+        if fut is not None and not fut.done():
+            fut.set_result(None)
+
+    async def _wait(self, timeout_s: float | None) -> None:
+        loop = asyncio.get_running_loop()
+        self._wake_fut = fut = loop.create_future()
+        handle = None if timeout_s is None else loop.call_later(timeout_s, self._wake)
+        try:
+            await fut
+        finally:
+            if handle is not None:
+                handle.cancel()
+            self._wake_fut = None
+
+    def _chunk_progress(self) -> int:
+        if self._chunk is None:
+            return 0
+        start, step_s, steps = self._chunk
+        done = int((asyncio.get_running_loop().time() - start) / step_s + _EPS)
+        return min(steps, done)
+
+    def _kv_used(self) -> int:
+        return sum(r.kv_tokens for r in self._running.values())
+
+    async def _engine(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if self.paused or not (self._waiting or self._running):
+                self._parked.set()
+                await self._wait(None)
+                continue
+            self._parked.clear()
+            admitted = self._admit()
+            prefill_tokens = self._reprefill_tokens + sum(r.to_prefill for r in admitted)
+            if admitted or self._reprefill_tokens:
+                self._reprefill_tokens = 0
+                dur = costs.prefill_s(self.model, self.hardware, prefill_tokens, tp=self.tp,
+                                      eff=self.eff)
+                await asyncio.sleep(dur)
+                self.busy_s += dur
+                for req in admitted:
+                    req.to_prefill = 0
+                    if self._running.get(req.rid) is req:
+                        self._credit(req, 1)  # prefill emits the first token
+                self._finish_done()
+                continue
+            if not self._running:
+                continue
+            self._preempt_to_fit()
+            batch = len(self._running)
+            room = (self.capacity - self._kv_used()) // batch
+            steps = max(1, min(min(r.target - r.generated for r in self._running.values()), room))
+            kv_mid = self._kv_used() + batch * (steps - 1) / 2.0
+            step_s = costs.decode_step_s(self.model, self.hardware, batch, kv_mid, tp=self.tp,
+                                         eff=self.eff)
+            start = loop.time()
+            self._chunk = (start, step_s, steps)
+            await self._wait(steps * step_s)
+            done = self._chunk_progress()
+            elapsed = loop.time() - start
+            if done < steps and elapsed > done * step_s + _EPS:
+                # Interrupted mid-step: the step in flight completes first, as in a real engine.
+                await asyncio.sleep((done + 1) * step_s - elapsed)
+                done += 1
+            self._chunk = None
+            self.busy_s += loop.time() - start
+            for req in self._running.values():
+                self._credit(req, done)
+            self._finish_done()
+
+    def _admit(self) -> list[_Request]:
+        admitted: list[_Request] = []
+        kv = self._kv_used()
+        while (self._waiting and len(self._running) < self.max_batch
+               and kv + self._waiting[0].kv_tokens + 1 <= self.capacity):
+            req = self._waiting.popleft()
+            self._running[req.rid] = req
+            kv += req.kv_tokens
+            admitted.append(req)
+        return admitted
+
+    def _preempt_to_fit(self) -> None:
+        while len(self._running) > 1 and self._kv_used() + len(self._running) > self.capacity:
+            rid = next(reversed(self._running))
+            req = self._running.pop(rid)
+            req.to_prefill = req.kv_tokens  # recompute preemption: its KV is gone
+            self._waiting.appendleft(req)
+
+    def _credit(self, req: _Request, n: int) -> None:
+        n = min(n, req.target - req.generated)
+        if n <= 0:
+            return
+        req.generated += n
+        self.num_generated_tokens += n
+        if req.segments and req.segments[-1][0] == self.version:
+            req.segments[-1][1] += n
+        else:
+            req.segments.append([self.version, n])
+
+    def _finish_done(self) -> None:
+        for rid in [r.rid for r in self._running.values() if r.generated >= r.target]:
+            req = self._running.pop(rid)
+            self._resolve(req, req.finish)
+
+    def _resolve(self, req: _Request, reason: str) -> None:
+        if req.fut.done():
+            return
+        n = req.generated
+        ids = [GEN_TOKEN_ID] * n
+        if reason == "stop" and n:
+            ids[-1] = EOS_TOKEN_ID
+        versions: list[int] = []
+        for version, count in req.segments:
+            versions.extend([version] * count)
+        if self.prefix_cache and reason != "abort":
+            self._remember(req.prompt + ids)
+        req.fut.set_result(m.GenerateResult(
+            request_id=req.rid, token_ids=ids, logprobs=[req.logprob] * n, versions=versions,
+            finish_reason=reason, num_prompt_tokens=len(req.prompt), stats=self._stats()))
+
+    # -------------------------------------------------------------------------- prefix cache
+    # Entries are keyed by (head, length, digest): ``head`` hashes the first _HEAD tokens, so a
+    # lookup hashes whole prefixes only for the few entries that start like the prompt.
+
+    def _remember(self, seq: list[int]) -> None:
+        head = hash(tuple(seq[:_HEAD]))
+        key = (head, len(seq), hash(tuple(seq)))
+        if key in self._cache:
+            self._cache.move_to_end(key)
+            return
+        self._cache[key] = len(seq)
+        self._heads.setdefault(head, set()).add(key)
+        self._cache_tokens += len(seq)
+        while self._cache_tokens > self.capacity and self._cache:
+            old, n = self._cache.popitem(last=False)
+            self._heads[old[0]].discard(old)
+            if not self._heads[old[0]]:
+                del self._heads[old[0]]
+            self._cache_tokens -= n
+
+    def _cached_prefix(self, prompt: list[int]) -> int:
+        if not self.prefix_cache:
+            return 0
+        best_key = None
+        for key in self._heads.get(hash(tuple(prompt[:_HEAD])), ()):
+            _, length, digest = key
+            if (best_key is None or length > best_key[1]) and length <= len(prompt) \
+                    and hash(tuple(prompt[:length])) == digest:
+                best_key = key
+        if best_key is None:
+            return 0
+        self._cache.move_to_end(best_key)
+        return best_key[1]

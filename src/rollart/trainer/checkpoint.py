@@ -1,0 +1,121 @@
+"""Checkpoints with torch.distributed.checkpoint (DCP): model + optimizer, plus small JSON state.
+
+Layout of one checkpoint (``DIR/step_000042/``)::
+
+    trainer/          DCP shards of {"model": ..., "optim": ...}
+    trainer.json      trainer version, step, RNG states (torch CPU, python, numpy)
+    controller.json   written by the controller: sample-buffer snapshot, sampler position,
+                      trained sample ids (exactly-once across resume)
+    COMPLETE          written last; a checkpoint without it is ignored on resume
+
+``DIR/latest`` names the newest complete checkpoint; it is replaced atomically (rename), so a
+kill at any moment leaves either the old or the new checkpoint selectable, never a torn one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+
+class TrainerState(msgspec.Struct, kw_only=True):
+    """Scalar trainer state saved beside the DCP shards. ``version``: updates applied."""
+
+    version: int
+    step: int
+    torch_rng: list[int]
+    python_rng: Any
+    numpy_rng: Any
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step_{step:06d}"
+
+
+def _rng_state() -> dict[str, Any]:
+    return {
+        "torch_rng": torch.get_rng_state().tolist(),
+        "python_rng": random.getstate(),
+        "numpy_rng": [
+            (x.tolist() if isinstance(x, np.ndarray) else x) for x in np.random.get_state()
+        ],
+    }
+
+
+def _set_rng_state(state: TrainerState) -> None:
+    torch.set_rng_state(torch.tensor(state.torch_rng, dtype=torch.uint8))
+    version, internal, gauss = state.python_rng
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state.numpy_rng
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+def save_trainer(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+                 version: int, step: int) -> float:
+    """Save model + optimizer (DCP) and trainer state under ``path``. Returns seconds taken."""
+    start = time.perf_counter()
+    path.mkdir(parents=True, exist_ok=True)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path / "trainer"))
+    state = TrainerState(version=version, step=step, **_rng_state())
+    _atomic_write(path / "trainer.json", msgspec.json.encode(state))
+    return time.perf_counter() - start
+
+
+def load_trainer(path: Path, model: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer) -> TrainerState:
+    """Load what ``save_trainer`` wrote into ``model`` / ``optimizer`` and restore RNG states.
+
+    Raises:
+        FileNotFoundError: ``path`` has no trainer checkpoint.
+    """
+    if not (path / "trainer.json").exists():
+        raise FileNotFoundError(f"no trainer checkpoint in {path}")
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    sd = {"model": model_sd, "optim": optim_sd}
+    dcp.load(sd, checkpoint_id=str(path / "trainer"))
+    set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    state = msgspec.json.decode((path / "trainer.json").read_bytes(), type=TrainerState)
+    _set_rng_state(state)
+    return state
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def mark_complete(root: Path, step: int) -> None:
+    """Seal ``step``'s checkpoint and point ``root/latest`` at it (atomic)."""
+    d = step_dir(root, step)
+    (d / "COMPLETE").write_text(str(step))
+    _atomic_write(root / "latest", d.name.encode())
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    """The newest complete checkpoint under ``root``, or ``None``."""
+    marker = root / "latest"
+    if not marker.exists():
+        return None
+    d = root / marker.read_text().strip()
+    return d if (d / "COMPLETE").exists() else None
+
+
+def write_json(path: Path, obj: Any) -> None:
+    """Atomically write ``obj`` as JSON (msgspec encodes Structs)."""
+    _atomic_write(path, msgspec.json.encode(obj))
+
+
+def read_json(path: Path) -> Any:
+    return json.loads(path.read_bytes())

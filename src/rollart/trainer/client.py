@@ -1,0 +1,63 @@
+"""Client of the trainer process, used by the controller (``TrainerBackend`` fits it)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from rollart.transport import messages as m
+from rollart.transport.rpc import RpcClient
+
+
+class TrainerClient:
+    """Typed calls to ``rollart serve-trainer``.
+
+    Args:
+        address: the trainer's ZMQ endpoint.
+        train_timeout_s: timeout of one ``train`` call (a step on a large batch can be slow).
+    Raises (every method): ``RemoteError`` (per request), ``RemoteTimeoutError``,
+        ``PeerDeadError`` (the trainer process is gone: fatal for the run).
+    """
+
+    def __init__(self, address: str, *, train_timeout_s: float = 3600.0,
+                 default_timeout_s: float = 600.0, liveness_timeout_s: float = 60.0) -> None:
+        self.name = "trainer"
+        self.train_timeout_s = train_timeout_s
+        self._rpc = RpcClient(address, name="trainer", default_timeout_s=default_timeout_s,
+                              liveness_timeout_s=liveness_timeout_s)
+
+    @property
+    def dead(self) -> bool:
+        return self._rpc.dead
+
+    async def train(self, step: int, samples: Sequence[m.TrainSample]) -> m.TrainResult:
+        """One optimizer step on ``samples``; returns once the new version exists (pushing)."""
+        reply, _ = await self._rpc.call(m.TrainBatch(step=step, samples=list(samples)),
+                                        timeout_s=self.train_timeout_s)
+        assert isinstance(reply, m.TrainResult)
+        return reply
+
+    async def set_workers(self, addresses: Sequence[str]) -> None:
+        await self._rpc.call(m.SetWorkers(addresses=list(addresses)))
+
+    async def wait_published(self, version: int) -> m.Published:
+        reply, _ = await self._rpc.call(m.WaitPublished(version=version))
+        assert isinstance(reply, m.Published)
+        return reply
+
+    async def publish_latest(self, addresses: Sequence[str]) -> m.Published:
+        reply, _ = await self._rpc.call(m.PublishLatest(addresses=list(addresses)))
+        assert isinstance(reply, m.Published)
+        return reply
+
+    async def save_checkpoint(self, path: str) -> m.CheckpointSaved:
+        reply, _ = await self._rpc.call(m.SaveCheckpoint(path=path))
+        assert isinstance(reply, m.CheckpointSaved)
+        return reply
+
+    async def status(self) -> m.TrainerStatus:
+        reply, _ = await self._rpc.call(m.GetTrainerState())
+        assert isinstance(reply, m.TrainerStatus)
+        return reply
+
+    async def close(self) -> None:
+        await self._rpc.close()

@@ -1,0 +1,173 @@
+"""The trainer process (``rollart serve-trainer``): GRPO / decoupled-PPO steps on a Hugging Face
+causal LM, versioned weight broadcast to inference workers, DCP checkpoints.
+
+Training runs in a worker thread so the RPC loop keeps answering heartbeats and weight pushes
+proceed while the next step computes. After each optimizer step the parameters are snapshotted
+as the new version and pushed in the background (``WeightPublisher``); the controller awaits
+``WaitPublished`` only when it wants to apply the version.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+
+from rollart.transport import messages as m
+from rollart.transport.errors import RemoteError
+from rollart.transport.rpc import RpcServer
+
+log = logging.getLogger("rollart.trainer")
+
+
+class TrainerOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Optimizer and broadcast settings of the trainer process (the scenario's ``trainer``)."""
+
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    bucket_bytes: int = 1 << 30
+    seed: int = 0
+    num_threads: int = 0  # 0: leave torch's default
+
+
+class TrainerService:
+    """Holds the model, optimizer and publisher; one RPC handler per trainer message."""
+
+    def __init__(self, model_path: Path, opts: TrainerOptions, step_cfg_json: bytes | None,
+                 resume: Path | None) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from rollart.inference.client import InferenceClient
+        from rollart.trainer.broadcast import WeightPublisher
+        from rollart.trainer.checkpoint import load_trainer
+        from rollart.trainer.step import TrainStepConfig
+
+        if opts.num_threads:
+            torch.set_num_threads(opts.num_threads)
+        torch.manual_seed(opts.seed)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=opts.lr,
+                                           weight_decay=opts.weight_decay, betas=opts.betas)
+        self.step_cfg = (msgspec.json.decode(step_cfg_json, type=TrainStepConfig)
+                         if step_cfg_json else TrainStepConfig())
+        self.version = 0
+        self.step = 0
+        if resume is not None:
+            state = load_trainer(resume, self.model, self.optimizer)
+            self.version, self.step = state.version, state.step
+            log.info("resumed from %s at version %d", resume, self.version)
+        self.publisher = WeightPublisher(
+            lambda addr: InferenceClient(addr, name=f"worker@{addr}", default_timeout_s=600.0),
+            bucket_bytes=opts.bucket_bytes,
+        )
+        self._lock = asyncio.Lock()  # one train step / checkpoint at a time
+
+    def handlers(self) -> dict[type, object]:
+        return {
+            m.TrainBatch: self.train, m.SetWorkers: self.set_workers,
+            m.WaitPublished: self.wait_published, m.PublishLatest: self.publish_latest,
+            m.SaveCheckpoint: self.save, m.GetTrainerState: self.status,
+        }
+
+    async def train(self, msg: m.TrainBatch, _frames: object) -> m.TrainResult:
+        from rollart.trainer.broadcast import snapshot_parameters
+        from rollart.trainer.step import train_step
+
+        # Each TrainSample validated itself on decode (__post_init__); an invalid one failed
+        # the whole batch with a bad_request naming the sample.
+        if not msg.samples:
+            raise RemoteError("bad_request", "TrainBatch has no samples")
+        async with self._lock:
+            start = time.perf_counter()
+            metrics = await asyncio.to_thread(
+                train_step, self.model, self.optimizer, msg.samples, self.step_cfg
+            )
+            snapshot = await asyncio.to_thread(snapshot_parameters, self.model)
+            self.version += 1
+            self.step = msg.step + 1
+            self.publisher.publish(self.version, snapshot)
+            return m.TrainResult(step=msg.step, version=self.version, metrics=metrics,
+                                 train_time_s=time.perf_counter() - start)
+
+    async def set_workers(self, msg: m.SetWorkers, _frames: object) -> m.Ack:
+        await self.publisher.set_workers(msg.addresses)
+        return m.Ack()
+
+    async def wait_published(self, msg: m.WaitPublished, _frames: object) -> m.Published:
+        try:
+            report = await self.publisher.wait(msg.version)
+        except KeyError:
+            raise RemoteError("not_found", f"version {msg.version} was not published "
+                              f"(latest: {self.publisher.latest_version})") from None
+        return m.Published(version=report.version, total_s=report.total_s,
+                           num_bytes=report.num_bytes, failed=report.failed)
+
+    async def publish_latest(self, msg: m.PublishLatest, _frames: object) -> m.Published:
+        if self.publisher.latest_version is None:
+            raise RemoteError("not_found", "no version published yet")
+        report = await self.publisher.push_latest(msg.addresses)
+        return m.Published(version=report.version, total_s=report.total_s,
+                           num_bytes=report.num_bytes, failed=report.failed)
+
+    async def save(self, msg: m.SaveCheckpoint, _frames: object) -> m.CheckpointSaved:
+        from rollart.trainer.checkpoint import save_trainer
+
+        async with self._lock:
+            seconds = await asyncio.to_thread(save_trainer, Path(msg.path), self.model,
+                                              self.optimizer, version=self.version,
+                                              step=self.step)
+        return m.CheckpointSaved(path=msg.path, version=self.version, save_time_s=seconds)
+
+    async def status(self, _msg: m.GetTrainerState, _frames: object) -> m.TrainerStatus:
+        n = sum(p.numel() for p in self.model.parameters())
+        return m.TrainerStatus(version=self.version, step=self.step, num_parameters=n)
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="rollart serve-trainer", description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True, type=Path, help="local Hugging Face checkpoint dir")
+    p.add_argument("--address", default="tcp://127.0.0.1:0", help="ZMQ endpoint to bind")
+    p.add_argument("--ready-file", type=Path, help="write the bound address here once serving")
+    p.add_argument("--options", default="{}", help="TrainerOptions as JSON")
+    p.add_argument("--step-config", default="", help="TrainStepConfig as JSON")
+    p.add_argument("--resume", type=Path, help="checkpoint dir (step_NNNNNN) to load")
+    return p.parse_args(argv)
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    opts = msgspec.json.decode(args.options.encode(), type=TrainerOptions)
+    service = TrainerService(args.model, opts, args.step_config.encode() or None, args.resume)
+    server = RpcServer(args.address, service.handlers(), name="trainer")  # type: ignore[arg-type]
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    serving = asyncio.create_task(server.serve_forever())
+    if args.ready_file:
+        args.ready_file.write_text(server.address)
+    log.info("trainer serving on %s (version %d)", server.address, service.version)
+    await stop.wait()
+    await server.close()
+    serving.cancel()
+    await service.publisher.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    args = _parse(argv)
+    import uvloop
+
+    return uvloop.run(_serve(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

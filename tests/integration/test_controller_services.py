@@ -1,0 +1,114 @@
+"""The controller against real service processes: env host (GEM + reasoning-gym), HTTP reward
+service, a vLLM inference worker and the trainer, all on the project's tiny model.
+
+Two rollart-mode steps: whole groups, exact bookkeeping against what the engine returned,
+weights of version 1 applied on the worker at step 2, sessions released, clean shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import pytest
+
+from rollart.config import parse_scenario
+from rollart.controller import Backends, Cluster
+from rollart.controller.training import RemoteTrainer
+from rollart.envhost.client import EnvClient
+from rollart.inference.client import InferenceClient
+from rollart.reward.client import RewardClient
+from rollart.trainer.client import TrainerClient
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+SCENARIO = """
+[run]
+seed = 3
+mode = "rollart"
+alpha = 1
+batch_size = 8
+group_size = 4
+redundancy = 1
+max_turns = 4
+max_tokens_per_turn = 24
+max_tokens_per_trajectory = 640
+generate_timeout_s = 120.0
+env_timeout_s = 30.0
+
+[[pools]]
+name = "cpu"
+
+[[domains]]
+name = "guess"
+env = "game:GuessTheNumber-v0-easy"
+pool = "cpu"
+reward = "env_return"
+reward_url = "local"
+
+[[domains]]
+name = "arith"
+env = "rg:basic_arithmetic"
+pool = "cpu"
+reward = "boxed_format"
+env_options = { min_terms = 2, max_terms = 2, min_digits = 1, max_digits = 1 }
+"""
+
+
+@pytest.fixture(scope="module")
+def services(tiny_model_dir, service_starter, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("controller-services")
+    started = []
+    try:
+        for module, args in [
+            ("rollart.envhost.host", ["--name", "env0", "--threads", "2"]),
+            ("rollart.reward.server", ["--port", "0", "--processes", "1"]),
+            ("rollart.inference.worker", ["--model", str(tiny_model_dir), "--name", "w0",
+                                          "--dtype", "float32", "--max-model-len", "1024",
+                                          "--max-num-seqs", "32"]),
+            ("rollart.trainer.service", ["--model", str(tiny_model_dir),
+                                         "--options", '{"lr": 1e-4, "bucket_bytes": 16777216}']),
+        ]:
+            started.append(service_starter(module, args, log_dir=logs))
+        yield {s.module.rsplit(".", 1)[-1]: s for s in started}
+    finally:
+        for s in started:
+            s.stop()
+
+
+async def test_two_rollart_steps_on_real_services(services, tiny_model_dir) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    scenario = parse_scenario(SCENARIO, "itest.toml")
+    env = EnvClient(services["host"].address, name="env0")
+    worker = InferenceClient(services["worker"].address, name="w0", default_timeout_s=120)
+    trainer_client = TrainerClient(services["service"].address)
+    trainer = RemoteTrainer(trainer_client)
+    async with RewardClient(f"http://{services['server'].address}") as reward:
+        backends = Backends(pools={"cpu": [worker]}, trainer=trainer, tokenizer=tokenizer,
+                            env_hosts=[env], reward_service=reward)
+        steps = []
+        async with Cluster.from_scenario(scenario, backends=backends) as cluster:
+            async for step in cluster.train(steps=2):
+                steps.append(step)
+        stats = await env.stats()
+    try:
+        assert [s.metrics.policy_version for s in steps] == [1, 2]
+        assert (await worker.stats()).version == 1  # applied at step 2, before training
+        for s in steps:
+            assert len(s.samples) == 8 and len({x.group_key for x in s.samples}) == 2
+            assert s.metrics.num_generated_tokens > 0
+            assert msgspec.json.encode(s.metrics)  # JSON-able for metrics.jsonl
+            for x in s.samples:
+                assert len(x.token_ids) == len(x.loss_mask) == len(x.versions)
+                assert all(v >= 0 for v, mk in zip(x.versions, x.loss_mask, strict=True) if mk)
+                assert all(lp <= 0.0 for lp, mk in zip(x.behaviour_logprobs, x.loss_mask, strict=True) if mk)
+        assert sum(s.metrics.num_failed.get("reward_error", 0) for s in steps) == 0
+        await asyncio.sleep(0.5)
+        assert (await env.stats()).num_sessions == 0  # every session was closed
+        assert stats.num_steps > 0
+    finally:
+        await worker.close()
+        await env.close()
+        await trainer_client.close()

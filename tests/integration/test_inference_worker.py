@@ -1,0 +1,423 @@
+"""The inference worker as a real subprocess (``python -m rollart.inference.worker``) on vLLM.
+
+One module-scoped worker serves most tests (engine start-up takes ~15-30 s on 2 cores); tests
+read the worker's current version instead of assuming one, so they do not depend on order, except
+the last test, which kills that worker. The engine-death test starts its own worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+import time
+
+import msgspec
+import pytest
+import torch
+import zmq
+import zmq.asyncio
+
+from rollart.inference.client import InferenceClient, plan_buckets
+from rollart.transport import messages as m
+from rollart.transport.errors import PeerDeadError, RemoteError
+from rollart.transport.rpc import RpcClient
+from rollart.transport.tensors import crc32_hex, tensor_to_frame
+
+pytestmark = pytest.mark.vllm
+
+WORKER = "rollart.inference.worker"
+PROMPT = [2, 60, 79, 72, 72, 75, 3]  # "<|im_start|>Hello<|im_end|>" style ids; any in-vocab ids do
+#: vLLM's prompt logprobs vs transformers' log_softmax, both float32 on CPU, same weights. The
+#: kernels differ (oneDNN GEMM, vLLM attention vs eager PyTorch), so not bit-equal; measured
+#: differences are ~1e-6, a wrong or stale weight moves them by ~1e-1.
+LOGPROB_ATOL = 1e-4
+#: max_tokens of a request still running when the test acts on it (one request decodes at
+#: ~600 tokens/s on the 2-core development machine: 1500 tokens take > 2 s)
+LONG = 1500
+
+
+@pytest.fixture(scope="module")
+def worker(tiny_model_dir, service_starter, tmp_path_factory):
+    service = service_starter(
+        WORKER,
+        [
+            "--model",
+            str(tiny_model_dir),
+            "--name",
+            "w0",
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "2048",
+            "--max-num-seqs",
+            "64",
+        ],
+        log_dir=tmp_path_factory.mktemp("worker"),
+    )
+
+    async def warm_up() -> None:
+        # vLLM's first request pays one-off compilation (~2 s): keep it out of timed tests.
+        async with InferenceClient(service.address, name="w0", heartbeat_interval_s=0) as c:
+            await c.generate(gen("warm-up", 4))
+
+    asyncio.run(warm_up())
+    yield service
+    service.stop()
+
+
+@pytest.fixture
+async def client(worker):
+    c = InferenceClient(
+        worker.address,
+        name="w0",
+        default_timeout_s=120,
+        heartbeat_interval_s=0.5,
+        liveness_timeout_s=3,
+    )
+    yield c
+    await c.close()
+
+
+def gen(rid: str, max_tokens: int, **sampling) -> m.Generate:
+    return m.Generate(
+        request_id=rid,
+        prompt_token_ids=PROMPT,
+        sampling=m.SamplingParams(max_tokens=max_tokens, **sampling),
+    )
+
+
+async def wait_for(predicate, timeout_s: float = 20.0, every_s: float = 0.05):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = await predicate()
+        if value:
+            return value
+        await asyncio.sleep(every_s)
+    raise AssertionError(f"condition not met within {timeout_s} s")
+
+
+async def running(client: InferenceClient, n: int = 1) -> bool:
+    stats = await client.stats()
+    return stats.num_running + stats.num_waiting >= n
+
+
+def check_shape(r: m.GenerateResult) -> None:
+    assert len(r.token_ids) == len(r.logprobs) == len(r.versions)
+    assert all(lp <= 0.0 for lp in r.logprobs)
+
+
+async def prompt_logprobs(client: InferenceClient, tokens: list[int]) -> list[float]:
+    r = await client.generate(
+        m.Generate(
+            request_id=f"plp-{time.monotonic_ns()}",
+            prompt_token_ids=tokens,
+            sampling=m.SamplingParams(max_tokens=1, prompt_logprobs=True),
+        )
+    )
+    assert r.prompt_logprobs is not None and r.prompt_logprobs[0] is None
+    assert len(r.prompt_logprobs) == len(tokens)
+    return [float(x) for x in r.prompt_logprobs[1:]]
+
+
+def new_weights(seed: int) -> list[tuple[str, torch.Tensor]]:
+    from rollart.models.tiny import TinyModelSpec, init_tiny_model
+
+    model = init_tiny_model(TinyModelSpec(seed=seed))
+    # state_dict has the tied lm_head.weight too: the worker must accept and drop it.
+    return list(model.state_dict().items())
+
+
+def transformers_logprobs(named: list[tuple[str, torch.Tensor]], tokens: list[int]) -> list[float]:
+    from rollart.models.tiny import TinyModelSpec, init_tiny_model
+
+    model = init_tiny_model(TinyModelSpec(seed=12345))
+    model.load_state_dict(dict(named))
+    model.eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([tokens])).logits[0].float()
+    lp = torch.log_softmax(logits, dim=-1)
+    return [lp[i, t].item() for i, t in enumerate(tokens[1:])]
+
+
+async def raw_bucket(
+    rpc: RpcClient, version: int, index: int, num: int, named, *, checksum: str | None = None
+):
+    metas, frames = zip(*(tensor_to_frame(n, t) for n, t in named), strict=True)
+    msg = m.WeightBucket(
+        version=version,
+        bucket_index=index,
+        num_buckets=num,
+        tensors=list(metas),
+        checksum=checksum if checksum is not None else crc32_hex(frames),
+    )
+    return await rpc.call(msg, buffers=list(frames))
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+async def test_generate_lengths_versions_and_finish_reasons(client):
+    version = (await client.stats()).version
+    r = await client.generate(gen("len", 16, temperature=0.0, ignore_eos=True))
+    check_shape(r)
+    assert r.finish_reason == "length" and len(r.token_ids) == 16
+    assert r.versions == [version] * 16 and r.num_prompt_tokens == len(PROMPT)
+    assert r.stats.version == version and r.stats.worker == "w0"
+    # Greedy is deterministic, so the first token is known: make it a stop token.
+    first = r.token_ids[0]
+    s = await client.generate(gen("stop", 16, temperature=0.0, stop_token_ids=[first]))
+    check_shape(s)
+    assert s.finish_reason == "stop" and s.token_ids == [first]
+    assert client.last_stats is not None and client.last_stats.num_generated_tokens >= 17
+
+
+async def test_32_concurrent_generates(client):
+    results = await asyncio.gather(
+        *(client.generate(gen(f"c{i}", 24, seed=i, ignore_eos=True)) for i in range(32))
+    )
+    assert [r.request_id for r in results] == [f"c{i}" for i in range(32)]
+    for r in results:
+        check_shape(r)
+        assert r.finish_reason == "length" and len(r.token_ids) == 24
+    assert len({tuple(r.token_ids) for r in results}) > 1  # different seeds, different samples
+
+
+async def test_abort_long_request_returns_partial_tokens(client):
+    task = asyncio.create_task(client.generate(gen("long-abort", LONG, ignore_eos=True)))
+    await wait_for(lambda: running(client))
+    await asyncio.sleep(0.5)  # let it produce some tokens
+    await client.abort("long-abort")
+    r = await asyncio.wait_for(task, 10)
+    check_shape(r)
+    assert r.finish_reason == "abort" and 0 < len(r.token_ids) < LONG
+    await client.abort("long-abort")  # idempotent: finished ids are acknowledged
+
+
+async def test_cancelled_generate_sends_abort(client):
+    before = (await client.stats()).num_generated_tokens
+    task = asyncio.create_task(client.generate(gen("long-cancel", LONG, ignore_eos=True)))
+    await wait_for(lambda: running(client))
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+    async def idle():
+        s = await client.stats()
+        return s if s.num_running == 0 and s.num_waiting == 0 else None
+
+    after = await wait_for(idle, timeout_s=30.0)
+    # The worker counts an aborted request's tokens when it ends: far fewer than LONG, which
+    # it would have produced had the client not sent Abort.
+    assert after.num_generated_tokens - before < LONG
+
+
+async def test_pause_keep_then_resume_finishes_requests(client):
+    tasks = [
+        asyncio.create_task(client.generate(gen(f"keep{i}", 100, seed=i, ignore_eos=True)))
+        for i in range(4)
+    ]
+    await wait_for(lambda: running(client, 4))
+    await client.pause("keep")
+    try:
+        stats = await client.stats()
+        assert stats.paused and stats.num_running + stats.num_waiting == 4
+        await asyncio.sleep(2.0)  # unpaused, 4 x 100 tokens take ~0.2 s
+        assert not any(t.done() for t in tasks)
+    finally:
+        await client.resume()
+    results = await asyncio.wait_for(asyncio.gather(*tasks), 60)
+    for r in results:
+        check_shape(r)
+        assert r.finish_reason == "length" and len(r.token_ids) == 100
+    assert not (await client.stats()).paused
+
+
+async def test_pause_abort_returns_partial_and_queues_new_requests(client):
+    tasks = [
+        asyncio.create_task(client.generate(gen(f"pa{i}", LONG, seed=i, ignore_eos=True)))
+        for i in range(4)
+    ]
+    await wait_for(lambda: running(client, 4))
+    await client.pause("abort")
+    try:
+        results = await asyncio.wait_for(asyncio.gather(*tasks), 10)
+        for r in results:
+            check_shape(r)
+            assert r.finish_reason == "abort" and len(r.token_ids) < LONG
+        queued = asyncio.create_task(client.generate(gen("after-pause", 8, ignore_eos=True)))
+        await asyncio.sleep(0.5)
+        assert not queued.done()  # held while paused
+    finally:
+        await client.resume()
+    r = await asyncio.wait_for(queued, 30)
+    assert r.finish_reason == "length" and len(r.token_ids) == 8
+
+
+async def test_weight_update_versions_and_logprobs_match_transformers(client):
+    tokens = [2, *range(20, 60), 3]
+    before = await prompt_logprobs(client, tokens)
+    current = (await client.stats()).version
+    target = current + 1
+    named = new_weights(seed=target + 100)
+    bucket_bytes = 300_000
+    assert len(plan_buckets(named, bucket_bytes)) >= 2
+
+    # A request in flight across the update: its tokens switch version mid-way.
+    spanning = asyncio.create_task(client.generate(gen("span", LONG, ignore_eos=True)))
+    await wait_for(lambda: running(client))
+    await asyncio.sleep(0.3)
+    await client.pause("keep")  # so the update lands while the request is still running
+    try:
+        await client.push_weights(target, named, bucket_bytes=bucket_bytes)
+        applied = await client.apply_weights(target)
+        assert applied.version == target and applied.stats.version == target
+        assert applied.stats.paused  # a client pause outlives the update
+    finally:
+        await client.resume()
+    r = await asyncio.wait_for(spanning, 60)
+    check_shape(r)
+    assert r.versions[0] == current and r.versions[-1] == target
+    switch = r.versions.index(target)
+    assert set(r.versions[:switch]) == {current} and set(r.versions[switch:]) == {target}
+
+    fresh = await client.generate(gen("after-update", 8))
+    assert fresh.versions == [target] * len(fresh.token_ids)
+
+    after = await prompt_logprobs(client, tokens)
+    expected = transformers_logprobs(named, tokens)
+    assert max(abs(a - b) for a, b in zip(before, expected, strict=True)) > 100 * LOGPROB_ATOL
+    assert after == pytest.approx(expected, abs=LOGPROB_ATOL)
+
+
+async def test_stale_version_rejected(client, worker):
+    current = (await client.stats()).version
+    if current == 0:  # make sure there is a version to be stale against
+        await client.push_weights(1, new_weights(seed=7), bucket_bytes=1 << 30)
+        await client.apply_weights(1)
+        current = 1
+    with pytest.raises(RemoteError) as info:
+        await client.apply_weights(current)
+    assert info.value.code == "stale_version"
+    with pytest.raises(RemoteError) as info:
+        await client.push_weights(current, new_weights(seed=8), bucket_bytes=1 << 30)
+    assert info.value.code == "stale_version"
+    assert (await client.stats()).version == current
+
+
+async def test_checksum_mismatch_rejected_and_old_weights_kept(client, worker):
+    tokens = [2, *range(30, 50), 3]
+    before = await prompt_logprobs(client, tokens)
+    target = (await client.stats()).version + 1
+    named = new_weights(seed=999)
+    async with RpcClient(worker.address, heartbeat_interval_s=0) as rpc:
+        with pytest.raises(RemoteError) as info:
+            await raw_bucket(rpc, target, 0, 1, named, checksum="00000000")
+    assert info.value.code == "checksum_mismatch"
+    with pytest.raises(RemoteError) as info:
+        await client.apply_weights(target)
+    assert info.value.code == "incomplete_version"  # nothing was staged
+    assert await prompt_logprobs(client, tokens) == before
+    assert (await client.stats()).version == target - 1
+
+
+async def test_incomplete_version_rejected(client, worker):
+    # Far ahead, so the partial versions left staged here never collide with other tests.
+    target = (await client.stats()).version + 1000
+    named = new_weights(seed=5)
+    half = len(named) // 2
+    async with RpcClient(worker.address, heartbeat_interval_s=0) as rpc:
+        await raw_bucket(rpc, target, 0, 2, named[:half])  # bucket 1 of 2 never sent
+        with pytest.raises(RemoteError) as info:
+            await client.apply_weights(target)
+        assert info.value.code == "incomplete_version" and "buckets missing" in info.value.message
+        # All buckets present but a checkpoint tensor absent is incomplete too.
+        partial = [(n, t) for n, t in named if n != "model.norm.weight"]
+        await raw_bucket(rpc, target + 1, 0, 1, partial)
+        with pytest.raises(RemoteError) as info:
+            await client.apply_weights(target + 1)
+        assert info.value.code == "incomplete_version" and "model.norm.weight" in info.value.message
+    assert (await client.stats()).version == target - 1000
+
+
+async def test_bad_input_gets_errors_and_worker_keeps_serving(client, worker):
+    ctx = zmq.asyncio.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(worker.address)
+    try:
+        await sock.send_multipart([struct.pack(">Q", 7), b"\xc1 not msgpack"])
+        call_id, body, *_ = await asyncio.wait_for(sock.recv_multipart(), 10)
+        reply = msgspec.msgpack.decode(body, type=m.Reply)
+        assert struct.unpack(">Q", call_id) == (7,)
+        assert isinstance(reply, m.ErrorReply) and reply.code == "bad_request"
+    finally:
+        sock.close()
+
+    async with RpcClient(worker.address, heartbeat_interval_s=0) as rpc:
+        with pytest.raises(RemoteError) as info:  # a message kind this worker does not serve
+            await rpc.call(m.EnvStep(session_id="s", action="a"))
+        assert info.value.code == "unknown_kind"
+        bad_shape = [("model.norm.weight", torch.zeros(3))]
+        with pytest.raises(RemoteError) as info:
+            await raw_bucket(rpc, 10_000, 0, 1, bad_shape)
+        assert info.value.code == "bad_request" and "shape" in info.value.message
+        with pytest.raises(RemoteError) as info:
+            await raw_bucket(rpc, 10_000, 0, 1, [("no.such.weight", torch.zeros(3))])
+        assert info.value.code == "bad_request" and "no.such.weight" in info.value.message
+
+    with pytest.raises(RemoteError) as info:
+        await client.generate(
+            m.Generate(
+                request_id="empty", prompt_token_ids=[], sampling=m.SamplingParams(max_tokens=4)
+            )
+        )
+    assert info.value.code == "bad_request"
+    with pytest.raises(RemoteError) as info:  # token id outside the vocabulary: vLLM rejects it
+        await client.generate(
+            m.Generate(
+                request_id="oov", prompt_token_ids=[10**6], sampling=m.SamplingParams(max_tokens=4)
+            )
+        )
+    assert info.value.code == "engine_error"
+    r = await client.generate(gen("still-serving", 4, ignore_eos=True))
+    assert len(r.token_ids) == 4
+
+
+async def test_engine_core_death_exits_worker_nonzero(tiny_model_dir, service_launcher):
+    import psutil
+
+    service = service_launcher(
+        WORKER, ["--model", str(tiny_model_dir), "--name", "doomed", "--dtype", "float32"]
+    )
+    c = InferenceClient(
+        service.address, name="doomed", heartbeat_interval_s=0.5, liveness_timeout_s=3
+    )
+    try:
+        await c.generate(gen("warm", 2))
+        children = psutil.Process(service.proc.pid).children(recursive=True)
+        core = [p for p in children if "EngineCore" in " ".join(p.cmdline()) + p.name()]
+        assert core, f"no engine core among {[p.name() for p in children]}"
+        core[0].kill()
+        rc = await asyncio.to_thread(service.wait_exit, 60)
+        assert rc != 0
+        assert "FATAL" in service.log() and "engine" in service.log()
+        with pytest.raises(PeerDeadError):
+            for _ in range(100):
+                await c.stats()
+                await asyncio.sleep(0.1)
+    finally:
+        await c.close()
+
+
+async def test_killed_worker_raises_peer_dead_not_hang(client, worker):
+    """Last test of the module: it kills the shared worker."""
+    pending = asyncio.create_task(client.generate(gen("orphan", LONG, ignore_eos=True)))
+    await wait_for(lambda: running(client))
+    worker.kill()
+    start = time.monotonic()
+    with pytest.raises(PeerDeadError):
+        await asyncio.wait_for(pending, 30)
+    assert time.monotonic() - start < 10
+    assert client.dead
+    with pytest.raises(PeerDeadError):
+        await client.stats()

@@ -1,0 +1,393 @@
+"""Exact-value unit tests of SampleBuffer: config errors, bounds, admissibility boundaries,
+redundancy and selection, failures, protocol errors, snapshot/restore."""
+
+from __future__ import annotations
+
+import random
+
+import msgspec
+import pytest
+
+from rollart.controller.buffer import Sample, SampleBuffer, SampleBufferError
+from rollart.transport.errors import ConfigError
+
+
+def sample(tid: str, key: str, versions: list[int], reward: float = 1.0) -> Sample:
+    n = len(versions)
+    return Sample(
+        sample_id=tid,
+        group_key=key,
+        token_ids=[7] * (n + 1),
+        loss_mask=[0] + [1] * n,
+        behaviour_logprobs=[0.0] + [-0.1] * n,
+        versions=[-1, *versions],
+        reward=reward,
+    )
+
+
+def run(buf: SampleBuffer, tid: str, versions: list[int]) -> list[str]:
+    """One turn at max(versions), then complete with those token versions."""
+    assert buf.begin_turn(tid, max(versions)) == "continue"
+    buf.record_tokens(tid, versions)
+    return buf.complete(tid, sample(tid, buf.group_of(tid), versions))
+
+
+def bump(buf: SampleBuffer, key: str) -> None:
+    """Train one batch made of a fresh group ``key`` run at the current version."""
+    v = buf.version
+    for tid in buf.try_start_group(key):
+        run(buf, tid, [v])
+    assert {s.group_key for s in buf.take_batch()} == {key}
+    buf.advance_version()
+
+
+# ---------------------------------------------------------------------------------- config
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            {"batch_size": 6, "group_size": 4},
+            "SampleBuffer: batch_size 6 is not a multiple of group_size 4 "
+            "(take_batch returns whole groups)",
+        ),
+        ({"alpha": -1}, "SampleBuffer: alpha must be >= 0, got -1"),
+        ({"batch_size": 0}, "SampleBuffer: batch_size must be >= 1, got 0"),
+        ({"redundancy": -2}, "SampleBuffer: redundancy must be >= 0, got -2"),
+        ({"max_attempts": 0}, "SampleBuffer: max_attempts must be >= 1, got 0"),
+        ({"alpha": True}, "SampleBuffer: alpha must be an int, got True"),
+        ({"group_size": 2.0}, "SampleBuffer: group_size must be an int, got 2.0"),
+        (
+            {"selection": "best"},
+            "SampleBuffer: selection must be one of ('first', 'unbiased'), got 'best'",
+        ),
+        (
+            {"check": "never"},
+            "SampleBuffer: check must be one of ('per_turn', 'admission'), got 'never'",
+        ),
+        (
+            {"on_stale": "ignore"},
+            "SampleBuffer: on_stale must be one of ('restart', 'drop'), got 'ignore'",
+        ),
+    ],
+)
+def test_config_errors(kwargs: dict, message: str) -> None:
+    args = {"alpha": 1, "batch_size": 4, "group_size": 2, **kwargs}
+    with pytest.raises(ConfigError) as e:
+        SampleBuffer(**args)
+    assert str(e.value) == message
+    assert isinstance(e.value, ValueError)
+
+
+# ---------------------------------------------------------------------------------- bounds
+@pytest.mark.parametrize(
+    ("alpha", "batch", "group", "k", "max_groups", "bound"),
+    [(0, 4, 2, 0, 2, 4), (1, 4, 2, 1, 4, 12), (2, 6, 3, 2, 6, 30), (1, 8, 8, 0, 2, 16)],
+)
+def test_in_flight_bound_numbers(alpha, batch, group, k, max_groups, bound) -> None:
+    buf = SampleBuffer(alpha=alpha, batch_size=batch, group_size=group, redundancy=k)
+    assert buf.max_groups == max_groups
+    for i in range(max_groups):
+        assert len(buf.try_start_group(f"g{i}")) == group + k
+    assert buf.try_start_group("one-too-many") is None
+    s = buf.stats()
+    assert (s.groups_in_flight, s.running, s.in_flight, s.in_flight_bound) == (
+        max_groups,
+        bound,
+        bound,
+        bound,
+    )
+    assert bound == (alpha + 1) * batch + k * max_groups
+
+
+def test_admission_resumes_after_consumption_and_duplicate_key() -> None:
+    buf = SampleBuffer(alpha=0, batch_size=2, group_size=2)
+    a, b = buf.try_start_group("p")
+    with pytest.raises(SampleBufferError, match="group 'p' is already in flight"):
+        buf.try_start_group("p")
+    assert buf.try_start_group("q") is None
+    run(buf, a, [0])
+    run(buf, b, [0, 0])
+    assert buf.ready_samples() == 2
+    assert [s.sample_id for s in buf.take_batch()] == [a, b]
+    assert buf.stats().groups_in_flight == 0
+    assert buf.try_start_group("p") is not None  # a consumed key may come back
+
+
+# ---------------------------------------------------------------------------------- staleness
+def test_alpha0_boundaries() -> None:
+    buf = SampleBuffer(alpha=0, batch_size=1, group_size=1)
+    (t0,) = buf.try_start_group("a")
+    (t1,) = buf.try_start_group("b") or (None,)
+    assert t1 is None  # max_groups = 1
+    run(buf, t0, [0])
+    buf.take_batch()
+    buf.advance_version()  # v = 1: only version-1 tokens may train
+    (t,) = buf.try_start_group("b")
+    assert buf.admissible(1) and not buf.admissible(0)
+    assert buf.begin_turn(t, 0) == "wait"  # worker still serves version 0
+    assert buf.begin_turn(t, 1) == "continue"
+    buf.record_tokens(t, [1, 1])
+    buf.complete(t, sample(t, "b", [1, 1]))
+    assert buf.take_batch()[0].sample_id == t
+    assert buf.stats().last_batch_max_staleness == 0
+
+
+def test_alpha1_boundaries_turn_restart_and_held_replacement() -> None:
+    drops: list[tuple[str, str]] = []
+    buf = SampleBuffer(alpha=1, batch_size=1, group_size=1, on_drop=lambda *a: drops.append(a))
+    (held,) = buf.try_start_group("held")
+    (running,) = buf.try_start_group("running")
+    run(buf, held, [0])
+    assert buf.begin_turn(running, 0) == "continue"
+    buf.record_tokens(running, [0])
+    (other,) = [s.sample_id for s in buf.take_batch()]  # the held one is consumed at v = 0
+    assert other == held
+    buf.advance_version()  # v = 1: version-0 tokens still admissible (0 >= 1 - 1)
+    assert buf.begin_turn(running, 1) == "continue"
+    buf.record_tokens(running, [1])
+    assert buf.complete(running, sample(running, "running", [0, 1])) == []
+    assert buf.take_batch()[0].sample_id == running
+    assert buf.stats().last_batch_max_staleness == 1
+    buf.advance_version()  # v = 2
+    (late,) = buf.try_start_group("late")
+    buf.begin_turn(late, 2)
+    buf.record_tokens(late, [1])  # a lagging worker's token: version 1 >= 2 - 1
+    (stale,) = buf.try_start_group("stale")
+    buf.begin_turn(stale, 1)
+    buf.record_tokens(stale, [1])
+    buf.complete(late, sample(late, "late", [1]))
+    buf.take_batch()
+    buf.advance_version()  # v = 3: version-1 tokens are now too old
+    assert buf.begin_turn(stale, 3) == "restart"
+    new = buf.restart_trajectory(stale)
+    assert new is not None and buf.group_of(new) == "stale"
+    s = buf.stats()
+    assert (s.restarted_stale, s.wasted_tokens) == (1, {"stale": 1})
+    assert drops == []
+
+
+def test_held_sample_going_stale_is_replaced_not_lost() -> None:
+    drops: list[tuple[str, str]] = []
+    buf = SampleBuffer(alpha=1, batch_size=2, group_size=2, on_drop=lambda *a: drops.append(a))
+    a, b = buf.try_start_group("g")
+    run(buf, a, [0])  # held at v = 0 while its group is incomplete
+    bump(buf, "x")  # v = 1: a is still admissible (0 >= 1 - 1)
+    assert drops == [] and buf.held_sample_ids() == {a}
+    bump(buf, "y")  # v = 2: a is stale
+    assert drops == [(a, "stale")]
+    (repl,) = buf.drain_restarts()
+    assert buf.group_of(repl) == "g" and buf.drain_restarts() == []
+    run(buf, repl, [2])
+    run(buf, b, [1, 2])
+    assert [s.sample_id for s in buf.take_batch()] == [repl, b]  # completion order
+    s = buf.stats()
+    assert (s.dropped, s.replaced_stale, s.consumed) == ({"stale": 1}, 1, 6)
+
+
+def test_on_stale_drop_finishes_then_replaces() -> None:
+    buf = SampleBuffer(alpha=1, batch_size=1, group_size=1, on_stale="drop", max_attempts=1)
+    (x,) = buf.try_start_group("x")
+    assert buf.begin_turn(x, 0) == "continue"
+    buf.record_tokens(x, [0])
+    bump(buf, "a")
+    assert buf.begin_turn(x, 1) == "continue"  # 0 >= 1 - 1
+    bump(buf, "b")
+    assert buf.begin_turn(x, 2) == "drop"
+    assert buf.begin_turn(x, 2) == "drop"
+    assert buf.drain_restarts() == []  # no replacement while x still occupies the slot
+    buf.record_tokens(x, [2])
+    assert buf.complete(x, sample(x, "x", [0, 2])) == []
+    (repl,) = buf.drain_restarts()
+    s = buf.stats()
+    assert (s.dropped, s.wasted_tokens, s.running) == ({"stale": 1}, {"stale": 2}, 1)
+    assert buf.group_of(repl) == "x"
+
+
+def test_admission_check_only_first_turn_then_dropped_at_completion() -> None:
+    buf = SampleBuffer(alpha=1, batch_size=1, group_size=1, check="admission")
+    (x,) = buf.try_start_group("x")
+    assert buf.begin_turn(x, 0) == "continue"
+    buf.record_tokens(x, [0])
+    bump(buf, "a")
+    bump(buf, "b")
+    assert buf.begin_turn(x, 2) == "continue"  # AReaL: no per-turn check
+    buf.record_tokens(x, [2])
+    buf.complete(x, sample(x, "x", [0, 2]))
+    assert buf.take_batch() is None
+    assert buf.stats().dropped == {"stale": 1} and len(buf.drain_restarts()) == 1
+
+
+# ---------------------------------------------------------------------------------- groups
+def test_first_selection_cancel_list_and_bias_stats() -> None:
+    buf = SampleBuffer(alpha=0, batch_size=2, group_size=2, redundancy=2)
+    a, b, c, d = buf.try_start_group("g")
+    buf.begin_turn(b, 0)
+    buf.record_tokens(b, [0] * 5)  # b is slow and long
+    assert run(buf, c, [0]) == []
+    assert run(buf, a, [0, 0, 0]) == [b, d]
+    assert buf.begin_turn(d, 0) == "cancel"
+    buf.cancel(b)
+    buf.cancel(d)
+    buf.cancel(d)  # harmless repeat
+    batch = buf.take_batch()
+    assert [s.sample_id for s in batch] == [c, a]
+    s = buf.stats()
+    assert (s.cancelled, s.wasted_tokens, s.late_calls) == (2, {"cancelled": 5}, 1)
+    assert (s.kept_mean_len, s.finished_mean_len, s.cancelled_mean_len) == (2.0, 2.0, 2.5)
+
+
+def test_late_completion_after_group_full_is_unselected() -> None:
+    buf = SampleBuffer(alpha=0, batch_size=1, group_size=1, redundancy=1)
+    a, b = buf.try_start_group("g")
+    assert run(buf, a, [0]) == [b]
+    buf.record_tokens(b, [0, 0, 0])  # b finished its last turn before the cancel arrived
+    assert buf.complete(b, sample(b, "g", [0, 0, 0])) == []
+    s = buf.stats()
+    assert (s.dropped, s.wasted_tokens, s.finished_mean_len, s.kept_mean_len) == (
+        {"unselected": 1},
+        {"unselected": 3},
+        2.0,
+        1.0,
+    )
+
+
+def test_unbiased_selection_with_seeded_rng() -> None:
+    buf = SampleBuffer(alpha=0, batch_size=2, group_size=2, redundancy=2, selection="unbiased")
+    a, b, c, d = buf.try_start_group("g")
+    assert run(buf, a, [0]) == []
+    assert run(buf, b, [0, 0]) == []  # two finished, but the deadline has not passed
+    assert run(buf, c, [0, 0, 0]) == []
+    assert buf.ready_samples() == 0
+    assert buf.close_group("g", random.Random(1234)) == [d]
+    assert sorted(random.Random(1234).sample([a, b, c], 2)) == [a, b]
+    assert [s.sample_id for s in buf.take_batch()] == [a, b]
+    s = buf.stats()
+    # Response lengths 1, 2, 3 finished; the seeded draw kept 1 and 2: the bias is visible.
+    assert (s.finished_mean_len, s.kept_mean_len, s.dropped) == (2.0, 1.5, {"unselected": 1})
+    assert s.wasted_tokens == {"unselected": 3}
+    assert buf.close_group("g", random.Random(1)) == []  # gone
+
+
+def test_unbiased_after_deadline_keeps_next_finishers_and_autoselects() -> None:
+    buf = SampleBuffer(alpha=0, batch_size=2, group_size=2, redundancy=1, selection="unbiased")
+    a, b, c = buf.try_start_group("g")
+    run(buf, a, [0])
+    assert buf.close_group("g") == []  # only one finished: wait for the next
+    assert run(buf, c, [0]) == [b]
+    assert [s.sample_id for s in buf.take_batch()] == [a, c]
+    buf.cancel(b)
+    buf.advance_version()
+    x, y, z = buf.try_start_group("h")
+    run(buf, x, [1])
+    run(buf, y, [1])
+    assert run(buf, z, [1]) == []  # none left running: auto-select with the buffer's rng
+    assert buf.ready_samples() == 2 and buf.stats().dropped == {"unselected": 1}
+
+
+# ---------------------------------------------------------------------------------- failures
+def test_failures_retry_then_retire_group() -> None:
+    drops: list[tuple[str, str]] = []
+    buf = SampleBuffer(
+        alpha=1, batch_size=2, group_size=2, max_attempts=2, on_drop=lambda *a: drops.append(a)
+    )
+    a, b = buf.try_start_group("g")
+    run(buf, a, [0])
+    b2 = buf.fail(b, "env_error")
+    assert b2 is not None and buf.group_of(b2) == "g"
+    buf.begin_turn(b2, 0)
+    buf.record_tokens(b2, [0, 0])
+    assert buf.fail(b2, "reward_error") is None  # attempt 2 of 2: the group cannot fill
+    assert drops == [(a, "retired")]
+    s = buf.stats()
+    assert (s.failed, s.retries, s.groups_retired, s.groups_in_flight) == (
+        {"env_error": 1, "reward_error": 1},
+        1,
+        1,
+        0,
+    )
+    assert s.wasted_tokens == {"failed": 2, "retired": 1}
+    assert buf.fail(b2, "again") is None and buf.stats().late_calls == 1
+
+
+def test_retired_group_members_get_cancel_and_leave() -> None:
+    buf = SampleBuffer(alpha=0, batch_size=2, group_size=2, max_attempts=1)
+    a, b = buf.try_start_group("g")
+    assert buf.fail(a, "env_error") is None
+    assert buf.begin_turn(b, 0) == "cancel"
+    assert buf.stats().groups_in_flight == 1  # b still runs
+    buf.cancel(b)
+    assert buf.stats().groups_in_flight == 0
+    assert buf.begin_turn(b, 0) == "cancel"  # forgotten id: neutral
+
+
+# ---------------------------------------------------------------------------------- protocol
+def test_protocol_errors() -> None:
+    buf = SampleBuffer(alpha=0, batch_size=1, group_size=1)
+    (a,) = buf.try_start_group("g")
+    with pytest.raises(SampleBufferError, match="unknown trajectory id 'nope/99'"):
+        buf.begin_turn("nope/99", 0)
+    with pytest.raises(SampleBufferError, match=r"serving_version 1 outside \[0, trainer"):
+        buf.begin_turn(a, 1)
+    with pytest.raises(SampleBufferError, match=r"token versions \[1\] outside"):
+        buf.record_tokens(a, [0, 1])
+    with pytest.raises(SampleBufferError, match="was not told to restart"):
+        buf.restart_trajectory(a)
+    with pytest.raises(SampleBufferError, match="without a batch taken"):
+        buf.advance_version()
+    with pytest.raises(SampleBufferError, match="sample is 'x' of group 'g'"):
+        buf.complete(a, sample("x", "g", [0]))
+    run(buf, a, [0])
+    assert buf.take_batch() is not None
+    with pytest.raises(SampleBufferError, match="batch for version 0 is outstanding"):
+        buf.take_batch()
+
+
+def test_sample_validation() -> None:
+    with pytest.raises(ValueError, match="lengths 2/2/2/1 differ"):
+        Sample(
+            sample_id="s",
+            group_key="g",
+            token_ids=[1, 2],
+            loss_mask=[0, 1],
+            behaviour_logprobs=[0.0, -1.0],
+            versions=[0],
+            reward=0.0,
+        )
+    with pytest.raises(ValueError, match="generated token 1 has version -1"):
+        Sample(
+            sample_id="s",
+            group_key="g",
+            token_ids=[1, 2],
+            loss_mask=[0, 1],
+            behaviour_logprobs=[0.0, -1.0],
+            versions=[-1, -1],
+            reward=0.0,
+        )
+    with pytest.raises(ValueError, match="reward nan is not finite"):
+        sample("s", "g", [0], reward=float("nan"))
+    s = sample("s", "g", [3, 2, 5])
+    assert (s.num_tokens, s.num_generated, s.min_version) == (4, 3, 2)
+
+
+# ---------------------------------------------------------------------------------- checkpoint
+def test_snapshot_restore_round_trip() -> None:
+    buf = SampleBuffer(alpha=1, batch_size=2, group_size=2, redundancy=1)
+    a, b, c = buf.try_start_group("g")
+    d, e, f = buf.try_start_group("h")
+    run(buf, a, [0])
+    run(buf, d, [0, 0])
+    buf.begin_turn(b, 0)
+    buf.record_tokens(b, [0])
+    buf.fail(f, "env_error")  # f's retry is running
+    snap = msgspec.json.decode(msgspec.json.encode(buf.snapshot()))
+    new = SampleBuffer.restore(snap)
+    assert new.version == 0 and new.held_sample_ids() == {a, d}
+    restarted = new.drain_restarts()
+    assert [new.group_of(t) for t in restarted] == ["g", "g", "h", "h"]
+    assert not set(restarted) & {a, b, c, d, e, f}
+    assert new.stats().in_flight == 6
+    for t in restarted[:1] + restarted[2:3]:
+        run(new, t, [0])
+    assert [s.sample_id for s in new.take_batch()] == [a, restarted[0]]
+    with pytest.raises(ConfigError, match="unknown snapshot format 7"):
+        SampleBuffer.restore({**snap, "format": 7})

@@ -1,0 +1,127 @@
+"""Every shipped scenario parses and validates; bad configs name the file, field and reason."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from rollart.config import (
+    ConfigError,
+    Scenario,
+    load_scenario,
+    parse_scenario,
+    scenario_from_json,
+    scenario_to_json,
+)
+
+SCENARIOS = sorted((Path(__file__).parents[2] / "scenarios").glob("*.toml"))
+
+MINIMAL = """
+[run]
+batch_size = 8
+group_size = 4
+[[pools]]
+name = "cpu"
+[[domains]]
+name = "arith"
+env = "rg:basic_arithmetic"
+pool = "cpu"
+reward = "reasoning_gym"
+"""
+
+
+def test_there_are_scenarios() -> None:
+    names = {p.name for p in SCENARIOS}
+    assert "quickstart.toml" in names
+    assert any(name.startswith("qwen3") for name in names)
+
+
+@pytest.mark.parametrize("path", SCENARIOS, ids=lambda p: p.name)
+def test_every_scenario_parses_and_round_trips(path: Path) -> None:
+    scenario = load_scenario(path)
+    assert isinstance(scenario, Scenario)
+    again = scenario_from_json(scenario_to_json(scenario))
+    assert again == scenario
+
+
+def test_quickstart_meets_the_issue() -> None:
+    sc = load_scenario(Path(__file__).parents[2] / "scenarios" / "quickstart.toml")
+    run = sc.run
+    assert run.mode == "rollart" and run.alpha == 1
+    assert run.group_size >= 4 and run.redundancy >= 1
+    assert sc.model.path == "tiny"
+    envs = {d.env.split(":")[0] for d in sc.domains}
+    assert {"game", "rg"} <= envs
+    assert any(d.reward_url == "service" for d in sc.domains)
+    assert len({d.pool for d in sc.domains}) >= 2
+    assert sum(p.num_workers for p in sc.pools) >= 2
+
+
+def test_minimal_defaults() -> None:
+    sc = parse_scenario(MINIMAL)
+    assert sc.run.mode == "rollart" and sc.domains[0].reward_url == "service"
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (("group_size = 4", "group_size = 3"),
+         "run.batch_size: 8 is not a multiple of run.group_size 3"),
+        (('pool = "cpu"', 'pool = "gpu"'), "domains[0].pool: unknown pool 'gpu'"),
+        (("batch_size = 8", "batch_size = 0"), "run.batch_size: Expected `int` >= 1"),
+        (("batch_size = 8", "batch_size = 8\nbatchsize = 8"),
+         "run: Object contains unknown field `batchsize`"),
+        (("[run]", '[run]\nmode = "fast"'), "run.mode: Invalid enum value 'fast'"),
+        (("[run]", '[run]\nmode = "sync"'), "run.alpha: mode 'sync' is on-policy: alpha must be 0"),
+        (("[run]", "[run]\nalpha = 0"), "run.alpha: mode 'rollart' overlaps rollout"),
+        (("[run]", '[run]\nmode = "one_off"\nalpha = 2'), "run.alpha: mode 'one_off'"),
+        (("[run]", "[run]\nmax_tokens_per_turn = 9000"),
+         "run.max_tokens_per_turn: 9000 exceeds run.max_tokens_per_trajectory"),
+        (('reward = "reasoning_gym"', 'reward = "x"\nreward_url = "ftp://x"'),
+         "domains[0].reward_url: 'ftp://x' is not"),
+        (('reward = "reasoning_gym"', 'reward = "x"\nprompt_template = "{question}"'),
+         "domains[0].prompt_template: only the {observation} placeholder"),
+        (('name = "cpu"', 'name = "cpu"\n[[pools]]\nname = "cpu"'),
+         "pools[1].name: duplicate name 'cpu'"),
+        (('name = "cpu"', 'name = "cpu"\nnum_workers = 2\naddresses = ["tcp://a:1"]'),
+         "pools[0].addresses: 1 addresses for num_workers = 2"),
+        (('reward = "reasoning_gym"', 'reward = "x"\nmax_turns = 99'),
+         "domains[0].max_turns: 99 exceeds run.max_turns 8"),
+        (("[run]", "[run\n"), "invalid TOML"),
+    ],
+)
+def test_bad_configs_name_file_field_and_reason(edit: tuple[str, str], message: str) -> None:
+    text = MINIMAL.replace(*edit, 1)
+    with pytest.raises(ConfigError) as info:
+        parse_scenario(text, "bad.toml")
+    assert str(info.value).startswith("bad.toml: ")
+    assert message in str(info.value)
+
+
+def test_missing_file_and_missing_tables(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="nope.toml: cannot read scenario"):
+        load_scenario(tmp_path / "nope.toml")
+    with pytest.raises(ConfigError, match="Object missing required field `domains`"):
+        parse_scenario('[[pools]]\nname = "a"\n', "x.toml")
+    empty = "domains = []\n" + MINIMAL.split("[[domains]]")[0]
+    with pytest.raises(ConfigError, match="x.toml: domains: at least one domain"):
+        parse_scenario(empty, "x.toml")
+
+
+def test_latency_injection_uses_the_env_hosts_schema() -> None:
+    text = MINIMAL + '[[env_hosts]]\nname = "e"\n[env_hosts.latency.game]\n' \
+        'distribution = "normal"\nmean_s = 10.0\nstd_s = 1.0\n'
+    sc = parse_scenario(text)
+    assert sc.env_hosts[0].latency["game"].mean_s == 10.0
+    bad = text.replace('distribution = "normal"', 'distribution = "exponential"')
+    with pytest.raises(ConfigError, match="env_hosts"):
+        parse_scenario(bad, "x.toml")
+
+
+def test_config_structs_are_frozen() -> None:
+    sc = parse_scenario(MINIMAL)
+    with pytest.raises(AttributeError):
+        sc.run.alpha = 3  # type: ignore[misc]
+    assert msgspec.json.decode(scenario_to_json(sc))["run"]["alpha"] == 1

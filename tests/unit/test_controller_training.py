@@ -1,0 +1,86 @@
+"""GRPO advantages and the trainer-service adapter (with a fake TrainerClient)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from test_controller_fakes import FakeWorker
+
+from rollart.controller.sample import Sample
+from rollart.controller.training import RemoteTrainer, grpo_advantages, to_train_samples
+from rollart.transport import messages as m
+from rollart.transport.errors import RollartError
+
+
+def sample(sid: str, group: str, reward: float, n_gen: int = 2) -> Sample:
+    return Sample(sample_id=sid, group_key=group, token_ids=[5] * (3 + n_gen),
+                  loss_mask=[0, 0, 0] + [1] * n_gen, behaviour_logprobs=[0.0] * 3 + [-1.0] * n_gen,
+                  versions=[-1] * 3 + [0] * n_gen, reward=reward)
+
+
+def test_grpo_advantages_are_group_relative() -> None:
+    batch = [sample("a", "g1", 1.0), sample("b", "g1", 0.0), sample("c", "g2", 2.0),
+             sample("d", "g2", 2.0)]
+    std = grpo_advantages(batch)
+    assert std[0] == pytest.approx(1.0, abs=1e-5) and std[1] == pytest.approx(-1.0, abs=1e-5)
+    assert std[2] == std[3] == 0.0  # no signal in a group with equal rewards
+    assert grpo_advantages(batch, "none") == [0.5, -0.5, 0.0, 0.0]
+
+
+def test_to_train_samples_carries_tokens_and_rejects_unusable_samples() -> None:
+    (ts,) = to_train_samples([sample("a", "g", 1.0)])
+    assert ts.loss_mask == [0, 0, 0, 1, 1] and ts.sample_id == "a" and ts.advantage == 0.0
+    with pytest.raises(ValueError, match="no generated token"):
+        to_train_samples([sample("a", "g", 1.0, n_gen=0)])
+
+
+class FakeTrainerClient:
+    def __init__(self, failed: dict[str, str] | None = None) -> None:
+        self.version = 0
+        self.workers: list[list[str]] = []
+        self.batches: list[list[m.TrainSample]] = []
+        self.failed = failed or {}
+
+    async def train(self, step, samples):
+        self.batches.append(list(samples))
+        self.version += 1
+        return m.TrainResult(step=step, version=self.version, metrics={"loss": 0.5},
+                             train_time_s=1.5)
+
+    async def set_workers(self, addresses):
+        self.workers.append(list(addresses))
+
+    async def wait_published(self, version):
+        return m.Published(version=version, total_s=0.1, num_bytes=10, failed=self.failed)
+
+
+def worker(name: str) -> FakeWorker:
+    w = FakeWorker(name)
+    w.address = f"tcp://{name}"  # type: ignore[attr-defined]
+    return w
+
+
+async def test_remote_trainer_trains_and_waits_for_publication() -> None:
+    client = FakeTrainerClient()
+    trainer = RemoteTrainer(client, norm="none")
+    w1, w2 = worker("w1"), worker("w2")
+    await trainer.set_workers([w1, w2])
+    result = await trainer.train([sample("a", "g", 1.0), sample("b", "g", 0.0)])
+    assert result.version == trainer.version == 1
+    assert result.metrics == {"loss": 0.5, "trainer_step_s": 1.5}
+    assert [s.advantage for s in client.batches[0]] == [0.5, -0.5]
+    await trainer.push_weights(1, [w1, w2])
+    assert client.workers == [["tcp://w1", "tcp://w2"]]  # registered once
+    await trainer.push_weights(1, [w2])  # w1 was removed: re-register
+    assert client.workers[-1] == ["tcp://w2"]
+    assert math.isclose(trainer.last_published.total_s, 0.1)
+
+
+async def test_remote_trainer_reports_failed_pushes_to_live_workers() -> None:
+    client = FakeTrainerClient(failed={"tcp://w2": "timeout", "tcp://gone": "dead"})
+    trainer = RemoteTrainer(client)
+    with pytest.raises(RollartError, match="tcp://w2"):
+        await trainer.push_weights(1, [worker("w1"), worker("w2")])
+    client.failed = {"tcp://gone": "dead"}
+    await trainer.push_weights(1, [worker("w1"), worker("w2")])

@@ -1,0 +1,167 @@
+"""The tiny Qwen2 model: deterministic build, HF checkpoint layout, spec bounds, cache, SFT hook."""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import rollart.models.tiny as tiny
+from rollart.models.sft import SFTConfig, collate_sft, encode_pairs, sft_warmup
+from rollart.models.tiny import (
+    TinyModelSpec,
+    build_tiny_model,
+    ensure_tiny_model,
+    init_tiny_model,
+    validate_spec,
+)
+from rollart.models.tokenizer import VOCAB, VOCAB_SIZE, build_char_tokenizer
+
+# Small enough to build in well under a second on 2 cores; head size 32 is vLLM's CPU minimum.
+SMALL = dict(hidden_size=64, num_layers=1, num_heads=2, intermediate_size=128)
+
+
+def test_same_seed_gives_byte_identical_weights(tmp_path):
+    a = build_tiny_model(tmp_path / "a", seed=7, **SMALL)
+    b = build_tiny_model(tmp_path / "b", seed=7, **SMALL)
+    c = build_tiny_model(tmp_path / "c", seed=8, **SMALL)
+    wa = (a / "model.safetensors").read_bytes()
+    assert wa == (b / "model.safetensors").read_bytes()
+    assert wa != (c / "model.safetensors").read_bytes()
+
+
+def test_build_does_not_consume_the_global_rng():
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    init_tiny_model(TinyModelSpec(**SMALL))
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_checkpoint_is_a_normal_hf_directory(tmp_path):
+    d = build_tiny_model(tmp_path / "m", seed=0)
+    names = {p.name for p in d.iterdir()}
+    assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json"} <= names
+    cfg = json.loads((d / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen2ForCausalLM"]
+    assert cfg["hidden_size"] // cfg["num_attention_heads"] == 64
+    assert cfg["tie_word_embeddings"] is True and cfg["vocab_size"] == VOCAB_SIZE
+    gen = json.loads((d / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == [VOCAB["<|im_end|>"], VOCAB["<|eos|>"]]
+    spec = msgspec.json.decode((d / tiny.SPEC_FILENAME).read_bytes(), type=TinyModelSpec)
+    assert spec == TinyModelSpec()
+
+    model = AutoModelForCausalLM.from_pretrained(str(d))
+    tok = AutoTokenizer.from_pretrained(str(d))
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert model.config.eos_token_id == tok.eos_token_id
+    ids = torch.tensor([tok.encode("hello")])
+    assert model(input_ids=ids).logits.shape == (1, 5, VOCAB_SIZE)
+
+
+def test_spec_rejects_unsupported_head_size_and_out_of_bound_fields():
+    with pytest.raises(ValueError, match="head size"):
+        TinyModelSpec(hidden_size=64, num_heads=4)  # head size 16 < 32
+    with pytest.raises(ValueError, match="not divisible"):
+        TinyModelSpec(hidden_size=100, num_heads=3)
+    with pytest.raises(msgspec.ValidationError, match="num_layers"):
+        validate_spec(TinyModelSpec(num_layers=0))
+    with pytest.raises(msgspec.ValidationError, match="nonsense"):
+        msgspec.json.decode(b'{"nonsense": 1}', type=TinyModelSpec)
+
+
+def test_ensure_builds_once_then_reuses(tmp_path, monkeypatch):
+    spec = TinyModelSpec(seed=1, **SMALL)
+    first = ensure_tiny_model(tmp_path, spec)
+    assert (first / "model.safetensors").is_file()
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temp dir left behind
+
+    def fail(*a, **k):
+        raise AssertionError("must not rebuild a cached model")
+
+    monkeypatch.setattr(tiny, "build_tiny_model", fail)
+    assert ensure_tiny_model(tmp_path, spec) == first
+
+
+def test_ensure_keys_on_spec(tmp_path):
+    a = ensure_tiny_model(tmp_path, TinyModelSpec(seed=1, **SMALL))
+    b = ensure_tiny_model(tmp_path, TinyModelSpec(seed=2, **SMALL))
+    assert a != b
+
+
+def test_failed_build_leaves_nothing(tmp_path, monkeypatch):
+    def broken(out_dir, **kw):
+        (out_dir / "config.json").write_text("{}")
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(tiny, "build_tiny_model", broken)
+    with pytest.raises(RuntimeError, match="disk full"):
+        ensure_tiny_model(tmp_path, TinyModelSpec(**SMALL))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_concurrent_builder_wins_race_and_its_copy_is_kept(tmp_path, monkeypatch):
+    spec = TinyModelSpec(**SMALL)
+    real_build = tiny.build_tiny_model
+    final = tmp_path / f"tiny-{tiny._cache_key(spec, None, None)}"
+
+    def build_then_other_process_finishes(out_dir, **kw):
+        real_build(out_dir, **kw)
+        final.mkdir()
+        (final / "marker").write_text("other")
+
+    monkeypatch.setattr(tiny, "build_tiny_model", build_then_other_process_finishes)
+    assert ensure_tiny_model(tmp_path, spec) == final
+    assert (final / "marker").read_text() == "other"
+    assert [p.name for p in tmp_path.iterdir()] == [final.name]
+
+
+DEMOS = [
+    (f"<|im_start|>user\n{a}+{b}=<|im_end|>\n<|im_start|>assistant\n", str(a + b))
+    for a in range(4)
+    for b in range(4)
+]
+
+
+def test_sft_targets_are_completion_tokens_only():
+    tok = build_char_tokenizer()
+    cfg = SFTConfig()
+    enc = encode_pairs(tok, [("ab", "cd"), ("x", "y")], cfg)
+    assert enc == [
+        ([VOCAB["a"], VOCAB["b"], VOCAB["c"], VOCAB["d"], tok.eos_token_id], 2),
+        ([VOCAB["x"], VOCAB["y"], tok.eos_token_id], 1),
+    ]
+    ids, attn, target = collate_sft(enc, pad_token_id=0)
+    assert attn.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]
+    assert target.tolist() == [[False, False, True, True, True], [False, True, True, False, False]]
+    with pytest.raises(ValueError, match="max_length"):
+        encode_pairs(tok, [("abc", "def")], SFTConfig(max_length=4))
+
+
+def test_sft_warmup_loss_decreases():
+    torch.manual_seed(0)
+    model = init_tiny_model(TinyModelSpec(seed=0, **SMALL))
+    tok = build_char_tokenizer()
+    cfg = SFTConfig(epochs=15, batch_size=8, lr=1e-2)
+    before = [p.detach().clone() for p in model.parameters()]
+    history = sft_warmup(model, tok, DEMOS, cfg)
+    assert len(history) == 15 * 2
+    assert all(torch.isfinite(torch.tensor(history)))
+    first, last = sum(history[:2]) / 2, sum(history[-2:]) / 2
+    assert last < 0.5 * first, (first, last)
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_ensure_with_demonstrations_runs_the_warm_up(tmp_path):
+    spec = TinyModelSpec(**SMALL)
+    plain = ensure_tiny_model(tmp_path, spec)
+    warmed = ensure_tiny_model(tmp_path, spec, demonstrations=DEMOS, sft=SFTConfig(epochs=2))
+    assert warmed != plain
+    hist = json.loads((warmed / "rollart_sft_history.json").read_text())
+    assert hist["num_demonstrations"] == len(DEMOS) and len(hist["loss_history"]) == 2
+    assert (warmed / "model.safetensors").read_bytes() != (plain / "model.safetensors").read_bytes()
+    with pytest.raises(ValueError, match="empty"):
+        ensure_tiny_model(tmp_path, spec, demonstrations=[])

@@ -1,0 +1,90 @@
+"""The character tokenizer: exact round trips, fixed small vocabulary, HF save/load, chat template."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import AutoTokenizer
+
+from rollart.models.tokenizer import (
+    CHARACTERS,
+    EOS_TOKEN,
+    IM_END_TOKEN,
+    IM_START_TOKEN,
+    PAD_TOKEN,
+    UNK_TOKEN,
+    VOCAB,
+    VOCAB_SIZE,
+    build_char_tokenizer,
+    save_char_tokenizer,
+)
+
+PRINTABLE = "".join(chr(c) for c in range(0x20, 0x7F)) + "\n\t"
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_char_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def saved_tok(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tok")
+    save_char_tokenizer(d)
+    return AutoTokenizer.from_pretrained(str(d))
+
+
+def test_vocabulary_is_small_and_fixed(tok):
+    assert VOCAB_SIZE == len(tok) == 102 <= 128
+    assert set(PRINTABLE) == set(CHARACTERS)
+    specials = (PAD_TOKEN, EOS_TOKEN, IM_START_TOKEN, IM_END_TOKEN, UNK_TOKEN)
+    assert [VOCAB[t] for t in specials] == [0, 1, 2, 3, 4]
+    assert tok.pad_token_id == 0 and tok.eos_token_id == 3 and tok.unk_token_id == 4
+    assert tok.bos_token_id is None
+
+
+def test_one_token_per_character_no_bos_or_eos_added(tok):
+    text = "a b\n  c"
+    assert tok.encode(text) == [VOCAB[c] for c in text]
+
+
+def test_round_trip_of_every_printable_character_with_spaces_and_newlines(tok, saved_tok):
+    text = PRINTABLE + "  two  spaces \n\n trailing newline\n" + " . , ! ? 'quoted' "
+    for t in (tok, saved_tok):
+        ids = t.encode(text)
+        assert len(ids) == len(text)
+        assert t.decode(ids) == text
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(alphabet=PRINTABLE, max_size=200))
+def test_round_trip_property(tok, text):
+    assert tok.decode(tok.encode(text)) == text
+
+
+def test_special_tokens_in_text_are_single_ids_and_skippable(tok):
+    ids = tok.encode("<|im_start|>hi<|im_end|>")
+    assert ids == [VOCAB[IM_START_TOKEN], VOCAB["h"], VOCAB["i"], VOCAB[IM_END_TOKEN]]
+    assert tok.decode(ids, skip_special_tokens=True) == "hi"
+
+
+def test_unknown_character_maps_to_unk(tok):
+    assert tok.encode("a\u00e9") == [VOCAB["a"], VOCAB[UNK_TOKEN]]
+
+
+def test_saved_tokenizer_matches_in_memory_one(tok, saved_tok):
+    assert saved_tok.get_vocab() == tok.get_vocab()
+    assert saved_tok.eos_token == IM_END_TOKEN and saved_tok.pad_token == PAD_TOKEN
+
+
+def test_chat_template_renders_chatml_with_generation_prompt(saved_tok):
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
+    text = saved_tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert text == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n"
+        "<|im_start|>user\n2+2?<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    no_gen = saved_tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=False)
+    assert no_gen.endswith("2+2?<|im_end|>\n")

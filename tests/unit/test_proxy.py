@@ -1,0 +1,141 @@
+"""LLM proxy: affinity, least-loaded + sticky routing, dead-worker re-route, abort, weight sync."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from test_controller_fakes import FakeWorker
+
+from rollart.controller.proxy import LLMProxy, PoolExhaustedError
+from rollart.transport import messages as m
+from rollart.transport.errors import ConfigError
+
+
+def req(rid: str) -> m.Generate:
+    return m.Generate(request_id=rid, prompt_token_ids=[1, 2, 3],
+                      sampling=m.SamplingParams(max_tokens=8))
+
+
+def stats(name: str, running: int) -> m.WorkerStats:
+    return m.WorkerStats(worker=name, num_running=running, num_waiting=0, version=0)
+
+
+def two_pools():
+    a1, a2, b1 = FakeWorker("a1"), FakeWorker("a2"), FakeWorker("b1")
+    proxy = LLMProxy({"A": ("h800", [a1, a2]), "B": ("h20", [b1])},
+                     {"prefill_heavy": "A", "decode_heavy": "B"})
+    return proxy, a1, a2, b1
+
+
+async def test_domain_affinity_picks_the_pool() -> None:
+    proxy, a1, a2, b1 = two_pools()
+    await proxy.generate("t1", "decode_heavy", req("r1"))
+    await proxy.generate("t2", "prefill_heavy", req("r2"))
+    assert [r.request_id for r in b1.requests] == ["r1"]
+    assert len(a1.requests) + len(a2.requests) == 1
+    assert proxy.pool_of("decode_heavy").hardware == "h20"
+
+
+async def test_set_affinity_moves_a_domain_and_rejects_unknown_pools() -> None:
+    proxy, a1, a2, b1 = two_pools()
+    proxy.set_affinity("decode_heavy", "A")
+    await proxy.generate("t1", "decode_heavy", req("r1"))
+    assert b1.requests == []
+    with pytest.raises(ConfigError, match="unknown pool 'C'"):
+        proxy.set_affinity("decode_heavy", "C")
+    with pytest.raises(ConfigError, match="unknown pool"):
+        LLMProxy({"A": ("cpu", [FakeWorker("x")])}, {"d": "nope"})
+
+
+async def test_least_loaded_uses_reported_and_local_load() -> None:
+    proxy, a1, a2, _ = two_pools()
+    a1.last_stats = stats("a1", 5)  # busy with other clients' work
+    a2.last_stats = stats("a2", 1)
+    assert proxy.route("t1", "prefill_heavy") is a2
+    # Local in-flight requests count even before any report reflects them.
+    a1.last_stats, a2.last_stats = stats("a1", 0), stats("a2", 0)
+    a1.latency_s = a2.latency_s = 10.0
+    tasks = [asyncio.create_task(proxy.generate(f"t{i}", "prefill_heavy", req(f"r{i}")))
+             for i in range(10, 14)]
+    for _ in range(10):
+        await asyncio.sleep(0)
+    assert (len(a1.requests), len(a2.requests)) == (2, 2)
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def test_sticky_per_trajectory_even_when_another_worker_is_idler() -> None:
+    proxy, a1, a2, _ = two_pools()
+    await proxy.generate("t1", "prefill_heavy", req("r1"))
+    first = a1 if a1.requests else a2
+    other = a2 if first is a1 else a1
+    first.last_stats, other.last_stats = stats(first.name, 9), stats(other.name, 0)
+    await proxy.generate("t1", "prefill_heavy", req("r2"))
+    assert [r.request_id for r in first.requests] == ["r1", "r2"]
+    proxy.release("t1")
+    first.last_stats = stats(first.name, 9)  # its reply refreshed the stats
+    await proxy.generate("t1", "prefill_heavy", req("r3"))
+    assert [r.request_id for r in other.requests] == ["r3"]
+
+
+async def test_dead_worker_is_removed_and_its_request_rerouted() -> None:
+    proxy, a1, a2, _ = two_pools()
+    a1.latency_s = 0.05
+    a2.last_stats = stats("a2", 3)  # so the first request goes to a1
+    task = asyncio.create_task(proxy.generate("t1", "prefill_heavy", req("r1")))
+    for _ in range(10):
+        await asyncio.sleep(0)
+    assert [r.request_id for r in a1.requests] == ["r1"]
+    a1.kill()  # dies mid-request: the fake raises PeerDeadError when it wakes
+    result = await task
+    assert result.request_id == "r1" and [r.request_id for r in a2.requests] == ["r1"]
+    assert proxy.pools["A"].removed == ["a1"] and proxy.num_rerouted == 1
+    # Later routing never picks it again; sticky entries to it are gone.
+    await proxy.generate("t1", "prefill_heavy", req("r2"))
+    assert len(a1.requests) == 1
+
+
+async def test_pool_exhausted_is_fatal_and_distinct() -> None:
+    proxy, _, _, b1 = two_pools()
+    b1.kill()
+    with pytest.raises(PoolExhaustedError, match="pool 'B'"):
+        await proxy.generate("t1", "decode_heavy", req("r1"))
+
+
+async def test_cancelling_the_caller_aborts_the_request() -> None:
+    proxy, _, _, b1 = two_pools()
+    b1.latency_s = 30.0
+    task = asyncio.create_task(proxy.generate("t1", "decode_heavy", req("r1")))
+    for _ in range(10):
+        await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert b1.aborted == ["r1"]
+    assert proxy.load(b1) == 0  # local in-flight count released
+
+
+async def test_pause_apply_resume_on_every_worker() -> None:
+    proxy, a1, a2, b1 = two_pools()
+    await proxy.pause()
+    b1_task = asyncio.create_task(proxy.generate("t1", "decode_heavy", req("r1")))
+    await asyncio.sleep(0.01)
+    assert not b1_task.done()  # paused: the request waits
+    applied = await proxy.apply_weights(3, reprefill=True)
+    assert [w.version for w in applied] == [3, 3, 3] and proxy.version == 3
+    assert a1.applied == a2.applied == b1.applied == [(3, True)]
+    await proxy.resume()
+    result = await b1_task
+    assert set(result.versions) == {3}
+
+
+async def test_weight_sync_drops_dead_workers_but_fails_on_an_empty_pool() -> None:
+    proxy, a1, _, b1 = two_pools()
+    a1.kill()
+    await proxy.apply_weights(1)
+    assert proxy.pools["A"].removed == ["a1"]
+    b1.kill()
+    with pytest.raises(PoolExhaustedError):
+        await proxy.apply_weights(2)

@@ -1,0 +1,246 @@
+"""Reward runner, result validation and the aiohttp app, in-process.
+
+The bad-input cases over a real subprocess are in tests/integration/test_reward_service.py; this
+file covers what is easier to reach in-process (pool failures, 429, timeouts of async functions).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from rollart.reward import builtins
+from rollart.reward.protocol import InvalidRewardError, validate_result
+from rollart.reward.registry import RewardInputError, RewardRegistry
+from rollart.reward.runner import RewardRunner, ScoringError
+from rollart.reward.server import create_app
+
+
+# Module-level so the process pool can import them by reference in its spawned workers.
+def fake_worker_dies(prompt, response, reference, metadata):
+    os._exit(3)
+
+
+def fake_worker_exits(prompt, response, reference, metadata):
+    raise SystemExit(4)
+
+
+def fake_sleeps(prompt, response, reference, metadata):
+    time.sleep(float(response))
+    return 1.0
+
+
+async def fake_async_sleeps(prompt, response, reference, metadata):
+    await asyncio.sleep(float(response))
+    return 1.0
+
+
+def fake_rejects(prompt, response, reference, metadata):
+    raise RewardInputError("metadata.x is required")
+
+
+def fake_raises(prompt, response, reference, metadata):
+    raise ZeroDivisionError("boom")
+
+
+def fake_own_timeout(prompt, response, reference, metadata):
+    raise TimeoutError("solver gave up after 2 s")
+
+
+def fake_set_details(prompt, response, reference, metadata):
+    return 1.0, {"not_json": object()}
+
+
+def fake_returns(prompt, response, reference, metadata):
+    return metadata["value"]
+
+
+@pytest.mark.parametrize(
+    ("result", "reward", "details"),
+    [
+        (1, 1.0, {}),
+        (0.25, 0.25, {}),
+        (np.float32(0.5), 0.5, {}),
+        ((1.0, {"a": 1}), 1.0, {"a": 1}),
+        ([0.0, None], 0.0, {}),
+    ],
+)
+def test_validate_result_accepts(result: Any, reward: float, details: dict) -> None:
+    out = validate_result("f", result)
+    assert (out.reward, out.details) == (reward, details)
+    assert type(out.reward) is float
+
+
+@pytest.mark.parametrize(
+    ("result", "match"),
+    [
+        (None, "returned None"),
+        (float("nan"), "non-finite"),
+        (float("inf"), "non-finite"),
+        (True, "returned bool"),
+        ("1.0", "returned str"),
+        ((1.0, 2.0, 3.0), "length 3"),
+        ((1.0, "details"), "details of type str"),
+        ((1.0, {1: "x"}), "string keys"),
+        ((None, {}), "returned None"),
+    ],
+)
+def test_validate_result_rejects(result: Any, match: str) -> None:
+    with pytest.raises(InvalidRewardError, match=match):
+        validate_result("f", result)
+
+
+@pytest.fixture
+async def runner() -> AsyncIterator[RewardRunner]:
+    r = RewardRunner(num_threads=4, num_processes=1, default_timeout_s=20.0, warm_up=False)
+    yield r
+    r.close()
+
+
+def _spec(fn: Any, **kwargs: Any):
+    registry = RewardRegistry()
+    return registry.register(fn, **kwargs)
+
+
+async def _score(
+    runner: RewardRunner, fn: Any, response: str = "", metadata: dict | None = None, **kw: Any
+):
+    return await runner.score(_spec(fn, **kw), "p", response, None, metadata or {})
+
+
+@pytest.mark.parametrize(
+    ("fn", "kwargs", "status", "match"),
+    [
+        (fake_rejects, {}, 422, "rejected the input: metadata.x is required"),
+        (fake_raises, {}, 500, "raised ZeroDivisionError: boom"),
+        (fake_raises, {"executor": "inline"}, 500, "raised ZeroDivisionError"),
+        (fake_own_timeout, {}, 504, "timed out: solver gave up"),
+        (fake_returns, {}, 422, "returned None"),
+    ],
+)
+async def test_runner_classifies_failures(
+    runner: RewardRunner, fn: Any, kwargs: dict, status: int, match: str
+) -> None:
+    with pytest.raises(ScoringError, match=match) as info:
+        await _score(runner, fn, metadata={"value": None}, **kwargs)
+    assert info.value.status == status
+
+
+@pytest.mark.parametrize(("fn", "executor"), [(fake_sleeps, "thread"), (fake_async_sleeps, None)])
+async def test_runner_timeout_frees_the_caller(
+    runner: RewardRunner, fn: Any, executor: str | None
+) -> None:
+    start = time.monotonic()
+    with pytest.raises(ScoringError, match=r"timed out after 0.2 s") as info:
+        await _score(runner, fn, "3", timeout_s=0.2, executor=executor)
+    assert info.value.status == 504
+    assert time.monotonic() - start < 2.0
+
+
+async def test_runner_process_pool_runs_math_and_survives_dead_workers(
+    runner: RewardRunner,
+) -> None:
+    math_spec = RewardRegistry().register(builtins.math_reward)
+    ok = await runner.score(math_spec, "p", r"\boxed{6}", "6", {})
+    assert ok.reward == 1.0
+    with pytest.raises(ScoringError, match="raised SystemExit") as info:
+        await _score(runner, fake_worker_exits, executor="process")
+    assert info.value.status == 500
+    with pytest.raises(ScoringError, match="process pool broken") as info:
+        await _score(runner, fake_worker_dies, executor="process")
+    assert info.value.status == 503
+    # A fresh pool replaces the broken one.
+    again = await runner.score(math_spec, "p", r"\boxed{7}", "6", {})
+    assert again.reward == 0.0
+
+
+@pytest.fixture
+async def client(runner: RewardRunner) -> AsyncIterator[TestClient]:
+    registry = RewardRegistry()
+    registry.register_module(builtins)
+    registry.register(fake_async_sleeps, "slow")
+    registry.register(fake_sleeps, "slow_thread")
+    registry.register(fake_set_details, "bad_details")
+    app = create_app(registry, runner, max_body_bytes=2048, max_inflight=1)
+    async with TestClient(TestServer(app)) as c:
+        yield c
+
+
+def _body(response: str = "", **extra: Any) -> dict:
+    return {"prompt": "p", "response": response, "reference": None, **extra}
+
+
+async def test_saturated_server_answers_429(client: TestClient) -> None:
+    slow = asyncio.ensure_future(client.post("/v1/reward/slow", json=_body("0.5")))
+    await asyncio.sleep(0.1)
+    busy = await client.post("/v1/reward/boxed_format", json=_body(r"\boxed{1}"))
+    assert busy.status == 429
+    assert busy.headers["Retry-After"] == "1"
+    assert "limit 1" in (await busy.json())["error"]
+    assert (await slow).status == 200
+    ok = await client.post("/v1/reward/boxed_format", json=_body(r"\boxed{1}"))
+    assert (await ok.json())["reward"] == 1.0
+
+
+async def test_loop_stays_responsive_while_a_thread_function_runs(client: TestClient) -> None:
+    slow = asyncio.ensure_future(client.post("/v1/reward/slow_thread", json=_body("1.0")))
+    await asyncio.sleep(0.1)
+    start = time.monotonic()
+    assert (await client.get("/healthz")).status == 200
+    assert time.monotonic() - start < 0.5
+    assert (await slow).status == 200
+
+
+async def test_details_that_are_not_json_are_422(client: TestClient) -> None:
+    resp = await client.post("/v1/reward/bad_details", json=_body())
+    assert resp.status == 422
+    assert "not JSON" in (await resp.json())["error"]
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body", "status", "match"),
+    [
+        ("GET", "/v1/reward/math", None, 405, "Method Not Allowed: GET /v1/reward/math"),
+        ("GET", "/nowhere", None, 404, "Not Found"),
+        ("POST", "/v1/reward/math", b"[1, 2]", 400, "Expected `object`, got `array`"),
+        ("POST", "/v1/reward/math", b"   ", 400, "body is empty"),
+        (
+            "POST",
+            "/v1/reward/math",
+            b'{"prompt": "p", "response": "r", "reference": 1, "x": 2}',
+            400,
+            "unknown field `x`",
+        ),
+        (
+            "POST",
+            "/v1/reward/math",
+            b'{"prompt": "p", "response": "r", "reference": 1, "metadata": []}',
+            400,
+            "metadata",
+        ),
+        ("POST", "/v1/reward/math", b"{" + b" " * 4096 + b"}", 413, "limit is 2048 bytes"),
+    ],
+)
+async def test_http_errors_are_json(
+    client: TestClient, method: str, path: str, body: bytes | None, status: int, match: str
+) -> None:
+    resp = await client.request(method, path, data=body)
+    assert resp.status == status
+    assert resp.content_type == "application/json"
+    assert match in (await resp.json())["error"]
+
+
+async def test_list_and_health(client: TestClient) -> None:
+    listing = await (await client.get("/v1/reward")).json()
+    by_name = {f["name"]: f for f in listing["functions"]}
+    assert by_name["math"]["executor"] == "process"
+    assert by_name["slow"]["executor"] == "async"
+    assert by_name["math"]["timeout_s"] == 20.0
+    assert (await (await client.get("/healthz")).json()) == {"status": "ok"}

@@ -1,0 +1,173 @@
+"""Simulated env host, reward, trainer, distributions and tokenizer."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+
+import pytest
+
+from rollart.controller.tokens import ChatTokens
+from rollart.sim.clock import run_virtual
+from rollart.sim.env import SimEnvHost, SimReward
+from rollart.sim.hardware import H800
+from rollart.sim.models import QWEN3_8B
+from rollart.sim.trainer import SimTrainer
+from rollart.sim.workload import (
+    EOS_TOKEN_ID,
+    Dist,
+    DomainSpec,
+    DomainTable,
+    SimTokenizer,
+    const,
+    observation,
+    seeded_rng,
+)
+from rollart.transport.errors import EnvError, PeerDeadError, RewardError
+
+TABLE = DomainTable([
+    DomainSpec("game", prompt_tokens=const(300), obs_tokens=const(40), num_turns=const(3),
+               step_latency_s=const(2.0), reset_latency_s=const(0.5)),
+    DomainSpec("flaky", step_failure_prob=1.0),
+    DomainSpec("slow", step_latency_s=Dist("lognormal", 10.0, 5.0, 0.0, 1e9)),
+])
+
+
+def test_episode_turns_latency_and_observations() -> None:
+    async def main():
+        host = SimEnvHost("e0", TABLE)
+        loop = asyncio.get_running_loop()
+        opened = await host.open("sim:game", seed=5)
+        t_open = loop.time()
+        steps = [await host.step(opened.session_id, "a") for _ in range(3)]
+        return opened, t_open, steps, loop.time(), await host.stats()
+
+    opened, t_open, steps, t_end, stats = run_virtual(main)
+    tok = SimTokenizer(TABLE)
+    assert len(tok.encode(opened.observation)) == 301  # session tag + 300 domain tokens
+    assert opened.info["simulated"] is True and opened.info["num_turns"] == 3
+    assert t_open == pytest.approx(0.5) and t_end == pytest.approx(6.5)
+    assert [s.terminated for s in steps] == [False, False, True]
+    assert len(tok.encode(steps[0].observation)) == 40
+    assert stats.num_steps == 3 and stats.num_sessions == 1
+
+
+def test_env_errors_have_codes() -> None:
+    async def main():
+        host = SimEnvHost("e0", TABLE)
+        with pytest.raises(EnvError) as err:
+            await host.open("sim:nope", 0)
+        assert err.value.code == "not_found"
+        with pytest.raises(EnvError) as err:
+            await host.open("game:x", 0)
+        assert err.value.code == "not_found"
+        flaky = await host.open("sim:flaky", 0)
+        with pytest.raises(EnvError) as err:
+            await host.step(flaky.session_id, "a")
+        assert err.value.code == "env_error"
+        game = await host.open("sim:game", 0)
+        with pytest.raises(EnvError) as err:
+            await host.step(game.session_id, "a", timeout_s=1.0)
+        assert err.value.code == "env_timeout"
+        with pytest.raises(EnvError) as err:
+            await host.step("missing", "a")
+        assert err.value.code == "not_found"
+        host.kill()
+        with pytest.raises(PeerDeadError):
+            await host.open("sim:game", 0)
+
+    run_virtual(main)
+
+
+def test_latencies_depend_on_seed_and_member_not_timing() -> None:
+    async def latencies(delay_s: float) -> list[float]:
+        host = SimEnvHost("e0", TABLE, seed=3)
+        out = []
+        for _ in range(4):
+            sid = (await host.open("sim:slow", seed=11)).session_id
+            await asyncio.sleep(delay_s)
+            await host.step(sid, "a")
+            out.append(host.step_latencies[-1])
+        return out
+
+    assert run_virtual(lambda: latencies(0.0)) == run_virtual(lambda: latencies(7.0))
+
+
+def test_max_concurrent_steps_queues_steps() -> None:
+    async def main() -> float:
+        host = SimEnvHost("e0", TABLE, max_concurrent_steps=1)
+        sids = [(await host.open("sim:game", seed=i)).session_id for i in range(3)]
+        t0 = asyncio.get_running_loop().time()
+        await asyncio.gather(*(host.step(s, "a") for s in sids))
+        return asyncio.get_running_loop().time() - t0
+
+    assert run_virtual(main) == pytest.approx(6.0)  # 3 x 2 s, one at a time
+
+
+def test_dist_moments_and_clipping() -> None:
+    rng = seeded_rng("moments")
+    logn = [Dist("lognormal", 10.0, 5.0).sample(rng) for _ in range(40_000)]
+    assert statistics.fmean(logn) == pytest.approx(10.0, rel=0.03)
+    assert statistics.pstdev(logn) == pytest.approx(5.0, rel=0.06)
+    norm = [Dist("normal", 10.0, 10.0, low=0.0).sample(rng) for _ in range(1000)]
+    assert min(norm) == 0.0
+    uni = [Dist("uniform", 5.0, 1.0).sample(rng) for _ in range(20_000)]
+    assert statistics.pstdev(uni) == pytest.approx(1.0, rel=0.03)
+    with pytest.raises(ValueError, match="kind"):
+        Dist("gamma", 1.0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="lognormal"):
+        Dist("lognormal", 0.0, 1.0)
+
+
+def test_tokenizer_counts_and_chat_tokens_delta() -> None:
+    tok = SimTokenizer(TABLE)
+    ids = tok.encode("hello " + observation("game", 7) + " world")
+    assert len(ids) == 9 and ids[1:8] == [tok.table.token_id("game")] * 7
+    assert tok.encode("</s>") == [EOS_TOKEN_ID]
+    chat = ChatTokens(tok)  # the controller's delta tokenisation accepts the sim tokenizer
+    assert len(chat.prompt_ids([{"role": "user", "content": observation("game", 20)}])) == 20
+    assert chat.observation_ids(observation("game", 5), [3, EOS_TOKEN_ID]) == \
+        [tok.table.token_id("game")] * 5
+    # An unclosed (truncated) turn gets the eos token prepended.
+    assert chat.observation_ids(observation("game", 5), [3, 3])[0] == EOS_TOKEN_ID
+    assert for_prompt_domain(tok, ids) == "game"
+
+
+def for_prompt_domain(tok: SimTokenizer, ids: list[int]) -> str | None:
+    spec = tok.table.for_prompt(ids)
+    return spec.name if spec else None
+
+
+def test_reward_latency_failures_and_determinism() -> None:
+    async def main():
+        rew = SimReward(latency_s=const(0.25), seed=1)
+        loop = asyncio.get_running_loop()
+        a = await rew.score("r", "p", "x")
+        b = await rew.score("r", "p", "x")
+        t = loop.time()
+        bad = SimReward(failure_prob=1.0)
+        with pytest.raises(RewardError):
+            await bad.score("r", "p", "x")
+        return a, b, t
+
+    a, b, t = run_virtual(main)
+    assert a.reward == b.reward and a.reward in (0.0, 1.0) and t == pytest.approx(0.5)
+
+
+def test_trainer_step_time_and_version() -> None:
+    class FakeSample:
+        num_tokens = 250_000
+
+    async def main():
+        trainer = SimTrainer(model=QWEN3_8B, hardware=H800, num_gpus=64)
+        res = await trainer.train([FakeSample()] * 4)
+        with pytest.raises(ValueError, match="version"):
+            await trainer.push_weights(2, [])
+        with pytest.raises(ValueError, match="empty"):
+            await trainer.train([])
+        return res, asyncio.get_running_loop().time()
+
+    res, t = run_virtual(main)
+    # 1e6 tokens: 8 * 8.2e9 * 1e6 / (64 * 989e12 * 0.4) = 2.5910 s
+    assert res.version == 1 and t == pytest.approx(2.5910009)
+    assert res.metrics["num_tokens"] == 1e6

@@ -1,0 +1,270 @@
+"""The simulated inference worker: timing by the cost model, batching, abort, pause, weights."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from rollart.sim import costs
+from rollart.sim.clock import run_virtual
+from rollart.sim.hardware import H800
+from rollart.sim.models import QWEN3_8B
+from rollart.sim.trainer import SimTensor, SimTrainer
+from rollart.sim.worker import SimInferenceWorker
+from rollart.sim.workload import (
+    EOS_TOKEN_ID,
+    Dist,
+    DomainSpec,
+    DomainTable,
+    SimTokenizer,
+    const,
+    observation,
+)
+from rollart.transport import messages as m
+from rollart.transport.errors import PeerDeadError, RemoteError, RemoteTimeoutError
+
+TABLE = DomainTable([DomainSpec("fixed", response_tokens=const(100)),
+                     DomainSpec("long", response_tokens=const(5000)),
+                     DomainSpec("varied", response_tokens=Dist("lognormal", 300, 200, 1, 1e9))])
+TOK = SimTokenizer(TABLE)
+
+
+def _worker(**kw) -> SimInferenceWorker:
+    kw.setdefault("max_batch", 64)
+    return SimInferenceWorker("w0", hardware=H800, model=QWEN3_8B, domains=TABLE, **kw)
+
+
+def _req(rid: str, domain: str = "fixed", prompt: int = 999, max_tokens: int = 4096,
+         ids: list[int] | None = None) -> m.Generate:
+    ids = ids if ids is not None else TOK.encode(observation(domain, prompt, tag=rid))
+    return m.Generate(request_id=rid, prompt_token_ids=ids,
+                      sampling=m.SamplingParams(max_tokens=max_tokens))
+
+
+def _step(batch: int, kv: float) -> float:
+    return costs.decode_step_s(QWEN3_8B, H800, batch, kv)
+
+
+def test_single_request_time_is_prefill_plus_decode_steps() -> None:
+    async def main():
+        w = _worker()
+        res = await w.generate(_req("a"))
+        return res, asyncio.get_running_loop().time()
+
+    res, t = run_virtual(main)
+    assert len(res.token_ids) == 100 and res.finish_reason == "stop"
+    assert res.token_ids[-1] == EOS_TOKEN_ID
+    assert res.versions == [0] * 100 and len(res.logprobs) == 100
+    assert res.num_prompt_tokens == 1000
+    # Prefill of 1000 tokens emits token 1; 99 decode steps hold 1001..1099 cached tokens,
+    # whose mean is 1050: time = prefill + 99 * step(kv=1050).
+    expected = costs.prefill_s(QWEN3_8B, H800, 1000) + 99 * _step(1, 1050)
+    assert t == pytest.approx(expected, abs=1e-5)
+
+
+def test_max_tokens_truncates_with_length() -> None:
+    async def main():
+        return await _worker().generate(_req("a", max_tokens=10))
+
+    res = run_virtual(main)
+    assert len(res.token_ids) == 10 and res.finish_reason == "length"
+    assert EOS_TOKEN_ID not in res.token_ids
+
+
+def test_batching_shares_steps() -> None:
+    async def n_requests(n: int) -> float:
+        w = _worker()
+        await asyncio.gather(*(w.generate(_req(f"r{i}")) for i in range(n)))
+        return asyncio.get_running_loop().time()
+
+    one = run_virtual(lambda: n_requests(1))
+    eight = run_virtual(lambda: n_requests(8))
+    # Decode is memory-bound: 8 sequences cost far less than 8x one (weights read once/step).
+    assert one < eight < 2 * one
+
+
+def test_max_batch_limits_concurrency() -> None:
+    async def main(max_batch: int) -> float:
+        w = _worker(max_batch=max_batch)
+        await asyncio.gather(*(w.generate(_req(f"r{i}")) for i in range(4)))
+        return asyncio.get_running_loop().time()
+
+    assert run_virtual(lambda: main(1)) > 3 * run_virtual(lambda: main(4))
+
+
+def test_late_arrival_joins_at_a_step_boundary() -> None:
+    async def main():
+        w = _worker()
+        loop = asyncio.get_running_loop()
+        first = asyncio.ensure_future(w.generate(_req("a", domain="long")))
+        await asyncio.sleep(1.0)
+        t0 = loop.time()
+        await w.generate(_req("b"))
+        late = loop.time() - t0
+        await first
+        return late
+
+    late = run_virtual(main)
+    # b waits at most one decode step, then prefills and decodes 99 steps batched with a.
+    lower = costs.prefill_s(QWEN3_8B, H800, 1000) + 99 * _step(2, 0)
+    upper = lower + _step(2, 20_000) * 101
+    assert lower < late < upper
+
+
+def test_abort_returns_partial_tokens() -> None:
+    async def main():
+        w = _worker()
+        task = asyncio.ensure_future(w.generate(_req("a", domain="long")))
+        await asyncio.sleep(1.0)
+        await w.abort("a")
+        res = await task
+        stats = await w.stats()
+        return res, stats
+
+    res, stats = run_virtual(main)
+    assert res.finish_reason == "abort"
+    # ~1 s of decoding at ~7.6 ms per step (prefill 33 ms first).
+    assert 100 < len(res.token_ids) < 200
+    assert stats.num_running == 0 and stats.num_waiting == 0
+
+
+def test_cancel_aborts_and_timeout_raises() -> None:
+    async def main():
+        w = _worker()
+        task = asyncio.ensure_future(w.generate(_req("a", domain="long")))
+        await asyncio.sleep(0.5)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert (await w.stats()).num_running == 0
+        with pytest.raises(RemoteTimeoutError):
+            await w.generate(_req("b", domain="long"), timeout_s=0.5)
+        return await w.stats()
+
+    stats = run_virtual(main)
+    assert stats.num_running == 0
+
+
+def test_pause_apply_resume_marks_versions_and_checks_staging() -> None:
+    async def main():
+        w = _worker()
+        trainer = SimTrainer(model=QWEN3_8B, hardware=H800, num_gpus=8)
+        with pytest.raises(RemoteError) as err:
+            await w.apply_weights(1)
+        assert err.value.code == "incomplete_version"
+        await trainer.train([_Fake(1000)])
+        await trainer.push_weights(1, [w])
+        task = asyncio.ensure_future(w.generate(_req("a", domain="long")))
+        await asyncio.sleep(1.0)
+        await w.pause("keep")
+        paused_tokens = (await w.stats()).num_generated_tokens
+        await asyncio.sleep(5.0)
+        assert (await w.stats()).num_generated_tokens == paused_tokens  # nothing while paused
+        applied = await w.apply_weights(1)
+        with pytest.raises(RemoteError) as err:
+            await w.apply_weights(1)
+        assert err.value.code == "stale_version"
+        await w.resume()
+        return await task, applied
+
+    res, applied = run_virtual(main)
+    assert applied.version == 1
+    # 16.4e9 B host -> device at 25e9 B/s
+    assert applied.apply_time_s == pytest.approx(0.656)
+    assert res.versions[0] == 0 and res.versions[-1] == 1
+    assert res.versions == sorted(res.versions) and len(res.versions) == 4096  # max_tokens
+
+
+class _Fake:
+    def __init__(self, n: int) -> None:
+        self.num_tokens = n
+
+
+def test_pause_abort_returns_everything() -> None:
+    async def main():
+        w = _worker(max_batch=1)
+        tasks = [asyncio.ensure_future(w.generate(_req(f"r{i}", domain="long"))) for i in range(3)]
+        await asyncio.sleep(0.5)
+        await w.pause("abort")
+        return [await t for t in tasks]
+
+    results = run_virtual(main)
+    assert [r.finish_reason for r in results] == ["abort"] * 3
+    assert len(results[0].token_ids) > 0 and len(results[2].token_ids) == 0
+
+
+def test_kill_raises_peer_dead() -> None:
+    async def main():
+        w = _worker()
+        task = asyncio.ensure_future(w.generate(_req("a", domain="long")))
+        await asyncio.sleep(0.1)
+        w.kill()
+        with pytest.raises(PeerDeadError):
+            await task
+        with pytest.raises(PeerDeadError):
+            await w.generate(_req("b"))
+        assert w.dead
+
+    run_virtual(main)
+
+
+def test_prefix_cache_skips_the_cached_prompt() -> None:
+    async def main(cache: bool) -> float:
+        w = _worker(prefix_cache=cache)
+        loop = asyncio.get_running_loop()
+        first = await w.generate(_req("t1", prompt=8000))
+        turn2 = first_prompt = TOK.encode(observation("fixed", 8000, tag="t1"))
+        turn2 = first_prompt + first.token_ids + TOK.encode(observation("fixed", 50))
+        t0 = loop.time()
+        await w.generate(_req("t2", ids=turn2))
+        return loop.time() - t0
+
+    cached, uncached = run_virtual(lambda: main(True)), run_virtual(lambda: main(False))
+    saved = costs.prefill_s(QWEN3_8B, H800, 8101)
+    assert uncached - cached == pytest.approx(saved, rel=1e-3)
+
+
+def test_preemption_under_small_kv_cache_still_completes() -> None:
+    async def main():
+        # (80e9 * 0.2125 - 16.4e9) / 147_456 = 0.6e9 / 147_456 = 4_069 tokens of KV cache,
+        # less than the 3 x 2_000 tokens the three requests grow to: preemption must happen.
+        w = _worker(memory_utilization=0.2125)
+        assert w.capacity == 4_069
+        return await asyncio.gather(*(w.generate(_req(f"r{i}", prompt=999, max_tokens=1000,
+                                                      domain="long")) for i in range(3)))
+
+    results = run_virtual(main)
+    assert [len(r.token_ids) for r in results] == [1000] * 3
+
+
+def test_prompt_over_capacity_is_an_engine_error() -> None:
+    async def main():
+        w = _worker(memory_utilization=0.2125)
+        with pytest.raises(RemoteError, match="exceeds the KV cache"):
+            await w.generate(_req("big", prompt=10_000))
+
+    run_virtual(main)
+
+
+def test_lengths_depend_on_seed_and_request_not_order() -> None:
+    async def main(order: list[int], seed: int) -> dict[str, int]:
+        w = _worker(seed=seed)
+        res = await asyncio.gather(*(w.generate(_req(f"r{i}", domain="varied")) for i in order))
+        return {r.request_id: len(r.token_ids) for r in res}
+
+    a = run_virtual(lambda: main([0, 1, 2, 3], 7))
+    b = run_virtual(lambda: main([3, 2, 1, 0], 7))
+    c = run_virtual(lambda: main([0, 1, 2, 3], 8))
+    assert a == b and a != c
+
+
+def test_push_weights_takes_bytes_over_link() -> None:
+    async def main():
+        w = _worker()
+        loop = asyncio.get_running_loop()
+        await w.push_weights(1, [("x", SimTensor(840_000_000))], bucket_bytes=1 << 30)
+        return loop.time()
+
+    # 0.84e9 B / 0.42e9 B/s
+    assert run_virtual(main) == pytest.approx(2.0)

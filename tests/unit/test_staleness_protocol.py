@@ -1,0 +1,331 @@
+"""Stateful property tests of the staleness-bounded SampleBuffer and its version protocol.
+
+A hypothesis ``RuleBasedStateMachine`` drives the real ``SampleBuffer`` with arbitrary
+interleavings of group starts, turns (the serving worker lags the trainer by 0..1 versions),
+completions, failures, cancellations, unbiased-selection deadlines, batch takes and version
+bumps (only after a batch, as the trainer does). The test keeps its own model of every
+trajectory's token versions, built only from what it fed the buffer, and checks:
+
+- no trained sample has a generated token older than (version at consumption - alpha);
+- no sample is trained twice, every batch is exactly ``batch_size`` samples of whole groups, and
+  only completed (never failed or cancelled) trajectories are trained;
+- no completed sample is lost: completed = consumed + dropped (with a reason, "stale" ones really
+  stale) + still held, disjointly, and held samples are admissible now;
+- the in-flight bound holds at all times, and admission pauses only at it;
+- checkpoint/restore keeps every held sample and restarts the running work;
+- liveness: driving every running trajectory to completion at the current version always yields
+  a batch within a few rounds (a rule, and again at teardown).
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import msgspec
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from rollart.controller.buffer import Sample, SampleBuffer
+
+configs = st.fixed_dictionaries(
+    {
+        "alpha": st.integers(0, 2),
+        "group_size": st.integers(1, 3),
+        "groups_per_batch": st.integers(1, 2),
+        "redundancy": st.integers(0, 2),
+        "selection": st.sampled_from(["first", "unbiased"]),
+        "check": st.sampled_from(["per_turn", "admission"]),
+        "on_stale": st.sampled_from(["restart", "drop"]),
+        "max_attempts": st.integers(1, 3),
+    }
+)
+picks = st.integers(0, 10**6)
+
+
+def make_sample(tid: str, group_key: str, versions: list[int], reward: float) -> Sample:
+    """One prompt token (not generated) followed by the generated tokens with ``versions``."""
+    n = len(versions)
+    return Sample(
+        sample_id=tid,
+        group_key=group_key,
+        token_ids=[1] + [2] * n,
+        loss_mask=[0] + [1] * n,
+        behaviour_logprobs=[0.0] + [-0.5] * n,
+        versions=[-1, *versions],
+        reward=reward,
+    )
+
+
+class StalenessProtocol(RuleBasedStateMachine):
+    @initialize(cfg=configs, seed=st.integers(0, 2**16))
+    def setup(self, cfg: dict, seed: int) -> None:
+        self.cfg = cfg
+        self.alpha = cfg["alpha"]
+        self.G = cfg["group_size"]
+        self.B = cfg["group_size"] * cfg["groups_per_batch"]
+        self.k = cfg["redundancy"]
+        self.buf = SampleBuffer(
+            alpha=self.alpha,
+            batch_size=self.B,
+            group_size=self.G,
+            redundancy=self.k,
+            selection=cfg["selection"],
+            check=cfg["check"],
+            on_stale=cfg["on_stale"],
+            max_attempts=cfg["max_attempts"],
+            rng=random.Random(seed),
+            on_drop=self._on_drop,
+        )
+        self.cap = (self.alpha + 1) * self.B + self.k * self.buf.max_groups
+        self.live: set[str] = set()
+        self.group: dict[str, str] = {}
+        self.tokens: dict[str, list[int]] = {}
+        self.completed: set[str] = set()
+        self.consumed: set[str] = set()
+        self.dropped: dict[str, str] = {}
+        self.failed_or_cancelled: set[str] = set()
+        self.next_group = 0
+        self.seed = seed
+        self.base_consumed = self.base_dropped = 0
+
+    # ------------------------------------------------------------------ helpers
+    def _on_drop(self, tid: str, reason: str) -> None:
+        assert tid in self.completed and tid not in self.dropped and tid not in self.consumed
+        if reason == "stale":
+            assert min(self.tokens[tid]) < self.buf.version - self.alpha, (
+                f"{tid} dropped as stale with versions {self.tokens[tid]} at "
+                f"version {self.buf.version}"
+            )
+        else:
+            assert reason in ("unselected", "retired"), reason
+        event(f"dropped {reason}")
+        self.dropped[tid] = reason
+
+    def _add(self, tid: str | None) -> None:
+        if tid is not None:
+            assert tid not in self.tokens, f"id {tid} issued twice"
+            self.live.add(tid)
+            self.group[tid] = self.buf.group_of(tid)
+            self.tokens[tid] = []
+
+    def _drain(self) -> None:
+        for tid in self.buf.drain_restarts():
+            self._add(tid)
+
+    def _pick(self, i: int) -> str:
+        return sorted(self.live)[i % len(self.live)]
+
+    def _gone(self, tid: str) -> None:
+        self.live.discard(tid)
+
+    def _start_group(self) -> bool:
+        key = f"g{self.next_group}"
+        ids = self.buf.try_start_group(key)
+        if ids is None:
+            assert self.buf.stats().groups_in_flight >= self.buf.max_groups
+            return False
+        self.next_group += 1
+        assert len(ids) == self.G + self.k
+        for tid in ids:
+            self._add(tid)
+        return True
+
+    def _turn(self, tid: str, serving: int, ntok: int) -> str:
+        verdict = self.buf.begin_turn(tid, serving)
+        event(f"verdict {verdict}")
+        floor = self.buf.version - self.alpha
+        toks = self.tokens[tid]
+        if verdict in ("continue", "drop"):
+            if verdict == "continue" and (self.cfg["check"] == "per_turn" or not toks):
+                assert all(v >= floor for v in toks) and serving >= floor
+            versions = [serving] * ntok
+            self.buf.record_tokens(tid, versions)
+            toks.extend(versions)
+        elif verdict == "restart":
+            assert toks and min(toks) < floor and self.cfg["on_stale"] == "restart"
+            self._gone(tid)
+            self.failed_or_cancelled.add(tid)
+            self._add(self.buf.restart_trajectory(tid))
+        elif verdict == "cancel":
+            self.buf.cancel(tid)
+            self._gone(tid)
+            self.failed_or_cancelled.add(tid)
+        else:
+            assert verdict == "wait" and serving < floor, (verdict, serving, floor)
+        self._drain()
+        return verdict
+
+    def _complete(self, tid: str, reward: float) -> list[str]:
+        sample = make_sample(tid, self.group[tid], self.tokens[tid], reward)
+        self._gone(tid)
+        self.completed.add(tid)
+        cancels = self.buf.complete(tid, sample)
+        self._drain()
+        for c in cancels:
+            assert c in self.live and self.group[c] == self.group[tid], c
+        return cancels
+
+    def _cancel(self, tid: str) -> None:
+        if tid in self.live:
+            self.buf.cancel(tid)
+            self._gone(tid)
+            self.failed_or_cancelled.add(tid)
+            self._drain()
+
+    def _take(self) -> bool:
+        version = self.buf.version
+        batch = self.buf.take_batch()
+        self._drain()
+        if batch is None:
+            return False
+        assert len(batch) == self.B
+        event(f"batch at version {min(version, 3)}{'+' if version >= 3 else ''}")
+        counts = Counter(s.group_key for s in batch)
+        assert all(c == self.G for c in counts.values()), counts
+        ids = [s.sample_id for s in batch]
+        assert len(set(ids)) == len(ids)
+        for s in batch:
+            tid = s.sample_id
+            assert tid in self.completed and tid not in self.failed_or_cancelled
+            assert tid not in self.consumed, f"{tid} trained twice"
+            assert tid not in self.dropped
+            assert all(v >= version - self.alpha for v in self.tokens[tid]), (
+                f"{tid} versions {self.tokens[tid]} trained at version {version}"
+            )
+            self.consumed.add(tid)
+        return True
+
+    # ------------------------------------------------------------------ rules
+    @rule()
+    def start_group(self) -> None:
+        self._start_group()
+
+    @precondition(lambda self: self.live)
+    @rule(i=picks, lag=st.integers(0, 1), ntok=st.integers(1, 4))
+    def turn(self, i: int, lag: int, ntok: int) -> None:
+        self._turn(self._pick(i), max(0, self.buf.version - lag), ntok)
+
+    @precondition(lambda self: self.live)
+    @rule(i=picks, reward=st.floats(-1, 1), cancel_now=st.booleans())
+    def complete(self, i: int, reward: float, cancel_now: bool) -> None:
+        for c in self._complete(self._pick(i), reward):
+            if cancel_now:
+                self._cancel(c)
+
+    @precondition(lambda self: self.live)
+    @rule(i=picks, reason=st.sampled_from(["env_error", "reward_error", "worker_lost"]))
+    def fail(self, i: int, reason: str) -> None:
+        tid = self._pick(i)
+        self._gone(tid)
+        self.failed_or_cancelled.add(tid)
+        self._add(self.buf.fail(tid, reason))
+        self._drain()
+
+    @precondition(lambda self: self.live)
+    @rule(i=picks)
+    def cancel(self, i: int) -> None:
+        self._cancel(self._pick(i))
+
+    @precondition(lambda self: self.live)
+    @rule(i=picks)
+    def close_group(self, i: int) -> None:
+        for c in self.buf.close_group(self.group[self._pick(i)]):
+            self._cancel(c)
+
+    @precondition(lambda self: not self.buf.batch_outstanding)
+    @rule()
+    def take_batch(self) -> None:
+        self._take()
+
+    @precondition(lambda self: self.buf.batch_outstanding)
+    @rule()
+    def advance_version(self) -> None:
+        self.buf.advance_version()
+        self._drain()
+
+    @precondition(lambda self: not self.buf.batch_outstanding)
+    @rule(via_json=st.booleans())
+    def checkpoint_and_restore(self, via_json: bool) -> None:
+        """Resume from a snapshot: held samples survive, running work restarts fresh."""
+        snap = self.buf.snapshot()
+        if via_json:
+            snap = msgspec.json.decode(msgspec.json.encode(snap))
+        held = self.buf.held_sample_ids()
+        self.buf = SampleBuffer.restore(snap, rng=random.Random(self.seed), on_drop=self._on_drop)
+        self.failed_or_cancelled |= self.live
+        self.live.clear()
+        self.base_consumed, self.base_dropped = len(self.consumed), len(self.dropped)
+        self._drain()
+        assert self.buf.held_sample_ids() == held - set(self.dropped)
+
+    @rule()
+    def drive_to_batch(self) -> None:
+        """Liveness: run the work to completion at the current version -> a batch.
+
+        Every running trajectory first takes one turn (so the ones left over carry tokens of
+        this version and go stale after the bump), then they complete one by one until a batch
+        can be taken.
+        """
+        if self.buf.batch_outstanding:
+            self.buf.advance_version()
+            self._drain()
+        for _ in range(12):
+            if self._take():
+                return
+            while self._start_group():
+                pass
+            for tid in sorted(self.live):
+                if tid in self.live:
+                    assert self._turn(tid, self.buf.version, 1) != "wait"
+            for tid in sorted(self.live, key=lambda t: (self.group[t], t)):
+                while tid in self.live:
+                    verdict = self._turn(tid, self.buf.version, 1)
+                    assert verdict != "wait"
+                    if verdict in ("continue", "drop"):
+                        for c in self._complete(tid, 0.5):
+                            self._cancel(c)
+                if self.buf.ready_samples() >= self.B and self._take():
+                    return
+        raise AssertionError(f"no batch after driving all work: {self.buf.stats()}")
+
+    # ------------------------------------------------------------------ invariants
+    @invariant()
+    def in_flight_bound(self) -> None:
+        s = self.buf.stats()
+        held = self.completed - self.consumed - set(self.dropped)
+        assert s.running == len(self.live) and s.held == len(held)
+        assert s.in_flight == len(self.live) + len(held) <= s.in_flight_bound <= self.cap
+        assert s.groups_in_flight <= self.buf.max_groups
+
+    @invariant()
+    def nothing_lost(self) -> None:
+        held = self.completed - self.consumed - set(self.dropped)
+        assert self.buf.held_sample_ids() == held
+        assert set(self.buf.running_ids()) == self.live
+        s = self.buf.stats()
+        assert s.consumed == len(self.consumed) - self.base_consumed
+        assert sum(s.dropped.values()) == len(self.dropped) - self.base_dropped
+        # Held samples are re-checked on every version bump: all admissible now.
+        for tid in held:
+            assert all(v >= self.buf.version - self.alpha for v in self.tokens[tid])
+
+    def teardown(self) -> None:
+        if hasattr(self, "buf"):
+            self.drive_to_batch()
+
+
+StalenessProtocol.TestCase.settings = settings(
+    max_examples=500,
+    stateful_step_count=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestStalenessProtocol = StalenessProtocol.TestCase

@@ -1,0 +1,70 @@
+"""WeightPublisher: background pushes, reports, bringing a lagging worker to the latest version."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from rollart.trainer.broadcast import WeightPublisher, snapshot_parameters
+
+
+class FakeSink:
+    def __init__(self, name: str, delay_s: float = 0.0, fail: bool = False) -> None:
+        self.name = name
+        self.delay_s = delay_s
+        self.fail = fail
+        self.received: list[tuple[int, list[str]]] = []
+        self.closed = False
+
+    async def push_weights(self, version, named_tensors, *, bucket_bytes):
+        await asyncio.sleep(self.delay_s)
+        if self.fail:
+            raise ConnectionError("worker unreachable")
+        self.received.append((version, [n for n, _ in named_tensors]))
+
+    async def close(self):
+        self.closed = True
+
+
+def test_snapshot_sends_tied_weights_once_and_is_a_copy():
+    emb = torch.nn.Embedding(4, 2)
+    model = torch.nn.Module()
+    model.embed = emb
+    model.head = torch.nn.Linear(2, 4, bias=False)
+    model.head.weight = emb.weight  # tied
+    snap = snapshot_parameters(model)
+    assert [n for n, _ in snap] == ["embed.weight"]
+    with torch.no_grad():
+        emb.weight.add_(1.0)
+    assert not torch.equal(snap[0][1], emb.weight)
+
+
+async def test_publish_runs_in_background_and_reports_failures():
+    sinks = {"a": FakeSink("a", delay_s=0.05), "b": FakeSink("b", fail=True)}
+    pub = WeightPublisher(lambda addr: sinks[addr], bucket_bytes=1024)
+    await pub.set_workers(["a", "b"])
+    tensors = [("w", torch.zeros(3, 4))]
+    pub.publish(1, tensors)
+    assert sinks["a"].received == []  # not blocked on the push
+    report = await pub.wait(1, timeout_s=5)
+    assert report.version == 1 and report.num_bytes == 48
+    assert sinks["a"].received == [(1, ["w"])]
+    assert set(report.failed) == {"b"} and "unreachable" in report.failed["b"]
+    with pytest.raises(ValueError, match="not newer"):
+        pub.publish(1, tensors)
+    await pub.close()
+    assert sinks["a"].closed
+
+
+async def test_push_latest_brings_a_new_worker_to_the_newest_version():
+    sinks = {"a": FakeSink("a"), "late": FakeSink("late")}
+    pub = WeightPublisher(lambda addr: sinks[addr], bucket_bytes=1024)
+    await pub.set_workers(["a"])
+    pub.publish(1, [("w", torch.zeros(1))])
+    pub.publish(2, [("w", torch.ones(1))])
+    await pub.wait(2)
+    report = await pub.push_latest(["late"])
+    assert report.version == 2 and sinks["late"].received == [(2, ["w"])]
+    await pub.close()
