@@ -20,7 +20,8 @@ def _scenario(mode: str) -> SimScenario:
     return SimScenario(pools=(SimPool("h800", "h800", 2, max_batch=64),),
                        domains=(SimDomain(spec, "h800"),), model="qwen3-8b", mode=mode,
                        steps=3, batch_size=16, group_size=4, trainer_gpus=1, env_hosts=1,
-                       max_tokens_per_turn=64, max_tokens_per_trajectory=1024)
+                       max_tokens_per_turn=64, max_tokens_per_trajectory=1024,
+                       link_bytes_per_s=1e12, h2d_bytes_per_s=1e11)
 
 
 @pytest.mark.slow

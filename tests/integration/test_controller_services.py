@@ -104,7 +104,7 @@ async def test_two_rollart_steps_on_real_services(services, tiny_model_dir) -> N
                 assert len(x.token_ids) == len(x.loss_mask) == len(x.versions)
                 assert all(v >= 0 for v, mk in zip(x.versions, x.loss_mask, strict=True) if mk)
                 assert all(lp <= 0.0 for lp, mk in zip(x.behaviour_logprobs, x.loss_mask, strict=True) if mk)
-        assert sum(s.metrics.num_failed.get("reward_error", 0) for s in steps) == 0
+        assert sum(s.metrics.num_failed_by_reason.get("reward_error", 0) for s in steps) == 0
         await asyncio.sleep(0.5)
         assert (await env.stats()).num_sessions == 0  # every session was closed
         assert stats.num_steps > 0

@@ -213,7 +213,7 @@ async def test_cancelled_generate_sends_abort(client):
 
 async def test_pause_keep_then_resume_finishes_requests(client):
     tasks = [
-        asyncio.create_task(client.generate(gen(f"keep{i}", 100, seed=i, ignore_eos=True)))
+        asyncio.create_task(client.generate(gen(f"keep{i}", 600, seed=i, ignore_eos=True)))
         for i in range(4)
     ]
     await wait_for(lambda: running(client, 4))
@@ -221,14 +221,15 @@ async def test_pause_keep_then_resume_finishes_requests(client):
     try:
         stats = await client.stats()
         assert stats.paused and stats.num_running + stats.num_waiting == 4
-        await asyncio.sleep(2.0)  # unpaused, 4 x 100 tokens take ~0.2 s
+        # Unpaused, 4 x 600 tokens take ~1.2 s here; paused, nothing may finish.
+        await asyncio.sleep(3.0)
         assert not any(t.done() for t in tasks)
     finally:
         await client.resume()
     results = await asyncio.wait_for(asyncio.gather(*tasks), 60)
     for r in results:
         check_shape(r)
-        assert r.finish_reason == "length" and len(r.token_ids) == 100
+        assert r.finish_reason == "length" and len(r.token_ids) == 600
     assert not (await client.stats()).paused
 
 

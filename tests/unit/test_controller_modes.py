@@ -192,7 +192,7 @@ async def test_failures_are_counted_by_reason_retried_and_never_scored() -> None
     scenario = make_scenario(mode="rollart", alpha=1, batch_size=4, group_size=2)
     async with Cluster.from_scenario(scenario, backends=backends(env, reward=reward)) as c:
         steps = await run_steps(c, 2)
-    failed = sum(s.metrics.num_failed.get("env_error", 0) for s in steps)
+    failed = sum(s.metrics.num_failed_by_reason.get("env_error", 0) for s in steps)
     assert failed >= 1 and sum(s.metrics.num_retries for s in steps) >= 1
     failed_sessions = {f"s{i}" for i in range(0, len(env.opened), 3)}
     scored = {call["metadata"]["session"] for call in reward.calls}

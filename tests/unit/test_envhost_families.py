@@ -156,7 +156,11 @@ def test_rg_correct_answer_scores_one(dataset, seed):
     obs, info = env.reset(seed)
     entry = rg_entry(dataset, seed)
     assert obs == entry["question"] + RG_ANSWER_INSTRUCTION  # the answer is not added
-    assert info == {"dataset": dataset, "seed": seed, "index": 0, "config": {}}
+    assert {k: info[k] for k in ("dataset", "seed", "index", "config")} == {
+        "dataset": dataset, "seed": seed, "index": 0, "config": {}}
+    # The answer reaches the reward service through info, never through the observation.
+    assert info["entry"]["question"] == entry["question"]
+    assert info["reference"] == entry["answer"]
     assert "answer" not in info
     action = next_action(name, [obs], [], info)
     assert action == f"\\boxed{{{entry['answer']}}}"

@@ -189,7 +189,20 @@ def test_reasoning_gym_bad_metadata_is_an_input_error(metadata: dict, match: str
 
 def test_builtins_are_marked_with_their_executors() -> None:
     specs = {marked_spec(f).name: marked_spec(f) for f in vars(builtins).values() if marked_spec(f)}
-    assert set(specs) == {"math", "reasoning_gym", "exact_match", "boxed_format"}
+    assert set(specs) == {"math", "reasoning_gym", "exact_match", "boxed_format", "env_return"}
     # sympy-backed scoring must never run on the event loop.
     assert specs["math"].executor == "process"
     assert specs["reasoning_gym"].executor == "process"
+
+
+def test_env_return_is_the_envs_own_return_and_rejects_garbage():
+    from rollart.reward.builtins import env_return_reward
+    from rollart.reward.registry import RewardInputError
+
+    assert env_return_reward("p", "r", None, {"env_return": 1, "num_turns": 3}) == (
+        1.0, {"num_turns": 3})
+    assert env_return_reward("p", "r", None, {"env_return": -0.5})[0] == -0.5
+    for bad in ({}, {"env_return": None}, {"env_return": "1"}, {"env_return": float("nan")},
+                {"env_return": True}):
+        with pytest.raises(RewardInputError, match="env_return"):
+            env_return_reward("p", "r", None, bad)

@@ -27,7 +27,8 @@ class StepMetrics(msgspec.Struct, kw_only=True):
     - ``staleness_max`` / ``staleness_mean``: trainer version minus each sample's oldest
       generated-token version, in versions.
     - ``num_aborted``: trajectories cancelled (redundancy, not needed) or restarted (stale).
-    - ``num_failed``: failures by reason (never scored); ``num_retries``: of those, retried.
+    - ``num_failed``: failed trajectories (never scored); ``num_failed_by_reason``: the same by
+      reason; ``num_retries``: of those, retried.
     - ``num_generated_tokens``: tokens generated during the step (all trajectories).
     - ``wasted_tokens``: generated tokens thrown away (cancelled, failed, stale, unselected).
     - ``response_len_kept_mean``: mean generated tokens of the batch's samples;
@@ -50,7 +51,8 @@ class StepMetrics(msgspec.Struct, kw_only=True):
     staleness_max: int
     staleness_mean: float
     num_aborted: int
-    num_failed: dict[str, int]
+    num_failed: int
+    num_failed_by_reason: dict[str, int]
     num_retries: int
     num_rerouted: int
     num_generated_tokens: int
@@ -113,7 +115,8 @@ def step_metrics(
         staleness_mean=after.last_batch_mean_staleness,
         num_aborted=(after.cancelled - before.cancelled)
         + (after.restarted_stale - before.restarted_stale),
-        num_failed=_delta(after.failed, before.failed),
+        num_failed=sum(_delta(after.failed, before.failed).values()),
+        num_failed_by_reason=_delta(after.failed, before.failed),
         num_retries=after.retries - before.retries,
         num_rerouted=num_rerouted,
         num_generated_tokens=num_generated_tokens,

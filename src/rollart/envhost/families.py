@@ -348,8 +348,10 @@ class ReasoningGymEnv:
     """A reasoning-gym dataset as a single-turn env.
 
     ``reset(seed)``: the observation is the entry's question plus ``RG_ANSWER_INSTRUCTION``
-    (never the answer); info is ``{"dataset", "seed", "index": 0, "config"}`` — enough to
-    regenerate the entry with ``rg_entry`` (e.g. for a reward service), without the answer.
+    (never the answer); info is ``{"dataset", "seed", "index": 0, "config", "entry",
+    "reference"}``: the entry (answer included) and its answer travel in info, which the policy
+    never sees, so that a reward service can score with the dataset's own ``score_answer``
+    (``reasoning_gym`` reward: metadata ``{"dataset", "entry"}``).
     ``step(action)``: reward = the dataset's ``score_answer(last \\boxed{} content or None,
     entry)``, in [0, 1]; always ``terminated=True``. Stepping again is an error.
     """
@@ -366,7 +368,8 @@ class ReasoningGymEnv:
         self._ds = rg_dataset(self.dataset, seed, self.config)
         self._entry = self._ds[0]
         self._done = False
-        info = {"dataset": self.dataset, "seed": seed, "index": 0, "config": self.config}
+        info = {"dataset": self.dataset, "seed": seed, "index": 0, "config": self.config,
+                "entry": self._entry, "reference": self._entry["answer"]}
         return self._entry["question"] + RG_ANSWER_INSTRUCTION, plain_info(info, "rg")
 
     def step(self, action: str) -> StepResult:

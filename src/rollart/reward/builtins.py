@@ -1,4 +1,5 @@
-"""Built-in reward functions: ``math``, ``reasoning_gym``, ``exact_match``, ``boxed_format``.
+"""Built-in reward functions: ``math``, ``reasoning_gym``, ``exact_match``, ``boxed_format``,
+``env_return``.
 
 All take ``(prompt, response, reference, metadata)`` and return ``(reward, details)`` with reward
 in ``{0.0, 1.0}`` (``reasoning_gym`` may return partial credit in ``[0, 1]`` when the dataset's own
@@ -227,3 +228,21 @@ def boxed_format_reward(
     r"""1.0 iff the response contains a non-empty ``\boxed{...}`` answer (braces balanced)."""
     boxed = last_boxed(response)
     return (1.0 if boxed else 0.0), {"boxed": boxed}
+
+
+@reward_function("env_return", executor="inline")
+def env_return_reward(
+    prompt: str, response: str, reference: Any, metadata: dict
+) -> tuple[float, dict]:
+    """The environment's own return: ``metadata["env_return"]``, the sum of the env's per-step
+    rewards over the trajectory (the controller sends it). For multi-turn games whose score is
+    the game's outcome (e.g. GEM's GuessTheNumber: 1 when the number is found).
+
+    Raises RewardInputError when ``env_return`` is missing or not a finite number.
+    """
+    value = metadata.get("env_return")
+    if isinstance(value, bool) or not isinstance(value, int | float) or not _math.isfinite(value):
+        raise RewardInputError(
+            f"env_return: metadata.env_return must be a finite number, got {value!r:.80}"
+        )
+    return float(value), {"num_turns": metadata.get("num_turns")}

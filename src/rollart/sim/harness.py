@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -36,7 +37,7 @@ from rollart.controller.services import EnvRouter, RewardRouter
 from rollart.sim import costs
 from rollart.sim.clock import run_real, run_virtual
 from rollart.sim.env import ENV_PREFIX, SimEnvHost, SimReward
-from rollart.sim.hardware import get_hardware
+from rollart.sim.hardware import HardwareProfile, get_hardware
 from rollart.sim.models import get_model
 from rollart.sim.trainer import SimTrainer
 from rollart.sim.worker import SimInferenceWorker
@@ -105,11 +106,19 @@ class SimScenario:
     reprefill: bool = False
     generate_timeout_s: float = 1e6
     env_timeout_s: float = 1e6
+    #: override every engine's weight-transfer link / host-to-device bandwidth (bytes/s)
+    link_bytes_per_s: float | None = None
+    h2d_bytes_per_s: float | None = None
+
+    def engine_hardware(self, name: str) -> HardwareProfile:
+        """The profile ``name`` with this scenario's bandwidth overrides applied."""
+        hw = get_hardware(name)
+        changes = {k: v for k, v in (("link_bytes_per_s", self.link_bytes_per_s),
+                                     ("h2d_bytes_per_s", self.h2d_bytes_per_s)) if v is not None}
+        return dataclasses.replace(hw, **changes) if changes else hw
 
     def replace(self, **changes: Any) -> SimScenario:
-        from dataclasses import replace
-
-        return replace(self, **changes)
+        return dataclasses.replace(self, **changes)
 
 
 @dataclass
@@ -166,7 +175,7 @@ class SimCluster:
         self.table = DomainTable([d.spec for d in sim.domains])
         model = get_model(sim.model)
         self.workers: dict[str, list[SimInferenceWorker]] = {
-            p.name: [SimInferenceWorker(f"{p.name}-{i}", hardware=get_hardware(p.hardware),
+            p.name: [SimInferenceWorker(f"{p.name}-{i}", hardware=sim.engine_hardware(p.hardware),
                                         model=model, domains=self.table, seed=seed, tp=p.tp,
                                         max_batch=p.max_batch, eff=sim.eff)
                      for i in range(p.num_workers)]

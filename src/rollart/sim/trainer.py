@@ -8,7 +8,7 @@ charges ``bytes / link_bytes_per_s`` of its own link, in parallel). No tensors e
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +31,9 @@ class SimTrainer:
     Args:
         bucket_bytes: weight bucket size (the paper streams ~1 GB buckets, §6.3).
         extra_forward: charge a forward pass for proximal / old logprobs (decoupled PPO).
+        weights: ``() -> [(name, tensor)]`` to push instead of ``SimTensor`` buckets of the
+            model's size (real tensors, for workers behind a real ``InferenceClient``).
+        time_scale: multiplies the simulated step time (0: train instantly).
 
     Attributes: ``version`` (updates applied), ``step_times_s`` (each step's simulated time),
     ``push_times_s`` (each push's duration, seconds).
@@ -38,12 +41,15 @@ class SimTrainer:
 
     def __init__(self, *, model: ModelProfile, hardware: HardwareProfile, num_gpus: int,
                  bucket_bytes: int = 1 << 30, extra_forward: bool = True,
-                 eff: costs.Efficiency = costs.DEFAULT_EFFICIENCY) -> None:
+                 eff: costs.Efficiency = costs.DEFAULT_EFFICIENCY,
+                 weights: Callable[[], Iterable[tuple[str, Any]]] | None = None,
+                 time_scale: float = 1.0) -> None:
         if num_gpus < 1 or bucket_bytes < 1:
             raise ValueError(f"num_gpus and bucket_bytes must be >= 1, got {num_gpus}, "
                              f"{bucket_bytes}")
         self.model, self.hardware, self.num_gpus = model, hardware, num_gpus
         self.bucket_bytes, self.extra_forward, self.eff = bucket_bytes, extra_forward, eff
+        self._weights, self.time_scale = weights, time_scale
         self._version = 0
         self.step_times_s: list[float] = []
         self.push_times_s: list[float] = []
@@ -60,8 +66,9 @@ class SimTrainer:
         if not samples:
             raise ValueError("SimTrainer.train: empty batch")
         num_tokens = sum(int(s.num_tokens) for s in samples)
-        dur = costs.train_step_s(self.model, self.hardware, num_tokens, num_gpus=self.num_gpus,
-                                 extra_forward=self.extra_forward, eff=self.eff)
+        dur = self.time_scale * costs.train_step_s(
+            self.model, self.hardware, num_tokens, num_gpus=self.num_gpus,
+            extra_forward=self.extra_forward, eff=self.eff)
         await asyncio.sleep(dur)
         self._version += 1
         self.step_times_s.append(dur)
@@ -93,6 +100,7 @@ class SimTrainer:
         loop = asyncio.get_running_loop()
         start = loop.time()
         await asyncio.gather(*(
-            w.push_weights(version, self._buckets(), bucket_bytes=self.bucket_bytes)  # type: ignore[attr-defined]
+            w.push_weights(version, self._weights() if self._weights else self._buckets(),
+                           bucket_bytes=self.bucket_bytes)  # type: ignore[attr-defined]
             for w in workers if not w.dead))
         self.push_times_s.append(loop.time() - start)

@@ -75,6 +75,8 @@ class SimInferenceWorker:
         default_response: response-length distribution for prompts of no known domain.
         prefix_cache: reuse the KV of a previous request's prompt + response when a new prompt
             extends it (multi-turn), as vLLM's automatic prefix caching does.
+        time_scale: multiplies every simulated duration; 0 makes the engine answer at once
+            (the controller-overhead benchmark serves it that way over real ZeroMQ).
 
     Raises ``ValueError`` if the model does not fit on ``tp`` devices.
     """
@@ -83,9 +85,13 @@ class SimInferenceWorker:
                  domains: DomainTable, seed: int = 0, tp: int = 1, max_batch: int = 256,
                  eff: costs.Efficiency = costs.DEFAULT_EFFICIENCY,
                  memory_utilization: float = 0.9,
-                 default_response: Dist | None = None, prefix_cache: bool = True) -> None:
+                 default_response: Dist | None = None, prefix_cache: bool = True,
+                 time_scale: float = 1.0) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if time_scale < 0:
+            raise ValueError(f"time_scale must be >= 0, got {time_scale}")
+        self.time_scale = time_scale
         self.name = name
         self.hardware, self.model, self.tp, self.eff = hardware, model, tp, eff
         self.domains, self.seed, self.max_batch = domains, seed, max_batch
@@ -204,8 +210,17 @@ class SimInferenceWorker:
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
         total = float(sum(t.nbytes for _, t in named_tensors))
-        await asyncio.sleep(costs.transfer_s(total, self.hardware.link_bytes_per_s))
-        self._staged[version] = total
+        await asyncio.sleep(self.time_scale
+                            * costs.transfer_s(total, self.hardware.link_bytes_per_s))
+        self.stage(version, total)
+
+    def stage(self, version: int, nbytes: float) -> None:
+        """Record ``nbytes`` more bytes of ``version`` as arrived (no time passes)."""
+        self._check_alive()
+        if version <= self.version:
+            raise RemoteError("stale_version", f"{self.name}: version {version} <= current "
+                              f"{self.version}")
+        self._staged[version] = self._staged.get(version, 0.0) + nbytes
 
     async def apply_weights(self, version: int, *, reprefill: bool = False) -> m.WeightsApplied:
         """Load staged ``version`` (host -> device copy time; ``tp`` devices in parallel).
@@ -221,7 +236,8 @@ class SimInferenceWorker:
             raise RemoteError("incomplete_version", f"{self.name}: version {version} was not "
                               "pushed")
         nbytes = self._staged.pop(version)
-        apply_s = costs.transfer_s(nbytes, self.tp * self.hardware.h2d_bytes_per_s)
+        apply_s = self.time_scale * costs.transfer_s(nbytes,
+                                                     self.tp * self.hardware.h2d_bytes_per_s)
         await asyncio.sleep(apply_s)
         self.version = version
         self._staged = {v: b for v, b in self._staged.items() if v > version}
@@ -306,8 +322,8 @@ class SimInferenceWorker:
             prefill_tokens = self._reprefill_tokens + sum(r.to_prefill for r in admitted)
             if admitted or self._reprefill_tokens:
                 self._reprefill_tokens = 0
-                dur = costs.prefill_s(self.model, self.hardware, prefill_tokens, tp=self.tp,
-                                      eff=self.eff)
+                dur = self.time_scale * costs.prefill_s(self.model, self.hardware,
+                                                        prefill_tokens, tp=self.tp, eff=self.eff)
                 await asyncio.sleep(dur)
                 self.busy_s += dur
                 for req in admitted:
@@ -323,8 +339,14 @@ class SimInferenceWorker:
             room = (self.capacity - self._kv_used()) // batch
             steps = max(1, min(min(r.target - r.generated for r in self._running.values()), room))
             kv_mid = self._kv_used() + batch * (steps - 1) / 2.0
-            step_s = costs.decode_step_s(self.model, self.hardware, batch, kv_mid, tp=self.tp,
-                                         eff=self.eff)
+            step_s = self.time_scale * costs.decode_step_s(self.model, self.hardware, batch,
+                                                           kv_mid, tp=self.tp, eff=self.eff)
+            if step_s <= 0.0:
+                await asyncio.sleep(0)  # zero-time engine: still yield to the loop
+                for req in self._running.values():
+                    self._credit(req, steps)
+                self._finish_done()
+                continue
             start = loop.time()
             self._chunk = (start, step_s, steps)
             await self._wait(steps * step_s)

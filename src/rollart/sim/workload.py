@@ -16,8 +16,8 @@ import math
 import random
 import re
 import zlib
-from dataclasses import dataclass, field
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 #: ids below this are plain words / special tokens; domain ``i`` uses id ``DOMAIN_TOKEN_BASE+i``.

@@ -1,0 +1,132 @@
+"""Start a scenario's service processes locally and connect the controller's clients to them.
+
+Which process runs where: every service the scenario does not give an address for (reward
+service ``reward.url``, env hosts ``env_hosts[].address``, inference workers
+``pools[].addresses``) is started here as a child process on 127.0.0.1; the trainer always runs
+locally beside the controller. Given addresses are used as they are (services on other machines).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from rollart.config import Scenario
+from rollart.launcher.procs import Supervisor, python_module
+from rollart.transport.errors import ConfigError
+
+
+@dataclass
+class Addresses:
+    """Where each service of the run listens."""
+
+    reward_url: str
+    env_hosts: list[str] = field(default_factory=list)
+    workers: dict[str, list[str]] = field(default_factory=dict)  # pool -> addresses
+    trainer: str = ""
+
+
+def _cpu_binding(index: int, total: int) -> dict[str, str]:
+    # vLLM's CPU backend binds its OpenMP threads to cores ("auto" takes them all). Several
+    # engines plus a trainer on a small machine must share cores instead of fighting over the
+    # same ones: with at least one core per engine each gets its own, else none is bound.
+    cores = os.cpu_count() or 1
+    if total <= cores and total > 1:
+        return {"VLLM_CPU_OMP_THREADS_BIND": str(index % cores)}
+    return {"VLLM_CPU_OMP_THREADS_BIND": "nobind"} if total > 1 else {}
+
+
+async def start_services(sup: Supervisor, scenario: Scenario, model_dir: Path, *,
+                         trainer_resume: Path | None, ready_timeout_s: float = 600.0
+                         ) -> Addresses:
+    """Start every local service of ``scenario`` (concurrently) and return all addresses.
+
+    Raises:
+        ProcessFailedError: a service exited before it was ready (its log tail included).
+        TimeoutError: a service was not ready within ``ready_timeout_s``.
+    """
+    sc = scenario
+    starts: dict[str, Any] = {}
+    if sc.reward.url is None:
+        argv = python_module("rollart.reward.server", "--host", sc.reward.host,
+                             "--port", str(sc.reward.port))
+        for mod in sc.reward.modules:
+            argv += ["--functions", mod]
+        starts["reward"] = sup.start("reward", argv, ready_timeout_s=ready_timeout_s)
+    for host in sc.env_hosts:
+        if host.address is not None:
+            continue
+        argv = python_module(
+            "rollart.envhost.host", "--name", host.name,
+            "--step-timeout-s", str(host.step_timeout_s),
+            "--open-timeout-s", str(host.open_timeout_s),
+            "--max-sessions", str(host.max_sessions), "--threads", str(host.threads))
+        for key, lat in host.latency.items():
+            argv += ["--latency", f"{key}={msgspec.json.encode(lat).decode()}"]
+        starts[f"env:{host.name}"] = sup.start(f"env-{host.name}", argv,
+                                               ready_timeout_s=ready_timeout_s)
+    local_workers = [(p, i) for p in sc.pools if not p.addresses for i in range(p.num_workers)]
+    for k, (pool, i) in enumerate(local_workers):
+        eng = pool.engine
+        name = f"{pool.name}-{i}"
+        argv = python_module(
+            "rollart.inference.worker", "--model", str(model_dir), "--name", name,
+            "--kv-cache-bytes", str(eng.kv_cache_bytes), "--dtype", sc.model.dtype,
+            "--seed", str(sc.run.seed + k))
+        if eng.max_model_len:
+            argv += ["--max-model-len", str(eng.max_model_len)]
+        if eng.max_num_seqs:
+            argv += ["--max-num-seqs", str(eng.max_num_seqs)]
+        if eng.enforce_eager:
+            argv.append("--enforce-eager")
+        if not eng.enable_prefix_caching:
+            argv.append("--no-prefix-caching")
+        starts[f"worker:{pool.name}:{i}"] = sup.start(
+            f"worker-{name}", argv, env=_cpu_binding(k, len(local_workers)),
+            ready_timeout_s=ready_timeout_s)
+    starts["trainer"] = sup.start("trainer", trainer_argv(sc, model_dir, trainer_resume),
+                                  ready_timeout_s=ready_timeout_s)
+
+    keys = list(starts)
+    results = await asyncio.gather(*starts.values())
+    got = dict(zip(keys, results, strict=True))
+    reward_url = sc.reward.url or f"http://{got['reward']}"
+    addrs = Addresses(reward_url=reward_url, trainer=got["trainer"])
+    for host in sc.env_hosts:
+        addrs.env_hosts.append(host.address or got[f"env:{host.name}"])
+    for pool in sc.pools:
+        addrs.workers[pool.name] = list(pool.addresses) or [
+            got[f"worker:{pool.name}:{i}"] for i in range(pool.num_workers)]
+    return addrs
+
+
+def trainer_argv(sc: Scenario, model_dir: Path, resume: Path | None) -> list[str]:
+    """Command line of the trainer process for scenario ``sc``."""
+    t = sc.trainer
+    options = {"lr": t.lr, "weight_decay": t.weight_decay, "bucket_bytes": t.weight_bucket_bytes,
+               "seed": sc.run.seed}
+    temperatures = {d.sampling.temperature for d in sc.domains}
+    step_cfg: dict[str, Any] = {
+        "clip_eps": t.clip_eps, "kl_coef": t.kl_coef, "max_grad_norm": t.max_grad_norm,
+        "max_tokens_per_microbatch": t.max_tokens_per_microbatch,
+        "num_minibatches": t.num_minibatches,
+    }
+    if t.clip_eps_high is not None:
+        step_cfg["clip_eps_high"] = t.clip_eps_high
+    # The trainer must score tokens under the distribution the engine sampled from, and it
+    # applies one temperature to every sample.
+    if len(temperatures) > 1:
+        raise ConfigError(f"domains[].sampling.temperature: the trainer needs one sampling "
+                          f"temperature for all domains, got {sorted(temperatures)}")
+    step_cfg["temperature"] = temperatures.pop() or 1.0
+    argv = python_module("rollart.trainer.service", "--model", str(model_dir),
+                         "--options", msgspec.json.encode(options).decode(),
+                         "--step-config", msgspec.json.encode(step_cfg).decode())
+    if resume is not None:
+        argv += ["--resume", str(resume)]
+    return argv

@@ -1,0 +1,184 @@
+"""Demonstrations and the supervised warm-up recipe of the tiny policy.
+
+`build_demonstrations` plays episodes of each task domain with the environments' own scripted
+solvers (`rollart.envhost.solvers`) and turns every assistant turn into one (prompt, completion)
+text pair. The prompt is the conversation so far rendered exactly as the controller renders it
+(`rollart.controller.trajectory` / `tokens`): the chat template of
+``[system_prompt?] + user(prompt_template.format(observation=reset_obs)) + assistant(a_1) +
+user(turn_template.format(observation=obs_1)) + ...`` with the generation prompt; the completion
+is the solver's action text. `sft_warmup` appends the eos token (``<|im_end|>``), which is where
+the engine stops an assistant turn, so training and rollout see the same token sequence.
+
+`WarmupRecipe` / `DEFAULT_RECIPE` fix how much warm-up the embedded default gets. It is kept
+deliberately short: the starting policy should emit the ``\\boxed{}`` answer format but still be
+weak at the tasks, so that RL has room and a reward signal (group rewards that differ). The numbers
+were chosen by measurement; see the `DEFAULT_RECIPE` comment.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Annotated, Any
+
+import msgspec
+
+from rollart.config import DomainConfig
+from rollart.envhost.families import make_env
+from rollart.envhost.solvers import has_solver, next_action
+from rollart.models.sft import SFTConfig
+from rollart.models.tiny import TinyModelSpec, ensure_tiny_model
+from rollart.models.tokenizer import build_char_tokenizer
+
+#: env seeds of demonstration episodes are drawn from [0, MAX_ENV_SEED).
+MAX_ENV_SEED = 2**31 - 1
+
+
+class WarmupRecipe(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """How the embedded default policy is built: architecture (the model seed comes from the
+    scenario), number of demonstration episodes per domain, their seed, and the SFT settings."""
+
+    spec: TinyModelSpec = msgspec.field(default_factory=TinyModelSpec)
+    #: solver-played episodes per domain (a multi-turn episode yields one pair per turn).
+    episodes_per_domain: Annotated[int, msgspec.Meta(ge=1, le=100_000)] = 200
+    #: seed of the demonstration env seeds (independent of the model seed).
+    demo_seed: Annotated[int, msgspec.Meta(ge=0)] = 1234
+    sft: SFTConfig = msgspec.field(default_factory=SFTConfig)
+
+
+# Measured on the 2-core machine (experiments in the helper report): see `warmup_spec`.
+DEFAULT_RECIPE = WarmupRecipe()
+
+
+def warmup_spec(model_seed: int = 0, recipe: WarmupRecipe = DEFAULT_RECIPE) -> WarmupRecipe:
+    """The recipe with the model architecture's seed set to `model_seed` (the scenario's
+    ``model.tiny_seed``); everything else as in `recipe`.
+
+    Raises:
+        msgspec.ValidationError: `model_seed` outside [0, 2**32 - 1].
+    """
+    spec = msgspec.structs.replace(recipe.spec, seed=model_seed)
+    out = msgspec.structs.replace(recipe, spec=spec)
+    return msgspec.convert(msgspec.to_builtins(out), WarmupRecipe)
+
+
+def render_prompt(
+    tokenizer: Any, domain: DomainConfig, observations: Sequence[str], actions: Sequence[str]
+) -> str:
+    """The text the controller feeds the engine before assistant turn ``len(actions) + 1``.
+
+    ``observations[0]`` is the reset observation, ``observations[i]`` the one returned after
+    ``actions[i - 1]``; ``len(observations) == len(actions) + 1``.
+
+    Raises:
+        ValueError: the lengths do not match.
+    """
+    if len(observations) != len(actions) + 1:
+        raise ValueError(
+            f"expected len(observations) == len(actions) + 1, got {len(observations)} and "
+            f"{len(actions)}"
+        )
+    messages: list[dict[str, str]] = []
+    if domain.system_prompt:
+        messages.append({"role": "system", "content": domain.system_prompt})
+    messages.append(
+        {"role": "user", "content": domain.prompt_template.format(observation=observations[0])}
+    )
+    for action, obs in zip(actions, observations[1:], strict=True):
+        messages.append({"role": "assistant", "content": action})
+        messages.append({"role": "user", "content": domain.turn_template.format(observation=obs)})
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True, **domain.chat_template_kwargs
+    )
+
+
+def play_episode(
+    domain: DomainConfig, seed: int, tokenizer: Any, *, max_turns: int
+) -> list[tuple[str, str]]:
+    """Play one episode of `domain` with its scripted solver from env `seed`.
+
+    Returns:
+        One (prompt, completion) pair per assistant turn, at most `max_turns`, in turn order.
+
+    Raises:
+        NoSolverError: the domain's env has no solver.
+        rollart.envhost.families.EnvSpecError: unknown env or bad ``env_options``.
+    """
+    env = make_env(domain.env, domain.env_options)
+    try:
+        obs, info = env.reset(seed)
+        observations, actions, pairs = [obs], [], []
+        for _ in range(max_turns):
+            action = next_action(domain.env, observations, actions, info)
+            pairs.append((render_prompt(tokenizer, domain, observations, actions), action))
+            obs, _, terminated, truncated, _ = env.step(action)
+            actions.append(action)
+            observations.append(obs)
+            if terminated or truncated:
+                break
+        return pairs
+    finally:
+        env.close()
+
+
+def build_demonstrations(
+    domains: Sequence[DomainConfig],
+    num_examples: int,
+    seed: int,
+    *,
+    max_turns: int = 8,
+    tokenizer: Any = None,
+) -> list[tuple[str, str]]:
+    """Solver demonstrations for every domain that has a scripted solver.
+
+    Args:
+        domains: task domains (env name, options, prompt/turn templates, system prompt).
+        num_examples: episodes per domain (>= 1); multi-turn episodes give one pair per turn.
+        seed: draws the env seeds (distinct per episode within a domain) with `random.Random`.
+        max_turns: cap on turns per episode when a domain sets none (the run's ``max_turns``).
+        tokenizer: renders the chat template; default: the tiny model's character tokenizer.
+
+    Returns:
+        (prompt_text, completion_text) pairs, domains in the given order, episodes in seed
+        order; the same arguments always give the same list. Domains without a solver
+        (`has_solver` false) contribute nothing.
+
+    Raises:
+        ValueError: `num_examples < 1`, or no domain has a solver.
+    """
+    if num_examples < 1:
+        raise ValueError(f"num_examples must be >= 1, got {num_examples}")
+    solvable = [d for d in domains if has_solver(d.env)]
+    if not solvable:
+        names = ", ".join(f"{d.name} ({d.env})" for d in domains) or "none"
+        raise ValueError(f"no domain has a scripted solver for demonstrations; domains: {names}")
+    tokenizer = tokenizer if tokenizer is not None else build_char_tokenizer()
+    rng = random.Random(seed)
+    pairs: list[tuple[str, str]] = []
+    for domain in solvable:
+        turns = domain.max_turns or max_turns
+        for env_seed in rng.sample(range(MAX_ENV_SEED), num_examples):
+            pairs.extend(play_episode(domain, env_seed, tokenizer, max_turns=turns))
+    return pairs
+
+
+def ensure_warm_tiny_model(
+    cache_dir: str | Path,
+    domains: Sequence[DomainConfig],
+    *,
+    model_seed: int = 0,
+    max_turns: int = 8,
+    recipe: WarmupRecipe = DEFAULT_RECIPE,
+) -> Path:
+    """The cached embedded-default checkpoint: tiny model from `model_seed`, warmed up on solver
+    demonstrations of `domains` with `recipe` (built on first use; see `ensure_tiny_model`).
+
+    Raises:
+        ValueError: no domain has a solver. msgspec.ValidationError: a bad recipe / seed.
+    """
+    recipe = warmup_spec(model_seed, recipe)
+    demos = build_demonstrations(
+        domains, recipe.episodes_per_domain, recipe.demo_seed, max_turns=max_turns
+    )
+    return ensure_tiny_model(cache_dir, recipe.spec, demonstrations=demos, sft=recipe.sft)
