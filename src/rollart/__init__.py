@@ -1,6 +1,7 @@
 """rollart: disaggregated, staleness-bounded agentic RL training for LLMs.
 
-``rollart.Cluster`` (the driver API) is imported lazily, so ``import rollart`` stays cheap for
+``rollart.Cluster`` (the driver API) and ``rollart.open_cluster`` (a cluster of local processes
+from a scenario) are imported lazily, so ``import rollart`` stays cheap for
 service processes that never drive a cluster.
 """
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["Backends", "Cluster", "__version__"]
+__all__ = ["Backends", "Cluster", "__version__", "open_cluster"]
 
 
 def __getattr__(name: str) -> Any:
@@ -17,4 +18,8 @@ def __getattr__(name: str) -> Any:
         from rollart.controller import driver
 
         return getattr(driver, name)
+    if name == "open_cluster":
+        from rollart.launcher.local import open_cluster
+
+        return open_cluster
     raise AttributeError(f"module 'rollart' has no attribute {name!r}")

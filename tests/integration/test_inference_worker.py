@@ -32,8 +32,8 @@ PROMPT = [2, 60, 79, 72, 72, 75, 3]  # "<|im_start|>Hello<|im_end|>" style ids; 
 #: differences are ~1e-6, a wrong or stale weight moves them by ~1e-1.
 LOGPROB_ATOL = 1e-4
 #: max_tokens of a request still running when the test acts on it (one request decodes at
-#: ~600 tokens/s on the 2-core development machine: 1500 tokens take > 2 s)
-LONG = 1500
+#: ~600 tokens/s on the 2-core development machine: 2000 tokens take > 3 s)
+LONG = 2000
 
 
 @pytest.fixture(scope="module")
@@ -96,9 +96,18 @@ async def wait_for(predicate, timeout_s: float = 20.0, every_s: float = 0.05):
     raise AssertionError(f"condition not met within {timeout_s} s")
 
 
-async def running(client: InferenceClient, n: int = 1) -> bool:
-    stats = await client.stats()
-    return stats.num_running + stats.num_waiting >= n
+async def started(client: InferenceClient, *tasks: asyncio.Task, timeout_s: float = 20.0):
+    """Wait until the worker holds ``len(tasks)`` requests; fail early if one already ended."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for t in tasks:
+            if t.done():
+                raise AssertionError(f"request ended before the test acted on it: {t.result()}")
+        stats = await client.stats()
+        if stats.num_running + stats.num_waiting >= len(tasks):
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{len(tasks)} requests not in flight within {timeout_s} s: {stats}")
 
 
 def check_shape(r: m.GenerateResult) -> None:
@@ -184,8 +193,8 @@ async def test_32_concurrent_generates(client):
 
 async def test_abort_long_request_returns_partial_tokens(client):
     task = asyncio.create_task(client.generate(gen("long-abort", LONG, ignore_eos=True)))
-    await wait_for(lambda: running(client))
-    await asyncio.sleep(0.5)  # let it produce some tokens
+    await started(client, task)
+    await asyncio.sleep(1.0)  # let it produce some tokens
     await client.abort("long-abort")
     r = await asyncio.wait_for(task, 10)
     check_shape(r)
@@ -196,7 +205,7 @@ async def test_abort_long_request_returns_partial_tokens(client):
 async def test_cancelled_generate_sends_abort(client):
     before = (await client.stats()).num_generated_tokens
     task = asyncio.create_task(client.generate(gen("long-cancel", LONG, ignore_eos=True)))
-    await wait_for(lambda: running(client))
+    await started(client, task)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -216,7 +225,7 @@ async def test_pause_keep_then_resume_finishes_requests(client):
         asyncio.create_task(client.generate(gen(f"keep{i}", 600, seed=i, ignore_eos=True)))
         for i in range(4)
     ]
-    await wait_for(lambda: running(client, 4))
+    await started(client, *tasks)
     await client.pause("keep")
     try:
         stats = await client.stats()
@@ -238,7 +247,7 @@ async def test_pause_abort_returns_partial_and_queues_new_requests(client):
         asyncio.create_task(client.generate(gen(f"pa{i}", LONG, seed=i, ignore_eos=True)))
         for i in range(4)
     ]
-    await wait_for(lambda: running(client, 4))
+    await started(client, *tasks)
     await client.pause("abort")
     try:
         results = await asyncio.wait_for(asyncio.gather(*tasks), 10)
@@ -265,7 +274,7 @@ async def test_weight_update_versions_and_logprobs_match_transformers(client):
 
     # A request in flight across the update: its tokens switch version mid-way.
     spanning = asyncio.create_task(client.generate(gen("span", LONG, ignore_eos=True)))
-    await wait_for(lambda: running(client))
+    await started(client, spanning)
     await asyncio.sleep(0.3)
     await client.pause("keep")  # so the update lands while the request is still running
     try:
@@ -413,7 +422,7 @@ async def test_engine_core_death_exits_worker_nonzero(tiny_model_dir, service_la
 async def test_killed_worker_raises_peer_dead_not_hang(client, worker):
     """Last test of the module: it kills the shared worker."""
     pending = asyncio.create_task(client.generate(gen("orphan", LONG, ignore_eos=True)))
-    await wait_for(lambda: running(client))
+    await started(client, pending)
     worker.kill()
     start = time.monotonic()
     with pytest.raises(PeerDeadError):

@@ -268,3 +268,27 @@ def test_push_weights_takes_bytes_over_link() -> None:
 
     # 0.84e9 B / 0.42e9 B/s
     assert run_virtual(main) == pytest.approx(2.0)
+
+
+def test_duplicate_request_id_is_rejected_until_done() -> None:
+    async def main():
+        w = _worker()
+        task = asyncio.ensure_future(w.generate(_req("a")))
+        await asyncio.sleep(0)
+        with pytest.raises(RemoteError) as err:
+            await w.generate(_req("a"))
+        assert err.value.code == "bad_request"
+        await task
+        return await w.generate(_req("a"))  # finished ids may be reused
+
+    assert run_virtual(main).finish_reason == "stop"
+
+
+def test_zero_time_scale_answers_without_simulated_time() -> None:
+    async def main():
+        w = _worker(time_scale=0.0)
+        res = await w.generate(_req("a"))
+        return res, asyncio.get_running_loop().time()
+
+    res, t = run_virtual(main)
+    assert len(res.token_ids) == 100 and t == 0.0

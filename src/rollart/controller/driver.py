@@ -138,7 +138,10 @@ class Cluster:
             self.controller.proxy.set_affinity(domain, pool)
 
     # ------------------------------------------------------------------ running
-    async def __aenter__(self) -> Cluster:
+    async def start(self) -> None:
+        """Start the controller (``async with`` and ``train`` do this for you)."""
+        if self.controller is not None:
+            return
         b, sc = self.backends, self.scenario
         hardware = {p.name: p.hardware for p in sc.pools}
         proxy = LLMProxy(
@@ -157,18 +160,26 @@ class Cluster:
             resume=self._resume,
         )
         await self.controller.start()
+
+    async def close(self) -> None:
+        """Stop every trajectory and the controller's background work (idempotent)."""
+        if self.controller is not None:
+            await self.controller.close()
+
+    async def __aenter__(self) -> Cluster:
+        await self.start()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        if self.controller is not None:
-            await self.controller.close()
+        await self.close()
 
     async def train(self, steps: int | None = None) -> AsyncIterator[TrainStep]:
         """Run ``steps`` training steps (default ``run.steps``), yielding each as it ends.
 
-        Raises the controller's fatal errors (see ``Controller.step``)."""
-        if self.controller is None:
-            raise RuntimeError("use 'async with Cluster.from_scenario(...) as cluster'")
+        Starts the cluster if needed. Raises the controller's fatal errors (see
+        ``Controller.step``)."""
+        await self.start()
+        assert self.controller is not None
         for _ in range(self.scenario.run.steps if steps is None else steps):
             metrics = await self.controller.step()
             yield TrainStep(metrics.step, metrics, self.controller.last_batch)

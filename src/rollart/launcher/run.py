@@ -13,7 +13,6 @@ steps and at the end). ``--resume DIR`` continues a run directory from its newes
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import json
 import logging
@@ -24,8 +23,8 @@ from typing import Any
 
 import msgspec
 
-from rollart.config import Scenario, load_scenario, scenario_to_json
-from rollart.launcher.procs import ProcessFailedError, Supervisor
+from rollart.config import Scenario, load_scenario
+from rollart.launcher.procs import ProcessFailedError
 from rollart.launcher.progress import Progress
 from rollart.trainer.checkpoint import latest_checkpoint, mark_complete, read_json, step_dir
 from rollart.transport.errors import ConfigError
@@ -61,76 +60,34 @@ class RunState(msgspec.Struct, kw_only=True):
     controller: dict[str, Any]
 
 
-async def _drive(args: argparse.Namespace, scenario: Scenario, run_dir: Path,
-                 model_dir: Path, planned: int, resume: tuple[Path, RunState] | None) -> int:
-    from transformers import AutoTokenizer
+async def _drive(scenario: Scenario, run_dir: Path, cache_dir: Path, planned: int,
+                 resume: tuple[Path, RunState] | None) -> int:
+    from rollart.launcher.local import open_cluster
 
-    from rollart.controller.driver import Backends, Cluster
-    from rollart.controller.training import RemoteTrainer
-    from rollart.envhost.client import EnvClient
-    from rollart.inference.client import InferenceClient
-    from rollart.launcher.services import start_services
-    from rollart.reward.client import RewardClient
-    from rollart.trainer.client import TrainerClient
-
-    sup = Supervisor(run_dir)
-    clients: list[Any] = []
     progress = Progress(scenario, planned)
-    start_step = resume[1].step if resume else 0
     try:
-        t0 = time.perf_counter()
-        progress.note(f"starting services (logs: {run_dir / 'logs'})")
-        addrs = await start_services(sup, scenario, model_dir,
-                                     trainer_resume=resume[0] if resume else None)
-        progress.note(f"services ready in {time.perf_counter() - t0:.1f} s")
-        rc = scenario.reward
-        reward = RewardClient(addrs.reward_url, max_concurrency=rc.max_concurrency,
-                              timeout_s=rc.timeout_s, max_retries=rc.max_retries,
-                              backoff_s=rc.backoff_s)
-        await reward.__aenter__()
-        clients.append(reward)
-        pools = {name: [InferenceClient(a, name=f"{name}-{i}") for i, a in enumerate(addrs_)]
-                 for name, addrs_ in addrs.workers.items()}
-        envs = [EnvClient(a, name=h.name) for a, h in zip(addrs.env_hosts, scenario.env_hosts,
-                                                           strict=True)]
-        trainer_client = TrainerClient(addrs.trainer)
-        clients += [w for ws in pools.values() for w in ws] + envs + [trainer_client]
-        version = resume[1].version if resume else 0
-        backends = Backends(
-            pools=pools, env_hosts=envs, reward_service=reward,
-            trainer=RemoteTrainer(trainer_client, version=version),
-            tokenizer=AutoTokenizer.from_pretrained(model_dir))
-        cluster = Cluster.from_scenario(scenario, backends=backends,
-                                        resume=resume[1].controller if resume else None)
-        failure = asyncio.create_task(sup.wait_any_failure())
-        training = asyncio.create_task(
-            _train(cluster, trainer_client, scenario, run_dir, start_step, planned, progress))
-        done, _ = await asyncio.wait({failure, training}, return_when=asyncio.FIRST_COMPLETED)
-        if failure in done:
-            training.cancel()
-            with contextlib.suppress(BaseException):
-                await training
-            raise failure.result()
-        failure.cancel()
-        return training.result()
+        async with open_cluster(
+            scenario, run_dir=run_dir, cache_dir=cache_dir,
+            trainer_resume=resume[0] if resume else None,
+            trainer_version=resume[1].version if resume else 0,
+            controller_resume=resume[1].controller if resume else None,
+            on_note=progress.note,
+        ) as cluster:
+            return await _train(cluster, scenario, run_dir, resume[1].step if resume else 0,
+                                planned, progress)
     finally:
-        for c in reversed(clients):
-            with contextlib.suppress(Exception):
-                await (c.__aexit__(None, None, None) if hasattr(c, "__aexit__") else c.close())
-        await sup.stop_all()
         progress.close()
 
 
-async def _train(cluster: Any, trainer_client: Any, scenario: Scenario, run_dir: Path,
-                 start_step: int, planned: int, progress: Progress) -> int:
+async def _train(cluster: Any, scenario: Scenario, run_dir: Path, start_step: int, planned: int,
+                 progress: Progress) -> int:
     every = scenario.trainer.checkpoint_every
     ckpt_root = run_dir / "checkpoints"
     step = start_step
     async with cluster:
         async for out in cluster.train(steps=planned - start_step):
-            step = start_step + out.step
+            step = out.step  # absolute: a resumed controller continues its step count
             record = msgspec.to_builtins(out.metrics)
-            record["step"] = step
             with (run_dir / "metrics.jsonl").open("a") as f:
                 f.write(json.dumps(record) + "\n")
             with (run_dir / "trained_samples.jsonl").open("a") as f:
@@ -138,31 +95,18 @@ async def _train(cluster: Any, trainer_client: Any, scenario: Scenario, run_dir:
                                     "sample_ids": [s.sample_id for s in out.samples]}) + "\n")
             progress.step(step, out.metrics)
             if (every and step % every == 0) or step == planned:
-                await _checkpoint(cluster, trainer_client, ckpt_root, step,
+                await _checkpoint(cluster, ckpt_root, step,
                                   out.metrics.policy_version)
                 progress.note(f"checkpoint saved: {step_dir(ckpt_root, step)}")
     return 0
 
 
-async def _checkpoint(cluster: Any, trainer_client: Any, root: Path, step: int,
-                      version: int) -> None:
+async def _checkpoint(cluster: Any, root: Path, step: int, version: int) -> None:
     d = step_dir(root, step)
-    await trainer_client.save_checkpoint(str(d))
+    await cluster.trainer_client.save_checkpoint(str(d))
     state = RunState(step=step, version=version, controller=cluster.snapshot())
     (d / "controller.json").write_bytes(msgspec.json.encode(state))
     mark_complete(root, step)
-
-
-def _resolve_model(scenario: Scenario, cache_dir: Path) -> Path:
-    if scenario.model.path != "tiny":
-        path = Path(scenario.model.path)
-        if not (path / "config.json").exists():
-            raise ConfigError(f"model.path: {path} is not a local Hugging Face checkpoint "
-                              "directory (no config.json); rollart never downloads models")
-        return path
-    from rollart.models.warmup import ensure_quickstart_model
-
-    return ensure_quickstart_model(cache_dir, scenario)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -195,17 +139,13 @@ def main(argv: list[str] | None = None) -> int:
         _truncate_jsonl(run_dir / "trained_samples.jsonl", state.step)
     else:
         run_dir = args.out or Path("runs") / f"{args.scenario.stem}-{time.strftime('%Y%m%d-%H%M%S')}"
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_bytes(scenario_to_json(scenario))
-    try:
-        model_dir = _resolve_model(scenario, args.cache_dir)
-    except ConfigError as exc:
-        print(f"rollart run: config error: {exc}", file=sys.stderr)
-        return 2
     import uvloop
 
     try:
-        rc = uvloop.run(_drive(args, scenario, run_dir, model_dir, planned, resume))
+        rc = uvloop.run(_drive(scenario, run_dir, args.cache_dir, planned, resume))
+    except ConfigError as exc:
+        print(f"rollart run: config error: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("rollart run: interrupted; every process was stopped", file=sys.stderr)
         rc = 130

@@ -106,6 +106,7 @@ class SimInferenceWorker:
         self.num_generated_tokens = 0
         self.busy_s = 0.0  # engine time spent in prefill or decode (utilisation)
         self._waiting: collections.deque[_Request] = collections.deque()
+        self._ids: set[str] = set()  # request ids pending (waiting or running)
         self._running: dict[str, _Request] = {}
         self._staged: dict[int, float] = {}  # version -> bytes staged
         self._cache: collections.OrderedDict[tuple[int, int, int], int] = \
@@ -129,8 +130,7 @@ class SimInferenceWorker:
         (the request is aborted). Cancelling the caller aborts the request.
         """
         self._check_alive()
-        if request.request_id in self._running or any(
-                r.rid == request.request_id for r in self._waiting):
+        if request.request_id in self._ids:
             raise RemoteError("bad_request", f"duplicate request_id {request.request_id!r}")
         if len(request.prompt_token_ids) + 1 > self.capacity:
             raise RemoteError("engine_error", f"prompt of {len(request.prompt_token_ids)} tokens "
@@ -146,6 +146,7 @@ class SimInferenceWorker:
             logprob=-rng.uniform(0.05, 1.5), fut=asyncio.get_running_loop().create_future(),
         )
         req.to_prefill = len(req.prompt) - self._cached_prefix(req.prompt)
+        self._ids.add(req.rid)
         self._waiting.append(req)
         self._ensure_engine()
         self._wake()
@@ -263,6 +264,7 @@ class SimInferenceWorker:
                 req.fut.set_exception(PeerDeadError(f"{self.name}: {reason}"))
         self._running.clear()
         self._waiting.clear()
+        self._ids.clear()
         if self._engine_task is not None:
             self._engine_task.cancel()
 
@@ -397,6 +399,7 @@ class SimInferenceWorker:
             self._resolve(req, req.finish)
 
     def _resolve(self, req: _Request, reason: str) -> None:
+        self._ids.discard(req.rid)
         if req.fut.done():
             return
         n = req.generated

@@ -1,0 +1,46 @@
+"""Render benchmark JSON files as the markdown results table of ``benchmarks/README.md``.
+
+    python -m benchmarks.report DIR   # DIR holds NAME.json files from the benchmarks
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+#: what the paper reports for each benchmark (RollArt, arXiv 2512.22560)
+PAPER = {
+    "env_tail": "1.23x (std 1 s) -> 2.27x (std 10 s), Fig. 11b",
+    "modes": "32B: 2.05x vs Sync+, 1.35x vs One-off, 1.31x vs AReaL, Fig. 10",
+    "affinity": "1.30-1.68x vs H20-only, 1.12-1.37x vs H800-only, Fig. 11a",
+    "redundancy": "collection up to 1.62x faster, §6.1",
+    "staleness": "at most 1.22x from alpha 1 to 6, Fig. 12",
+    "weight_sync": "naive 38.6/84.1/157.0 s -> exposed 1.4/5.1/9.6 s, Table 4",
+    "controller_overhead": "(not reported)",
+    "real_engine": "(not reported)",
+}
+
+
+def _fmt(v: object) -> str:
+    return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+
+def render(directory: Path) -> str:
+    lines = ["| benchmark | simulated | ratio | value | paper |", "|---|---|---|---|---|"]
+    for name, paper in PAPER.items():
+        path = directory / f"{name}.json"
+        if not path.exists():
+            lines.append(f"| {name} | | (not run) | | {paper} |")
+            continue
+        res = json.loads(path.read_text())
+        first = True
+        for key, value in res["ratios"].items():
+            lines.append(f"| {name if first else ''} | {res['simulated'] if first else ''} | "
+                         f"{key} | {_fmt(value)} | {paper if first else ''} |")
+            first = False
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(render(Path(sys.argv[1] if len(sys.argv) > 1 else "runs/bench")))

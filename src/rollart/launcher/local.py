@@ -1,0 +1,139 @@
+"""Open a cluster on this machine from a scenario: start its services, connect clients, and hand
+back a ``rollart.Cluster`` (the driver API) that is closed, with every process, on exit.
+
+::
+
+    async with rollart.open_cluster("scenarios/quickstart.toml") as cluster:
+        async for step in cluster.train(steps=2):
+            print(step.metrics.reward_mean_by_domain)
+
+If a service process dies while the block runs, the block is cancelled and
+``ProcessFailedError`` (naming the process and showing its log tail) is raised from it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from rollart.config import Scenario, load_scenario, scenario_to_json
+from rollart.launcher.procs import ProcessFailedError, Supervisor
+from rollart.transport.errors import ConfigError
+
+
+def resolve_model(scenario: Scenario, cache_dir: Path) -> Path:
+    """The policy checkpoint dir: a local HF dir, or the embedded tiny model (built + cached).
+
+    Raises:
+        ConfigError: ``model.path`` is not a local checkpoint dir (rollart never downloads).
+    """
+    if scenario.model.path != "tiny":
+        path = Path(scenario.model.path)
+        if not (path / "config.json").exists():
+            raise ConfigError(f"model.path: {path} is not a local Hugging Face checkpoint "
+                              "directory (no config.json); rollart never downloads models")
+        return path
+    from rollart.models.warmup import ensure_quickstart_model
+
+    return ensure_quickstart_model(cache_dir, scenario)
+
+
+@contextlib.asynccontextmanager
+async def open_cluster(scenario: str | Path | Scenario, *, run_dir: str | Path | None = None,
+                       cache_dir: str | Path = ".cache/rollart",
+                       trainer_resume: Path | None = None, trainer_version: int = 0,
+                       controller_resume: dict[str, Any] | None = None,
+                       on_note: Any = None) -> AsyncIterator[Any]:
+    """Start ``scenario``'s local services and yield a (not yet started) ``Cluster``.
+
+    Args:
+        scenario: a scenario file or a validated ``Scenario``.
+        run_dir: where logs (``run_dir/logs``) and ``config.json`` go (default: a new
+            ``runs/driver-<time>``).
+        cache_dir: where the embedded tiny model is built and cached.
+        trainer_resume / trainer_version / controller_resume: continue from a checkpoint.
+        on_note: optional ``callable(str)`` told about progress (services starting / ready).
+    Raises:
+        ConfigError: bad scenario (before any process starts).
+        ProcessFailedError: a service failed to start or died during the block.
+    """
+    from transformers import AutoTokenizer
+
+    from rollart.controller.driver import Backends, Cluster
+    from rollart.controller.training import RemoteTrainer
+    from rollart.envhost.client import EnvClient
+    from rollart.inference.client import InferenceClient
+    from rollart.launcher.services import start_services
+    from rollart.reward.client import RewardClient
+    from rollart.trainer.client import TrainerClient
+
+    if not isinstance(scenario, Scenario):
+        scenario = load_scenario(scenario)
+    run_dir = Path(run_dir) if run_dir else Path("runs") / f"driver-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_bytes(scenario_to_json(scenario))
+    model_dir = resolve_model(scenario, Path(cache_dir))
+    note = on_note or (lambda _text: None)
+
+    sup = Supervisor(run_dir)
+    clients: list[Any] = []
+    reward: RewardClient | None = None
+    cluster: Cluster | None = None
+    failed: list[ProcessFailedError] = []
+    watcher: asyncio.Task | None = None
+    try:
+        t0 = time.perf_counter()
+        note(f"starting services (logs: {run_dir / 'logs'})")
+        addrs = await start_services(sup, scenario, model_dir, trainer_resume=trainer_resume)
+        note(f"services ready in {time.perf_counter() - t0:.1f} s")
+        rc = scenario.reward
+        reward = RewardClient(addrs.reward_url, max_concurrency=rc.max_concurrency,
+                              timeout_s=rc.timeout_s, max_retries=rc.max_retries,
+                              backoff_s=rc.backoff_s)
+        await reward.__aenter__()
+        pools = {name: [InferenceClient(a, name=f"{name}-{i}") for i, a in enumerate(addrs_)]
+                 for name, addrs_ in addrs.workers.items()}
+        envs = [EnvClient(a, name=h.name)
+                for a, h in zip(addrs.env_hosts, scenario.env_hosts, strict=True)]
+        trainer_client = TrainerClient(addrs.trainer)
+        clients += [w for ws in pools.values() for w in ws] + envs + [trainer_client]
+        backends = Backends(
+            pools=pools, env_hosts=envs, reward_service=reward,
+            trainer=RemoteTrainer(trainer_client, version=trainer_version),
+            tokenizer=AutoTokenizer.from_pretrained(model_dir))
+        cluster = Cluster.from_scenario(scenario, backends=backends, resume=controller_resume)
+        cluster.run_dir = run_dir  # type: ignore[attr-defined]
+        cluster.trainer_client = trainer_client  # type: ignore[attr-defined]
+
+        body = asyncio.current_task()
+
+        async def watch() -> None:
+            failed.append(await sup.wait_any_failure())
+            assert body is not None
+            body.cancel()
+
+        watcher = asyncio.create_task(watch())
+        try:
+            yield cluster
+        except asyncio.CancelledError:
+            if failed and body is not None:
+                body.uncancel()  # the cancellation was ours: surface the real cause
+                raise failed[0] from None
+            raise
+    finally:
+        if watcher is not None:
+            watcher.cancel()
+        if cluster is not None:
+            with contextlib.suppress(Exception):
+                await cluster.close()
+        for c in reversed(clients):
+            with contextlib.suppress(Exception):
+                await c.close()
+        if reward is not None:
+            with contextlib.suppress(Exception):
+                await reward.__aexit__(None, None, None)
+        await sup.stop_all()

@@ -1,0 +1,127 @@
+"""Warm-up demonstrations: well formed, rendered as the controller renders them, deterministic;
+the recipe's warm-up changes the model."""
+
+from __future__ import annotations
+
+import re
+
+import msgspec
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rollart.config import DomainConfig
+from rollart.controller.tokens import ChatTokens
+from rollart.models.sft import SFTConfig
+from rollart.models.tiny import TinyModelSpec, build_tiny_model
+from rollart.models.tokenizer import build_char_tokenizer
+from rollart.models.warmup import (
+    DEFAULT_RECIPE,
+    WarmupRecipe,
+    build_demonstrations,
+    ensure_warm_tiny_model,
+    render_prompt,
+    warmup_spec,
+)
+
+GUESS = DomainConfig(name="guess", env="game:GuessTheNumber-v0-easy", pool="p", reward="env_return")
+ARITH = DomainConfig(
+    name="arith",
+    env="rg:basic_arithmetic",
+    pool="p",
+    reward="reasoning_gym",
+    env_options={"min_terms": 2, "max_terms": 2, "max_digits": 1, "operators": ["+", "-"],
+                 "allow_parentheses": False, "allow_negation": False},
+)
+BOXED = re.compile(r"^\\boxed\{-?\d+\}$")
+
+
+def test_pairs_are_chat_prompts_with_boxed_completions():
+    pairs = build_demonstrations([GUESS, ARITH], 3, seed=0, max_turns=4)
+    assert pairs
+    for prompt, completion in pairs:
+        assert prompt.startswith("<|im_start|>user\n")
+        assert prompt.endswith("<|im_end|>\n<|im_start|>assistant\n")
+        assert BOXED.match(completion), completion
+    arith = [p for p, _ in pairs if "Calculate" in p]
+    assert len(arith) == 3  # single turn: one pair per episode
+    assert len(pairs) > 6  # the game is multi-turn: more than one pair per episode
+
+
+def test_multi_turn_prompts_are_token_exact_with_the_controllers_sequence():
+    """Turn k+1's prompt must be the very token sequence the controller builds: prompt ids, the
+    generated ids (completion + eos, where the engine stops), then the observation delta."""
+    tok = build_char_tokenizer()
+    chat = ChatTokens(tok)
+    pairs = build_demonstrations([GUESS], 1, seed=3, max_turns=4, tokenizer=tok)
+    assert len(pairs) >= 2
+    ids = chat.encode(pairs[0][0])
+    for (_, completion), (next_prompt, _) in zip(pairs, pairs[1:]):
+        generated = chat.encode(completion) + [tok.eos_token_id]
+        user_text = next_prompt.rsplit("<|im_start|>user\n", 1)[1].split("<|im_end|>")[0]
+        ids = ids + generated + chat.observation_ids(user_text, generated)
+        assert ids == chat.encode(next_prompt)
+
+
+def test_system_prompt_and_templates_are_applied():
+    dom = msgspec.structs.replace(
+        GUESS,
+        system_prompt="Be brief.",
+        prompt_template="Game:\n{observation}",
+        turn_template="Hint: {observation}",
+    )
+    pairs = build_demonstrations([dom], 1, seed=1, max_turns=4)
+    assert pairs[0][0].startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nGame:\n")
+    assert "<|im_start|>user\nHint: At turn 1, you guessed" in pairs[1][0]
+
+
+def test_same_seed_same_pairs_other_seed_other_pairs():
+    a = build_demonstrations([GUESS, ARITH], 4, seed=5)
+    assert a == build_demonstrations([GUESS, ARITH], 4, seed=5)
+    assert a != build_demonstrations([GUESS, ARITH], 4, seed=6)
+
+
+def test_domains_without_a_solver_are_skipped_and_none_is_an_error():
+    sudoku = DomainConfig(name="s", env="game:Sudoku-v0-easy", pool="p", reward="env_return")
+    assert build_demonstrations([sudoku, ARITH], 2, seed=0) == build_demonstrations(
+        [ARITH], 2, seed=0
+    )
+    with pytest.raises(ValueError, match="no domain has a scripted solver"):
+        build_demonstrations([sudoku], 2, seed=0)
+    with pytest.raises(ValueError, match="num_examples"):
+        build_demonstrations([ARITH], 0, seed=0)
+
+
+def test_domain_max_turns_caps_the_episode():
+    dom = msgspec.structs.replace(GUESS, max_turns=1)
+    pairs = build_demonstrations([dom], 5, seed=0, max_turns=4)
+    assert len(pairs) == 5
+
+
+def test_render_prompt_checks_lengths():
+    with pytest.raises(ValueError, match="len\\(observations\\)"):
+        render_prompt(build_char_tokenizer(), GUESS, ["a"], ["b"])
+
+
+def test_warmup_spec_sets_the_model_seed_and_validates():
+    assert warmup_spec(7).spec.seed == 7
+    assert warmup_spec(7).sft == DEFAULT_RECIPE.sft
+    with pytest.raises(msgspec.ValidationError):
+        warmup_spec(-1)
+
+
+def test_warm_up_changes_the_model_and_is_cached(tmp_path):
+    small = TinyModelSpec(hidden_size=64, num_layers=1, num_heads=2, intermediate_size=128)
+    recipe = WarmupRecipe(spec=small, episodes_per_domain=2, sft=SFTConfig(epochs=1))
+    path = ensure_warm_tiny_model(tmp_path / "cache", [GUESS, ARITH], model_seed=3,
+                                  max_turns=4, recipe=recipe)
+    cold = build_tiny_model(tmp_path / "cold", seed=3, hidden_size=64, num_layers=1,
+                            num_heads=2, intermediate_size=128)
+    warm_w = load_file(str(path / "model.safetensors"))
+    cold_w = load_file(str(cold / "model.safetensors"))
+    assert warm_w.keys() == cold_w.keys()
+    assert any(not torch.equal(warm_w[k], cold_w[k]) for k in warm_w)
+    assert (path / "rollart_sft_history.json").is_file()
+    again = ensure_warm_tiny_model(tmp_path / "cache", [GUESS, ARITH], model_seed=3,
+                                   max_turns=4, recipe=recipe)
+    assert again == path
