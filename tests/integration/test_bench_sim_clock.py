@@ -33,8 +33,10 @@ def test_virtual_and_real_clock_agree_on_mode_ordering() -> None:
     assert v[0] > v[1] > v[2], v
     assert r[0] > r[1] > r[2], r
     for mode in MODES:
-        # Real time adds the controller's own CPU time (small at this size) to the same sleeps.
-        assert real[mode].step_time_s == pytest.approx(virtual[mode].step_time_s, rel=0.35)
+        # Real time adds the controller's own CPU time to the same sleeps (small at this size
+        # on an idle machine, up to ~40% on a loaded 2-core box); it can never remove time.
+        assert 0.95 * virtual[mode].step_time_s <= real[mode].step_time_s \
+            <= 1.6 * virtual[mode].step_time_s
         assert virtual[mode].wall_s < real[mode].wall_s
 
 

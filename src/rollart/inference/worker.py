@@ -144,11 +144,18 @@ class InferenceWorker:
             raise RemoteError("bad_request", f"request {rid!r}: prompt_token_ids is empty")
         state = self._active[rid] = _Active()
         submitted_version = self.version
-        prompt = TokensPrompt(
-            prompt_token_ids=list(msg.prompt_token_ids), cache_salt=f"v{submitted_version}"
-        )
         final = None
         try:
+            # Rendered synchronously (token ids need no tokenizer): vLLM's raw-prompt path hops
+            # to a thread pool first, a window in which an Abort would find no request.
+            (prompt,) = self.engine.renderer.render_cmpl(
+                [
+                    TokensPrompt(
+                        prompt_token_ids=list(msg.prompt_token_ids),
+                        cache_salt=f"v{submitted_version}",
+                    )
+                ]
+            )
             async for out in self.engine.generate(prompt, to_vllm_sampling(msg.sampling), rid):
                 final = out
         except EngineDeadError as exc:
