@@ -30,8 +30,14 @@ ARITH = DomainConfig(
     env="rg:basic_arithmetic",
     pool="p",
     reward="reasoning_gym",
-    env_options={"min_terms": 2, "max_terms": 2, "max_digits": 1, "operators": ["+", "-"],
-                 "allow_parentheses": False, "allow_negation": False},
+    env_options={
+        "min_terms": 2,
+        "max_terms": 2,
+        "max_digits": 1,
+        "operators": ["+", "-"],
+        "allow_parentheses": False,
+        "allow_negation": False,
+    },
 )
 BOXED = re.compile(r"^\\boxed\{-?\d+\}$")
 
@@ -56,7 +62,7 @@ def test_multi_turn_prompts_are_token_exact_with_the_controllers_sequence():
     pairs = build_demonstrations([GUESS], 1, seed=3, max_turns=4, tokenizer=tok)
     assert len(pairs) >= 2
     ids = chat.encode(pairs[0][0])
-    for (_, completion), (next_prompt, _) in zip(pairs, pairs[1:]):
+    for (_, completion), (next_prompt, _) in zip(pairs[:-1], pairs[1:], strict=True):
         generated = chat.encode(completion) + [tok.eos_token_id]
         user_text = next_prompt.rsplit("<|im_start|>user\n", 1)[1].split("<|im_end|>")[0]
         ids = ids + generated + chat.observation_ids(user_text, generated)
@@ -71,7 +77,9 @@ def test_system_prompt_and_templates_are_applied():
         turn_template="Hint: {observation}",
     )
     pairs = build_demonstrations([dom], 1, seed=1, max_turns=4)
-    assert pairs[0][0].startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nGame:\n")
+    assert pairs[0][0].startswith(
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nGame:\n"
+    )
     assert "<|im_start|>user\nHint: At turn 1, you guessed" in pairs[1][0]
 
 
@@ -113,15 +121,18 @@ def test_warmup_spec_sets_the_model_seed_and_validates():
 def test_warm_up_changes_the_model_and_is_cached(tmp_path):
     small = TinyModelSpec(hidden_size=64, num_layers=1, num_heads=2, intermediate_size=128)
     recipe = WarmupRecipe(spec=small, episodes_per_domain=2, sft=SFTConfig(epochs=1))
-    path = ensure_warm_tiny_model(tmp_path / "cache", [GUESS, ARITH], model_seed=3,
-                                  max_turns=4, recipe=recipe)
-    cold = build_tiny_model(tmp_path / "cold", seed=3, hidden_size=64, num_layers=1,
-                            num_heads=2, intermediate_size=128)
+    path = ensure_warm_tiny_model(
+        tmp_path / "cache", [GUESS, ARITH], model_seed=3, max_turns=4, recipe=recipe
+    )
+    cold = build_tiny_model(
+        tmp_path / "cold", seed=3, hidden_size=64, num_layers=1, num_heads=2, intermediate_size=128
+    )
     warm_w = load_file(str(path / "model.safetensors"))
     cold_w = load_file(str(cold / "model.safetensors"))
     assert warm_w.keys() == cold_w.keys()
     assert any(not torch.equal(warm_w[k], cold_w[k]) for k in warm_w)
     assert (path / "rollart_sft_history.json").is_file()
-    again = ensure_warm_tiny_model(tmp_path / "cache", [GUESS, ARITH], model_seed=3,
-                                   max_turns=4, recipe=recipe)
+    again = ensure_warm_tiny_model(
+        tmp_path / "cache", [GUESS, ARITH], model_seed=3, max_turns=4, recipe=recipe
+    )
     assert again == path
