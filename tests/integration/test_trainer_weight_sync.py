@@ -1,0 +1,128 @@
+"""Trainer process -> inference worker weight sync, both real processes on the tiny model.
+
+One training step changes the weights; the worker stages the pushed version, applies it, acks
+it, and its prompt logprobs then equal the trainer's under that version. A worker that missed
+versions is brought straight to the latest one.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rollart.inference.client import InferenceClient
+from rollart.trainer.client import TrainerClient
+from rollart.transport import messages as m
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+FIXED = [2, 40, 41, 42, 5, 60, 61, 62, 63, 3, 7, 8, 9, 10, 11, 12]
+TOL = 1e-4  # float32 on both sides; measured differences are ~1e-6
+
+
+@pytest.fixture(scope="module")
+def services(tiny_model_dir, service_starter, tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("weight-sync-logs")
+    worker = service_starter("rollart.inference.worker",
+                             ["--model", str(tiny_model_dir), "--dtype", "float32",
+                              "--enforce-eager"], log_dir=log_dir, ready_timeout_s=300)
+    trainer = service_starter("rollart.trainer.service",
+                              ["--model", str(tiny_model_dir), "--options",
+                               '{"lr": 0.01, "bucket_bytes": 200000}'],
+                              log_dir=log_dir, ready_timeout_s=300)
+    yield worker.address, trainer.address
+    worker.stop()
+    trainer.stop()
+
+
+async def _prompt_logprobs(worker: InferenceClient) -> list[float]:
+    r = await worker.generate(m.Generate(
+        request_id=f"score-{id(worker)}-{torch.randint(1 << 30, ()).item()}",
+        prompt_token_ids=FIXED, sampling=m.SamplingParams(max_tokens=1, prompt_logprobs=True)))
+    assert r.prompt_logprobs is not None
+    return [float(x) for x in r.prompt_logprobs[1:]]
+
+
+def _trainer_logprobs(model_dir, ckpt_dir) -> list[float]:
+    from transformers import AutoModelForCausalLM
+
+    from rollart.trainer.checkpoint import load_trainer
+    from rollart.trainer.step import token_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    load_trainer(ckpt_dir, model, torch.optim.AdamW(model.parameters()))
+    ids = torch.tensor([FIXED])
+    with torch.no_grad():
+        lp = token_logprobs(model.eval(), ids, torch.ones_like(ids))
+    return lp[0, 1:].tolist()
+
+
+async def _rollout_samples(worker: InferenceClient, n: int) -> list[m.TrainSample]:
+    samples = []
+    for i in range(n):
+        prompt = FIXED[: 4 + i]
+        r = await worker.generate(m.Generate(
+            request_id=f"roll-{i}-{torch.randint(1 << 30, ()).item()}", prompt_token_ids=prompt,
+            sampling=m.SamplingParams(max_tokens=8, ignore_eos=True, seed=i)))
+        samples.append(m.TrainSample(
+            token_ids=prompt + r.token_ids, loss_mask=[0] * len(prompt) + [1] * len(r.token_ids),
+            behaviour_logprobs=[0.0] * len(prompt) + r.logprobs,
+            advantage=1.0 if i % 2 == 0 else -1.0, sample_id=f"s{i}"))
+    return samples
+
+
+async def test_one_step_changes_weights_and_worker_serves_the_trainers_version(
+        services, tiny_model_dir, tmp_path):
+    worker_addr, trainer_addr = services
+    worker = InferenceClient(worker_addr, name="worker", liveness_timeout_s=30)
+    trainer = TrainerClient(trainer_addr)
+    try:
+        before = await _prompt_logprobs(worker)
+        await trainer.set_workers([worker_addr])
+        start = await trainer.status()
+        result = await trainer.train(start.step, await _rollout_samples(worker, 4))
+        assert result.version == start.version + 1
+        assert {"loss", "grad_norm", "clip_fraction", "logprob_mismatch"} <= set(result.metrics)
+        # vLLM's behaviour logprobs and the trainer's proximal ones agree before the update.
+        assert result.metrics["logprob_mismatch"] < 1e-3
+        published = await trainer.wait_published(result.version)
+        assert published.failed == {} and published.num_bytes > 0
+        applied = await worker.apply_weights(result.version)
+        assert applied.version == result.version == applied.stats.version
+        after = await _prompt_logprobs(worker)
+        saved = await trainer.save_checkpoint(str(tmp_path / "ckpt"))
+        assert saved.version == result.version
+        expected = _trainer_logprobs(tiny_model_dir, tmp_path / "ckpt")
+        assert max(abs(a - b) for a, b in zip(before, after, strict=True)) > 1e-3  # changed
+        assert after == pytest.approx(expected, abs=TOL)
+        # New tokens now carry the new version.
+        r = await worker.generate(m.Generate(
+            request_id="after-update", prompt_token_ids=FIXED[:5],
+            sampling=m.SamplingParams(max_tokens=4, ignore_eos=True)))
+        assert set(r.versions) == {result.version}
+    finally:
+        await worker.close()
+        await trainer.close()
+
+
+async def test_a_worker_that_missed_versions_is_brought_to_the_latest(services, tmp_path):
+    worker_addr, trainer_addr = services
+    worker = InferenceClient(worker_addr, name="worker", liveness_timeout_s=30)
+    trainer = TrainerClient(trainer_addr)
+    try:
+        await trainer.set_workers([])  # the worker misses the next two versions
+        samples = await _rollout_samples(worker, 2)
+        for _ in range(2):
+            status = await trainer.status()
+            result = await trainer.train(status.step, samples)
+        served = (await worker.stats()).version
+        assert served < result.version - 1
+        with pytest.raises(Exception, match="stale_version|incomplete_version|not_found"):
+            await worker.apply_weights(result.version)  # nothing of it was staged
+        published = await trainer.publish_latest([worker_addr])
+        assert published.version == result.version and published.failed == {}
+        applied = await worker.apply_weights(result.version)
+        assert applied.version == result.version
+    finally:
+        await worker.close()
+        await trainer.close()
