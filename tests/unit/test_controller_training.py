@@ -25,7 +25,9 @@ def test_grpo_advantages_are_group_relative() -> None:
     std = grpo_advantages(batch)
     assert std[0] == pytest.approx(1.0, abs=1e-5) and std[1] == pytest.approx(-1.0, abs=1e-5)
     assert std[2] == std[3] == 0.0  # no signal in a group with equal rewards
-    assert grpo_advantages(batch, "none") == [0.5, -0.5, 0.0, 0.0]
+    # Groups are matched by key, not by position.
+    shuffled = [batch[2], batch[0], batch[3], batch[1]]
+    assert grpo_advantages(shuffled) == [std[2], std[0], std[3], std[1]]
 
 
 def test_to_train_samples_carries_tokens_and_rejects_unusable_samples() -> None:
@@ -63,13 +65,14 @@ def worker(name: str) -> FakeWorker:
 
 async def test_remote_trainer_trains_and_waits_for_publication() -> None:
     client = FakeTrainerClient()
-    trainer = RemoteTrainer(client, norm="none")
+    trainer = RemoteTrainer(client)
     w1, w2 = worker("w1"), worker("w2")
     await trainer.set_workers([w1, w2])
     result = await trainer.train([sample("a", "g", 1.0), sample("b", "g", 0.0)])
     assert result.version == trainer.version == 1
     assert result.metrics == {"loss": 0.5, "trainer_step_s": 1.5}
-    assert [s.advantage for s in client.batches[0]] == [0.5, -0.5]
+    # rewards 1, 0: mean 0.5, population std 0.5 -> +-0.5 / (0.5 + 1e-6)
+    assert [s.advantage for s in client.batches[0]] == pytest.approx([1.0, -1.0], abs=1e-5)
     await trainer.push_weights(1, [w1, w2])
     assert client.workers == [["tcp://w1", "tcp://w2"]]  # registered once
     await trainer.push_weights(1, [w2])  # w1 was removed: re-register

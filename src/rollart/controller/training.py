@@ -10,48 +10,36 @@ transfer overlaps rollout, paper §6.3).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from typing import Literal, Protocol
+from typing import Protocol
 
 from rollart.controller.ports import GenerationBackend, TrainResult
 from rollart.controller.sample import Sample
 from rollart.transport import messages as m
 from rollart.transport.errors import RollartError
 
-AdvantageNorm = Literal["std", "none"]
 
+def grpo_advantages(samples: Sequence[Sample]) -> list[float]:
+    """GRPO advantages of a batch of whole groups, one per sample, in ``samples`` order.
 
-def grpo_advantages(samples: Sequence[Sample], norm: AdvantageNorm = "std",
-                    eps: float = 1e-6) -> list[float]:
-    """Group-relative advantages, one per sample, in ``samples`` order.
-
-    ``A_i = r_i - mean(r_group)``, divided by ``std(r_group) + eps`` when ``norm == "std"``
-    (GRPO, Shao et al. 2024, DeepSeekMath §4.1.2; population std) or left unscaled when
-    ``norm == "none"`` (Dr. GRPO, Liu et al. 2025, which drops the std to avoid weighting
-    groups by their difficulty). Groups are keyed by ``sample.group_key``.
+    Delegates to :func:`rollart.trainer.loss.grpo_advantages` (Shao et al. 2024, DeepSeekMath
+    §4.1; all-equal groups get exactly 0): the batch holds only kept samples, so failed or
+    cancelled members never enter a group's baseline. Groups are keyed by ``sample.group_key``.
     """
-    groups: dict[str, list[float]] = {}
-    for s in samples:
-        groups.setdefault(s.group_key, []).append(s.reward)
-    stats: dict[str, tuple[float, float]] = {}
-    for key, rewards in groups.items():
-        mean = sum(rewards) / len(rewards)
-        std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
-        stats[key] = (mean, std)
-    out = []
-    for s in samples:
-        mean, std = stats[s.group_key]
-        adv = s.reward - mean
-        out.append(adv / (std + eps) if norm == "std" else adv)
-    return out
+    import torch
+
+    from rollart.trainer.loss import grpo_advantages as _grpo
+
+    keys: dict[str, int] = {}
+    group_ids = torch.tensor([keys.setdefault(s.group_key, len(keys)) for s in samples])
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
+    return _grpo(rewards, group_ids=group_ids).tolist()
 
 
-def to_train_samples(samples: Sequence[Sample], norm: AdvantageNorm = "std"
-                     ) -> list[m.TrainSample]:
+def to_train_samples(samples: Sequence[Sample]) -> list[m.TrainSample]:
     """The wire form of a batch, with GRPO advantages. Raises ValueError (from
     ``TrainSample``) for a sample the trainer cannot use (e.g. no generated token)."""
-    advantages = grpo_advantages(samples, norm)
+    advantages = grpo_advantages(samples)
     return [
         m.TrainSample(token_ids=s.token_ids, loss_mask=s.loss_mask,
                       behaviour_logprobs=s.behaviour_logprobs, advantage=a, sample_id=s.sample_id)
@@ -75,7 +63,6 @@ class RemoteTrainer:
     Args:
         client: a ``TrainerClient``.
         version: the trainer's version now (0 for a fresh run; the checkpoint's on resume).
-        norm: advantage normalisation (see :func:`grpo_advantages`).
 
     ``set_workers`` registers the workers' addresses (``InferenceClient.address``) with the
     trainer, which pushes every new version to them right after the step; ``push_weights``
@@ -83,11 +70,9 @@ class RemoteTrainer:
     ``version`` is staged. Raises ``RollartError`` naming live workers the push failed on.
     """
 
-    def __init__(self, client: TrainerClientLike, *, version: int = 0,
-                 norm: AdvantageNorm = "std") -> None:
+    def __init__(self, client: TrainerClientLike, *, version: int = 0) -> None:
         self.client = client
         self._version = version
-        self.norm: AdvantageNorm = norm
         self._addresses: list[str] | None = None
         #: last ``Published`` reply (bytes and seconds of the transfer)
         self.last_published: m.Published | None = None
@@ -103,7 +88,7 @@ class RemoteTrainer:
             self._addresses = addresses
 
     async def train(self, samples: Sequence[Sample]) -> TrainResult:
-        reply = await self.client.train(self._version, to_train_samples(samples, self.norm))
+        reply = await self.client.train(self._version, to_train_samples(samples))
         if reply.version != self._version + 1:
             raise RollartError(
                 f"trainer answered version {reply.version} for a step at {self._version}"
