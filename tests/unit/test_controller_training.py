@@ -56,6 +56,10 @@ class FakeTrainerClient:
     async def wait_published(self, version):
         return m.Published(version=version, total_s=0.1, num_bytes=10, failed=self.failed)
 
+    async def publish_latest(self, addresses):
+        self.published_latest = list(addresses)
+        return m.Published(version=self.version, total_s=0.2, num_bytes=10, failed=self.failed)
+
 
 def worker(name: str) -> FakeWorker:
     w = FakeWorker(name)
@@ -83,7 +87,24 @@ async def test_remote_trainer_trains_and_waits_for_publication() -> None:
 async def test_remote_trainer_reports_failed_pushes_to_live_workers() -> None:
     client = FakeTrainerClient(failed={"tcp://w2": "timeout", "tcp://gone": "dead"})
     trainer = RemoteTrainer(client)
+    await trainer.set_workers([worker("w1"), worker("w2")])
+    await trainer.train([sample("a", "g", 1.0), sample("b", "g", 0.0)])
     with pytest.raises(RollartError, match="tcp://w2"):
         await trainer.push_weights(1, [worker("w1"), worker("w2")])
     client.failed = {"tcp://gone": "dead"}
     await trainer.push_weights(1, [worker("w1"), worker("w2")])
+
+
+async def test_resumed_trainer_brings_fresh_workers_to_its_version() -> None:
+    client = FakeTrainerClient()
+    client.version = 2  # restored from a checkpoint; workers start from the base weights
+    trainer = RemoteTrainer(client, version=2)
+    w1 = worker("w1")
+    await trainer.push_weights(2, [w1])
+    assert client.published_latest == ["tcp://w1"]
+    assert trainer.last_published.version == 2
+    # After a step, the trainer pushed to the registered workers itself: just wait for it.
+    client.published_latest = None
+    await trainer.train([sample("a", "g", 1.0), sample("b", "g", 0.0)])
+    await trainer.push_weights(3, [w1])
+    assert client.published_latest is None

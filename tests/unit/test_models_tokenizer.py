@@ -1,4 +1,5 @@
-"""The character tokenizer: exact round trips, fixed small vocabulary, HF save/load, chat template."""
+"""The byte-level tokenizer: exact round trips, fixed vocabulary, loading through AutoTokenizer (as
+vLLM does, which picks Qwen2Tokenizer for a qwen2 checkpoint), chat template."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from rollart.models.tokenizer import (
-    CHARACTERS,
+    BYTE_SYMBOLS,
     EOS_TOKEN,
     IM_END_TOKEN,
     IM_START_TOKEN,
@@ -17,7 +18,7 @@ from rollart.models.tokenizer import (
     VOCAB,
     VOCAB_SIZE,
     build_char_tokenizer,
-    save_char_tokenizer,
+    char_id,
 )
 
 PRINTABLE = "".join(chr(c) for c in range(0x20, 0x7F)) + "\n\t"
@@ -30,14 +31,17 @@ def tok():
 
 @pytest.fixture(scope="module")
 def saved_tok(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tok")
-    save_char_tokenizer(d)
+    # Loaded from a whole tiny checkpoint: config.json says qwen2, so AutoTokenizer (and vLLM)
+    # build transformers' Qwen2Tokenizer from the files, not the class we saved.
+    from rollart.models.tiny import build_tiny_model
+
+    d = build_tiny_model(tmp_path_factory.mktemp("tok") / "m", seed=0)
     return AutoTokenizer.from_pretrained(str(d))
 
 
 def test_vocabulary_is_small_and_fixed(tok):
-    assert VOCAB_SIZE == len(tok) == 102 <= 128
-    assert set(PRINTABLE) == set(CHARACTERS)
+    assert VOCAB_SIZE == len(tok) == 261
+    assert len(set(BYTE_SYMBOLS)) == 256
     specials = (PAD_TOKEN, EOS_TOKEN, IM_START_TOKEN, IM_END_TOKEN, UNK_TOKEN)
     assert [VOCAB[t] for t in specials] == [0, 1, 2, 3, 4]
     assert tok.pad_token_id == 0 and tok.eos_token_id == 3 and tok.unk_token_id == 4
@@ -46,7 +50,8 @@ def test_vocabulary_is_small_and_fixed(tok):
 
 def test_one_token_per_character_no_bos_or_eos_added(tok):
     text = "a b\n  c"
-    assert tok.encode(text) == [VOCAB[c] for c in text]
+    assert tok.encode(text) == [char_id(c) for c in text]
+    assert char_id("a") == VOCAB["a"] and char_id(" ") == VOCAB["\u0120"]  # GPT-2's space
 
 
 def test_round_trip_of_every_printable_character_with_spaces_and_newlines(tok, saved_tok):
@@ -65,12 +70,24 @@ def test_round_trip_property(tok, text):
 
 def test_special_tokens_in_text_are_single_ids_and_skippable(tok):
     ids = tok.encode("<|im_start|>hi<|im_end|>")
-    assert ids == [VOCAB[IM_START_TOKEN], VOCAB["h"], VOCAB["i"], VOCAB[IM_END_TOKEN]]
+    assert ids == [VOCAB[IM_START_TOKEN], char_id("h"), char_id("i"), VOCAB[IM_END_TOKEN]]
     assert tok.decode(ids, skip_special_tokens=True) == "hi"
 
 
-def test_unknown_character_maps_to_unk(tok):
-    assert tok.encode("a\u00e9") == [VOCAB["a"], VOCAB[UNK_TOKEN]]
+def test_non_ascii_text_round_trips_through_its_bytes(tok, saved_tok):
+    text = "a\u00e9 \u4e2d\n"
+    for t in (tok, saved_tok):
+        ids = t.encode(text)
+        assert len(ids) == len(text.encode()) and VOCAB[UNK_TOKEN] not in ids
+        assert t.decode(ids) == text
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.text(alphabet=PRINTABLE, max_size=120))
+def test_checkpoint_tokenizer_agrees_with_in_memory_one(tok, saved_tok, text):
+    # The bug this guards against: the saved tokenizer loaded as Qwen2Tokenizer dropped spaces.
+    text = f"<|im_start|>user\n{text}<|im_end|>\n"
+    assert saved_tok.encode(text) == tok.encode(text)
 
 
 def test_saved_tokenizer_matches_in_memory_one(tok, saved_tok):

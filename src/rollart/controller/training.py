@@ -56,6 +56,8 @@ class TrainerClientLike(Protocol):
 
     async def wait_published(self, version: int) -> m.Published: ...
 
+    async def publish_latest(self, addresses: Sequence[str]) -> m.Published: ...
+
 
 class RemoteTrainer:
     """``TrainerBackend`` over the trainer service.
@@ -67,13 +69,17 @@ class RemoteTrainer:
     ``set_workers`` registers the workers' addresses (``InferenceClient.address``) with the
     trainer, which pushes every new version to them right after the step; ``push_weights``
     re-registers them if the set changed (a dead worker was removed) and waits until
-    ``version`` is staged. Raises ``RollartError`` naming live workers the push failed on.
+    ``version`` is staged. Workers the trainer did not push ``version`` to after its step (a
+    resumed run's workers, a worker registered later) get the trainer's latest weights pushed to
+    them directly. Raises ``RollartError`` naming live workers the push failed on.
     """
 
     def __init__(self, client: TrainerClientLike, *, version: int = 0) -> None:
         self.client = client
         self._version = version
         self._addresses: list[str] | None = None
+        #: version -> addresses registered when the trainer produced (and so pushed) it
+        self._pushed_to: dict[int, set[str]] = {}
         #: last ``Published`` reply (bytes and seconds of the transfer)
         self.last_published: m.Published | None = None
 
@@ -88,7 +94,9 @@ class RemoteTrainer:
             self._addresses = addresses
 
     async def train(self, samples: Sequence[Sample]) -> TrainResult:
+        registered = set(self._addresses or [])
         reply = await self.client.train(self._version, to_train_samples(samples))
+        self._pushed_to = {reply.version: registered}
         if reply.version != self._version + 1:
             raise RollartError(
                 f"trainer answered version {reply.version} for a step at {self._version}"
@@ -99,7 +107,15 @@ class RemoteTrainer:
 
     async def push_weights(self, version: int, workers: Sequence[GenerationBackend]) -> None:
         await self.set_workers(workers)
-        published = await self.client.wait_published(version)
+        missing = [a for a in self._addresses or [] if a not in self._pushed_to.get(version, ())]
+        if missing:
+            published = await self.client.publish_latest(missing)
+            if published.version != version:
+                raise RollartError(f"trainer's latest version is {published.version}, the "
+                                   f"controller expected {version}")
+            self._pushed_to.setdefault(version, set()).update(missing)
+        else:
+            published = await self.client.wait_published(version)
         self.last_published = published
         # A worker removed since (dead) may be among the failures; only live ones matter.
         failed = {a: why for a, why in published.failed.items() if a in (self._addresses or [])}

@@ -176,6 +176,8 @@ def _cache_key(
 ) -> str:
     h = hashlib.sha256()
     h.update(msgspec.json.encode(spec))
+    # A tokenizer change (new ids for the same text) must never reuse an old checkpoint.
+    h.update(json.dumps(VOCAB, sort_keys=True).encode())
     if demos is not None:
         h.update(msgspec.json.encode(sft or SFTConfig()))
         # JSON of the pairs keeps prompt/completion boundaries unambiguous in the hash.

@@ -1,23 +1,25 @@
-"""The project's character-level tokenizer, saved as an ordinary Hugging Face tokenizer.
+"""The project's byte-level tokenizer, saved as an ordinary Hugging Face tokenizer.
 
-One token per character of printable ASCII (0x20-0x7E) plus newline and tab, and five special
-tokens. The backend is a `tokenizers` WordLevel model over single characters (the pre-tokenizer
-splits text into one piece per character, the `Fuse` decoder joins pieces without separators), so
-`encode -> decode` is exact for any text over that alphabet. Wrapped as
-`transformers.PreTrainedTokenizerFast` and written with `save_pretrained`, the directory loads with
-`AutoTokenizer.from_pretrained(dir)` and in vLLM like any other checkpoint's tokenizer.
+One token per byte (256 ids, GPT-2's byte-to-unicode symbols, so every UTF-8 text round-trips
+exactly) plus five special tokens, and no merges: characters of ASCII text are single tokens,
+which keeps the tiny model's job small. The backend is exactly the pipeline that transformers'
+``Qwen2Tokenizer`` builds (NFC normaliser, Qwen2's split regex, ByteLevel pre-tokenizer and
+decoder, BPE model) because ``AutoTokenizer`` loads any ``qwen2`` checkpoint's tokenizer with
+that class whatever ``tokenizer_config.json`` says; vLLM does the same. A character-level
+WordLevel tokenizer loaded that way silently lost every space and newline.
 
-Turn format follows Qwen2's ChatML convention: `<|im_start|>{role}\\n{content}<|im_end|>\\n`;
-`<|im_end|>` is the tokenizer's eos token (generation of an assistant turn stops there),
-`<|eos|>` ends a plain document.
+Turn format follows Qwen2's ChatML convention: ``<|im_start|>{role}\\n{content}<|im_end|>\\n``;
+``<|im_end|>`` is the tokenizer's eos token (generation of an assistant turn stops there),
+``<|eos|>`` ends a plain document.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
+from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
 PAD_TOKEN = "<|pad|>"
 EOS_TOKEN = "<|eos|>"
@@ -25,11 +27,34 @@ IM_START_TOKEN = "<|im_start|>"
 IM_END_TOKEN = "<|im_end|>"
 UNK_TOKEN = "<|unk|>"
 
-# Order fixes the ids: specials first (0..4), then the characters.
+
+def _bytes_to_unicode() -> dict[int, str]:
+    # GPT-2's reversible byte -> printable-symbol table (Radford et al. 2019, encoder.py), the
+    # alphabet of every ByteLevel pre-tokenizer: printable bytes map to themselves.
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+            *range(ord("\xae"), ord("\xff") + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+# Order fixes the ids: specials first (0..4), then the 256 byte symbols in byte order.
 SPECIAL_TOKENS: tuple[str, ...] = (PAD_TOKEN, EOS_TOKEN, IM_START_TOKEN, IM_END_TOKEN, UNK_TOKEN)
-CHARACTERS: tuple[str, ...] = ("\n", "\t", *(chr(c) for c in range(0x20, 0x7F)))
-VOCAB: dict[str, int] = {tok: i for i, tok in enumerate((*SPECIAL_TOKENS, *CHARACTERS))}
-VOCAB_SIZE: int = len(VOCAB)  # 102
+BYTE_SYMBOLS: tuple[str, ...] = tuple(_bytes_to_unicode()[b] for b in range(256))
+VOCAB: dict[str, int] = {tok: i for i, tok in enumerate((*SPECIAL_TOKENS, *BYTE_SYMBOLS))}
+VOCAB_SIZE: int = len(VOCAB)  # 261
+
+
+def char_id(ch: str) -> int:
+    """Token id of a single ASCII character (e.g. ``char_id(" ")``)."""
+    (byte,) = ch.encode()
+    return VOCAB[BYTE_SYMBOLS[byte]]
+
 
 # ChatML, as Qwen2 instruct models use it; `add_generation_prompt` opens the assistant turn.
 CHAT_TEMPLATE = (
@@ -39,23 +64,26 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
-assert VOCAB_SIZE <= 128, "the tiny model's embedding table is sized for at most 128 ids"
-
-
 def build_char_tokenizer() -> PreTrainedTokenizerFast:
-    """Build the character tokenizer in memory (deterministic: the vocabulary is fixed).
+    """Build the byte-level tokenizer in memory (deterministic: the vocabulary is fixed).
 
     Returns:
-        A `PreTrainedTokenizerFast` with `len(tok) == VOCAB_SIZE` (102), pad `<|pad|>` (id 0),
-        eos `<|im_end|>` (id 3), unk `<|unk|>` (id 4), the ChatML chat template, no BOS/EOS added
-        on encode, and `clean_up_tokenization_spaces=False` so decoding never rewrites spaces.
+        A ``PreTrainedTokenizerFast`` with ``len(tok) == VOCAB_SIZE`` (261), pad ``<|pad|>`` (id
+        0), eos ``<|im_end|>`` (id 3), unk ``<|unk|>`` (id 4, never produced: every byte has an
+        id), the ChatML chat template, no BOS/EOS added on encode, and
+        ``clean_up_tokenization_spaces=False`` so decoding never rewrites spaces.
     """
-    backend = Tokenizer(models.WordLevel(vocab=dict(VOCAB), unk_token=UNK_TOKEN))
-    # One piece per character, newline included ([\s\S] rather than '.' which skips '\n').
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    backend.decoder = decoders.Fuse()
-    # Registered as added special tokens so "<|im_start|>" in a prompt is one id, not 12 chars.
-    backend.add_special_tokens(list(SPECIAL_TOKENS))
+    backend = Tokenizer(models.BPE(vocab=dict(VOCAB), merges=[], dropout=None, unk_token=None,
+                                   continuing_subword_prefix="", end_of_word_suffix="",
+                                   fuse_unk=False, byte_fallback=False))
+    backend.normalizer = normalizers.NFC()
+    backend.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    backend.decoder = decoders.ByteLevel()
+    # Registered as added special tokens so "<|im_start|>" in a prompt is one id, not 12 bytes.
+    backend.add_special_tokens([AddedToken(t, special=True) for t in SPECIAL_TOKENS])
     tok = PreTrainedTokenizerFast(
         tokenizer_object=backend,
         pad_token=PAD_TOKEN,

@@ -24,7 +24,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from rollart.config import DomainConfig
+from rollart.config import DomainConfig, Scenario
 from rollart.envhost.families import make_env
 from rollart.envhost.solvers import has_solver, next_action
 from rollart.models.sft import SFTConfig
@@ -187,3 +187,18 @@ def ensure_warm_tiny_model(
         domains, recipe.episodes_per_domain, recipe.demo_seed, max_turns=max_turns
     )
     return ensure_tiny_model(cache_dir, recipe.spec, demonstrations=demos, sft=recipe.sft)
+
+
+def ensure_quickstart_model(cache_dir: str | Path, scenario: Scenario) -> Path:
+    """The checkpoint for a scenario whose ``model.path`` is ``"tiny"``: the tiny model from
+    ``model.tiny_seed``, warmed up on the scenario's domains when ``model.tiny_warmup`` (cached
+    under ``cache_dir``; rebuilt when missing).
+
+    Raises:
+        ValueError: warm-up requested but no domain has a solver.
+    """
+    model = scenario.model
+    if not model.tiny_warmup:
+        return ensure_tiny_model(cache_dir, TinyModelSpec(seed=model.tiny_seed))
+    return ensure_warm_tiny_model(cache_dir, scenario.domains, model_seed=model.tiny_seed,
+                                  max_turns=scenario.run.max_turns)

@@ -60,15 +60,24 @@ class TrainerService:
                          if step_cfg_json else TrainStepConfig())
         self.version = 0
         self.step = 0
-        if resume is not None:
-            state = load_trainer(resume, self.model, self.optimizer)
-            self.version, self.step = state.version, state.step
-            log.info("resumed from %s at version %d", resume, self.version)
         self.publisher = WeightPublisher(
             lambda addr: InferenceClient(addr, name=f"worker@{addr}", default_timeout_s=600.0),
             bucket_bytes=opts.bucket_bytes,
         )
+        if resume is not None:
+            state = load_trainer(resume, self.model, self.optimizer)
+            self.version, self.step = state.version, state.step
+            log.info("resumed from %s at version %d", resume, self.version)
+        self._resumed = resume is not None and self.version > 0
         self._lock = asyncio.Lock()  # one train step / checkpoint at a time
+
+    async def start(self) -> None:
+        """Make a resumed version the publisher's latest, so workers started from the base
+        checkpoint can be brought to it (``PublishLatest``)."""
+        from rollart.trainer.broadcast import snapshot_parameters
+
+        if self._resumed:
+            self.publisher.publish(self.version, snapshot_parameters(self.model))
 
     def handlers(self) -> dict[type, object]:
         return {
@@ -145,6 +154,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 async def _serve(args: argparse.Namespace) -> int:
     opts = msgspec.json.decode(args.options.encode(), type=TrainerOptions)
     service = TrainerService(args.model, opts, args.step_config.encode() or None, args.resume)
+    await service.start()
     server = RpcServer(args.address, service.handlers(), name="trainer")  # type: ignore[arg-type]
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

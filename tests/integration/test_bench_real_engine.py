@@ -1,0 +1,103 @@
+"""``python -m benchmarks.real_engine`` end to end on the real vLLM CPU engine, at a small size,
+plus its pure helpers (no engine).
+
+The end-to-end test checks the JSON shape and that every ratio is a finite number (positive
+except the tax, which is ``1 - rollart / bare``). Timings on the shared 2-core machine vary with
+its load, so no threshold on them is asserted.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from benchmarks.real_engine import build_scenario, mean_step_time, tax_ratios
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_scenario_modes_differ_only_in_mode_and_alpha(tmp_path: Path) -> None:
+    sync = build_scenario("sync", model_dir=tmp_path, seed=3, steps=4, batch_size=8)
+    roll = build_scenario("rollart", model_dir=tmp_path, seed=3, steps=4, batch_size=8)
+    assert (sync.run.mode, sync.run.alpha, roll.run.mode, roll.run.alpha) == (
+        "sync", 0, "rollart", 1)
+    assert sync.domains == roll.domains and sync.env_hosts == roll.env_hosts
+    assert sync.model.path == str(tmp_path)
+    lat = sync.env_hosts[0].latency["*"]
+    assert (lat.distribution, lat.mean_s, lat.std_s, lat.seed) == ("lognormal", 1.0, 1.0, 3)
+    assert sync.pools[0].engine.kv_cache_bytes == 256 << 20
+    with pytest.raises(ValueError, match="mode must be"):
+        build_scenario("areal", model_dir=tmp_path, seed=0, steps=2, batch_size=8)
+
+
+def test_mean_step_time_skips_the_first_step() -> None:
+    rows = [{"part": "step_time", "mode": "sync", "step": s, "step_time_s": t}
+            for s, t in ((2, 4.0), (1, 100.0), (3, 6.0))]
+    rows.append({"part": "tax", "mode": "sync", "step": 9, "step_time_s": 1e9})
+    assert mean_step_time(rows, "sync") == pytest.approx(5.0)
+    with pytest.raises(ValueError, match="at least 2 steps"):
+        mean_step_time(rows[:1], "sync")
+
+
+def test_tax_ratios_per_round_and_pooled() -> None:
+    def row(rnd: int, path: str, tokens: int, secs: float) -> dict:
+        return {"part": "tax", "round": rnd, "path": path, "generated_tokens": tokens,
+                "seconds": secs, "tokens_per_s": tokens / secs}
+
+    rows = [row(0, "bare", 100, 1.0), row(0, "rollart", 100, 2.0),
+            row(1, "bare", 100, 3.0), row(1, "rollart", 100, 2.0)]
+    out = tax_ratios(rows)
+    assert out["round 0: rollart / bare tokens/s"] == pytest.approx(0.5)
+    assert out["round 1: rollart / bare tokens/s"] == pytest.approx(1.5)
+    # pooled: 200 tokens / 4 s on both paths
+    assert out["bare tokens/s"] == pytest.approx(50.0)
+    assert out["rollart / bare tokens/s"] == pytest.approx(1.0)
+    assert out["orchestration tax"] == pytest.approx(0.0)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_real_engine_quick_small(tmp_path: Path) -> None:
+    out = tmp_path / "real_engine.json"
+    cmd = [sys.executable, "-m", "benchmarks.real_engine", "--quick", "--json", str(out),
+           "--model", "random", "--cache-dir", str(tmp_path / "cache"),
+           "--run-dir", str(tmp_path / "run"), "--steps", "2", "--batch-size", "4",
+           "--requests", "4", "--max-tokens", "16", "--rounds", "1",
+           "--latency-mean-s", "0.2", "--latency-std-s", "0.2"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    res = json.loads(out.read_text())
+
+    assert res["benchmark"] == "real_engine"
+    assert res["simulated"] is False
+    assert set(res) == {"benchmark", "simulated", "rows", "ratios", "meta"}
+    assert res["meta"]["quick"] is True and res["meta"]["model"] == "random"
+
+    steps = [r for r in res["rows"] if r["part"] == "step_time"]
+    assert sorted((r["mode"], r["step"]) for r in steps) == [
+        ("rollart", 1), ("rollart", 2), ("sync", 1), ("sync", 2)]
+    tax = [r for r in res["rows"] if r["part"] == "tax"]
+    assert [(r["round"], r["path"]) for r in tax] == [(0, "bare"), (0, "rollart")]
+    assert all(r["generated_tokens"] == 4 * 16 for r in tax)
+
+    ratios = res["ratios"]
+    for key in ("rollart vs sync (step time)", "sync step s", "rollart step s",
+                "bare tokens/s", "rollart tokens/s", "rollart / bare tokens/s",
+                "round 0: rollart / bare tokens/s"):
+        assert math.isfinite(ratios[key]) and ratios[key] > 0, (key, ratios[key])
+    assert math.isfinite(ratios["orchestration tax"])
+    assert ratios["orchestration tax"] == pytest.approx(1 - ratios["rollart / bare tokens/s"],
+                                                        abs=1e-3)
+
+
+def test_real_engine_rejects_bad_sizes() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.real_engine", "--quick", "--batch-size", "6"],
+        cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 2
+    assert "--batch-size must be a multiple of the group size 4" in proc.stderr
