@@ -16,6 +16,7 @@ import argparse
 import contextlib
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -110,6 +111,8 @@ async def _checkpoint(cluster: Any, root: Path, step: int, version: int) -> None
 
 
 def main(argv: list[str] | None = None) -> int:
+    # transformers' per-file progress bars would interleave with the step table.
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     args = _parse(argv)
     started = time.time()
