@@ -90,6 +90,19 @@ def test_minimal_defaults() -> None:
         (('reward = "reasoning_gym"', 'reward = "x"\nmax_turns = 99'),
          "domains[0].max_turns: 99 exceeds run.max_turns 8"),
         (("[run]", "[run\n"), "invalid TOML"),
+        (('reward = "reasoning_gym"', 'reward = "x"\n[domains.sampling]\ntop_p = 0.9'),
+         "domains[0].sampling: top_p / top_k truncate"),
+        (('reward = "reasoning_gym"', 'reward = "x"\n[domains.sampling]\ntemperature = 0.0'),
+         "0 (greedy) has no sampling distribution"),
+        (('reward = "reasoning_gym"', 'reward = "x"\n[[domains]]\nname = "b"\nenv = "rg:x"\n'
+          'pool = "cpu"\nreward = "x"\n[domains.sampling]\ntemperature = 0.7'),
+         "domains[].sampling.temperature: the trainer scores every sample at one temperature"),
+        (('name = "cpu"', 'name = "cpu"\n[pools.engine]\nmax_model_len = 512'),
+         "pools[0].engine.max_model_len: 512 is below run.max_tokens_per_trajectory 2048"),
+        (("[run]", "[trainer]\nmax_tokens_per_microbatch = 100\n[run]"),
+         "trainer.max_tokens_per_microbatch: 100 is below"),
+        (("[run]", "[trainer]\nnum_minibatches = 9\n[run]"),
+         "trainer.num_minibatches: 9 exceeds run.batch_size 8"),
     ],
 )
 def test_bad_configs_name_file_field_and_reason(edit: tuple[str, str], message: str) -> None:

@@ -244,3 +244,24 @@ async def test_list_and_health(client: TestClient) -> None:
     assert by_name["slow"]["executor"] == "async"
     assert by_name["math"]["timeout_s"] == 20.0
     assert (await (await client.get("/healthz")).json()) == {"status": "ok"}
+
+
+async def test_invalid_utf8_is_a_400_and_reference_is_optional():
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from rollart.reward.runner import RewardRunner
+    from rollart.reward.server import build_registry, create_app
+
+    runner = RewardRunner(num_threads=2, warm_up=False)
+    client = TestClient(TestServer(create_app(build_registry(), runner)))
+    await client.start_server()
+    try:
+        resp = await client.post("/v1/reward/exact_match", data=b'{"prompt": "\xff\xfe"}',
+                                 headers={"Content-Type": "application/json"})
+        assert resp.status == 400 and "malformed" in (await resp.json())["error"]
+        resp = await client.post("/v1/reward/env_return", json={
+            "prompt": "p", "response": "r", "metadata": {"env_return": 1.0}})
+        assert resp.status == 200 and (await resp.json())["reward"] == 1.0
+    finally:
+        await client.close()
+        runner.close()

@@ -5,20 +5,26 @@
     import rollart
 
     async def main() -> None:
-        async with rollart.Cluster.from_scenario("scenarios/quickstart.toml",
-                                                 backends=backends) as cluster:
-            @cluster.reward("length_penalty")          # domains with reward_url = "local"
-            def length_penalty(prompt, response, reference, metadata):
-                return -len(response) / 1000
+        cluster = rollart.Cluster.from_scenario("scenarios/quickstart.toml", backends=backends)
 
-            cluster.set_affinity("arith", "decode")    # move a domain to another pool
+        @cluster.reward("length_penalty")              # domains with reward_url = "local"
+        def length_penalty(prompt, response, reference, metadata):
+            return -len(response) / 1000
+
+        cluster.set_affinity("arith", "game")          # move a domain to another pool
+        async with cluster:                            # starts the controller
             async for step in cluster.train(steps=20):
                 print(step.step, step.metrics.reward_mean_by_domain)
+
+Register local rewards and envs before the cluster starts (``async with`` or the first
+``train``): the controller checks at start that every domain's reward and env exist.
+``rollart.open_cluster(scenario)`` builds the backends from a scenario by starting its services
+on this machine.
 
 ``backends`` holds the clients the cluster drives (inference workers per pool, env hosts, the
 reward service, the trainer, the tokenizer): the real clients of running services (the launcher
 builds them) or simulated in-process ones (``rollart.sim``). The cluster does not own them: their
-owner closes them after the cluster exits. Register local rewards and envs before ``train``.
+owner closes them after the cluster exits.
 """
 
 from __future__ import annotations

@@ -38,6 +38,10 @@ class EngineOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     seed: int = 0
     enforce_eager: bool = False
     enable_prefix_caching: bool = True
+    #: GPU only: tensor-parallel degree, and the fraction of GPU memory vLLM may use (when set,
+    #: it sizes the KV cache instead of ``kv_cache_bytes``).
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float | None = None
 
 
 class SchedulerCounts:
@@ -84,7 +88,10 @@ def build_engine(opts: EngineOptions, counts: SchedulerCounts) -> AsyncLLM:
         seed=opts.seed,
         max_model_len=opts.max_model_len,
         max_num_seqs=opts.max_num_seqs,
-        kv_cache_memory_bytes=opts.kv_cache_bytes,
+        kv_cache_memory_bytes=None if opts.gpu_memory_utilization else opts.kv_cache_bytes,
+        tensor_parallel_size=opts.tensor_parallel_size,
+        **({"gpu_memory_utilization": opts.gpu_memory_utilization}
+           if opts.gpu_memory_utilization else {}),
         enforce_eager=opts.enforce_eager,
         enable_prefix_caching=opts.enable_prefix_caching,
         logprobs_mode="processed_logprobs",

@@ -283,6 +283,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPU only")
+    p.add_argument("--gpu-memory-utilization", type=float,
+                   help="GPU only: memory fraction for vLLM (replaces --kv-cache-bytes)")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--version", type=int, default=0, help="policy version of the --model weights")
     p.add_argument("--stage-dir", help="where weight buckets are staged (default /dev/shm)")
@@ -316,6 +319,8 @@ async def serve(args: argparse.Namespace) -> int:
         seed=args.seed,
         enforce_eager=args.enforce_eager,
         enable_prefix_caching=not args.no_prefix_caching,
+        tensor_parallel_size=args.tensor_parallel_size,
+        gpu_memory_utilization=args.gpu_memory_utilization,
     )
     stager = WeightStager(args.stage_dir, CheckpointLayout.from_model_dir(args.model))
     counts = SchedulerCounts()

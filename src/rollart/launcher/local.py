@@ -25,6 +25,24 @@ from rollart.launcher.procs import ProcessFailedError, Supervisor
 from rollart.transport.errors import ConfigError
 
 
+def preflight(scenario: Scenario, source: str = "<scenario>") -> None:
+    """Checks that only matter when rollart starts the services itself (before anything starts).
+
+    Raises:
+        ConfigError: no env host to open sessions on, or a domain scored by a local reward
+            function that nothing can register (only the driver API registers them).
+    """
+    if not scenario.env_hosts:
+        raise ConfigError(f"{source}: env_hosts: at least one [[env_hosts]] is needed to run "
+                          "the domains' environments")
+    for i, dom in enumerate(scenario.domains):
+        if dom.reward_url == "local" and dom.reward != "env_return":
+            raise ConfigError(
+                f"{source}: domains[{i}].reward: local reward {dom.reward!r} is not built in "
+                "(only 'env_return' is); serve it from the reward service (reward_url = "
+                "\"service\", loaded with reward.modules) or register it with the driver API")
+
+
 def resolve_model(scenario: Scenario, cache_dir: Path) -> Path:
     """The policy checkpoint dir: a local HF dir, or the embedded tiny model (built + cached).
 
@@ -39,7 +57,10 @@ def resolve_model(scenario: Scenario, cache_dir: Path) -> Path:
         return path
     from rollart.models.warmup import ensure_quickstart_model
 
-    return ensure_quickstart_model(cache_dir, scenario)
+    try:
+        return ensure_quickstart_model(cache_dir, scenario)
+    except ValueError as exc:  # e.g. warm-up requested but no domain has a solver
+        raise ConfigError(f"model.tiny_warmup: {exc}") from None
 
 
 @contextlib.asynccontextmanager
@@ -71,17 +92,21 @@ async def open_cluster(scenario: str | Path | Scenario, *, run_dir: str | Path |
     from rollart.reward.client import RewardClient
     from rollart.trainer.client import TrainerClient
 
+    source = "<scenario>"
     if not isinstance(scenario, Scenario):
+        source = str(scenario)
         scenario = load_scenario(scenario)
+    preflight(scenario, source)
+    model_dir = resolve_model(scenario, Path(cache_dir))
     run_dir = Path(run_dir) if run_dir else Path("runs") / f"driver-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_bytes(scenario_to_json(scenario))
-    model_dir = resolve_model(scenario, Path(cache_dir))
     note = on_note or (lambda _text: None)
 
     sup = Supervisor(run_dir)
     clients: list[Any] = []
     reward: RewardClient | None = None
+    endpoints: dict[str, RewardClient] = {}
     cluster: Cluster | None = None
     failed: list[ProcessFailedError] = []
     watcher: asyncio.Task | None = None
@@ -95,6 +120,14 @@ async def open_cluster(scenario: str | Path | Scenario, *, run_dir: str | Path |
                               timeout_s=rc.timeout_s, max_retries=rc.max_retries,
                               backoff_s=rc.backoff_s)
         await reward.__aenter__()
+        # Domains scored by any endpoint speaking the reward contract (e.g. a FaaS URL).
+        for url in sorted({d.reward_url for d in scenario.domains
+                           if d.reward_url.startswith(("http://", "https://"))}):
+            endpoint = RewardClient(url, max_concurrency=rc.max_concurrency,
+                                    timeout_s=rc.timeout_s, max_retries=rc.max_retries,
+                                    backoff_s=rc.backoff_s)
+            await endpoint.__aenter__()
+            endpoints[url] = endpoint
         pools = {name: [InferenceClient(a, name=f"{name}-{i}") for i, a in enumerate(addrs_)]
                  for name, addrs_ in addrs.workers.items()}
         envs = [EnvClient(a, name=h.name)
@@ -102,7 +135,7 @@ async def open_cluster(scenario: str | Path | Scenario, *, run_dir: str | Path |
         trainer_client = TrainerClient(addrs.trainer)
         clients += [w for ws in pools.values() for w in ws] + envs + [trainer_client]
         backends = Backends(
-            pools=pools, env_hosts=envs, reward_service=reward,
+            pools=pools, env_hosts=envs, reward_service=reward, reward_endpoints=endpoints,
             trainer=RemoteTrainer(trainer_client, version=trainer_version),
             tokenizer=AutoTokenizer.from_pretrained(model_dir))
         cluster = Cluster.from_scenario(scenario, backends=backends, resume=controller_resume)
@@ -133,7 +166,8 @@ async def open_cluster(scenario: str | Path | Scenario, *, run_dir: str | Path |
         for c in reversed(clients):
             with contextlib.suppress(Exception):
                 await c.close()
-        if reward is not None:
-            with contextlib.suppress(Exception):
-                await reward.__aexit__(None, None, None)
+        for client in [reward, *endpoints.values()]:
+            if client is not None:
+                with contextlib.suppress(Exception):
+                    await client.__aexit__(None, None, None)
         await sup.stop_all()

@@ -118,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     try:
         scenario = load_scenario(args.scenario)
+        from rollart.launcher.local import preflight
+
+        preflight(scenario, str(args.scenario))
         if args.steps is not None and args.steps < 1:
             raise ConfigError(f"--steps: must be >= 1, got {args.steps}")
     except ConfigError as exc:

@@ -18,7 +18,6 @@ import msgspec
 
 from rollart.config import Scenario
 from rollart.launcher.procs import Supervisor, python_module
-from rollart.transport.errors import ConfigError
 
 
 @dataclass
@@ -39,6 +38,24 @@ def _cpu_binding(index: int, total: int) -> dict[str, str]:
     if total <= cores and total > 1:
         return {"VLLM_CPU_OMP_THREADS_BIND": str(index % cores)}
     return {"VLLM_CPU_OMP_THREADS_BIND": "nobind"} if total > 1 else {}
+
+
+def _gpu_binding(local_workers: list[Any], k: int) -> dict[str, str]:
+    # Local GPU workers take consecutive devices, tensor_parallel_size each, in scenario order;
+    # the trainer (device "cuda") gets the first device after them (see trainer_env).
+    first = sum(p.engine.tensor_parallel_size for p, _ in local_workers[:k]
+                if p.hardware != "cpu")
+    tp = local_workers[k][0].engine.tensor_parallel_size
+    return {"CUDA_VISIBLE_DEVICES": ",".join(str(d) for d in range(first, first + tp))}
+
+
+def trainer_env(sc: Scenario) -> dict[str, str]:
+    """Environment of a local trainer on a GPU: the device after the local GPU workers'."""
+    if sc.trainer.device == "cpu":
+        return {}
+    used = sum(p.engine.tensor_parallel_size * p.num_workers for p in sc.pools
+               if p.hardware != "cpu" and not p.addresses)
+    return {"CUDA_VISIBLE_DEVICES": str(used)}
 
 
 async def start_services(sup: Supervisor, scenario: Scenario, model_dir: Path, *,
@@ -86,11 +103,16 @@ async def start_services(sup: Supervisor, scenario: Scenario, model_dir: Path, *
             argv.append("--enforce-eager")
         if not eng.enable_prefix_caching:
             argv.append("--no-prefix-caching")
+        if pool.hardware != "cpu":
+            argv += ["--tensor-parallel-size", str(eng.tensor_parallel_size)]
+            if eng.gpu_memory_utilization:
+                argv += ["--gpu-memory-utilization", str(eng.gpu_memory_utilization)]
+        env = (_cpu_binding(k, len(local_workers)) if pool.hardware == "cpu"
+               else _gpu_binding(local_workers, k))
         starts[f"worker:{pool.name}:{i}"] = sup.start(
-            f"worker-{name}", argv, env=_cpu_binding(k, len(local_workers)),
-            ready_timeout_s=ready_timeout_s)
+            f"worker-{name}", argv, env=env, ready_timeout_s=ready_timeout_s)
     starts["trainer"] = sup.start("trainer", trainer_argv(sc, model_dir, trainer_resume),
-                                  ready_timeout_s=ready_timeout_s)
+                                  env=trainer_env(sc), ready_timeout_s=ready_timeout_s)
 
     keys = list(starts)
     results = await asyncio.gather(*starts.values())
@@ -108,8 +130,11 @@ async def start_services(sup: Supervisor, scenario: Scenario, model_dir: Path, *
 def trainer_argv(sc: Scenario, model_dir: Path, resume: Path | None) -> list[str]:
     """Command line of the trainer process for scenario ``sc``."""
     t = sc.trainer
+    # "auto" keeps the checkpoint's dtype on GPUs; CPU training stays in float32.
+    dtype = sc.model.dtype if sc.model.dtype != "auto" else (
+        "float32" if t.device == "cpu" else "bfloat16")
     options = {"lr": t.lr, "weight_decay": t.weight_decay, "bucket_bytes": t.weight_bucket_bytes,
-               "seed": sc.run.seed}
+               "seed": sc.run.seed, "device": t.device, "dtype": dtype}
     temperatures = {d.sampling.temperature for d in sc.domains}
     step_cfg: dict[str, Any] = {
         "clip_eps": t.clip_eps, "kl_coef": t.kl_coef, "max_grad_norm": t.max_grad_norm,
@@ -118,12 +143,9 @@ def trainer_argv(sc: Scenario, model_dir: Path, resume: Path | None) -> list[str
     }
     if t.clip_eps_high is not None:
         step_cfg["clip_eps_high"] = t.clip_eps_high
-    # The trainer must score tokens under the distribution the engine sampled from, and it
-    # applies one temperature to every sample.
-    if len(temperatures) > 1:
-        raise ConfigError(f"domains[].sampling.temperature: the trainer needs one sampling "
-                          f"temperature for all domains, got {sorted(temperatures)}")
-    step_cfg["temperature"] = temperatures.pop() or 1.0
+    # The trainer must score tokens under the distribution the engine sampled from
+    # (validate_scenario guarantees one temperature > 0 across domains).
+    (step_cfg["temperature"],) = temperatures
     argv = python_module("rollart.trainer.service", "--model", str(model_dir),
                          "--options", msgspec.json.encode(options).decode(),
                          "--step-config", msgspec.json.encode(step_cfg).decode())

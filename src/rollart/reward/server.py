@@ -95,7 +95,7 @@ class _RewardHandler:
             req = _request_decoder.decode(body)
         except msgspec.ValidationError as exc:
             return _error(400, f"invalid request body: {exc}")
-        except msgspec.DecodeError as exc:
+        except (msgspec.DecodeError, UnicodeDecodeError) as exc:
             return _error(400, f"malformed JSON in request body: {exc}")
         if self.inflight >= self.max_inflight:
             return _error(

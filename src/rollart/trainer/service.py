@@ -35,6 +35,9 @@ class TrainerOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     bucket_bytes: int = 1 << 30
     seed: int = 0
     num_threads: int = 0  # 0: leave torch's default
+    #: torch device of the policy (``cpu``, ``cuda``, ``cuda:1``) and its parameter dtype.
+    device: str = "cpu"
+    dtype: str = "float32"
 
 
 class TrainerService:
@@ -53,7 +56,10 @@ class TrainerService:
         if opts.num_threads:
             torch.set_num_threads(opts.num_threads)
         torch.manual_seed(opts.seed)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        dtype = getattr(torch, opts.dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"TrainerOptions.dtype: unknown torch dtype {opts.dtype!r}")
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(opts.device)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=opts.lr,
                                            weight_decay=opts.weight_decay, betas=opts.betas)
         self.step_cfg = (msgspec.json.decode(step_cfg_json, type=TrainStepConfig)

@@ -379,7 +379,7 @@ class RewardRequest(msgspec.Struct, forbid_unknown_fields=True):
 
     prompt: str
     response: str
-    reference: Any
+    reference: Any = None
     metadata: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
