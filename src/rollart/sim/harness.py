@@ -29,6 +29,7 @@ from rollart.config import (
     RetryConfig,
     RunConfig,
     Scenario,
+    TrainerConfig,
     validate_scenario,
 )
 from rollart.controller.controller import Controller
@@ -163,7 +164,10 @@ def scenario_of(sim: SimScenario, seed: int) -> Scenario:
     domains = [DomainConfig(name=d.spec.name, env=ENV_PREFIX + d.spec.name, pool=d.pool,
                             reward="sim", reward_url="service", weight=d.weight)
                for d in sim.domains]
-    return validate_scenario(Scenario(pools=pools, domains=domains, run=run), "<simulated>")
+    # The simulated trainer's micro-batch budget only has to admit a full-length sample.
+    trainer = TrainerConfig(max_tokens_per_microbatch=max(8192, sim.max_tokens_per_trajectory))
+    return validate_scenario(Scenario(pools=pools, domains=domains, run=run, trainer=trainer),
+                             "<simulated>")
 
 
 class SimCluster:
