@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("vllm")
 
 from rollart.models.tiny import build_tiny_model  # noqa: E402
-from rollart.models.tokenizer import IM_END_TOKEN, VOCAB  # noqa: E402
+from rollart.models.tokenizer import IM_END_TOKEN, VOCAB, char_id  # noqa: E402
 from rollart.trainer.step import token_logprobs  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -67,7 +67,7 @@ def test_vllm_prompt_logprobs_match_transformers(llm, model_dir):
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    ids = [VOCAB["<|im_start|>"], *[VOCAB[c] for c in "user\n12 + 30 = 42"], VOCAB[IM_END_TOKEN]]
+    ids = [VOCAB["<|im_start|>"], *[char_id(c) for c in "user\n12 + 30 = 42"], VOCAB[IM_END_TOKEN]]
     out = llm.generate(
         [TokensPrompt(prompt_token_ids=ids)], SamplingParams(max_tokens=1, prompt_logprobs=0)
     )
