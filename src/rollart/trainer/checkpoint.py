@@ -19,13 +19,15 @@ import os
 import random
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
-import numpy as np
-import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported inside the functions that need it: the launcher uses only the path helpers
+# (latest_checkpoint, mark_complete, ...) and must not pay for torch before checking a config.
 
 
 class TrainerState(msgspec.Struct, kw_only=True):
@@ -43,6 +45,9 @@ def step_dir(root: Path, step: int) -> Path:
 
 
 def _rng_state() -> dict[str, Any]:
+    import numpy as np
+    import torch
+
     return {
         "torch_rng": torch.get_rng_state().tolist(),
         "python_rng": random.getstate(),
@@ -53,6 +58,9 @@ def _rng_state() -> dict[str, Any]:
 
 
 def _set_rng_state(state: TrainerState) -> None:
+    import numpy as np
+    import torch
+
     torch.set_rng_state(torch.tensor(state.torch_rng, dtype=torch.uint8))
     version, internal, gauss = state.python_rng
     random.setstate((version, tuple(internal), gauss))
@@ -63,6 +71,9 @@ def _set_rng_state(state: TrainerState) -> None:
 def save_trainer(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
                  version: int, step: int) -> float:
     """Save model + optimizer (DCP) and trainer state under ``path``. Returns seconds taken."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
     start = time.perf_counter()
     path.mkdir(parents=True, exist_ok=True)
     model_sd, optim_sd = get_state_dict(model, optimizer)
@@ -79,6 +90,9 @@ def load_trainer(path: Path, model: torch.nn.Module,
     Raises:
         FileNotFoundError: ``path`` has no trainer checkpoint.
     """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
     if not (path / "trainer.json").exists():
         raise FileNotFoundError(f"no trainer checkpoint in {path}")
     model_sd, optim_sd = get_state_dict(model, optimizer)
@@ -110,11 +124,6 @@ def latest_checkpoint(root: Path) -> Path | None:
         return None
     d = root / marker.read_text().strip()
     return d if (d / "COMPLETE").exists() else None
-
-
-def write_json(path: Path, obj: Any) -> None:
-    """Atomically write ``obj`` as JSON (msgspec encodes Structs)."""
-    _atomic_write(path, msgspec.json.encode(obj))
 
 
 def read_json(path: Path) -> Any:

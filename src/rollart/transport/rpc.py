@@ -40,11 +40,6 @@ _reply_decoder = msgspec.msgpack.Decoder(m.Reply)
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 31
 
 
-def local_address(port: int = 0, host: str = "127.0.0.1") -> str:
-    """A ``tcp://`` endpoint; ``port=0`` lets the OS choose a free port when the server binds."""
-    return f"tcp://{host}:{port}"
-
-
 def _resolve_bind(address: str) -> str:
     # ZeroMQ spells "any free port" as ':*'; accept the more familiar ':0'.
     return address[:-2] + ":*" if address.endswith(":0") else address
