@@ -254,6 +254,15 @@ class TrainerConfig(_Cfg):
     #: ``cpu``, or ``cuda``: the launcher gives a local trainer the first GPU after the local
     #: GPU workers' (``CUDA_VISIBLE_DEVICES``); the parameters use ``model.dtype``.
     device: Literal["cpu", "cuda"] = "cpu"
+    #: how each version reaches the workers: ``zmq`` (CRC-checked buckets pushed in the
+    #: background while rollout continues, applied at the pause point; works across clusters),
+    #: ``nccl`` (GPU trainer and GPU workers: one NCCL group, vLLM's weight-transfer engine,
+    #: broadcast at the pause point) or ``gloo`` (the same over a gloo group of CPU tensors).
+    weight_transfer: Literal["zmq", "nccl", "gloo"] = "zmq"
+    #: host the workers reach the trainer's group rendezvous at (nccl / gloo).
+    weight_transfer_address: Annotated[str, msgspec.Meta(min_length=1)] = "127.0.0.1"
+    #: rendezvous and per-call limit of a collective broadcast, seconds.
+    weight_transfer_timeout_s: PosFloat = 600.0
 
 
 class Scenario(_Cfg):
@@ -382,6 +391,16 @@ def validate_scenario(scenario: Scenario, source: str = "<scenario>") -> Scenari
     if t.num_minibatches > run.batch_size:
         raise _fail(source, "trainer.num_minibatches",
                     f"{t.num_minibatches} exceeds run.batch_size {run.batch_size}")
+    if t.weight_transfer == "nccl":
+        if t.device != "cuda":
+            raise _fail(source, "trainer.weight_transfer",
+                        "nccl broadcasts from GPU memory: set trainer.device = \"cuda\" "
+                        "(or use gloo / zmq)")
+        cpu_pools = [p.name for p in scenario.pools if p.hardware == "cpu"]
+        if cpu_pools:
+            raise _fail(source, "trainer.weight_transfer",
+                        f"nccl needs GPU workers; pools {cpu_pools} have hardware \"cpu\" "
+                        "(use gloo or zmq)")
     if scenario.reward.url is not None and not scenario.reward.url.startswith(
         ("http://", "https://")
     ):

@@ -131,3 +131,24 @@ def test_kill_and_resume_trains_every_sample_exactly_once(tmp_path, cache_dir):
     again = subprocess.run(_rollart("--resume", str(out), "--steps", "4"), capture_output=True,
                            text=True, timeout=120)
     assert again.returncode == 0 and "nothing to run" in again.stdout
+
+
+def test_short_run_with_gloo_weight_transfer(tmp_path, cache_dir):
+    """The collective (vLLM weight-transfer engine) path under `rollart run`, on CPU."""
+    scenario = tmp_path / "gloo.toml"
+    scenario.write_text(SCENARIO.read_text() + '\nweight_transfer = "gloo"\n')
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "rollart.cli", "run", str(scenario), "--out", str(out),
+         "--steps", "2", "--cache-dir", str(cache_dir)],
+        capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = _jsonl(out / "metrics.jsonl")
+    assert [r["policy_version"] for r in rows] == [1, 2]
+    assert all(r["num_failed"] == 0 for r in rows)
+    # Version 1 was broadcast and applied at step 2's pause point: all of it exposed.
+    assert rows[1]["weight_sync_exposed_s"] == pytest.approx(rows[1]["weight_sync_total_s"])
+    assert rows[1]["weight_sync_total_s"] > 0
+    assert "formed gloo weight-transfer group of 3 ranks" in (
+        out / "logs" / "trainer.log").read_text()
+    assert json.loads((out / "config.json").read_text())["trainer"]["weight_transfer"] == "gloo"

@@ -103,6 +103,12 @@ def test_minimal_defaults() -> None:
          "trainer.max_tokens_per_microbatch: 100 is below"),
         (("[run]", "[trainer]\nnum_minibatches = 9\n[run]"),
          "trainer.num_minibatches: 9 exceeds run.batch_size 8"),
+        (("[run]", '[trainer]\nweight_transfer = "nccl"\n[run]'),
+         'trainer.weight_transfer: nccl broadcasts from GPU memory: set trainer.device = "cuda"'),
+        (("[run]", '[trainer]\nweight_transfer = "nccl"\ndevice = "cuda"\n[run]'),
+         "trainer.weight_transfer: nccl needs GPU workers; pools ['cpu']"),
+        (("[run]", '[trainer]\nweight_transfer = "ucx"\n[run]'),
+         "trainer.weight_transfer: Invalid enum value 'ucx'"),
     ],
 )
 def test_bad_configs_name_file_field_and_reason(edit: tuple[str, str], message: str) -> None:

@@ -297,3 +297,36 @@ async def test_unbiased_selection_waits_for_the_deadline_then_keeps_group_size()
     # which runs 10 s after the group_size-th finisher.
     assert 10.0 <= elapsed < 100.0
     assert step.metrics.num_aborted >= 1
+
+
+class FakeCollectiveTrainer(FakeTrainer):
+    """A trainer whose push writes into the serving models (NCCL / gloo broadcast): records
+    whether every worker was paused when each push ran."""
+
+    push_needs_pause = True
+
+    def __init__(self, workers: tuple[FakeWorker, FakeWorker], **kw) -> None:
+        super().__init__(**kw)
+        self.fake_workers = workers
+        self.paused_at_push: list[bool] = []
+
+    async def push_weights(self, version, workers) -> None:
+        self.paused_at_push.append(all(not w._running.is_set() for w in self.fake_workers))
+        await super().push_weights(version, workers)
+
+
+@pytest.mark.looptime
+@pytest.mark.parametrize("mode,alpha", [("rollart", 1), ("sync", 0), ("areal", 1)])
+async def test_a_collective_push_runs_only_while_every_worker_is_paused(mode, alpha) -> None:
+    env = FakeEnvHost(turns=2, latency=lambda i, s: 1.0)
+    w1, w2 = FakeWorker("w1"), FakeWorker("w2")
+    trainer = FakeCollectiveTrainer((w1, w2), train_s=2.0, push_s=0.5)
+    scenario = make_scenario(mode=mode, alpha=alpha, batch_size=4, group_size=2)
+    async with Cluster.from_scenario(scenario, backends=backends(env, trainer, (w1, w2))) as c:
+        steps = await run_steps(c, 3)
+    assert [s.metrics.policy_version for s in steps] == [1, 2, 3]
+    assert trainer.pushed and all(trainer.paused_at_push), trainer.paused_at_push
+    assert [v for v, _ in w1.applied] == trainer.pushed == [v for v, _ in w2.applied]
+    if mode != "sync":
+        # Nothing was pushed in the background: the whole push is exposed.
+        assert steps[1].metrics.weight_sync_exposed_s >= 0.5

@@ -188,9 +188,10 @@ class Controller:
             raise RollartError(f"workers serve versions {served}, newer than the trainer's {want}")
         if any(v < want for v in served):
             log.info("workers serve %s; applying the trainer's version %d", served, want)
-            await self.trainer.push_weights(want, workers)
+            # Paused before the push: a collective broadcast writes into the serving models.
             await self.proxy.pause("keep")
             try:
+                await self.trainer.push_weights(want, workers)
                 await self.proxy.apply_weights(want, reprefill=False)
             finally:
                 await self.proxy.resume()

@@ -72,11 +72,19 @@ class RemoteTrainer:
     ``version`` is staged. Workers the trainer did not push ``version`` to after its step (a
     resumed run's workers, a worker registered later) get the trainer's latest weights pushed to
     them directly. Raises ``RollartError`` naming live workers the push failed on.
+
+    ``push_needs_pause`` (the trainer's ``weight_transfer`` is ``nccl`` / ``gloo``): nothing is
+    pushed after a step; ``push_weights`` asks the trainer to broadcast ``version`` into the
+    workers' models, so the controller calls it only with the workers paused.
     """
 
-    def __init__(self, client: TrainerClientLike, *, version: int = 0) -> None:
+    def __init__(self, client: TrainerClientLike, *, version: int = 0,
+                 push_needs_pause: bool = False) -> None:
         self.client = client
         self._version = version
+        #: the trainer broadcasts into the serving models (``nccl`` / ``gloo`` weight transfer):
+        #: ``push_weights`` only when the workers are paused, and it loads, not stages
+        self.push_needs_pause = push_needs_pause
         self._addresses: list[str] | None = None
         #: version -> addresses registered when the trainer produced (and so pushed) it
         self._pushed_to: dict[int, set[str]] = {}
@@ -108,7 +116,9 @@ class RemoteTrainer:
     async def push_weights(self, version: int, workers: Sequence[GenerationBackend]) -> None:
         await self.set_workers(workers)
         missing = [a for a in self._addresses or [] if a not in self._pushed_to.get(version, ())]
-        if missing:
+        if self.push_needs_pause:
+            published = await self.client.wait_published(version)
+        elif missing:
             published = await self.client.publish_latest(missing)
             if published.version != version:
                 raise RollartError(f"trainer's latest version is {published.version}, the "

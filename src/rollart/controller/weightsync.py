@@ -11,6 +11,10 @@ Two shapes, one per family of modes:
   (:meth:`WeightSync.pause`) and :meth:`WeightSync.push_apply_resume` pushes, applies and
   resumes right after it; all of it is exposed.
 
+A trainer whose ``push_needs_pause`` is true (collective NCCL / gloo broadcast, which writes into
+the serving models) cannot push in the background: its push happens at the pause point, before
+the apply, and is all exposed.
+
 ``total_s`` counts push + pause/apply/resume seconds of a version; ``exposed_s`` the seconds the
 training loop waited for them.
 """
@@ -43,8 +47,14 @@ class WeightSync:
         await self.trainer.push_weights(version, self.proxy.workers())
         return self.clock() - t0
 
+    @property
+    def push_needs_pause(self) -> bool:
+        return bool(getattr(self.trainer, "push_needs_pause", False))
+
     def start_push(self, version: int) -> None:
         """Stage ``version`` on the workers in the background (overlapping rollout)."""
+        if self.push_needs_pause:
+            return
         self._push_task = asyncio.create_task(self._push(version), name=f"push-v{version}")
         self._push_task.add_done_callback(self._on_push_done)
 
@@ -63,6 +73,15 @@ class WeightSync:
             return 0.0, 0.0
         t0 = self.clock()
         push_s = 0.0
+        if self.push_needs_pause:
+            await self.proxy.pause("keep")
+            try:
+                push_s = await self._push(version)
+            except BaseException:
+                await self.proxy.resume()
+                raise
+            await self._apply_and_resume(version)
+            return self.clock() - t0, self.clock() - t0
         if self._push_task is not None:
             push_s = await self._push_task
             self._push_task = None

@@ -224,6 +224,22 @@ class InferenceClient:
             timeout_s=timeout_s,
         )
 
+    async def weight_transfer(
+        self,
+        msg: m.WeightTransferInit | m.WeightTransferStart | m.WeightTransferUpdate
+        | m.WeightTransferFinish | m.WeightTransferShutdown,
+        *,
+        timeout_s: float,
+    ) -> m.Ack:
+        """One step of a collective weight update (see ``rollart.trainer.transfer``).
+
+        Raises:
+            RemoteError: the worker refused or failed that step (``engine_error`` after a
+                partial load is also fatal for the worker: it exits).
+            PeerDeadError: the worker is gone.
+        """
+        return await self._call(msg, m.Ack, timeout_s=timeout_s)
+
     async def close(self) -> None:
         """Give pending background aborts a moment, then close the connection."""
         if self._background:

@@ -42,6 +42,10 @@ class EngineOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     #: it sizes the KV cache instead of ``kv_cache_bytes``).
     tensor_parallel_size: int = 1
     gpu_memory_utilization: float | None = None
+    #: how new weights arrive: ``zmq`` (staged buckets, reloaded by the extension), or a
+    #: collective group with the trainer through vLLM's weight-transfer engine: ``nccl`` (GPU)
+    #: or ``gloo`` (CPU); see ``rollart.inference.transfer``.
+    weight_transfer: str = "zmq"
 
 
 class SchedulerCounts:
@@ -82,6 +86,18 @@ def build_engine(opts: EngineOptions, counts: SchedulerCounts) -> AsyncLLM:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    transfer: dict[str, Any] = {}
+    if opts.weight_transfer != "zmq":
+        from vllm.config.weight_transfer import WeightTransferConfig
+
+        from rollart.inference.transfer import VLLM_BACKENDS, register_engines
+
+        if opts.weight_transfer not in VLLM_BACKENDS:
+            raise ValueError(f"EngineOptions.weight_transfer: unknown {opts.weight_transfer!r} "
+                             f"(expected zmq, {', '.join(VLLM_BACKENDS)})")
+        register_engines()
+        transfer["weight_transfer_config"] = WeightTransferConfig(
+            backend=VLLM_BACKENDS[opts.weight_transfer])
     args = AsyncEngineArgs(
         model=opts.model,
         dtype=opts.dtype,
@@ -98,6 +114,7 @@ def build_engine(opts: EngineOptions, counts: SchedulerCounts) -> AsyncLLM:
         worker_extension_cls=EXTENSION_CLS,
         # The custom logger below replaces vLLM's periodic throughput log lines.
         disable_log_stats=True,
+        **transfer,
     )
     return AsyncLLM.from_engine_args(args, stat_loggers=[_stats_logger_factory(counts)])
 

@@ -24,6 +24,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+try:
+    # vLLM imports this module in its worker before loading the model: the place to make the
+    # ``rollart_gloo`` weight-transfer engine known to the factory that builds it there.
+    from rollart.inference.transfer import register_engines
+except ImportError:  # vLLM absent: only iter_safetensors is usable
+    pass
+else:
+    register_engines()
+
 
 def iter_safetensors(paths: list[str], skip: frozenset[str]) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` from each safetensors file in order, one tensor in memory at a
@@ -63,11 +72,12 @@ class WeightSyncExtension:
                 yield item
 
         self.model_runner.reload_weights(weights_iterator=counted())
-        self._refresh_tied_lm_head()
+        self.rollart_refresh_tied_lm_head()
         log.info("rollart: reloaded %d tensors from %d files", count, len(paths))
         return count
 
-    def _refresh_tied_lm_head(self) -> None:
+    def rollart_refresh_tied_lm_head(self) -> None:
+        """Re-run the tied ``lm_head``'s post-load processing (after any in-place reload)."""
         # A tied lm_head loads no weight of its own, so vLLM's layerwise reload never re-runs
         # its post-load processing; on CPU that processing built a packed GEMM copy of the
         # (shared) embedding, which would keep computing logits with the old weights. Re-running

@@ -8,6 +8,10 @@ Operations (messages in ``rollart.transport.messages``, inference section):
 - ``Pause(keep|abort)`` / ``Resume`` -> ``Ack``; ``GetStats`` -> ``WorkerStats``.
 - ``WeightBucket`` -> ``Ack`` (staged, checked; see ``weights.py``); ``ApplyWeights`` ->
   ``WeightsApplied`` once the engine serves the new version.
+- Collective weight transfer (``--weight-transfer nccl|gloo``, see ``transfer.py``):
+  ``WeightTransferInit`` / ``Start`` / ``Update`` / ``Finish`` / ``Shutdown`` -> ``Ack``; the
+  trainer broadcasts a version straight into the paused engine's model, and ``ApplyWeights``
+  for that version then only relabels tokens and resets the prefix cache.
 
 Weight versions and the KV cache: the engine core labels every step's tokens with the version set
 by ``update_weight_version`` (set while paused, right after the reload), which gives exact
@@ -78,8 +82,15 @@ class InferenceWorker:
         version: int,
         stager: WeightStager,
         counts: SchedulerCounts,
+        weight_transfer: str = "zmq",
+        num_ranks: int = 1,
     ) -> None:
         self.engine = engine
+        self.weight_transfer = weight_transfer
+        self.num_ranks = num_ranks
+        #: version the model holds after a collective update, not yet applied (labelled)
+        self.received_version: int | None = None
+        self._updating = False
         self.name = name
         self.version = version
         self.stager = stager
@@ -101,6 +112,11 @@ class InferenceWorker:
             m.GetStats: self.get_stats,
             m.WeightBucket: self.weight_bucket,
             m.ApplyWeights: self.apply_weights,
+            m.WeightTransferInit: self.transfer_init,
+            m.WeightTransferStart: self.transfer_start,
+            m.WeightTransferUpdate: self.transfer_update,
+            m.WeightTransferFinish: self.transfer_finish,
+            m.WeightTransferShutdown: self.transfer_shutdown,
         }
 
     def stats(self) -> m.WorkerStats:
@@ -114,6 +130,8 @@ class InferenceWorker:
             version=self.version,
             paused=self.paused,
             num_generated_tokens=self.generated_tokens,
+            num_ranks=self.num_ranks,
+            weight_transfer=self.weight_transfer,  # type: ignore[arg-type]
         )
 
     def die(self, reason: str) -> None:
@@ -236,26 +254,21 @@ class InferenceWorker:
         recompute in-flight requests' KV), label new tokens with the version, resume. A worker
         that was paused by a client stays paused."""
         async with self._control:
-            staged = self.stager.take(msg.version, self.version)
+            staged = None
+            if self.received_version != msg.version:
+                staged = self.stager.take(msg.version, self.version)
             start = time.perf_counter()
             was_paused = self.paused
             if not was_paused:
                 await self.engine.pause_generation(mode="keep", clear_cache=False)
-            layout = self.stager.layout
-            skip = [TIED_LM_HEAD] if layout is not None and layout.tied else []
-            try:
-                await self.engine.collective_rpc(
-                    "rollart_reload_weights", args=(staged.paths(), skip)
-                )
-            except Exception as exc:
-                # Part of the model may hold new weights: it no longer serves any one version.
-                self.die(f"reloading weight version {msg.version} failed part-way: {exc!r}")
-                raise RemoteError("engine_error", f"weight reload failed: {exc}") from exc
+            if staged is not None:
+                await self._reload(msg.version, staged.paths())
             # Returns False while in-flight requests hold blocks (keep mode); cache_salt then
             # keeps new requests off the old blocks.
             await self.engine.reset_prefix_cache(reset_running_requests=msg.reprefill)
             await self.engine.update_weight_version(str(msg.version))
             self.version = msg.version
+            self.received_version = None
             self.stager.discard_up_to(msg.version)
             if not was_paused:
                 await self.engine.resume_generation()
@@ -263,6 +276,91 @@ class InferenceWorker:
         log.info("%s: applied weight version %d in %.3f s", self.name, msg.version, elapsed)
         return m.WeightsApplied(version=msg.version, apply_time_s=elapsed, stats=self.stats())
 
+    async def _reload(self, version: int, paths: list[str]) -> None:
+        layout = self.stager.layout
+        skip = [TIED_LM_HEAD] if layout is not None and layout.tied else []
+        try:
+            await self.engine.collective_rpc("rollart_reload_weights", args=(paths, skip))
+        except Exception as exc:
+            # Part of the model may hold new weights: it no longer serves any one version.
+            self.die(f"reloading weight version {version} failed part-way: {exc!r}")
+            raise RemoteError("engine_error", f"weight reload failed: {exc}") from exc
+
+    # -- collective weight transfer (vLLM weight-transfer engine) ---------------------------------
+
+    def _require_collective(self, what: str) -> None:
+        if self.weight_transfer == "zmq":
+            raise RemoteError("bad_request", f"{what}: this worker receives weights over zmq "
+                              "(start it with --weight-transfer nccl or gloo)")
+
+    async def transfer_init(self, msg: m.WeightTransferInit, _frames) -> m.Ack:
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        from rollart.inference.transfer import init_info_dict
+
+        self._require_collective("WeightTransferInit")
+        info = init_info_dict(
+            self.weight_transfer, master_address=msg.master_address,
+            master_port=msg.master_port, rank_offset=msg.rank_offset,
+            world_size=msg.world_size, timeout_s=msg.timeout_s, packed=msg.packed,
+            packed_buffer_size_bytes=msg.packed_buffer_size_bytes,
+            packed_num_buffers=msg.packed_num_buffers)
+        try:
+            await self.engine.init_weight_transfer_engine(WeightTransferInitRequest(info))
+        except Exception as exc:
+            raise RemoteError("engine_error", f"joining the {self.weight_transfer} group at "
+                              f"{msg.master_address}:{msg.master_port} failed: {exc}") from exc
+        return m.Ack(detail=f"joined {self.weight_transfer} group as ranks "
+                     f"{msg.rank_offset}..{msg.rank_offset + self.num_ranks - 1} "
+                     f"of {msg.world_size}")
+
+    async def transfer_start(self, _msg: m.WeightTransferStart, _frames) -> m.Ack:
+        self._require_collective("WeightTransferStart")
+        async with self._control:
+            if not self.paused:
+                # Loading into a model that is generating would mix versions inside one step.
+                raise RemoteError("bad_request", "WeightTransferStart: pause the worker first")
+            try:
+                await self.engine.start_weight_update()
+            except Exception as exc:
+                raise RemoteError("engine_error", f"start_weight_update failed: {exc}") from exc
+            self._updating = True
+        return m.Ack(detail="receiving weights")
+
+    async def transfer_update(self, msg: m.WeightTransferUpdate, _frames) -> m.Ack:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        self._require_collective("WeightTransferUpdate")
+        if not self._updating:
+            raise RemoteError("bad_request", "WeightTransferUpdate before WeightTransferStart")
+        info = {"names": msg.names, "dtype_names": msg.dtype_names, "shapes": msg.shapes}
+        try:
+            async with self._control:  # no Resume while the model is half loaded
+                await self.engine.update_weights(WeightTransferUpdateRequest(info))
+        except Exception as exc:
+            self.die(f"receiving weights over {self.weight_transfer} failed part-way: {exc!r}")
+            raise RemoteError("engine_error", f"update_weights failed: {exc}") from exc
+        return m.Ack(detail=f"received {len(msg.names)} tensors")
+
+    async def transfer_finish(self, msg: m.WeightTransferFinish, _frames) -> m.Ack:
+        self._require_collective("WeightTransferFinish")
+        if not self._updating:
+            raise RemoteError("bad_request", "WeightTransferFinish before WeightTransferStart")
+        try:
+            async with self._control:
+                await self.engine.finish_weight_update()
+                await self.engine.collective_rpc("rollart_refresh_tied_lm_head")
+        except Exception as exc:
+            self.die(f"finishing the weight update to version {msg.version} failed: {exc!r}")
+            raise RemoteError("engine_error", f"finish_weight_update failed: {exc}") from exc
+        self._updating = False
+        self.received_version = msg.version
+        return m.Ack(detail=f"holds version {msg.version} (apply to serve it)")
+
+    async def transfer_shutdown(self, _msg: m.WeightTransferShutdown, _frames) -> m.Ack:
+        self._require_collective("WeightTransferShutdown")
+        await self.engine.shutdown_weight_transfer_engine()
+        return m.Ack(detail="left the weight-transfer group")
 
 # -- process ---------------------------------------------------------------------------------------
 
@@ -287,6 +385,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--gpu-memory-utilization", type=float,
                    help="GPU only: memory fraction for vLLM (replaces --kv-cache-bytes)")
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--weight-transfer", choices=["zmq", "nccl", "gloo"], default="zmq",
+                   help="how new weights arrive: staged zmq buckets, or a collective group "
+                        "with the trainer (nccl on GPU, gloo on CPU)")
     p.add_argument("--version", type=int, default=0, help="policy version of the --model weights")
     p.add_argument("--stage-dir", help="where weight buckets are staged (default /dev/shm)")
     p.add_argument("--log-level", default="INFO")
@@ -321,6 +422,7 @@ async def serve(args: argparse.Namespace) -> int:
         enable_prefix_caching=not args.no_prefix_caching,
         tensor_parallel_size=args.tensor_parallel_size,
         gpu_memory_utilization=args.gpu_memory_utilization,
+        weight_transfer=args.weight_transfer,
     )
     stager = WeightStager(args.stage_dir, CheckpointLayout.from_model_dir(args.model))
     counts = SchedulerCounts()
@@ -331,7 +433,8 @@ async def serve(args: argparse.Namespace) -> int:
         engine = build_engine(opts, counts)
         await engine.update_weight_version(str(args.version))
         worker = InferenceWorker(
-            engine, name=args.name, version=args.version, stager=stager, counts=counts
+            engine, name=args.name, version=args.version, stager=stager, counts=counts,
+            weight_transfer=args.weight_transfer, num_ranks=args.tensor_parallel_size,
         )
         server = RpcServer(args.address, worker.handlers(), name=args.name)
         stop = asyncio.Event()

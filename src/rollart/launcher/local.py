@@ -136,7 +136,9 @@ async def open_cluster(scenario: str | Path | Scenario, *, run_dir: str | Path |
         clients += [w for ws in pools.values() for w in ws] + envs + [trainer_client]
         backends = Backends(
             pools=pools, env_hosts=envs, reward_service=reward, reward_endpoints=endpoints,
-            trainer=RemoteTrainer(trainer_client, version=trainer_version),
+            trainer=RemoteTrainer(
+                trainer_client, version=trainer_version,
+                push_needs_pause=scenario.trainer.weight_transfer != "zmq"),
             tokenizer=AutoTokenizer.from_pretrained(model_dir))
         cluster = Cluster.from_scenario(scenario, backends=backends, resume=controller_resume)
         cluster.run_dir = run_dir  # type: ignore[attr-defined]

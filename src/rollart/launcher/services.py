@@ -103,6 +103,8 @@ async def start_services(sup: Supervisor, scenario: Scenario, model_dir: Path, *
             argv.append("--enforce-eager")
         if not eng.enable_prefix_caching:
             argv.append("--no-prefix-caching")
+        if sc.trainer.weight_transfer != "zmq":
+            argv += ["--weight-transfer", sc.trainer.weight_transfer]
         if pool.hardware != "cpu":
             argv += ["--tensor-parallel-size", str(eng.tensor_parallel_size)]
             if eng.gpu_memory_utilization:
@@ -134,7 +136,10 @@ def trainer_argv(sc: Scenario, model_dir: Path, resume: Path | None) -> list[str
     dtype = sc.model.dtype if sc.model.dtype != "auto" else (
         "float32" if t.device == "cpu" else "bfloat16")
     options = {"lr": t.lr, "weight_decay": t.weight_decay, "bucket_bytes": t.weight_bucket_bytes,
-               "seed": sc.run.seed, "device": t.device, "dtype": dtype}
+               "seed": sc.run.seed, "device": t.device, "dtype": dtype,
+               "weight_transfer": t.weight_transfer,
+               "weight_transfer_address": t.weight_transfer_address,
+               "weight_transfer_timeout_s": t.weight_transfer_timeout_s}
     temperatures = {d.sampling.temperature for d in sc.domains}
     step_cfg: dict[str, Any] = {
         "clip_eps": t.clip_eps, "kl_coef": t.kl_coef, "max_grad_norm": t.max_grad_norm,

@@ -16,6 +16,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Literal
 
 import msgspec
 
@@ -38,6 +39,14 @@ class TrainerOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     #: torch device of the policy (``cpu``, ``cuda``, ``cuda:1``) and its parameter dtype.
     device: str = "cpu"
     dtype: str = "float32"
+    #: ``zmq``: push each version in the background after its step (``WeightPublisher``);
+    #: ``nccl`` / ``gloo``: broadcast it over a process group with the workers when the
+    #: controller asks, the workers paused (``CollectivePublisher``).
+    weight_transfer: Literal["zmq", "nccl", "gloo"] = "zmq"
+    #: host the workers reach the collective group's rendezvous at (the trainer's address).
+    weight_transfer_address: str = "127.0.0.1"
+    #: rendezvous / per-call limit of a collective broadcast, seconds.
+    weight_transfer_timeout_s: float = 600.0
 
 
 class TrainerService:
@@ -66,10 +75,19 @@ class TrainerService:
                          if step_cfg_json else TrainStepConfig())
         self.version = 0
         self.step = 0
-        self.publisher = WeightPublisher(
-            lambda addr: InferenceClient(addr, name=f"worker@{addr}", default_timeout_s=600.0),
-            bucket_bytes=opts.bucket_bytes,
-        )
+        def connect(addr: str) -> InferenceClient:
+            return InferenceClient(addr, name=f"worker@{addr}", default_timeout_s=600.0)
+
+        self.weight_transfer = opts.weight_transfer
+        self.publisher = WeightPublisher(connect, bucket_bytes=opts.bucket_bytes)
+        self.collective = None
+        if opts.weight_transfer != "zmq":
+            from rollart.trainer.transfer import CollectivePublisher
+
+            self.collective = CollectivePublisher(
+                opts.weight_transfer, self.model, connect,
+                address=opts.weight_transfer_address, bucket_bytes=opts.bucket_bytes,
+                timeout_s=opts.weight_transfer_timeout_s)
         if resume is not None:
             state = load_trainer(resume, self.model, self.optimizer)
             self.version, self.step = state.version, state.step
@@ -82,7 +100,7 @@ class TrainerService:
         checkpoint can be brought to it (``PublishLatest``)."""
         from rollart.trainer.broadcast import snapshot_parameters
 
-        if self._resumed:
+        if self._resumed and self.collective is None:
             self.publisher.publish(self.version, snapshot_parameters(self.model))
 
     def handlers(self) -> dict[type, object]:
@@ -105,18 +123,40 @@ class TrainerService:
             metrics = await asyncio.to_thread(
                 train_step, self.model, self.optimizer, msg.samples, self.step_cfg
             )
-            snapshot = await asyncio.to_thread(snapshot_parameters, self.model)
             self.version += 1
             self.step = msg.step + 1
-            self.publisher.publish(self.version, snapshot)
+            if self.collective is None:
+                snapshot = await asyncio.to_thread(snapshot_parameters, self.model)
+                self.publisher.publish(self.version, snapshot)
             return m.TrainResult(step=msg.step, version=self.version, metrics=metrics,
                                  train_time_s=time.perf_counter() - start)
 
     async def set_workers(self, msg: m.SetWorkers, _frames: object) -> m.Ack:
-        await self.publisher.set_workers(msg.addresses)
+        if self.collective is not None:
+            await self.collective.set_workers(msg.addresses)
+        else:
+            await self.publisher.set_workers(msg.addresses)
         return m.Ack()
 
+    async def _broadcast(self, version: int) -> m.Published:
+        assert self.collective is not None
+        if version != self.version:
+            raise RemoteError("not_found", f"version {version} is not the trainer's current "
+                              f"version {self.version}: a collective broadcast sends only that")
+        async with self._lock:  # the parameters must not change during the broadcast
+            try:
+                report = await self.collective.broadcast(version)
+            except RemoteError:
+                raise
+            except Exception as exc:
+                raise RemoteError("internal", f"{self.weight_transfer} broadcast of version "
+                                  f"{version} failed: {exc!r}") from exc
+        return m.Published(version=report.version, total_s=report.total_s,
+                           num_bytes=report.num_bytes, failed=report.failed)
+
     async def wait_published(self, msg: m.WaitPublished, _frames: object) -> m.Published:
+        if self.collective is not None:
+            return await self._broadcast(msg.version)
         try:
             report = await self.publisher.wait(msg.version)
         except KeyError:
@@ -126,6 +166,10 @@ class TrainerService:
                            num_bytes=report.num_bytes, failed=report.failed)
 
     async def publish_latest(self, msg: m.PublishLatest, _frames: object) -> m.Published:
+        if self.collective is not None:
+            # A broadcast reaches the whole group: the addresses must be registered workers.
+            await self.collective.set_workers([*self.collective.workers, *msg.addresses])
+            return await self._broadcast(self.version)
         if self.publisher.latest_version is None:
             raise RemoteError("not_found", "no version published yet")
         report = await self.publisher.push_latest(msg.addresses)
@@ -143,7 +187,8 @@ class TrainerService:
 
     async def status(self, _msg: m.GetTrainerState, _frames: object) -> m.TrainerStatus:
         n = sum(p.numel() for p in self.model.parameters())
-        return m.TrainerStatus(version=self.version, step=self.step, num_parameters=n)
+        return m.TrainerStatus(version=self.version, step=self.step, num_parameters=n,
+                               weight_transfer=self.weight_transfer)
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -174,6 +219,8 @@ async def _serve(args: argparse.Namespace) -> int:
     await server.close()
     serving.cancel()
     await service.publisher.close()
+    if service.collective is not None:
+        await service.collective.close()
     return 0
 
 

@@ -117,6 +117,10 @@ class WorkerStats(Msg):
     version: NonNegInt
     paused: bool = False
     num_generated_tokens: NonNegInt = 0
+    #: engine ranks (tensor x pipeline parallel) that join a collective weight transfer.
+    num_ranks: PosInt = 1
+    #: how this worker receives weights: ``zmq`` (staged buckets), ``nccl`` or ``gloo``.
+    weight_transfer: Literal["zmq", "nccl", "gloo"] = "zmq"
 
 
 class Generate(Msg):
@@ -200,6 +204,59 @@ class WeightsApplied(Msg):
     version: NonNegInt
     apply_time_s: float
     stats: WorkerStats
+
+
+class WeightTransferInit(Msg):
+    """Join the trainer's collective weight-transfer group (workers started with
+    ``--weight-transfer nccl|gloo``). The reply comes once every rank has joined: the trainer
+    opens group rank 0 concurrently.
+
+    ``rank_offset``: group rank of this worker's first engine rank (the trainer is rank 0).
+    ``world_size``: trainer + every engine rank of every worker. ``timeout_s``: rendezvous and
+    per-broadcast limit (gloo). ``packed*``: vLLM's NCCL packing (buffer bytes, buffers in flight).
+    """
+
+    master_address: Annotated[str, msgspec.Meta(min_length=1)]
+    master_port: Annotated[int, msgspec.Meta(ge=1, le=65535)]
+    rank_offset: PosInt
+    world_size: Annotated[int, msgspec.Meta(ge=2)]
+    timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 600.0
+    packed: bool = True
+    packed_buffer_size_bytes: PosInt = 1 << 30
+    packed_num_buffers: PosInt = 2
+
+
+class WeightTransferStart(Msg):
+    """Begin receiving a version over the group; the worker must be paused."""
+
+
+class WeightTransferUpdate(Msg):
+    """Receive and load the tensors the trainer now broadcasts, in this order.
+
+    ``dtype_names``: torch dtype names without prefix; ``shapes``: full (unsharded) shapes.
+    The reply comes once every tensor is loaded. A failure part-way is fatal for the worker
+    (its model holds a mix of versions).
+    """
+
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[NonNegInt]]
+
+    def __post_init__(self) -> None:
+        if not (len(self.names) == len(self.dtype_names) == len(self.shapes)):
+            raise ValueError(f"names / dtype_names / shapes lengths differ: {len(self.names)}, "
+                             f"{len(self.dtype_names)}, {len(self.shapes)}")
+
+
+class WeightTransferFinish(Msg):
+    """End the update: the model now holds ``version``; ``ApplyWeights(version)`` then only
+    relabels tokens and drops stale prefix-cache blocks (no reload)."""
+
+    version: PosInt
+
+
+class WeightTransferShutdown(Msg):
+    """Leave the group (the trainer re-forms it when the worker set changes)."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -329,7 +386,9 @@ class SetWorkers(Msg):
 
 
 class WaitPublished(Msg):
-    """Reply (``Published``) once ``version`` is staged on every registered worker."""
+    """Reply (``Published``) once ``version`` is staged on every registered worker. With a
+    collective weight transfer (``nccl`` / ``gloo``) this *starts* the broadcast, which loads the
+    weights into the (paused) workers' models; the reply comes once it is done."""
 
     version: PosInt
 
@@ -364,9 +423,13 @@ class GetTrainerState(Msg):
 
 
 class TrainerStatus(Msg):
+    """``weight_transfer``: ``zmq`` pushes each version in the background right after its step;
+    ``nccl`` / ``gloo`` broadcast it when asked (``WaitPublished``), with the workers paused."""
+
     version: NonNegInt
     step: NonNegInt
     num_parameters: NonNegInt
+    weight_transfer: Literal["zmq", "nccl", "gloo"] = "zmq"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -409,6 +472,11 @@ Request = (
     | GetStats
     | WeightBucket
     | ApplyWeights
+    | WeightTransferInit
+    | WeightTransferStart
+    | WeightTransferUpdate
+    | WeightTransferFinish
+    | WeightTransferShutdown
     | EnvOpen
     | EnvStep
     | EnvClose

@@ -1,0 +1,274 @@
+"""Collective weight broadcast from the trainer (GPU path: NCCL; CPU: gloo).
+
+The trainer joins one process group with every engine rank of every inference worker and
+broadcasts each new version from group rank 0 straight into the workers' models, through vLLM's
+weight-transfer engines: ``NCCLTrainerWeightTransferEngine`` (vLLM's own, packed broadcast
+buffers of ``bucket_bytes``) or ``GlooTrainerWeightTransferEngine`` below (same protocol, CPU
+tensors, one broadcast per tensor). vLLM drives the handshake through a ``VLLMWeightSyncClient``;
+``WorkerGroupClient`` is that client over rollart's ZeroMQ RPC.
+
+Unlike the ZeroMQ push (``broadcast.py``), nothing can be staged: a broadcast writes into the
+serving model, so the controller pauses the workers first and asks for the broadcast
+(``WaitPublished``) at its pause point. The group is formed lazily at the first broadcast and
+re-formed when the set of workers changes (a worker died or was added); a worker that dies
+mid-broadcast breaks the group for this version: the broadcast fails and the run stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from collections.abc import Callable, Coroutine, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, ClassVar, Self
+
+from vllm.distributed.weight_transfer.base import ModuleSource, TrainerInitInfo
+from vllm.distributed.weight_transfer.nccl_engine import (
+    NCCLTrainerInitInfo,
+    NCCLTrainerWeightTransferEngine,
+)
+
+from rollart.inference.client import InferenceClient
+from rollart.inference.transfer import open_gloo_group
+from rollart.trainer.broadcast import PushReport
+from rollart.transport import messages as m
+
+log = logging.getLogger(__name__)
+
+
+class WorkerGroupClient:
+    """vLLM's ``VLLMWeightSyncClient`` over rollart RPC: every call fans out to all workers.
+
+    vLLM's trainer engines call these methods synchronously from the thread running
+    ``send_weights``; each call runs the RPCs on the trainer's event loop ``loop`` and blocks
+    that thread until every worker answered (or ``timeout_s`` passed).
+
+    ``rank_offsets[i]``: group rank of worker ``i``'s first engine rank (the trainer is 0).
+    ``version``: the version ``finish_weight_update`` announces (set before each broadcast).
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, workers: list[InferenceClient],
+                 rank_offsets: list[int], *, timeout_s: float) -> None:
+        self.loop, self.workers, self.rank_offsets = loop, workers, rank_offsets
+        self.timeout_s = timeout_s
+        self.version = 0
+
+    def _each(self, make: Callable[[int], m.Msg]) -> None:
+        async def all_workers() -> None:
+            await asyncio.gather(*(w.weight_transfer(make(i), timeout_s=self.timeout_s)  # type: ignore[arg-type]
+                                   for i, w in enumerate(self.workers)))
+
+        self._run(all_workers())
+
+    def _run(self, coro: Coroutine[Any, Any, None]) -> None:
+        asyncio.run_coroutine_threadsafe(coro, self.loop).result(self.timeout_s + 5.0)
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        base = {k: init_info[k] for k in ("master_address", "master_port", "world_size")}
+        extra = {k: init_info[k] for k in ("timeout_s", "packed", "packed_buffer_size_bytes",
+                                           "packed_num_buffers") if k in init_info}
+        self._each(lambda i: m.WeightTransferInit(**base, **extra,
+                                                  rank_offset=self.rank_offsets[i]))
+
+    def start_weight_update(self) -> None:
+        self._each(lambda _i: m.WeightTransferStart())
+
+    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
+        if isinstance(update_info, list):
+            raise ValueError("per-rank update infos are not used by rollart's workers")
+        self._each(lambda _i: m.WeightTransferUpdate(**update_info))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._each(lambda _i: m.WeightTransferFinish(version=self.version))
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self._each(lambda _i: m.WeightTransferShutdown())
+
+
+@dataclass
+class GlooTrainerInitInfo(TrainerInitInfo):
+    """Trainer side of ``rollart_gloo``: rendezvous at ``master_address:master_port`` with
+    ``world_size`` ranks; ``timeout_s`` bounds the rendezvous and each broadcast."""
+
+    backend: ClassVar[str] = "rollart_gloo"
+
+    master_address: str
+    master_port: int
+    world_size: int
+    timeout_s: float = 600.0
+
+
+class GlooTrainerWeightTransferEngine(NCCLTrainerWeightTransferEngine):
+    """vLLM's NCCL trainer engine with a gloo communicator: CPU tensors, one broadcast each.
+
+    ``send_weights`` (start -> update concurrently with the broadcast -> finish) is vLLM's.
+    """
+
+    init_info_cls = GlooTrainerInitInfo  # type: ignore[assignment]
+
+    @classmethod
+    def trainer_init(cls, init_info: GlooTrainerInitInfo, *, client: Any,  # type: ignore[override]
+                     source: Any = None, listen_socket: socket.socket | None = None) -> Self:
+        engine = cls(client=client, source=source, is_sender=init_info.is_sender, packed=False)
+        if not engine.is_sender:
+            return engine
+        worker_info = {"master_address": init_info.master_address,
+                       "master_port": init_info.master_port, "rank_offset": 1,
+                       "world_size": init_info.world_size, "timeout_s": init_info.timeout_s}
+        # Workers block in the rendezvous until rank 0 opens it: join from both sides at once.
+        with ThreadPoolExecutor(max_workers=1) as exe:
+            joined = exe.submit(client.init_weight_transfer_engine, worker_info)
+            engine.model_update_group = open_gloo_group(
+                init_info.master_address, init_info.master_port, 0, init_info.world_size,
+                init_info.timeout_s, listen_socket=listen_socket)
+            joined.result()
+        return engine
+
+    def _broadcast(self, source: Any, meta: Any) -> None:
+        if not self.is_sender:
+            for _ in source:
+                pass
+            return
+        group = self.model_update_group
+        for _name, tensor in self._checked_iter(source, meta):
+            group.broadcast(tensor.detach().to("cpu").contiguous(), 0).wait()
+
+    def _post_send_sync(self) -> None:
+        pass  # gloo broadcasts are complete when wait() returns
+
+    def shutdown(self) -> None:
+        self.model_update_group = None
+
+
+def _listen_socket(host: str) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, 0))
+    sock.listen()
+    return sock
+
+
+class CollectivePublisher:
+    """Broadcasts the trainer's current weights as a version, on request (workers paused).
+
+    Args:
+        kind: ``"nccl"`` (trainer parameters on a CUDA device) or ``"gloo"`` (CPU).
+        model: the trainer's module (``named_parameters()`` names are the checkpoint's; FSDP
+            ``DTensor`` parameters are gathered with ``full_tensor()``).
+        connect: ``address -> InferenceClient``.
+        address: host the workers reach the trainer's rendezvous at.
+        bucket_bytes: NCCL packed-buffer size in bytes. timeout_s: per call / rendezvous.
+    """
+
+    def __init__(self, kind: str, model: Any, connect: Callable[[str], InferenceClient], *,
+                 address: str, bucket_bytes: int, timeout_s: float) -> None:
+        if kind not in ("nccl", "gloo"):
+            raise ValueError(f"collective weight transfer must be nccl or gloo, got {kind!r}")
+        self.kind, self.model, self._connect = kind, model, connect
+        self.address, self.bucket_bytes, self.timeout_s = address, bucket_bytes, timeout_s
+        self._workers: dict[str, InferenceClient] = {}
+        self._engine: Any = None
+        self._group_addresses: list[str] = []
+        self._wanted: list[str] = []
+        self._client: WorkerGroupClient | None = None
+        self.latest_version: int | None = None
+
+    @property
+    def workers(self) -> list[str]:
+        """Addresses of the registered workers."""
+        return list(self._wanted)
+
+    async def set_workers(self, addresses: Iterable[str]) -> None:
+        """Workers to broadcast to; a changed set re-forms the group at the next broadcast."""
+        wanted = list(dict.fromkeys(addresses))
+        for addr in list(self._workers):
+            if addr not in wanted and addr not in self._group_addresses:
+                await self._workers.pop(addr).close()
+        for addr in wanted:
+            if addr not in self._workers:
+                self._workers[addr] = self._connect(addr)
+        self._wanted = wanted
+
+    async def broadcast(self, version: int) -> PushReport:
+        """Send the current weights as ``version`` to every registered (paused) worker.
+
+        Raises:
+            RuntimeError: no workers registered, or a worker is not set up for ``kind``.
+            RemoteError / TimeoutError: a worker refused or the group broke mid-transfer.
+        """
+        wanted = self._wanted
+        if not wanted:
+            raise RuntimeError("no inference workers registered for the weight broadcast")
+        if self._engine is None or wanted != self._group_addresses:
+            await self._form_group(wanted)
+        assert self._client is not None
+        self._client.version = version
+        start = time.perf_counter()
+        await asyncio.to_thread(self._engine.send_weights)
+        num_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.latest_version = version
+        return PushReport(version=version, total_s=time.perf_counter() - start,
+                          num_bytes=num_bytes, workers=list(wanted))
+
+    async def _form_group(self, wanted: list[str]) -> None:
+        await self._leave_group()
+        workers = [self._workers[a] for a in wanted]
+        stats = await asyncio.gather(*(w.stats() for w in workers))
+        wrong = {w.name: s.weight_transfer for w, s in zip(workers, stats, strict=True)
+                 if s.weight_transfer != self.kind}
+        if wrong:
+            raise RuntimeError(f"the trainer broadcasts over {self.kind}, but these workers "
+                               f"receive weights otherwise: {wrong} (start them with "
+                               f"--weight-transfer {self.kind})")
+        offsets, rank = [], 1
+        for s in stats:
+            offsets.append(rank)
+            rank += s.num_ranks
+        loop = asyncio.get_running_loop()
+        self._client = WorkerGroupClient(loop, workers, offsets, timeout_s=self.timeout_s)
+        source = ModuleSource(self.model)
+        if self.kind == "gloo":
+            sock = _listen_socket(self.address)
+            info: Any = GlooTrainerInitInfo(
+                master_address=self.address, master_port=sock.getsockname()[1],
+                world_size=rank, timeout_s=self.timeout_s, rank=0)
+            self._engine = await asyncio.to_thread(
+                GlooTrainerWeightTransferEngine.trainer_init, info, client=self._client,
+                source=source, listen_socket=sock)
+        else:
+            sock = _listen_socket(self.address)
+            port = sock.getsockname()[1]
+            sock.close()  # vLLM's NCCL rendezvous binds the port itself
+            info = NCCLTrainerInitInfo(
+                master_address=self.address, master_port=port, world_size=rank, rank=0,
+                packed=True, packed_buffer_size_bytes=self.bucket_bytes)
+            self._engine = await asyncio.to_thread(
+                NCCLTrainerWeightTransferEngine.trainer_init, info, client=self._client,
+                source=source)
+        self._group_addresses = list(wanted)
+        log.info("formed %s weight-transfer group of %d ranks with %d workers",
+                 self.kind, rank, len(workers))
+
+    async def _leave_group(self) -> None:
+        if self._engine is None:
+            return
+        live = [a for a in self._group_addresses if a in self._workers
+                and not self._workers[a].dead]
+        for addr in live:
+            try:
+                await self._workers[addr].weight_transfer(m.WeightTransferShutdown(),
+                                                          timeout_s=self.timeout_s)
+            except Exception as exc:  # the group is being replaced either way
+                log.warning("leaving the weight-transfer group on %s failed: %r", addr, exc)
+        self._engine.shutdown()
+        self._engine = None
+        self._group_addresses = []
+
+    async def close(self) -> None:
+        await self._leave_group()
+        for client in self._workers.values():
+            await client.close()
+        self._workers.clear()

@@ -1,0 +1,204 @@
+"""Collective weight transfer (``weight_transfer = "gloo"``): trainer -> two vLLM workers.
+
+The same protocol as the GPU path (vLLM's weight-transfer engine: init handshake, start,
+update concurrent with the trainer's broadcast, finish, layerwise reload), with a gloo
+communicator so it runs on CPU. The NCCL variant at the end runs only where CUDA exists.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from rollart.inference.client import InferenceClient
+from rollart.trainer.client import TrainerClient
+from rollart.transport import messages as m
+from rollart.transport.errors import RemoteError
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+FIXED = [2, 40, 41, 42, 5, 60, 61, 62, 63, 3, 7, 8, 9, 10, 11, 12]
+TOL = 1e-4  # float32 on both sides
+
+
+def _worker_args(model_dir) -> list[str]:
+    return ["--model", str(model_dir), "--dtype", "float32", "--enforce-eager",
+            "--weight-transfer", "gloo", "--kv-cache-bytes", str(64 << 20)]
+
+
+@pytest.fixture(scope="module")
+def services(tiny_model_dir, service_starter, tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("gloo-transfer-logs")
+    workers = [service_starter("rollart.inference.worker",
+                               [*_worker_args(tiny_model_dir), "--name", f"w{i}"],
+                               log_dir=log_dir, ready_timeout_s=300,
+                               env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"})
+               for i in range(2)]
+    trainer = service_starter(
+        "rollart.trainer.service",
+        ["--model", str(tiny_model_dir), "--options",
+         '{"lr": 0.01, "weight_transfer": "gloo", "weight_transfer_timeout_s": 120}'],
+        log_dir=log_dir, ready_timeout_s=300)
+    yield [w.address for w in workers], trainer.address
+    for w in workers:
+        w.stop()
+    trainer.stop()
+
+
+async def _prompt_logprobs(worker: InferenceClient) -> list[float]:
+    r = await worker.generate(m.Generate(
+        request_id=f"score-{torch.randint(1 << 30, ()).item()}", prompt_token_ids=FIXED,
+        sampling=m.SamplingParams(max_tokens=1, prompt_logprobs=True)))
+    assert r.prompt_logprobs is not None
+    return [float(x) for x in r.prompt_logprobs[1:]]
+
+
+def _trainer_logprobs(model_dir, ckpt_dir) -> list[float]:
+    from transformers import AutoModelForCausalLM
+
+    from rollart.trainer.checkpoint import load_trainer
+    from rollart.trainer.step import token_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    load_trainer(ckpt_dir, model, torch.optim.AdamW(model.parameters()))
+    ids = torch.tensor([FIXED])
+    with torch.no_grad():
+        lp = token_logprobs(model.eval(), ids, torch.ones_like(ids))
+    return lp[0, 1:].tolist()
+
+
+def _samples(n: int) -> list[m.TrainSample]:
+    out = []
+    for i in range(n):
+        ids = FIXED[: 6 + i]
+        out.append(m.TrainSample(token_ids=ids, loss_mask=[0] * 3 + [1] * (len(ids) - 3),
+                                 behaviour_logprobs=[0.0] * 3 + [-4.0] * (len(ids) - 3),
+                                 advantage=1.0 if i % 2 == 0 else -1.0, sample_id=f"s{i}"))
+    return out
+
+
+async def _train(trainer: TrainerClient) -> int:
+    status = await trainer.status()
+    return (await trainer.train(status.step, _samples(4))).version
+
+
+async def test_broadcast_loads_the_trainers_version_into_every_paused_worker(
+        services, tiny_model_dir, tmp_path):
+    addrs, trainer_addr = services
+    workers = [InferenceClient(a, name=f"w{i}", liveness_timeout_s=60)
+               for i, a in enumerate(addrs)]
+    trainer = TrainerClient(trainer_addr)
+    try:
+        assert (await trainer.status()).weight_transfer == "gloo"
+        assert {(await w.stats()).weight_transfer for w in workers} == {"gloo"}
+        before = await _prompt_logprobs(workers[0])
+        await trainer.set_workers(addrs)
+        version = await _train(trainer)
+
+        # Broadcasting into a worker that is generating is refused, and nothing is loaded.
+        with pytest.raises(RemoteError, match="pause the worker first"):
+            await trainer.wait_published(version)
+        assert await _prompt_logprobs(workers[0]) == pytest.approx(before, abs=1e-6)
+
+        for step in range(2):  # the second broadcast reuses the group formed by the first
+            if step:
+                version = await _train(trainer)
+            await asyncio.gather(*(w.pause("keep") for w in workers))
+            published = await trainer.wait_published(version)
+            assert published.version == version and published.failed == {}
+            assert published.num_bytes > 0
+            for w in workers:
+                applied = await w.apply_weights(version)
+                assert applied.version == version == applied.stats.version
+            await asyncio.gather(*(w.resume() for w in workers))
+
+        await trainer.save_checkpoint(str(tmp_path / "ckpt"))
+        expected = _trainer_logprobs(tiny_model_dir, tmp_path / "ckpt")
+        after = [await _prompt_logprobs(w) for w in workers]
+        assert max(abs(a - b) for a, b in zip(before, after[0], strict=True)) > 1e-3
+        for lps in after:
+            assert lps == pytest.approx(expected, abs=TOL)
+        r = await workers[1].generate(m.Generate(
+            request_id="after-update", prompt_token_ids=FIXED[:5],
+            sampling=m.SamplingParams(max_tokens=4, ignore_eos=True)))
+        assert set(r.versions) == {version}
+    finally:
+        for w in workers:
+            await w.close()
+        await trainer.close()
+
+
+async def test_a_changed_worker_set_re_forms_the_group(services):
+    addrs, trainer_addr = services
+    workers = [InferenceClient(a, name=f"w{i}", liveness_timeout_s=60)
+               for i, a in enumerate(addrs)]
+    trainer = TrainerClient(trainer_addr)
+    try:
+        await trainer.set_workers(addrs[1:])  # w0 left the run
+        version = await _train(trainer)
+        await workers[1].pause("keep")
+        published = await trainer.wait_published(version)
+        assert published.version == version
+        assert (await workers[1].apply_weights(version)).version == version
+        await workers[1].resume()
+        assert (await workers[0].stats()).version < version  # not part of the new group
+        # A broadcast sends only the current version.
+        with pytest.raises(RemoteError, match="not the trainer's current version"):
+            await trainer.wait_published(version - 1)
+    finally:
+        for w in workers:
+            await w.close()
+        await trainer.close()
+
+
+async def test_collective_messages_to_a_zmq_worker_are_refused(tiny_model_dir, service_launcher):
+    worker = service_launcher("rollart.inference.worker",
+                              ["--model", str(tiny_model_dir), "--enforce-eager",
+                               "--kv-cache-bytes", str(32 << 20)], ready_timeout_s=300)
+    client = InferenceClient(worker.address, name="zmq-worker", liveness_timeout_s=60)
+    try:
+        with pytest.raises(RemoteError, match="receives weights over zmq"):
+            await client.weight_transfer(m.WeightTransferStart(), timeout_s=30)
+        assert (await client.stats()).weight_transfer == "zmq"  # still serving
+    finally:
+        await client.close()
+
+
+def _cuda_devices() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.mark.skipif(_cuda_devices() < 2, reason="NCCL needs one GPU for the trainer and one "
+                    "for the worker (two ranks of a communicator cannot share a device)")
+async def test_nccl_broadcast_on_gpus(tiny_model_dir, service_launcher, tmp_path):
+    worker = service_launcher(
+        "rollart.inference.worker",
+        ["--model", str(tiny_model_dir), "--dtype", "float32", "--enforce-eager",
+         "--weight-transfer", "nccl", "--gpu-memory-utilization", "0.2"],
+        env={"CUDA_VISIBLE_DEVICES": "0"}, ready_timeout_s=600)
+    trainer_proc = service_launcher(
+        "rollart.trainer.service",
+        ["--model", str(tiny_model_dir), "--options",
+         '{"lr": 0.01, "device": "cuda", "weight_transfer": "nccl", "bucket_bytes": 65536}'],
+        env={"CUDA_VISIBLE_DEVICES": "1"}, ready_timeout_s=600)
+    client = InferenceClient(worker.address, name="gpu-worker", liveness_timeout_s=60)
+    trainer = TrainerClient(trainer_proc.address)
+    try:
+        before = await _prompt_logprobs(client)
+        await trainer.set_workers([worker.address])
+        version = await _train(trainer)
+        await client.pause("keep")
+        published = await trainer.wait_published(version)
+        assert published.version == version
+        assert (await client.apply_weights(version)).version == version
+        await client.resume()
+        await trainer.save_checkpoint(str(tmp_path / "ckpt"))
+        expected = _trainer_logprobs(tiny_model_dir, tmp_path / "ckpt")
+        after = await _prompt_logprobs(client)
+        assert max(abs(a - b) for a, b in zip(before, after, strict=True)) > 1e-3
+        assert after == pytest.approx(expected, abs=2e-3)  # TF32 matmuls on the GPU
+    finally:
+        await client.close()
+        await trainer.close()
