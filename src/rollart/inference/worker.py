@@ -359,6 +359,11 @@ class InferenceWorker:
 
     async def transfer_shutdown(self, _msg: m.WeightTransferShutdown, _frames) -> m.Ack:
         self._require_collective("WeightTransferShutdown")
+        if self._updating:
+            # vLLM's layerwise reload was started on this model and never finished: which of
+            # its weights are loaded is unknown, so it no longer serves any one version.
+            self.die("a collective weight update was abandoned before WeightTransferFinish")
+            raise RemoteError("engine_error", "weight update abandoned part-way; worker exits")
         await self.engine.shutdown_weight_transfer_engine()
         return m.Ack(detail="left the weight-transfer group")
 

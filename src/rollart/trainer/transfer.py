@@ -10,8 +10,9 @@ tensors, one broadcast per tensor). vLLM drives the handshake through a ``VLLMWe
 Unlike the ZeroMQ push (``broadcast.py``), nothing can be staged: a broadcast writes into the
 serving model, so the controller pauses the workers first and asks for the broadcast
 (``WaitPublished``) at its pause point. The group is formed lazily at the first broadcast and
-re-formed when the set of workers changes (a worker died or was added); a worker that dies
-mid-broadcast breaks the group for this version: the broadcast fails and the run stops.
+re-formed when the set of workers changes (a worker died or was added) or after a failed
+broadcast; a worker that dies mid-broadcast fails that broadcast, and the controller stops the
+run (a failed push is fatal there).
 """
 
 from __future__ import annotations
@@ -207,7 +208,12 @@ class CollectivePublisher:
         assert self._client is not None
         self._client.version = version
         start = time.perf_counter()
-        await asyncio.to_thread(self._engine.send_weights)
+        try:
+            await asyncio.to_thread(self._engine.send_weights)
+        except BaseException:
+            # The group may be mid-collective on some ranks: never reuse it.
+            await self._leave_group()
+            raise
         num_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.latest_version = version
         return PushReport(version=version, total_s=time.perf_counter() - start,
@@ -257,12 +263,13 @@ class CollectivePublisher:
             return
         live = [a for a in self._group_addresses if a in self._workers
                 and not self._workers[a].dead]
-        for addr in live:
-            try:
-                await self._workers[addr].weight_transfer(m.WeightTransferShutdown(),
-                                                          timeout_s=self.timeout_s)
-            except Exception as exc:  # the group is being replaced either way
-                log.warning("leaving the weight-transfer group on %s failed: %r", addr, exc)
+        replies = await asyncio.gather(
+            *(self._workers[a].weight_transfer(m.WeightTransferShutdown(),
+                                               timeout_s=min(self.timeout_s, 30.0))
+              for a in live), return_exceptions=True)
+        for addr, reply in zip(live, replies, strict=True):
+            if isinstance(reply, BaseException):  # the group is being replaced either way
+                log.warning("leaving the weight-transfer group on %s failed: %r", addr, reply)
         self._engine.shutdown()
         self._engine = None
         self._group_addresses = []
