@@ -251,9 +251,14 @@ class TrainerConfig(_Cfg):
     checkpoint_every: NonNegInt = 0
     #: bytes per weight bucket sent to the inference workers.
     weight_bucket_bytes: PosInt = 1 << 30
-    #: ``cpu``, or ``cuda``: the launcher gives a local trainer the first GPU after the local
-    #: GPU workers' (``CUDA_VISIBLE_DEVICES``); the parameters use ``model.dtype``.
+    #: ``cpu``, or ``cuda``: the launcher gives a local trainer the first ``num_processes`` GPUs
+    #: after the local GPU workers' (``CUDA_VISIBLE_DEVICES``); the parameters use
+    #: ``model.dtype``. The launcher cannot count the machine's GPUs: with too few, each rank
+    #: without one fails at start, naming CUDA_VISIBLE_DEVICES.
     device: Literal["cpu", "cuda"] = "cpu"
+    #: trainer ranks (data-parallel FSDP2 under torchrun, one node): one GPU each with ``cuda``,
+    #: CPU processes over gloo with ``cpu``. 1: a single plain process.
+    num_processes: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1
 
 
 class Scenario(_Cfg):
@@ -382,6 +387,11 @@ def validate_scenario(scenario: Scenario, source: str = "<scenario>") -> Scenari
     if t.num_minibatches > run.batch_size:
         raise _fail(source, "trainer.num_minibatches",
                     f"{t.num_minibatches} exceeds run.batch_size {run.batch_size}")
+    if t.num_processes * t.num_minibatches > run.batch_size:
+        raise _fail(source, "trainer.num_processes",
+                    f"{t.num_processes} ranks x trainer.num_minibatches {t.num_minibatches} "
+                    f"exceeds run.batch_size {run.batch_size}: some rank would get no sample of "
+                    "a minibatch and only run padding passes")
     if scenario.reward.url is not None and not scenario.reward.url.startswith(
         ("http://", "https://")
     ):
