@@ -16,6 +16,7 @@ from rollart.launcher.services import trainer_argv, trainer_env
 from rollart.models.tiny import TinyModelSpec, init_tiny_model
 from rollart.trainer.distributed import (
     SaveCommand,
+    SnapshotCommand,
     StopCommand,
     TrainCommand,
     decode_command,
@@ -111,3 +112,71 @@ def test_decoder_layers_are_found_or_named_as_missing() -> None:
     assert decoder_layers(model) is model.model.layers
     with pytest.raises(ValueError, match="cannot shard Linear with FSDP2: no decoder layers"):
         decoder_layers(torch.nn.Linear(2, 2))
+
+
+class FakeRanks:
+    """A rank group whose link to the other ranks is broken (``send`` raises) or replays
+    ``commands`` to a follower."""
+
+    def __init__(self, rank: int = 0, commands=(), broken: bool = False) -> None:
+        self.rank, self.world_size = rank, 2
+        self.commands = list(commands)
+        self.broken = broken
+        self.sent: list = []
+        self.closed = False
+
+    def send(self, cmd) -> None:
+        if self.broken:
+            raise RuntimeError("Connection closed by peer")
+        self.sent.append(cmd)
+
+    def receive(self):
+        return self.commands.pop(0)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _runner(ranks):
+    from rollart.trainer.distributed import RankRunner
+    from rollart.trainer.step import TrainStepConfig
+
+    model = torch.nn.Linear(2, 2)
+    return RankRunner(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                      TrainStepConfig(max_tokens_per_microbatch=8), ranks)
+
+
+def test_a_failed_command_on_rank_0_is_fatal_and_refuses_later_ones() -> None:
+    from rollart.transport.errors import RemoteError
+
+    ranks = FakeRanks(broken=True)
+    runner = _runner(ranks)
+    fatal: list[BaseException] = []
+    runner.on_fatal = fatal.append
+    # A bad batch is refused before any rank sees it, and is not fatal.
+    with pytest.raises(ValueError, match="sample 's0' has 9 tokens > max_tokens_per_microbatch"):
+        runner.train([_sample(0, 9)])
+    assert fatal == [] and runner.failure is None
+    with pytest.raises(RemoteError, match=r"fatal: SnapshotCommand failed across the trainer "
+                       r"ranks \(RuntimeError\('Connection closed by peer'\)\)") as info:
+        runner.snapshot()
+    assert info.value.code == "internal" and len(fatal) == 1
+    with pytest.raises(RemoteError, match="fatal: the trainer ranks failed earlier"):
+        runner.train([_sample(0, 4)])
+    assert len(fatal) == 1
+    runner.stop()  # never raises; sends nothing after a failure
+    assert ranks.sent == [] and not ranks.closed
+
+
+def test_a_follower_runs_commands_until_stop() -> None:
+    import signal
+
+    ranks = FakeRanks(rank=1, commands=[SnapshotCommand(), StopCommand()])
+    runner = _runner(ranks)
+    saved = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    try:
+        assert runner.follow() == 0
+    finally:
+        signal.signal(signal.SIGTERM, saved[0])
+        signal.signal(signal.SIGINT, saved[1])
+    assert ranks.commands == [] and ranks.closed

@@ -324,8 +324,10 @@ class RankRunner:
             if self.failure is None:
                 self.ranks.send(StopCommand())
                 self.ranks.close()
-        except Exception as exc:  # the other ranks may be gone already (torchrun's SIGTERM)
-            log.warning("could not stop the other trainer ranks: %r", exc)
+        except Exception as exc:
+            # The usual case on shutdown: torchrun sent SIGTERM to every rank, and followers
+            # end at once, so there is no one left to tell.
+            log.info("the other trainer ranks are gone already: %r", exc)
         finally:
             self._lock.release()
 
@@ -344,7 +346,10 @@ class RankRunner:
                 log.exception("%s failed on rank 0; the trainer ranks cannot continue",
                               type(cmd).__name__)
                 if self.on_fatal is not None:
-                    self.on_fatal(exc)
+                    try:
+                        self.on_fatal(exc)
+                    except Exception:  # e.g. the event loop closed during shutdown
+                        log.exception("on_fatal failed")
                 raise RemoteError("internal", f"fatal: {type(cmd).__name__} failed across the "
                                   f"trainer ranks ({exc!r}); the trainer is exiting") from exc
 
