@@ -26,9 +26,12 @@ SPEC = TinyModelSpec(seed=0, hidden_size=64, num_layers=2, num_heads=2, intermed
 #: "odd": 5 samples (not divisible by 2), a 16-token budget (one sample per micro-batch: rank 0
 #: runs 3 micro-batches to rank 1's 2) and plain SGD without clipping, so the update is the
 #: gradient itself and any error of scale shows in the weights (AdamW and clipping would hide
-#: it). "minibatches": the trainer's AdamW, two optimizer steps, off-policy samples, clipping.
+#: it). "clipped": SGD with the gradient norm clipped (3.3 -> 1), so the weights show that
+#: every shard was scaled by the global norm's coefficient. "minibatches": the trainer's AdamW,
+#: two optimizer steps, off-policy samples, clipping.
 CASES = {
     "odd": (5, 0.0, TrainStepConfig(max_tokens_per_microbatch=16, max_grad_norm=1e6), "sgd"),
+    "clipped": (5, 0.2, TrainStepConfig(max_tokens_per_microbatch=32, max_grad_norm=1.0), "sgd"),
     "minibatches": (7, 0.3, TrainStepConfig(max_tokens_per_microbatch=40, num_minibatches=2),
                     "adamw"),
 }

@@ -5,11 +5,13 @@
   running more micro-batches than the other.
 - ``rollart serve-trainer`` launched as the launcher does with ``trainer.num_processes = 2``:
   trains over RPC, saves a DCP checkpoint, resumes from it after a SIGKILL of torchrun (rank 0's
-  parent), which leaves no rank behind; a dead follower rank ends the whole trainer.
+  parent), which leaves no rank behind; a dead follower rank ends the whole trainer; a SIGKILL of
+  a launcher (``Supervisor``) leaves neither torchrun nor a rank behind.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -36,7 +38,7 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 # 2.8e-2, so a gradient off by the world size would be off by ~1e-2) and 7.3e-6 with AdamW
 # (updates ~1e-3); one process with another micro-batch budget differs from itself by up to 8e-6
 # under AdamW, which divides tiny gradients by their own size.
-WEIGHT_ATOL = {"odd": 1e-6, "minibatches": 5e-5}
+WEIGHT_ATOL = {"odd": 1e-6, "clipped": 1e-6, "minibatches": 5e-5}
 METRIC_REL = 1e-5
 
 SCENARIO = """
@@ -83,6 +85,8 @@ def test_two_ranks_train_step_equals_one_process(tmp_path):
                     "iw_max", "iw_min", "logprob_mismatch", "ratio_mean", "clip_fraction",
                     "num_skipped_steps"):
             assert m2[key] == pytest.approx(m1[key], rel=METRIC_REL, abs=1e-7), (case, key)
+    clipped = json.loads((two / "clipped.json").read_text())
+    assert clipped["grad_norm"] > 2.0  # clipping to 1.0 was active
     odd = json.loads((two / "odd.json").read_text())
     # 5 samples, one per micro-batch: rank 0 ran 3, rank 1 ran 2 and one padding pass.
     assert odd["num_microbatches"] == 5 and odd["num_padding_microbatches"] == 1
@@ -229,3 +233,43 @@ async def test_a_dead_follower_rank_ends_the_whole_trainer(
             await client.train(0, _samples(2))
     finally:
         await client.close()
+
+
+LAUNCHER = """
+import asyncio, sys
+from pathlib import Path
+from rollart.config import parse_scenario
+from rollart.launcher.procs import Supervisor
+from rollart.launcher.services import trainer_argv
+
+async def main():
+    sup = Supervisor(Path(sys.argv[1]))
+    argv = trainer_argv(parse_scenario(sys.argv[2]), Path(sys.argv[3]), None)
+    await sup.start("trainer", argv, ready_timeout_s=240)
+    print(sup.services["trainer"].proc.pid, flush=True)
+    await asyncio.sleep(3600)
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.slow
+def test_killing_the_launcher_leaves_no_trainer_rank(tiny_model_dir, tmp_path):
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER, str(tmp_path / "run"), SCENARIO, str(tiny_model_dir)],
+        stdout=subprocess.PIPE, start_new_session=True)
+    try:
+        line = launcher.stdout.readline()  # the launcher prints torchrun's pid once ready
+        assert line.strip().isdigit(), (tmp_path / "run" / "logs" / "trainer.log").read_text()
+        torchrun = int(line)
+        deadline = time.monotonic() + 60
+        while len(ranks := _ranks(torchrun)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert sorted(ranks) == [0, 1]
+        launcher.kill()  # SIGKILL: no cleanup code of the launcher runs
+        launcher.wait(timeout=30)
+        assert _wait_gone([torchrun, *ranks.values()]) == []
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launcher.pid, signal.SIGKILL)
+        launcher.wait(timeout=30)

@@ -40,7 +40,8 @@ class TrainerOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     bucket_bytes: int = 1 << 30
     seed: int = 0
     num_threads: int = 0  # 0: leave torch's default
-    #: torch device of the policy (``cpu``, ``cuda``, ``cuda:1``) and its parameter dtype.
+    #: torch device of the policy (``cpu``, ``cuda``, ``cuda:1``) and its parameter dtype; under
+    #: torchrun ``cpu`` or ``cuda`` (rank r on ``cuda:LOCAL_RANK``).
     device: str = "cpu"
     dtype: str = "float32"
     #: under torchrun: timeout of each training collective (gloo raises, NCCL aborts), seconds.
