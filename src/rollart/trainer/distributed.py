@@ -11,11 +11,12 @@ CPU when the model is on GPUs (NCCL). Every rank then runs the same collective c
 parameter in ``named_parameters`` order; rank 0 keeps the CPU copies), a DCP save, or stop.
 
 Failures (no rank hangs forever; the whole trainer exits and the launcher reports it):
-- torchrun runs with ``--max-restarts 0`` semantics: when any rank exits, it sends SIGTERM (then,
-  after 30 s, SIGKILL) to the others and exits non-zero itself.
+- torchrun (default ``--max-restarts 0``): when any rank exits, it sends SIGTERM (then, after
+  30 s, SIGKILL) to the others and exits non-zero itself.
 - A follower whose command raises exits non-zero (traceback in the log), which triggers the
   above. Rank 0 blocked in a collective with it gets an error at once with gloo ("Connection
-  closed by peer"); with NCCL after ``collective_timeout_s`` (the NCCL watchdog) at the latest.
+  closed by peer"); under NCCL (untested here) torchrun's SIGTERM / SIGKILL ends it, or the NCCL
+  watchdog after ``collective_timeout_s``.
 - On rank 0 a failed command (its own exception or a collective error) is fatal: the caller gets
   an ``internal`` error whose message starts with ``fatal:``, later commands are refused, and the
   service stops with exit code 1 (`RankRunner.on_fatal`). A bad batch is rejected on rank 0
@@ -106,11 +107,14 @@ def is_follower() -> bool:
 
 def die_with_parent() -> None:
     """SIGKILL this process when its parent dies (Linux ``PR_SET_PDEATHSIG``), and exit now if
-    the parent is already gone (re-parented to init). No-op where prctl is unavailable."""
+    the parent died before that was set. No-op where prctl is unavailable."""
+    parent = os.getppid()
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() == 1:
+    # Compared with the pid read before prctl, not with 1: torchrun may itself be pid 1 (the
+    # entry point of a container), and a re-parented orphan's new parent need not be pid 1.
+    if os.getppid() != parent:
         os._exit(1)
 
 
@@ -234,7 +238,8 @@ def place_model(model: nn.Module, device: str, ranks: RankGroup | None) -> nn.Mo
 
     Sharding: one FSDP unit per decoder layer plus the root (embeddings, final norm, a tied
     ``lm_head``). ``fully_shard`` moves each unit to the mesh device as it shards it, so a GPU
-    never holds more than one unit unsharded. Gradients are reduce-scattered as a plain sum (the
+    never holds more than one unit unsharded (but every rank first loads the whole checkpoint
+    into host memory: N copies in RAM). Gradients are reduce-scattered as a plain sum (the
     default divides by the world size): `train_step` normalises the loss by the whole minibatch's
     token count, so the sum over ranks is the one-process gradient.
     """
