@@ -251,8 +251,10 @@ class TrainerConfig(_Cfg):
     checkpoint_every: NonNegInt = 0
     #: bytes per weight bucket sent to the inference workers.
     weight_bucket_bytes: PosInt = 1 << 30
-    #: ``cpu``, or ``cuda``: the launcher gives a local trainer the first GPU after the local
-    #: GPU workers' (``CUDA_VISIBLE_DEVICES``); the parameters use ``model.dtype``.
+    #: ``cpu``, or ``cuda``: the launcher gives a local trainer the first ``num_processes`` GPUs
+    #: after the local GPU workers' (``CUDA_VISIBLE_DEVICES``); the parameters use
+    #: ``model.dtype``. The launcher cannot count the machine's GPUs: with too few, each rank
+    #: without one fails at start, naming CUDA_VISIBLE_DEVICES.
     device: Literal["cpu", "cuda"] = "cpu"
     #: how each version reaches the workers: ``zmq`` (CRC-checked buckets pushed in the
     #: background while rollout continues, applied at the pause point; works across clusters),
@@ -263,6 +265,9 @@ class TrainerConfig(_Cfg):
     weight_transfer_address: Annotated[str, msgspec.Meta(min_length=1)] = "127.0.0.1"
     #: rendezvous and per-call limit of a collective broadcast, seconds.
     weight_transfer_timeout_s: PosFloat = 600.0
+    #: trainer ranks (data-parallel FSDP2 under torchrun, one node): one GPU each with ``cuda``,
+    #: CPU processes over gloo with ``cpu``. 1: a single plain process.
+    num_processes: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1
 
 
 class Scenario(_Cfg):
@@ -401,6 +406,11 @@ def validate_scenario(scenario: Scenario, source: str = "<scenario>") -> Scenari
             raise _fail(source, "trainer.weight_transfer",
                         f"nccl needs GPU workers; pools {cpu_pools} have hardware \"cpu\" "
                         "(use gloo or zmq)")
+    if t.num_processes * t.num_minibatches > run.batch_size:
+        raise _fail(source, "trainer.num_processes",
+                    f"{t.num_processes} ranks x trainer.num_minibatches {t.num_minibatches} "
+                    f"exceeds run.batch_size {run.batch_size}: some rank would get no sample of "
+                    "a minibatch and only run padding passes")
     if scenario.reward.url is not None and not scenario.reward.url.startswith(
         ("http://", "https://")
     ):

@@ -50,12 +50,14 @@ def _gpu_binding(local_workers: list[Any], k: int) -> dict[str, str]:
 
 
 def trainer_env(sc: Scenario) -> dict[str, str]:
-    """Environment of a local trainer on a GPU: the device after the local GPU workers'."""
+    """Environment of a local trainer on GPUs: the ``trainer.num_processes`` devices after the
+    local GPU workers' (rank r of torchrun takes the r-th of them, ``cuda:LOCAL_RANK``)."""
     if sc.trainer.device == "cpu":
         return {}
     used = sum(p.engine.tensor_parallel_size * p.num_workers for p in sc.pools
                if p.hardware != "cpu" and not p.addresses)
-    return {"CUDA_VISIBLE_DEVICES": str(used)}
+    devices = range(used, used + sc.trainer.num_processes)
+    return {"CUDA_VISIBLE_DEVICES": ",".join(str(d) for d in devices)}
 
 
 async def start_services(sup: Supervisor, scenario: Scenario, model_dir: Path, *,
@@ -130,7 +132,8 @@ async def start_services(sup: Supervisor, scenario: Scenario, model_dir: Path, *
 
 
 def trainer_argv(sc: Scenario, model_dir: Path, resume: Path | None) -> list[str]:
-    """Command line of the trainer process for scenario ``sc``."""
+    """Command line of the trainer process for scenario ``sc`` (under torchrun when
+    ``trainer.num_processes`` > 1; the Supervisor appends ``--ready-file``)."""
     t = sc.trainer
     # "auto" keeps the checkpoint's dtype on GPUs; CPU training stays in float32.
     dtype = sc.model.dtype if sc.model.dtype != "auto" else (
@@ -151,9 +154,16 @@ def trainer_argv(sc: Scenario, model_dir: Path, resume: Path | None) -> list[str
     # The trainer must score tokens under the distribution the engine sampled from
     # (validate_scenario guarantees one temperature > 0 across domains).
     (step_cfg["temperature"],) = temperatures
-    argv = python_module("rollart.trainer.service", "--model", str(model_dir),
-                         "--options", msgspec.json.encode(options).decode(),
-                         "--step-config", msgspec.json.encode(step_cfg).decode())
+    args = ["--model", str(model_dir), "--options", msgspec.json.encode(options).decode(),
+            "--step-config", msgspec.json.encode(step_cfg).decode()]
+    if t.num_processes == 1:
+        argv = python_module("rollart.trainer.service", *args)
+    else:
+        # torchrun starts the ranks (rank 0 writes the ready file) and forwards SIGTERM to them;
+        # any rank exiting ends them all (rollart.trainer.distributed).
+        argv = python_module("torch.distributed.run", "--standalone",
+                             "--nproc-per-node", str(t.num_processes),
+                             "-m", "rollart.trainer.service", *args)
     if resume is not None:
         argv += ["--resume", str(resume)]
     return argv

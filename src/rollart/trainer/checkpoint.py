@@ -70,7 +70,13 @@ def _set_rng_state(state: TrainerState) -> None:
 
 def save_trainer(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
                  version: int, step: int) -> float:
-    """Save model + optimizer (DCP) and trainer state under ``path``. Returns seconds taken."""
+    """Save model + optimizer (DCP) and trainer state under ``path``. Returns seconds taken.
+
+    With an initialised process group (FSDP2 ranks) this is collective: every rank calls it with
+    the same ``path``; each writes its own shards and rank 0 alone writes ``trainer.json`` (its
+    RNG states), after DCP's save returned, i.e. once every rank's shards are written.
+    """
+    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -78,14 +84,18 @@ def save_trainer(path: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
     path.mkdir(parents=True, exist_ok=True)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path / "trainer"))
-    state = TrainerState(version=version, step=step, **_rng_state())
-    _atomic_write(path / "trainer.json", msgspec.json.encode(state))
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        state = TrainerState(version=version, step=step, **_rng_state())
+        _atomic_write(path / "trainer.json", msgspec.json.encode(state))
     return time.perf_counter() - start
 
 
 def load_trainer(path: Path, model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer) -> TrainerState:
     """Load what ``save_trainer`` wrote into ``model`` / ``optimizer`` and restore RNG states.
+
+    Collective under FSDP2 (every rank, same ``path``); DCP reshards, so a checkpoint saved by
+    N ranks loads into M ranks or one process. Every rank restores rank 0's RNG states.
 
     Raises:
         FileNotFoundError: ``path`` has no trainer checkpoint.

@@ -5,6 +5,9 @@ Training runs in a worker thread so the RPC loop keeps answering heartbeats and 
 proceed while the next step computes. After each optimizer step the parameters are snapshotted
 as the new version and pushed in the background (``WeightPublisher``); the controller awaits
 ``WaitPublished`` only when it wants to apply the version.
+
+Under torchrun (``WORLD_SIZE`` > 1) every rank runs this module: rank 0 serves RPC and hands each
+train / snapshot / save to the other ranks, which follow (``rollart.trainer.distributed``).
 """
 
 from __future__ import annotations
@@ -12,11 +15,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 import time
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -36,7 +40,8 @@ class TrainerOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     bucket_bytes: int = 1 << 30
     seed: int = 0
     num_threads: int = 0  # 0: leave torch's default
-    #: torch device of the policy (``cpu``, ``cuda``, ``cuda:1``) and its parameter dtype.
+    #: torch device of the policy (``cpu``, ``cuda``, ``cuda:1``) and its parameter dtype; under
+    #: torchrun ``cpu`` or ``cuda`` (rank r on ``cuda:LOCAL_RANK``).
     device: str = "cpu"
     dtype: str = "float32"
     #: ``zmq``: push each version in the background after its step (``WeightPublisher``);
@@ -47,6 +52,8 @@ class TrainerOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     weight_transfer_address: str = "127.0.0.1"
     #: rendezvous / per-call limit of a collective broadcast, seconds.
     weight_transfer_timeout_s: float = 600.0
+    #: under torchrun: timeout of each training collective (gloo raises, NCCL aborts), seconds.
+    collective_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 1800.0
 
 
 class TrainerService:
@@ -60,6 +67,7 @@ class TrainerService:
         from rollart.inference.client import InferenceClient
         from rollart.trainer.broadcast import WeightPublisher
         from rollart.trainer.checkpoint import load_trainer
+        from rollart.trainer.distributed import RankGroup, RankRunner, place_model
         from rollart.trainer.step import TrainStepConfig
 
         if opts.num_threads:
@@ -68,7 +76,10 @@ class TrainerService:
         dtype = getattr(torch, opts.dtype, None)
         if not isinstance(dtype, torch.dtype):
             raise ValueError(f"TrainerOptions.dtype: unknown torch dtype {opts.dtype!r}")
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(opts.device)
+        # Several ranks: the model is FSDP2-sharded over them (None: one process).
+        self.ranks = RankGroup.from_env(opts.device, opts.collective_timeout_s)
+        self.model = place_model(AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype),
+                                 opts.device, self.ranks)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=opts.lr,
                                            weight_decay=opts.weight_decay, betas=opts.betas)
         self.step_cfg = (msgspec.json.decode(step_cfg_json, type=TrainStepConfig)
@@ -80,15 +91,18 @@ class TrainerService:
 
         self.weight_transfer = opts.weight_transfer
         self.publisher = WeightPublisher(connect, bucket_bytes=opts.bucket_bytes)
+        # Train / snapshot / save go through the runner, which hands them to the other ranks.
+        self.runner = RankRunner(self.model, self.optimizer, self.step_cfg, self.ranks)
         self.collective = None
-        if opts.weight_transfer != "zmq":
+        if opts.weight_transfer != "zmq" and (self.ranks is None or self.ranks.rank == 0):
             from rollart.trainer.transfer import CollectivePublisher
 
             self.collective = CollectivePublisher(
                 opts.weight_transfer, self.model, connect,
                 address=opts.weight_transfer_address, bucket_bytes=opts.bucket_bytes,
-                timeout_s=opts.weight_transfer_timeout_s)
-        if resume is not None:
+                timeout_s=opts.weight_transfer_timeout_s,
+                run_send=lambda send: self.runner.broadcast_weights(opts.weight_transfer, send))
+        if resume is not None:  # collective under several ranks: all load at construction
             state = load_trainer(resume, self.model, self.optimizer)
             self.version, self.step = state.version, state.step
             log.info("resumed from %s at version %d", resume, self.version)
@@ -98,10 +112,8 @@ class TrainerService:
     async def start(self) -> None:
         """Make a resumed version the publisher's latest, so workers started from the base
         checkpoint can be brought to it (``PublishLatest``)."""
-        from rollart.trainer.broadcast import snapshot_parameters
-
         if self._resumed and self.collective is None:
-            self.publisher.publish(self.version, snapshot_parameters(self.model))
+            self.publisher.publish(self.version, self.runner.snapshot())
 
     def handlers(self) -> dict[type, object]:
         return {
@@ -111,22 +123,17 @@ class TrainerService:
         }
 
     async def train(self, msg: m.TrainBatch, _frames: object) -> m.TrainResult:
-        from rollart.trainer.broadcast import snapshot_parameters
-        from rollart.trainer.step import train_step
-
         # Each TrainSample validated itself on decode (__post_init__); an invalid one failed
         # the whole batch with a bad_request naming the sample.
         if not msg.samples:
             raise RemoteError("bad_request", "TrainBatch has no samples")
         async with self._lock:
             start = time.perf_counter()
-            metrics = await asyncio.to_thread(
-                train_step, self.model, self.optimizer, msg.samples, self.step_cfg
-            )
+            metrics = await asyncio.to_thread(self.runner.train, msg.samples)
             self.version += 1
             self.step = msg.step + 1
             if self.collective is None:
-                snapshot = await asyncio.to_thread(snapshot_parameters, self.model)
+                snapshot = await asyncio.to_thread(self.runner.snapshot)
                 self.publisher.publish(self.version, snapshot)
             return m.TrainResult(step=msg.step, version=self.version, metrics=metrics,
                                  train_time_s=time.perf_counter() - start)
@@ -177,12 +184,9 @@ class TrainerService:
                            num_bytes=report.num_bytes, failed=report.failed)
 
     async def save(self, msg: m.SaveCheckpoint, _frames: object) -> m.CheckpointSaved:
-        from rollart.trainer.checkpoint import save_trainer
-
         async with self._lock:
-            seconds = await asyncio.to_thread(save_trainer, Path(msg.path), self.model,
-                                              self.optimizer, version=self.version,
-                                              step=self.step)
+            seconds = await asyncio.to_thread(self.runner.save, Path(msg.path),
+                                              version=self.version, step=self.step)
         return m.CheckpointSaved(path=msg.path, version=self.version, save_time_s=seconds)
 
     async def status(self, _msg: m.GetTrainerState, _frames: object) -> m.TrainerStatus:
@@ -205,10 +209,18 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 async def _serve(args: argparse.Namespace) -> int:
     opts = msgspec.json.decode(args.options.encode(), type=TrainerOptions)
     service = TrainerService(args.model, opts, args.step_config.encode() or None, args.resume)
-    await service.start()
-    server = RpcServer(args.address, service.handlers(), name="trainer")  # type: ignore[arg-type]
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    exit_code = 0
+
+    def fatal() -> None:  # the ranks failed: stop serving, after a moment to send the error
+        nonlocal exit_code
+        exit_code = 1
+        loop.call_later(1.0, stop.set)
+
+    service.runner.on_fatal = lambda _exc: loop.call_soon_threadsafe(fatal)
+    await service.start()
+    server = RpcServer(args.address, service.handlers(), name="trainer")  # type: ignore[arg-type]
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     serving = asyncio.create_task(server.serve_forever())
@@ -221,12 +233,28 @@ async def _serve(args: argparse.Namespace) -> int:
     await service.publisher.close()
     if service.collective is not None:
         await service.collective.close()
-    return 0
+    await asyncio.to_thread(service.runner.stop)
+    return exit_code
+
+
+def _follow(args: argparse.Namespace) -> int:
+    # A rank > 0 under torchrun: same construction as rank 0 (collective), then its commands.
+    opts = msgspec.json.decode(args.options.encode(), type=TrainerOptions)
+    service = TrainerService(args.model, opts, args.step_config.encode() or None, args.resume)
+    return service.runner.follow()
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    rank = os.environ.get("RANK", "0") if "WORLD_SIZE" in os.environ else ""
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(asctime)s %(name)s{rank and f'[{rank}]'} %(message)s")
     args = _parse(argv)
+    from rollart.trainer.distributed import die_with_parent, is_follower
+
+    if rank:
+        die_with_parent()  # torchrun put us in our own session: go when it goes
+    if is_follower():
+        return _follow(args)
     import uvloop
 
     return uvloop.run(_serve(args))

@@ -7,13 +7,21 @@
 3. for each of `num_minibatches` optimizer steps: forward/backward every micro-batch of that
    minibatch with the loss normalised by the minibatch's total valid-token count (so the
    accumulated gradient equals that of one big batch), clip the gradient norm, AdamW step.
+
+Data parallel (``dp`` given: FSDP2 ranks, see `rollart.trainer.distributed`): every rank holds the
+whole batch and takes a fixed share of each minibatch (`shard_samples`). The normaliser stays the
+whole minibatch's valid-token count, and the FSDP gradient reduction is a plain sum (no division
+by the world size), so the summed gradient is the one-process gradient. FSDP collectives need the
+same number of forward/backward passes on every rank: a rank with fewer micro-batches than the
+busiest one runs zero-weight padding passes (`plan_microbatches`). Metrics are summed / maxed over
+ranks before they are returned.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Annotated, Literal
+from typing import Annotated, Literal, Protocol
 
 import msgspec
 import torch
@@ -22,7 +30,30 @@ from torch import Tensor, nn
 from rollart.trainer.loss import decoupled_ppo_loss
 from rollart.transport.messages import TrainSample
 
-__all__ = ["TrainSample", "TrainStepConfig", "token_logprobs", "pack_microbatches", "train_step"]
+__all__ = [
+    "DataParallel",
+    "TrainSample",
+    "TrainStepConfig",
+    "check_batch",
+    "pack_microbatches",
+    "plan_microbatches",
+    "shard_samples",
+    "token_logprobs",
+    "train_step",
+]
+
+ReduceOp = Literal["sum", "max"]
+
+
+class DataParallel(Protocol):
+    """What `train_step` needs from a group of data-parallel ranks (`RankGroup` fits)."""
+
+    rank: int
+    world_size: int
+
+    def all_reduce(self, values: list[float], op: ReduceOp) -> list[float]:
+        """Element-wise reduction of `values` (same length on every rank) over all ranks."""
+        ...
 
 
 class TrainStepConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -110,6 +141,40 @@ def pack_microbatches(
     return batches
 
 
+def shard_samples(samples: Sequence[TrainSample], rank: int,
+                  world_size: int) -> list[TrainSample]:
+    """Rank `rank`'s share of `samples`: every `world_size`-th sample in longest-first order.
+
+    Dealing by length balances padded tokens across ranks; the shares partition `samples` and a
+    rank's share is empty when `len(samples) < world_size` (it then only runs padding passes).
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} outside [0, {world_size})")
+    order = sorted(range(len(samples)), key=lambda i: (-samples[i].num_tokens, i))
+    return [samples[i] for i in order[rank::world_size]]
+
+
+def plan_microbatches(
+    minibatch: Sequence[TrainSample], rank: int, world_size: int, max_tokens_per_microbatch: int
+) -> tuple[list[list[TrainSample]], int]:
+    """Rank `rank`'s micro-batches of `minibatch` and how many padding passes it adds.
+
+    Every rank computes every rank's packing (cheap, deterministic), so all agree on the count
+    of forward/backward passes (the busiest rank's) without a collective.
+
+    Returns:
+        (micro-batches of this rank's share, number of zero-weight padding passes).
+    Raises:
+        ValueError: as `pack_microbatches` (a sample over the budget), on every rank alike.
+    """
+    per_rank = [
+        pack_microbatches(shard_samples(minibatch, r, world_size), max_tokens_per_microbatch)
+        for r in range(world_size)
+    ]
+    mine = per_rank[rank]
+    return mine, max(len(p) for p in per_rank) - len(mine)
+
+
 def collate(
     samples: Sequence[TrainSample], *, pad_token_id: int = 0, device: torch.device | str = "cpu"
 ) -> dict[str, Tensor]:
@@ -143,6 +208,10 @@ class _MetricAccumulator:
     """Combines per-micro-batch loss metrics: token-weighted means, max of maxima, min of minima."""
 
     _SUMMED = ("loss", "pg_loss")  # already divided by the minibatch normaliser
+    # Every key of `decoupled_ppo_loss`'s metrics that is averaged; fixed so that ranks with no
+    # sample reduce the same vector as the others.
+    _KEYS = ("loss", "pg_loss", "kl", "clip_fraction", "iw_mean", "iw_capped_fraction",
+             "logprob_mismatch", "ratio_mean")
 
     def __init__(self) -> None:
         self.n = 0.0
@@ -160,6 +229,16 @@ class _MetricAccumulator:
         self.iw_max = max(self.iw_max, m["iw_max"])
         self.iw_min = min(self.iw_min, m["iw_min"])
 
+    def all_reduce(self, dp: DataParallel) -> None:
+        """Replace the local sums by the sums (maxima, minima) over every rank."""
+        keys = self._KEYS
+        summed = dp.all_reduce([self.n, *(self.sums.get(k, 0.0) for k in keys)], "sum")
+        self.n = summed[0]
+        self.sums = dict(zip(keys, summed[1:], strict=True))
+        # min(x) = -max(-x): one collective for both extremes.
+        self.iw_max, neg_min = dp.all_reduce([self.iw_max, -self.iw_min], "max")
+        self.iw_min = -neg_min
+
     def result(self, num_minibatches: int) -> dict[str, float]:
         out = {
             k: (v / num_minibatches if k in self._SUMMED else v / self.n)
@@ -173,9 +252,21 @@ def _model_device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
+def _padding_pass(model: nn.Module, cfg: TrainStepConfig) -> None:
+    """One forward (and, with grad enabled, backward) on a 2-token dummy row with loss weight 0.
+
+    It adds exactly 0 to every gradient but runs the model's FSDP all-gathers and
+    reduce-scatters, keeping this rank in step with ranks that have one more micro-batch.
+    """
+    ids = torch.full((1, 2), cfg.pad_token_id, dtype=torch.long, device=_model_device(model))
+    logp = token_logprobs(model, ids, torch.ones_like(ids), temperature=cfg.temperature)
+    if torch.is_grad_enabled():
+        (logp.sum() * 0.0).backward()
+
+
 @torch.no_grad()
 def _recompute(
-    model: nn.Module, mbs: list[list[TrainSample]], cfg: TrainStepConfig
+    model: nn.Module, mbs: list[list[TrainSample]], cfg: TrainStepConfig, num_padding: int = 0
 ) -> list[Tensor]:
     device = _model_device(model)
     out = []
@@ -184,6 +275,8 @@ def _recompute(
         out.append(
             token_logprobs(model, t["input_ids"], t["attention_mask"], temperature=cfg.temperature)
         )
+    for _ in range(num_padding):
+        _padding_pass(model, cfg)
     return out
 
 
@@ -204,9 +297,25 @@ def accumulate_gradients(
     Returns:
         Token-weighted loss metrics (see `decoupled_ppo_loss`), `loss` being the total.
     """
-    device = _model_device(model)
-    total_tokens = sum(sum(s.loss_mask) for mb in microbatches for s in mb)
     acc = _MetricAccumulator()
+    total_tokens = sum(sum(s.loss_mask) for mb in microbatches for s in mb)
+    _accumulate(model, microbatches, proximal, cfg, reference, total_tokens, 0, acc)
+    return acc.result(num_minibatches=1)
+
+
+def _accumulate(
+    model: nn.Module,
+    microbatches: list[list[TrainSample]],
+    proximal: list[Tensor],
+    cfg: TrainStepConfig,
+    reference: list[Tensor] | None,
+    loss_normalizer: int,
+    num_padding: int,
+    acc: _MetricAccumulator,
+) -> None:
+    # `loss_normalizer`: valid tokens of the whole minibatch (all ranks); per micro-batch metrics
+    # go into `acc`; then `num_padding` zero-weight passes (see `_padding_pass`).
+    device = _model_device(model)
     for i, mb in enumerate(microbatches):
         t = collate(mb, pad_token_id=cfg.pad_token_id, device=device)
         logp = token_logprobs(
@@ -224,11 +333,40 @@ def accumulate_gradients(
             iw_mode=cfg.iw_mode,
             kl_coef=cfg.kl_coef,
             ref_logprobs=None if reference is None else reference[i],
-            loss_normalizer=float(total_tokens),
+            loss_normalizer=float(loss_normalizer),
         )
         loss.backward()
         acc.add(m)
-    return acc.result(num_minibatches=1)
+    for _ in range(num_padding):
+        _padding_pass(model, cfg)
+
+
+def check_batch(batch: Sequence[TrainSample], cfg: TrainStepConfig) -> None:
+    """The input checks of `train_step`, without touching a model (a data-parallel leader runs
+    them before it hands the batch to its ranks, so a bad batch never reaches a collective).
+
+    Raises:
+        ValueError: empty batch, more minibatches than samples, or a sample over the
+            micro-batch budget (named by sample_id).
+    """
+    if not batch:
+        raise ValueError("train_step needs at least one sample")
+    if cfg.num_minibatches > len(batch):
+        raise ValueError(f"num_minibatches {cfg.num_minibatches} > batch size {len(batch)}")
+    for s in batch:
+        if s.num_tokens > cfg.max_tokens_per_microbatch:
+            raise ValueError(
+                f"sample {s.sample_id!r} has {s.num_tokens} tokens > "
+                f"max_tokens_per_microbatch {cfg.max_tokens_per_microbatch}"
+            )
+
+
+def _global_norm(norm: Tensor) -> float:
+    # Under FSDP2 the gradients are DTensor shards and clip_grad_norm_ returns the norm as a
+    # replicated DTensor (already reduced over ranks); full_tensor() reads it as a plain value.
+    from torch.distributed.tensor import DTensor
+
+    return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
 
 
 def train_step(
@@ -238,6 +376,7 @@ def train_step(
     cfg: TrainStepConfig,
     *,
     ref_model: nn.Module | None = None,
+    dp: DataParallel | None = None,
 ) -> dict[str, float]:
     """One GRPO / decoupled-PPO update of `model` on `batch` (see module docstring).
 
@@ -246,43 +385,47 @@ def train_step(
         optimizer: typically `torch.optim.AdamW(model.parameters(), ...)`.
         batch: samples (each with its advantage already set; failed trajectories excluded).
         cfg: loss / optimisation settings.
-        ref_model: frozen reference policy, required when `cfg.kl_coef > 0`.
+        ref_model: frozen reference policy, required when `cfg.kl_coef > 0` (under `dp`, sharded
+            like `model` or a full replica on every rank).
+        dp: the data-parallel rank group when `model` is FSDP2-sharded over several ranks; every
+            rank calls `train_step` with the same `batch` and `cfg`.
 
     Returns:
-        Floats: loss metrics averaged over tokens (`loss`, `pg_loss`, `kl`, `clip_fraction`,
-        `iw_mean`, `iw_max`, `iw_min`, `iw_capped_fraction`, `logprob_mismatch`, `ratio_mean`),
-        `num_tokens` (loss tokens), `num_samples`, `num_microbatches`, `grad_norm` (pre-clip
-        norm, max over minibatches), `num_skipped_steps` (optimizer steps skipped because the
-        gradient norm was not finite).
+        Floats over the whole batch (all ranks): loss metrics averaged over tokens (`loss`,
+        `pg_loss`, `kl`, `clip_fraction`, `iw_mean`, `iw_max`, `iw_min`, `iw_capped_fraction`,
+        `logprob_mismatch`, `ratio_mean`), `num_tokens` (loss tokens), `num_samples`,
+        `num_microbatches` (real ones, all ranks), `grad_norm` (pre-clip global norm, max over
+        minibatches), `num_skipped_steps` (optimizer steps skipped because the gradient norm was
+        not finite); under `dp` also `num_padding_microbatches` (padding passes, all ranks).
 
     Raises:
-        ValueError: empty batch, a sample over the micro-batch budget, or kl_coef > 0 without
-            `ref_model`.
+        ValueError: as `check_batch`, or kl_coef > 0 without `ref_model`.
     """
-    if not batch:
-        raise ValueError("train_step needs at least one sample")
+    check_batch(batch, cfg)
     if cfg.kl_coef > 0 and ref_model is None:
         raise ValueError("cfg.kl_coef > 0 needs ref_model")
-    if cfg.num_minibatches > len(batch):
-        raise ValueError(f"num_minibatches {cfg.num_minibatches} > batch size {len(batch)}")
+    rank, world = (0, 1) if dp is None else (dp.rank, dp.world_size)
     model.train()
     # Minibatch k takes every num_minibatches-th sample: a fixed, order-preserving partition.
     minibatches = [list(batch[k :: cfg.num_minibatches]) for k in range(cfg.num_minibatches)]
-    packed = [pack_microbatches(mb, cfg.max_tokens_per_microbatch) for mb in minibatches]
+    plans = [plan_microbatches(mb, rank, world, cfg.max_tokens_per_microbatch)
+             for mb in minibatches]
     # Proximal policy = weights before any update of this batch (AReaL's pi_prox).
-    proximal = [_recompute(model, p, cfg) for p in packed]
-    reference = [_recompute(ref_model, p, cfg) for p in packed] if cfg.kl_coef > 0 else None
+    proximal = [_recompute(model, p, cfg, pad) for p, pad in plans]
+    reference = ([_recompute(ref_model, p, cfg, pad) for p, pad in plans]  # type: ignore[arg-type]
+                 if cfg.kl_coef > 0 else None)
 
     acc = _MetricAccumulator()
     grad_norm_max = 0.0
     skipped = 0
-    for k, mbs in enumerate(packed):
+    for k, (mbs, pad) in enumerate(plans):
         optimizer.zero_grad(set_to_none=True)
-        m = accumulate_gradients(
-            model, mbs, proximal[k], cfg, reference=None if reference is None else reference[k]
-        )
-        acc.add(m)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
+        # The whole minibatch's valid tokens (every rank holds the batch), not this rank's share.
+        normalizer = sum(sum(s.loss_mask) for s in minibatches[k])
+        _accumulate(model, mbs, proximal[k], cfg, None if reference is None else reference[k],
+                    normalizer, pad, acc)
+        grad_norm = _global_norm(
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
         if math.isfinite(grad_norm):
             optimizer.step()
             grad_norm_max = max(grad_norm_max, grad_norm)
@@ -290,11 +433,17 @@ def train_step(
             skipped += 1
             grad_norm_max = grad_norm
     optimizer.zero_grad(set_to_none=True)
+    num_mbs = float(sum(len(p) for p, _ in plans))
+    if dp is not None:
+        acc.all_reduce(dp)
+        num_mbs, num_pad = dp.all_reduce([num_mbs, float(sum(pad for _, pad in plans))], "sum")
     out = acc.result(num_minibatches=cfg.num_minibatches)
     out.update(
         grad_norm=grad_norm_max,
         num_samples=float(len(batch)),
-        num_microbatches=float(sum(len(p) for p in packed)),
+        num_microbatches=num_mbs,
         num_skipped_steps=float(skipped),
     )
+    if dp is not None:
+        out["num_padding_microbatches"] = num_pad
     return out

@@ -144,6 +144,13 @@ class GlooTrainerWeightTransferEngine(NCCLTrainerWeightTransferEngine):
         self.model_update_group = None
 
 
+def non_sender_engine(kind: str, model: Any) -> Any:
+    """The engine of a trainer rank > 0 (FSDP2 data parallel): its ``send_weights`` only joins
+    the ``full_tensor()`` gathers of rank 0's broadcast, in the same parameter order."""
+    cls = GlooTrainerWeightTransferEngine if kind == "gloo" else NCCLTrainerWeightTransferEngine
+    return cls(client=None, source=ModuleSource(model), is_sender=False)  # type: ignore[arg-type]
+
+
 def _listen_socket(host: str) -> socket.socket:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -162,10 +169,13 @@ class CollectivePublisher:
         connect: ``address -> InferenceClient``.
         address: host the workers reach the trainer's rendezvous at.
         bucket_bytes: NCCL packed-buffer size in bytes. timeout_s: per call / rendezvous.
+        run_send: ``run_send(send)`` runs the sender's ``send_weights`` (blocking, in a worker
+            thread); with several trainer ranks it makes the others join the gathers first.
     """
 
     def __init__(self, kind: str, model: Any, connect: Callable[[str], InferenceClient], *,
-                 address: str, bucket_bytes: int, timeout_s: float) -> None:
+                 address: str, bucket_bytes: int, timeout_s: float,
+                 run_send: Callable[[Callable[[], None]], None] | None = None) -> None:
         if kind not in ("nccl", "gloo"):
             raise ValueError(f"collective weight transfer must be nccl or gloo, got {kind!r}")
         self.kind, self.model, self._connect = kind, model, connect
@@ -176,6 +186,7 @@ class CollectivePublisher:
         self._wanted: list[str] = []
         self._client: WorkerGroupClient | None = None
         self.latest_version: int | None = None
+        self._run_send = run_send or (lambda send: send())
 
     @property
     def workers(self) -> list[str]:
@@ -209,7 +220,7 @@ class CollectivePublisher:
         self._client.version = version
         start = time.perf_counter()
         try:
-            await asyncio.to_thread(self._engine.send_weights)
+            await asyncio.to_thread(self._run_send, self._engine.send_weights)
         except BaseException:
             # The group may be mid-collective on some ranks: never reuse it.
             await self._leave_group()
