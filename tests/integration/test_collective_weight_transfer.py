@@ -166,6 +166,60 @@ async def test_collective_messages_to_a_zmq_worker_are_refused(tiny_model_dir, s
         await client.close()
 
 
+TWO_RANK_SCENARIO = """
+[run]
+batch_size = 8
+group_size = 4
+[[pools]]
+name = "cpu"
+[[domains]]
+name = "arith"
+env = "rg:basic_arithmetic"
+pool = "cpu"
+reward = "reasoning_gym"
+[trainer]
+num_processes = 2
+lr = 0.01
+weight_transfer = "gloo"
+weight_transfer_timeout_s = 120
+"""
+
+
+async def test_two_fsdp_ranks_broadcast_through_rank_0(tiny_model_dir, service_launcher,
+                                                       tmp_path):
+    """FSDP2-sharded trainer (torchrun, 2 ranks): rank 1 joins the parameter gathers of
+    rank 0's broadcast; the worker ends up with exactly the trainer's weights."""
+    from rollart.config import parse_scenario
+    from rollart.launcher.services import trainer_argv
+
+    worker = service_launcher("rollart.inference.worker",
+                              [*_worker_args(tiny_model_dir), "--name", "w"],
+                              ready_timeout_s=300)
+    argv = trainer_argv(parse_scenario(TWO_RANK_SCENARIO), tiny_model_dir, None)
+    assert argv[1:3] == ["-m", "torch.distributed.run"]
+    trainer_proc = service_launcher(argv[2], argv[3:], ready_timeout_s=300)
+    client = InferenceClient(worker.address, name="w", liveness_timeout_s=60)
+    trainer = TrainerClient(trainer_proc.address)
+    try:
+        before = await _prompt_logprobs(client)
+        await trainer.set_workers([worker.address])
+        for _ in range(2):
+            version = await _train(trainer)
+            await client.pause("keep")
+            published = await trainer.wait_published(version)
+            assert published.version == version
+            assert (await client.apply_weights(version)).version == version
+            await client.resume()
+        await trainer.save_checkpoint(str(tmp_path / "ckpt"))
+        expected = _trainer_logprobs(tiny_model_dir, tmp_path / "ckpt")
+        after = await _prompt_logprobs(client)
+        assert max(abs(a - b) for a, b in zip(before, after, strict=True)) > 1e-3
+        assert after == pytest.approx(expected, abs=TOL)
+    finally:
+        await client.close()
+        await trainer.close()
+
+
 def _cuda_devices() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 

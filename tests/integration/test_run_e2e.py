@@ -133,10 +133,11 @@ def test_kill_and_resume_trains_every_sample_exactly_once(tmp_path, cache_dir):
     assert again.returncode == 0 and "nothing to run" in again.stdout
 
 
-def test_short_run_with_gloo_weight_transfer(tmp_path, cache_dir):
-    """The collective (vLLM weight-transfer engine) path under `rollart run`, on CPU."""
+def test_short_run_with_two_fsdp_ranks_and_gloo_weight_transfer(tmp_path, cache_dir):
+    """The collective (vLLM weight-transfer engine) path under `rollart run`, on CPU, with the
+    trainer as two FSDP2 ranks under torchrun."""
     scenario = tmp_path / "gloo.toml"
-    scenario.write_text(SCENARIO.read_text() + '\nweight_transfer = "gloo"\n')
+    scenario.write_text(SCENARIO.read_text() + '\nweight_transfer = "gloo"\nnum_processes = 2\n')
     out = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "rollart.cli", "run", str(scenario), "--out", str(out),
@@ -151,4 +152,7 @@ def test_short_run_with_gloo_weight_transfer(tmp_path, cache_dir):
     assert rows[1]["weight_sync_total_s"] > 0
     assert "formed gloo weight-transfer group of 3 ranks" in (
         out / "logs" / "trainer.log").read_text()
-    assert json.loads((out / "config.json").read_text())["trainer"]["weight_transfer"] == "gloo"
+    trainer_cfg = json.loads((out / "config.json").read_text())["trainer"]
+    assert (trainer_cfg["weight_transfer"], trainer_cfg["num_processes"]) == ("gloo", 2)
+    time.sleep(1.0)
+    assert _processes_mentioning(str(out)) == []  # torchrun's ranks too
