@@ -1,0 +1,163 @@
+"""``weight_transfer``: zmq push vs gloo collective broadcast, real processes (measured, NOT
+simulated).
+
+Two real trainer processes and two real vLLM CPU workers on one randomly initialised Qwen2
+checkpoint (``--hidden-size`` / ``--num-layers``: ~70M parameters by default, ~2M with
+``--quick``): trainer A with ``weight_transfer = "zmq"`` pushing to worker A, trainer B with
+``"gloo"`` broadcasting to worker B. Each round (alternating A, B so load drift hits both) trains
+one step and moves the new version the way the controller does:
+
+- zmq: the push starts in the background when the step ends (``WaitPublished`` waits for it:
+  ``total_s`` = the trainer's own transfer time); the controller then pauses, applies
+  (reload from the staged buckets) and resumes: only that is **exposed** to rollout.
+- gloo: the controller pauses, asks for the broadcast (vLLM's weight-transfer engine loads the
+  tensors into the paused model), applies (relabel only) and resumes: **all** of it is exposed.
+
+Reported per round: bytes, transfer seconds, exposed seconds; ratios: ``gloo exposed / zmq
+exposed`` and ``gloo transfer / zmq transfer``. On GPUs NCCL would replace gloo (not measurable
+here: no GPU); the CPU numbers say what the choice costs a CPU cluster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import emit, result
+
+NAME = "weight_transfer"
+
+
+def _samples(n: int) -> list[Any]:
+    from rollart.transport import messages as m
+
+    ids = [2, *range(10, 60)]
+    return [m.TrainSample(token_ids=ids, loss_mask=[0] * 10 + [1] * (len(ids) - 10),
+                          behaviour_logprobs=[0.0] * 10 + [-5.0] * (len(ids) - 10),
+                          advantage=1.0 if i % 2 else -1.0, sample_id=f"b{i}")
+            for i in range(n)]
+
+
+async def _round(kind: str, trainer: Any, worker: Any, step: int) -> dict[str, Any]:
+    result_ = await trainer.train(step, _samples(4))
+    version = result_.version
+    t0 = time.perf_counter()
+    if kind == "zmq":
+        published = await trainer.wait_published(version)  # background push since step end
+        t_exposed = time.perf_counter()
+        await worker.pause("keep")
+    else:
+        t_exposed = t0
+        await worker.pause("keep")
+        published = await trainer.wait_published(version)
+    await worker.apply_weights(version)
+    await worker.resume()
+    end = time.perf_counter()
+    return {"path": kind, "version": version, "num_bytes": published.num_bytes,
+            "transfer_s": published.total_s, "exposed_s": end - t_exposed,
+            "train_step_s": result_.train_time_s}
+
+
+async def _run(args: argparse.Namespace, run_dir: Path) -> list[dict[str, Any]]:
+    from rollart.inference.client import InferenceClient
+    from rollart.launcher.procs import Supervisor, python_module
+    from rollart.models.tiny import build_tiny_model
+    from rollart.trainer.client import TrainerClient
+
+    model = build_tiny_model(run_dir / "model", hidden_size=args.hidden_size,
+                             num_layers=args.num_layers, num_heads=args.hidden_size // 64,
+                             intermediate_size=4 * args.hidden_size)
+    sup = Supervisor(run_dir)
+    clients: list[Any] = []
+    try:
+        pairs = {}
+        for kind in ("zmq", "gloo"):
+            worker = await sup.start(f"worker-{kind}", python_module(
+                "rollart.inference.worker", "--model", str(model), "--name", kind,
+                "--dtype", "float32", "--enforce-eager", "--kv-cache-bytes", str(256 << 20),
+                "--max-model-len", "256",
+                "--weight-transfer", kind), env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"},
+                ready_timeout_s=600)
+            options = json.dumps({"lr": 1e-4, "bucket_bytes": args.bucket_bytes,
+                                  "weight_transfer": kind})
+            trainer = await sup.start(f"trainer-{kind}", python_module(
+                "rollart.trainer.service", "--model", str(model), "--options", options),
+                ready_timeout_s=600)
+            w = InferenceClient(worker, name=kind, liveness_timeout_s=120)
+            t = TrainerClient(trainer)
+            clients += [w, t]
+            await t.set_workers([worker])
+            pairs[kind] = (t, w)
+        rows = []
+        for r in range(args.rounds + 1):  # round 0 warms up (group formation, first reload)
+            for kind in ("zmq", "gloo"):
+                row = await _round(kind, *pairs[kind], step=r)
+                row["round"] = r
+                rows.append(row)
+                print(f"[{NAME}] round {r} {kind}: transfer {row['transfer_s']:.3f} s, "
+                      f"exposed {row['exposed_s']:.3f} s", file=sys.stderr, flush=True)
+        return rows
+    finally:
+        for c in clients:
+            await c.close()
+        await sup.stop_all()
+
+
+def ratios_of(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Means over the timed rounds (round 0 excluded) and the gloo / zmq ratios."""
+    def mean(kind: str, key: str) -> float:
+        return statistics.fmean(r[key] for r in rows if r["path"] == kind and r["round"] > 0)
+
+    out = {f"{k} {key}": mean(k, key) for k in ("zmq", "gloo")
+           for key in ("transfer_s", "exposed_s")}
+    out["gloo / zmq exposed"] = out["gloo exposed_s"] / out["zmq exposed_s"]
+    out["gloo / zmq transfer"] = out["gloo transfer_s"] / out["zmq transfer_s"]
+    return out
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=f"python -m benchmarks.{NAME}", description=__doc__)
+    p.add_argument("--quick", action="store_true", help="smaller model and fewer rounds")
+    p.add_argument("--json", type=Path, default=None, help="write the result JSON here")
+    p.add_argument("--seed", type=int, default=0, help="unused (kept for run_all)")
+    p.add_argument("--hidden-size", type=int, default=None, help="multiple of 64")
+    p.add_argument("--num-layers", type=int, default=None)
+    p.add_argument("--rounds", type=int, default=None, help="timed rounds per path")
+    p.add_argument("--bucket-bytes", type=int, default=64 << 20, help="zmq bucket size")
+    args = p.parse_args(argv)
+    defaults = {"hidden_size": 256 if args.quick else 1024,
+                "num_layers": 2 if args.quick else 6, "rounds": 2 if args.quick else 3}
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.hidden_size % 64 or args.hidden_size < 64:
+        p.error(f"--hidden-size must be a positive multiple of 64, got {args.hidden_size}")
+    if args.num_layers < 1 or args.rounds < 1:
+        p.error("--num-layers and --rounds must be >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="rollart-weight-transfer-") as tmp:
+        rows = asyncio.run(_run(args, Path(tmp)))
+    notes = (f"measured wall clock; Qwen2 hidden {args.hidden_size} x {args.num_layers} layers "
+             f"float32 ({rows[0]['num_bytes'] / 1e6:.1f} MB), one CPU worker per path, "
+             f"{args.rounds} timed rounds after one warm-up, alternating zmq / gloo")
+    res = result(NAME, simulated=False, rows=rows, ratios=ratios_of(rows), quick=args.quick,
+                 seed=args.seed, notes=notes, started=started)
+    emit(res, args.json)
+    return res
+
+
+if __name__ == "__main__":
+    # The guard matters: vLLM spawns its engine core, which re-imports the main module.
+    main()
