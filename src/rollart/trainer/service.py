@@ -4,7 +4,9 @@ causal LM, versioned weight broadcast to inference workers, DCP checkpoints.
 Training runs in a worker thread so the RPC loop keeps answering heartbeats and weight pushes
 proceed while the next step computes. After each optimizer step the parameters are snapshotted
 as the new version and pushed in the background (``WeightPublisher``); the controller awaits
-``WaitPublished`` only when it wants to apply the version.
+``WaitPublished`` only when it wants to apply the version. With a collective ``weight_transfer``
+(``nccl`` / ``gloo``) nothing is pushed after the step: ``WaitPublished`` broadcasts the current
+weights into the (paused) workers' models (``CollectivePublisher``).
 
 Under torchrun (``WORLD_SIZE`` > 1) every rank runs this module: rank 0 serves RPC and hands each
 train / snapshot / save to the other ranks, which follow (``rollart.trainer.distributed``).
@@ -51,7 +53,7 @@ class TrainerOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     #: host the workers reach the collective group's rendezvous at (the trainer's address).
     weight_transfer_address: str = "127.0.0.1"
     #: rendezvous / per-call limit of a collective broadcast, seconds.
-    weight_transfer_timeout_s: float = 600.0
+    weight_transfer_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 600.0
     #: under torchrun: timeout of each training collective (gloo raises, NCCL aborts), seconds.
     collective_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 1800.0
 
@@ -86,6 +88,7 @@ class TrainerService:
                          if step_cfg_json else TrainStepConfig())
         self.version = 0
         self.step = 0
+
         def connect(addr: str) -> InferenceClient:
             return InferenceClient(addr, name=f"worker@{addr}", default_timeout_s=600.0)
 
