@@ -411,11 +411,26 @@ def validate_scenario(scenario: Scenario, source: str = "<scenario>") -> Scenari
                     f"{t.num_processes} ranks x trainer.num_minibatches {t.num_minibatches} "
                     f"exceeds run.batch_size {run.batch_size}: some rank would get no sample of "
                     "a minibatch and only run padding passes")
+    if t.weight_transfer != "zmq" and _is_loopback(t.weight_transfer_address):
+        remote = [a for p in scenario.pools for a in p.addresses if not _is_loopback(_host(a))]
+        if remote:
+            raise _fail(source, "trainer.weight_transfer_address",
+                        f"{t.weight_transfer_address!r} is this machine only, but workers "
+                        f"{remote} are elsewhere and must reach the trainer's group rendezvous")
     if scenario.reward.url is not None and not scenario.reward.url.startswith(
         ("http://", "https://")
     ):
         raise _fail(source, "reward.url", f"{scenario.reward.url!r} is not an http(s) URL")
     return scenario
+
+
+def _host(address: str) -> str:
+    # "tcp://host:port" -> "host"
+    return address.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+
+
+def _is_loopback(host: str) -> bool:
+    return host == "localhost" or host.startswith("127.") or host == "::1"
 
 
 def _validation_message(exc: msgspec.ValidationError) -> str:

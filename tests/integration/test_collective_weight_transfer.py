@@ -98,7 +98,7 @@ async def test_broadcast_loads_the_trainers_version_into_every_paused_worker(
         version = await _train(trainer)
 
         # Broadcasting into a worker that is generating is refused, and nothing is loaded.
-        with pytest.raises(RemoteError, match="pause the worker first"):
+        with pytest.raises(RemoteError, match="are not paused"):
             await trainer.wait_published(version)
         assert await _prompt_logprobs(workers[0]) == pytest.approx(before, abs=1e-6)
 
@@ -151,6 +151,24 @@ async def test_a_changed_worker_set_re_forms_the_group(services):
         for w in workers:
             await w.close()
         await trainer.close()
+
+
+async def test_a_worker_refuses_to_generate_from_a_half_loaded_model(tiny_model_dir,
+                                                                      service_launcher):
+    worker = service_launcher("rollart.inference.worker",
+                              [*_worker_args(tiny_model_dir), "--name", "half"],
+                              ready_timeout_s=300)
+    client = InferenceClient(worker.address, name="half", liveness_timeout_s=60)
+    try:
+        with pytest.raises(RemoteError, match="pause the worker first"):
+            await client.weight_transfer(m.WeightTransferStart(), timeout_s=30)
+        await client.pause("keep")
+        await client.weight_transfer(m.WeightTransferStart(), timeout_s=30)
+        with pytest.raises(RemoteError, match="Resume refused: a collective weight update"):
+            await client.resume()
+        assert (await client.stats()).paused  # still paused, still serving RPCs
+    finally:
+        await client.close()
 
 
 async def test_collective_messages_to_a_zmq_worker_are_refused(tiny_model_dir, service_launcher):

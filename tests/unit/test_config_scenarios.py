@@ -107,6 +107,10 @@ def test_minimal_defaults() -> None:
          'trainer.weight_transfer: nccl broadcasts from GPU memory: set trainer.device = "cuda"'),
         (("[run]", '[trainer]\nweight_transfer = "nccl"\ndevice = "cuda"\n[run]'),
          "trainer.weight_transfer: nccl needs GPU workers; pools ['cpu']"),
+        (('name = "cpu"', 'name = "cpu"\naddresses = ["tcp://10.0.0.5:5600"]\n[trainer]\n'
+          'weight_transfer = "gloo"'),
+         "trainer.weight_transfer_address: '127.0.0.1' is this machine only, but workers "
+         "['tcp://10.0.0.5:5600'] are elsewhere"),
         (("[run]", '[trainer]\nweight_transfer = "ucx"\n[run]'),
          "trainer.weight_transfer: Invalid enum value 'ucx'"),
     ],

@@ -232,6 +232,10 @@ class InferenceWorker:
         return m.Ack(detail=f"paused ({msg.mode})")
 
     async def resume(self, _msg: m.Resume, _frames) -> m.Ack:
+        if self._updating:
+            # Generating from a half-loaded model would crash the engine (and serve a mix).
+            raise RemoteError("bad_request", "Resume refused: a collective weight update is in "
+                              "progress (WeightTransferStart without Finish)")
         async with self._control:
             await self.engine.resume_generation()
             self.paused = False
@@ -434,6 +438,13 @@ async def serve(args: argparse.Namespace) -> int:
     engine = None
     server = None
     tasks: list[asyncio.Task] = []
+    # Installed before the engine starts: a SIGTERM during start-up (a launcher stopping, or
+    # dying) then ends this process through the `finally` below, which shuts the engine core
+    # down, instead of killing it at once and leaving the engine core behind.
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
     try:
         engine = build_engine(opts, counts)
         await engine.update_weight_version(str(args.version))
@@ -442,10 +453,6 @@ async def serve(args: argparse.Namespace) -> int:
             weight_transfer=args.weight_transfer, num_ranks=args.tensor_parallel_size,
         )
         server = RpcServer(args.address, worker.handlers(), name=args.name)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
         tasks = [
             asyncio.create_task(server.serve_forever()),
             asyncio.create_task(worker.watch_engine()),

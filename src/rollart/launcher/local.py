@@ -22,7 +22,7 @@ from typing import Any
 
 from rollart.config import Scenario, load_scenario, scenario_to_json
 from rollart.launcher.procs import ProcessFailedError, Supervisor
-from rollart.transport.errors import ConfigError
+from rollart.transport.errors import ConfigError, RollartError
 
 
 def preflight(scenario: Scenario, source: str = "<scenario>") -> None:
@@ -130,10 +130,15 @@ async def open_cluster(scenario: str | Path | Scenario, *, run_dir: str | Path |
             endpoints[url] = endpoint
         pools = {name: [InferenceClient(a, name=f"{name}-{i}") for i, a in enumerate(addrs_)]
                  for name, addrs_ in addrs.workers.items()}
+        clients += [w for ws in pools.values() for w in ws]
+        await _check_weight_transfer(scenario, [w for ws in pools.values() for w in ws])
         envs = [EnvClient(a, name=h.name)
                 for a, h in zip(addrs.env_hosts, scenario.env_hosts, strict=True)]
-        trainer_client = TrainerClient(addrs.trainer)
-        clients += [w for ws in pools.values() for w in ws] + envs + [trainer_client]
+        # A collective broadcast is a rendezvous plus start / update / finish on every worker,
+        # each bounded by weight_transfer_timeout_s on the trainer: never give up before it.
+        trainer_client = TrainerClient(addrs.trainer, publish_timeout_s=max(
+            600.0, 4 * scenario.trainer.weight_transfer_timeout_s + 60.0))
+        clients += envs + [trainer_client]
         backends = Backends(
             pools=pools, env_hosts=envs, reward_service=reward, reward_endpoints=endpoints,
             trainer=RemoteTrainer(
@@ -173,3 +178,22 @@ async def open_cluster(scenario: str | Path | Scenario, *, run_dir: str | Path |
                 with contextlib.suppress(Exception):
                     await client.__aexit__(None, None, None)
         await sup.stop_all()
+
+
+async def _check_weight_transfer(scenario: Scenario, workers: list[Any]) -> None:
+    """With a collective weight transfer every worker must have been started for it (external
+    ones included); found before the first step rather than at the first broadcast.
+
+    Raises:
+        RollartError: names the workers started otherwise.
+    """
+    kind = scenario.trainer.weight_transfer
+    if kind == "zmq":
+        return  # every worker accepts staged buckets
+    stats = await asyncio.gather(*(w.stats() for w in workers))
+    wrong = {w.address: s.weight_transfer for w, s in zip(workers, stats, strict=True)
+             if s.weight_transfer != kind}
+    if wrong:
+        raise RollartError(f"trainer.weight_transfer is {kind!r}, but these workers receive "
+                           f"weights otherwise: {wrong}; start them with "
+                           f"`rollart serve-inference ... --weight-transfer {kind}`")

@@ -3,7 +3,10 @@ notice when one dies, and stop them all (no orphans).
 
 Each service writes its bound address to a ``--ready-file`` once it serves, so services bind port
 0 and nothing races for fixed ports. Children run in their own process group and get SIGTERM
-when this process dies (Linux ``PR_SET_PDEATHSIG``), so a killed launcher leaves no orphans.
+when this process dies (Linux ``PR_SET_PDEATHSIG``); each service then stops its own children
+(an inference worker still starting its engine does so once the engine is up), so even a
+SIGKILLed launcher leaves no orphans behind for long. A stopped launcher (``stop_all``) signals
+whole process groups, children included.
 """
 
 from __future__ import annotations
@@ -41,15 +44,26 @@ def _set_pdeathsig() -> None:  # runs in the child between fork and exec
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+_ERROR_MARKERS = ("Error:", "FATAL", "Exception:")
+
+
 def log_tail(path: Path, num_lines: int = 30) -> str:
-    """The last ``num_lines`` lines of a log file ('' if it does not exist)."""
+    """The last ``num_lines`` lines of a log file ('' if it does not exist), preceded by the
+    first error lines of the last 1 MiB when the tail does not show them (torchrun, for one,
+    ends a rank's failure with its own summary, far below the rank's error)."""
     try:
         with path.open("rb") as f:
             f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 16384))
-            return "\n".join(f.read().decode(errors="replace").splitlines()[-num_lines:])
+            f.seek(max(0, f.tell() - (1 << 20)))
+            lines = f.read().decode(errors="replace").splitlines()
     except OSError:
         return ""
+    tail = lines[-num_lines:]
+    errors = [ln for ln in lines[:-num_lines] if any(k in ln for k in _ERROR_MARKERS)]
+    errors = list(dict.fromkeys(errors))[:5]
+    if not errors:
+        return "\n".join(tail)
+    return "\n".join(["(error lines earlier in the log:)", *errors, "(last lines:)", *tail])
 
 
 @dataclass

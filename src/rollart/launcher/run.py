@@ -13,10 +13,12 @@ steps and at the end). ``--resume DIR`` continues a run directory from its newes
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -28,7 +30,7 @@ from rollart.config import Scenario, load_scenario
 from rollart.launcher.procs import ProcessFailedError
 from rollart.launcher.progress import Progress
 from rollart.trainer.checkpoint import latest_checkpoint, mark_complete, read_json, step_dir
-from rollart.transport.errors import ConfigError
+from rollart.transport.errors import ConfigError, RollartError
 
 log = logging.getLogger("rollart.run")
 
@@ -53,6 +55,10 @@ def _truncate_jsonl(path: Path, last_step: int) -> None:
     path.write_text("".join(line + "\n" for line in keep))
 
 
+class Terminated(Exception):
+    """The launcher got SIGTERM; every process was stopped."""
+
+
 class RunState(msgspec.Struct, kw_only=True):
     """What ``rollart run`` keeps beside a checkpoint (``controller.json``)."""
 
@@ -66,6 +72,18 @@ async def _drive(scenario: Scenario, run_dir: Path, cache_dir: Path, planned: in
     from rollart.launcher.local import open_cluster
 
     progress = Progress(scenario, planned)
+    # SIGTERM (e.g. `timeout`, a scheduler) stops the run as Ctrl-C does: every service's whole
+    # process group is stopped, vLLM's engine-core children included. Without this the default
+    # action kills the launcher at once and the children only get their parent-death signal.
+    main_task = asyncio.current_task()
+    assert main_task is not None
+    terminated = asyncio.Event()
+
+    def on_sigterm() -> None:
+        terminated.set()
+        main_task.cancel()
+
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, on_sigterm)
     try:
         async with open_cluster(
             scenario, run_dir=run_dir, cache_dir=cache_dir,
@@ -76,6 +94,10 @@ async def _drive(scenario: Scenario, run_dir: Path, cache_dir: Path, planned: in
         ) as cluster:
             return await _train(cluster, scenario, run_dir, resume[1].step if resume else 0,
                                 planned, progress)
+    except asyncio.CancelledError:
+        if terminated.is_set():
+            raise Terminated from None
+        raise
     finally:
         progress.close()
 
@@ -155,8 +177,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("rollart run: interrupted; every process was stopped", file=sys.stderr)
         rc = 130
+    except Terminated:
+        print("rollart run: terminated (SIGTERM); every process was stopped", file=sys.stderr)
+        rc = 143
     except ProcessFailedError as exc:
         print(f"rollart run: {exc}", file=sys.stderr)
+        rc = 1
+    except RollartError as exc:  # a fatal error of the run (trainer, workers, controller)
+        print(f"rollart run: failed: {exc}", file=sys.stderr)
         rc = 1
     _write_summary(run_dir, scenario, started)
     return rc
@@ -172,6 +200,7 @@ def _engine_version() -> str:
 
 
 def _write_summary(run_dir: Path, scenario: Scenario, started: float) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)  # a run that failed before it started
     path = run_dir / "metrics.jsonl"
     rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] \
         if path.exists() else []

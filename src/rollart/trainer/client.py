@@ -14,14 +14,18 @@ class TrainerClient:
     Args:
         address: the trainer's ZMQ endpoint.
         train_timeout_s: timeout of one ``train`` call (a step on a large batch can be slow).
+        publish_timeout_s: timeout of ``wait_published`` / ``publish_latest`` (a collective
+            broadcast includes the group's rendezvous and every worker's load).
     Raises (every method): ``RemoteError`` (per request), ``RemoteTimeoutError``,
         ``PeerDeadError`` (the trainer process is gone: fatal for the run).
     """
 
     def __init__(self, address: str, *, train_timeout_s: float = 3600.0,
-                 default_timeout_s: float = 600.0, liveness_timeout_s: float = 60.0) -> None:
+                 publish_timeout_s: float = 600.0, default_timeout_s: float = 600.0,
+                 liveness_timeout_s: float = 60.0) -> None:
         self.name = "trainer"
         self.train_timeout_s = train_timeout_s
+        self.publish_timeout_s = publish_timeout_s
         self._rpc = RpcClient(address, name="trainer", default_timeout_s=default_timeout_s,
                               liveness_timeout_s=liveness_timeout_s)
 
@@ -40,12 +44,14 @@ class TrainerClient:
         await self._rpc.call(m.SetWorkers(addresses=list(addresses)))
 
     async def wait_published(self, version: int) -> m.Published:
-        reply, _ = await self._rpc.call(m.WaitPublished(version=version))
+        reply, _ = await self._rpc.call(m.WaitPublished(version=version),
+                                        timeout_s=self.publish_timeout_s)
         assert isinstance(reply, m.Published)
         return reply
 
     async def publish_latest(self, addresses: Sequence[str]) -> m.Published:
-        reply, _ = await self._rpc.call(m.PublishLatest(addresses=list(addresses)))
+        reply, _ = await self._rpc.call(m.PublishLatest(addresses=list(addresses)),
+                                        timeout_s=self.publish_timeout_s)
         assert isinstance(reply, m.Published)
         return reply
 

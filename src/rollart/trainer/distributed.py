@@ -293,8 +293,10 @@ class RankRunner:
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                 step_cfg: TrainStepConfig, ranks: RankGroup | None) -> None:
+                 step_cfg: TrainStepConfig, ranks: RankGroup | None, *,
+                 ref_model: nn.Module | None = None) -> None:
         self.model = model
+        self.ref_model = ref_model  # the KL reference (``kl_coef`` > 0): a full copy per rank
         self.optimizer = optimizer
         self.step_cfg = step_cfg
         self.ranks = ranks
@@ -380,7 +382,7 @@ class RankRunner:
 
         if isinstance(cmd, TrainCommand):
             return train_step(self.model, self.optimizer, cmd.samples, self.step_cfg,
-                              dp=self.ranks)
+                              ref_model=self.ref_model, dp=self.ranks)
         if isinstance(cmd, SnapshotCommand):
             if self.ranks is None:
                 return snapshot_parameters(self.model)

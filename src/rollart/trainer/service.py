@@ -86,6 +86,13 @@ class TrainerService:
                                            weight_decay=opts.weight_decay, betas=opts.betas)
         self.step_cfg = (msgspec.json.decode(step_cfg_json, type=TrainStepConfig)
                          if step_cfg_json else TrainStepConfig())
+        self.ref_model = None
+        if self.step_cfg.kl_coef > 0:
+            # The KL term's reference policy is the initial checkpoint (after a resume too):
+            # a frozen full copy on each rank's device, costing one more model in memory.
+            device = self.ranks.device if self.ranks is not None else opts.device
+            self.ref_model = AutoModelForCausalLM.from_pretrained(
+                model_path, dtype=dtype).to(device).eval().requires_grad_(False)
         self.version = 0
         self.step = 0
 
@@ -95,7 +102,8 @@ class TrainerService:
         self.weight_transfer = opts.weight_transfer
         self.publisher = WeightPublisher(connect, bucket_bytes=opts.bucket_bytes)
         # Train / snapshot / save go through the runner, which hands them to the other ranks.
-        self.runner = RankRunner(self.model, self.optimizer, self.step_cfg, self.ranks)
+        self.runner = RankRunner(self.model, self.optimizer, self.step_cfg, self.ranks,
+                                 ref_model=self.ref_model)
         self.collective = None
         if opts.weight_transfer != "zmq" and (self.ranks is None or self.ranks.rank == 0):
             from rollart.trainer.transfer import CollectivePublisher

@@ -168,7 +168,9 @@ class CollectivePublisher:
             ``DTensor`` parameters are gathered with ``full_tensor()``).
         connect: ``address -> InferenceClient``.
         address: host the workers reach the trainer's rendezvous at.
-        bucket_bytes: NCCL packed-buffer size in bytes. timeout_s: per call / rendezvous.
+        bucket_bytes: NCCL packed-buffer size in bytes (two such buffers per GPU).
+        timeout_s: limit of each worker call, and of the gloo rendezvous and broadcasts
+            (vLLM's NCCL rendezvous and broadcast take no timeout from here).
         run_send: ``run_send(send)`` runs the sender's ``send_weights`` (blocking, in a worker
             thread); with several trainer ranks it makes the others join the gathers first.
     """
@@ -214,6 +216,13 @@ class CollectivePublisher:
         wanted = self._wanted
         if not wanted:
             raise RuntimeError("no inference workers registered for the weight broadcast")
+        # Checked before any rank enters a collective, so a refusal stays a per-request error
+        # (under FSDP ranks a failure inside the broadcast is fatal for the trainer).
+        stats = await asyncio.gather(*(self._workers[a].stats() for a in wanted))
+        running = [a for a, s in zip(wanted, stats, strict=True) if not s.paused]
+        if running:
+            raise RuntimeError(f"workers {running} are not paused: pause them before a "
+                               f"{self.kind} broadcast (it writes into the serving model)")
         if self._engine is None or wanted != self._group_addresses:
             await self._form_group(wanted)
         assert self._client is not None
@@ -266,6 +275,8 @@ class CollectivePublisher:
                 NCCLTrainerWeightTransferEngine.trainer_init, info, client=self._client,
                 source=source)
         self._group_addresses = list(wanted)
+        for addr in [a for a in self._workers if a not in wanted]:
+            await self._workers.pop(addr).close()
         log.info("formed %s weight-transfer group of %d ranks with %d workers",
                  self.kind, rank, len(workers))
 
@@ -286,7 +297,11 @@ class CollectivePublisher:
         self._group_addresses = []
 
     async def close(self) -> None:
-        await self._leave_group()
+        """Close the clients. The workers are not told to leave the group: at the end of a run
+        they are being stopped too, and a new trainer re-forms the group (init replaces it)."""
+        if self._engine is not None:
+            self._engine.shutdown()
+            self._engine = None
         for client in self._workers.values():
             await client.close()
         self._workers.clear()
