@@ -330,3 +330,18 @@ async def test_a_collective_push_runs_only_while_every_worker_is_paused(mode, al
     if mode != "sync":
         # Nothing was pushed in the background: the whole push is exposed.
         assert steps[1].metrics.weight_sync_exposed_s >= 0.5
+
+
+@pytest.mark.looptime
+async def test_the_first_steps_weight_sync_includes_a_resumed_runs_alignment() -> None:
+    # A resumed trainer at version 2; the workers restarted from the base weights (version 0).
+    env = FakeEnvHost(turns=2, latency=lambda i, s: 1.0)
+    trainer = FakeTrainer(train_s=1.0, push_s=3.0)
+    trainer._version = 2
+    w1, w2 = FakeWorker("w1"), FakeWorker("w2")
+    scenario = make_scenario(mode="rollart", alpha=1, batch_size=4, group_size=2)
+    async with Cluster.from_scenario(scenario, backends=backends(env, trainer, (w1, w2))) as c:
+        steps = await run_steps(c, 2)
+    assert [v for v, _ in w1.applied][:1] == [2]  # aligned before the first turn
+    assert steps[0].metrics.weight_sync_total_s >= 3.0  # the 3 s alignment push is reported
+    assert steps[0].metrics.weight_sync_exposed_s >= 3.0  # (nothing else to sync at step 1)

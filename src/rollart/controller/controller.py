@@ -144,6 +144,8 @@ class Controller:
         self._admission_open = True
         self._fatal: BaseException | None = None
         self._sync: WeightSync | None = None
+        self._align_s = 0.0
+        self._started_at = 0.0
         self._failures_in_a_row = 0
         self._last_failures: list[str] = []
         self._started = False
@@ -161,7 +163,10 @@ class Controller:
         if self._started:
             return
         await self.trainer.set_workers(self.proxy.workers())
+        t_align = self.clock()
         await self._align_worker_versions()
+        # A resumed run's first weight sync happens here; it is reported with the first step.
+        self._align_s = self.clock() - t_align
         self._started = True
         self._changed, self._weights_changed = _Signal(), _Signal()
         self._ctx = TrajectoryContext(
@@ -174,7 +179,7 @@ class Controller:
             self.proxy, self.trainer, self.clock, reprefill=self.run.reprefill,
             on_applied=self._weights_changed.notify, on_push_done=self._on_done,
         )
-        self._last_step_end = self.clock()
+        self._last_step_end = self._started_at = self.clock()
         self._spawn_aux(self._admission_loop(), "admission")
         self._launch_restarts()
 
@@ -185,7 +190,10 @@ class Controller:
         served = [s.version for s in await asyncio.gather(*(w.stats() for w in workers))]
         want = self.trainer.version
         if any(v > want for v in served):
-            raise RollartError(f"workers serve versions {served}, newer than the trainer's {want}")
+            raise RollartError(
+                f"workers serve versions {served}, newer than the trainer's {want}: they hold "
+                "weights of another (or a later) run; restart them from the checkpoint the "
+                "trainer starts from")
         if any(v < want for v in served):
             log.info("workers serve %s; applying the trainer's version %d", served, want)
             # Paused before the push: a collective broadcast writes into the serving models.
@@ -449,12 +457,15 @@ class Controller:
             step_time_s=t_end - self._last_step_end,
             trainer_idle_s=t_batch - t0,
             train_time_s=train_s,
-            weight_sync_total_s=sync_total,
-            weight_sync_exposed_s=sync_exposed,
+            weight_sync_total_s=sync_total + self._align_s,
+            weight_sync_exposed_s=sync_exposed + self._align_s,
             num_generated_tokens=(self._ctx.generated_tokens if self._ctx else 0) - tokens_before,
             num_rerouted=self.proxy.num_rerouted - rerouted_before,
             train_metrics=result.metrics,
+            # Samples restored from a checkpoint started before this process did.
+            rollout_not_before=self._started_at,
         )
+        self._align_s = 0.0
         self._last_step_end = t_end
         return metrics
 

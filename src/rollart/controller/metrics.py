@@ -88,12 +88,19 @@ def step_metrics(
     num_generated_tokens: int,
     num_rerouted: int = 0,
     train_metrics: dict[str, float] | None = None,
+    rollout_not_before: float | None = None,
 ) -> StepMetrics:
-    """Assemble a step's metrics from its batch and the buffer counters around it."""
+    """Assemble a step's metrics from its batch and the buffer counters around it.
+
+    ``rollout_not_before``: clock time the rollout span may not start before (the controller's
+    start: a sample restored from a checkpoint started in an earlier process, and the span would
+    otherwise include the downtime)."""
     by_domain: dict[str, list[float]] = {}
     for s in batch:
         by_domain.setdefault(s.domain, []).append(s.reward)
     starts = [s.metadata["t_start"] for s in batch if "t_start" in s.metadata]
+    if starts and rollout_not_before is not None:
+        starts = [max(t, rollout_not_before) for t in starts]
     ends = [s.metadata["t_end"] for s in batch if "t_end" in s.metadata]
     finished = after.finished_members - before.finished_members
     finished_len = (after.finished_mean_len * after.finished_members
