@@ -11,6 +11,7 @@ import asyncio
 
 import pytest
 import torch
+from weight_checks import FIXED, TWO_RANK_SCENARIO, prompt_logprobs, trainer_logprobs
 
 from rollart.inference.client import InferenceClient
 from rollart.trainer.client import TrainerClient
@@ -19,7 +20,6 @@ from rollart.transport.errors import RemoteError
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-FIXED = [2, 40, 41, 42, 5, 60, 61, 62, 63, 3, 7, 8, 9, 10, 11, 12]
 TOL = 1e-4  # float32 on both sides
 
 
@@ -47,28 +47,6 @@ def services(tiny_model_dir, service_starter, tmp_path_factory):
     trainer.stop()
 
 
-async def _prompt_logprobs(worker: InferenceClient) -> list[float]:
-    r = await worker.generate(m.Generate(
-        request_id=f"score-{torch.randint(1 << 30, ()).item()}", prompt_token_ids=FIXED,
-        sampling=m.SamplingParams(max_tokens=1, prompt_logprobs=True)))
-    assert r.prompt_logprobs is not None
-    return [float(x) for x in r.prompt_logprobs[1:]]
-
-
-def _trainer_logprobs(model_dir, ckpt_dir) -> list[float]:
-    from transformers import AutoModelForCausalLM
-
-    from rollart.trainer.checkpoint import load_trainer
-    from rollart.trainer.step import token_logprobs
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    load_trainer(ckpt_dir, model, torch.optim.AdamW(model.parameters()))
-    ids = torch.tensor([FIXED])
-    with torch.no_grad():
-        lp = token_logprobs(model.eval(), ids, torch.ones_like(ids))
-    return lp[0, 1:].tolist()
-
-
 def _samples(n: int) -> list[m.TrainSample]:
     out = []
     for i in range(n):
@@ -93,14 +71,14 @@ async def test_broadcast_loads_the_trainers_version_into_every_paused_worker(
     try:
         assert (await trainer.status()).weight_transfer == "gloo"
         assert {(await w.stats()).weight_transfer for w in workers} == {"gloo"}
-        before = await _prompt_logprobs(workers[0])
+        before = await prompt_logprobs(workers[0])
         await trainer.set_workers(addrs)
         version = await _train(trainer)
 
         # Broadcasting into a worker that is generating is refused, and nothing is loaded.
         with pytest.raises(RemoteError, match="are not paused"):
             await trainer.wait_published(version)
-        assert await _prompt_logprobs(workers[0]) == pytest.approx(before, abs=1e-6)
+        assert await prompt_logprobs(workers[0]) == pytest.approx(before, abs=1e-6)
 
         for step in range(2):  # the second broadcast reuses the group formed by the first
             if step:
@@ -115,8 +93,8 @@ async def test_broadcast_loads_the_trainers_version_into_every_paused_worker(
             await asyncio.gather(*(w.resume() for w in workers))
 
         await trainer.save_checkpoint(str(tmp_path / "ckpt"))
-        expected = _trainer_logprobs(tiny_model_dir, tmp_path / "ckpt")
-        after = [await _prompt_logprobs(w) for w in workers]
+        expected = trainer_logprobs(tiny_model_dir, tmp_path / "ckpt")
+        after = [await prompt_logprobs(w) for w in workers]
         assert max(abs(a - b) for a, b in zip(before, after[0], strict=True)) > 1e-3
         for lps in after:
             assert lps == pytest.approx(expected, abs=TOL)
@@ -184,23 +162,6 @@ async def test_collective_messages_to_a_zmq_worker_are_refused(tiny_model_dir, s
         await client.close()
 
 
-TWO_RANK_SCENARIO = """
-[run]
-batch_size = 8
-group_size = 4
-[[pools]]
-name = "cpu"
-[[domains]]
-name = "arith"
-env = "rg:basic_arithmetic"
-pool = "cpu"
-reward = "reasoning_gym"
-[trainer]
-num_processes = 2
-lr = 0.01
-weight_transfer = "gloo"
-weight_transfer_timeout_s = 120
-"""
 
 
 async def test_two_fsdp_ranks_broadcast_through_rank_0(tiny_model_dir, service_launcher,
@@ -213,13 +174,14 @@ async def test_two_fsdp_ranks_broadcast_through_rank_0(tiny_model_dir, service_l
     worker = service_launcher("rollart.inference.worker",
                               [*_worker_args(tiny_model_dir), "--name", "w"],
                               ready_timeout_s=300)
-    argv = trainer_argv(parse_scenario(TWO_RANK_SCENARIO), tiny_model_dir, None)
+    scenario = TWO_RANK_SCENARIO + 'weight_transfer = "gloo"\nweight_transfer_timeout_s = 120\n'
+    argv = trainer_argv(parse_scenario(scenario), tiny_model_dir, None)
     assert argv[1:3] == ["-m", "torch.distributed.run"]
     trainer_proc = service_launcher(argv[2], argv[3:], ready_timeout_s=300)
     client = InferenceClient(worker.address, name="w", liveness_timeout_s=60)
     trainer = TrainerClient(trainer_proc.address)
     try:
-        before = await _prompt_logprobs(client)
+        before = await prompt_logprobs(client)
         await trainer.set_workers([worker.address])
         for _ in range(2):
             version = await _train(trainer)
@@ -229,8 +191,8 @@ async def test_two_fsdp_ranks_broadcast_through_rank_0(tiny_model_dir, service_l
             assert (await client.apply_weights(version)).version == version
             await client.resume()
         await trainer.save_checkpoint(str(tmp_path / "ckpt"))
-        expected = _trainer_logprobs(tiny_model_dir, tmp_path / "ckpt")
-        after = await _prompt_logprobs(client)
+        expected = trainer_logprobs(tiny_model_dir, tmp_path / "ckpt")
+        after = await prompt_logprobs(client)
         assert max(abs(a - b) for a, b in zip(before, after, strict=True)) > 1e-3
         assert after == pytest.approx(expected, abs=TOL)
     finally:
@@ -258,7 +220,7 @@ async def test_nccl_broadcast_on_gpus(tiny_model_dir, service_launcher, tmp_path
     client = InferenceClient(worker.address, name="gpu-worker", liveness_timeout_s=60)
     trainer = TrainerClient(trainer_proc.address)
     try:
-        before = await _prompt_logprobs(client)
+        before = await prompt_logprobs(client)
         await trainer.set_workers([worker.address])
         version = await _train(trainer)
         await client.pause("keep")
@@ -267,8 +229,8 @@ async def test_nccl_broadcast_on_gpus(tiny_model_dir, service_launcher, tmp_path
         assert (await client.apply_weights(version)).version == version
         await client.resume()
         await trainer.save_checkpoint(str(tmp_path / "ckpt"))
-        expected = _trainer_logprobs(tiny_model_dir, tmp_path / "ckpt")
-        after = await _prompt_logprobs(client)
+        expected = trainer_logprobs(tiny_model_dir, tmp_path / "ckpt")
+        after = await prompt_logprobs(client)
         assert max(abs(a - b) for a, b in zip(before, after, strict=True)) > 1e-3
         assert after == pytest.approx(expected, abs=2e-3)  # TF32 matmuls on the GPU
     finally:

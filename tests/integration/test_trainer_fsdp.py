@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from weight_checks import TWO_RANK_SCENARIO
 
 from rollart.config import parse_scenario
 from rollart.launcher.services import trainer_argv
@@ -41,21 +42,7 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 WEIGHT_ATOL = {"odd": 1e-6, "clipped": 1e-6, "minibatches": 5e-5}
 METRIC_REL = 1e-5
 
-SCENARIO = """
-[run]
-batch_size = 8
-group_size = 4
-[[pools]]
-name = "cpu"
-[[domains]]
-name = "arith"
-env = "rg:basic_arithmetic"
-pool = "cpu"
-reward = "reasoning_gym"
-[trainer]
-num_processes = 2
-lr = 0.01
-"""
+SCENARIO = TWO_RANK_SCENARIO
 
 
 def _run(argv: list[str], log: Path) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from weight_checks import FIXED, prompt_logprobs, trainer_logprobs
 
 from rollart.inference.client import InferenceClient
 from rollart.trainer.client import TrainerClient
@@ -16,7 +17,6 @@ from rollart.transport import messages as m
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-FIXED = [2, 40, 41, 42, 5, 60, 61, 62, 63, 3, 7, 8, 9, 10, 11, 12]
 TOL = 1e-4  # float32 on both sides; measured differences are ~1e-6
 
 
@@ -33,28 +33,6 @@ def services(tiny_model_dir, service_starter, tmp_path_factory):
     yield worker.address, trainer.address
     worker.stop()
     trainer.stop()
-
-
-async def _prompt_logprobs(worker: InferenceClient) -> list[float]:
-    r = await worker.generate(m.Generate(
-        request_id=f"score-{id(worker)}-{torch.randint(1 << 30, ()).item()}",
-        prompt_token_ids=FIXED, sampling=m.SamplingParams(max_tokens=1, prompt_logprobs=True)))
-    assert r.prompt_logprobs is not None
-    return [float(x) for x in r.prompt_logprobs[1:]]
-
-
-def _trainer_logprobs(model_dir, ckpt_dir) -> list[float]:
-    from transformers import AutoModelForCausalLM
-
-    from rollart.trainer.checkpoint import load_trainer
-    from rollart.trainer.step import token_logprobs
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    load_trainer(ckpt_dir, model, torch.optim.AdamW(model.parameters()))
-    ids = torch.tensor([FIXED])
-    with torch.no_grad():
-        lp = token_logprobs(model.eval(), ids, torch.ones_like(ids))
-    return lp[0, 1:].tolist()
 
 
 async def _rollout_samples(worker: InferenceClient, n: int) -> list[m.TrainSample]:
@@ -77,7 +55,7 @@ async def test_one_step_changes_weights_and_worker_serves_the_trainers_version(
     worker = InferenceClient(worker_addr, name="worker", liveness_timeout_s=30)
     trainer = TrainerClient(trainer_addr)
     try:
-        before = await _prompt_logprobs(worker)
+        before = await prompt_logprobs(worker)
         await trainer.set_workers([worker_addr])
         start = await trainer.status()
         result = await trainer.train(start.step, await _rollout_samples(worker, 4))
@@ -89,10 +67,10 @@ async def test_one_step_changes_weights_and_worker_serves_the_trainers_version(
         assert published.failed == {} and published.num_bytes > 0
         applied = await worker.apply_weights(result.version)
         assert applied.version == result.version == applied.stats.version
-        after = await _prompt_logprobs(worker)
+        after = await prompt_logprobs(worker)
         saved = await trainer.save_checkpoint(str(tmp_path / "ckpt"))
         assert saved.version == result.version
-        expected = _trainer_logprobs(tiny_model_dir, tmp_path / "ckpt")
+        expected = trainer_logprobs(tiny_model_dir, tmp_path / "ckpt")
         assert max(abs(a - b) for a, b in zip(before, after, strict=True)) > 1e-3  # changed
         assert after == pytest.approx(expected, abs=TOL)
         # New tokens now carry the new version.
