@@ -202,19 +202,25 @@ async def test_32_concurrent_generates(client):
 async def test_abort_long_request_returns_partial_tokens(client):
     # Pauses make this independent of timing (a starved worker could otherwise finish the
     # request before the test acts): started while paused, run ~1 s, frozen, then aborted.
+    # 15 more long requests share each decode step, so the target needs well over 10 s for
+    # LONG tokens (alone: ~3 s on a quiet machine, and a CI run once starved the test for that).
+    load_ids = [f"load-{i}" for i in range(15)]
     await client.pause("keep")
     try:
         task = asyncio.create_task(client.generate(gen("long-abort", LONG, ignore_eos=True)))
-        await started(client, task)
+        load = [asyncio.create_task(client.generate(gen(rid, LONG, seed=i, ignore_eos=True)))
+                for i, rid in enumerate(load_ids)]
+        await started(client, task, *load)
         await client.resume()
-        # Some tokens, far from LONG: a quiet machine decodes this model at > 2000 tokens/s
-        # (1 s here once let a CI run finish all 2000), a loaded one at ~600.
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(0.5)  # let it produce some tokens
         await client.pause("keep")
         await client.abort("long-abort")
         r = await asyncio.wait_for(task, 10)
     finally:
+        for rid in load_ids:
+            await client.abort(rid)
         await client.resume()
+    await asyncio.wait_for(asyncio.gather(*load, return_exceptions=True), 30)
     check_shape(r)
     assert r.finish_reason == "abort" and 0 < len(r.token_ids) < LONG
     await client.abort("long-abort")  # idempotent: finished ids are acknowledged
