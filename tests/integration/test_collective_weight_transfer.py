@@ -62,6 +62,32 @@ async def _train(trainer: TrainerClient) -> int:
     return (await trainer.train(status.step, _samples(4))).version
 
 
+async def _broadcast_rounds_match_the_trainer(worker_addr: str, trainer_addr: str, model_dir,
+                                              tmp_path, *, rounds: int, tol: float) -> None:
+    """``rounds`` x (train, pause, broadcast, apply, resume) on one worker; then its prompt
+    logprobs changed and equal the trainer's under the last version within ``tol``."""
+    client = InferenceClient(worker_addr, name="w", liveness_timeout_s=60)
+    trainer = TrainerClient(trainer_addr)
+    try:
+        before = await prompt_logprobs(client)
+        await trainer.set_workers([worker_addr])
+        for _ in range(rounds):
+            version = await _train(trainer)
+            await client.pause("keep")
+            published = await trainer.wait_published(version)
+            assert published.version == version
+            assert (await client.apply_weights(version)).version == version
+            await client.resume()
+        await trainer.save_checkpoint(str(tmp_path / "ckpt"))
+        expected = trainer_logprobs(model_dir, tmp_path / "ckpt")
+        after = await prompt_logprobs(client)
+        assert max(abs(a - b) for a, b in zip(before, after, strict=True)) > 1e-3
+        assert after == pytest.approx(expected, abs=tol)
+    finally:
+        await client.close()
+        await trainer.close()
+
+
 async def test_broadcast_loads_the_trainers_version_into_every_paused_worker(
         services, tiny_model_dir, tmp_path):
     addrs, trainer_addr = services
@@ -178,26 +204,8 @@ async def test_two_fsdp_ranks_broadcast_through_rank_0(tiny_model_dir, service_l
     argv = trainer_argv(parse_scenario(scenario), tiny_model_dir, None)
     assert argv[1:3] == ["-m", "torch.distributed.run"]
     trainer_proc = service_launcher(argv[2], argv[3:], ready_timeout_s=300)
-    client = InferenceClient(worker.address, name="w", liveness_timeout_s=60)
-    trainer = TrainerClient(trainer_proc.address)
-    try:
-        before = await prompt_logprobs(client)
-        await trainer.set_workers([worker.address])
-        for _ in range(2):
-            version = await _train(trainer)
-            await client.pause("keep")
-            published = await trainer.wait_published(version)
-            assert published.version == version
-            assert (await client.apply_weights(version)).version == version
-            await client.resume()
-        await trainer.save_checkpoint(str(tmp_path / "ckpt"))
-        expected = trainer_logprobs(tiny_model_dir, tmp_path / "ckpt")
-        after = await prompt_logprobs(client)
-        assert max(abs(a - b) for a, b in zip(before, after, strict=True)) > 1e-3
-        assert after == pytest.approx(expected, abs=TOL)
-    finally:
-        await client.close()
-        await trainer.close()
+    await _broadcast_rounds_match_the_trainer(worker.address, trainer_proc.address,
+                                              tiny_model_dir, tmp_path, rounds=2, tol=TOL)
 
 
 def _cuda_devices() -> int:
@@ -217,22 +225,5 @@ async def test_nccl_broadcast_on_gpus(tiny_model_dir, service_launcher, tmp_path
         ["--model", str(tiny_model_dir), "--options",
          '{"lr": 0.01, "device": "cuda", "weight_transfer": "nccl", "bucket_bytes": 65536}'],
         env={"CUDA_VISIBLE_DEVICES": "1"}, ready_timeout_s=600)
-    client = InferenceClient(worker.address, name="gpu-worker", liveness_timeout_s=60)
-    trainer = TrainerClient(trainer_proc.address)
-    try:
-        before = await prompt_logprobs(client)
-        await trainer.set_workers([worker.address])
-        version = await _train(trainer)
-        await client.pause("keep")
-        published = await trainer.wait_published(version)
-        assert published.version == version
-        assert (await client.apply_weights(version)).version == version
-        await client.resume()
-        await trainer.save_checkpoint(str(tmp_path / "ckpt"))
-        expected = trainer_logprobs(tiny_model_dir, tmp_path / "ckpt")
-        after = await prompt_logprobs(client)
-        assert max(abs(a - b) for a, b in zip(before, after, strict=True)) > 1e-3
-        assert after == pytest.approx(expected, abs=2e-3)  # TF32 matmuls on the GPU
-    finally:
-        await client.close()
-        await trainer.close()
+    await _broadcast_rounds_match_the_trainer(  # tolerance: TF32 matmuls on the GPU
+        worker.address, trainer_proc.address, tiny_model_dir, tmp_path, rounds=1, tol=2e-3)

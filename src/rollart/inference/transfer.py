@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferInitInfo
@@ -30,7 +30,6 @@ log = logging.getLogger(__name__)
 
 #: rollart's name of a collective weight transfer -> vLLM's backend name.
 VLLM_BACKENDS: dict[str, str] = {"nccl": "nccl", "gloo": "rollart_gloo"}
-WeightTransferKind = Literal["zmq", "nccl", "gloo"]
 
 _registered = False
 

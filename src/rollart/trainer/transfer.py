@@ -224,7 +224,7 @@ class CollectivePublisher:
             raise RuntimeError(f"workers {running} are not paused: pause them before a "
                                f"{self.kind} broadcast (it writes into the serving model)")
         if self._engine is None or wanted != self._group_addresses:
-            await self._form_group(wanted)
+            await self._form_group(wanted, stats)
         assert self._client is not None
         self._client.version = version
         start = time.perf_counter()
@@ -239,10 +239,9 @@ class CollectivePublisher:
         return PushReport(version=version, total_s=time.perf_counter() - start,
                           num_bytes=num_bytes, workers=list(wanted))
 
-    async def _form_group(self, wanted: list[str]) -> None:
+    async def _form_group(self, wanted: list[str], stats: list[m.WorkerStats]) -> None:
         await self._leave_group()
         workers = [self._workers[a] for a in wanted]
-        stats = await asyncio.gather(*(w.stats() for w in workers))
         wrong = {w.name: s.weight_transfer for w, s in zip(workers, stats, strict=True)
                  if s.weight_transfer != self.kind}
         if wrong:
