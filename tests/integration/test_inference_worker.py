@@ -123,6 +123,19 @@ def check_shape(r: m.GenerateResult) -> None:
     assert all(lp <= 0.0 for lp in r.logprobs)
 
 
+def submit_long(client: InferenceClient, prefix: str, n: int) -> list[asyncio.Task]:
+    return [
+        asyncio.create_task(client.generate(gen(f"{prefix}{i}", LONG, seed=i, ignore_eos=True)))
+        for i in range(n)
+    ]
+
+
+#: requests sharing every decode step with a test's targets, so LONG tokens take well over 10 s
+#: (one request alone: ~3 s; a CI run once starved the test process between its resume and its
+#: pause for longer than 4 requests needed to finish).
+NUM_LOAD = 12
+
+
 async def prompt_logprobs(client: InferenceClient, tokens: list[int]) -> list[float]:
     r = await client.generate(
         m.Generate(
@@ -204,12 +217,10 @@ async def test_abort_long_request_returns_partial_tokens(client):
     # request before the test acts): started while paused, run ~1 s, frozen, then aborted.
     # 15 more long requests share each decode step, so the target needs well over 10 s for
     # LONG tokens (alone: ~3 s on a quiet machine, and a CI run once starved the test for that).
-    load_ids = [f"load-{i}" for i in range(15)]
     await client.pause("keep")
     try:
         task = asyncio.create_task(client.generate(gen("long-abort", LONG, ignore_eos=True)))
-        load = [asyncio.create_task(client.generate(gen(rid, LONG, seed=i, ignore_eos=True)))
-                for i, rid in enumerate(load_ids)]
+        load = submit_long(client, "load-", 15)
         await started(client, task, *load)
         await client.resume()
         await asyncio.sleep(0.5)  # let it produce some tokens
@@ -217,8 +228,8 @@ async def test_abort_long_request_returns_partial_tokens(client):
         await client.abort("long-abort")
         r = await asyncio.wait_for(task, 10)
     finally:
-        for rid in load_ids:
-            await client.abort(rid)
+        for i in range(15):
+            await client.abort(f"load-{i}")
         await client.resume()
     await asyncio.wait_for(asyncio.gather(*load, return_exceptions=True), 30)
     check_shape(r)
@@ -247,36 +258,32 @@ async def test_cancelled_generate_sends_abort(client):
 
 async def test_pause_keep_then_resume_finishes_requests(client):
     await client.pause("keep")  # submitted while paused, so none can finish before we look
-    tasks = [
-        asyncio.create_task(client.generate(gen(f"keep{i}", LONG, seed=i, ignore_eos=True)))
-        for i in range(4)
-    ]
+    tasks = submit_long(client, "keep", 4)
+    load = submit_long(client, "keep-load", NUM_LOAD)
     try:
-        await started(client, *tasks)
+        await started(client, *tasks, *load)
         await client.resume()
-        # Long enough for the engine to schedule them, far shorter than LONG tokens take even
-        # on an idle machine (a fixed 0.5 s let them finish on a fast one).
-        await asyncio.sleep(0.02)
+        await asyncio.sleep(0.02)  # let the engine schedule them
         await client.pause("keep")
         stats = await client.stats()
-        assert stats.paused and stats.num_running + stats.num_waiting == 4
+        assert stats.paused and stats.num_running + stats.num_waiting == 4 + NUM_LOAD
         await asyncio.sleep(1.0)
         assert not any(t.done() for t in tasks)
+        for i in range(NUM_LOAD):
+            await client.abort(f"keep-load{i}")
     finally:
         await client.resume()
     results = await asyncio.wait_for(asyncio.gather(*tasks), 120)
     for r in results:  # kept, not aborted: every request completes its LONG tokens
         check_shape(r)
         assert r.finish_reason == "length" and len(r.token_ids) == LONG
+    assert all(r.finish_reason == "abort" for r in await asyncio.gather(*load))
     assert not (await client.stats()).paused
 
 
 async def test_pause_abort_returns_partial_and_queues_new_requests(client):
     await client.pause("keep")  # submitted while paused, so none can finish before we look
-    tasks = [
-        asyncio.create_task(client.generate(gen(f"pa{i}", LONG, seed=i, ignore_eos=True)))
-        for i in range(4)
-    ]
+    tasks = submit_long(client, "pa", 4 + NUM_LOAD)
     try:
         await started(client, *tasks)
         await client.resume()
