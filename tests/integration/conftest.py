@@ -31,7 +31,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 class ServiceProcess:
-    """A service subprocess in its own session (so its children die with it at ``stop``).
+    """A service subprocess in its own process group (so its children die with it at ``stop``).
 
     Its stdout and stderr go to ``log_path`` (read with ``log()``), never to a pipe that could
     fill up and block it.
@@ -49,7 +49,11 @@ class ServiceProcess:
             stdout=self._log_fh,
             stderr=subprocess.STDOUT,
             env={**os.environ, **(env or {})},
-            start_new_session=True,
+            # A process group, not a new session: the kernel's autogroup scheduler shares CPU
+            # between sessions first, and a vLLM worker in its own session was measured starving
+            # this test process for 3-4 s while it decoded (loaded 2-core machine), so a test's
+            # pause reached the worker only after the request it was meant to freeze had ended.
+            process_group=0,
         )
         self.address = ""
 

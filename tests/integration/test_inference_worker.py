@@ -290,9 +290,10 @@ async def test_pause_abort_returns_partial_and_queues_new_requests(client):
         await asyncio.sleep(0.02)  # scheduled, far from done
         await client.pause("abort")
         results = await asyncio.wait_for(asyncio.gather(*tasks), 10)
+        ends = [(r.request_id, r.finish_reason, len(r.token_ids)) for r in results]
         for r in results:
             check_shape(r)
-            assert r.finish_reason == "abort" and len(r.token_ids) < LONG
+            assert r.finish_reason == "abort" and len(r.token_ids) < LONG, ends
         queued = asyncio.create_task(client.generate(gen("after-pause", 8, ignore_eos=True)))
         await asyncio.sleep(0.5)
         assert not queued.done()  # held while paused
@@ -326,6 +327,7 @@ async def test_request_spanning_an_update_carries_both_versions(client):
     # machine's speed and load, so the window before the pause adapts: longer when no token
     # came before the update, shorter when the request finished before it.
     window_s = 0.1
+    seen = []  # (window s, first version, last version, num_tokens): for the failure message
     for attempt in range(8):
         current = (await client.stats()).version
         target = current + 1
@@ -345,13 +347,14 @@ async def test_request_spanning_an_update_carries_both_versions(client):
             await client.resume()
         r = await asyncio.wait_for(spanning, 120)
         check_shape(r)
+        seen.append((round(window_s, 5), r.versions[0], r.versions[-1], len(r.token_ids)))
         if r.versions[0] == current and r.versions[-1] == target:
             switch = r.versions.index(target)
             assert set(r.versions[:switch]) == {current}
             assert set(r.versions[switch:]) == {target}
             return
         window_s = window_s * 3 if r.versions[0] == target else window_s / 3
-    pytest.fail("the request never spanned the update in 8 attempts (machine overloaded?)")
+    pytest.fail(f"the request never spanned the update in 8 attempts: {seen}")
 
 
 async def test_stale_version_rejected(client, worker):
