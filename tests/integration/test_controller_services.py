@@ -96,17 +96,26 @@ async def test_two_rollart_steps_on_real_services(services, tiny_model_dir) -> N
     try:
         assert [s.metrics.policy_version for s in steps] == [1, 2]
         assert (await worker.stats()).version == 1  # applied at step 2, before training
+        # Counted per step window: rollout runs ahead, so step 2's batch may have been decoded
+        # entirely during step 1 (a loaded CI machine did that), leaving step 2 a count of 0.
+        assert sum(s.metrics.num_generated_tokens for s in steps) > 0
         for s in steps:
             assert len(s.samples) == 8 and len({x.group_key for x in s.samples}) == 2
-            assert s.metrics.num_generated_tokens > 0
+            assert s.metrics.response_len_kept_mean > 0
+            assert all(sum(x.loss_mask) > 0 for x in s.samples)
             assert msgspec.json.encode(s.metrics)  # JSON-able for metrics.jsonl
             for x in s.samples:
                 assert len(x.token_ids) == len(x.loss_mask) == len(x.versions)
                 assert all(v >= 0 for v, mk in zip(x.versions, x.loss_mask, strict=True) if mk)
                 assert all(lp <= 0.0 for lp, mk in zip(x.behaviour_logprobs, x.loss_mask, strict=True) if mk)
         assert sum(s.metrics.num_failed_by_reason.get("reward_error", 0) for s in steps) == 0
-        await asyncio.sleep(0.5)
-        assert (await env.stats()).num_sessions == 0  # every session was closed
+        # Every session is closed; the closes of the last cancelled trajectories are in flight
+        # when train() returns, so poll (a loaded machine took over 0.5 s).
+        for _ in range(300):
+            if (open_sessions := (await env.stats()).num_sessions) == 0:
+                break
+            await asyncio.sleep(0.1)
+        assert open_sessions == 0, f"{open_sessions} env sessions still open after 30 s"
         assert stats.num_steps > 0
     finally:
         await worker.close()
