@@ -7,10 +7,9 @@ weights of version 1 applied on the worker at step 2, sessions released, clean s
 
 from __future__ import annotations
 
-import asyncio
-
 import msgspec
 import pytest
+from polling import wait_for
 
 from rollart.config import parse_scenario
 from rollart.controller import Backends, Cluster
@@ -111,11 +110,10 @@ async def test_two_rollart_steps_on_real_services(services, tiny_model_dir) -> N
         assert sum(s.metrics.num_failed_by_reason.get("reward_error", 0) for s in steps) == 0
         # Every session is closed; the closes of the last cancelled trajectories are in flight
         # when train() returns, so poll (a loaded machine took over 0.5 s).
-        for _ in range(300):
-            if (open_sessions := (await env.stats()).num_sessions) == 0:
-                break
-            await asyncio.sleep(0.1)
-        assert open_sessions == 0, f"{open_sessions} env sessions still open after 30 s"
+        async def all_closed() -> bool:
+            return (await env.stats()).num_sessions == 0
+
+        await wait_for(all_closed, timeout_s=30.0, every_s=0.1)
         assert stats.num_steps > 0
     finally:
         await worker.close()

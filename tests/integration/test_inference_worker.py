@@ -16,6 +16,7 @@ import pytest
 import torch
 import zmq
 import zmq.asyncio
+from polling import wait_for
 
 from rollart.inference.client import InferenceClient, plan_buckets
 from rollart.transport import messages as m
@@ -85,16 +86,6 @@ def gen(rid: str, max_tokens: int, **sampling) -> m.Generate:
         prompt_token_ids=PROMPT,
         sampling=m.SamplingParams(max_tokens=max_tokens, **sampling),
     )
-
-
-async def wait_for(predicate, timeout_s: float = 20.0, every_s: float = 0.05):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = await predicate()
-        if value:
-            return value
-        await asyncio.sleep(every_s)
-    raise AssertionError(f"condition not met within {timeout_s} s")
 
 
 async def started(client: InferenceClient, *tasks: asyncio.Task, timeout_s: float = 20.0):

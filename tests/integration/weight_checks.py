@@ -3,6 +3,8 @@ and under a trainer checkpoint, and the minimal scenario of a two-rank trainer."
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from rollart.inference.client import InferenceClient
@@ -11,17 +13,7 @@ from rollart.transport import messages as m
 FIXED = [2, 40, 41, 42, 5, 60, 61, 62, 63, 3, 7, 8, 9, 10, 11, 12]
 
 #: A scenario whose trainer runs as two FSDP2 ranks (``extra`` lines join its [trainer] table).
-TWO_RANK_SCENARIO = """
-[run]
-batch_size = 8
-group_size = 4
-[[pools]]
-name = "cpu"
-[[domains]]
-name = "arith"
-env = "rg:basic_arithmetic"
-pool = "cpu"
-reward = "reasoning_gym"
+TWO_RANK_SCENARIO = (Path(__file__).parents[1] / "minimal_scenario.toml").read_text() + """\
 [trainer]
 num_processes = 2
 lr = 0.01

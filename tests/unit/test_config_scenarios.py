@@ -18,18 +18,8 @@ from rollart.config import (
 
 SCENARIOS = sorted((Path(__file__).parents[2] / "scenarios").glob("*.toml"))
 
-MINIMAL = """
-[run]
-batch_size = 8
-group_size = 4
-[[pools]]
-name = "cpu"
-[[domains]]
-name = "arith"
-env = "rg:basic_arithmetic"
-pool = "cpu"
-reward = "reasoning_gym"
-"""
+#: the smallest valid scenario (shared with the integration tests)
+MINIMAL = (Path(__file__).parents[1] / "minimal_scenario.toml").read_text()
 
 
 def test_there_are_scenarios() -> None:

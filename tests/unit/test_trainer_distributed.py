@@ -25,18 +25,8 @@ from rollart.trainer.distributed import (
 )
 from rollart.trainer.step import TrainSample, plan_microbatches, shard_samples
 
-MINIMAL = """
-[run]
-batch_size = 8
-group_size = 4
-[[pools]]
-name = "cpu"
-[[domains]]
-name = "arith"
-env = "rg:basic_arithmetic"
-pool = "cpu"
-reward = "reasoning_gym"
-"""
+#: the smallest valid scenario (shared with the integration tests)
+MINIMAL = (Path(__file__).parents[1] / "minimal_scenario.toml").read_text()
 
 
 def _scenario(trainer: str, pools: str = ""):

@@ -130,8 +130,9 @@ async def open_cluster(scenario: str | Path | Scenario, *, run_dir: str | Path |
             endpoints[url] = endpoint
         pools = {name: [InferenceClient(a, name=f"{name}-{i}") for i, a in enumerate(addrs_)]
                  for name, addrs_ in addrs.workers.items()}
-        clients += [w for ws in pools.values() for w in ws]
-        await _check_weight_transfer(scenario, [w for ws in pools.values() for w in ws])
+        workers = [w for ws in pools.values() for w in ws]
+        clients += workers
+        await _check_weight_transfer(scenario, workers)
         envs = [EnvClient(a, name=h.name)
                 for a, h in zip(addrs.env_hosts, scenario.env_hosts, strict=True)]
         # A collective broadcast is a rendezvous plus start / update / finish on every worker,
