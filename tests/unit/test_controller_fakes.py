@@ -2,7 +2,8 @@
 
 - ``FakeTokenizer``: ChatML over characters (id = 16 + code point; specials below 16).
 - ``FakeWorker``: answers with a scripted text per request (a ``respond`` function), its own
-  version on every token, logprob -0.5 per token; optional latency; honours pause / abort / dead.
+  version on every token, logprob -0.5 per token; optional latency; honours pause / abort / dead;
+  resolves delta prompts with the real ``PrefixStore`` (``prompts``: each request's whole prompt).
 - ``FakeEnvHost``: env ``"count"`` terminates after ``turns`` steps (reward 1 if the action is
   ``"ok"``); per-seed latency and failures.
 - ``FakeReward`` / ``FakeTrainer``: scripted reward service and trainer.
@@ -19,7 +20,9 @@ import msgspec
 
 from rollart.config import Scenario, parse_scenario
 from rollart.controller.ports import TrainResult
+from rollart.inference.prefixes import DEFAULT_MAX_PREFIX_TOKENS, PrefixStore
 from rollart.transport import messages as m
+from rollart.transport import tokenbytes as tb
 from rollart.transport.errors import EnvError, PeerDeadError, RemoteError, RewardError
 
 SPECIALS = {"<|pad|>": 0, "<|im_start|>": 1, "<|im_end|>": 2}
@@ -71,8 +74,14 @@ class FakeWorker:
     ``max_tokens`` with finish "length"."""
 
     def __init__(self, name: str, respond: Callable[[m.Generate], str] | None = None, *,
-                 latency_s: float = 0.0, add_eos: bool = True) -> None:
+                 latency_s: float = 0.0, add_eos: bool = True,
+                 max_prefix_tokens: int = DEFAULT_MAX_PREFIX_TOKENS) -> None:
         self.name = name
+        self.prefixes = PrefixStore(max_prefix_tokens)
+        #: the whole prompt (token ids) of each request, resolved from its delta
+        self.prompts: list[list[int]] = []
+        #: requests failed with ``prefix_unknown``
+        self.prefix_misses: list[m.Generate] = []
         self.respond = respond or (lambda req: "ok")
         self.latency_s = latency_s
         self.add_eos = add_eos
@@ -101,7 +110,14 @@ class FakeWorker:
     async def generate(self, request: m.Generate, *, timeout_s=None) -> m.GenerateResult:
         if self._dead:
             raise PeerDeadError(f"{self.name} is dead")
+        try:
+            prompt = self.prefixes.take_prompt(request)
+        except RemoteError as exc:
+            if exc.code == "prefix_unknown":
+                self.prefix_misses.append(request)
+            raise
         self.requests.append(request)
+        self.prompts.append(tb.view_i32(prompt).tolist())
         self.in_flight += 1
         try:
             await self._running.wait()
@@ -124,9 +140,12 @@ class FakeWorker:
         finally:
             self.in_flight -= 1
         self.last_stats = self._stats()
-        return m.GenerateResult(request_id=request.request_id, token_ids=ids,
-                                logprobs=[-0.5] * len(ids), versions=[self.version] * len(ids),
-                                finish_reason=finish, num_prompt_tokens=len(request.prompt_token_ids),
+        token_bytes = tb.pack_i32(ids)
+        self.prefixes.keep(request.trajectory_id, prompt, token_bytes)
+        return m.GenerateResult(request_id=request.request_id, token_ids=token_bytes,
+                                logprobs=tb.pack_f32([-0.5] * len(ids)),
+                                versions=tb.pack_i32([self.version] * len(ids)),
+                                finish_reason=finish, num_prompt_tokens=len(prompt) // 4,
                                 stats=self.last_stats)
 
     async def abort(self, request_id: str) -> None:
@@ -300,11 +319,12 @@ def _toml(v: Any) -> str:
 
 async def test_fakes_smoke() -> None:
     w = FakeWorker("w")
-    req = m.Generate(request_id="r", prompt_token_ids=[1, 2],
+    req = m.Generate(request_id="r", new_token_ids=tb.pack_i32([1, 2]),
                      sampling=m.SamplingParams(max_tokens=2))
     res = await w.generate(req)
-    assert res.finish_reason == "length" and len(res.token_ids) == 2
-    with_eos = await w.generate(m.Generate(request_id="r2", prompt_token_ids=[1],
+    assert res.finish_reason == "length" and res.num_tokens == 2
+    with_eos = await w.generate(m.Generate(request_id="r2", new_token_ids=tb.pack_i32([1]),
                                            sampling=m.SamplingParams(max_tokens=8)))
-    assert with_eos.token_ids == [*TOK.encode("ok"), 2] and with_eos.finish_reason == "stop"
+    assert tb.view_i32(with_eos.token_ids).tolist() == [*TOK.encode("ok"), 2]
+    assert with_eos.finish_reason == "stop"
     assert isinstance(RemoteError("x", "y"), Exception)

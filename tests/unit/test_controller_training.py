@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import math
 
+import msgspec
 import pytest
 from test_controller_fakes import FakeWorker
 
 from rollart.controller.sample import Sample
 from rollart.controller.training import RemoteTrainer, grpo_advantages, to_train_samples
 from rollart.transport import messages as m
+from rollart.transport import tokenbytes as tb
 from rollart.transport.errors import RollartError
 
 
@@ -32,7 +34,12 @@ def test_grpo_advantages_are_group_relative() -> None:
 
 def test_to_train_samples_carries_tokens_and_rejects_unusable_samples() -> None:
     (ts,) = to_train_samples([sample("a", "g", 1.0)])
-    assert ts.loss_mask == [0, 0, 0, 1, 1] and ts.sample_id == "a" and ts.advantage == 0.0
+    assert tb.view_u8(ts.loss_mask).tolist() == [0, 0, 0, 1, 1]
+    assert ts.sample_id == "a" and ts.advantage == 0.0
+    # Over the wire each per-token field is one bin of the sample's own bytes.
+    wire = msgspec.msgpack.decode(msgspec.msgpack.encode(ts), type=m.TrainSample)
+    assert tb.view_i32(wire.token_ids).tolist() == [5] * 5 and wire.num_loss_tokens == 2
+    assert tb.view_f32(wire.behaviour_logprobs).tolist() == [0.0] * 3 + [-1.0] * 2
     with pytest.raises(ValueError, match="no generated token"):
         to_train_samples([sample("a", "g", 1.0, n_gen=0)])
 

@@ -17,6 +17,7 @@ from rollart.controller.trajectory import (
     TrajectoryStale,
     run_trajectory,
 )
+from rollart.transport import tokenbytes as tb
 from rollart.transport.errors import RemoteError
 
 
@@ -51,18 +52,22 @@ async def test_token_bookkeeping_is_exact() -> None:
     prompt = TOK.encode(chatml(("user", "start 7")))
     gen = [*TOK.encode("ok"), TOK.eos_token_id]
     obs = TOK.encode("\n" + chatml(("user", "obs 1")))
-    assert sample.token_ids == prompt + gen + obs + gen
-    assert sample.loss_mask == [0] * len(prompt) + [1] * 3 + [0] * len(obs) + [1] * 3
-    assert sample.behaviour_logprobs == (
+    assert sample.token_ids.tolist() == prompt + gen + obs + gen
+    assert sample.loss_mask.tolist() == [0] * len(prompt) + [1] * 3 + [0] * len(obs) + [1] * 3
+    assert sample.behaviour_logprobs.tolist() == (
         [0.0] * len(prompt) + [-0.5] * 3 + [0.0] * len(obs) + [-0.5] * 3
     )
-    assert sample.versions == [-1] * len(prompt) + [0] * 3 + [-1] * len(obs) + [0] * 3
+    assert sample.versions.tolist() == [-1] * len(prompt) + [0] * 3 + [-1] * len(obs) + [0] * 3
     # The same as tokenising the whole conversation (for this tokenizer), minus the final "\n".
     whole = chatml(("user", "start 7"), ("assistant", "ok"), ("user", "obs 1"), ("assistant", "ok"),
                    gen=False)
-    assert sample.token_ids == TOK.encode(whole)[:-1]
-    # Turn 2's prompt is exactly the sequence so far: nothing was re-tokenised.
-    assert worker.requests[1].prompt_token_ids == prompt + gen + obs
+    assert sample.token_ids.tolist() == TOK.encode(whole)[:-1]
+    # Turn 2's prompt is exactly the sequence so far: nothing was re-tokenised...
+    assert worker.prompts[1] == prompt + gen + obs
+    # ...and only the observation travelled: the worker held the prompt and its own tokens.
+    second = worker.requests[1]
+    assert second.prefix_len == len(prompt + gen) and second.trajectory_id == tid
+    assert tb.view_i32(second.new_token_ids).tolist() == obs
     assert sample.reward == 2.0 and sample.num_turns == 2
     assert sample.finish_reason == "terminated"
     assert env.closed == env.opened  # session closed after success
@@ -74,7 +79,7 @@ async def test_engine_token_ids_are_kept_not_retokenised() -> None:
     ctx, buffer, domains = make_ctx(worker, FakeEnvHost(turns=1))
     (tid, *_) = buffer.try_start_group("g0")
     sample = await run_trajectory(ctx, tid, "g0", domains["math"], seed=1)
-    gen = sample.token_ids[-4:]
+    gen = sample.token_ids[-4:].tolist()
     assert gen == [16 + ord("o"), 0, 16 + ord("k"), TOK.eos_token_id]
     assert ctx.rewards.service.calls[0]["response"] == "ok"
 
@@ -96,7 +101,8 @@ async def test_stop_without_eos_closes_the_turn_with_an_unmasked_eos() -> None:
     ctx, buffer, domains = make_ctx(worker, FakeEnvHost(turns=2))
     (tid, *_) = buffer.try_start_group("g0")
     sample = await run_trajectory(ctx, tid, "g0", domains["math"], seed=1)
-    first_gen_end = sample.loss_mask.index(0, sample.loss_mask.index(1))
+    mask = sample.loss_mask.tolist()
+    first_gen_end = mask.index(0, mask.index(1))
     assert sample.token_ids[first_gen_end] == TOK.eos_token_id
     assert sample.loss_mask[first_gen_end] == 0
     assert sample.finish_reason == "terminated"
@@ -110,7 +116,8 @@ async def test_trajectory_token_budget() -> None:
     sample = await run_trajectory(ctx, tid, "g0", domains["math"], seed=1)
     assert sample.finish_reason == "max_tokens"
     assert len(sample.token_ids) <= 60
-    assert all(r.sampling.max_tokens <= 60 - len(r.prompt_token_ids) for r in worker.requests)
+    assert all(r.sampling.max_tokens <= 60 - len(p)
+               for r, p in zip(worker.requests, worker.prompts, strict=True))
 
 
 async def test_prompt_longer_than_the_budget_fails_instead_of_an_empty_sample() -> None:

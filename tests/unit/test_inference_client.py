@@ -9,6 +9,7 @@ import torch
 
 from rollart.inference.client import InferenceClient, plan_buckets
 from rollart.transport import messages as m
+from rollart.transport import tokenbytes as tb
 from rollart.transport.errors import PeerDeadError, RemoteError, RemoteTimeoutError
 from rollart.transport.rpc import RpcServer
 from rollart.transport.tensors import decode_bucket
@@ -36,11 +37,11 @@ class FakeWorker:
         self._abort_events.pop(msg.request_id, None)
         return m.GenerateResult(
             request_id=msg.request_id,
-            token_ids=[1],
-            logprobs=[-0.5],
-            versions=[3],
+            token_ids=tb.pack_i32([1]),
+            logprobs=tb.pack_f32([-0.5]),
+            versions=tb.pack_i32([3]),
             finish_reason="abort" if ev.is_set() else "length",
-            num_prompt_tokens=len(msg.prompt_token_ids),
+            num_prompt_tokens=msg.num_new_tokens,
             stats=self.stats(),
         )
 
@@ -91,7 +92,8 @@ async def served():
 
 def gen(rid: str, max_tokens: int = 100) -> m.Generate:
     return m.Generate(
-        request_id=rid, prompt_token_ids=[1, 2], sampling=m.SamplingParams(max_tokens=max_tokens)
+        request_id=rid, new_token_ids=tb.pack_i32([1, 2]),
+        sampling=m.SamplingParams(max_tokens=max_tokens),
     )
 
 

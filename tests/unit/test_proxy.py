@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 import asyncio
 
 import pytest
@@ -9,12 +10,13 @@ from test_controller_fakes import FakeWorker
 
 from rollart.controller.proxy import LLMProxy, PoolExhaustedError
 from rollart.transport import messages as m
+from rollart.transport import tokenbytes as tb
 from rollart.transport.errors import ConfigError
 
 
-def req(rid: str) -> m.Generate:
-    return m.Generate(request_id=rid, prompt_token_ids=[1, 2, 3],
-                      sampling=m.SamplingParams(max_tokens=8))
+def req(rid: str) -> tuple[str, array.array, m.SamplingParams]:
+    """``proxy.generate``'s request arguments: request id, whole prompt, sampling."""
+    return rid, array.array("i", [1, 2, 3]), m.SamplingParams(max_tokens=8)
 
 
 def stats(name: str, running: int) -> m.WorkerStats:
@@ -30,8 +32,8 @@ def two_pools():
 
 async def test_domain_affinity_picks_the_pool() -> None:
     proxy, a1, a2, b1 = two_pools()
-    await proxy.generate("t1", "decode_heavy", req("r1"))
-    await proxy.generate("t2", "prefill_heavy", req("r2"))
+    await proxy.generate("t1", "decode_heavy", *req("r1"))
+    await proxy.generate("t2", "prefill_heavy", *req("r2"))
     assert [r.request_id for r in b1.requests] == ["r1"]
     assert len(a1.requests) + len(a2.requests) == 1
     assert proxy.pool_of("decode_heavy").hardware == "h20"
@@ -40,7 +42,7 @@ async def test_domain_affinity_picks_the_pool() -> None:
 async def test_set_affinity_moves_a_domain_and_rejects_unknown_pools() -> None:
     proxy, a1, a2, b1 = two_pools()
     proxy.set_affinity("decode_heavy", "A")
-    await proxy.generate("t1", "decode_heavy", req("r1"))
+    await proxy.generate("t1", "decode_heavy", *req("r1"))
     assert b1.requests == []
     with pytest.raises(ConfigError, match="unknown pool 'C'"):
         proxy.set_affinity("decode_heavy", "C")
@@ -56,7 +58,7 @@ async def test_least_loaded_uses_reported_and_local_load() -> None:
     # Local in-flight requests count even before any report reflects them.
     a1.last_stats, a2.last_stats = stats("a1", 0), stats("a2", 0)
     a1.latency_s = a2.latency_s = 10.0
-    tasks = [asyncio.create_task(proxy.generate(f"t{i}", "prefill_heavy", req(f"r{i}")))
+    tasks = [asyncio.create_task(proxy.generate(f"t{i}", "prefill_heavy", *req(f"r{i}")))
              for i in range(10, 14)]
     for _ in range(10):
         await asyncio.sleep(0)
@@ -68,15 +70,15 @@ async def test_least_loaded_uses_reported_and_local_load() -> None:
 
 async def test_sticky_per_trajectory_even_when_another_worker_is_idler() -> None:
     proxy, a1, a2, _ = two_pools()
-    await proxy.generate("t1", "prefill_heavy", req("r1"))
+    await proxy.generate("t1", "prefill_heavy", *req("r1"))
     first = a1 if a1.requests else a2
     other = a2 if first is a1 else a1
     first.last_stats, other.last_stats = stats(first.name, 9), stats(other.name, 0)
-    await proxy.generate("t1", "prefill_heavy", req("r2"))
+    await proxy.generate("t1", "prefill_heavy", *req("r2"))
     assert [r.request_id for r in first.requests] == ["r1", "r2"]
     proxy.release("t1")
     first.last_stats = stats(first.name, 9)  # its reply refreshed the stats
-    await proxy.generate("t1", "prefill_heavy", req("r3"))
+    await proxy.generate("t1", "prefill_heavy", *req("r3"))
     assert [r.request_id for r in other.requests] == ["r3"]
 
 
@@ -84,7 +86,7 @@ async def test_dead_worker_is_removed_and_its_request_rerouted() -> None:
     proxy, a1, a2, _ = two_pools()
     a1.latency_s = 0.05
     a2.last_stats = stats("a2", 3)  # so the first request goes to a1
-    task = asyncio.create_task(proxy.generate("t1", "prefill_heavy", req("r1")))
+    task = asyncio.create_task(proxy.generate("t1", "prefill_heavy", *req("r1")))
     for _ in range(10):
         await asyncio.sleep(0)
     assert [r.request_id for r in a1.requests] == ["r1"]
@@ -93,7 +95,7 @@ async def test_dead_worker_is_removed_and_its_request_rerouted() -> None:
     assert result.request_id == "r1" and [r.request_id for r in a2.requests] == ["r1"]
     assert proxy.pools["A"].removed == ["a1"] and proxy.num_rerouted == 1
     # Later routing never picks it again; sticky entries to it are gone.
-    await proxy.generate("t1", "prefill_heavy", req("r2"))
+    await proxy.generate("t1", "prefill_heavy", *req("r2"))
     assert len(a1.requests) == 1
 
 
@@ -101,13 +103,13 @@ async def test_pool_exhausted_is_fatal_and_distinct() -> None:
     proxy, _, _, b1 = two_pools()
     b1.kill()
     with pytest.raises(PoolExhaustedError, match="pool 'B'"):
-        await proxy.generate("t1", "decode_heavy", req("r1"))
+        await proxy.generate("t1", "decode_heavy", *req("r1"))
 
 
 async def test_cancelling_the_caller_aborts_the_request() -> None:
     proxy, _, _, b1 = two_pools()
     b1.latency_s = 30.0
-    task = asyncio.create_task(proxy.generate("t1", "decode_heavy", req("r1")))
+    task = asyncio.create_task(proxy.generate("t1", "decode_heavy", *req("r1")))
     for _ in range(10):
         await asyncio.sleep(0)
     task.cancel()
@@ -120,7 +122,7 @@ async def test_cancelling_the_caller_aborts_the_request() -> None:
 async def test_pause_apply_resume_on_every_worker() -> None:
     proxy, a1, a2, b1 = two_pools()
     await proxy.pause()
-    b1_task = asyncio.create_task(proxy.generate("t1", "decode_heavy", req("r1")))
+    b1_task = asyncio.create_task(proxy.generate("t1", "decode_heavy", *req("r1")))
     await asyncio.sleep(0.01)
     assert not b1_task.done()  # paused: the request waits
     applied = await proxy.apply_weights(3, reprefill=True)
@@ -128,7 +130,7 @@ async def test_pause_apply_resume_on_every_worker() -> None:
     assert a1.applied == a2.applied == b1.applied == [(3, True)]
     await proxy.resume()
     result = await b1_task
-    assert set(result.versions) == {3}
+    assert set(tb.view_i32(result.versions).tolist()) == {3}
 
 
 async def test_weight_sync_drops_dead_workers_but_fails_on_an_empty_pool() -> None:

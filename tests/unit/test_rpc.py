@@ -62,7 +62,8 @@ async def test_handler_error_is_per_item_and_server_keeps_serving():
         assert info.value.code == "internal" and "kaput" in info.value.message
         with pytest.raises(RemoteError) as info:
             await client.call(m.Generate(
-                request_id="r", prompt_token_ids=[1], sampling=m.SamplingParams(max_tokens=1)))
+                request_id="r", new_token_ids=b"\x01\x00\x00\x00",
+                sampling=m.SamplingParams(max_tokens=1)))
         assert info.value.code == "unknown_kind"
         reply, _ = await client.call(m.EnvClose(session_id="ok"))
         assert isinstance(reply, m.Ack)

@@ -22,6 +22,7 @@ from rollart.sim.workload import (
     observation,
 )
 from rollart.transport import messages as m
+from rollart.transport import tokenbytes as tb
 from rollart.transport.errors import PeerDeadError, RemoteError, RemoteTimeoutError
 
 TABLE = DomainTable([DomainSpec("fixed", response_tokens=const(100)),
@@ -38,8 +39,16 @@ def _worker(**kw) -> SimInferenceWorker:
 def _req(rid: str, domain: str = "fixed", prompt: int = 999, max_tokens: int = 4096,
          ids: list[int] | None = None) -> m.Generate:
     ids = ids if ids is not None else TOK.encode(observation(domain, prompt, tag=rid))
-    return m.Generate(request_id=rid, prompt_token_ids=ids,
+    return m.Generate(request_id=rid, new_token_ids=tb.pack_i32(ids),
                       sampling=m.SamplingParams(max_tokens=max_tokens))
+
+
+def ids_of(res: m.GenerateResult) -> list[int]:
+    return tb.view_i32(res.token_ids).tolist()
+
+
+def versions_of(res: m.GenerateResult) -> list[int]:
+    return tb.view_i32(res.versions).tolist()
 
 
 def _step(batch: int, kv: float) -> float:
@@ -53,9 +62,9 @@ def test_single_request_time_is_prefill_plus_decode_steps() -> None:
         return res, asyncio.get_running_loop().time()
 
     res, t = run_virtual(main)
-    assert len(res.token_ids) == 100 and res.finish_reason == "stop"
-    assert res.token_ids[-1] == EOS_TOKEN_ID
-    assert res.versions == [0] * 100 and len(res.logprobs) == 100
+    assert len(ids_of(res)) == 100 and res.finish_reason == "stop"
+    assert ids_of(res)[-1] == EOS_TOKEN_ID
+    assert versions_of(res) == [0] * 100 and res.num_tokens == 100 and len(res.logprobs) == 400
     assert res.num_prompt_tokens == 1000
     # Prefill of 1000 tokens emits token 1; 99 decode steps hold 1001..1099 cached tokens,
     # whose mean is 1050: time = prefill + 99 * step(kv=1050).
@@ -68,8 +77,8 @@ def test_max_tokens_truncates_with_length() -> None:
         return await _worker().generate(_req("a", max_tokens=10))
 
     res = run_virtual(main)
-    assert len(res.token_ids) == 10 and res.finish_reason == "length"
-    assert EOS_TOKEN_ID not in res.token_ids
+    assert len(ids_of(res)) == 10 and res.finish_reason == "length"
+    assert EOS_TOKEN_ID not in ids_of(res)
 
 
 def test_batching_shares_steps() -> None:
@@ -125,7 +134,7 @@ def test_abort_returns_partial_tokens() -> None:
     res, stats = run_virtual(main)
     assert res.finish_reason == "abort"
     # ~1 s of decoding at ~7.6 ms per step (prefill 33 ms first).
-    assert 100 < len(res.token_ids) < 200
+    assert 100 < len(ids_of(res)) < 200
     assert stats.num_running == 0 and stats.num_waiting == 0
 
 
@@ -172,8 +181,9 @@ def test_pause_apply_resume_marks_versions_and_checks_staging() -> None:
     assert applied.version == 1
     # 16.4e9 B host -> device at 25e9 B/s
     assert applied.apply_time_s == pytest.approx(0.656)
-    assert res.versions[0] == 0 and res.versions[-1] == 1
-    assert res.versions == sorted(res.versions) and len(res.versions) == 4096  # max_tokens
+    assert versions_of(res)[0] == 0 and versions_of(res)[-1] == 1
+    vs = versions_of(res)
+    assert vs == sorted(vs) and len(vs) == 4096  # max_tokens
 
 
 class _Fake:
@@ -191,7 +201,7 @@ def test_pause_abort_returns_everything() -> None:
 
     results = run_virtual(main)
     assert [r.finish_reason for r in results] == ["abort"] * 3
-    assert len(results[0].token_ids) > 0 and len(results[2].token_ids) == 0
+    assert len(ids_of(results[0])) > 0 and len(ids_of(results[2])) == 0
 
 
 def test_kill_raises_peer_dead() -> None:
@@ -215,7 +225,7 @@ def test_prefix_cache_skips_the_cached_prompt() -> None:
         loop = asyncio.get_running_loop()
         first = await w.generate(_req("t1", prompt=8000))
         turn2 = first_prompt = TOK.encode(observation("fixed", 8000, tag="t1"))
-        turn2 = first_prompt + first.token_ids + TOK.encode(observation("fixed", 50))
+        turn2 = first_prompt + ids_of(first) + TOK.encode(observation("fixed", 50))
         t0 = loop.time()
         await w.generate(_req("t2", ids=turn2))
         return loop.time() - t0
@@ -235,7 +245,7 @@ def test_preemption_under_small_kv_cache_still_completes() -> None:
                                                       domain="long")) for i in range(3)))
 
     results = run_virtual(main)
-    assert [len(r.token_ids) for r in results] == [1000] * 3
+    assert [len(ids_of(r)) for r in results] == [1000] * 3
 
 
 def test_prompt_over_capacity_is_an_engine_error() -> None:
@@ -251,7 +261,7 @@ def test_lengths_depend_on_seed_and_request_not_order() -> None:
     async def main(order: list[int], seed: int) -> dict[str, int]:
         w = _worker(seed=seed)
         res = await asyncio.gather(*(w.generate(_req(f"r{i}", domain="varied")) for i in order))
-        return {r.request_id: len(r.token_ids) for r in res}
+        return {r.request_id: len(ids_of(r)) for r in res}
 
     a = run_virtual(lambda: main([0, 1, 2, 3], 7))
     b = run_virtual(lambda: main([3, 2, 1, 0], 7))
@@ -291,4 +301,4 @@ def test_zero_time_scale_answers_without_simulated_time() -> None:
         return res, asyncio.get_running_loop().time()
 
     res, t = run_virtual(main)
-    assert len(res.token_ids) == 100 and t == 0.0
+    assert len(ids_of(res)) == 100 and t == 0.0

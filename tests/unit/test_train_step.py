@@ -19,6 +19,7 @@ from rollart.trainer.step import (
     token_logprobs,
     train_step,
 )
+from rollart.transport import tokenbytes as tb
 
 SPEC = TinyModelSpec(seed=0, hidden_size=64, num_layers=1, num_heads=2, intermediate_size=128)
 # Gradients of one big batch vs. accumulated micro-batches differ only by float32 summation
@@ -46,7 +47,7 @@ def make_samples(model, n=6, *, noise=0.0, seed=0):
             lp = token_logprobs(model, x, torch.ones_like(x))[0]
         blp = [float(v) - noise if m else 0.0 for v, m in zip(lp, mask, strict=True)]
         samples.append(
-            TrainSample(
+            TrainSample.from_lists(
                 token_ids=ids,
                 loss_mask=mask,
                 behaviour_logprobs=blp,
@@ -89,14 +90,14 @@ def test_pack_microbatches_respects_budget_and_covers_all(model):
 
 
 def test_collate_pads_right():
-    s = TrainSample(
+    s = TrainSample.from_lists(
         token_ids=[5, 6, 7],
         loss_mask=[0, 1, 1],
         behaviour_logprobs=[0.0, -1.0, -2.0],
         advantage=0.5,
         sample_id="a",
     )
-    t = TrainSample(
+    t = TrainSample.from_lists(
         token_ids=[8, 9],
         loss_mask=[0, 1],
         behaviour_logprobs=[0.0, -3.0],
@@ -159,8 +160,8 @@ def test_train_step_changes_weights_with_finite_metrics(model):
 
 def test_positive_advantage_raises_the_sample_likelihood(model):
     s = make_samples(model, n=1)[0]
-    x = torch.tensor([s.token_ids])
-    mask = torch.tensor([s.loss_mask], dtype=torch.bool)
+    x = torch.tensor([tb.view_i32(s.token_ids).tolist()])
+    mask = torch.tensor([tb.view_u8(s.loss_mask).tolist()], dtype=torch.bool)
 
     def generated_logprob():
         with torch.no_grad():
@@ -233,9 +234,18 @@ def test_train_sample_validation(kwargs, match):
     )
     base.update(kwargs)
     with pytest.raises(ValueError, match=match):
-        TrainSample(**base)
+        TrainSample.from_lists(**base)
+    packed = dict(base, token_ids=tb.pack_i32(base["token_ids"]),
+                  loss_mask=tb.pack_u8(base["loss_mask"]),
+                  behaviour_logprobs=tb.pack_f32(base["behaviour_logprobs"]))
     with pytest.raises(msgspec.ValidationError, match=match):
-        msgspec.json.decode(msgspec.json.encode(base), type=TrainSample)
+        msgspec.msgpack.decode(msgspec.msgpack.encode(packed), type=TrainSample)
+
+
+def test_train_sample_rejects_ragged_bytes():
+    with pytest.raises(ValueError, match="not a whole number of 4-byte items"):
+        TrainSample(token_ids=b"\x05\x00\x00\x00\x06\x00", loss_mask=b"\x00\x01",
+                    behaviour_logprobs=tb.pack_f32([0.0, -1.0]), advantage=1.0, sample_id="r")
 
 
 def test_train_step_rejects_empty_batch(model):

@@ -35,7 +35,7 @@ def _scenario(trainer: str, pools: str = ""):
 
 
 def _sample(i: int, length: int) -> TrainSample:
-    return TrainSample(token_ids=[5] * length, loss_mask=[0] + [1] * (length - 1),
+    return TrainSample.from_lists(token_ids=[5] * length, loss_mask=[0] + [1] * (length - 1),
                        behaviour_logprobs=[0.0] + [-1.0] * (length - 1), advantage=1.0,
                        sample_id=f"s{i}")
 

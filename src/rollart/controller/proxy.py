@@ -10,6 +10,13 @@ Routing of one generate call for trajectory ``traj_id`` of domain ``d``:
    ``WorkerStats`` (covers work from other clients), ``local`` = requests this proxy has in flight
    there (covers requests sent since that report). Ties go to the first worker in pool order.
 
+Prompts travel as deltas (``Generate.prefix_len``): the proxy remembers, per trajectory, which
+worker holds how many of its tokens (the prompt and generated tokens of its last turn there) and
+sends only the tokens after them. A re-routed trajectory (new worker) sends its whole prompt; a
+worker that answers ``prefix_unknown`` (restarted, evicted the prefix) gets the whole prompt once
+more (counted in ``num_prefix_resends``). A finished trajectory's id rides on the next
+``Generate`` to its worker (``Generate.release``) so the worker can free its prefix.
+
 A worker that raises ``PeerDeadError`` (or reports ``dead``) is removed from its pool and the
 request is re-sent to another worker of the same pool; when a pool has no live worker left the
 call raises :class:`PoolExhaustedError`, a fatal error for the run (distinct from per-request
@@ -19,17 +26,24 @@ on the worker (the client's contract).
 
 from __future__ import annotations
 
+import array
 import asyncio
 import logging
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 from rollart.controller.ports import GenerationBackend
 from rollart.transport import messages as m
-from rollart.transport.errors import ConfigError, PeerDeadError
+from rollart.transport.errors import ConfigError, PeerDeadError, RemoteError
 
 log = logging.getLogger(__name__)
+
+
+#: finished trajectory ids kept per worker until a Generate carries them; beyond this the
+#: oldest are forgotten (the worker's LRU bound frees those prefixes anyway)
+MAX_PENDING_RELEASES = 1024
 
 
 class PoolExhaustedError(PeerDeadError):
@@ -80,9 +94,19 @@ class LLMProxy:
             self.set_affinity(domain, pool)
         self._in_flight: dict[str, int] = {name: 0 for name in seen}
         self._sticky: dict[str, GenerationBackend] = {}
+        #: trajectory -> (worker, number of its tokens that worker holds)
+        self._held: dict[str, tuple[GenerationBackend, int]] = {}
+        self._releases: dict[str, deque[str]] = {
+            name: deque(maxlen=MAX_PENDING_RELEASES) for name in seen
+        }
         self.version = version
         #: requests re-sent after their worker died (a count, for metrics)
         self.num_rerouted = 0
+        #: whole prompts re-sent because a worker answered ``prefix_unknown``
+        self.num_prefix_resends = 0
+        #: prompt tokens sent to workers (deltas), and the tokens those prompts held in all
+        self.num_prompt_tokens_sent = 0
+        self.num_prompt_tokens = 0
 
     # -- configuration ----------------------------------------------------------------------
 
@@ -128,6 +152,9 @@ class LLMProxy:
         for traj, w in list(self._sticky.items()):
             if w is worker:
                 del self._sticky[traj]
+        for traj, (w, _) in list(self._held.items()):
+            if w is worker:
+                del self._held[traj]
 
     def route(self, traj_id: str, domain: str) -> GenerationBackend:
         """Pick the worker for ``traj_id``'s next turn (sticky, else least-loaded).
@@ -154,30 +181,67 @@ class LLMProxy:
         self,
         traj_id: str,
         domain: str,
-        request: m.Generate,
+        request_id: str,
+        prompt: array.array,
+        sampling: m.SamplingParams,
         *,
         timeout_s: float | None = None,
     ) -> m.GenerateResult:
         """Generate one turn of ``traj_id`` on a worker of ``domain``'s pool.
 
+        ``prompt``: the whole prompt, an ``array.array('i')`` of token ids (the trajectory's
+        sequence so far); only the tokens after what the worker holds are copied and sent.
+
         Raises:
             RemoteError: the worker failed this request (per trajectory).
             PoolExhaustedError: fatal, see :meth:`route`.
         """
+        total = len(prompt)
         while True:
             worker = self.route(traj_id, domain)
+            held_by, held = self._held.pop(traj_id, (None, 0))
+            if held_by is not worker or held > total:
+                held = 0
+            pending = self._releases[worker.name]
+            release = list(pending)
+            pending.clear()
+            with memoryview(prompt) as view:
+                new = view[held:].tobytes()
+            request = m.Generate(
+                request_id=request_id, new_token_ids=new, sampling=sampling,
+                trajectory_id=traj_id, prefix_len=held, release=release,
+            )
+            self.num_prompt_tokens_sent += total - held
+            self.num_prompt_tokens += total
             self._in_flight[worker.name] += 1
+            result = None
             try:
-                return await worker.generate(request, timeout_s=timeout_s)
+                result = await worker.generate(request, timeout_s=timeout_s)
             except PeerDeadError as exc:
                 self._remove(self.pool_of(domain), worker, f"{type(exc).__name__}: {exc}")
                 self.num_rerouted += 1
+                continue
+            except RemoteError as exc:
+                if exc.code != "prefix_unknown" or held == 0:
+                    raise
+                self.num_prefix_resends += 1  # next pass: held_by is gone, so prefix_len 0
+                continue
             finally:
                 self._in_flight[worker.name] -= 1
+                if result is None and not worker.dead:
+                    # failed, cancelled or timed out: the worker may still hold the old prefix
+                    pending.append(traj_id)
+            if result.finish_reason != "abort":
+                self._held[traj_id] = (worker, total + result.num_tokens)
+            return result
 
     def release(self, traj_id: str) -> None:
-        """Forget ``traj_id``'s sticky worker (the trajectory ended)."""
+        """Forget ``traj_id``'s sticky worker (the trajectory ended); that worker is told to
+        drop the trajectory's prefix with its next ``Generate``."""
         self._sticky.pop(traj_id, None)
+        held_by, _ = self._held.pop(traj_id, (None, 0))
+        if held_by is not None:
+            self._releases[held_by.name].append(traj_id)
 
     # -- weight sync ------------------------------------------------------------------------
 

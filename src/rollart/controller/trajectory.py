@@ -22,6 +22,7 @@ trajectory ends), ``max_tokens`` (the sequence budget ran out), ``max_turns``.
 
 from __future__ import annotations
 
+import array
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
@@ -35,6 +36,7 @@ from rollart.controller.sample import Sample
 from rollart.controller.services import EnvHostsExhaustedError, EnvRouter, RewardRouter
 from rollart.controller.tokens import ChatTokens
 from rollart.transport import messages as m
+from rollart.transport import tokenbytes as tb
 from rollart.transport.errors import (
     EnvError,
     PeerDeadError,
@@ -47,6 +49,8 @@ log = logging.getLogger(__name__)
 
 #: seconds allowed for closing an env session during cleanup
 CLOSE_TIMEOUT_S = 10.0
+#: int32 -1 (the version of a token the policy did not generate), little-endian
+_NO_VERSION = b"\xff\xff\xff\xff"
 
 
 class TrajectoryFailed(Exception):
@@ -123,10 +127,12 @@ async def run_trajectory(
     run, envs, chat = ctx.run, ctx.envs, ctx.chat[domain.name]
     t_start = ctx.clock()
     session_id: str | None = None
-    token_ids: list[int] = []
-    loss_mask: list[int] = []
-    logprobs: list[float] = []
-    versions: list[int] = []
+    # The training sequence grows in place, turn by turn, as compact arrays (13 bytes per
+    # token); a turn's tokens are appended from the reply's bytes with one memcpy each.
+    token_ids = array.array("i")
+    loss_mask = array.array("b")
+    logprobs = array.array("f")
+    versions = array.array("i")
     num_generated = 0
     if ctx.barrier is not None:
         ctx.barrier.join(traj_id)
@@ -144,11 +150,11 @@ async def run_trajectory(
             messages.append({"role": "system", "content": domain.system_prompt})
         prompt_text = domain.prompt_template.format(observation=opened.observation)
         messages.append({"role": "user", "content": prompt_text})
-        token_ids = chat.prompt_ids(messages)
-        loss_mask = [0] * len(token_ids)
-        logprobs = [0.0] * len(token_ids)
-        versions = [-1] * len(token_ids)
+        token_ids.extend(chat.prompt_ids(messages))
         num_prompt = len(token_ids)
+        loss_mask.frombytes(bytes(num_prompt))
+        logprobs.frombytes(bytes(4 * num_prompt))
+        versions.frombytes(_NO_VERSION * num_prompt)
         sampling = domain.sampling
         max_turns = domain.max_turns or run.max_turns
         env_return = 0.0
@@ -177,43 +183,44 @@ async def run_trajectory(
             max_new = min(run.max_tokens_per_turn, budget)
             if ctx.barrier is not None:
                 await ctx.barrier.wait(traj_id)
-            request = m.Generate(
-                request_id=f"{traj_id}/t{turn}",
-                prompt_token_ids=list(token_ids),
-                sampling=m.SamplingParams(
-                    max_tokens=max_new,
-                    temperature=sampling.temperature,
-                    top_p=sampling.top_p,
-                    top_k=sampling.top_k,
-                ),
+            params = m.SamplingParams(
+                max_tokens=max_new,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                top_k=sampling.top_k,
             )
             try:
-                result = await ctx.proxy.generate(traj_id, domain.name, request,
-                                                  timeout_s=run.generate_timeout_s)
+                result = await ctx.proxy.generate(
+                    traj_id, domain.name, f"{traj_id}/t{turn}", token_ids, params,
+                    timeout_s=run.generate_timeout_s,
+                )
             except RemoteTimeoutError as exc:
                 raise TrajectoryFailed("generation_timeout", str(exc), num_generated) from exc
             except RemoteError as exc:
                 raise TrajectoryFailed("generation_error", str(exc), num_generated) from exc
-            n = len(result.token_ids)
-            if len(result.logprobs) != n or len(result.versions) != n:
+            sizes = [len(result.token_ids), len(result.logprobs), len(result.versions)]
+            n = sizes[0] // 4
+            if sizes[0] % 4 or sizes != [4 * n] * 3:
                 raise TrajectoryFailed(
                     "generation_error",
-                    f"worker returned {n} tokens, {len(result.logprobs)} logprobs, "
-                    f"{len(result.versions)} versions",
+                    f"worker returned {sizes[0]} bytes of token ids, {sizes[1]} of logprobs, "
+                    f"{sizes[2]} of versions (4 per token each)",
                     num_generated,
                 )
-            token_ids += result.token_ids
-            loss_mask += [1] * n
-            logprobs += result.logprobs
-            versions += result.versions
+            new_ids = tb.to_array(result.token_ids, "i")
+            new_versions = tb.to_array(result.versions, "i")
+            token_ids.extend(new_ids)
+            loss_mask.frombytes(b"\x01" * n)
+            logprobs.frombytes(result.logprobs)
+            versions.extend(new_versions)
             num_generated += n
             ctx.generated_tokens += n
-            ctx.buffer.record_tokens(traj_id, result.versions)
+            ctx.buffer.record_tokens(traj_id, new_versions)
             if result.finish_reason == "abort":
                 raise TrajectoryFailed(
                     "generation_aborted", f"worker aborted turn {turn}", num_generated
                 )
-            action = chat.decode(result.token_ids)
+            action = chat.decode(new_ids)
             responses.append(action)
             turn += 1
             try:
@@ -233,14 +240,15 @@ async def run_trajectory(
             if turn >= max_turns:
                 break
             content = domain.turn_template.format(observation=step.observation)
-            obs_ids = chat.observation_ids(content, result.token_ids)
-            if len(token_ids) + len(obs_ids) >= run.max_tokens_per_trajectory:
+            obs_ids = chat.observation_ids(content, new_ids)
+            k = len(obs_ids)
+            if len(token_ids) + k >= run.max_tokens_per_trajectory:
                 finish = "max_tokens"
                 break
-            token_ids += obs_ids
-            loss_mask += [0] * len(obs_ids)
-            logprobs += [0.0] * len(obs_ids)
-            versions += [-1] * len(obs_ids)
+            token_ids.extend(obs_ids)
+            loss_mask.frombytes(bytes(k))
+            logprobs.frombytes(bytes(4 * k))
+            versions.frombytes(_NO_VERSION * k)
         if ctx.barrier is not None:
             ctx.barrier.leave(traj_id)
         metadata = {

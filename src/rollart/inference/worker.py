@@ -3,7 +3,9 @@
 Operations (messages in ``rollart.transport.messages``, inference section):
 
 - ``Generate`` -> ``GenerateResult``: token ids in, generated ids + behaviour logprobs + the policy
-  version of every token out; requests run concurrently (vLLM continuous batching).
+  version of every token out; requests run concurrently (vLLM continuous batching). The worker
+  keeps each trajectory's tokens (``rollart.inference.prefixes``), so a turn sends only the tokens
+  that are new; ``prefix_unknown`` asks for the whole prompt.
 - ``Abort`` -> ``Ack``; the aborted ``Generate`` replies ``finish_reason="abort"`` with its tokens.
 - ``Pause(keep|abort)`` / ``Resume`` -> ``Ack``; ``GetStats`` -> ``WorkerStats``.
 - ``WeightBucket`` -> ``Ack`` (staged, checked; see ``weights.py``); ``ApplyWeights`` ->
@@ -44,8 +46,10 @@ from rollart.inference.engine import (
     completion_from_output,
     to_vllm_sampling,
 )
+from rollart.inference.prefixes import DEFAULT_MAX_PREFIX_TOKENS, PrefixStore
 from rollart.inference.weights import TIED_LM_HEAD, CheckpointLayout, WeightStager
 from rollart.transport import messages as m
+from rollart.transport import tokenbytes as tb
 from rollart.transport.errors import RemoteError
 from rollart.transport.rpc import RpcServer
 
@@ -72,6 +76,7 @@ class InferenceWorker:
         version: policy version of the weights the engine starts with.
         stager: where weight buckets are staged.
         counts: scheduler counts fed by the engine's stat logger.
+        max_prefix_tokens: bound on the trajectory prefix tokens kept (``PrefixStore``).
     """
 
     def __init__(
@@ -84,8 +89,10 @@ class InferenceWorker:
         counts: SchedulerCounts,
         weight_transfer: str = "zmq",
         num_ranks: int = 1,
+        max_prefix_tokens: int = DEFAULT_MAX_PREFIX_TOKENS,
     ) -> None:
         self.engine = engine
+        self.prefixes = PrefixStore(max_prefix_tokens)
         self.weight_transfer = weight_transfer
         self.num_ranks = num_ranks
         #: version the model holds after a collective update, not yet applied (labelled)
@@ -158,8 +165,9 @@ class InferenceWorker:
         rid = msg.request_id
         if rid in self._active:
             raise RemoteError("bad_request", f"request id {rid!r} is already in flight")
-        if not msg.prompt_token_ids:
-            raise RemoteError("bad_request", f"request {rid!r}: prompt_token_ids is empty")
+        prompt_bytes = self.prefixes.take_prompt(msg)
+        # vLLM takes a list of ints: one C-level conversion of the whole prompt, here only
+        prompt_ids = tb.view_i32(prompt_bytes).tolist()
         state = self._active[rid] = _Active()
         submitted_version = self.version
         final = None
@@ -169,7 +177,7 @@ class InferenceWorker:
             (prompt,) = self.engine.renderer.render_cmpl(
                 [
                     TokensPrompt(
-                        prompt_token_ids=list(msg.prompt_token_ids),
+                        prompt_token_ids=prompt_ids,
                         cache_salt=f"v{submitted_version}",
                     )
                 ]
@@ -193,13 +201,16 @@ class InferenceWorker:
             raise RemoteError("engine_error", f"request {rid!r}: the engine returned no output")
         comp = completion_from_output(final, fallback_version=submitted_version)
         self.generated_tokens += len(comp.token_ids)
+        token_bytes = tb.pack_i32(comp.token_ids)
+        if comp.finish_reason != "abort":
+            self.prefixes.keep(msg.trajectory_id, prompt_bytes, token_bytes)
         return m.GenerateResult(
             request_id=rid,
-            token_ids=comp.token_ids,
-            logprobs=comp.logprobs,
-            versions=comp.versions,
+            token_ids=token_bytes,
+            logprobs=tb.pack_f32(comp.logprobs),
+            versions=tb.pack_i32(comp.versions),
             finish_reason=comp.finish_reason,
-            num_prompt_tokens=len(msg.prompt_token_ids),
+            num_prompt_tokens=len(prompt_ids),
             stats=self.stats(),
             prompt_logprobs=comp.prompt_logprobs,
         )
@@ -399,6 +410,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "with the trainer (nccl on GPU, gloo on CPU)")
     p.add_argument("--version", type=int, default=0, help="policy version of the --model weights")
     p.add_argument("--stage-dir", help="where weight buckets are staged (default /dev/shm)")
+    p.add_argument("--max-prefix-tokens", type=int, default=DEFAULT_MAX_PREFIX_TOKENS,
+                   help="bound on trajectory prompt tokens kept for delta prompts (4 B each)")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     model = Path(args.model)
@@ -408,6 +421,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--kv-cache-bytes must be positive, got {args.kv_cache_bytes}")
     if args.version < 0:
         p.error(f"--version must be >= 0, got {args.version}")
+    if args.max_prefix_tokens <= 0:
+        p.error(f"--max-prefix-tokens must be positive, got {args.max_prefix_tokens}")
     return args
 
 
@@ -451,6 +466,7 @@ async def serve(args: argparse.Namespace) -> int:
         worker = InferenceWorker(
             engine, name=args.name, version=args.version, stager=stager, counts=counts,
             weight_transfer=args.weight_transfer, num_ranks=args.tensor_parallel_size,
+            max_prefix_tokens=args.max_prefix_tokens,
         )
         server = RpcServer(args.address, worker.handlers(), name=args.name)
         tasks = [

@@ -15,6 +15,9 @@ Engine model (vLLM-like, one iteration at a time):
 - when decode growth would overflow the KV cache, the latest admitted request is preempted back
   to the waiting queue and recomputed later (vLLM's recompute preemption).
 
+Prompts arrive as deltas on the prefix the worker holds for a trajectory
+(``rollart.inference.prefixes.PrefixStore``, as the vLLM worker keeps it).
+
 Response lengths: the prompt's domain (``DomainTable.for_prompt``) gives the distribution; the
 draw is seeded by ``(seed, request_id)``, independent of routing and arrival order.
 """
@@ -27,6 +30,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from rollart.inference.prefixes import DEFAULT_MAX_PREFIX_TOKENS, PrefixStore
 from rollart.sim import costs
 from rollart.sim.hardware import HardwareProfile
 from rollart.sim.models import ModelProfile
@@ -38,6 +42,7 @@ from rollart.sim.workload import (
     seeded_rng,
 )
 from rollart.transport import messages as m
+from rollart.transport import tokenbytes as tb
 from rollart.transport.errors import PeerDeadError, RemoteError, RemoteTimeoutError
 
 _EPS = 1e-9
@@ -55,6 +60,8 @@ class _Request:
     generated: int = 0
     to_prefill: int = 0  # tokens the next prefill must compute for this request
     segments: list[list[int]] = field(default_factory=list)  # [version, num_tokens]
+    trajectory_id: str = ""
+    prompt_bytes: bytes = b""  # the prompt as int32 bytes, kept as the trajectory's prefix
 
     @property
     def kv_tokens(self) -> int:
@@ -77,6 +84,7 @@ class SimInferenceWorker:
             extends it (multi-turn), as vLLM's automatic prefix caching does.
         time_scale: multiplies every simulated duration; 0 makes the engine answer at once
             (the controller-overhead benchmark serves it that way over real ZeroMQ).
+        max_prefix_tokens: bound on trajectory prompt tokens held for delta prompts.
 
     Raises ``ValueError`` if the model does not fit on ``tp`` devices.
     """
@@ -86,12 +94,14 @@ class SimInferenceWorker:
                  eff: costs.Efficiency = costs.DEFAULT_EFFICIENCY,
                  memory_utilization: float = 0.9,
                  default_response: Dist | None = None, prefix_cache: bool = True,
-                 time_scale: float = 1.0) -> None:
+                 time_scale: float = 1.0,
+                 max_prefix_tokens: int = DEFAULT_MAX_PREFIX_TOKENS) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if time_scale < 0:
             raise ValueError(f"time_scale must be >= 0, got {time_scale}")
         self.time_scale = time_scale
+        self.prefixes = PrefixStore(max_prefix_tokens)
         self.name = name
         self.hardware, self.model, self.tp, self.eff = hardware, model, tp, eff
         self.domains, self.seed, self.max_batch = domains, seed, max_batch
@@ -132,16 +142,19 @@ class SimInferenceWorker:
         self._check_alive()
         if request.request_id in self._ids:
             raise RemoteError("bad_request", f"duplicate request_id {request.request_id!r}")
-        if len(request.prompt_token_ids) + 1 > self.capacity:
-            raise RemoteError("engine_error", f"prompt of {len(request.prompt_token_ids)} tokens "
+        prompt_bytes = self.prefixes.take_prompt(request)
+        prompt = tb.view_i32(prompt_bytes).tolist()
+        if len(prompt) + 1 > self.capacity:
+            raise RemoteError("engine_error", f"prompt of {len(prompt)} tokens "
                               f"exceeds the KV cache ({self.capacity} tokens) of {self.name}")
-        spec = self.domains.for_prompt(request.prompt_token_ids)
+        spec = self.domains.for_prompt(prompt)
         dist = spec.response_tokens if spec is not None else self.default_response
         rng = seeded_rng(self.seed, request.request_id)
         wanted = max(1, dist.sample_int(rng))
         max_tokens = request.sampling.max_tokens
         req = _Request(
-            rid=request.request_id, prompt=request.prompt_token_ids,
+            rid=request.request_id, prompt=prompt,
+            trajectory_id=request.trajectory_id, prompt_bytes=prompt_bytes,
             target=min(wanted, max_tokens), finish="stop" if wanted <= max_tokens else "length",
             logprob=-rng.uniform(0.05, 1.5), fut=asyncio.get_running_loop().create_future(),
         )
@@ -411,8 +424,12 @@ class SimInferenceWorker:
             versions.extend([version] * count)
         if self.prefix_cache and reason != "abort":
             self._remember(req.prompt + ids)
+        token_bytes = tb.pack_i32(ids)
+        if reason != "abort":
+            self.prefixes.keep(req.trajectory_id, req.prompt_bytes, token_bytes)
         req.fut.set_result(m.GenerateResult(
-            request_id=req.rid, token_ids=ids, logprobs=[req.logprob] * n, versions=versions,
+            request_id=req.rid, token_ids=token_bytes, logprobs=tb.pack_f32([req.logprob] * n),
+            versions=tb.pack_i32(versions),
             finish_reason=reason, num_prompt_tokens=len(req.prompt), stats=self._stats()))
 
     # -------------------------------------------------------------------------- prefix cache

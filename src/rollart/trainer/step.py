@@ -24,10 +24,12 @@ from collections.abc import Sequence
 from typing import Annotated, Literal, Protocol
 
 import msgspec
+import numpy as np
 import torch
 from torch import Tensor, nn
 
 from rollart.trainer.loss import decoupled_ppo_loss
+from rollart.transport import tokenbytes as tb
 from rollart.transport.messages import TrainSample
 
 __all__ = [
@@ -183,23 +185,24 @@ def collate(
     if not samples:
         raise ValueError("collate needs at least one sample")
     b, t = len(samples), max(s.num_tokens for s in samples)
-    ids = torch.full((b, t), pad_token_id, dtype=torch.long)
-    attn = torch.zeros((b, t), dtype=torch.long)
-    mask = torch.zeros((b, t), dtype=torch.bool)
-    blp = torch.zeros((b, t), dtype=torch.float32)
+    # Filled from zero-copy views of the wire bytes, one vectorised copy per field and row.
+    ids = np.full((b, t), pad_token_id, dtype=np.int64)
+    attn = np.zeros((b, t), dtype=np.int64)
+    mask = np.zeros((b, t), dtype=np.bool_)
+    blp = np.zeros((b, t), dtype=np.float32)
     for row, s in enumerate(samples):
         n = s.num_tokens
-        ids[row, :n] = torch.tensor(s.token_ids, dtype=torch.long)
+        ids[row, :n] = tb.view_i32(s.token_ids)
         attn[row, :n] = 1
-        mask[row, :n] = torch.tensor(s.loss_mask, dtype=torch.bool)
-        blp[row, :n] = torch.tensor(s.behaviour_logprobs, dtype=torch.float32)
-    adv = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
+        mask[row, :n] = tb.view_u8(s.loss_mask)
+        blp[row, :n] = tb.view_f32(s.behaviour_logprobs)
+    adv = np.array([s.advantage for s in samples], dtype=np.float32)
     out = {
-        "input_ids": ids,
-        "attention_mask": attn,
-        "loss_mask": mask,
-        "behaviour_logprobs": blp,
-        "advantages": adv,
+        "input_ids": torch.from_numpy(ids),
+        "attention_mask": torch.from_numpy(attn),
+        "loss_mask": torch.from_numpy(mask),
+        "behaviour_logprobs": torch.from_numpy(blp),
+        "advantages": torch.from_numpy(adv),
     }
     return {k: v.to(device) for k, v in out.items()}
 
@@ -298,7 +301,7 @@ def accumulate_gradients(
         Token-weighted loss metrics (see `decoupled_ppo_loss`), `loss` being the total.
     """
     acc = _MetricAccumulator()
-    total_tokens = sum(sum(s.loss_mask) for mb in microbatches for s in mb)
+    total_tokens = sum(s.num_loss_tokens for mb in microbatches for s in mb)
     _accumulate(model, microbatches, proximal, cfg, reference, total_tokens, 0, acc)
     return acc.result(num_minibatches=1)
 
@@ -421,7 +424,7 @@ def train_step(
     for k, (mbs, pad) in enumerate(plans):
         optimizer.zero_grad(set_to_none=True)
         # The whole minibatch's valid tokens (every rank holds the batch), not this rank's share.
-        normalizer = sum(sum(s.loss_mask) for s in minibatches[k])
+        normalizer = sum(s.num_loss_tokens for s in minibatches[k])
         _accumulate(model, mbs, proximal[k], cfg, None if reference is None else reference[k],
                     normalizer, pad, acc)
         grad_norm = _global_norm(
