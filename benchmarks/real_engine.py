@@ -229,14 +229,15 @@ async def time_worker(client: Any, prompts: list[list[int]], max_tokens: int, ta
                       ) -> tuple[int, float]:
     """The same as :func:`time_bare` through a worker process's ``InferenceClient``."""
     from rollart.transport import messages as msg
+    from rollart.transport import tokenbytes as tb
 
     sampling = msg.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     t0 = time.perf_counter()
     results = await asyncio.gather(*(
-        client.generate(msg.Generate(request_id=f"{tag}-{i}", prompt_token_ids=p,
+        client.generate(msg.Generate(request_id=f"{tag}-{i}", new_token_ids=tb.pack_i32(p),
                                      sampling=sampling))
         for i, p in enumerate(prompts)))
-    return sum(len(r.token_ids) for r in results), time.perf_counter() - t0
+    return sum(r.num_tokens for r in results), time.perf_counter() - t0
 
 
 async def _bare_round(opts: Any, warm: list[list[int]], prompts: list[list[int]],

@@ -39,7 +39,7 @@ def _samples(n: int) -> list[Any]:
     from rollart.transport import messages as m
 
     ids = [2, *range(10, 60)]
-    return [m.TrainSample(token_ids=ids, loss_mask=[0] * 10 + [1] * (len(ids) - 10),
+    return [m.TrainSample.from_lists(token_ids=ids, loss_mask=[0] * 10 + [1] * (len(ids) - 10),
                           behaviour_logprobs=[0.0] * 10 + [-5.0] * (len(ids) - 10),
                           advantage=1.0 if i % 2 else -1.0, sample_id=f"b{i}")
             for i in range(n)]

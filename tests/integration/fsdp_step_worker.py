@@ -48,7 +48,7 @@ def make_samples(model: torch.nn.Module, n: int, noise: float) -> list[TrainSamp
         with torch.no_grad():
             x = torch.tensor([ids])
             lp = token_logprobs(model, x, torch.ones_like(x))[0]
-        samples.append(TrainSample(
+        samples.append(TrainSample.from_lists(
             token_ids=ids, loss_mask=mask,
             behaviour_logprobs=[float(v) - noise if m else 0.0 for v, m in zip(lp, mask, strict=True)],
             advantage=(1.0, -0.5, 2.0)[i % 3], sample_id=f"s{i}"))

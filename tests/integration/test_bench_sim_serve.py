@@ -17,6 +17,7 @@ from rollart.sim.serve import env_handlers, worker_handlers
 from rollart.sim.worker import SimInferenceWorker
 from rollart.sim.workload import DomainSpec, DomainTable, SimTokenizer, const, observation
 from rollart.transport import messages as m
+from rollart.transport import tokenbytes as tb
 from rollart.transport.rpc import RpcServer
 
 TABLE = DomainTable([DomainSpec("zero", response_tokens=const(16), num_turns=const(2))])
@@ -32,9 +33,9 @@ async def test_sim_worker_and_env_over_zmq() -> None:
     env = EnvClient(esrv.address, name="e")
     try:
         ids = SimTokenizer(TABLE).encode(observation("zero", 32, tag="a"))
-        res = await client.generate(m.Generate(request_id="a/t0", prompt_token_ids=ids,
+        res = await client.generate(m.Generate(request_id="a/t0", new_token_ids=tb.pack_i32(ids),
                                                sampling=m.SamplingParams(max_tokens=64)))
-        assert len(res.token_ids) == 16 and res.finish_reason == "stop"
+        assert res.num_tokens == 16 and res.finish_reason == "stop"
         await client.push_weights(1, [("w", torch.zeros(8))], bucket_bytes=1 << 20)
         applied = await client.apply_weights(1)
         assert applied.version == 1 and client.last_stats is not None

@@ -16,6 +16,7 @@ from weight_checks import FIXED, TWO_RANK_SCENARIO, prompt_logprobs, trainer_log
 from rollart.inference.client import InferenceClient
 from rollart.trainer.client import TrainerClient
 from rollart.transport import messages as m
+from rollart.transport import tokenbytes as tb
 from rollart.transport.errors import RemoteError
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -51,7 +52,7 @@ def _samples(n: int) -> list[m.TrainSample]:
     out = []
     for i in range(n):
         ids = FIXED[: 6 + i]
-        out.append(m.TrainSample(token_ids=ids, loss_mask=[0] * 3 + [1] * (len(ids) - 3),
+        out.append(m.TrainSample.from_lists(token_ids=ids, loss_mask=[0] * 3 + [1] * (len(ids) - 3),
                                  behaviour_logprobs=[0.0] * 3 + [-4.0] * (len(ids) - 3),
                                  advantage=1.0 if i % 2 == 0 else -1.0, sample_id=f"s{i}"))
     return out
@@ -125,9 +126,9 @@ async def test_broadcast_loads_the_trainers_version_into_every_paused_worker(
         for lps in after:
             assert lps == pytest.approx(expected, abs=TOL)
         r = await workers[1].generate(m.Generate(
-            request_id="after-update", prompt_token_ids=FIXED[:5],
+            request_id="after-update", new_token_ids=tb.pack_i32(FIXED[:5]),
             sampling=m.SamplingParams(max_tokens=4, ignore_eos=True)))
-        assert set(r.versions) == {version}
+        assert set(tb.view_i32(r.versions).tolist()) == {version}
     finally:
         for w in workers:
             await w.close()

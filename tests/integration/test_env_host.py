@@ -227,7 +227,7 @@ async def test_malformed_messages_get_error_replies(host, client):
         (msgspec.msgpack.encode({"kind": "LaunchMissiles"}), "unknown_kind"),
         (msgspec.msgpack.encode({"kind": "EnvStep", "session_id": "s"}), "bad_request"),
         (msgspec.msgpack.encode({"kind": "EnvOpen", "env_name": "rg:x", "seed": "zero"}), "bad_request"),
-        (msgspec.msgpack.encode(m.Generate(request_id="r", prompt_token_ids=[1],
+        (msgspec.msgpack.encode(m.Generate(request_id="r", new_token_ids=b"\x01\x00\x00\x00",
                                            sampling=m.SamplingParams(max_tokens=1))), "unknown_kind"),
     ]  # fmt: skip
     try:

@@ -20,6 +20,7 @@ from polling import wait_for
 
 from rollart.inference.client import InferenceClient, plan_buckets
 from rollart.transport import messages as m
+from rollart.transport import tokenbytes as tb
 from rollart.transport.errors import PeerDeadError, RemoteError
 from rollart.transport.rpc import RpcClient
 from rollart.transport.tensors import crc32_hex, tensor_to_frame
@@ -83,9 +84,21 @@ async def client(worker):
 def gen(rid: str, max_tokens: int, **sampling) -> m.Generate:
     return m.Generate(
         request_id=rid,
-        prompt_token_ids=PROMPT,
+        new_token_ids=tb.pack_i32(PROMPT),
         sampling=m.SamplingParams(max_tokens=max_tokens, **sampling),
     )
+
+
+def ids_of(r: m.GenerateResult) -> list[int]:
+    return tb.view_i32(r.token_ids).tolist()
+
+
+def versions_of(r: m.GenerateResult) -> list[int]:
+    return tb.view_i32(r.versions).tolist()
+
+
+def logprobs_of(r: m.GenerateResult) -> list[float]:
+    return tb.view_f32(r.logprobs).tolist()
 
 
 async def started(client: InferenceClient, *tasks: asyncio.Task, timeout_s: float = 20.0):
@@ -110,8 +123,8 @@ async def started(client: InferenceClient, *tasks: asyncio.Task, timeout_s: floa
 
 
 def check_shape(r: m.GenerateResult) -> None:
-    assert len(r.token_ids) == len(r.logprobs) == len(r.versions)
-    assert all(lp <= 0.0 for lp in r.logprobs)
+    assert len(ids_of(r)) == len(logprobs_of(r)) == len(versions_of(r))
+    assert all(lp <= 0.0 for lp in logprobs_of(r))
 
 
 def submit_long(client: InferenceClient, prefix: str, n: int) -> list[asyncio.Task]:
@@ -131,7 +144,7 @@ async def prompt_logprobs(client: InferenceClient, tokens: list[int]) -> list[fl
     r = await client.generate(
         m.Generate(
             request_id=f"plp-{time.monotonic_ns()}",
-            prompt_token_ids=tokens,
+            new_token_ids=tb.pack_i32(tokens),
             sampling=m.SamplingParams(max_tokens=1, prompt_logprobs=True),
         )
     )
@@ -181,14 +194,14 @@ async def test_generate_lengths_versions_and_finish_reasons(client):
     version = (await client.stats()).version
     r = await client.generate(gen("len", 16, temperature=0.0, ignore_eos=True))
     check_shape(r)
-    assert r.finish_reason == "length" and len(r.token_ids) == 16
-    assert r.versions == [version] * 16 and r.num_prompt_tokens == len(PROMPT)
+    assert r.finish_reason == "length" and len(ids_of(r)) == 16
+    assert versions_of(r) == [version] * 16 and r.num_prompt_tokens == len(PROMPT)
     assert r.stats.version == version and r.stats.worker == "w0"
     # Greedy is deterministic, so the first token is known: make it a stop token.
-    first = r.token_ids[0]
+    first = ids_of(r)[0]
     s = await client.generate(gen("stop", 16, temperature=0.0, stop_token_ids=[first]))
     check_shape(s)
-    assert s.finish_reason == "stop" and s.token_ids == [first]
+    assert s.finish_reason == "stop" and ids_of(s) == [first]
     assert client.last_stats is not None and client.last_stats.num_generated_tokens >= 17
 
 
@@ -199,8 +212,8 @@ async def test_32_concurrent_generates(client):
     assert [r.request_id for r in results] == [f"c{i}" for i in range(32)]
     for r in results:
         check_shape(r)
-        assert r.finish_reason == "length" and len(r.token_ids) == 24
-    assert len({tuple(r.token_ids) for r in results}) > 1  # different seeds, different samples
+        assert r.finish_reason == "length" and len(ids_of(r)) == 24
+    assert len({tuple(ids_of(r)) for r in results}) > 1  # different seeds, different samples
 
 
 async def test_abort_long_request_returns_partial_tokens(client):
@@ -224,7 +237,7 @@ async def test_abort_long_request_returns_partial_tokens(client):
         await client.resume()
     await asyncio.wait_for(asyncio.gather(*load, return_exceptions=True), 30)
     check_shape(r)
-    assert r.finish_reason == "abort" and 0 < len(r.token_ids) < LONG
+    assert r.finish_reason == "abort" and 0 < len(ids_of(r)) < LONG
     await client.abort("long-abort")  # idempotent: finished ids are acknowledged
 
 
@@ -267,7 +280,7 @@ async def test_pause_keep_then_resume_finishes_requests(client):
     results = await asyncio.wait_for(asyncio.gather(*tasks), 120)
     for r in results:  # kept, not aborted: every request completes its LONG tokens
         check_shape(r)
-        assert r.finish_reason == "length" and len(r.token_ids) == LONG
+        assert r.finish_reason == "length" and len(ids_of(r)) == LONG
     assert all(r.finish_reason == "abort" for r in await asyncio.gather(*load))
     assert not (await client.stats()).paused
 
@@ -281,17 +294,17 @@ async def test_pause_abort_returns_partial_and_queues_new_requests(client):
         await asyncio.sleep(0.02)  # scheduled, far from done
         await client.pause("abort")
         results = await asyncio.wait_for(asyncio.gather(*tasks), 10)
-        ends = [(r.request_id, r.finish_reason, len(r.token_ids)) for r in results]
+        ends = [(r.request_id, r.finish_reason, len(ids_of(r))) for r in results]
         for r in results:
             check_shape(r)
-            assert r.finish_reason == "abort" and len(r.token_ids) < LONG, ends
+            assert r.finish_reason == "abort" and len(ids_of(r)) < LONG, ends
         queued = asyncio.create_task(client.generate(gen("after-pause", 8, ignore_eos=True)))
         await asyncio.sleep(0.5)
         assert not queued.done()  # held while paused
     finally:
         await client.resume()
     r = await asyncio.wait_for(queued, 30)
-    assert r.finish_reason == "length" and len(r.token_ids) == 8
+    assert r.finish_reason == "length" and len(ids_of(r)) == 8
 
 
 async def test_weight_update_versions_and_logprobs_match_transformers(client):
@@ -306,7 +319,7 @@ async def test_weight_update_versions_and_logprobs_match_transformers(client):
     assert applied.version == target and applied.stats.version == target
 
     fresh = await client.generate(gen("after-update", 8))
-    assert fresh.versions == [target] * len(fresh.token_ids)
+    assert versions_of(fresh) == [target] * len(ids_of(fresh))
     after = await prompt_logprobs(client, tokens)
     expected = transformers_logprobs(named, tokens)
     assert max(abs(a - b) for a, b in zip(before, expected, strict=True)) > 100 * LOGPROB_ATOL
@@ -338,13 +351,13 @@ async def test_request_spanning_an_update_carries_both_versions(client):
             await client.resume()
         r = await asyncio.wait_for(spanning, 120)
         check_shape(r)
-        seen.append((round(window_s, 5), r.versions[0], r.versions[-1], len(r.token_ids)))
-        if r.versions[0] == current and r.versions[-1] == target:
-            switch = r.versions.index(target)
-            assert set(r.versions[:switch]) == {current}
-            assert set(r.versions[switch:]) == {target}
+        seen.append((round(window_s, 5), versions_of(r)[0], versions_of(r)[-1], len(ids_of(r))))
+        if versions_of(r)[0] == current and versions_of(r)[-1] == target:
+            switch = versions_of(r).index(target)
+            assert set(versions_of(r)[:switch]) == {current}
+            assert set(versions_of(r)[switch:]) == {target}
             return
-        window_s = window_s * 3 if r.versions[0] == target else window_s / 3
+        window_s = window_s * 3 if versions_of(r)[0] == target else window_s / 3
     pytest.fail(f"the request never spanned the update in 8 attempts: {seen}")
 
 
@@ -427,19 +440,20 @@ async def test_bad_input_gets_errors_and_worker_keeps_serving(client, worker):
     with pytest.raises(RemoteError) as info:
         await client.generate(
             m.Generate(
-                request_id="empty", prompt_token_ids=[], sampling=m.SamplingParams(max_tokens=4)
+                request_id="empty", new_token_ids=b"", sampling=m.SamplingParams(max_tokens=4)
             )
         )
     assert info.value.code == "bad_request"
     with pytest.raises(RemoteError) as info:  # token id outside the vocabulary: vLLM rejects it
         await client.generate(
             m.Generate(
-                request_id="oov", prompt_token_ids=[10**6], sampling=m.SamplingParams(max_tokens=4)
+                request_id="oov", new_token_ids=tb.pack_i32([10**6]),
+                sampling=m.SamplingParams(max_tokens=4)
             )
         )
     assert info.value.code == "engine_error"
     r = await client.generate(gen("still-serving", 4, ignore_eos=True))
-    assert len(r.token_ids) == 4
+    assert len(ids_of(r)) == 4
 
 
 async def test_engine_core_death_exits_worker_nonzero(tiny_model_dir, service_launcher):

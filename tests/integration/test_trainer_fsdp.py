@@ -125,7 +125,7 @@ def _samples(n: int) -> list[m.TrainSample]:
         length = 6 + (i * 5) % 11
         ids = torch.randint(5, 100, (length,), generator=g).tolist()
         gen = length - length // 2
-        out.append(m.TrainSample(
+        out.append(m.TrainSample.from_lists(
             token_ids=ids, loss_mask=[0] * (length - gen) + [1] * gen,
             behaviour_logprobs=[0.0] * (length - gen) + [-4.0] * gen,
             advantage=1.0 if i % 2 else -1.0, sample_id=f"s{i}"))
@@ -165,7 +165,7 @@ async def test_serve_trainer_with_two_ranks_trains_saves_and_resumes(
         assert (await client.status()).version == 0
         result = await client.train(0, samples)
         assert result.version == 1
-        assert result.metrics["num_tokens"] == sum(sum(s.loss_mask) for s in samples)
+        assert result.metrics["num_tokens"] == sum(s.num_loss_tokens for s in samples)
         assert result.metrics["num_padding_microbatches"] >= 0  # the 2-rank path reported
         assert result.metrics["grad_norm"] > 0 and result.metrics["loss"] != 0
         ckpt = tmp_path / "ckpt" / "step_000001"

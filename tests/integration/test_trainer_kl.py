@@ -11,7 +11,7 @@ from rollart.transport import messages as m
 
 def _samples() -> list[m.TrainSample]:
     ids = [2, *range(20, 40)]
-    return [m.TrainSample(token_ids=ids, loss_mask=[0] * 5 + [1] * (len(ids) - 5),
+    return [m.TrainSample.from_lists(token_ids=ids, loss_mask=[0] * 5 + [1] * (len(ids) - 5),
                           behaviour_logprobs=[0.0] * 5 + [-5.0] * (len(ids) - 5),
                           advantage=1.0 if i % 2 else -1.0, sample_id=f"k{i}")
             for i in range(4)]

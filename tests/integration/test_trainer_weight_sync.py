@@ -14,6 +14,7 @@ from weight_checks import FIXED, prompt_logprobs, trainer_logprobs
 from rollart.inference.client import InferenceClient
 from rollart.trainer.client import TrainerClient
 from rollart.transport import messages as m
+from rollart.transport import tokenbytes as tb
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -40,11 +41,12 @@ async def _rollout_samples(worker: InferenceClient, n: int) -> list[m.TrainSampl
     for i in range(n):
         prompt = FIXED[: 4 + i]
         r = await worker.generate(m.Generate(
-            request_id=f"roll-{i}-{torch.randint(1 << 30, ()).item()}", prompt_token_ids=prompt,
+            request_id=f"roll-{i}-{torch.randint(1 << 30, ()).item()}", new_token_ids=tb.pack_i32(prompt),
             sampling=m.SamplingParams(max_tokens=8, ignore_eos=True, seed=i)))
-        samples.append(m.TrainSample(
-            token_ids=prompt + r.token_ids, loss_mask=[0] * len(prompt) + [1] * len(r.token_ids),
-            behaviour_logprobs=[0.0] * len(prompt) + r.logprobs,
+        gen = tb.view_i32(r.token_ids).tolist()
+        samples.append(m.TrainSample.from_lists(
+            token_ids=prompt + gen, loss_mask=[0] * len(prompt) + [1] * len(gen),
+            behaviour_logprobs=[0.0] * len(prompt) + tb.view_f32(r.logprobs).tolist(),
             advantage=1.0 if i % 2 == 0 else -1.0, sample_id=f"s{i}"))
     return samples
 
@@ -75,9 +77,9 @@ async def test_one_step_changes_weights_and_worker_serves_the_trainers_version(
         assert after == pytest.approx(expected, abs=TOL)
         # New tokens now carry the new version.
         r = await worker.generate(m.Generate(
-            request_id="after-update", prompt_token_ids=FIXED[:5],
+            request_id="after-update", new_token_ids=tb.pack_i32(FIXED[:5]),
             sampling=m.SamplingParams(max_tokens=4, ignore_eos=True)))
-        assert set(r.versions) == {result.version}
+        assert set(tb.view_i32(r.versions).tolist()) == {result.version}
     finally:
         await worker.close()
         await trainer.close()

@@ -9,6 +9,7 @@ import torch
 
 from rollart.inference.client import InferenceClient
 from rollart.transport import messages as m
+from rollart.transport import tokenbytes as tb
 
 FIXED = [2, 40, 41, 42, 5, 60, 61, 62, 63, 3, 7, 8, 9, 10, 11, 12]
 
@@ -23,7 +24,7 @@ lr = 0.01
 async def prompt_logprobs(worker: InferenceClient) -> list[float]:
     """The worker's prompt logprobs of ``FIXED`` (first token excluded), float per token."""
     r = await worker.generate(m.Generate(
-        request_id=f"score-{torch.randint(1 << 30, ()).item()}", prompt_token_ids=FIXED,
+        request_id=f"score-{torch.randint(1 << 30, ()).item()}", new_token_ids=tb.pack_i32(FIXED),
         sampling=m.SamplingParams(max_tokens=1, prompt_logprobs=True)))
     assert r.prompt_logprobs is not None
     return [float(x) for x in r.prompt_logprobs[1:]]

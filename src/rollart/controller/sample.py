@@ -45,7 +45,7 @@ def _typed_view(sample_id: str, name: str, value: Any) -> memoryview:
 class Sample(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, dict=True):
     """One scored trajectory, token-exact, held as compact arrays (13 bytes per token).
 
-    Per-token fields are 1-D typed ``memoryview``\ s of length ``num_tokens`` (``len``,
+    Per-token fields are 1-D typed memoryviews of length ``num_tokens`` (``len``,
     indexing, iteration and ``tolist()`` work; ``numpy.asarray(view)`` is a zero-copy array):
 
     - ``token_ids[t]``: int32 token id (prompt, generated and observation tokens, in order);
