@@ -21,8 +21,8 @@ from rollart.controller.proxy import LLMProxy
 from rollart.controller.sample import Sample
 from rollart.controller.services import EnvRouter, RewardRouter
 from rollart.controller.tokens import ChatTokens
-from rollart.controller.trajectory import TrajectoryContext, run_trajectory
 from rollart.controller.training import to_train_samples
+from rollart.controller.trajectory import TrajectoryContext, run_trajectory
 from rollart.inference.prefixes import PrefixStore
 from rollart.trainer.step import collate
 from rollart.transport import messages as m
