@@ -7,6 +7,7 @@ the last test, which kills that worker. The engine-death test starts its own wor
 
 from __future__ import annotations
 
+import array
 import asyncio
 import struct
 import time
@@ -18,6 +19,7 @@ import zmq
 import zmq.asyncio
 from polling import wait_for
 
+from rollart.controller.proxy import LLMProxy
 from rollart.inference.client import InferenceClient, plan_buckets
 from rollart.transport import messages as m
 from rollart.transport import tokenbytes as tb
@@ -214,6 +216,37 @@ async def test_32_concurrent_generates(client):
         check_shape(r)
         assert r.finish_reason == "length" and len(ids_of(r)) == 24
     assert len({tuple(ids_of(r)) for r in results}) > 1  # different seeds, different samples
+
+
+async def test_delta_prompts_give_the_same_prompt_as_full_resends(client):
+    """Three turns through the controller's proxy: later turns send only the observation, and the
+    worker's prompt (its length, vLLM's logprob of every prompt token) and the greedy
+    continuation equal those of a request that sends the whole prompt."""
+    proxy = LLMProxy({"p": ("cpu", [client])}, {"d": "p"})
+    sp = m.SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, prompt_logprobs=True)
+    observation = [61, 62, 63, 64]
+    prompt = array.array("i", PROMPT)
+    for turn in range(3):
+        sent_before = proxy.num_prompt_tokens_sent
+        r = await proxy.generate("traj-delta", "d", f"delta-{turn}", prompt, sp)
+        full = await client.generate(
+            m.Generate(request_id=f"full-{turn}", new_token_ids=prompt.tobytes(), sampling=sp)
+        )
+        assert r.num_prompt_tokens == full.num_prompt_tokens == len(prompt)
+        assert ids_of(r) == ids_of(full)
+        assert r.prompt_logprobs is not None and full.prompt_logprobs is not None
+        assert r.prompt_logprobs[1:] == pytest.approx(full.prompt_logprobs[1:], abs=LOGPROB_ATOL)
+        sent = proxy.num_prompt_tokens_sent - sent_before
+        assert sent == (len(PROMPT) if turn == 0 else len(observation))
+        prompt.extend(ids_of(r))
+        prompt.extend(observation)
+    # The worker loses the prefix (as after a restart or an eviction): one whole resend.
+    await client.generate(m.Generate(
+        request_id="drop", new_token_ids=tb.pack_i32(PROMPT), release=["traj-delta"],
+        sampling=m.SamplingParams(max_tokens=1),
+    ))
+    r = await proxy.generate("traj-delta", "d", "delta-3", prompt, sp)
+    assert proxy.num_prefix_resends == 1 and r.num_prompt_tokens == len(prompt)
 
 
 async def test_abort_long_request_returns_partial_tokens(client):
