@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 BENCHMARKS = ("env_tail", "modes", "affinity", "redundancy", "staleness", "weight_sync",
-              "controller_overhead", "real_engine", "weight_transfer")
+              "controller_overhead", "real_engine", "weight_transfer", "token_path")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -276,3 +276,31 @@ def test_prefix_store_rejects_unknown_and_malformed_prefixes() -> None:
         with pytest.raises(RemoteError) as info:
             store.take_prompt(msg)
         assert info.value.code == "bad_request"
+
+
+def test_the_simulated_worker_resolves_delta_prompts_like_the_real_one() -> None:
+    from rollart.sim.clock import run_virtual
+    from rollart.sim.hardware import H800
+    from rollart.sim.models import QWEN3_8B
+    from rollart.sim.worker import SimInferenceWorker
+    from rollart.sim.workload import DomainSpec, DomainTable, SimTokenizer, const, observation
+
+    table = DomainTable([DomainSpec("fixed", response_tokens=const(20))])
+    prompt = array.array("i", SimTokenizer(table).encode(observation("fixed", 300, tag="a")))
+    opening = len(prompt)
+
+    async def main():
+        w = SimInferenceWorker("w0", hardware=H800, model=QWEN3_8B, domains=table)
+        proxy = LLMProxy({"p": ("h800", [w])}, {"d": "p"})
+        sp = m.SamplingParams(max_tokens=64)
+        first = await proxy.generate("a", "d", "a/t0", prompt, sp)
+        prompt.frombytes(first.token_ids)
+        prompt.extend([7] * 50)
+        second = await proxy.generate("a", "d", "a/t1", prompt, sp)
+        return w, proxy, first, second
+
+    w, proxy, first, second = run_virtual(main)
+    assert first.num_tokens == 20 == second.num_tokens  # the domain was read from the prefix
+    assert second.num_prompt_tokens == len(prompt)
+    assert proxy.num_prompt_tokens_sent == opening + 50  # turn 1 whole, turn 2 the 50 new
+    assert w.prefixes.hits == 1 and w.prefixes.held_tokens("a") == len(prompt) + 20
