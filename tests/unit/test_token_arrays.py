@@ -304,3 +304,21 @@ def test_the_simulated_worker_resolves_delta_prompts_like_the_real_one() -> None
     assert second.num_prompt_tokens == len(prompt)
     assert proxy.num_prompt_tokens_sent == opening + 50  # turn 1 whole, turn 2 the 50 new
     assert w.prefixes.hits == 1 and w.prefixes.held_tokens("a") == len(prompt) + 20
+
+
+async def test_a_reply_with_ragged_token_bytes_fails_the_trajectory_only() -> None:
+    from rollart.controller.trajectory import TrajectoryFailed
+
+    worker = FakeWorker("w1")
+    real_generate = worker.generate
+
+    async def short_logprobs(request, *, timeout_s=None):
+        res = await real_generate(request, timeout_s=timeout_s)
+        return msgspec.structs.replace(res, logprobs=res.logprobs[:-4])
+
+    worker.generate = short_logprobs
+    ctx, buffer, domains = make_ctx(worker, FakeEnvHost(turns=2))
+    (tid, *_) = buffer.try_start_group("g0")
+    with pytest.raises(TrajectoryFailed) as info:
+        await run_trajectory(ctx, tid, "g0", domains["math"], seed=1)
+    assert info.value.reason == "generation_error" and "8 of logprobs" in info.value.detail
