@@ -6,16 +6,19 @@ a SIMULATED inference worker that answers at once with 4 tokens, and a SIMULATED
 steps really sleep (asyncio) a lognormal latency, mean 10 s and std 10 s (the mean is issue
 11's "realistic env latency"; std 10 s is the widest setting of the paper's Fig. 11b). Each
 trajectory opens with a ``context_tokens`` prompt (32k: long agentic contexts, where per-token
-costs show) and runs 8 turns. Session opens sleep uniform(0, 20 s), so trajectories start spread
-out, and each turn's latency is drawn independently: the offered load (about N / 10 s turns per
-second) does not depend on how fast the controller answers (open loop), so the latency below is
-the controller's, not queueing behind a closed loop. Only the window after ``warmup_s`` counts.
+costs show) and runs ``turns`` turns; batches of 512 samples (groups of 8) with alpha just large
+enough that all N trajectories fit the in-flight bound. Session opens sleep uniform(0, 20 s), so
+trajectories start spread out, and each turn's latency is drawn independently: the offered load
+(about N / 10 s turns per second) does not depend on how fast the controller answers (open
+loop), so the latency below is the controller's, not queueing behind a closed loop, as long as
+the controller keeps up. Only the window after ``warmup_s`` counts.
 
 Per N it reports:
 
 - ``cpu_us_per_turn``: controller-process CPU seconds (``time.process_time``: all its threads,
-  ZeroMQ's I/O thread included) / generate calls started, over the window; ci95 over 5 s
-  sub-windows. The in-process SIMULATED trainer and reward (zero latency) are included.
+  ZeroMQ's I/O thread included) / generate calls started, over the window; percentile-bootstrap
+  ci95 over 5 s sub-windows. Trajectory completions and training steps in the window are
+  included (and the in-process SIMULATED trainer and reward, which cost next to nothing).
 - ``added_latency_p50/p99_ms``: a backend's reply leaving its handler -> the same trajectory's
   next request entering the other backend's handler (env step reply -> next generate; generate
   reply -> env step), ``time.monotonic`` of one host in both processes; it contains both RPC
@@ -24,27 +27,30 @@ Per N it reports:
 - ``lost_replies``: calls that ended in ``RemoteTimeoutError`` plus calls still unanswered
   long after they must have been answered (generate > 10 s; env > its latency cap + 10 s).
 - ``rss_bytes_per_traj`` / ``rss_bytes_per_token``: controller RSS growth (peak in the window
-  minus before start) per running trajectory / per held context token.
+  minus before start) per trajectory / per context token of N trajectories.
 - ``loop_lag_p99_ms`` (:class:`~rollart.controller.loophealth.LoopLagMonitor`) and garbage
   collection pause seconds per generation / longest pause (``gc.callbacks``).
 - the floor beside it: a bare uvloop ``asyncio.Protocol`` echo of length-prefixed msgspec
   frames (``overhead_serve echo``), client CPU per call and round trip p50/p99; one turn is two
   RPCs, so ``2 x floor_cpu_us_per_rpc`` is the transport floor of ``cpu_us_per_turn``.
 
-Sizes: ``--quick`` N = 1000 at 32k and 10000 at 4k contexts (60-70 s each; 10000 x 32k needs
-more memory than a shared 24 GiB dev machine has); default N = 1000, 10000, 50000 at 32k
-(a size whose estimated controller memory exceeds 60% of available memory is skipped and its
-row says what it needs). Every process shares the machine's cores: numbers are upper bounds.
-``CONTROLLER_OVERHEAD_GC=default`` runs with CPython's default collector policy instead (to
-measure before/after).
+Sizes: ``--quick`` N = 1000 at 32k and N = 10000 at 4k contexts, 3 turns, 70-75 s each (10000 x
+32k needs more memory than a shared 24 GiB machine has); default N = 1000, 10000, 50000 at 32k,
+8 turns. A size whose estimated controller memory exceeds 60% of available memory is skipped and
+its row says what it needs. Every process shares the machine's cores: the controller gets what
+the scheduler leaves it (``cpu_share_of_core``), and once the offered load needs more than that
+the latency and lag are queueing. ``CONTROLLER_OVERHEAD_GC=default`` runs with CPython's default
+collector policy instead (to measure before/after).
 """
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 import math
 import os
+import random
 import re
 import signal
 import statistics
@@ -95,13 +101,16 @@ BYTES_PER_TOKEN_GUESS = 40.0
 class Size:
     n: int
     context_tokens: int
+    turns: int
     duration_s: float
     warmup_s: float
 
 
-QUICK = (Size(1000, 32768, 60.0, 20.0), Size(10_000, 4096, 70.0, 25.0))
-FULL = (Size(1000, 32768, 150.0, 30.0), Size(10_000, 32768, 180.0, 40.0),
-        Size(50_000, 32768, 240.0, 60.0))
+# Quick: 3 turns, so trajectories (~20 s open spread + 3 x 10 s) complete and steps train
+# inside the window and per-completion costs are counted too.
+QUICK = (Size(1000, 32768, 3, 70.0, 20.0), Size(10_000, 4096, 3, 75.0, 25.0))
+FULL = (Size(1000, 32768, 8, 150.0, 30.0), Size(10_000, 32768, 8, 180.0, 40.0),
+        Size(50_000, 32768, 8, 240.0, 60.0))
 
 
 class Calls:
@@ -214,16 +223,20 @@ def _pct_ci95(sorted_xs: list[float], q: float) -> list[float]:
     return [sorted_xs[lo], sorted_xs[hi]]
 
 
-def _mean_ci95(xs: list[float]) -> list[float]:
-    if len(xs) < 2:
+def _ratio_ci95(num: list[float], den: list[float], seed: int) -> list[float]:
+    """Percentile-bootstrap 95% interval of ``sum(num) / sum(den)`` over sub-windows."""
+    k = len(num)
+    if k < 2:
         return [float("nan"), float("nan")]
-    # t quantile 0.975 for df = k - 1 (k sub-windows); 2.0 bounds it from above for k >= 60.
-    t = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26,
-         10: 2.23, 15: 2.13, 20: 2.09, 30: 2.04}
-    df = len(xs) - 1
-    tq = t.get(df) or t[max(k for k in t if k <= df)] if df <= 30 else 2.0
-    mean, half = statistics.fmean(xs), tq * statistics.stdev(xs) / math.sqrt(len(xs))
-    return [mean - half, mean + half]
+    rng = random.Random(seed)
+    stats = []
+    for _ in range(2000):
+        idx = [rng.randrange(k) for _ in range(k)]
+        d = sum(den[i] for i in idx)
+        if d > 0:
+            stats.append(sum(num[i] for i in idx) / d)
+    stats.sort()
+    return [stats[int(0.025 * len(stats))], stats[int(0.975 * len(stats)) - 1]]
 
 
 def _rss() -> int:
@@ -235,10 +248,14 @@ async def _drive(size: Size, args: Namespace, worker_addr: str, env_addr: str, s
     table = DomainTable([srv.domain_spec(args)])
     spec = table.domains[0]
     n, group = size.n, 8
+    # Production-like batches (512 samples, 1024 from 32k trajectories on) and alpha just
+    # large enough that the in-flight bound (alpha + 1) x batch admits all N trajectories.
+    batch = 512 if n <= 32_768 else 1024
+    alpha = max(1, math.ceil(n / batch) - 1)
     sim = SimScenario(pools=(SimPool("sim", "h800", 1),), domains=(SimDomain(spec, "sim"),),
-                      mode="rollart", alpha=1, steps=10_000,
-                      batch_size=max(group, n // 2 // group * group), group_size=group,
-                      max_turns=args.turns, max_tokens_per_turn=64,
+                      mode="rollart", alpha=alpha, steps=10_000, batch_size=batch,
+                      group_size=group,
+                      max_turns=size.turns, max_tokens_per_turn=64,
                       max_tokens_per_trajectory=size.context_tokens + 4096,
                       generate_timeout_s=GENERATE_TIMEOUT_S,
                       env_timeout_s=args.env_max_s + 30.0, env_hosts=1)
@@ -278,14 +295,17 @@ async def _drive(size: Size, args: Namespace, worker_addr: str, env_addr: str, s
         pauses.reset()
         lag.take()
         peak = _rss()
-        sub: list[float] = []
+        sub_cpu: list[float] = []
+        sub_turns: list[float] = []
+        running: list[int] = []
         cpu_prev, gen_prev = cpu0, gen0
         while time.monotonic() < t_start + size.duration_s and not trainer_task.done():
             await asyncio.sleep(SUBWINDOW_S)
             peak = max(peak, _rss())
             cpu, gens = time.process_time(), len(calls.gen_starts)
-            if gens > gen_prev:
-                sub.append(1e6 * (cpu - cpu_prev) / (gens - gen_prev))
+            running.append(controller.num_running)
+            sub_cpu.append(1e6 * (cpu - cpu_prev))
+            sub_turns.append(gens - gen_prev)
             cpu_prev, gen_prev = cpu, gens
         t1, cpu1, gen1 = time.monotonic(), time.process_time(), len(calls.gen_starts)
         lag_stats = lag.take()
@@ -294,12 +314,13 @@ async def _drive(size: Size, args: Namespace, worker_addr: str, env_addr: str, s
         now = time.monotonic()
         stuck = sum(1 for kind, t in calls.open.values()
                     if now - t > (10.0 if kind == "gen" else args.env_max_s + 10.0))
-        running = controller.num_running
         stats = controller.buffer.stats()
     finally:
         trainer_task.cancel()
         await asyncio.gather(trainer_task, return_exceptions=True)
         pauses.remove()
+        # Closing thousands of sessions of an overloaded run times out by the thousand.
+        logging.getLogger("rollart.controller.trajectory").setLevel(logging.ERROR)
         await lag.stop()
         await controller.close()
         await client.close()
@@ -310,11 +331,14 @@ async def _drive(size: Size, args: Namespace, worker_addr: str, env_addr: str, s
     return {
         "window": (t0, t1), "session_traj": calls.session_traj,
         "row": {
-            "n": n, "context_tokens": size.context_tokens, "gc": gc_policy,
-            "running_at_end": running, "window_s": round(t1 - t0, 1), "turns": turns,
+            "n": n, "context_tokens": size.context_tokens, "turns_per_traj": size.turns,
+            "gc": gc_policy,
+            "batch": batch, "alpha": alpha,
+            "running_mean": statistics.fmean(running) if running else 0.0,
+            "held_at_end": stats.held, "window_s": round(t1 - t0, 1), "turns": turns,
             "turns_per_s": turns / (t1 - t0), "steps": steps - steps0,
             "cpu_us_per_turn": 1e6 * (cpu1 - cpu0) / max(1, turns),
-            "cpu_us_per_turn_ci95": _mean_ci95(sub),
+            "cpu_us_per_turn_ci95": _ratio_ci95(sub_cpu, sub_turns, seed),
             "cpu_share_of_core": (cpu1 - cpu0) / (t1 - t0),
             "lost_replies": calls.timeouts + stuck, "timeouts": calls.timeouts,
             "stuck_calls": stuck, "failed": dict(stats.failed),
@@ -354,7 +378,7 @@ def _one_size(size: Size, seed: int, gc_policy: str) -> dict[str, Any]:
     import uvloop
 
     args = Namespace(context_tokens=size.context_tokens, obs_tokens=4, response_tokens=4,
-                     turns=8, env_mean_s=10.0, env_std_s=10.0, env_max_s=60.0,
+                     turns=size.turns, env_mean_s=10.0, env_std_s=10.0, env_max_s=60.0,
                      open_spread_s=20.0)
     dom = srv.domain_argv(args)
     with tempfile.TemporaryDirectory(prefix="ctrl-overhead-") as tmp:
@@ -447,6 +471,14 @@ def run(quick: bool, seed: int) -> dict:
         rows.append(row)
         if row["rss_bytes_per_token"] > 0:
             per_token = max(per_token / 4, row["rss_bytes_per_token"])
+    return result(NAME, simulated=False, rows=rows, ratios=ratios_of(rows, floor), quick=quick,
+                  seed=seed, started=started, notes=f"measured; gc policy {gc_policy}; backends "
+                  "are SIMULATED processes (zero-latency worker, env lognormal mean 10 s) over "
+                  "real ZeroMQ; all processes share the machine's cores")
+
+
+def ratios_of(rows: list[dict[str, Any]], floor: dict[str, float]) -> dict[str, Any]:
+    """The JSON ``ratios``: per size N run, the issue's figures, then the floor."""
     ratios: dict[str, Any] = {}
     for r in rows:
         if "skipped" in r:
@@ -463,10 +495,7 @@ def run(quick: bool, seed: int) -> dict:
         ratios[f"cpu_us_per_turn / floor (2 RPCs) at {n}"] = (
             r["cpu_us_per_turn"] / (2 * floor["floor_cpu_us_per_rpc"]))
     ratios.update(floor)
-    return result(NAME, simulated=False, rows=rows, ratios=ratios, quick=quick, seed=seed,
-                  started=started, notes=f"measured; gc policy {gc_policy}; backends are "
-                  "SIMULATED processes (zero-latency worker, env lognormal mean 10 s) over real "
-                  "ZeroMQ; all processes share the machine's cores")
+    return ratios
 
 
 if __name__ == "__main__":

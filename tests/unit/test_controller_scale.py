@@ -8,8 +8,14 @@ import asyncio
 
 import msgspec
 import pytest
-from test_controller_fakes import TOK, FakeEnvHost, FakeReward, FakeTrainer, FakeWorker, \
-    make_scenario
+from test_controller_fakes import (
+    TOK,
+    FakeEnvHost,
+    FakeReward,
+    FakeTrainer,
+    FakeWorker,
+    make_scenario,
+)
 
 from rollart.controller import Backends, Cluster
 
@@ -71,10 +77,11 @@ async def test_a_resumed_controller_forgets_restored_groups_too() -> None:
 
 @pytest.mark.looptime
 async def test_take_batch_runs_only_when_a_batch_can_have_become_ready() -> None:
-    # Redundancy 2: every group cancels two members, and each ending wakes the training loop.
-    env = FakeEnvHost(turns=2, latency=lambda i, s: [1.0, 2.0, 4.0, 8.0][i % 4])
-    scenario = make_scenario(mode="rollart", alpha=1, batch_size=4, group_size=2,
-                             redundancy=2)
+    # Every other session fails its first step and is retried: each failure ends a task and
+    # wakes the training loop, at its own time, without making a batch any nearer.
+    env = FakeEnvHost(turns=2, latency=lambda i, s: 1.0 + 0.37 * (i % 7),
+                      fail=lambda i, s: i % 2 == 0 and s == 0)
+    scenario = make_scenario(mode="rollart", alpha=1, batch_size=4, group_size=2)
     async with Cluster.from_scenario(scenario, backends=backends(env)) as c:
         await c.start()
         ctrl = c.controller
@@ -88,8 +95,38 @@ async def test_take_batch_runs_only_when_a_batch_can_have_become_ready() -> None
 
         ctrl.buffer.take_batch = counting_take_batch  # type: ignore[method-assign]
         steps = await run_steps(c, 4)
-        kept, cancelled = ctrl.buffer.num_kept, ctrl.buffer.stats().cancelled
-    assert len(steps) == 4 and cancelled >= 8
-    # At most one scan per kept sample and one per version (plus the first): not one per
-    # trajectory ending, of which there are about kept + cancelled.
+        kept, failed = ctrl.buffer.num_kept, sum(ctrl.buffer.stats().failed.values())
+    assert len(steps) == 4 and failed >= 8
+    # At most one scan per kept sample and one per version (plus the first), however many
+    # trajectories ended in between.
     assert len(calls) <= kept + 4 + 1
+
+
+def test_buffer_reports_forgotten_groups_and_counts_in_o1() -> None:
+    from test_buffer import run
+
+    from rollart.controller.buffer import SampleBuffer
+
+    forgotten: list[str] = []
+    buf = SampleBuffer(alpha=0, batch_size=2, group_size=2, redundancy=1,
+                       on_forget=forgotten.append)
+    a = buf.try_start_group("a")
+    b = buf.try_start_group("b")
+    assert a is not None and b is None  # max_groups = 1
+    assert buf.groups_in_flight == 1 and buf.num_kept == 0
+    run(buf, a[0], [0])
+    surplus = run(buf, a[1], [0])
+    assert buf.num_kept == 2 and surplus == [a[2]]
+    assert len(buf.take_batch() or []) == 2
+    assert forgotten == [] and buf.groups_in_flight == 1  # a straggler is still live
+    buf.cancel(a[2])
+    assert forgotten == ["a"] and buf.groups_in_flight == 0
+    buf.advance_version()
+    # Restored buffers report too; a retired group is forgotten once its members are gone.
+    c = buf.try_start_group("c")
+    assert c is not None
+    restored = SampleBuffer.restore(buf.snapshot(), on_forget=forgotten.append)
+    ids = restored.drain_restarts()
+    for tid in ids:
+        restored.cancel(tid)
+    assert forgotten == ["a", "c"] and restored.groups_in_flight == 0
