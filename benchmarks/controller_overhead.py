@@ -24,8 +24,9 @@ Per N it reports:
   reply -> env step), ``time.monotonic`` of one host in both processes; it contains both RPC
   legs' encode / transport / decode and the controller's work. ci95 of the p99: distribution-
   free order-statistic interval.
-- ``lost_replies``: calls that ended in ``RemoteTimeoutError`` plus calls still unanswered
-  long after they must have been answered (generate > 10 s; env > its latency cap + 10 s).
+- ``lost_replies``: calls that ended in ``RemoteTimeoutError`` (generate 20 s, env 90 s) until
+  the generate calls open at the window's end have ended (they get their timeout + 15 s),
+  plus those still open then.
 - ``rss_bytes_per_traj`` / ``rss_bytes_per_token``: controller RSS growth (peak in the window
   minus before start) per trajectory / per context token of N trajectories.
 - ``loop_lag_p99_ms`` (:class:`~rollart.controller.loophealth.LoopLagMonitor`) and garbage
@@ -40,12 +41,13 @@ Sizes: ``--quick`` N = 1000 at 32k and N = 10000 at 4k contexts, 3 turns, 70-75 
 its row says what it needs. Every process shares the machine's cores: the controller gets what
 the scheduler leaves it (``cpu_share_of_core``), and once the offered load needs more than that
 the latency and lag are queueing. ``CONTROLLER_OVERHEAD_GC=default`` runs with CPython's default
-collector policy instead (to measure before/after).
+collector policy instead (to measure before/after), ``=G0,G1,G2`` given thresholds.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import math
@@ -121,6 +123,7 @@ class Calls:
         self.timeouts = 0
         self.open: dict[int, tuple[str, float]] = {}
         self.session_traj: dict[str, str] = {}
+        self.ended = asyncio.Event()  # set whenever a call ends
 
     async def timed(self, kind: str, coro: Any) -> Any:
         key = id(coro)
@@ -132,6 +135,7 @@ class Calls:
             raise
         finally:
             del self.open[key]
+            self.ended.set()
 
 
 class TimedWorker:
@@ -270,6 +274,7 @@ async def _drive(size: Size, args: Namespace, worker_addr: str, env_addr: str, s
         envs=EnvRouter([TimedEnv(env, calls)]), rewards=RewardRouter(service=SimReward()),
         trainer=trainer, tokenizer=SimTokenizer(table))
     lag = LoopLagMonitor()
+    gc_before = gc.get_threshold()
     pauses = GcPauses().install()
     steps = 0
 
@@ -281,8 +286,11 @@ async def _drive(size: Size, args: Namespace, worker_addr: str, env_addr: str, s
 
     if gc_policy == "tuned":
         tune_gc()
+    elif gc_policy != "default":
+        g0, g1, g2 = (int(x) for x in gc_policy.split(","))
+        tune_gc((g0, g1, g2))
     await controller.start()
-    if gc_policy == "tuned":
+    if gc_policy != "default":
         freeze_startup_objects()
     lag.start()
     rss0 = _rss()
@@ -311,10 +319,16 @@ async def _drive(size: Size, args: Namespace, worker_addr: str, env_addr: str, s
         lag_stats = lag.take()
         if trainer_task.done():
             trainer_task.result()  # a fatal error of the controller ends the run here
-        now = time.monotonic()
-        stuck = sum(1 for kind, t in calls.open.values()
-                    if now - t > (10.0 if kind == "gen" else args.env_max_s + 10.0))
         stats = controller.buffer.stats()
+        # Drain: every generate call open now ends within its timeout, by a reply or by
+        # RemoteTimeoutError (counted); one still open well after that never will.
+        pending = {k for k, (kind, _) in calls.open.items() if kind == "gen"}
+        deadline = time.monotonic() + GENERATE_TIMEOUT_S + 15.0
+        while pending & calls.open.keys() and time.monotonic() < deadline:
+            calls.ended.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(calls.ended.wait(), deadline - time.monotonic())
+        stuck = len(pending & calls.open.keys())
     finally:
         trainer_task.cancel()
         await asyncio.gather(trainer_task, return_exceptions=True)
@@ -326,6 +340,7 @@ async def _drive(size: Size, args: Namespace, worker_addr: str, env_addr: str, s
         await client.close()
         await env.close()
         gc.unfreeze()
+        gc.set_threshold(*gc_before)
     turns = gen1 - gen0
     rss_delta = peak - rss0
     return {
@@ -453,8 +468,9 @@ def _floor(quick: bool) -> dict[str, Any]:
 def run(quick: bool, seed: int) -> dict:
     started = time.perf_counter()
     gc_policy = os.environ.get("CONTROLLER_OVERHEAD_GC", "tuned")
-    if gc_policy not in ("tuned", "default"):
-        raise SystemExit(f"CONTROLLER_OVERHEAD_GC must be tuned or default, got {gc_policy!r}")
+    if gc_policy not in ("tuned", "default") and not re.fullmatch(r"\d+,\d+,\d+", gc_policy):
+        raise SystemExit("CONTROLLER_OVERHEAD_GC must be tuned, default or thresholds "
+                         f"'G0,G1,G2', got {gc_policy!r}")
     floor = _floor(quick)
     rows: list[dict[str, Any]] = []
     per_token = BYTES_PER_TOKEN_GUESS

@@ -8,12 +8,8 @@ that and keeps the collector's share of it small:
   (milliseconds); :meth:`LoopLagMonitor.take` gives p50 / p99 / max since the last call (one
   training step). Cost: one timer per ``interval_s`` (20 wake-ups per second by default).
 - :func:`tune_gc` / :func:`freeze_startup_objects`: the collector policy of the controller
-  process. Measured with ``benchmarks.controller_overhead`` (gc callbacks): with CPython's
-  default thresholds (700, 10, 10), thousands of trajectories holding long token lists make
-  full (generation-2) collections traverse every held token, and collections run every few
-  hundred allocations of the hot path. Raising the generation-0 threshold makes young
-  collections rare and ``gc.freeze()`` after start-up moves imported modules, the config and
-  the cluster's clients out of every later collection.
+  process (``GC_THRESHOLDS``), and ``gc.freeze()`` after start-up, which moves imported
+  modules, the config and the cluster's clients out of every later collection.
 - :class:`GcPauses`: ``gc.callbacks`` timing of every collection (count and seconds per
   generation, longest pause), for benchmarks and logs.
 
@@ -32,12 +28,17 @@ from typing import Any
 
 __all__ = ["GcPauses", "LagStats", "LoopLagMonitor", "freeze_startup_objects", "tune_gc"]
 
-#: generation thresholds of :func:`tune_gc` (CPython's default is (700, 10, 10)). Generation 0
-#: collects after this many net container allocations: at ~1k allocations per turn the default
-#: collects on almost every turn; 50k makes it every ~50 turns while bounding the cyclic garbage
-#: a young collection has to find. Generation 2 runs after 20 generation-1 passes (and, by
-#: CPython's own rule, only once 25% of the long-lived objects are new).
-GC_THRESHOLDS = (50_000, 20, 20)
+#: generation thresholds of :func:`tune_gc` (CPython's default is (700, 10, 10)). Measured with
+#: ``benchmarks.controller_overhead --quick`` at 10k trajectories (4k-token contexts held as
+#: Python lists; 2-core machine under load): the default spent 46-50% of the window in
+#: collections, 2-5 full (generation-2) ones each traversing every held token, longest pause
+#: 4-7 s; (700, 10, 1000) 21% (generation 1 now dominant), (50k, 20, 20) 7% but a 2.9 s
+#: generation-0 pause (the young generation then holds thousands of new token lists);
+#: (10k, 50, 100) 8%, no generation-1/2 pass in the window, longest pause 1.45 s. A full
+#: collection needs 50 x 100 generation-0 passes (and, by CPython's own rule, 25% of the
+#: long-lived objects being new), so it is rare, not disabled: cyclic garbage that reached
+#: generation 2 is still freed.
+GC_THRESHOLDS = (10_000, 50, 100)
 
 
 class LagStats:
