@@ -1,33 +1,83 @@
-"""``controller_overhead``: the controller's own cost per turn, measured (NOT simulated time).
+"""``controller_overhead``: what one controller process costs per turn, measured (NOT simulated).
 
-The real controller runs on uvloop and talks over real ZeroMQ (``InferenceClient`` /
-``EnvClient``) to worker and env processes serving simulated backends that answer at once
-(``python -m rollart.sim.serve ... --time-scale 0``). Whatever time a turn takes is therefore
-the controller plus transport: trajectory coroutine, LLM proxy routing, buffer bookkeeping,
-message encode/decode and two RPC round trips (generate, env step).
+The real controller (uvloop, the launcher's garbage-collection policy) drives N concurrent
+trajectories over the real ZeroMQ RPC to two backend processes (``benchmarks.overhead_serve``):
+a SIMULATED inference worker that answers at once with 4 tokens, and a SIMULATED env host whose
+steps really sleep (asyncio) a lognormal latency, mean 10 s and std 10 s (the mean is issue
+11's "realistic env latency"; std 10 s is the widest setting of the paper's Fig. 11b). Each
+trajectory opens with a ``context_tokens`` prompt (32k: long agentic contexts, where per-token
+costs show) and runs ``turns`` turns; batches of 512 samples (groups of 8) with alpha just large
+enough that all N trajectories fit the in-flight bound. Session opens sleep uniform(0, 20 s), so
+trajectories start spread out, and each turn's latency is drawn independently: the offered load
+(about N / 10 s turns per second) does not depend on how fast the controller answers (open
+loop), so the latency below is the controller's, not queueing behind a closed loop, as long as
+the controller keeps up. Only the window after ``warmup_s`` counts.
 
-Reported at N concurrent trajectories (rollart mode, alpha 1, batch N/2, so about N are in
-flight): turns/s over the run, the generate round trip p50/p99, and the per-turn controller gap
-p50/p99 = time from a generate reply to the same trajectory's next generate call (it contains
-one env-step round trip plus the controller's bookkeeping). Default N = 1k and 10k; ``--quick``
-256 and 1k. All processes share this machine's cores, so the numbers are an upper bound.
+Per N it reports:
+
+- ``cpu_us_per_turn``: controller-process CPU seconds (``time.process_time``: all its threads,
+  ZeroMQ's I/O thread included) / generate calls started, over the window; percentile-bootstrap
+  ci95 over 5 s sub-windows. Trajectory completions and training steps in the window are
+  included (and the in-process SIMULATED trainer and reward, which cost next to nothing).
+- ``added_latency_p50/p99_ms``: a backend's reply leaving its handler -> the same trajectory's
+  next request entering the other backend's handler (env step reply -> next generate; generate
+  reply -> env step), ``time.monotonic`` of one host in both processes; it contains both RPC
+  legs' encode / transport / decode and the controller's work. ci95 of the p99: distribution-
+  free order-statistic interval.
+- ``lost_replies``: calls that ended in ``RemoteTimeoutError`` (generate 20 s, env 90 s) until
+  the generate calls open at the window's end have ended (they get their timeout + 15 s),
+  plus those still open then.
+- ``rss_bytes_per_traj`` / ``rss_bytes_per_token``: controller RSS growth (peak in the window
+  minus before start) per trajectory / per context token of N trajectories.
+- ``loop_lag_p99_ms`` (:class:`~rollart.controller.loophealth.LoopLagMonitor`) and garbage
+  collection pause seconds per generation / longest pause (``gc.callbacks``).
+- the floor beside it: a bare uvloop ``asyncio.Protocol`` echo of length-prefixed msgspec
+  frames (``overhead_serve echo``), client CPU per call and round trip p50/p99; one turn is two
+  RPCs, so ``2 x floor_cpu_us_per_rpc`` is the transport floor of ``cpu_us_per_turn``.
+
+Sizes: ``--quick`` N = 1000 at 32k and N = 10000 at 4k contexts, 3 turns, 70-75 s each (10000 x
+32k needs more memory than a shared 24 GiB machine has); default N = 1000, 10000, 50000 at 32k,
+8 turns. A size whose estimated controller memory exceeds 60% of available memory is skipped and
+its row says what it needs. Every process shares the machine's cores: the controller gets what
+the scheduler leaves it (``cpu_share_of_core``), and once the offered load needs more than that
+the latency and lag are queueing. ``CONTROLLER_OVERHEAD_GC=default`` runs with CPython's default
+collector policy instead (to measure before/after), ``=G0,G1,G2`` given thresholds.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
+import logging
+import math
 import os
+import random
 import re
+import signal
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
-from collections import defaultdict
+from argparse import Namespace
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import msgspec
+import psutil
 import torch
 
+from benchmarks import overhead_serve as srv
 from benchmarks.common import main_for, result
 from rollart.controller.controller import Controller
+from rollart.controller.loophealth import (
+    GcPauses,
+    LoopLagMonitor,
+    freeze_startup_objects,
+    tune_gc,
+)
 from rollart.controller.proxy import LLMProxy
 from rollart.controller.services import EnvRouter, RewardRouter
 from rollart.envhost.client import EnvClient
@@ -37,25 +87,62 @@ from rollart.sim.hardware import H800
 from rollart.sim.harness import SimDomain, SimPool, SimScenario, scenario_of
 from rollart.sim.models import QWEN3_8B
 from rollart.sim.trainer import SimTrainer
-from rollart.sim.workload import DomainSpec, DomainTable, SimTokenizer, const
+from rollart.sim.workload import DomainTable, SimTokenizer
 from rollart.transport import messages as m
+from rollart.transport.errors import RemoteTimeoutError
 
 NAME = "controller_overhead"
-TURNS = 4
-DOMAIN_ARGS = ["--domain", "zero", "--prompt-tokens", "64", "--obs-tokens", "16",
-               "--response-tokens", "16", "--turns", str(TURNS)]
+GENERATE_TIMEOUT_S = 20.0
+SUBWINDOW_S = 5.0
+#: controller bytes per held context token assumed before one size was measured (main's code:
+#: token ids, loss mask, logprobs and versions as Python lists, 8 B per slot each)
+BYTES_PER_TOKEN_GUESS = 40.0
 
 
-def _spec() -> DomainSpec:
-    return DomainSpec("zero", prompt_tokens=const(64), obs_tokens=const(16),
-                      response_tokens=const(16), num_turns=const(TURNS))
+@dataclass(frozen=True)
+class Size:
+    n: int
+    context_tokens: int
+    turns: int
+    duration_s: float
+    warmup_s: float
+
+
+# Quick: 3 turns, so trajectories (~20 s open spread + 3 x 10 s) complete and steps train
+# inside the window and per-completion costs are counted too.
+QUICK = (Size(1000, 32768, 3, 70.0, 20.0), Size(10_000, 4096, 3, 75.0, 25.0))
+FULL = (Size(1000, 32768, 8, 150.0, 30.0), Size(10_000, 32768, 8, 180.0, 40.0),
+        Size(50_000, 32768, 8, 240.0, 60.0))
+
+
+class Calls:
+    """Controller-side record of the backends' calls: start times, timeouts, open calls."""
+
+    def __init__(self) -> None:
+        self.gen_starts: list[float] = []
+        self.timeouts = 0
+        self.open: dict[int, tuple[str, float]] = {}
+        self.session_traj: dict[str, str] = {}
+        self.ended = asyncio.Event()  # set whenever a call ends
+
+    async def timed(self, kind: str, coro: Any) -> Any:
+        key = id(coro)
+        self.open[key] = (kind, time.monotonic())
+        try:
+            return await coro
+        except RemoteTimeoutError:
+            self.timeouts += 1
+            raise
+        finally:
+            del self.open[key]
+            self.ended.set()
 
 
 class TimedWorker:
-    """Measures each generate round trip of a real client (delegates everything else)."""
+    """An ``InferenceClient`` whose generate calls are recorded in ``Calls``."""
 
-    def __init__(self, client: InferenceClient, log: dict[str, tuple[float, float]]) -> None:
-        self._client, self._log = client, log
+    def __init__(self, client: InferenceClient, calls: Calls) -> None:
+        self._client, self._calls = client, calls
         self.name = client.name
 
     @property
@@ -68,115 +155,363 @@ class TimedWorker:
 
     async def generate(self, request: m.Generate, *, timeout_s: float | None = None
                        ) -> m.GenerateResult:
-        t0 = time.perf_counter()
-        res = await self._client.generate(request, timeout_s=timeout_s)
-        self._log[request.request_id] = (t0, time.perf_counter())
-        return res
+        self._calls.gen_starts.append(time.monotonic())
+        return await self._calls.timed("gen", self._client.generate(request, timeout_s=timeout_s))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._client, name)
 
 
-def _spawn(kind: str, name: str) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "rollart.sim.serve", kind, "--name", name, *DOMAIN_ARGS]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=os.environ.copy())
+class TimedEnv:
+    """An ``EnvClient`` that maps sessions to trajectories (the calling task's name)."""
+
+    def __init__(self, client: EnvClient, calls: Calls) -> None:
+        self._client, self._calls = client, calls
+        self.name = client.name
+
+    @property
+    def dead(self) -> bool:
+        return self._client.dead
+
+    async def open(self, *args: Any, **kwargs: Any) -> m.EnvOpened:
+        task = asyncio.current_task()
+        opened = await self._calls.timed("env", self._client.open(*args, **kwargs))
+        if task is not None and task.get_name().startswith("traj-"):
+            self._calls.session_traj[opened.session_id] = task.get_name()[len("traj-"):]
+        return opened
+
+    async def step(self, *args: Any, **kwargs: Any) -> m.EnvStepResult:
+        return await self._calls.timed("env", self._client.step(*args, **kwargs))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+
+def _spawn(argv: list[str]) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.overhead_serve", *argv],
+                            stdout=subprocess.PIPE, text=True, env=os.environ.copy())
     assert proc.stdout is not None
     line = proc.stdout.readline()
     match = re.match(r"ADDRESS (\S+)", line)
     if not match:
         proc.kill()
-        raise RuntimeError(f"{name}: expected 'ADDRESS ...', got {line!r}")
+        raise RuntimeError(f"overhead_serve {argv[0]}: expected 'ADDRESS ...', got {line!r}")
     return proc, match.group(1)
 
 
-def _pct(values: list[float], q: float) -> float:
-    if not values:
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _pct(sorted_xs: list[float], q: float) -> float:
+    if not sorted_xs:
         return float("nan")
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))]
+    return sorted_xs[min(len(sorted_xs) - 1, max(0, math.ceil(q * len(sorted_xs)) - 1))]
 
 
-async def _measure(n: int, worker_addrs: list[str], env_addr: str, seed: int) -> dict[str, Any]:
-    table = DomainTable([_spec()])
-    batch = max(8, n // 2 // 8 * 8)
-    sim = SimScenario(pools=(SimPool("sim", "h800", len(worker_addrs)),),
-                      domains=(SimDomain(_spec(), "sim"),), mode="rollart", alpha=1, steps=3,
-                      batch_size=batch, group_size=8, max_turns=TURNS,
-                      max_tokens_per_turn=64, max_tokens_per_trajectory=4096)
-    log: dict[str, tuple[float, float]] = {}
-    clients = [InferenceClient(a, name=f"w{i}", liveness_timeout_s=60.0)
-               for i, a in enumerate(worker_addrs)]
-    workers = [TimedWorker(c, log) for c in clients]
-    env = EnvClient(env_addr, name="env", liveness_timeout_s=60.0)
+def _pct_ci95(sorted_xs: list[float], q: float) -> list[float]:
+    """Distribution-free 95% interval of the q-quantile (normal approx. to the binomial rank)."""
+    n = len(sorted_xs)
+    if n == 0:
+        return [float("nan"), float("nan")]
+    half = 1.96 * math.sqrt(n * q * (1 - q))
+    lo, hi = max(0, math.floor(n * q - half) - 1), min(n - 1, math.ceil(n * q + half) - 1)
+    return [sorted_xs[lo], sorted_xs[hi]]
+
+
+def _ratio_ci95(num: list[float], den: list[float], seed: int) -> list[float]:
+    """Percentile-bootstrap 95% interval of ``sum(num) / sum(den)`` over sub-windows."""
+    k = len(num)
+    if k < 2:
+        return [float("nan"), float("nan")]
+    rng = random.Random(seed)
+    stats = []
+    for _ in range(2000):
+        idx = [rng.randrange(k) for _ in range(k)]
+        d = sum(den[i] for i in idx)
+        if d > 0:
+            stats.append(sum(num[i] for i in idx) / d)
+    stats.sort()
+    return [stats[int(0.025 * len(stats))], stats[int(0.975 * len(stats)) - 1]]
+
+
+def _rss() -> int:
+    return psutil.Process().memory_info().rss
+
+
+async def _drive(size: Size, args: Namespace, worker_addr: str, env_addr: str, seed: int,
+                 gc_policy: str) -> dict[str, Any]:
+    table = DomainTable([srv.domain_spec(args)])
+    spec = table.domains[0]
+    n, group = size.n, 8
+    # Production-like batches (512 samples, 1024 from 32k trajectories on) and alpha just
+    # large enough that the in-flight bound (alpha + 1) x batch admits all N trajectories.
+    batch = 512 if n <= 32_768 else 1024
+    alpha = max(1, math.ceil(n / batch) - 1)
+    sim = SimScenario(pools=(SimPool("sim", "h800", 1),), domains=(SimDomain(spec, "sim"),),
+                      mode="rollart", alpha=alpha, steps=10_000, batch_size=batch,
+                      group_size=group,
+                      max_turns=size.turns, max_tokens_per_turn=64,
+                      max_tokens_per_trajectory=size.context_tokens + 4096,
+                      generate_timeout_s=GENERATE_TIMEOUT_S,
+                      env_timeout_s=args.env_max_s + 30.0, env_hosts=1)
+    calls = Calls()
+    client = InferenceClient(worker_addr, name="w0", liveness_timeout_s=120.0)
+    env = EnvClient(env_addr, name="env", liveness_timeout_s=120.0)
     trainer = SimTrainer(model=QWEN3_8B, hardware=H800, num_gpus=8, time_scale=0.0,
                          weights=lambda: [("w", torch.zeros(16))])
     controller = Controller(
-        scenario_of(sim, seed), proxy=LLMProxy({"sim": ("h800", workers)}, {"zero": "sim"}),
-        envs=EnvRouter([env]), rewards=RewardRouter(service=SimReward()), trainer=trainer,
-        tokenizer=SimTokenizer(table))
-    t0 = time.perf_counter()
-    peak = 0
+        scenario_of(sim, seed),
+        proxy=LLMProxy({"sim": ("h800", [TimedWorker(client, calls)])}, {"zero": "sim"}),
+        envs=EnvRouter([TimedEnv(env, calls)]), rewards=RewardRouter(service=SimReward()),
+        trainer=trainer, tokenizer=SimTokenizer(table))
+    lag = LoopLagMonitor()
+    gc_before = gc.get_threshold()
+    pauses = GcPauses().install()
+    steps = 0
+
+    async def train() -> None:
+        nonlocal steps
+        while True:
+            await controller.step()
+            steps += 1
+
+    if gc_policy == "tuned":
+        tune_gc()
+    elif gc_policy != "default":
+        g0, g1, g2 = (int(x) for x in gc_policy.split(","))
+        tune_gc((g0, g1, g2))
+    await controller.start()
+    if gc_policy != "default":
+        freeze_startup_objects()
+    lag.start()
+    rss0 = _rss()
+    t_start = time.monotonic()
+    trainer_task = asyncio.create_task(train())
     try:
-        for _ in range(sim.steps):
-            step = asyncio.ensure_future(controller.step())
-            while not step.done():
-                peak = max(peak, controller.num_running)
-                await asyncio.sleep(0.05)
-            await step
+        await asyncio.sleep(size.warmup_s)
+        t0, cpu0, gen0, steps0 = time.monotonic(), time.process_time(), len(calls.gen_starts), \
+            steps
+        pauses.reset()
+        lag.take()
+        peak = _rss()
+        sub_cpu: list[float] = []
+        sub_turns: list[float] = []
+        running: list[int] = []
+        cpu_prev, gen_prev = cpu0, gen0
+        while time.monotonic() < t_start + size.duration_s and not trainer_task.done():
+            await asyncio.sleep(SUBWINDOW_S)
+            peak = max(peak, _rss())
+            cpu, gens = time.process_time(), len(calls.gen_starts)
+            running.append(controller.num_running)
+            sub_cpu.append(1e6 * (cpu - cpu_prev))
+            sub_turns.append(gens - gen_prev)
+            cpu_prev, gen_prev = cpu, gens
+        t1, cpu1, gen1 = time.monotonic(), time.process_time(), len(calls.gen_starts)
+        lag_stats = lag.take()
+        if trainer_task.done():
+            trainer_task.result()  # a fatal error of the controller ends the run here
+        stats = controller.buffer.stats()
+        # Drain: every generate call open now ends within its timeout, by a reply or by
+        # RemoteTimeoutError (counted); one still open well after that never will.
+        pending = {k for k, (kind, _) in calls.open.items() if kind == "gen"}
+        deadline = time.monotonic() + GENERATE_TIMEOUT_S + 15.0
+        while pending & calls.open.keys() and time.monotonic() < deadline:
+            calls.ended.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(calls.ended.wait(), deadline - time.monotonic())
+        stuck = len(pending & calls.open.keys())
     finally:
-        wall = time.perf_counter() - t0
+        trainer_task.cancel()
+        await asyncio.gather(trainer_task, return_exceptions=True)
+        pauses.remove()
+        # Closing thousands of sessions of an overloaded run times out by the thousand.
+        logging.getLogger("rollart.controller.trajectory").setLevel(logging.ERROR)
+        await lag.stop()
         await controller.close()
-        for c in clients:
-            await c.close()
+        await client.close()
         await env.close()
-    rtt = [end - start for start, end in log.values()]
-    by_traj: dict[str, dict[int, tuple[float, float]]] = defaultdict(dict)
-    for rid, span in log.items():
-        traj, _, turn = rid.rpartition("/t")
-        by_traj[traj][int(turn)] = span
-    gaps = [turns[t][0] - turns[t - 1][1] for turns in by_traj.values() for t in turns
-            if t - 1 in turns]
-    return {"concurrent_target": n, "peak_running": peak, "turns": len(log), "wall_s": wall,
-            "turns_per_s": len(log) / wall, "us_per_turn": 1e6 * wall / max(1, len(log)),
-            "gen_rtt_p50_ms": 1e3 * _pct(rtt, 0.5),
-            "gen_rtt_p99_ms": 1e3 * _pct(rtt, 0.99), "turn_gap_p50_ms": 1e3 * _pct(gaps, 0.5),
-            "turn_gap_p99_ms": 1e3 * _pct(gaps, 0.99)}
+        gc.unfreeze()
+        gc.set_threshold(*gc_before)
+    turns = gen1 - gen0
+    rss_delta = peak - rss0
+    return {
+        "window": (t0, t1), "session_traj": calls.session_traj,
+        "row": {
+            "n": n, "context_tokens": size.context_tokens, "turns_per_traj": size.turns,
+            "gc": gc_policy,
+            "batch": batch, "alpha": alpha,
+            "running_mean": statistics.fmean(running) if running else 0.0,
+            "held_at_end": stats.held, "window_s": round(t1 - t0, 1), "turns": turns,
+            "turns_per_s": turns / (t1 - t0), "steps": steps - steps0,
+            "cpu_us_per_turn": 1e6 * (cpu1 - cpu0) / max(1, turns),
+            "cpu_us_per_turn_ci95": _ratio_ci95(sub_cpu, sub_turns, seed),
+            "cpu_share_of_core": (cpu1 - cpu0) / (t1 - t0),
+            "lost_replies": calls.timeouts + stuck, "timeouts": calls.timeouts,
+            "stuck_calls": stuck, "failed": dict(stats.failed),
+            "rss_mb": peak / 2**20,
+            "rss_bytes_per_traj": rss_delta / n,
+            "rss_bytes_per_token": rss_delta / (n * size.context_tokens),
+            "loop_lag_p50_ms": lag_stats.p50_ms, "loop_lag_p99_ms": lag_stats.p99_ms,
+            "loop_lag_max_ms": lag_stats.max_ms,
+            "gc_s": [round(s, 3) for s in pauses.seconds], "gc_count": pauses.count,
+            "gc_max_pause_ms": 1e3 * pauses.max_s,
+            "gc_share_of_window": pauses.total_s / (t1 - t0),
+        },
+    }
 
 
-def _one_size(n: int, seed: int, runner: Any) -> dict[str, Any]:
-    procs = []
+def _gaps(worker: srv.Records, env: srv.Records, session_traj: dict[str, str],
+          window: tuple[float, float]) -> tuple[list[float], list[float]]:
+    """(env reply -> next generate, generate reply -> env step) gaps in the window, ms."""
+    t0, t1 = window
+    gen = {rid: (t_in, t_out) for rid, _, t_in, t_out in worker.calls}
+    steps: dict[tuple[str, int], tuple[float, float]] = {
+        (sid, turn): (t_in, t_out) for sid, turn, t_in, t_out in env.calls}
+    after_env, after_gen = [], []
+    for (sid, turn), (_, t_out) in steps.items():
+        tid = session_traj.get(sid)
+        nxt = gen.get(f"{tid}/t{turn + 1}") if tid is not None else None
+        if nxt is not None and t0 <= nxt[0] <= t1:
+            after_env.append(1e3 * (nxt[0] - t_out))
+        g = gen.get(f"{tid}/t{turn}") if tid is not None and turn >= 0 else None
+        t_step_in = steps[(sid, turn)][0]
+        if g is not None and t0 <= t_step_in <= t1:
+            after_gen.append(1e3 * (t_step_in - g[1]))
+    return after_env, after_gen
+
+
+def _one_size(size: Size, seed: int, gc_policy: str) -> dict[str, Any]:
+    import uvloop
+
+    args = Namespace(context_tokens=size.context_tokens, obs_tokens=4, response_tokens=4,
+                     turns=size.turns, env_mean_s=10.0, env_std_s=10.0, env_max_s=60.0,
+                     open_spread_s=20.0)
+    dom = srv.domain_argv(args)
+    with tempfile.TemporaryDirectory(prefix="ctrl-overhead-") as tmp:
+        dumps = {k: Path(tmp) / f"{k}.msgpack" for k in ("worker", "env")}
+        procs: list[subprocess.Popen] = []
+        try:
+            wp, waddr = _spawn(["worker", "--dump", str(dumps["worker"]), *dom])
+            procs.append(wp)
+            ep, eaddr = _spawn(["env", "--dump", str(dumps["env"]), "--seed", str(seed), *dom])
+            procs.append(ep)
+            out = uvloop.run(_drive(size, args, waddr, eaddr, seed, gc_policy))
+        finally:
+            _stop(procs)
+        recs = {k: msgspec.msgpack.decode(p.read_bytes(), type=srv.Records)
+                for k, p in dumps.items() if p.exists()}
+    row = out["row"]
+    if len(recs) == 2:
+        after_env, after_gen = _gaps(recs["worker"], recs["env"], out["session_traj"],
+                                     out["window"])
+        both = sorted(after_env + after_gen)
+        after_env.sort()
+        after_gen.sort()
+        row.update(
+            added_latency_p50_ms=_pct(both, 0.5), added_latency_p99_ms=_pct(both, 0.99),
+            added_latency_p99_ci95=_pct_ci95(both, 0.99), added_latency_samples=len(both),
+            env_to_gen_p99_ms=_pct(after_env, 0.99), gen_to_env_p99_ms=_pct(after_gen, 0.99))
+    return row
+
+
+async def _floor_client(addr: str, calls: int, concurrency: int) -> dict[str, float]:
+    host, port = addr.rsplit(":", 1)
+    loop = asyncio.get_running_loop()
+    proto = srv.EchoClientProtocol()
+    await loop.create_connection(lambda: proto, host, int(port))
+    payload = b"x" * 64
+    rtts: list[float] = []
+
+    async def caller(k: int) -> None:
+        for _ in range(k):
+            t = time.perf_counter()
+            await proto.call(payload)
+            rtts.append(time.perf_counter() - t)
+
+    await caller(200)  # warm-up
+    rtts.clear()
+    per, cpu0, t0 = calls // concurrency, time.process_time(), time.perf_counter()
+    await asyncio.gather(*(caller(per) for _ in range(concurrency)))
+    cpu, wall = time.process_time() - cpu0, time.perf_counter() - t0
+    proto.close()
+    rtts.sort()
+    return {"cpu_us_per_rpc": 1e6 * cpu / (per * concurrency),
+            "calls_per_s": per * concurrency / wall,
+            "rtt_p50_ms": 1e3 * _pct(rtts, 0.5), "rtt_p99_ms": 1e3 * _pct(rtts, 0.99)}
+
+
+def _floor(quick: bool) -> dict[str, Any]:
+    """Bare uvloop + msgspec echo (replaceable by ``benchmarks.rpc_floor`` when it lands)."""
+    import uvloop
+
+    proc, addr = _spawn(["echo", "--dump", os.devnull])
     try:
-        worker_addrs = []
-        for i in range(2):
-            proc, addr = _spawn("worker", f"sim-worker-{i}")
-            procs.append(proc)
-            worker_addrs.append(addr)
-        proc, env_addr = _spawn("env", "sim-env")
-        procs.append(proc)
-        return runner(_measure(n, worker_addrs, env_addr, seed))
+        calls = 20_000 if quick else 100_000
+        low = uvloop.run(_floor_client(addr, 2000, 1))
+        high = uvloop.run(_floor_client(addr, calls, 256))
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        _stop([proc])
+    return {"floor_cpu_us_per_rpc": high["cpu_us_per_rpc"],
+            "floor_calls_per_s": high["calls_per_s"], "floor_rtt_p50_ms": low["rtt_p50_ms"],
+            "floor_rtt_p99_ms": low["rtt_p99_ms"]}
 
 
 def run(quick: bool, seed: int) -> dict:
-    import uvloop
-
     started = time.perf_counter()
-    # Fresh processes per size: the workers keep the weight version the last run reached.
-    rows = [_one_size(n, seed, uvloop.run) for n in ((256, 1024) if quick else (1000, 10_000))]
-    ratios = {f"turns/s at {r['concurrent_target']}": r["turns_per_s"] for r in rows}
-    ratios.update({f"turn gap p99 ms at {r['concurrent_target']}": r["turn_gap_p99_ms"]
-                   for r in rows})
-    return result(NAME, simulated=False, rows=rows, ratios=ratios, quick=quick, seed=seed,
-                  started=started, notes="measured wall time; backends are zero-latency "
-                  "simulated processes over real ZeroMQ; controller on uvloop; 2 worker "
-                  "processes + 1 env process share the machine's cores")
+    gc_policy = os.environ.get("CONTROLLER_OVERHEAD_GC", "tuned")
+    if gc_policy not in ("tuned", "default") and not re.fullmatch(r"\d+,\d+,\d+", gc_policy):
+        raise SystemExit("CONTROLLER_OVERHEAD_GC must be tuned, default or thresholds "
+                         f"'G0,G1,G2', got {gc_policy!r}")
+    floor = _floor(quick)
+    rows: list[dict[str, Any]] = []
+    per_token = BYTES_PER_TOKEN_GUESS
+    for size in QUICK if quick else FULL:
+        need = size.n * size.context_tokens * per_token
+        avail = psutil.virtual_memory().available
+        if need > 0.6 * avail:
+            rows.append({"n": size.n, "context_tokens": size.context_tokens,
+                         "skipped": f"needs ~{need / 2**30:.1f} GiB of controller memory "
+                                    f"({per_token:.0f} B/token), {avail / 2**30:.1f} GiB free"})
+            continue
+        # Fresh backend processes per size: the worker keeps the weight version a run reached.
+        row = _one_size(size, seed, gc_policy)
+        rows.append(row)
+        if row["rss_bytes_per_token"] > 0:
+            per_token = max(per_token / 4, row["rss_bytes_per_token"])
+    return result(NAME, simulated=False, rows=rows, ratios=ratios_of(rows, floor), quick=quick,
+                  seed=seed, started=started, notes=f"measured; gc policy {gc_policy}; backends "
+                  "are SIMULATED processes (zero-latency worker, env lognormal mean 10 s) over "
+                  "real ZeroMQ; all processes share the machine's cores")
+
+
+def ratios_of(rows: list[dict[str, Any]], floor: dict[str, float]) -> dict[str, Any]:
+    """The JSON ``ratios``: per size N run, the issue's figures, then the floor."""
+    ratios: dict[str, Any] = {}
+    for r in rows:
+        if "skipped" in r:
+            continue
+        n = r["n"]
+        ratios[f"lost_replies at {n}"] = r["lost_replies"]
+        ratios[f"cpu_us_per_turn at {n}"] = r["cpu_us_per_turn"]
+        ratios[f"cpu_us_per_turn at {n} ci95"] = [round(x, 1) for x in r["cpu_us_per_turn_ci95"]]
+        ratios[f"added_latency_p99_ms at {n}"] = r.get("added_latency_p99_ms", float("nan"))
+        ratios[f"added_latency_p99_ms at {n} ci95"] = [
+            round(x, 3) for x in r.get("added_latency_p99_ci95", [float("nan")] * 2)]
+        ratios[f"loop_lag_p99_ms at {n}"] = r["loop_lag_p99_ms"]
+        ratios[f"rss_bytes_per_token at {n}"] = r["rss_bytes_per_token"]
+        ratios[f"cpu_us_per_turn / floor (2 RPCs) at {n}"] = (
+            r["cpu_us_per_turn"] / (2 * floor["floor_cpu_us_per_rpc"]))
+    ratios.update(floor)
+    return ratios
 
 
 if __name__ == "__main__":

@@ -142,6 +142,8 @@ class SampleBuffer:
         initial_version: trainer version at start (>= 0).
         rng: for unbiased selection when ``close_group`` gets none (default ``Random(0)``).
         on_drop: called ``(traj_id, reason)`` whenever a completed sample is discarded.
+        on_forget: called ``(group_key)`` when a group leaves (consumed or retired, no member
+            live); the buffer keeps nothing of it after that.
 
     Raises:
         ConfigError: any argument out of range, naming it.
@@ -161,6 +163,7 @@ class SampleBuffer:
         initial_version: int = 0,
         rng: random.Random | None = None,
         on_drop: Callable[[str, str], None] | None = None,
+        on_forget: Callable[[str], None] | None = None,
     ) -> None:
         for name, val, lo in (
             ("alpha", alpha, 0),
@@ -194,6 +197,7 @@ class SampleBuffer:
         self._outstanding = False
         self._rng = rng if rng is not None else random.Random(0)
         self._on_drop = on_drop
+        self._on_forget = on_forget
         self._groups: dict[str, _Group] = {}
         self._trajs: dict[str, _Traj] = {}
         self._next_seq = 0
@@ -234,6 +238,17 @@ class SampleBuffer:
     def batch_outstanding(self) -> bool:
         """True between a successful ``take_batch`` and the next ``advance_version``."""
         return self._outstanding
+
+    @property
+    def groups_in_flight(self) -> int:
+        """Groups admitted and not yet forgotten (O(1); also in ``stats()``)."""
+        return len(self._groups)
+
+    @property
+    def num_kept(self) -> int:
+        """Samples kept into a group so far (cumulative; O(1)). A ``take_batch`` that found no
+        batch finds none again until this grows or the version advances."""
+        return self._c["kept_members"]
 
     def admissible(self, min_version: int | None) -> bool:
         """Whether tokens whose oldest version is ``min_version`` may train at this version."""
@@ -577,6 +592,7 @@ class SampleBuffer:
         *,
         rng: random.Random | None = None,
         on_drop: Callable[[str, str], None] | None = None,
+        on_forget: Callable[[str], None] | None = None,
     ) -> SampleBuffer:
         """Rebuild from ``snapshot()``: held samples come back (then re-checked for staleness);
         each slot that was running gets a fresh trajectory id, listed by ``drain_restarts()``.
@@ -585,7 +601,8 @@ class SampleBuffer:
             raise ConfigError(
                 f"SampleBuffer.restore: unknown snapshot format {snap.get('format')!r}"
             )
-        buf = cls(**snap["config"], initial_version=snap["version"], rng=rng, on_drop=on_drop)
+        buf = cls(**snap["config"], initial_version=snap["version"], rng=rng, on_drop=on_drop,
+                  on_forget=on_forget)
         buf._next_seq = snap["next_seq"]
         for gs in snap["groups"]:
             g = _Group(
@@ -724,3 +741,5 @@ class SampleBuffer:
             del self._groups[g.key]
             for tid in g.all_tids:
                 self._trajs.pop(tid, None)
+            if self._on_forget is not None:
+                self._on_forget(g.key)

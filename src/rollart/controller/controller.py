@@ -32,6 +32,7 @@ from typing import Any
 
 from rollart.config import DomainConfig, Scenario
 from rollart.controller.buffer import SampleBuffer
+from rollart.controller.loophealth import LoopLagMonitor
 from rollart.controller.metrics import StepMetrics, step_metrics
 from rollart.controller.modes import TurnBarrier, mode_spec
 from rollart.controller.ports import Tokenizer, TrainerBackend, TrainResult
@@ -82,6 +83,8 @@ class Controller:
         clock: monotonic seconds; default the running loop's ``time``.
         resume: a :meth:`snapshot` to continue from (held samples kept, in-flight trajectories
             restarted, same group seeds and RNG stream); the trainer must be at its version.
+        loop_lag: an event-loop lag monitor, started with the controller; each step reports
+            its p99 / max (``None``: not measured; virtual-clock runs must not pass one).
 
     Raises:
         ConfigError: a domain whose reward cannot be routed, or an unknown pool affinity.
@@ -98,6 +101,7 @@ class Controller:
         tokenizer: Tokenizer,
         clock: Callable[[], float] | None = None,
         resume: dict[str, Any] | None = None,
+        loop_lag: LoopLagMonitor | None = None,
     ) -> None:
         run = scenario.run
         self.scenario, self.run = scenario, run
@@ -115,6 +119,7 @@ class Controller:
             max_attempts=run.retry.max_attempts,
             initial_version=trainer.version,
             rng=random.Random(run.seed + 1),
+            on_forget=self._forget_group,
         )
         self.domains: dict[str, DomainConfig] = {d.name: d for d in scenario.domains}
         self._groups: dict[str, tuple[DomainConfig, int]] = {}
@@ -133,6 +138,7 @@ class Controller:
                 by_kwargs[key] = ChatTokens(tokenizer, d.chat_template_kwargs)
             chats[d.name] = by_kwargs[key]
         self._clock = clock
+        self._loop_lag = loop_lag
         self._chats = chats
         self._ctx: TrajectoryContext | None = None
         self._finished: Counter[str] = Counter()
@@ -151,6 +157,9 @@ class Controller:
         self._started = False
         self._closed = False
         self._last_step_end = 0.0
+        # (version, kept-sample count) at the last take_batch that found no batch: until one
+        # changes no batch can be ready, so a wake-up does not rescan every group.
+        self._no_batch_at: tuple[int, int] | None = None
         #: the samples of the last training step
         self.last_batch: list[Sample] = []
 
@@ -182,6 +191,8 @@ class Controller:
         self._last_step_end = self._started_at = self.clock()
         self._spawn_aux(self._admission_loop(), "admission")
         self._launch_restarts()
+        if self._loop_lag is not None:
+            self._loop_lag.start()
 
     async def _align_worker_versions(self) -> None:
         """Make every worker serve the trainer's version before the first turn (a resumed run
@@ -216,6 +227,8 @@ class Controller:
         await asyncio.gather(*tasks, return_exceptions=True)
         if self._sync is not None:
             await self._sync.close()
+        if self._loop_lag is not None:
+            await self._loop_lag.stop()
 
     @property
     def barrier(self) -> TurnBarrier | None:
@@ -243,7 +256,8 @@ class Controller:
     def _restore(self, snap: dict[str, Any]) -> None:
         if snap.get("format") != 1:
             raise RollartError(f"controller snapshot: unknown format {snap.get('format')!r}")
-        self.buffer = SampleBuffer.restore(snap["buffer"], rng=random.Random(self.run.seed + 1))
+        self.buffer = SampleBuffer.restore(snap["buffer"], rng=random.Random(self.run.seed + 1),
+                                           on_forget=self._forget_group)
         if self.buffer.version != self.trainer.version:
             raise RollartError(
                 f"controller snapshot is at version {self.buffer.version}, the trainer at "
@@ -257,6 +271,12 @@ class Controller:
         self._group_seq = snap["group_seq"]
         self._step = snap["step"]
         self._rng.setstate((3, tuple(snap["rng"]), None))
+
+    def _forget_group(self, key: str) -> None:
+        """The buffer forgot group ``key`` (consumed or retired, no member live): so does the
+        controller, so that its per-group state holds only groups in flight."""
+        self._groups.pop(key, None)
+        self._finished.pop(key, None)
 
     # ------------------------------------------------------------------ supervision
     def _notify(self) -> None:
@@ -294,7 +314,7 @@ class Controller:
             return False
         if self.spec.one_batch_in_flight:
             per_batch = self.run.batch_size // self.run.group_size
-            return self.buffer.stats().groups_in_flight < per_batch
+            return self.buffer.groups_in_flight < per_batch
         return True
 
     def _pick_domain(self) -> DomainConfig:
@@ -397,17 +417,28 @@ class Controller:
         assert self._changed is not None
         while True:
             self._raise_if_fatal()
-            batch = self.buffer.take_batch()
+            batch = self._try_take_batch()
             self._launch_restarts()
             if batch is not None:
                 return batch
-            room = self.buffer.stats().groups_in_flight < self.buffer.max_groups
+            room = self.buffer.groups_in_flight < self.buffer.max_groups
             if not self._tasks and not (room and self._can_admit()):
                 raise ControllerStalledError(
                     f"no batch can be produced at version {self.buffer.version}: nothing is "
                     f"running and admission is paused ({self.buffer.stats()})"
                 )
             await self._changed.wait()
+
+    def _try_take_batch(self) -> list[Sample] | None:
+        # A batch becomes ready only when a sample is kept or the version advances (held
+        # samples only become stale then, and advance_version sweeps them itself), so
+        # take_batch, which scans every group, runs once per such change, not per wake-up.
+        at = (self.buffer.version, self.buffer.num_kept)
+        if at == self._no_batch_at:
+            return None
+        batch = self.buffer.take_batch()
+        self._no_batch_at = at if batch is None else None
+        return batch
 
     async def step(self) -> StepMetrics:
         """Run one training step and return its metrics.
@@ -447,6 +478,7 @@ class Controller:
             self._notify()
         t_end = self.clock()
         self._step += 1
+        lag = self._loop_lag.take() if self._loop_lag is not None else None
         metrics = step_metrics(
             step=self._step,
             mode=self.run.mode,
@@ -464,6 +496,8 @@ class Controller:
             train_metrics=result.metrics,
             # Samples restored from a checkpoint started before this process did.
             rollout_not_before=self._started_at,
+            loop_lag_p99_ms=lag.p99_ms if lag is not None else None,
+            loop_lag_max_ms=lag.max_ms if lag is not None else None,
         )
         self._align_s = 0.0
         self._last_step_end = t_end

@@ -36,6 +36,7 @@ from typing import Any
 
 from rollart.config import Scenario, load_scenario, validate_scenario
 from rollart.controller.controller import Controller
+from rollart.controller.loophealth import LoopLagMonitor
 from rollart.controller.metrics import StepMetrics
 from rollart.controller.ports import (
     EnvBackend,
@@ -54,7 +55,8 @@ from rollart.transport.errors import ConfigError
 class Backends:
     """The services a cluster drives. ``pools`` maps each scenario pool name to its workers;
     ``reward_endpoints`` maps the http(s) URLs domains name to clients; ``clock`` overrides the
-    loop's monotonic clock (simulators)."""
+    loop's monotonic clock (simulators); ``loop_lag``: an event-loop lag monitor whose p99 each
+    step reports (real-time runs only: its timer would keep a virtual clock from idling)."""
 
     pools: dict[str, list[GenerationBackend]]
     trainer: TrainerBackend
@@ -63,6 +65,7 @@ class Backends:
     reward_service: RewardBackend | None = None
     reward_endpoints: dict[str, RewardBackend] = field(default_factory=dict)
     clock: Callable[[], float] | None = None
+    loop_lag: LoopLagMonitor | None = None
 
 
 @dataclass
@@ -164,6 +167,7 @@ class Cluster:
             tokenizer=b.tokenizer,
             clock=b.clock,
             resume=self._resume,
+            loop_lag=b.loop_lag,
         )
         await self.controller.start()
 

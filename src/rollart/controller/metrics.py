@@ -34,6 +34,10 @@ class StepMetrics(msgspec.Struct, kw_only=True):
     - ``response_len_kept_mean``: mean generated tokens of the batch's samples;
       ``response_len_all_mean``: of every trajectory that finished during the step (kept or
       not), so the selection bias of redundancy is visible.
+    - ``loop_lag_p99_ms`` / ``loop_lag_max_ms``: how late the controller's event loop woke a
+      periodic probe during the step (p99 / max, milliseconds; ``None`` when not monitored,
+      0.0 when no probe woke: a step shorter than the probe interval): every trajectory's next
+      request waits at least that long.
     """
 
     step: int
@@ -61,6 +65,8 @@ class StepMetrics(msgspec.Struct, kw_only=True):
     response_len_all_mean: float
     num_turns_mean: float
     train_metrics: dict[str, float] = {}
+    loop_lag_p99_ms: float | None = None
+    loop_lag_max_ms: float | None = None
 
 
 def _mean(xs: Sequence[float]) -> float:
@@ -89,6 +95,8 @@ def step_metrics(
     num_rerouted: int = 0,
     train_metrics: dict[str, float] | None = None,
     rollout_not_before: float | None = None,
+    loop_lag_p99_ms: float | None = None,
+    loop_lag_max_ms: float | None = None,
 ) -> StepMetrics:
     """Assemble a step's metrics from its batch and the buffer counters around it.
 
@@ -132,4 +140,6 @@ def step_metrics(
         response_len_all_mean=round(finished_len / finished, 6) if finished > 0 else 0.0,
         num_turns_mean=_mean([s.num_turns for s in batch]),
         train_metrics=dict(train_metrics or {}),
+        loop_lag_p99_ms=loop_lag_p99_ms,
+        loop_lag_max_ms=loop_lag_max_ms,
     )

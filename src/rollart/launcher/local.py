@@ -85,6 +85,7 @@ async def open_cluster(scenario: str | Path | Scenario, *, run_dir: str | Path |
     from transformers import AutoTokenizer
 
     from rollart.controller.driver import Backends, Cluster
+    from rollart.controller.loophealth import LoopLagMonitor
     from rollart.controller.training import RemoteTrainer
     from rollart.envhost.client import EnvClient
     from rollart.inference.client import InferenceClient
@@ -145,7 +146,7 @@ async def open_cluster(scenario: str | Path | Scenario, *, run_dir: str | Path |
             trainer=RemoteTrainer(
                 trainer_client, version=trainer_version,
                 push_needs_pause=scenario.trainer.weight_transfer != "zmq"),
-            tokenizer=AutoTokenizer.from_pretrained(model_dir))
+            tokenizer=AutoTokenizer.from_pretrained(model_dir), loop_lag=LoopLagMonitor())
         cluster = Cluster.from_scenario(scenario, backends=backends, resume=controller_resume)
         cluster.run_dir = run_dir  # type: ignore[attr-defined]
         cluster.trainer_client = trainer_client  # type: ignore[attr-defined]

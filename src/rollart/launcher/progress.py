@@ -14,7 +14,8 @@ class Progress:
     """Prints the run header, service notes, and a row per training step.
 
     Rows show: step, policy version, reward per task domain, rollout / train / weight-sync
-    (exposed) seconds, max staleness, aborted and failed trajectories.
+    (exposed) seconds, max staleness, aborted and failed trajectories, the controller's
+    event-loop lag p99 (ms; ``-`` when not monitored).
     """
 
     def __init__(self, scenario: Scenario, planned_steps: int) -> None:
@@ -33,7 +34,7 @@ class Progress:
     def step(self, step: int, metrics: Any) -> None:
         table = Table(show_header=not self._header_printed, box=None, pad_edge=False)
         for col in ["step", "ver", "reward", *self.domains, "rollout s", "train s", "sync s",
-                    "stale", "abort", "fail"]:
+                    "stale", "abort", "fail", "lag p99 ms"]:
             table.add_column(col, justify="right", min_width=7)
         by_domain = metrics.reward_mean_by_domain
         table.add_row(
@@ -42,6 +43,7 @@ class Progress:
             f"{metrics.rollout_time_s:.1f}", f"{metrics.train_time_s:.1f}",
             f"{metrics.weight_sync_exposed_s:.2f}", str(metrics.staleness_max),
             str(metrics.num_aborted), str(metrics.num_failed),
+            "-" if metrics.loop_lag_p99_ms is None else f"{metrics.loop_lag_p99_ms:.1f}",
         )
         self._header_printed = True
         self.console.print(table)

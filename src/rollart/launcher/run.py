@@ -27,6 +27,7 @@ from typing import Any
 import msgspec
 
 from rollart.config import Scenario, load_scenario
+from rollart.controller.loophealth import freeze_startup_objects, tune_gc
 from rollart.launcher.procs import ProcessFailedError
 from rollart.launcher.progress import Progress
 from rollart.trainer.checkpoint import latest_checkpoint, mark_complete, read_json, step_dir
@@ -108,6 +109,9 @@ async def _train(cluster: Any, scenario: Scenario, run_dir: Path, start_step: in
     ckpt_root = run_dir / "checkpoints"
     step = start_step
     async with cluster:
+        # Started: modules, config, clients and the controller exist; later collections need
+        # not traverse them again (rollart.controller.loophealth).
+        freeze_startup_objects()
         async for out in cluster.train(steps=planned - start_step):
             step = out.step  # absolute: a resumed controller continues its step count
             record = msgspec.to_builtins(out.metrics)
@@ -136,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     # transformers' per-file progress bars would interleave with the step table.
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    tune_gc()
     args = _parse(argv)
     started = time.time()
     try:
@@ -211,6 +216,9 @@ def _write_summary(run_dir: Path, scenario: Scenario, started: float) -> None:
         "first_reward_mean": rewards[0] if rewards else None,
         "last_reward_mean": rewards[-1] if rewards else None,
         "last3_reward_mean": sum(rewards[-3:]) / len(rewards[-3:]) if rewards else None,
+        # the worst step's event-loop lag p99 (ms): how much the controller delayed every turn
+        "loop_lag_p99_ms_max": max((r["loop_lag_p99_ms"] for r in rows
+                                    if r.get("loop_lag_p99_ms") is not None), default=None),
         "wall_time_s": time.time() - started,
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -1,0 +1,40 @@
+"""``benchmarks.controller_overhead`` measures a real controller over real backend processes:
+a small size yields every figure of issue 11, and the JSON ratios name them per N."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from benchmarks import controller_overhead as co
+from benchmarks.common import main_for
+
+
+def test_one_small_size_reports_every_figure() -> None:
+    row = co._one_size(co.Size(64, 1024, 2, 25.0, 5.0), seed=0, gc_policy="tuned")
+    assert row["turns"] > 0 and row["cpu_us_per_turn"] > 0
+    assert row["lost_replies"] == 0 and row["failed"] == {}
+    # Both kinds of backend reply -> next request gap were matched across the processes.
+    assert row["added_latency_samples"] > 0
+    assert 0 <= row["added_latency_p50_ms"] <= row["added_latency_p99_ms"]
+    lo, hi = row["added_latency_p99_ci95"]
+    assert lo <= row["added_latency_p99_ms"] <= hi
+    assert row["loop_lag_p99_ms"] >= 0 and row["rss_bytes_per_traj"] > 0
+    ratios = co.ratios_of([row], {"floor_cpu_us_per_rpc": 10.0})
+    for key in ("lost_replies at 64", "cpu_us_per_turn at 64", "added_latency_p99_ms at 64",
+                "loop_lag_p99_ms at 64"):
+        assert not math.isnan(ratios[key])
+
+
+@pytest.mark.slow
+def test_quick_json_has_the_figures_at_10000(tmp_path: Path) -> None:
+    out = tmp_path / "controller_overhead.json"
+    main_for("controller_overhead", "", co.run, ["--quick", "--json", str(out)])
+    data = json.loads(out.read_text())
+    assert data["benchmark"] == "controller_overhead" and data["simulated"] is False
+    for n in (1000, 10_000):
+        assert {f"lost_replies at {n}", f"cpu_us_per_turn at {n}",
+                f"added_latency_p99_ms at {n}"} <= set(data["ratios"])
+    assert data["ratios"]["floor_cpu_us_per_rpc"] > 0
