@@ -43,11 +43,18 @@ ErrorCode = Literal[
 ]
 
 
-class Msg(msgspec.Struct, tag_field="kind", tag=True, forbid_unknown_fields=True, kw_only=True):
-    """Base of every wire message; the class name is the ``kind`` tag."""
+class Msg(
+    msgspec.Struct, tag_field="kind", tag=True, forbid_unknown_fields=True, kw_only=True, gc=False
+):
+    """Base of every wire message; the class name is the ``kind`` tag.
+
+    ``gc=False`` (inherited by every message): a decoded message cannot form a reference cycle,
+    and at 10k trajectories the collector's scans of untracked-able structs were most of the
+    controller's GC time (issue 11).
+    """
 
 
-class TensorMeta(msgspec.Struct, forbid_unknown_fields=True, array_like=True):
+class TensorMeta(msgspec.Struct, forbid_unknown_fields=True, array_like=True, gc=False):
     """Describes one raw tensor frame.
 
     ``dtype`` is a torch dtype name without the prefix (``"bfloat16"``, ``"float32"``); ``shape``
@@ -92,7 +99,7 @@ class ErrorReply(Msg):
 # ----------------------------------------------------------------------------------------------
 
 
-class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, gc=False):
     """Sampling parameters; mirror vLLM's names. ``max_tokens`` counts generated tokens."""
 
     max_tokens: PosInt
@@ -349,7 +356,7 @@ class GetEnvStats(Msg):
 # ----------------------------------------------------------------------------------------------
 
 
-class TrainSample(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class TrainSample(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, gc=False):
     """One trajectory's tokens as the trainer consumes them.
 
     Per-token fields are little-endian bytes of ``num_tokens`` items (``rollart.transport.
