@@ -221,8 +221,46 @@ def test_prefix_cache_skips_the_cached_prompt() -> None:
         return loop.time() - t0
 
     cached, uncached = run_virtual(lambda: main(True)), run_virtual(lambda: main(False))
-    saved = costs.prefill_s(QWEN3_8B, H800, 8101)
+    # Turn 2 = 8001 prompt + 100 generated + 51 new tokens; the cache holds the first 8101, so
+    # only 51 tokens are computed, attending the 8101 cached ones.
+    saved = costs.prefill_s(QWEN3_8B, H800, 8152) - costs.prefill_s(QWEN3_8B, H800, 51,
+                                                                    context=8101)
     assert uncached - cached == pytest.approx(saved, rel=1e-3)
+
+
+def test_prefix_cache_shares_the_kv_pool_and_is_evicted() -> None:
+    async def main(memory_utilization: float) -> SimInferenceWorker:
+        w = _worker(memory_utilization=memory_utilization)
+        first = await w.generate(_req("t1", prompt=2000))
+        # A 3000-token request needs the pool the cached 2101 tokens of t1 occupy.
+        await w.generate(_req("big", prompt=3000))
+        turn2 = TOK.encode(observation("fixed", 2000, tag="t1")) + first.token_ids \
+            + TOK.encode(observation("fixed", 50))
+        await w.generate(_req("t2", ids=turn2))
+        return w
+
+    # 4_069 tokens of KV (see the preemption test): t1's 2_101 cached + big's 3_101 do not fit.
+    small = run_virtual(lambda: main(0.2125))
+    assert small.cache_evicted_tokens >= 2101 and small.prefix_hit_tokens == 0
+    large = run_virtual(lambda: main(0.9))
+    assert large.cache_evicted_tokens == 0 and large.prefix_hit_tokens == 2101
+
+
+def test_chunked_prefill_shares_iterations_with_decode() -> None:
+    async def main(budget: int) -> int:
+        w = _worker(max_num_batched_tokens=budget)
+        long = asyncio.ensure_future(w.generate(_req("a", domain="long", max_tokens=5000)))
+        await asyncio.sleep(1.0)
+        # 20_001 prompt tokens; with a budget of 8192 they take three iterations
+        # (8191 + 8191 + 3619; the decoding request takes one token of each budget).
+        await w.generate(_req("b", prompt=20_000, max_tokens=1))
+        progress = w._running["a"].generated
+        long.cancel()
+        return progress
+
+    chunked, whole = run_virtual(lambda: main(8192)), run_virtual(lambda: main(100_000))
+    # Same progress before b arrives; then three mixed iterations vs one.
+    assert chunked - whole == 2
 
 
 def test_preemption_under_small_kv_cache_still_completes() -> None:
@@ -263,10 +301,10 @@ def test_push_weights_takes_bytes_over_link() -> None:
     async def main():
         w = _worker()
         loop = asyncio.get_running_loop()
-        await w.push_weights(1, [("x", SimTensor(840_000_000))], bucket_bytes=1 << 30)
+        await w.push_weights(1, [("x", SimTensor(50_000_000_000))], bucket_bytes=1 << 30)
         return loop.time()
 
-    # 0.84e9 B / 0.42e9 B/s
+    # 50e9 B / 25e9 B/s (200 Gb Ethernet)
     assert run_virtual(main) == pytest.approx(2.0)
 
 
