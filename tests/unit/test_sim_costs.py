@@ -50,11 +50,13 @@ def test_prefill_by_hand() -> None:
     # 32 tokens touch 1 - (15/16)^32 = 87.4% of experts; compute is tiny: memory-bound too.
     assert costs.prefill_s(QWEN3_30B_A3B, H800, 32) == pytest.approx(
         QWEN3_30B_A3B.weight_bytes_read(32) / 2.345e12, rel=1e-6)
-    # A prefix-cache hit of 8000 tokens: 100 new tokens attend 8000 + 50.5 keys each and the
-    # cached KV is read once; still compute-bound.
+    # A prefix-cache hit of 8000 tokens: 100 new tokens attend 8000 + 50.5 keys each
+    # (compute 4.28e-3 s) but the weights and the 8000 cached KV tokens are read once:
+    # (16.4e9 + 8000 * 147_456) / 2.345e12 = 7.497e-3 s -> memory-bound.
     hit = costs.prefill_s(QWEN3_8B, H800, 100, context=8000)
-    assert hit == pytest.approx((2 * 8.2e9 * 100 + 4 * 36 * 4096 * (100 * 8000 + 5050))
-                                / 4.945e14, rel=1e-6)
+    compute = (2 * 8.2e9 * 100 + 4 * 36 * 4096 * (100 * 8000 + 5050)) / 4.945e14
+    assert compute == pytest.approx(4.2767e-3, rel=1e-4)
+    assert hit == pytest.approx((16.4e9 + 8000 * 147_456) / 2.345e12, rel=1e-6)
 
 
 def test_mixed_step_is_one_roofline_over_decode_and_prefill() -> None:
