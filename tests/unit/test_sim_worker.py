@@ -330,3 +330,43 @@ def test_zero_time_scale_answers_without_simulated_time() -> None:
 
     res, t = run_virtual(main)
     assert len(res.token_ids) == 100 and t == 0.0
+
+
+def test_trainer_pushes_share_the_trainer_egress() -> None:
+    async def main(egress: float | None) -> float:
+        workers = [SimInferenceWorker(f"w{i}", hardware=H800, model=QWEN3_8B, domains=TABLE)
+                   for i in range(4)]
+        trainer = SimTrainer(model=QWEN3_8B, hardware=H800, num_gpus=8,
+                             egress_bytes_per_s=egress)
+        await trainer.train([_Fake(1000)])
+        t0 = asyncio.get_running_loop().time()
+        await trainer.push_weights(1, workers)
+        assert all(w._staged == {1: QWEN3_8B.weight_bytes} for w in workers)
+        return asyncio.get_running_loop().time() - t0
+
+    # Own links: 16.4e9 B / 25e9 B/s each, in parallel.
+    assert run_virtual(lambda: main(None)) == pytest.approx(0.656)
+    # One 25e9 B/s egress shared by 4 pulls: 4 x 16.4e9 / 25e9.
+    assert run_virtual(lambda: main(25e9)) == pytest.approx(4 * 0.656)
+    # A wide egress: each pull is bounded by its own link again.
+    assert run_virtual(lambda: main(1e12)) == pytest.approx(0.656)
+
+
+def test_reprefill_recomputes_every_running_request() -> None:
+    async def main() -> tuple[int, int]:
+        w = _worker()
+        trainer = SimTrainer(model=QWEN3_8B, hardware=H800, num_gpus=8)
+        await trainer.train([_Fake(1000)])
+        await trainer.push_weights(1, [w])
+        task = asyncio.ensure_future(w.generate(_req("a", domain="long")))
+        await asyncio.sleep(1.0)
+        await w.pause("keep")
+        before = w.prefill_tokens
+        kv = w._running["a"].kv_tokens
+        await w.apply_weights(1, reprefill=True)
+        await w.resume()
+        await task
+        return w.prefill_tokens - before, kv
+
+    recomputed, kv = run_virtual(main)
+    assert recomputed == kv
