@@ -25,7 +25,6 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-
 #: Student-t 0.975 quantiles by degrees of freedom (any statistics table, e.g. NIST/SEMATECH
 #: e-Handbook of Statistical Methods, §1.3.6.7.2); larger df use the nearest smaller entry.
 _T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,

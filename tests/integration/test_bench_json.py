@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from benchmarks import env_tail, report, run_all
-from benchmarks.common import main_for
+from benchmarks import env_tail, pd, report, run_all
+from benchmarks.common import ci95, main_for, mean_rows, summarize, t975
 
 
 def test_env_tail_quick_json_schema(tmp_path: Path) -> None:
@@ -19,11 +19,40 @@ def test_env_tail_quick_json_schema(tmp_path: Path) -> None:
     assert data["benchmark"] == "env_tail" and data["simulated"] is True
     assert len(data["rows"]) == 4
     assert set(data["ratios"]) >= {"std 1s: trajectory-level vs batch", "std 10s: ideal"}
+    assert set(data["ci95"]) == set(data["ratios"]) and data["meta"]["seeds"] == [0, 1, 2]
+    for key, (low, high) in data["ci95"].items():
+        assert low <= data["ratios"][key] <= high, key
     # More env-latency spread -> larger trajectory-level speedup (the paper's trend).
     speedups = [row["speedup"] for row in data["rows"]]
     assert speedups[0] < speedups[-1] and speedups[-1] > 1.2
     table = report.render(tmp_path)
     assert "| env_tail | True | std 1s: trajectory-level vs batch |" in table
+    # Rows are means over the seeds; the speedup compares rollout time, not step time.
+    assert all(row["seeds"] == 3 for row in data["rows"])
+    assert all(row["speedup"] == pytest.approx(row["batch_rollout_s"]
+                                               / row["traj_level_rollout_s"], rel=0.1)
+               for row in data["rows"])
+
+
+def test_ci95_by_hand() -> None:
+    # mean 2, sd 1, n 3: half width 4.303 * 1 / sqrt(3) = 2.48434
+    mean, (low, high) = ci95([1.0, 2.0, 3.0])
+    assert mean == 2.0 and low == pytest.approx(2 - 2.48434, rel=1e-5)
+    assert high == pytest.approx(2 + 2.48434, rel=1e-5)
+    assert t975(12) == 2.228 and t975(100) == 2.042
+    ratios, intervals = summarize({"a": [1.0, 1.0, 1.0]})
+    assert ratios == {"a": 1.0} and intervals == {"a": [1.0, 1.0]}
+    rows = mean_rows([{"k": "x", "v": 1.0}, {"k": "x", "v": 3.0}, {"k": "y", "v": 5.0}], ("k",))
+    assert rows == [{"k": "x", "v": 2.0, "seeds": 2}, {"k": "y", "v": 5.0, "seeds": 1}]
+
+
+def test_pd_quick_json_has_every_ci(tmp_path: Path) -> None:
+    out = tmp_path / "pd.json"
+    main_for("pd", "", pd.run, ["--quick", "--json", str(out)])
+    data = json.loads(out.read_text())
+    assert set(data["ci95"]) == set(data["ratios"]) and len(data["ratios"]) == 4
+    # PD never loses to colocating both phases on the compute-weak H20.
+    assert data["ci95"]["qwen3-32b: pd vs h20 colocated"][0] > 1.0
 
 
 @pytest.mark.slow
