@@ -65,3 +65,17 @@ def test_run_all_only_one(tmp_path: Path) -> None:
     assert summary["env_tail"]["status"] == "ok"
     with pytest.raises(SystemExit):
         run_all.main(["--out", str(tmp_path), "--only", "nope"])
+
+
+def test_modes_switches_a_real_scenario_to_every_mode() -> None:
+    from benchmarks.modes import MODES, scenario_for_mode
+    from rollart.config import load_scenario
+
+    base = load_scenario(Path(__file__).resolve().parents[2] / "scenarios/quickstart.toml")
+    got = {m: scenario_for_mode(base, m, seed=5, steps=3) for m in MODES}
+    assert {m: (s.run.mode, s.run.alpha, s.run.steps, s.run.seed) for m, s in got.items()} == {
+        "sync": ("sync", 0, 3, 5), "sync_plus": ("sync_plus", 0, 3, 5),
+        "one_off": ("one_off", 1, 3, 5), "areal": ("areal", 1, 3, 5),
+        "rollart": ("rollart", 1, 3, 5)}
+    assert got["areal"].run.reprefill and not got["rollart"].run.reprefill
+    assert got["rollart"].pools == base.pools
