@@ -69,6 +69,7 @@ def test_run_all_only_one(tmp_path: Path) -> None:
 
 def test_modes_switches_a_real_scenario_to_every_mode() -> None:
     from benchmarks.modes import MODES, scenario_for_mode
+
     from rollart.config import load_scenario
 
     base = load_scenario(Path(__file__).resolve().parents[2] / "scenarios/quickstart.toml")

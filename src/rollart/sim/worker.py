@@ -498,12 +498,13 @@ class SimInferenceWorker:
                    ) -> bool:
         """Evict least-recently-used cache entries (never ``keep``) until ``running_tokens``
         plus the cache fit the pool; False when they cannot."""
-        for key in list(self._cache):
-            if running_tokens + self._cache_tokens <= self.capacity:
+        while running_tokens + self._cache_tokens > self.capacity and self._cache:
+            key = next(iter(self._cache))
+            if key == keep:
+                # ``_lookup`` made ``keep`` the most recently used, so it is the last one left.
                 break
-            if key != keep:
-                self.cache_evicted_tokens += self._cache[key]
-                self._drop(key)
+            self.cache_evicted_tokens += self._cache[key]
+            self._drop(key)
         return running_tokens + self._cache_tokens <= self.capacity
 
     def _lookup(self, prompt: list[int]) -> tuple[int, int, int] | None:
