@@ -37,6 +37,7 @@ from typing import Any, Literal
 from rollart.sim import costs
 from rollart.sim.hardware import HardwareProfile
 from rollart.sim.models import ModelProfile
+from rollart.sim.prefix_cache import PrefixCache
 from rollart.sim.workload import (
     EOS_TOKEN_ID,
     GEN_TOKEN_ID,
@@ -48,7 +49,6 @@ from rollart.transport import messages as m
 from rollart.transport.errors import PeerDeadError, RemoteError, RemoteTimeoutError
 
 _EPS = 1e-9
-_HEAD = 16
 
 
 @dataclass
@@ -124,17 +124,18 @@ class SimInferenceWorker:
         self._ids: set[str] = set()  # request ids pending (waiting or running)
         self._running: dict[str, _Request] = {}
         self._staged: dict[int, float] = {}  # version -> bytes staged
-        self._cache: collections.OrderedDict[tuple[int, int, int], int] = \
-            collections.OrderedDict()
-        self._heads: dict[int, set[tuple[int, int, int]]] = {}
-        self._cache_tokens = 0
+        self._cache = PrefixCache()
         self.prefix_hit_tokens = 0  # prompt tokens served from the prefix cache
         self.prefill_tokens = 0  # tokens computed by prefill (first, re-prefill, preemption)
-        self.cache_evicted_tokens = 0
         self._chunk: tuple[float, float, int] | None = None  # (start, step_s, steps)
         self._wake_fut: asyncio.Future | None = None
         self._parked = asyncio.Event()
         self._engine_task: asyncio.Task | None = None
+
+    @property
+    def cache_evicted_tokens(self) -> int:
+        """Prefix-cache tokens evicted so far to make room for running requests."""
+        return self._cache.evicted_tokens
 
     # ---------------------------------------------------------------- InferenceClient methods
 
@@ -260,8 +261,6 @@ class SimInferenceWorker:
         self.version = version
         self._staged = {v: b for v, b in self._staged.items() if v > version}
         self._cache.clear()  # KV computed by older weights is not reused by new requests
-        self._heads.clear()
-        self._cache_tokens = 0
         if reprefill:
             for req in self._running.values():
                 req.to_prefill = req.kv_tokens  # KV computed by the old weights is discarded
@@ -346,7 +345,7 @@ class SimInferenceWorker:
                 await self._mixed_iteration()
                 continue
             batch = len(self._running)
-            room = max(0, self.capacity - self._kv_used() - self._cache_tokens) // batch
+            room = max(0, self.capacity - self._kv_used() - self._cache.tokens) // batch
             steps = max(1, min(min(r.target - r.generated for r in self._running.values()), room))
             kv_mid = self._kv_used() + batch * (steps - 1) / 2.0
             step_s = self.time_scale * costs.decode_step_s(self.model, self.hardware, batch,
@@ -414,15 +413,15 @@ class SimInferenceWorker:
         while self._waiting and len(self._running) < self.max_batch:
             req = self._waiting[0]
             fresh = req.generated == 0 and req.to_prefill == len(req.prompt)
-            hit_key = self._lookup(req.prompt) if fresh else None
-            hit = self._cache[hit_key] if hit_key is not None else 0
+            hit_key = self._cache.lookup(req.prompt) if fresh and self.prefix_cache else None
+            hit = self._cache.length(hit_key) if hit_key is not None else 0
             # The hit's blocks move from the cache to the request, so they count once.
             need = req.kv_tokens + 1 - hit
-            if not self._evict_for(kv + need, keep=hit_key):
+            if not self._cache.evict_for(kv + need, self.capacity, keep=hit_key):
                 break
             self._waiting.popleft()
             if hit_key is not None:
-                self._drop(hit_key)
+                self._cache.drop(hit_key)
                 # A full hit still recomputes the last prompt token (its logits are not cached).
                 req.to_prefill = max(1, len(req.prompt) - hit)
                 self.prefix_hit_tokens += hit
@@ -432,7 +431,7 @@ class SimInferenceWorker:
         return admitted
 
     def _preempt_to_fit(self) -> None:
-        self._evict_for(self._kv_used() + len(self._running))
+        self._cache.evict_for(self._kv_used() + len(self._running), self.capacity)
         while len(self._running) > 1 and self._kv_used() + len(self._running) > self.capacity:
             rid = next(reversed(self._running))
             req = self._running.pop(rid)
@@ -467,56 +466,8 @@ class SimInferenceWorker:
         for version, count in req.segments:
             versions.extend([version] * count)
         if self.prefix_cache and reason != "abort":
-            self._remember(req.prompt + ids)
+            self._cache.add(req.prompt + ids)
+            self._cache.evict_for(self._kv_used(), self.capacity)
         req.fut.set_result(m.GenerateResult(
             request_id=req.rid, token_ids=ids, logprobs=[req.logprob] * n, versions=versions,
             finish_reason=reason, num_prompt_tokens=len(req.prompt), stats=self._stats()))
-
-    # -------------------------------------------------------------------------- prefix cache
-    # Entries are keyed by (head, length, digest): ``head`` hashes the first _HEAD tokens, so a
-    # lookup hashes whole prefixes only for the few entries that start like the prompt.
-
-    def _remember(self, seq: list[int]) -> None:
-        head = hash(tuple(seq[:_HEAD]))
-        key = (head, len(seq), hash(tuple(seq)))
-        if key in self._cache:
-            self._cache.move_to_end(key)
-            return
-        self._cache[key] = len(seq)
-        self._heads.setdefault(head, set()).add(key)
-        self._cache_tokens += len(seq)
-        self._evict_for(self._kv_used())
-
-    def _drop(self, key: tuple[int, int, int]) -> None:
-        n = self._cache.pop(key)
-        self._heads[key[0]].discard(key)
-        if not self._heads[key[0]]:
-            del self._heads[key[0]]
-        self._cache_tokens -= n
-
-    def _evict_for(self, running_tokens: float, keep: tuple[int, int, int] | None = None
-                   ) -> bool:
-        """Evict least-recently-used cache entries (never ``keep``) until ``running_tokens``
-        plus the cache fit the pool; False when they cannot."""
-        while running_tokens + self._cache_tokens > self.capacity and self._cache:
-            key = next(iter(self._cache))
-            if key == keep:
-                # ``_lookup`` made ``keep`` the most recently used, so it is the last one left.
-                break
-            self.cache_evicted_tokens += self._cache[key]
-            self._drop(key)
-        return running_tokens + self._cache_tokens <= self.capacity
-
-    def _lookup(self, prompt: list[int]) -> tuple[int, int, int] | None:
-        """The longest cached sequence that is a prefix of ``prompt`` (marked recently used)."""
-        if not self.prefix_cache:
-            return None
-        best_key = None
-        for key in self._heads.get(hash(tuple(prompt[:_HEAD])), ()):
-            _, length, digest = key
-            if (best_key is None or length > best_key[1]) and length <= len(prompt) \
-                    and hash(tuple(prompt[:length])) == digest:
-                best_key = key
-        if best_key is not None:
-            self._cache.move_to_end(best_key)
-        return best_key
