@@ -381,9 +381,9 @@ def test_prefix_cache_evicts_least_recently_used_but_never_the_kept_hit() -> Non
     cache.add(b)
     hit = cache.lookup(a + [7, 8])  # a is now the most recently used
     assert hit is not None and cache.length(hit) == 100 and cache.lookup([5]) is None
-    # 120 running tokens + 150 cached > 200: evicting b (LRU) is enough.
-    assert cache.evict_for(120, 200, keep=hit)
+    # 120 running tokens + 150 cached > 250: evicting b (LRU) is enough.
+    assert cache.evict_for(120, 250, keep=hit)
     assert cache.tokens == 100 and cache.evicted_tokens == 50
     # The kept hit is never evicted, even when the pool cannot fit.
-    assert not cache.evict_for(150, 200, keep=hit) and cache.tokens == 100
-    assert cache.evict_for(150, 200) and cache.tokens == 0 and len(cache) == 0
+    assert not cache.evict_for(160, 250, keep=hit) and cache.tokens == 100
+    assert cache.evict_for(160, 250) and cache.tokens == 0 and len(cache) == 0
