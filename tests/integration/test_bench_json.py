@@ -80,3 +80,30 @@ def test_modes_switches_a_real_scenario_to_every_mode() -> None:
         "rollart": ("rollart", 1, 3, 5)}
     assert got["areal"].run.reprefill and not got["rollart"].run.reprefill
     assert got["rollart"].pools == base.pools
+
+
+def test_affinity_sweeps_equal_cost_splits() -> None:
+    from benchmarks import affinity
+
+    for quick, budget in ((True, 9), (False, 72)):
+        layouts = affinity.layouts(quick)
+        assert layouts["h800_only"] == (budget, 0) and layouts["h20_only"] == (0, 3 * budget)
+        assert all(h800 + h20 / 3 == budget for h800, h20 in layouts.values())
+        assert len(layouts) >= 4
+    # The paper's own 64 H800 + 24 H20 split is in the full-size sweep.
+    assert affinity.layouts(False)["64xh800+24xh20"] == (64, 24)
+    mixed = affinity.scenario(6, 9, quick=True)
+    assert {d.spec.name: d.pool for d in mixed.domains} == {"agentic": "h800",
+                                                            "reasoning": "h20"}
+
+
+def test_areal_runs_without_affinity_and_with_reprefill() -> None:
+    from benchmarks.workloads import paper_cluster
+
+    sim = paper_cluster("qwen3-8b", quick=True, mode="areal", affinity=False, reprefill=True)
+    by_family: dict[str, dict[str, float]] = {}
+    for d in sim.domains:
+        by_family.setdefault(d.spec.name.rsplit("-", 1)[0], {})[d.pool] = d.weight
+    # Both families reach both pools, in proportion to the pools' engine counts (8 : 4).
+    assert by_family == {"agentic": {"h800": 8, "h20": 4}, "reasoning": {"h800": 8, "h20": 4}}
+    assert sim.reprefill
