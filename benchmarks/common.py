@@ -1,15 +1,21 @@
 """Shared plumbing of the benchmarks: arguments, the JSON result, the rich table.
 
 Every benchmark writes ``{"benchmark": NAME, "simulated": bool, "rows": [...],
-"ratios": {NAME: value}, "meta": {...}}``; simulated ones say so in the JSON and in the table
-title, and ratios are always measured side by side within one run.
+"ratios": {NAME: value}, "ci95": {NAME: [low, high]}, "meta": {...}}``; simulated ones say so
+in the JSON and in the table title, and ratios are always measured side by side within one run.
+
+A ratio is measured once per seed (both sides of it on that seed: a paired comparison); the
+reported value is the mean over seeds and ``ci95`` the Student-t 95% confidence interval of
+that mean, ``mean +- t(0.975, n - 1) x sd / sqrt(n)``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -18,6 +24,68 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+
+#: Student-t 0.975 quantiles by degrees of freedom (any statistics table, e.g. NIST/SEMATECH
+#: e-Handbook of Statistical Methods, §1.3.6.7.2); larger df use the nearest smaller entry.
+_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
+         9: 2.262, 10: 2.228, 15: 2.131, 20: 2.086, 30: 2.042}
+
+#: seeds per ratio: the issue asks for >= 3; quick runs use exactly 3
+QUICK_SEEDS = 3
+FULL_SEEDS = 5
+
+
+def seeds_for(quick: bool, base: int) -> list[int]:
+    """The seeds a benchmark runs: ``base``, ``base + 1``, ..."""
+    return [base + i for i in range(QUICK_SEEDS if quick else FULL_SEEDS)]
+
+
+def t975(df: int) -> float:
+    """Student-t 0.975 quantile for ``df`` >= 1 degrees of freedom (table; conservative)."""
+    if df < 1:
+        raise ValueError(f"need df >= 1, got {df}")
+    return _T975[max(k for k in _T975 if k <= df)]
+
+
+def ci95(values: list[float]) -> tuple[float, list[float]]:
+    """(mean, [low, high]) of ``values`` (one per seed). One value gives [nan, nan]."""
+    vals = [float(v) for v in values]
+    if not vals:
+        raise ValueError("ci95 of no values")
+    mean = statistics.fmean(vals)
+    if len(vals) < 2 or any(math.isnan(v) or math.isinf(v) for v in vals):
+        return mean, [math.nan, math.nan]
+    half = t975(len(vals) - 1) * statistics.stdev(vals) / math.sqrt(len(vals))
+    return mean, [mean - half, mean + half]
+
+
+def summarize(samples: dict[str, list[float]]) -> tuple[dict[str, float], dict[str, list]]:
+    """Per-seed ratio samples -> (``ratios`` of means, ``ci95`` of [low, high] pairs)."""
+    ratios, intervals = {}, {}
+    for key, vals in samples.items():
+        ratios[key], intervals[key] = ci95(vals)
+    return ratios, intervals
+
+
+def mean_rows(rows: list[dict[str, Any]], keys: tuple[str, ...]) -> list[dict[str, Any]]:
+    """Average per-seed rows that agree on ``keys`` (numbers averaged, the rest kept; a
+    ``seeds`` column counts them), in first-seen order."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault(tuple(row[k] for k in keys), []).append(row)
+    out = []
+    for group in groups.values():
+        merged: dict[str, Any] = {}
+        for col in group[0]:
+            vals = [r[col] for r in group]
+            if col not in keys and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                       for v in vals):
+                merged[col] = statistics.fmean(vals)
+            else:
+                merged[col] = vals[0]
+        merged["seeds"] = len(group)
+        out.append(merged)
+    return out
 
 
 def parse_args(name: str, description: str, argv: list[str] | None = None) -> argparse.Namespace:
@@ -28,14 +96,28 @@ def parse_args(name: str, description: str, argv: list[str] | None = None) -> ar
     return parser.parse_args(argv)
 
 
+def _round(v: Any) -> Any:
+    if isinstance(v, float):
+        return None if math.isnan(v) else (str(v) if math.isinf(v) else round(v, 4))
+    return v
+
+
 def result(name: str, *, simulated: bool, rows: list[dict[str, Any]], ratios: dict[str, float],
-           quick: bool, seed: int, notes: str = "", started: float | None = None) -> dict[str, Any]:
+           quick: bool, seed: int, notes: str = "", started: float | None = None,
+           ci95: dict[str, list[float]] | None = None,
+           seeds: list[int] | None = None) -> dict[str, Any]:
+    """The benchmark's JSON object. ``ci95`` maps ratio names to [low, high] (``summarize``);
+    a ratio without one gets [null, null] (a single measurement)."""
+    intervals = ci95 or {}
     return {
         "benchmark": name,
         "simulated": simulated,
         "rows": rows,
-        "ratios": {k: (round(v, 4) if isinstance(v, float) else v) for k, v in ratios.items()},
+        "ratios": {k: _round(v) for k, v in ratios.items()},
+        "ci95": {k: [_round(x) for x in intervals.get(k, [math.nan, math.nan])]
+                 for k in ratios},
         "meta": {
+            "seeds": seeds if seeds is not None else [seed],
             "quick": quick,
             "seed": seed,
             "notes": notes,
@@ -67,11 +149,16 @@ def emit(res: dict[str, Any], json_path: Path | None, console: Console | None = 
             table.add_row(*(_fmt(row.get(c, "")) for c in columns))
         console.print(table)
     if res["ratios"]:
-        ratios = Table(title=f"{res['benchmark']} ratios ({label}, side by side in one run)")
+        seeds = res["meta"].get("seeds") or [res["meta"].get("seed")]
+        ratios = Table(title=f"{res['benchmark']} ratios ({label}, side by side in one run, "
+                             f"mean of {len(seeds)} seed(s))")
         ratios.add_column("ratio")
-        ratios.add_column("value")
+        ratios.add_column("mean")
+        ratios.add_column("95% CI")
         for key, value in res["ratios"].items():
-            ratios.add_row(key, _fmt(value))
+            low, high = res.get("ci95", {}).get(key, [None, None])
+            ci = f"[{_fmt(low)}, {_fmt(high)}]" if low is not None else "-"
+            ratios.add_row(key, _fmt(value), ci)
         console.print(ratios)
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)

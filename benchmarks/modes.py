@@ -2,16 +2,38 @@
 14B / 32B profiles on a SIMULATED 96 x H800 + 32 x H20 cluster, GRPO batch 512, group 8.
 
 Paper (Qwen3-32B, Fig. 10): rollart 2.05x vs Sync+, 1.35x vs One-off, 1.31x vs AReaL.
-The real controller runs every mode on the same workload and seed, side by side.
+The real controller runs every mode on the same workload and seed, side by side; each ratio
+over 3 (quick) / 5 seeds, 2 (quick) / 10 measured steps; ``--quick`` runs Qwen3-32B only.
+
+``areal`` is AReaL as the paper ran it, as far as rollart's controller can express it: the
+staleness check only at admission (its ModeSpec), the buffer bound ``(alpha + 1) x batch``
+(AReaL's admission capacity ``min(C - running, (eta + v + 1) B - (accepted + running))`` with
+eta = alpha), no hardware affinity (both domains spread over every engine in proportion to
+pool size) and interrupt + re-prefill of running requests on each weight update. Not
+expressed: AReaL keeps samples that finish stale (rollart's buffer drops them at completion).
+
+Real nodes: ``--scenario FILE`` runs every mode on that scenario instead (its pools, envs and
+rewards as real processes through ``rollart.launcher.local.open_cluster``, or the addresses of
+running workers it names), same table and JSON (``simulated: false``). Each mode starts a
+cluster, so ``--seeds`` defaults to 1 there (no interval; pass 3 or more for one); ``--quick``
+trains 3 steps per mode (the first is a warm-up), otherwise the scenario's own steps. The real
+``areal`` row changes the mode and turns on re-prefill; pools stay as the scenario declares.
 """
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import tempfile
 import time
+from pathlib import Path
+from typing import Any
 
-from benchmarks.common import main_for, result
+import msgspec
+
+from benchmarks.common import emit, main_for, mean_rows, result, seeds_for, summarize
 from benchmarks.workloads import paper_cluster
-from rollart.sim.harness import run_simulated
+from rollart.sim.harness import MODE_ALPHA, run_simulated
 
 MODES = ("sync", "sync_plus", "one_off", "areal", "rollart")
 NAME = "modes"
@@ -19,20 +41,30 @@ NAME = "modes"
 
 def run(quick: bool, seed: int) -> dict:
     started = time.perf_counter()
-    rows, ratios = [], {}
-    models = ("qwen3-8b", "qwen3-32b") if quick else ("qwen3-8b", "qwen3-14b", "qwen3-32b")
+    seeds = seeds_for(quick, seed)
+    rows, samples = [], {}
+    models = ("qwen3-32b",) if quick else ("qwen3-8b", "qwen3-14b", "qwen3-32b")
     for model in models:
-        times = {}
-        for mode in MODES:
-            res = run_simulated(paper_cluster(model, quick=quick, mode=mode), seed)
-            times[mode] = res.step_time_s
-            rows.append({"model": model, "mode": mode, "step_time_s": res.step_time_s,
-                         "trainer_idle_s": _mean(res.steps, "trainer_idle_s"),
-                         "staleness_mean": _mean(res.steps, "staleness_mean"),
-                         "wall_s": res.wall_s})
-        for base in ("sync", "sync_plus", "one_off", "areal"):
-            ratios[f"{model}: rollart vs {base}"] = times[base] / times["rollart"]
-    return result(NAME, simulated=True, rows=rows, ratios=ratios, quick=quick, seed=seed,
+        for sd in seeds:
+            times = {}
+            for mode in MODES:
+                # AReaL as the paper ran it: no hardware affinity (one homogeneous pool),
+                # interrupt + re-prefill of running requests on every weight update.
+                areal = mode == "areal"
+                res = run_simulated(paper_cluster(model, quick=quick, mode=mode,
+                                                  steps=3 if quick else 11,
+                                                  affinity=not areal, reprefill=areal), sd)
+                times[mode] = res.step_time_s
+                rows.append({"model": model, "mode": mode, "step_time_s": res.step_time_s,
+                             "trainer_idle_s": _mean(res.steps, "trainer_idle_s"),
+                             "staleness_mean": _mean(res.steps, "staleness_mean"),
+                             "wall_s": res.wall_s})
+            for base in ("sync", "sync_plus", "one_off", "areal"):
+                samples.setdefault(f"{model}: rollart vs {base}", []).append(
+                    times[base] / times["rollart"])
+    ratios, ci = summarize(samples)
+    return result(NAME, simulated=True, rows=mean_rows(rows, ("model", "mode")),
+                  ratios=ratios, ci95=ci, seeds=seeds, quick=quick, seed=seed,
                   started=started, notes="paper (32B): 2.05x vs sync_plus, 1.35x vs one_off, "
                   "1.31x vs areal; step time = mean over steps after the first")
 
@@ -42,5 +74,69 @@ def _mean(steps: list[dict], key: str) -> float:
     return sum(vals) / len(vals)
 
 
+def scenario_for_mode(base: Any, mode: str, *, seed: int, steps: int | None) -> Any:
+    """``base`` (a ``rollart.config.Scenario``) switched to ``mode`` with that mode's alpha
+    (the scenario's own alpha, at least 1, where the mode allows any), validated."""
+    from rollart.config import validate_scenario
+
+    fixed = MODE_ALPHA[mode]
+    run = msgspec.structs.replace(
+        base.run, mode=mode, alpha=max(1, base.run.alpha) if fixed is None else fixed,
+        seed=seed, steps=steps or base.run.steps,
+        reprefill=True if mode == "areal" else base.run.reprefill)
+    return validate_scenario(msgspec.structs.replace(base, run=run), f"<modes {mode}>")
+
+
+def run_on_scenario(path: Path, quick: bool, seed: int, *, num_seeds: int, cache_dir: Path,
+                    run_dir: Path) -> dict:
+    """Every mode on the REAL scenario at ``path``; step time = mean over steps after the
+    first. Raises what ``open_cluster`` raises (ConfigError, ProcessFailedError, ...)."""
+    from benchmarks.real_engine import mean_step_time, run_mode
+    from rollart.config import load_scenario
+
+    started = time.perf_counter()
+    base = load_scenario(path)
+    seeds = [seed + i for i in range(num_seeds)]
+    rows, samples = [], {}
+    for sd in seeds:
+        times = {}
+        for mode in MODES:
+            sc = scenario_for_mode(base, mode, seed=sd, steps=3 if quick else None)
+            steps = asyncio.run(run_mode(sc, run_dir / f"{mode}-{sd}", cache_dir))
+            times[mode] = mean_step_time(steps, mode)
+            rows.append({"scenario": path.name, "mode": mode, "step_time_s": times[mode],
+                         "rollout_time_s": sum(r["rollout_time_s"] for r in steps[1:])
+                         / max(1, len(steps) - 1)})
+        for other in ("sync", "sync_plus", "one_off", "areal"):
+            samples.setdefault(f"{path.stem}: rollart vs {other}", []).append(
+                times[other] / times["rollart"])
+    ratios, ci = summarize(samples)
+    return result(NAME, simulated=False, rows=mean_rows(rows, ("scenario", "mode")),
+                  ratios=ratios, ci95=ci, seeds=seeds, quick=quick, seed=seed,
+                  started=started, notes=f"measured wall clock, real services of {path}")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--scenario", type=Path, default=None)
+    parser.add_argument("--seeds", type=int, default=1)
+    parser.add_argument("--cache-dir", type=Path, default=Path(".cache/rollart"))
+    known, rest = parser.parse_known_args(argv)
+    if known.scenario is None:
+        return main_for(NAME, __doc__ or "", run, rest)
+    if known.seeds < 1:
+        parser.error(f"--seeds must be >= 1, got {known.seeds}")
+    common = argparse.ArgumentParser(prog=f"python -m benchmarks.{NAME}")
+    common.add_argument("--quick", action="store_true")
+    common.add_argument("--json", type=Path, default=None)
+    common.add_argument("--seed", type=int, default=0)
+    args = common.parse_args(rest)
+    with tempfile.TemporaryDirectory(prefix="rollart-modes-") as tmp:
+        res = run_on_scenario(known.scenario, args.quick, args.seed, num_seeds=known.seeds,
+                              cache_dir=known.cache_dir, run_dir=Path(tmp))
+    emit(res, args.json)
+    return res
+
+
 if __name__ == "__main__":
-    main_for(NAME, __doc__ or "", run)
+    main()

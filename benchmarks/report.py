@@ -17,6 +17,7 @@ PAPER = {
     "redundancy": "collection up to 1.62x faster, §6.1",
     "staleness": "at most 1.22x from alpha 1 to 6, Fig. 12",
     "weight_sync": "naive 38.6/84.1/157.0 s -> exposed 1.4/5.1/9.6 s, Table 4",
+    "pd": "32B 1.03-1.05x, 30B-A3B 1.11-1.21x, Table 5",
     "controller_overhead": "(not reported)",
     "real_engine": "(not reported)",
 }
@@ -27,17 +28,21 @@ def _fmt(v: object) -> str:
 
 
 def render(directory: Path) -> str:
-    lines = ["| benchmark | simulated | ratio | value | paper |", "|---|---|---|---|---|"]
+    lines = ["| benchmark | simulated | ratio | value | 95% CI | paper |",
+             "|---|---|---|---|---|---|"]
     for name, paper in PAPER.items():
         path = directory / f"{name}.json"
         if not path.exists():
-            lines.append(f"| {name} | | (not run) | | {paper} |")
+            lines.append(f"| {name} | | (not run) | | | {paper} |")
             continue
         res = json.loads(path.read_text())
         first = True
+        intervals = res.get("ci95", {})
         for key, value in res["ratios"].items():
+            low, high = intervals.get(key, [None, None])
+            ci = f"[{_fmt(low)}, {_fmt(high)}]" if low is not None else ""
             lines.append(f"| {name if first else ''} | {res['simulated'] if first else ''} | "
-                         f"{key} | {_fmt(value)} | {paper if first else ''} |")
+                         f"{key} | {_fmt(value)} | {ci} | {paper if first else ''} |")
             first = False
     return "\n".join(lines)
 

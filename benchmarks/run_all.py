@@ -17,7 +17,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-BENCHMARKS = ("env_tail", "modes", "affinity", "redundancy", "staleness", "weight_sync",
+BENCHMARKS = ("env_tail", "modes", "affinity", "redundancy", "staleness", "weight_sync", "pd",
               "controller_overhead", "real_engine", "weight_transfer", "token_path")
 
 

@@ -7,6 +7,8 @@ prompt, long lognormal responses, one turn, reward only) and a *prefill-heavy* a
 
 from __future__ import annotations
 
+import dataclasses
+
 from rollart.sim.harness import SimDomain, SimPool, SimScenario
 from rollart.sim.workload import Dist, DomainSpec, const
 
@@ -34,17 +36,28 @@ def agentic(name: str = "agentic", *, latency_mean_s: float = 3.0, latency_std_s
 
 
 def paper_cluster(model: str, *, quick: bool, mode: str = "rollart", alpha: int = 1,
-                  steps: int | None = None) -> SimScenario:
+                  steps: int | None = None, affinity: bool = True,
+                  reprefill: bool = False) -> SimScenario:
     """The paper's default 96 x H800 + 32 x H20 (§7): 32 H800 train, 64 H800 + 32 H20 roll
     out; prefill-heavy domain -> H800, decode-heavy -> H20. GRPO batch 512, group 8.
-    ``quick``: an eighth of it (12 H800 + 4 H20, batch 64)."""
+    ``quick``: an eighth of it (12 H800 + 4 H20, batch 64).
+
+    ``affinity=False``: one homogeneous pool as a system without hardware affinity sees it
+    (AReaL): every domain goes to every engine, in proportion to each pool's engine count
+    (each domain is split into one copy per pool, weighted so). ``reprefill``: running
+    requests recompute their KV after each weight update (AReaL's interrupt + re-prefill)."""
     tp = TP[model]
     scale = 8 if quick else 1
     h800, h20, train = 64 // scale, 32 // scale, 32 // scale
     pools = (SimPool("h800", "h800", max(1, h800 // tp), tp=tp, max_batch=128),
              SimPool("h20", "h20", max(1, h20 // tp), tp=tp, max_batch=128))
-    domains = (SimDomain(agentic(), "h800"), SimDomain(reasoning(), "h20"))
+    if affinity:
+        domains = (SimDomain(agentic(), "h800"), SimDomain(reasoning(), "h20"))
+    else:
+        domains = tuple(SimDomain(dataclasses.replace(spec, name=f"{spec.name}-{p.name}"),
+                                  p.name, weight=p.num_workers)
+                        for spec in (agentic(), reasoning()) for p in pools)
     return SimScenario(pools=pools, domains=domains, model=model, mode=mode, alpha=alpha,
                        steps=steps or (4 if quick else 6), batch_size=512 // scale,
                        group_size=8, trainer_gpus=train, max_tokens_per_turn=16384,
-                       max_tokens_per_trajectory=32768)
+                       max_tokens_per_trajectory=32768, reprefill=reprefill)

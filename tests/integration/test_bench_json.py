@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from benchmarks import env_tail, report, run_all
-from benchmarks.common import main_for
+from benchmarks import env_tail, pd, report, run_all
+from benchmarks.common import ci95, main_for, mean_rows, summarize, t975
 
 
 def test_env_tail_quick_json_schema(tmp_path: Path) -> None:
@@ -19,11 +19,40 @@ def test_env_tail_quick_json_schema(tmp_path: Path) -> None:
     assert data["benchmark"] == "env_tail" and data["simulated"] is True
     assert len(data["rows"]) == 4
     assert set(data["ratios"]) >= {"std 1s: trajectory-level vs batch", "std 10s: ideal"}
+    assert set(data["ci95"]) == set(data["ratios"]) and data["meta"]["seeds"] == [0, 1, 2]
+    for key, (low, high) in data["ci95"].items():
+        assert low <= data["ratios"][key] <= high, key
     # More env-latency spread -> larger trajectory-level speedup (the paper's trend).
     speedups = [row["speedup"] for row in data["rows"]]
     assert speedups[0] < speedups[-1] and speedups[-1] > 1.2
     table = report.render(tmp_path)
     assert "| env_tail | True | std 1s: trajectory-level vs batch |" in table
+    # Rows are means over the seeds; the speedup compares rollout time, not step time.
+    assert all(row["seeds"] == 3 for row in data["rows"])
+    assert all(row["speedup"] == pytest.approx(row["batch_rollout_s"]
+                                               / row["traj_level_rollout_s"], rel=0.1)
+               for row in data["rows"])
+
+
+def test_ci95_by_hand() -> None:
+    # mean 2, sd 1, n 3: half width 4.303 * 1 / sqrt(3) = 2.48434
+    mean, (low, high) = ci95([1.0, 2.0, 3.0])
+    assert mean == 2.0 and low == pytest.approx(2 - 2.48434, rel=1e-5)
+    assert high == pytest.approx(2 + 2.48434, rel=1e-5)
+    assert t975(12) == 2.228 and t975(100) == 2.042
+    ratios, intervals = summarize({"a": [1.0, 1.0, 1.0]})
+    assert ratios == {"a": 1.0} and intervals == {"a": [1.0, 1.0]}
+    rows = mean_rows([{"k": "x", "v": 1.0}, {"k": "x", "v": 3.0}, {"k": "y", "v": 5.0}], ("k",))
+    assert rows == [{"k": "x", "v": 2.0, "seeds": 2}, {"k": "y", "v": 5.0, "seeds": 1}]
+
+
+def test_pd_quick_json_has_every_ci(tmp_path: Path) -> None:
+    out = tmp_path / "pd.json"
+    main_for("pd", "", pd.run, ["--quick", "--json", str(out)])
+    data = json.loads(out.read_text())
+    assert set(data["ci95"]) == set(data["ratios"]) and len(data["ratios"]) == 4
+    # PD never loses to colocating both phases on the compute-weak H20.
+    assert data["ci95"]["qwen3-32b: pd vs h20 colocated"][0] > 1.0
 
 
 @pytest.mark.slow
@@ -36,3 +65,45 @@ def test_run_all_only_one(tmp_path: Path) -> None:
     assert summary["env_tail"]["status"] == "ok"
     with pytest.raises(SystemExit):
         run_all.main(["--out", str(tmp_path), "--only", "nope"])
+
+
+def test_modes_switches_a_real_scenario_to_every_mode() -> None:
+    from benchmarks.modes import MODES, scenario_for_mode
+
+    from rollart.config import load_scenario
+
+    base = load_scenario(Path(__file__).resolve().parents[2] / "scenarios/quickstart.toml")
+    got = {m: scenario_for_mode(base, m, seed=5, steps=3) for m in MODES}
+    assert {m: (s.run.mode, s.run.alpha, s.run.steps, s.run.seed) for m, s in got.items()} == {
+        "sync": ("sync", 0, 3, 5), "sync_plus": ("sync_plus", 0, 3, 5),
+        "one_off": ("one_off", 1, 3, 5), "areal": ("areal", 1, 3, 5),
+        "rollart": ("rollart", 1, 3, 5)}
+    assert got["areal"].run.reprefill and not got["rollart"].run.reprefill
+    assert got["rollart"].pools == base.pools
+
+
+def test_affinity_sweeps_equal_cost_splits() -> None:
+    from benchmarks import affinity
+
+    for quick, budget in ((True, 9), (False, 72)):
+        layouts = affinity.layouts(quick)
+        assert layouts["h800_only"] == (budget, 0) and layouts["h20_only"] == (0, 3 * budget)
+        assert all(h800 + h20 / 3 == budget for h800, h20 in layouts.values())
+        assert len(layouts) >= 4
+    # The paper's own 64 H800 + 24 H20 split is in the full-size sweep.
+    assert affinity.layouts(False)["64xh800+24xh20"] == (64, 24)
+    mixed = affinity.scenario(6, 9, quick=True)
+    assert {d.spec.name: d.pool for d in mixed.domains} == {"agentic": "h800",
+                                                            "reasoning": "h20"}
+
+
+def test_areal_runs_without_affinity_and_with_reprefill() -> None:
+    from benchmarks.workloads import paper_cluster
+
+    sim = paper_cluster("qwen3-8b", quick=True, mode="areal", affinity=False, reprefill=True)
+    by_family: dict[str, dict[str, float]] = {}
+    for d in sim.domains:
+        by_family.setdefault(d.spec.name.rsplit("-", 1)[0], {})[d.pool] = d.weight
+    # Both families reach both pools, in proportion to the pools' engine counts (8 : 4).
+    assert by_family == {"agentic": {"h800": 8, "h20": 4}, "reasoning": {"h800": 8, "h20": 4}}
+    assert sim.reprefill

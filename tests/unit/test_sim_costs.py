@@ -25,13 +25,50 @@ def test_moe_weight_bytes_read() -> None:
     assert QWEN3_8B.weight_bytes_read(0) == 0.0
 
 
+def test_attention_flops_by_hand() -> None:
+    # 8B: q_dim 32 x 128 = 4096; 1000 tokens after none: keys = 1000 * 1001 / 2 = 500_500;
+    # 4 * 36 * 4096 * 500_500 = 2.95207e11
+    assert QWEN3_8B.q_dim == 4096 and QWEN3_32B.q_dim == 8192
+    assert QWEN3_8B.attention_flops(1000, 0) == pytest.approx(2.952069e11, rel=1e-6)
+    # One decode token after 9999 cached: keys = 9999 + 1 = 10_000
+    assert QWEN3_8B.attention_flops(1, 9999) == pytest.approx(4 * 36 * 4096 * 10_000)
+
+
 def test_prefill_by_hand() -> None:
-    # 2 * 8.2e9 * 1000 / (989e12 * 0.5) = 1.64e13 / 4.945e14
-    assert costs.prefill_s(QWEN3_8B, H800, 1000) == pytest.approx(0.0331648129)
-    # Four devices: a quarter of the time.
-    assert costs.prefill_s(QWEN3_8B, H800, 1000, tp=4) == pytest.approx(0.0331648129 / 4)
-    # MoE prefill uses active params: 2 * 3.3e9 * 1000 / 4.945e14
-    assert costs.prefill_s(QWEN3_30B_A3B, H800, 1000) == pytest.approx(0.0133468150)
+    # linear 2 * 8.2e9 * 1000 = 1.64e13, attention 2.952069e11 -> 1.66952e13 / 4.945e14
+    assert costs.prefill_s(QWEN3_8B, H800, 1000) == pytest.approx(0.03376179, rel=1e-6)
+    # Four devices: a quarter of the compute plus 2 * 36 all-reduces of 1000 * 4096 * 2 B:
+    # 1.5 * 8.192e6 / 200e9 + 10e-6 = 7.144e-5 s each -> 5.14368e-3 s.
+    assert costs.allreduce_s(QWEN3_8B, H800, 1000, tp=4) == pytest.approx(5.14368e-3)
+    assert costs.prefill_s(QWEN3_8B, H800, 1000, tp=4) == pytest.approx(
+        0.03376179 / 4 + 5.14368e-3, rel=1e-6)
+    assert costs.allreduce_s(QWEN3_8B, H800, 1000, tp=1) == 0.0
+    # MoE prefill computes only active params: (2 * 3.3e9 * 1000 + 4 * 48 * 4096 * 500_500)
+    # / 4.945e14 = 0.013665 s, but 1000 tokens route to every expert, so reading all 61.0e9 B
+    # of weights (61e9 / 2.345e12 = 0.026013 s) bounds it: memory-bound.
+    assert costs.prefill_s(QWEN3_30B_A3B, H800, 1000) == pytest.approx(0.02601279, rel=1e-6)
+    # 32 tokens touch 1 - (15/16)^32 = 87.4% of experts; compute is tiny: memory-bound too.
+    assert costs.prefill_s(QWEN3_30B_A3B, H800, 32) == pytest.approx(
+        QWEN3_30B_A3B.weight_bytes_read(32) / 2.345e12, rel=1e-6)
+    # A prefix-cache hit of 8000 tokens: 100 new tokens attend 8000 + 50.5 keys each
+    # (compute 4.28e-3 s) but the weights and the 8000 cached KV tokens are read once:
+    # (16.4e9 + 8000 * 147_456) / 2.345e12 = 7.497e-3 s -> memory-bound.
+    hit = costs.prefill_s(QWEN3_8B, H800, 100, context=8000)
+    compute = (2 * 8.2e9 * 100 + 4 * 36 * 4096 * (100 * 8000 + 5050)) / 4.945e14
+    assert compute == pytest.approx(4.2767e-3, rel=1e-4)
+    assert hit == pytest.approx((16.4e9 + 8000 * 147_456) / 2.345e12, rel=1e-6)
+
+
+def test_mixed_step_is_one_roofline_over_decode_and_prefill() -> None:
+    # 10 decoders holding 20_000 KV tokens + a 2000-token prefill chunk (no cache):
+    # compute (2 * 8.2e9 * 2010 + 4 * 36 * 4096 * (20_000 + 2000 * 2001 / 2)) / 4.945e14
+    mixed = costs.step_s(QWEN3_8B, H800, decode_seqs=10, decode_kv_tokens=20_000,
+                         prefill_tokens=2000, prefill_keys=2000 * 2001 / 2)
+    flops = 2 * 8.2e9 * 2010 + 4 * 36 * 4096 * (20_000 + 2000 * 2001 / 2)
+    assert mixed == pytest.approx(flops / 4.945e14, rel=1e-9)
+    # Less than a prefill iteration followed by a decode step.
+    assert mixed < costs.prefill_s(QWEN3_8B, H800, 2000) + \
+        costs.decode_step_s(QWEN3_8B, H800, 10, 20_000)
 
 
 def test_decode_memory_bound_by_hand() -> None:
@@ -51,10 +88,10 @@ def test_decode_compute_bound_on_h20_by_hand() -> None:
     assert costs.decode_step_s(QWEN3_8B, H20, 1, 0) < costs.decode_step_s(QWEN3_8B, H800, 1, 0)
 
 
-def test_transfer_matches_paper_naive_32b() -> None:
-    # 32.8e9 params * 2 B = 65.6e9 B at 0.42e9 B/s = 156.19 s (paper Table 4: 157.0 s).
+def test_transfer_over_200gb_ethernet() -> None:
+    # 32.8e9 params * 2 B = 65.6e9 B over one 200 Gb/s (25e9 B/s) NIC (paper §7.1) = 2.624 s.
     assert costs.transfer_s(QWEN3_32B.weight_bytes, H800.link_bytes_per_s) == \
-        pytest.approx(156.190476)
+        pytest.approx(2.624)
     assert costs.transfer_s(1e9, 1e9, latency_s=0.5) == pytest.approx(1.5)
     with pytest.raises(ValueError, match="bytes_per_s"):
         costs.transfer_s(1.0, 0.0)

@@ -231,8 +231,46 @@ def test_prefix_cache_skips_the_cached_prompt() -> None:
         return loop.time() - t0
 
     cached, uncached = run_virtual(lambda: main(True)), run_virtual(lambda: main(False))
-    saved = costs.prefill_s(QWEN3_8B, H800, 8101)
+    # Turn 2 = 8001 prompt + 100 generated + 51 new tokens; the cache holds the first 8101, so
+    # only 51 tokens are computed, attending the 8101 cached ones.
+    saved = costs.prefill_s(QWEN3_8B, H800, 8152) - costs.prefill_s(QWEN3_8B, H800, 51,
+                                                                    context=8101)
     assert uncached - cached == pytest.approx(saved, rel=1e-3)
+
+
+def test_prefix_cache_shares_the_kv_pool_and_is_evicted() -> None:
+    async def main(memory_utilization: float) -> SimInferenceWorker:
+        w = _worker(memory_utilization=memory_utilization)
+        first = await w.generate(_req("t1", prompt=2000))
+        # A 3000-token request needs the pool the cached 2101 tokens of t1 occupy.
+        await w.generate(_req("big", prompt=3000))
+        turn2 = TOK.encode(observation("fixed", 2000, tag="t1")) + ids_of(first) \
+            + TOK.encode(observation("fixed", 50))
+        await w.generate(_req("t2", ids=turn2))
+        return w
+
+    # 4_069 tokens of KV (see the preemption test): t1's 2_101 cached + big's 3_101 do not fit.
+    small = run_virtual(lambda: main(0.2125))
+    assert small.cache_evicted_tokens >= 2101 and small.prefix_hit_tokens == 0
+    large = run_virtual(lambda: main(0.9))
+    assert large.cache_evicted_tokens == 0 and large.prefix_hit_tokens == 2101
+
+
+def test_chunked_prefill_shares_iterations_with_decode() -> None:
+    async def main(budget: int) -> int:
+        w = _worker(max_num_batched_tokens=budget)
+        long = asyncio.ensure_future(w.generate(_req("a", domain="long", max_tokens=5000)))
+        await asyncio.sleep(1.0)
+        # 20_001 prompt tokens; with a budget of 8192 they take three iterations
+        # (8191 + 8191 + 3619; the decoding request takes one token of each budget).
+        await w.generate(_req("b", prompt=20_000, max_tokens=1))
+        progress = w._running["a"].generated
+        long.cancel()
+        return progress
+
+    chunked, whole = run_virtual(lambda: main(8192)), run_virtual(lambda: main(100_000))
+    # Same progress before b arrives; then three mixed iterations vs one.
+    assert chunked - whole == 2
 
 
 def test_preemption_under_small_kv_cache_still_completes() -> None:
@@ -273,10 +311,10 @@ def test_push_weights_takes_bytes_over_link() -> None:
     async def main():
         w = _worker()
         loop = asyncio.get_running_loop()
-        await w.push_weights(1, [("x", SimTensor(840_000_000))], bucket_bytes=1 << 30)
+        await w.push_weights(1, [("x", SimTensor(50_000_000_000))], bucket_bytes=1 << 30)
         return loop.time()
 
-    # 0.84e9 B / 0.42e9 B/s
+    # 50e9 B / 25e9 B/s (200 Gb Ethernet)
     assert run_virtual(main) == pytest.approx(2.0)
 
 
@@ -302,3 +340,60 @@ def test_zero_time_scale_answers_without_simulated_time() -> None:
 
     res, t = run_virtual(main)
     assert len(ids_of(res)) == 100 and t == 0.0
+
+
+def test_trainer_pushes_share_the_trainer_egress() -> None:
+    async def main(egress: float | None) -> float:
+        workers = [SimInferenceWorker(f"w{i}", hardware=H800, model=QWEN3_8B, domains=TABLE)
+                   for i in range(4)]
+        trainer = SimTrainer(model=QWEN3_8B, hardware=H800, num_gpus=8,
+                             egress_bytes_per_s=egress)
+        await trainer.train([_Fake(1000)])
+        t0 = asyncio.get_running_loop().time()
+        await trainer.push_weights(1, workers)
+        assert all(w._staged == {1: QWEN3_8B.weight_bytes} for w in workers)
+        return asyncio.get_running_loop().time() - t0
+
+    # Own links: 16.4e9 B / 25e9 B/s each, in parallel.
+    assert run_virtual(lambda: main(None)) == pytest.approx(0.656)
+    # One 25e9 B/s egress shared by 4 pulls: 4 x 16.4e9 / 25e9.
+    assert run_virtual(lambda: main(25e9)) == pytest.approx(4 * 0.656)
+    # A wide egress: each pull is bounded by its own link again.
+    assert run_virtual(lambda: main(1e12)) == pytest.approx(0.656)
+
+
+def test_reprefill_recomputes_every_running_request() -> None:
+    async def main() -> tuple[int, int]:
+        w = _worker()
+        trainer = SimTrainer(model=QWEN3_8B, hardware=H800, num_gpus=8)
+        await trainer.train([_Fake(1000)])
+        await trainer.push_weights(1, [w])
+        task = asyncio.ensure_future(w.generate(_req("a", domain="long")))
+        await asyncio.sleep(1.0)
+        await w.pause("keep")
+        before = w.prefill_tokens
+        kv = w._running["a"].kv_tokens
+        await w.apply_weights(1, reprefill=True)
+        await w.resume()
+        await task
+        return w.prefill_tokens - before, kv
+
+    recomputed, kv = run_virtual(main)
+    assert recomputed == kv
+
+
+def test_prefix_cache_evicts_least_recently_used_but_never_the_kept_hit() -> None:
+    from rollart.sim.prefix_cache import PrefixCache
+
+    cache = PrefixCache()
+    a, b = list(range(100)), list(range(1000, 1050))
+    cache.add(a)
+    cache.add(b)
+    hit = cache.lookup(a + [7, 8])  # a is now the most recently used
+    assert hit is not None and cache.length(hit) == 100 and cache.lookup([5]) is None
+    # 120 running tokens + 150 cached > 250: evicting b (LRU) is enough.
+    assert cache.evict_for(120, 250, keep=hit)
+    assert cache.tokens == 100 and cache.evicted_tokens == 50
+    # The kept hit is never evicted, even when the pool cannot fit.
+    assert not cache.evict_for(160, 250, keep=hit) and cache.tokens == 100
+    assert cache.evict_for(160, 250) and cache.tokens == 0 and len(cache) == 0

@@ -8,6 +8,7 @@
 - ``env``: ``SimEnvHost`` (the ``EnvClient`` methods) and ``SimReward``.
 - ``trainer``: ``SimTrainer`` (the controller's ``TrainerBackend`` port).
 - ``clock``: ``run_virtual`` (looptime virtual clock) / ``run_real``.
+- ``calibration``: single-engine workloads compared per cost against the paper's §3 ratios.
 - ``harness``: ``run_simulated(SimScenario, seed)`` runs the REAL controller on all of these.
 - ``serve``: the simulated worker / env host behind the real ZeroMQ RPC server.
 """

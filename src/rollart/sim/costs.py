@@ -5,11 +5,14 @@ Roofline models (Williams et al., "Roofline", CACM 2009) applied to transformer 
 is compute-bound, a decode step is memory-bound until the batch is large enough to be
 compute-bound. An engine spans ``tp`` devices (tensor parallel): their FLOP/s and bandwidth add.
 
-- prefill_s = 2 x active_params x num_tokens / (tp x flops x mfu)
-  (2 FLOPs per parameter per token for a forward pass; attention's O(context) FLOPs omitted).
-- decode_step_s = max(
-      (weight bytes read + KV bytes of the batch) / (tp x hbm_bytes_per_s x bw_efficiency),
-      2 x active_params x batch_size / (tp x flops x mfu))
+- step_s (one engine iteration, decode and chunked prefill together) = max(
+      (weight bytes read + KV bytes read) / (tp x hbm_bytes_per_s x bw_efficiency),
+      (2 x active_params x tokens + attention FLOPs) / (tp x flops x mfu))
+  + TP all-reduce (2 per layer, ring; Shoeybi et al. 2019). 2 FLOPs per parameter per token
+  for a forward pass (Kaplan et al. 2020, §2.1); attention FLOPs grow with context
+  (``ModelProfile.attention_flops``); MoE reads only routed experts and computes only active
+  parameters (``ModelProfile.weight_bytes_read``, ``active_params``).
+- prefill_s / decode_step_s: ``step_s`` with only prefill / only decode.
 - transfer_s = bytes / link_bytes_per_s + latency_s
 - train_step_s = flops_per_token x active_params x num_tokens / (num_gpus x flops x train_mfu),
   with 6 FLOPs per parameter per token for forward + backward (Kaplan et al. 2020, §2.1), plus
@@ -52,13 +55,72 @@ def _check_tp(tp: int) -> None:
         raise ValueError(f"tp (devices per engine) must be >= 1, got {tp}")
 
 
-def prefill_s(model: ModelProfile, hw: HardwareProfile, num_tokens: int, *, tp: int = 1,
-              eff: Efficiency = DEFAULT_EFFICIENCY) -> float:
-    """Seconds to prefill ``num_tokens`` prompt tokens (compute-bound)."""
+def allreduce_s(model: ModelProfile, hw: HardwareProfile, num_tokens: float, *,
+                tp: int) -> float:
+    """Seconds of tensor-parallel all-reduce in one forward pass over ``num_tokens`` tokens.
+
+    Megatron-LM tensor parallelism (Shoeybi et al. 2019, §3) all-reduces the activations twice
+    per layer (after attention and after the MLP): ``2 x num_layers`` calls of ``num_tokens x
+    hidden_size x 2`` bytes (bf16). A ring all-reduce moves ``2 (tp - 1) / tp`` of the buffer
+    over each GPU's link (Patarasuk & Yuan 2009), plus a fixed launch latency per call
+    (``hw.allreduce_latency_s``). Zero for ``tp == 1``.
+    """
     _check_tp(tp)
-    if num_tokens < 0:
-        raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-    return 2.0 * model.active_params * num_tokens / (tp * hw.flops * eff.mfu)
+    if tp == 1 or num_tokens <= 0:
+        return 0.0
+    nbytes = num_tokens * model.hidden_size * 2.0
+    per_call = 2.0 * (tp - 1) / tp * nbytes / hw.nvlink_bytes_per_s + hw.allreduce_latency_s
+    return 2 * model.num_layers * per_call
+
+
+def step_s(model: ModelProfile, hw: HardwareProfile, *, decode_seqs: int,
+           decode_kv_tokens: float, prefill_tokens: int = 0, prefill_keys: float = 0.0,
+           prefill_kv_read: float = 0.0, tp: int = 1,
+           eff: Efficiency = DEFAULT_EFFICIENCY) -> float:
+    """Seconds of one engine iteration: ``decode_seqs`` sequences decode one token each while
+    ``prefill_tokens`` prompt tokens are prefilled in the same forward pass (chunked prefill,
+    as vLLM V1 schedules it).
+
+    Args:
+        decode_seqs: sequences generating one token (each attends its own cached context).
+        decode_kv_tokens: KV tokens those sequences hold in total (read once; attended once).
+        prefill_tokens: prompt tokens computed this iteration.
+        prefill_keys: keys the prefill queries attend in total
+            (``ModelProfile.attention_flops`` counts them for one request).
+        prefill_kv_read: cached-context KV tokens the prefill reads (prefix-cache hits,
+            earlier chunks).
+
+    Roofline: max(memory, compute) + TP all-reduce, where memory = weight bytes the batch
+    routes to + KV bytes read, compute = 2 x active_params x tokens + attention FLOPs.
+    Returns 0.0 when there is no work.
+    """
+    _check_tp(tp)
+    if min(decode_seqs, decode_kv_tokens, prefill_tokens, prefill_keys, prefill_kv_read) < 0:
+        raise ValueError("step_s: token counts must be >= 0, got "
+                         f"decode_seqs={decode_seqs}, decode_kv_tokens={decode_kv_tokens}, "
+                         f"prefill_tokens={prefill_tokens}, prefill_keys={prefill_keys}, "
+                         f"prefill_kv_read={prefill_kv_read}")
+    tokens = decode_seqs + prefill_tokens
+    if tokens == 0:
+        return 0.0
+    bytes_read = (model.weight_bytes_read(tokens)
+                  + (decode_kv_tokens + prefill_kv_read) * model.kv_bytes_per_token)
+    memory_s = bytes_read / (tp * hw.hbm_bytes_per_s * eff.bw_efficiency)
+    attn = 4.0 * model.num_layers * model.q_dim * (decode_kv_tokens + prefill_keys)
+    compute_s = (2.0 * model.active_params * tokens + attn) / (tp * hw.flops * eff.mfu)
+    return max(memory_s, compute_s) + allreduce_s(model, hw, tokens, tp=tp)
+
+
+def prefill_s(model: ModelProfile, hw: HardwareProfile, num_tokens: int, *, tp: int = 1,
+              context: int = 0, eff: Efficiency = DEFAULT_EFFICIENCY) -> float:
+    """Seconds to prefill ``num_tokens`` prompt tokens of one request after ``context`` tokens
+    already cached (prefix-cache hit), in one forward pass (``step_s`` with no decode)."""
+    if num_tokens < 0 or context < 0:
+        raise ValueError(f"num_tokens and context must be >= 0, got {num_tokens}, {context}")
+    keys = num_tokens * context + num_tokens * (num_tokens + 1) / 2.0
+    return step_s(model, hw, decode_seqs=0, decode_kv_tokens=0, prefill_tokens=num_tokens,
+                  prefill_keys=keys, prefill_kv_read=context if num_tokens else 0, tp=tp,
+                  eff=eff)
 
 
 def decode_step_s(model: ModelProfile, hw: HardwareProfile, batch_size: int,
@@ -67,18 +129,14 @@ def decode_step_s(model: ModelProfile, hw: HardwareProfile, batch_size: int,
     """Seconds for one decode step of ``batch_size`` sequences holding ``kv_tokens`` in total.
 
     The step reads the weights once (MoE: the experts the batch routes to) plus every cached
-    K/V of the batch; a large enough batch becomes compute-bound instead (roofline max).
-    Returns 0.0 for an empty batch.
+    K/V of the batch, and each new token attends its whole context (attention FLOPs grow with
+    ``kv_tokens``); a large enough batch becomes compute-bound (roofline max). Returns 0.0 for
+    an empty batch.
     """
-    _check_tp(tp)
     if batch_size < 0 or kv_tokens < 0:
         raise ValueError(f"batch_size and kv_tokens must be >= 0, got {batch_size}, {kv_tokens}")
-    if batch_size == 0:
-        return 0.0
-    bytes_read = model.weight_bytes_read(batch_size) + kv_tokens * model.kv_bytes_per_token
-    memory_s = bytes_read / (tp * hw.hbm_bytes_per_s * eff.bw_efficiency)
-    compute_s = 2.0 * model.active_params * batch_size / (tp * hw.flops * eff.mfu)
-    return max(memory_s, compute_s)
+    return step_s(model, hw, decode_seqs=batch_size, decode_kv_tokens=kv_tokens, tp=tp,
+                  eff=eff)
 
 
 def transfer_s(num_bytes: float, bytes_per_s: float, *, latency_s: float = 0.0) -> float:

@@ -21,10 +21,20 @@ paper's equal-cost pools (64 H800 + 24 H20 costs the same as 72 H800, so 24 H20 
 H100 = 1.0 (same silicon as H800). H200 = 1.25 (assumption: list prices ~25% above H100).
 CPU = 0.01 (assumption; only used for env pools, never compared to GPUs).
 
-``link_bytes_per_s``: the bandwidth one engine sees for cross-cluster weight transfer. 0.42 GB/s
-is what the paper's Table 4 implies for its naive path (Qwen3-32B bf16, 65.5 GB, in 157 s);
-``h2d_bytes_per_s`` is host-to-device copy over PCIe Gen5 x16 (~25 GB/s achieved), used for
-applying weights that are already staged in host memory.
+``link_bytes_per_s``: one node's cross-cluster NIC, 200 Gb Ethernet = 25e9 B/s line rate (RollArt
+§7.1: "400 Gb InfiniBand inside a cluster, 200 Gb Ethernet across clusters"; protocol overhead
+ignored). It is NOT backed out of the paper's Table 4 naive times (that would make the weight-sync
+benchmark circular). ``h2d_bytes_per_s`` is host-to-device copy over PCIe Gen5 x16 (64 GB/s
+raw; ~25 GB/s achieved with pinned memory is the usual measured figure, e.g. NVIDIA
+``nvbandwidth`` / ``bandwidthTest`` results on Hopper hosts), used for applying weights that
+are already staged in host memory.
+
+``nvlink_bytes_per_s``: per-direction NVLink bandwidth one GPU has to its peers, which bounds a
+ring all-reduce between the tensor-parallel ranks of an engine. H800: 400 GB/s total
+bidirectional (NVIDIA H800 datasheet) = 200 GB/s per direction. H100 / H200 SXM: 900 GB/s total
+= 450 GB/s per direction (datasheets). H20: 900 GB/s NVLink (HGX H20 product brief) = 450 GB/s
+per direction. ``allreduce_latency_s``: fixed cost of one NCCL all-reduce launch, 10 us
+(ASSUMPTION: the order of nccl-tests' small-message all-reduce latency on one NVLink node).
 """
 
 from __future__ import annotations
@@ -47,6 +57,8 @@ class HardwareProfile:
         relative_cost: price relative to one H800 (equal-cost pool sizing).
         link_bytes_per_s: cross-cluster weight-transfer bandwidth in bytes/s.
         h2d_bytes_per_s: host-to-device copy bandwidth in bytes/s.
+        nvlink_bytes_per_s: per-direction GPU-to-GPU bandwidth in bytes/s (TP all-reduce).
+        allreduce_latency_s: fixed seconds per all-reduce call.
     """
 
     name: str
@@ -54,23 +66,28 @@ class HardwareProfile:
     hbm_bytes_per_s: float
     memory_bytes: float
     relative_cost: float
-    link_bytes_per_s: float = 0.42 * GIGA
+    link_bytes_per_s: float = 25 * GIGA
     h2d_bytes_per_s: float = 25 * GIGA
+    nvlink_bytes_per_s: float = 450 * GIGA
+    allreduce_latency_s: float = 10e-6
 
     def __post_init__(self) -> None:
         for field in ("flops", "hbm_bytes_per_s", "memory_bytes", "relative_cost",
-                      "link_bytes_per_s", "h2d_bytes_per_s"):
+                      "link_bytes_per_s", "h2d_bytes_per_s", "nvlink_bytes_per_s",
+                      "allreduce_latency_s"):
             if not getattr(self, field) > 0:
                 raise ValueError(f"HardwareProfile {self.name!r}: {field} must be > 0, "
                                  f"got {getattr(self, field)!r}")
 
 
-H800 = HardwareProfile("h800", 989 * TERA, 3.35 * TERA, 80 * GIGA, 1.0)
+H800 = HardwareProfile("h800", 989 * TERA, 3.35 * TERA, 80 * GIGA, 1.0,
+                       nvlink_bytes_per_s=200 * GIGA)
 H20 = HardwareProfile("h20", 148 * TERA, 4.0 * TERA, 96 * GIGA, 1.0 / 3.0)
 H100 = HardwareProfile("h100", 989 * TERA, 3.35 * TERA, 80 * GIGA, 1.0)
 H200 = HardwareProfile("h200", 989 * TERA, 4.8 * TERA, 141 * GIGA, 1.25)
 CPU = HardwareProfile("cpu", 0.384 * TERA, 20 * GIGA, 8 * GIGA, 0.01,
-                      link_bytes_per_s=1 * GIGA, h2d_bytes_per_s=20 * GIGA)
+                      link_bytes_per_s=1 * GIGA, h2d_bytes_per_s=20 * GIGA,
+                      nvlink_bytes_per_s=20 * GIGA)
 
 HARDWARE: dict[str, HardwareProfile] = {p.name: p for p in (H800, H20, H100, H200, CPU)}
 

@@ -110,6 +110,12 @@ class SimScenario:
     #: override every engine's weight-transfer link / host-to-device bandwidth (bytes/s)
     link_bytes_per_s: float | None = None
     h2d_bytes_per_s: float | None = None
+    #: the trainer's pushes share its nodes' NICs (ceil(trainer_gpus / gpus_per_node) x the
+    #: trainer hardware's ``link_bytes_per_s``); False: every engine's own link alone
+    shared_trainer_egress: bool = True
+    gpus_per_node: int = 8
+    #: engines' chunked-prefill token budget (vLLM ``max_num_batched_tokens``)
+    max_num_batched_tokens: int = 8192
 
     def engine_hardware(self, name: str) -> HardwareProfile:
         """The profile ``name`` with this scenario's bandwidth overrides applied."""
@@ -141,6 +147,8 @@ class SimResult:
     env_step_latencies: list[float]
     #: per env session: (open time, step latencies), ordered by open time
     session_latencies: list[tuple[float, list[float]]] = field(default_factory=list)
+    #: the trainer's ``push_times_s`` (seconds of each weight push, all workers together)
+    push_times_s: list[float] = field(default_factory=list)
     simulated: bool = True
 
 
@@ -181,7 +189,8 @@ class SimCluster:
         self.workers: dict[str, list[SimInferenceWorker]] = {
             p.name: [SimInferenceWorker(f"{p.name}-{i}", hardware=sim.engine_hardware(p.hardware),
                                         model=model, domains=self.table, seed=seed, tp=p.tp,
-                                        max_batch=p.max_batch, eff=sim.eff)
+                                        max_batch=p.max_batch, eff=sim.eff,
+                                        max_num_batched_tokens=sim.max_num_batched_tokens)
                      for i in range(p.num_workers)]
             for p in sim.pools
         }
@@ -190,8 +199,12 @@ class SimCluster:
                                      max_concurrent_steps=sim.env_max_concurrent_steps)
                           for i in range(sim.env_hosts)]
         self.reward = SimReward(latency_s=sim.reward_latency_s, seed=seed)
-        self.trainer = SimTrainer(model=model, hardware=get_hardware(sim.trainer_hardware),
-                                  num_gpus=sim.trainer_gpus, eff=sim.eff)
+        trainer_hw = sim.engine_hardware(sim.trainer_hardware)
+        nodes = -(-sim.trainer_gpus // sim.gpus_per_node)
+        self.trainer = SimTrainer(model=model, hardware=trainer_hw, num_gpus=sim.trainer_gpus,
+                                  eff=sim.eff,
+                                  egress_bytes_per_s=(nodes * trainer_hw.link_bytes_per_s
+                                                      if sim.shared_trainer_egress else None))
         self.proxy = LLMProxy(
             {p.name: (p.hardware, self.workers[p.name]) for p in sim.pools},
             {d.spec.name: d.pool for d in sim.domains})
@@ -253,9 +266,13 @@ def run_simulated(sim: SimScenario, seed: int = 0, *, virtual: bool = True,
         step_time_s=statistics.fmean(s["step_time_s"] for s in steps[warmup:]),
         total_time_s=times[0], wall_s=wall,
         buffer=msgspec.structs.asdict(cluster.controller.buffer.stats()),
-        workers={w.name: {"busy_s": w.busy_s, "generated_tokens": w.num_generated_tokens}
+        workers={w.name: {"busy_s": w.busy_s, "generated_tokens": w.num_generated_tokens,
+                          "prefill_tokens": w.prefill_tokens,
+                          "prefix_hit_tokens": w.prefix_hit_tokens,
+                          "cache_evicted_tokens": w.cache_evicted_tokens}
                  for ws in cluster.workers.values() for w in ws},
         env_step_latencies=[x for h in cluster.env_hosts for x in h.step_latencies],
         session_latencies=sorted((v for h in cluster.env_hosts
                                   for v in h.session_latencies.values()), key=lambda v: v[0]),
+        push_times_s=list(cluster.trainer.push_times_s),
     )

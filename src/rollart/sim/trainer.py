@@ -2,7 +2,11 @@
 
 A step sleeps ``rollart.sim.costs.train_step_s`` for the batch's tokens and bumps the version;
 ``push_weights`` streams the model's bytes to every worker as ``SimTensor`` buckets (each worker
-charges ``bytes / link_bytes_per_s`` of its own link, in parallel). No tensors exist.
+charges ``bytes / link_bytes_per_s`` of its own link, in parallel). With ``egress_bytes_per_s``
+(the trainer nodes' NICs together) the pushes to simulated workers share that egress fairly
+instead: each of ``n`` concurrent pulls gets ``min(worker link, egress / n)``, so pushing to
+many engines takes longer than pushing to one (the paper's trainer-side CPU store serves every
+worker's pull, §6.3). No tensors exist.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ class SimTrainer:
         weights: ``() -> [(name, tensor)]`` to push instead of ``SimTensor`` buckets of the
             model's size (real tensors, for workers behind a real ``InferenceClient``).
         time_scale: multiplies the simulated step time (0: train instantly).
+        egress_bytes_per_s: shared trainer egress in bytes/s (None: each worker's own link
+            alone bounds its push).
 
     Attributes: ``version`` (updates applied), ``step_times_s`` (each step's simulated time),
     ``push_times_s`` (each push's duration, seconds).
@@ -43,7 +49,10 @@ class SimTrainer:
                  bucket_bytes: int = 1 << 30, extra_forward: bool = True,
                  eff: costs.Efficiency = costs.DEFAULT_EFFICIENCY,
                  weights: Callable[[], Iterable[tuple[str, Any]]] | None = None,
-                 time_scale: float = 1.0) -> None:
+                 time_scale: float = 1.0, egress_bytes_per_s: float | None = None) -> None:
+        if egress_bytes_per_s is not None and egress_bytes_per_s <= 0:
+            raise ValueError(f"egress_bytes_per_s must be > 0, got {egress_bytes_per_s}")
+        self.egress_bytes_per_s = egress_bytes_per_s
         if num_gpus < 1 or bucket_bytes < 1:
             raise ValueError(f"num_gpus and bucket_bytes must be >= 1, got {num_gpus}, "
                              f"{bucket_bytes}")
@@ -99,8 +108,22 @@ class SimTrainer:
                              f"{self._version}")
         loop = asyncio.get_running_loop()
         start = loop.time()
-        await asyncio.gather(*(
-            w.push_weights(version, self._weights() if self._weights else self._buckets(),
-                           bucket_bytes=self.bucket_bytes)  # type: ignore[attr-defined]
-            for w in workers if not w.dead))
+        live = [w for w in workers if not w.dead]
+        if self.egress_bytes_per_s is not None and self._weights is None \
+                and all(hasattr(w, "stage") for w in live):
+            await asyncio.gather(*(self._shared_push(version, w, len(live)) for w in live))
+        else:
+            await asyncio.gather(*(
+                w.push_weights(version, self._weights() if self._weights else self._buckets(),
+                               bucket_bytes=self.bucket_bytes)  # type: ignore[attr-defined]
+                for w in live))
         self.push_times_s.append(loop.time() - start)
+
+    async def _shared_push(self, version: int, worker: Any, concurrent: int) -> None:
+        """Equal-sized pulls that start together share the egress equally to the end."""
+        assert self.egress_bytes_per_s is not None
+        nbytes = float(self.model.weight_bytes)
+        rate = min(worker.hardware.link_bytes_per_s, self.egress_bytes_per_s / concurrent)
+        await asyncio.sleep(self.time_scale * costs.transfer_s(nbytes, rate))
+        if not worker.dead:
+            worker.stage(version, nbytes)

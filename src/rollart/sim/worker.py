@@ -5,15 +5,22 @@ in-process: no engine, no tokens computed. Time passes only through ``asyncio`` 
 running loop's clock, so under a virtual clock (``rollart.sim.clock``) hours of simulated
 generation take seconds, and under a normal loop the same code runs in real time.
 
-Engine model (vLLM-like, one iteration at a time):
-- admit waiting requests while ``len(running) < max_batch`` and their prompt fits the KV cache;
-  prefill them (and any pending re-prefill) in one iteration of ``prefill_s`` (the tokens of a
-  prompt already in the prefix cache are not recomputed); each emits its first token;
+Engine model (vLLM V1-like, one iteration at a time):
+- admit waiting requests while ``len(running) < max_batch`` and their KV fits the pool; the
+  prefix cache lives IN the same KV pool (vLLM's automatic prefix caching keeps freed blocks
+  as cache): idle cached sequences are evicted least-recently-used when running requests need
+  room, and the hit is looked up at admission, so an evicted prefix is recomputed;
+- chunked prefill: while any running request still has prompt tokens to compute, an iteration
+  computes up to ``max_num_batched_tokens`` of them together with one decode token of every
+  other running request (``costs.step_s``); a request whose prefill completes emits its first
+  token;
 - otherwise decode: every running request gains one token per ``decode_step_s``. Steps are
   simulated in chunks up to the next finish; an arrival, abort or pause ends the chunk at the
   next step boundary so admission latency is exact to one step;
-- when decode growth would overflow the KV cache, the latest admitted request is preempted back
-  to the waiting queue and recomputed later (vLLM's recompute preemption).
+- when decode growth would overflow the KV pool (after evicting the cache), the latest admitted
+  request is preempted back to the waiting queue and recomputed later (recompute preemption);
+- ``apply_weights(reprefill=True)``: every running request recomputes its whole KV (prompt and
+  generated tokens) before it decodes again (AReaL-style interrupt + re-prefill).
 
 Prompts arrive as deltas on the prefix the worker holds for a trajectory
 (``rollart.inference.prefixes.PrefixStore``, as the vLLM worker keeps it).
@@ -34,6 +41,7 @@ from rollart.inference.prefixes import DEFAULT_MAX_PREFIX_TOKENS, PrefixStore
 from rollart.sim import costs
 from rollart.sim.hardware import HardwareProfile
 from rollart.sim.models import ModelProfile
+from rollart.sim.prefix_cache import PrefixCache
 from rollart.sim.workload import (
     EOS_TOKEN_ID,
     GEN_TOKEN_ID,
@@ -46,7 +54,6 @@ from rollart.transport import tokenbytes as tb
 from rollart.transport.errors import PeerDeadError, RemoteError, RemoteTimeoutError
 
 _EPS = 1e-9
-_HEAD = 16
 
 
 @dataclass
@@ -81,7 +88,11 @@ class SimInferenceWorker:
         memory_utilization: share of device memory for weights + KV cache.
         default_response: response-length distribution for prompts of no known domain.
         prefix_cache: reuse the KV of a previous request's prompt + response when a new prompt
-            extends it (multi-turn), as vLLM's automatic prefix caching does.
+            extends it (multi-turn), as vLLM's automatic prefix caching does; the cache shares
+            the KV pool with running requests.
+        max_num_batched_tokens: tokens one iteration computes (chunked-prefill budget);
+            default 8192, vLLM V1's default for an OpenAI server on >= 70 GiB GPUs
+            (``vllm.engine.arg_utils.EngineArgs``, usage-context defaults).
         time_scale: multiplies every simulated duration; 0 makes the engine answer at once
             (the controller-overhead benchmark serves it that way over real ZeroMQ).
         max_prefix_tokens: bound on trajectory prompt tokens held for delta prompts.
@@ -94,10 +105,14 @@ class SimInferenceWorker:
                  eff: costs.Efficiency = costs.DEFAULT_EFFICIENCY,
                  memory_utilization: float = 0.9,
                  default_response: Dist | None = None, prefix_cache: bool = True,
-                 time_scale: float = 1.0,
+                 time_scale: float = 1.0, max_num_batched_tokens: int = 8192,
                  max_prefix_tokens: int = DEFAULT_MAX_PREFIX_TOKENS) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got "
+                             f"{max_num_batched_tokens}")
+        self.max_num_batched_tokens = max_num_batched_tokens
         if time_scale < 0:
             raise ValueError(f"time_scale must be >= 0, got {time_scale}")
         self.time_scale = time_scale
@@ -119,15 +134,18 @@ class SimInferenceWorker:
         self._ids: set[str] = set()  # request ids pending (waiting or running)
         self._running: dict[str, _Request] = {}
         self._staged: dict[int, float] = {}  # version -> bytes staged
-        self._cache: collections.OrderedDict[tuple[int, int, int], int] = \
-            collections.OrderedDict()
-        self._heads: dict[int, set[tuple[int, int, int]]] = {}
-        self._cache_tokens = 0
-        self._reprefill_tokens = 0
+        self._cache = PrefixCache()
+        self.prefix_hit_tokens = 0  # prompt tokens served from the prefix cache
+        self.prefill_tokens = 0  # tokens computed by prefill (first, re-prefill, preemption)
         self._chunk: tuple[float, float, int] | None = None  # (start, step_s, steps)
         self._wake_fut: asyncio.Future | None = None
         self._parked = asyncio.Event()
         self._engine_task: asyncio.Task | None = None
+
+    @property
+    def cache_evicted_tokens(self) -> int:
+        """Prefix-cache tokens evicted so far to make room for running requests."""
+        return self._cache.evicted_tokens
 
     # ---------------------------------------------------------------- InferenceClient methods
 
@@ -158,7 +176,7 @@ class SimInferenceWorker:
             target=min(wanted, max_tokens), finish="stop" if wanted <= max_tokens else "length",
             logprob=-rng.uniform(0.05, 1.5), fut=asyncio.get_running_loop().create_future(),
         )
-        req.to_prefill = len(req.prompt) - self._cached_prefix(req.prompt)
+        req.to_prefill = len(req.prompt)  # the prefix-cache hit is looked up at admission
         self._ids.add(req.rid)
         self._waiting.append(req)
         self._ensure_engine()
@@ -256,10 +274,9 @@ class SimInferenceWorker:
         self.version = version
         self._staged = {v: b for v, b in self._staged.items() if v > version}
         self._cache.clear()  # KV computed by older weights is not reused by new requests
-        self._heads.clear()
-        self._cache_tokens = 0
         if reprefill:
-            self._reprefill_tokens += sum(r.kv_tokens for r in self._running.values())
+            for req in self._running.values():
+                req.to_prefill = req.kv_tokens  # KV computed by the old weights is discarded
         self._wake()
         return m.WeightsApplied(version=version, apply_time_s=apply_s, stats=self._stats())
 
@@ -333,25 +350,15 @@ class SimInferenceWorker:
                 await self._wait(None)
                 continue
             self._parked.clear()
-            admitted = self._admit()
-            prefill_tokens = self._reprefill_tokens + sum(r.to_prefill for r in admitted)
-            if admitted or self._reprefill_tokens:
-                self._reprefill_tokens = 0
-                dur = self.time_scale * costs.prefill_s(self.model, self.hardware,
-                                                        prefill_tokens, tp=self.tp, eff=self.eff)
-                await asyncio.sleep(dur)
-                self.busy_s += dur
-                for req in admitted:
-                    req.to_prefill = 0
-                    if self._running.get(req.rid) is req:
-                        self._credit(req, 1)  # prefill emits the first token
-                self._finish_done()
-                continue
+            self._admit()
             if not self._running:
                 continue
             self._preempt_to_fit()
+            if any(r.to_prefill for r in self._running.values()):
+                await self._mixed_iteration()
+                continue
             batch = len(self._running)
-            room = (self.capacity - self._kv_used()) // batch
+            room = max(0, self.capacity - self._kv_used() - self._cache.tokens) // batch
             steps = max(1, min(min(r.target - r.generated for r in self._running.values()), room))
             kv_mid = self._kv_used() + batch * (steps - 1) / 2.0
             step_s = self.time_scale * costs.decode_step_s(self.model, self.hardware, batch,
@@ -377,18 +384,67 @@ class SimInferenceWorker:
                 self._credit(req, done)
             self._finish_done()
 
+    async def _mixed_iteration(self) -> None:
+        """One chunked-prefill iteration: prompt tokens of requests still prefilling (oldest
+        first, up to the token budget) plus one decode token of every other running request."""
+        decoders = [r for r in self._running.values() if not r.to_prefill]
+        budget = max(1, self.max_num_batched_tokens - len(decoders))
+        chunks: list[tuple[_Request, int]] = []
+        keys = kv_read = 0.0
+        for req in self._running.values():
+            if budget <= 0:
+                break
+            if not req.to_prefill:
+                continue
+            n = min(req.to_prefill, budget)
+            done_before = req.kv_tokens - req.to_prefill
+            keys += n * done_before + n * (n + 1) / 2.0
+            kv_read += done_before
+            chunks.append((req, n))
+            budget -= n
+        prefill = sum(n for _, n in chunks)
+        dur = self.time_scale * costs.step_s(
+            self.model, self.hardware, decode_seqs=len(decoders),
+            decode_kv_tokens=sum(r.kv_tokens for r in decoders), prefill_tokens=prefill,
+            prefill_keys=keys, prefill_kv_read=kv_read, tp=self.tp, eff=self.eff)
+        await asyncio.sleep(dur)
+        self.busy_s += dur
+        self.prefill_tokens += prefill
+        for req in decoders:
+            if self._running.get(req.rid) is req:
+                self._credit(req, 1)
+        for req, n in chunks:
+            if self._running.get(req.rid) is req and req.to_prefill:
+                req.to_prefill = max(0, req.to_prefill - n)
+                if not req.to_prefill:
+                    self._credit(req, 1)  # the last prefill chunk emits the next token
+        self._finish_done()
+
     def _admit(self) -> list[_Request]:
         admitted: list[_Request] = []
         kv = self._kv_used()
-        while (self._waiting and len(self._running) < self.max_batch
-               and kv + self._waiting[0].kv_tokens + 1 <= self.capacity):
-            req = self._waiting.popleft()
+        while self._waiting and len(self._running) < self.max_batch:
+            req = self._waiting[0]
+            fresh = req.generated == 0 and req.to_prefill == len(req.prompt)
+            hit_key = self._cache.lookup(req.prompt) if fresh and self.prefix_cache else None
+            hit = self._cache.length(hit_key) if hit_key is not None else 0
+            # The hit's blocks move from the cache to the request, so they count once.
+            need = req.kv_tokens + 1 - hit
+            if not self._cache.evict_for(kv + need, self.capacity, keep=hit_key):
+                break
+            self._waiting.popleft()
+            if hit_key is not None:
+                self._cache.drop(hit_key)
+                # A full hit still recomputes the last prompt token (its logits are not cached).
+                req.to_prefill = max(1, len(req.prompt) - hit)
+                self.prefix_hit_tokens += hit
             self._running[req.rid] = req
             kv += req.kv_tokens
             admitted.append(req)
         return admitted
 
     def _preempt_to_fit(self) -> None:
+        self._cache.evict_for(self._kv_used() + len(self._running), self.capacity)
         while len(self._running) > 1 and self._kv_used() + len(self._running) > self.capacity:
             rid = next(reversed(self._running))
             req = self._running.pop(rid)
@@ -423,7 +479,8 @@ class SimInferenceWorker:
         for version, count in req.segments:
             versions.extend([version] * count)
         if self.prefix_cache and reason != "abort":
-            self._remember(req.prompt + ids)
+            self._cache.add(req.prompt + ids)
+            self._cache.evict_for(self._kv_used(), self.capacity)
         token_bytes = tb.pack_i32(ids)
         if reason != "abort":
             self.prefixes.keep(req.trajectory_id, req.prompt_bytes, token_bytes)
@@ -431,37 +488,3 @@ class SimInferenceWorker:
             request_id=req.rid, token_ids=token_bytes, logprobs=tb.pack_f32([req.logprob] * n),
             versions=tb.pack_i32(versions),
             finish_reason=reason, num_prompt_tokens=len(req.prompt), stats=self._stats()))
-
-    # -------------------------------------------------------------------------- prefix cache
-    # Entries are keyed by (head, length, digest): ``head`` hashes the first _HEAD tokens, so a
-    # lookup hashes whole prefixes only for the few entries that start like the prompt.
-
-    def _remember(self, seq: list[int]) -> None:
-        head = hash(tuple(seq[:_HEAD]))
-        key = (head, len(seq), hash(tuple(seq)))
-        if key in self._cache:
-            self._cache.move_to_end(key)
-            return
-        self._cache[key] = len(seq)
-        self._heads.setdefault(head, set()).add(key)
-        self._cache_tokens += len(seq)
-        while self._cache_tokens > self.capacity and self._cache:
-            old, n = self._cache.popitem(last=False)
-            self._heads[old[0]].discard(old)
-            if not self._heads[old[0]]:
-                del self._heads[old[0]]
-            self._cache_tokens -= n
-
-    def _cached_prefix(self, prompt: list[int]) -> int:
-        if not self.prefix_cache:
-            return 0
-        best_key = None
-        for key in self._heads.get(hash(tuple(prompt[:_HEAD])), ()):
-            _, length, digest = key
-            if (best_key is None or length > best_key[1]) and length <= len(prompt) \
-                    and hash(tuple(prompt[:length])) == digest:
-                best_key = key
-        if best_key is None:
-            return 0
-        self._cache.move_to_end(best_key)
-        return best_key[1]
