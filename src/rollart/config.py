@@ -94,6 +94,19 @@ class RunConfig(_Cfg):
     on_stale: Literal["restart", "drop"] = "restart"
     #: recompute the KV cache of in-flight requests after a weight update (else keep it).
     reprefill: bool = False
+    #: overlap modes: when a trained version reaches the workers. ``at_batch``: at the pause of
+    #: the next step, once its batch is taken (the paper's §6.2 order); ``eager``: as soon as its
+    #: push completes, in ``apply_waves`` waves, so tokens generated while the next batch fills
+    #: are already of the new version (fewer go stale at alpha = 1).
+    weight_apply: Literal["at_batch", "eager"] = "at_batch"
+    #: eager apply: workers of each pool are paused and updated in this many successive waves,
+    #: so a pool never stops generating all at once (1 = every worker together).
+    apply_waves: Annotated[int, msgspec.Meta(ge=1, le=64)] = 2
+    #: domain of each admitted group: ``weight`` draws by ``domain.weight``; ``yield`` divides
+    #: each weight by the domain's measured yield (samples trained per trajectory slot started),
+    #: so domains whose trajectories are more often wasted (long horizon) are started more often
+    #: and reach their configured share of trained samples.
+    domain_mix: Literal["weight", "yield"] = "weight"
     #: maximum assistant turns per trajectory.
     max_turns: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 8
     #: generated tokens per turn (the engine's ``max_tokens``).
@@ -198,6 +211,11 @@ class DomainConfig(_Cfg):
     env_options: dict[str, Any] = msgspec.field(default_factory=dict)
     #: per-domain cap on turns (defaults to ``run.max_turns``; must not exceed it).
     max_turns: PosInt | None = None
+    #: this domain's staleness bound (``areal`` / ``rollart`` only; >= ``run.alpha``; ``None``
+    #: = ``run.alpha``): a long-horizon domain whose trajectories outlive ``run.alpha + 1``
+    #: training steps can never be trained under the run's bound. Its samples still obey this
+    #: bound strictly; the in-flight bound stays ``run.alpha``'s.
+    alpha: Annotated[int, msgspec.Meta(ge=1, le=64)] | None = None
 
 
 class EnvHostConfig(_Cfg):
@@ -352,6 +370,14 @@ def validate_scenario(scenario: Scenario, source: str = "<scenario>") -> Scenari
                 source,
                 f"domains[{i}].reward_url",
                 f"{dom.reward_url!r} is not 'service', 'local' or an http(s) URL",
+            )
+        if dom.alpha is not None and (run.mode not in ("areal", "rollart")
+                                      or dom.alpha < run.alpha):
+            raise _fail(
+                source,
+                f"domains[{i}].alpha",
+                f"{dom.alpha}: a per-domain bound needs mode 'areal' or 'rollart' (got "
+                f"{run.mode!r}) and must be >= run.alpha {run.alpha}",
             )
         if dom.max_turns is not None and dom.max_turns > run.max_turns:
             raise _fail(

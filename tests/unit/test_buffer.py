@@ -232,7 +232,7 @@ def test_first_selection_cancel_list_and_bias_stats() -> None:
     batch = buf.take_batch()
     assert [s.sample_id for s in batch] == [c, a]
     s = buf.stats()
-    assert (s.cancelled, s.wasted_tokens, s.late_calls) == (2, {"cancelled": 5}, 1)
+    assert (s.cancelled, s.wasted_tokens, s.late_calls) == (2, {"redundancy": 5}, 1)
     assert (s.kept_mean_len, s.finished_mean_len, s.cancelled_mean_len) == (2.0, 2.0, 2.5)
 
 

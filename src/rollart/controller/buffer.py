@@ -58,6 +58,22 @@ In-flight bound and liveness
     ``max_groups >= batch_size / group_size`` groups fill with admissible samples and
     ``take_batch`` succeeds.
 
+Waste and selection accounting
+    Every generated token (``record_tokens``, or a completed sample's ``num_generated``) ends in
+    exactly one of: trained (``take_batch``), wasted under one reason, or still in flight
+    (running or held). Reasons: ``"stale"`` (restarted, or a held/completed sample dropped as
+    stale), ``"redundancy"`` (a member the group no longer needs, cancelled), ``"failed"``,
+    ``"unselected"``, ``"retired"`` (its group could no longer fill), or the caller's reason
+    for ``cancel`` (``"shutdown"``). So ``generated_tokens == trained_tokens + sum(wasted_tokens)
+    + in_flight_tokens`` at all times (property-tested). The same is kept per task domain, with
+    trajectories started / finished / trained and their turns and generated tokens, so the
+    selection bias (trained vs finished) is visible per domain.
+
+Per-group bound
+    ``try_start_group(..., alpha=a)`` gives a group its own bound ``a >= alpha`` (a per-domain
+    alpha for long-horizon tasks): its samples obey ``a`` everywhere above; the in-flight bound
+    and ``max_groups`` stay those of the buffer's ``alpha``.
+
 Races
     Calls on a trajectory that already finished, was cancelled, or whose group was forgotten are
     no-ops with a neutral result (counted as ``late_calls``); never-issued ids raise
@@ -74,10 +90,10 @@ from typing import Any, Literal
 
 import msgspec
 
-from rollart.controller.sample import BufferStats, Sample
+from rollart.controller.sample import BufferStats, DomainCounts, Sample
 from rollart.transport.errors import ConfigError, RollartError
 
-__all__ = ["BufferStats", "Sample", "SampleBuffer", "SampleBufferError", "TurnVerdict"]
+__all__ = ["BufferStats", "DomainCounts", "Sample", "SampleBuffer", "SampleBufferError", "TurnVerdict"]
 
 TurnVerdict = Literal["continue", "restart", "drop", "wait", "cancel"]
 _SNAPSHOT_FORMAT = 1
@@ -122,6 +138,8 @@ class _Group:
     closing: bool = False
     status: Literal["open", "consumed", "retired"] = "open"
     all_tids: list[str] = field(default_factory=list)
+    domain: str = "default"
+    alpha: int = 0
 
     def live(self) -> list[_Traj]:
         return [t for t in self.slots if t is not None and t.state in _LIVE]
@@ -222,6 +240,9 @@ class SampleBuffer:
         self._failed: dict[str, int] = {}
         self._dropped: dict[str, int] = {}
         self._wasted: dict[str, int] = {}
+        self._generated = 0
+        self._trained_tokens = 0
+        self._domains: dict[str, DomainCounts] = {}
         self._last_staleness: list[int] = []
 
     # ------------------------------------------------------------------ properties / queries
@@ -235,9 +256,14 @@ class SampleBuffer:
         """True between a successful ``take_batch`` and the next ``advance_version``."""
         return self._outstanding
 
-    def admissible(self, min_version: int | None) -> bool:
-        """Whether tokens whose oldest version is ``min_version`` may train at this version."""
-        return min_version is None or min_version >= self._version - self.alpha
+    def admissible(self, min_version: int | None, alpha: int | None = None) -> bool:
+        """Whether tokens whose oldest version is ``min_version`` may train at this version,
+        under bound ``alpha`` (default the buffer's; a group's own with ``_ok``)."""
+        a = self.alpha if alpha is None else alpha
+        return min_version is None or min_version >= self._version - a
+
+    def _ok(self, t: _Traj) -> bool:
+        return self.admissible(t.min_version, t.group.alpha)
 
     def group_of(self, traj_id: str) -> str:
         """Group key of a live or held trajectory. Raises ``SampleBufferError`` otherwise."""
@@ -255,6 +281,15 @@ class SampleBuffer:
         """Samples in complete, unconsumed groups (all admissible after the last sweep)."""
         return self.group_size * sum(1 for g in self._groups.values() if self._complete(g))
 
+    def has_room(self) -> bool:
+        """Whether ``try_start_group`` would admit a group now (``groups_in_flight <
+        max_groups``)."""
+        return len(self._groups) < self.max_groups
+
+    def domain_counts(self) -> dict[str, DomainCounts]:
+        """Live per-domain counters (read-only view; ``stats().domains`` is a copy)."""
+        return self._domains
+
     def drain_restarts(self) -> list[str]:
         """Trajectory ids the buffer created on its own (stale replacements, restore); the
         caller must start each (``group_of`` gives the group). Each id is returned once."""
@@ -262,18 +297,30 @@ class SampleBuffer:
         return out
 
     # ------------------------------------------------------------------ admission
-    def try_start_group(self, group_key: str) -> list[str] | None:
-        """Admit a group of ``group_size + redundancy`` trajectories; their ids, or ``None``
-        while ``groups_in_flight >= max_groups`` (admission paused).
+    def try_start_group(self, group_key: str, domain: str = "default",
+                        alpha: int | None = None) -> list[str] | None:
+        """Admit a group of ``group_size + redundancy`` trajectories of task ``domain``; their
+        ids, or ``None`` while ``groups_in_flight >= max_groups`` (admission paused).
+
+        ``alpha``: this group's staleness bound (a per-domain bound, >= the buffer's ``alpha``;
+        default the buffer's). Its samples are admissible only while every token is at most
+        ``alpha`` versions old; the in-flight bound stays the buffer's.
 
         Raises:
-            SampleBufferError: ``group_key`` is already in flight.
+            SampleBufferError: ``group_key`` is already in flight, or ``alpha`` is below the
+                buffer's bound.
         """
         if group_key in self._groups:
             raise SampleBufferError(f"group {group_key!r} is already in flight")
+        a = self.alpha if alpha is None else alpha
+        if not isinstance(a, int) or a < self.alpha:
+            raise SampleBufferError(
+                f"group {group_key!r}: alpha {alpha!r} must be an int >= the buffer's "
+                f"{self.alpha}")
         if len(self._groups) >= self.max_groups:
             return None
-        g = _Group(key=group_key, seq=self._group_seq, slots=[])
+        g = _Group(key=group_key, seq=self._group_seq, slots=[], domain=domain, alpha=a)
+        self._dom(domain).groups_started += 1
         self._group_seq += 1
         self._groups[group_key] = g
         for i in range(self.group_size + self.redundancy):
@@ -304,13 +351,13 @@ class SampleBuffer:
         if t.doomed:
             return "drop"
         if self.check == "per_turn" or t.turns == 0:
-            if not self.admissible(t.min_version):
+            if not self._ok(t):
                 if self.on_stale == "restart":
                     t.state = _S.ABORTING
                     return "restart"
                 t.doomed = True
                 return "drop"
-            if not self.admissible(serving_version):
+            if not self.admissible(serving_version, t.group.alpha):
                 return "wait"
         t.turns += 1
         return "continue"
@@ -332,7 +379,7 @@ class SampleBuffer:
         if versions:
             lo = min(versions)
             t.min_version = lo if t.min_version is None else min(t.min_version, lo)
-            t.num_tokens += len(versions)
+            self._add_tokens(t, len(versions))
 
     def complete(self, traj_id: str, sample: Sample) -> list[str]:
         """A trajectory finished with a reward. Returns the ids of running siblings the caller
@@ -357,16 +404,21 @@ class SampleBuffer:
         sv = sample.min_version
         if sv is not None:
             t.min_version = sv if t.min_version is None else min(t.min_version, sv)
-        t.num_tokens = max(t.num_tokens, sample.num_generated)
+        # A caller that did not report every token through record_tokens: count the rest now.
+        self._add_tokens(t, max(0, sample.num_generated - t.num_tokens))
         t.sample, t.state = sample, _S.HELD
         self._c["completed"] += 1
         self._c["finished_members"] += 1
         self._c["finished_len"] += sample.num_generated
+        d = self._dom(g.domain)
+        d.finished += 1
+        d.finished_tokens += sample.num_generated
+        d.finished_turns += sample.num_turns
         if not self._slot_open(t):
             self._drop(t, "retired" if g.status == "retired" else "unselected")
             self._maybe_forget(g)
             return []
-        if t.doomed or not self.admissible(t.min_version):
+        if t.doomed or not self._ok(t):
             self._replace_stale(t)
             return []
         if self.selection == "unbiased" and not g.selected:
@@ -403,16 +455,23 @@ class SampleBuffer:
         self._close_slot(t)
         return None
 
-    def cancel(self, traj_id: str) -> None:
+    def cancel(self, traj_id: str, reason: str | None = None) -> None:
         """The caller aborted a live trajectory (redundancy, shutdown, "cancel" verdict).
-        Its slot closes; a group that can no longer fill is retired. No-op if not live."""
+        Its slot closes; a group that can no longer fill is retired. No-op if not live.
+
+        ``reason`` names the waste of its tokens (e.g. ``"shutdown"``); ``None`` derives it:
+        ``"retired"`` if its group was retired, ``"stale"`` if it was told to restart,
+        else ``"redundancy"`` (the group no longer needs it)."""
         t = self._get(traj_id)
         if t is None or t.state not in _LIVE:
             self._c["late_calls"] += 1
             return
+        if reason is None:
+            reason = ("retired" if t.group.status == "retired"
+                      else "stale" if t.state is _S.ABORTING or t.doomed else "redundancy")
         self._c["cancelled"] += 1
         self._c["cancelled_len"] += t.num_tokens
-        self._finish(t, "cancelled")
+        self._finish(t, reason)
         self._close_slot(t)
 
     def restart_trajectory(self, traj_id: str) -> str | None:
@@ -452,12 +511,17 @@ class SampleBuffer:
         out: list[Sample] = []
         self._last_staleness = []
         for g in ready[:need]:
+            d = self._dom(g.domain)
             for t in g.kept:
-                if not self.admissible(t.min_version):  # unreachable after the sweep
+                if not self._ok(t):  # unreachable after the sweep
                     raise SampleBufferError(f"internal: stale sample {t.tid!r} in a batch")
                 assert t.sample is not None
                 out.append(t.sample)
                 self._last_staleness.append(self._version - self._mv(t))
+                self._trained_tokens += t.num_tokens
+                d.trained += 1
+                d.trained_tokens += t.sample.num_generated
+                d.trained_turns += t.sample.num_turns
                 t.state, t.sample = _S.DONE, None
             g.kept, g.status = [], "consumed"
             self._maybe_forget(g)
@@ -518,6 +582,12 @@ class SampleBuffer:
             cancelled_mean_len=c["cancelled_len"] / max(c["cancelled"], 1),
             last_batch_max_staleness=max(st, default=0),
             last_batch_mean_staleness=sum(st) / len(st) if st else 0.0,
+            generated_tokens=self._generated,
+            trained_tokens=self._trained_tokens,
+            in_flight_tokens=sum(t.num_tokens for g in self._groups.values()
+                                 for t in (*g.live(), *g.kept, *g.finished)),
+            domains={k: msgspec.structs.replace(v, wasted_tokens=dict(v.wasted_tokens))
+                     for k, v in sorted(self._domains.items())},
         )
 
     def snapshot(self) -> dict[str, Any]:
@@ -531,6 +601,8 @@ class SampleBuffer:
             groups.append(
                 {
                     "key": g.key,
+                    "domain": g.domain,
+                    "alpha": g.alpha,
                     "selected": g.selected,
                     "closing": g.closing,
                     "slots": [
@@ -594,6 +666,8 @@ class SampleBuffer:
                 slots=[None] * len(gs["slots"]),
                 selected=gs["selected"],
                 closing=gs["closing"],
+                domain=gs.get("domain", "default"),
+                alpha=gs.get("alpha", buf.alpha),
             )
             buf._group_seq += 1
             buf._groups[g.key] = g
@@ -629,6 +703,7 @@ class SampleBuffer:
         g.all_tids.append(tid)
         self._trajs[tid] = t
         self._c["started"] += 1
+        self._dom(g.domain).started += 1
         return t
 
     def _mv(self, t: _Traj) -> int:
@@ -644,10 +719,25 @@ class SampleBuffer:
             return False
         return t in g.kept or len(g.kept) < self.group_size
 
+    def _dom(self, domain: str) -> DomainCounts:
+        d = self._domains.get(domain)
+        if d is None:
+            d = self._domains[domain] = DomainCounts()
+        return d
+
+    def _add_tokens(self, t: _Traj, n: int) -> None:
+        t.num_tokens += n
+        self._generated += n
+        self._dom(t.group.domain).generated_tokens += n
+
     def _finish(self, t: _Traj, reason: str) -> None:
+        """Terminal state, not trained: every token ``t`` generated is wasted for ``reason``
+        (exactly once: a trajectory reaches DONE once)."""
         t.state = _S.DONE
         if t.num_tokens:
             self._wasted[reason] = self._wasted.get(reason, 0) + t.num_tokens
+            w = self._dom(t.group.domain).wasted_tokens
+            w[reason] = w.get(reason, 0) + t.num_tokens
 
     def _drop(self, t: _Traj, reason: str) -> None:
         """Discard a completed sample (counted, reported to ``on_drop``)."""
@@ -678,7 +768,7 @@ class SampleBuffer:
             if g.status != "open":
                 continue
             for t in [*g.kept, *g.finished]:
-                if not self.admissible(t.min_version):
+                if not self._ok(t):
                     self._replace_stale(t)
 
     def _close_slot(self, t: _Traj) -> None:

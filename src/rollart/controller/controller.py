@@ -178,6 +178,8 @@ class Controller:
         self._sync = WeightSync(
             self.proxy, self.trainer, self.clock, reprefill=self.run.reprefill,
             on_applied=self._weights_changed.notify, on_push_done=self._on_done,
+            eager=self.spec.overlap and self.run.weight_apply == "eager",
+            waves=self.run.apply_waves,
         )
         self._last_step_end = self._started_at = self.clock()
         self._spawn_aux(self._admission_loop(), "admission")
@@ -297,20 +299,42 @@ class Controller:
             return self.buffer.stats().groups_in_flight < per_batch
         return True
 
+    def domain_weights(self) -> list[float]:
+        """Admission weight of each domain (in ``self.domains`` order).
+
+        ``run.domain_mix = "weight"``: ``domain.weight``. ``"yield"``: ``weight / yield`` with
+        ``yield = (trained + G) / (G * groups_started + G)`` (samples trained per member slot
+        started, with one group's worth of prior so a new domain starts at 1): for trained
+        shares proportional to the weights, domain d must be started at a rate proportional to
+        ``weight_d / yield_d`` (trained_d = started_d * yield_d).
+        """
+        domains = list(self.domains.values())
+        if self.run.domain_mix == "weight":
+            return [d.weight for d in domains]
+        counts = self.buffer.domain_counts()
+        g = self.run.group_size
+        out = []
+        for d in domains:
+            c = counts.get(d.name)
+            trained, groups = (c.trained, c.groups_started) if c is not None else (0, 0)
+            out.append(d.weight * (g * groups + g) / (trained + g))
+        return out
+
     def _pick_domain(self) -> DomainConfig:
         domains = list(self.domains.values())
-        return self._rng.choices(domains, weights=[d.weight for d in domains])[0]
+        return self._rng.choices(domains, weights=self.domain_weights())[0]
 
     async def _admission_loop(self) -> None:
         assert self._changed is not None
         while True:
             started = False
-            if self._can_admit():
+            if self._can_admit() and self.buffer.has_room():
                 key = f"g{self._group_seq}"
-                ids = self.buffer.try_start_group(key)
+                domain = self._pick_domain()
+                ids = self.buffer.try_start_group(key, domain.name, domain.alpha)
                 if ids is not None:
                     self._group_seq += 1
-                    self._groups[key] = (self._pick_domain(), self._rng.randrange(2**31))
+                    self._groups[key] = (domain, self._rng.randrange(2**31))
                     for tid in ids:
                         self._launch(tid, key)
                     started = True
@@ -369,7 +393,7 @@ class Controller:
             self.buffer.cancel(tid)
         except asyncio.CancelledError:
             if tid not in self._cancelled:  # shutdown, not a sibling cancel
-                self.buffer.cancel(tid)
+                self.buffer.cancel(tid, "shutdown")
             raise
         else:
             self._failures_in_a_row = 0
