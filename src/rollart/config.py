@@ -102,6 +102,20 @@ class RunConfig(_Cfg):
     #: eager apply: workers of each pool are paused and updated in this many successive waves,
     #: so a pool never stops generating all at once (1 = every worker together).
     apply_waves: Annotated[int, msgspec.Meta(ge=1, le=64)] = 2
+    #: a trajectory generates its first token only once the workers serve a version with one
+    #: version of headroom (``> trainer version - alpha``); otherwise it waits for the next
+    #: apply instead of starting work that could only join the very next batch and is mostly
+    #: wasted. Needs ``weight_apply = "eager"`` (the wait must not depend on a batch).
+    fresh_start: bool = False
+    #: ``rollart`` mode with ``on_stale = "restart"``: when a version bump makes a running
+    #: trajectory stale, abort its generation at once and restart its slot (else it runs on
+    #: until its next turn start, generating tokens that can never be trained).
+    abort_stale: bool = False
+    #: ``greedy``: start a group whenever the in-flight bound allows; ``paced``: hold a group
+    #: back until the next weight apply when, by the measured batch period and the domain's
+    #: measured group completion time, it would miss its staleness deadline now but meet it
+    #: then (``rollart.controller.pacing``).
+    admission: Literal["greedy", "paced"] = "greedy"
     #: domain of each admitted group: ``weight`` draws by ``domain.weight``; ``yield`` divides
     #: each weight by the domain's measured yield (samples trained per trajectory slot started),
     #: so domains whose trajectories are more often wasted (long horizon) are started more often
@@ -340,6 +354,11 @@ def validate_scenario(scenario: Scenario, source: str = "<scenario>") -> Scenari
         raise _fail(
             source, "run.alpha", f"mode {run.mode!r} overlaps rollout and training: alpha >= 1"
         )
+    if run.fresh_start and (run.weight_apply != "eager" or run.mode not in (
+            "one_off", "areal", "rollart")):
+        raise _fail(source, "run.fresh_start", "needs weight_apply = 'eager' in an overlap mode "
+                    f"(got {run.weight_apply!r}, mode {run.mode!r}): a trajectory waiting for "
+                    "new weights must not wait for the batch that brings them")
     if run.max_tokens_per_turn > run.max_tokens_per_trajectory:
         raise _fail(
             source,

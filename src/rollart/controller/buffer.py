@@ -15,8 +15,9 @@ Admissibility (RollArt section 6.2, bound alpha)
     is ``>= v - alpha``. ``v`` only grows, so a sample that fails this once never passes again.
     It is checked (1) at every turn start in ``begin_turn`` (``check="per_turn"``; with
     ``check="admission"``, the AReaL policy, only at the first turn), (2) when a trajectory
-    completes, (3) on every ``advance_version`` for all held samples, and (4) again on every
-    sample at batch assembly in ``take_batch``. A stale held sample is dropped (counted,
+    completes, (3) on every ``advance_version`` for all held samples (and, with
+    ``abort_stale``, running ones: ``drain_aborts``), and (4) again on every sample at batch
+    assembly in ``take_batch``. A stale held sample is dropped (counted,
     ``on_drop(id, "stale")``) and its slot gets a fresh trajectory (``drain_restarts``).
 
 begin_turn verdicts, in order of precedence
@@ -27,7 +28,11 @@ begin_turn verdicts, in order of precedence
     attempts). ``"drop"``: the same but ``on_stale="drop"``: keep going; the sample will be
     dropped when it completes and only then replaced (so the group never exceeds its slots).
     ``"wait"``: the worker serves a version older than ``v - alpha`` (alpha = 0 with a lagging
-    worker): do not generate; call ``begin_turn`` again once the worker has the new weights.
+    worker), or, with ``fresh_start``, the trajectory has no token yet and the worker serves a
+    version older than ``v - alpha + 1`` (its first token would already be at the bound, so
+    it could only join the very next batch): do not generate; call ``begin_turn`` again once
+    the worker has the new weights. ``fresh_start`` needs weights that reach the workers
+    without waiting for a batch (eager apply), else the wait could block the batch it awaits.
     ``"continue"``: generate.
 
 Groups, slots and redundancy
@@ -160,6 +165,8 @@ class SampleBuffer:
         initial_version: trainer version at start (>= 0).
         rng: for unbiased selection when ``close_group`` gets none (default ``Random(0)``).
         on_drop: called ``(traj_id, reason)`` whenever a completed sample is discarded.
+        fresh_start: a trajectory's first token needs one version of headroom (``"wait"``
+            otherwise; module docstring). Needs weights applied independently of batches.
 
     Raises:
         ConfigError: any argument out of range, naming it.
@@ -179,6 +186,8 @@ class SampleBuffer:
         initial_version: int = 0,
         rng: random.Random | None = None,
         on_drop: Callable[[str, str], None] | None = None,
+        fresh_start: bool = False,
+        abort_stale: bool = False,
     ) -> None:
         for name, val, lo in (
             ("alpha", alpha, 0),
@@ -207,6 +216,9 @@ class SampleBuffer:
         self.alpha, self.batch_size, self.group_size = alpha, batch_size, group_size
         self.redundancy, self.selection, self.check = redundancy, selection, check
         self.on_stale, self.max_attempts = on_stale, max_attempts
+        self.fresh_start = bool(fresh_start)
+        self.abort_stale = bool(abort_stale)
+        self._aborts: list[str] = []
         self.max_groups = (alpha + 1) * batch_size // group_size
         self._version = initial_version
         self._outstanding = False
@@ -280,6 +292,13 @@ class SampleBuffer:
     def ready_samples(self) -> int:
         """Samples in complete, unconsumed groups (all admissible after the last sweep)."""
         return self.group_size * sum(1 for g in self._groups.values() if self._complete(g))
+
+    def drain_aborts(self) -> list[str]:
+        """With ``abort_stale``: running trajectories that went stale on a version bump (each
+        returned once, already in the "restart" state): the caller aborts each generation now
+        and calls ``restart_trajectory``, instead of letting it run to its next turn start."""
+        out, self._aborts = self._aborts, []
+        return out
 
     def has_room(self) -> bool:
         """Whether ``try_start_group`` would admit a group now (``groups_in_flight <
@@ -358,6 +377,9 @@ class SampleBuffer:
                 t.doomed = True
                 return "drop"
             if not self.admissible(serving_version, t.group.alpha):
+                return "wait"
+            if (self.fresh_start and t.min_version is None and t.group.alpha >= 1
+                    and not self.admissible(serving_version, t.group.alpha - 1)):
                 return "wait"
         t.turns += 1
         return "continue"
@@ -632,6 +654,8 @@ class SampleBuffer:
                 "check",
                 "on_stale",
                 "max_attempts",
+                "fresh_start",
+                "abort_stale",
             )
         }
         return {
@@ -770,6 +794,11 @@ class SampleBuffer:
             for t in [*g.kept, *g.finished]:
                 if not self._ok(t):
                     self._replace_stale(t)
+            if self.abort_stale and self.check == "per_turn" and self.on_stale == "restart":
+                for t in g.live():
+                    if t.state is _S.RUNNING and not self._ok(t) and self._slot_open(t):
+                        t.state = _S.ABORTING
+                        self._aborts.append(t.tid)
 
     def _close_slot(self, t: _Traj) -> None:
         g = t.group

@@ -24,6 +24,7 @@ Time is ``loop.time()`` unless a ``clock`` is injected, so a simulator's virtual
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 from collections import Counter
@@ -34,6 +35,7 @@ from rollart.config import DomainConfig, Scenario
 from rollart.controller.buffer import SampleBuffer
 from rollart.controller.metrics import StepMetrics, step_metrics
 from rollart.controller.modes import TurnBarrier, mode_spec
+from rollart.controller.pacing import Pacer
 from rollart.controller.ports import Tokenizer, TrainerBackend, TrainResult
 from rollart.controller.proxy import LLMProxy
 from rollart.controller.sample import Sample
@@ -115,6 +117,8 @@ class Controller:
             max_attempts=run.retry.max_attempts,
             initial_version=trainer.version,
             rng=random.Random(run.seed + 1),
+            fresh_start=run.fresh_start,
+            abort_stale=run.abort_stale,
         )
         self.domains: dict[str, DomainConfig] = {d.name: d for d in scenario.domains}
         self._groups: dict[str, tuple[DomainConfig, int]] = {}
@@ -151,6 +155,8 @@ class Controller:
         self._started = False
         self._closed = False
         self._last_step_end = 0.0
+        self._pacer = Pacer(run.group_size) if run.admission == "paced" else None
+        self._pending_domain: DomainConfig | None = None
         #: the samples of the last training step
         self.last_batch: list[Sample] = []
 
@@ -177,7 +183,7 @@ class Controller:
         )
         self._sync = WeightSync(
             self.proxy, self.trainer, self.clock, reprefill=self.run.reprefill,
-            on_applied=self._weights_changed.notify, on_push_done=self._on_done,
+            on_applied=self._on_applied, on_push_done=self._on_done,
             eager=self.spec.overlap and self.run.weight_apply == "eager",
             waves=self.run.apply_waves,
         )
@@ -285,6 +291,12 @@ class Controller:
         if self._fatal is not None:
             raise self._fatal
 
+    def _on_applied(self) -> None:
+        if self._pacer is not None:
+            self._pacer.on_apply(self.clock())
+        assert self._weights_changed is not None
+        self._weights_changed.notify()
+
     async def _wait_for_weights(self, version: int) -> None:
         assert self._weights_changed is not None
         while self.proxy.version <= version:
@@ -324,13 +336,33 @@ class Controller:
         domains = list(self.domains.values())
         return self._rng.choices(domains, weights=self.domain_weights())[0]
 
+    def _pace_wait_s(self, domain: DomainConfig) -> float:
+        """Paced admission: seconds to hold ``domain``'s next group back (0: start now)."""
+        if self._pacer is None:
+            return 0.0
+        now = self.clock()
+        alpha = domain.alpha if domain.alpha is not None else self.run.alpha
+        if not self._pacer.should_wait(domain.name, now, self.proxy.version, alpha):
+            return 0.0
+        period = self._pacer.period_s() or 0.0
+        return max(1e-3, period)
+
     async def _admission_loop(self) -> None:
-        assert self._changed is not None
+        assert self._changed is not None and self._weights_changed is not None
         while True:
             started = False
             if self._can_admit() and self.buffer.has_room():
                 key = f"g{self._group_seq}"
-                domain = self._pick_domain()
+                # A held-back domain keeps its turn (else pacing would favour short domains).
+                domain = self._pending_domain or self._pick_domain()
+                self._pending_domain = None
+                wait_s = self._pace_wait_s(domain)
+                if wait_s > 0:
+                    self._pending_domain = domain
+                    # Until the next apply (or one period, if it does not come).
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._weights_changed.wait(), wait_s)
+                    continue
                 ids = self.buffer.try_start_group(key, domain.name, domain.alpha)
                 if ids is not None:
                     self._group_seq += 1
@@ -355,6 +387,15 @@ class Controller:
         task.add_done_callback(self._on_done)
 
     def _launch_restarts(self) -> None:
+        for tid in self.buffer.drain_aborts():
+            # Stale mid-generation (abort_stale): stop it now, restart its slot fresh.
+            task = self._tasks.get(tid)
+            if task is not None:
+                self._cancelled.add(tid)
+                task.cancel()
+            fresh = self.buffer.restart_trajectory(tid)
+            if fresh is not None:
+                self._launch(fresh, self.buffer.group_of(fresh))
         for tid in self.buffer.drain_restarts():
             self._launch(tid, self.buffer.group_of(tid))
 
@@ -371,6 +412,7 @@ class Controller:
     async def _run_one(self, tid: str, key: str) -> None:
         assert self._ctx is not None
         domain, seed = self._groups[key]
+        t_start = self.clock()
         try:
             sample = await run_trajectory(self._ctx, tid, key, domain, seed)
         except TrajectoryFailed as exc:
@@ -397,6 +439,8 @@ class Controller:
             raise
         else:
             self._failures_in_a_row = 0
+            if self._pacer is not None:
+                self._pacer.on_finished(domain.name, self.clock() - t_start)
             for sibling in self.buffer.complete(tid, sample):
                 self._cancel_traj(sibling)
             if self.run.selection == "unbiased":
@@ -450,6 +494,8 @@ class Controller:
         self.last_batch = batch
         t_batch = self.clock()
         version = self.buffer.version
+        if self._pacer is not None:
+            self._pacer.on_batch(t_batch, version)
         self._admission_open = False
         assert self._sync is not None
         try:
