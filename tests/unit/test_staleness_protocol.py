@@ -18,6 +18,8 @@ trajectory's token versions, built only from what it fed the buffer, and checks:
 - waste accounting: every generated token is trained, wasted under exactly one reason, or still
   in flight (in total and per domain), and the model's token count agrees with the buffer's.
 
+``fresh_start`` (a first token waits for a version of headroom) and ``abort_stale`` (running
+trajectories made stale by a bump are aborted and restarted at once) are drawn per example.
 Weights reach two simulated workers by *eager, staggered apply* (``apply_on_worker``: any worker
 may take the trainer's newest version at any time, one at a time, independently of batches), and
 a turn may straddle an apply (its first tokens at the old version, the rest at the new one).
@@ -54,6 +56,8 @@ configs = st.fixed_dictionaries(
         "on_stale": st.sampled_from(["restart", "drop"]),
         "max_attempts": st.integers(1, 3),
         "long_extra_alpha": st.integers(0, 2),
+        "fresh_start": st.booleans(),
+        "abort_stale": st.booleans(),
     }
 )
 picks = st.integers(0, 10**6)
@@ -92,6 +96,8 @@ class StalenessProtocol(RuleBasedStateMachine):
             max_attempts=cfg["max_attempts"],
             rng=random.Random(seed),
             on_drop=self._on_drop,
+            fresh_start=cfg["fresh_start"],
+            abort_stale=cfg["abort_stale"],
         )
         self.cap = (self.alpha + 1) * self.B + self.k * self.buf.max_groups
         self.live: set[str] = set()
@@ -130,6 +136,14 @@ class StalenessProtocol(RuleBasedStateMachine):
             self.tokens[tid] = []
 
     def _drain(self) -> None:
+        for tid in self.buf.drain_aborts():
+            # abort_stale: a bump made this running trajectory stale; abort and restart it.
+            assert self.cfg["abort_stale"] and tid in self.live
+            floor = self.buf.version - self.galpha[self.group[tid]]
+            assert self.tokens[tid] and min(self.tokens[tid]) < floor, (tid, self.tokens[tid])
+            self._gone(tid)
+            self.failed_or_cancelled.add(tid)
+            self._add(self.buf.restart_trajectory(tid))
         for tid in self.buf.drain_restarts():
             self._add(tid)
 
@@ -178,7 +192,10 @@ class StalenessProtocol(RuleBasedStateMachine):
             self._gone(tid)
             self.failed_or_cancelled.add(tid)
         else:
-            assert verdict == "wait" and serving < floor, (verdict, serving, floor)
+            # fresh_start: a first token needs one version of headroom (floor + 1).
+            fresh = self.cfg["fresh_start"] and not toks and self.galpha[self.group[tid]] >= 1
+            assert verdict == "wait" and serving < floor + (1 if fresh else 0), (
+                verdict, serving, floor)
         self._drain()
         return verdict
 

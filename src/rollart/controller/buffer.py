@@ -309,6 +309,14 @@ class SampleBuffer:
         """Live per-domain counters (read-only view; ``stats().domains`` is a copy)."""
         return self._domains
 
+    def groups_in_flight_by_domain(self) -> dict[str, int]:
+        """Groups in flight (admitted, not yet consumed or retired, or with live members) per
+        domain."""
+        out: dict[str, int] = {}
+        for g in self._groups.values():
+            out[g.domain] = out.get(g.domain, 0) + 1
+        return out
+
     def drain_restarts(self) -> list[str]:
         """Trajectory ids the buffer created on its own (stale replacements, restore); the
         caller must start each (``group_of`` gives the group). Each id is returned once."""

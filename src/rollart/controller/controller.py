@@ -315,21 +315,25 @@ class Controller:
         """Admission weight of each domain (in ``self.domains`` order).
 
         ``run.domain_mix = "weight"``: ``domain.weight``. ``"yield"``: ``weight / yield`` with
-        ``yield = (trained + G) / (G * groups_started + G)`` (samples trained per member slot
-        started, with one group's worth of prior so a new domain starts at 1): for trained
-        shares proportional to the weights, domain d must be started at a rate proportional to
+        ``yield = (trained + G) / (G * resolved + G)``, ``resolved`` = groups started and no
+        longer in flight (samples trained per member slot of a finished group, with one group's
+        worth of prior so a new domain starts at 1; groups still in flight are left out, or a
+        long-horizon domain would look unproductive while its groups run): for trained shares
+        proportional to the weights, domain d must be started at a rate proportional to
         ``weight_d / yield_d`` (trained_d = started_d * yield_d).
         """
         domains = list(self.domains.values())
         if self.run.domain_mix == "weight":
             return [d.weight for d in domains]
         counts = self.buffer.domain_counts()
+        in_flight = self.buffer.groups_in_flight_by_domain()
         g = self.run.group_size
         out = []
         for d in domains:
             c = counts.get(d.name)
             trained, groups = (c.trained, c.groups_started) if c is not None else (0, 0)
-            out.append(d.weight * (g * groups + g) / (trained + g))
+            resolved = max(0, groups - in_flight.get(d.name, 0))
+            out.append(d.weight * (g * resolved + g) / (trained + g))
         return out
 
     def _pick_domain(self) -> DomainConfig:

@@ -27,6 +27,7 @@ the domain have been seen it always starts.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 
 
@@ -79,7 +80,8 @@ class Pacer:
             return None
         xs = sorted(d)
         q = 0.5 ** (1.0 / self.group_size)
-        return xs[min(len(xs) - 1, int(q * len(xs)))]
+        # the empirical q-quantile: the smallest duration whose empirical CDF is >= q
+        return xs[max(0, math.ceil(q * len(xs)) - 1)]
 
     def should_wait(self, domain: str, now: float, serving: int, alpha: int) -> bool:
         """Whether a group of ``domain`` should wait for the next apply instead of starting at

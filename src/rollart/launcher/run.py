@@ -28,7 +28,7 @@ import msgspec
 
 from rollart.config import Scenario, load_scenario
 from rollart.launcher.procs import ProcessFailedError
-from rollart.launcher.progress import Progress
+from rollart.launcher.progress import Progress, waste_summary
 from rollart.trainer.checkpoint import latest_checkpoint, mark_complete, read_json, step_dir
 from rollart.transport.errors import ConfigError, RollartError
 
@@ -212,5 +212,7 @@ def _write_summary(run_dir: Path, scenario: Scenario, started: float) -> None:
         "last_reward_mean": rewards[-1] if rewards else None,
         "last3_reward_mean": sum(rewards[-3:]) / len(rewards[-3:]) if rewards else None,
         "wall_time_s": time.time() - started,
+        # waste by reason and per-domain selection bias, totals over the steps
+        **waste_summary(rows, {d.name: d.weight for d in scenario.domains}),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
