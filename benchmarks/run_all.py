@@ -17,7 +17,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-BENCHMARKS = ("env_tail", "modes", "affinity", "redundancy", "staleness", "weight_sync",
+BENCHMARKS = ("env_tail", "modes", "affinity", "redundancy", "staleness", "staleness_waste",
+              "weight_sync",
               "controller_overhead", "real_engine", "weight_transfer")
 
 

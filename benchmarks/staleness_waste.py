@@ -6,20 +6,26 @@ Policies (``rollart.config.RunConfig``; both strict: no trained token older than
 - ``today``: weights applied at the next step's pause (``weight_apply = "at_batch"``), greedy
   admission, domains drawn by weight, one bound (run.alpha) for every domain;
 - ``new``: eager staggered apply (``weight_apply = "eager"``, 2 waves), ``fresh_start``,
+  version-aware admission (``admission = "capacity"``: a group starts only while fewer
+  still-admissible groups are in flight than the batches it could join can take),
   yield-corrected domain mix (``domain_mix = "yield"``) and, in the long-horizon workload
-  only, a per-domain bound for
-  the long-horizon domain (``DomainConfig.alpha``) one above the number of steps its
-  trajectories are built to span (3), i.e. 4: under alpha = 1 such a trajectory can never be
-  trained, by the rule itself. (``abort_stale`` and ``admission = "paced"`` are selectable
-  too; in a side run they changed neither waste nor step time beyond seed noise here, so the
-  new policy leaves them off: see benchmarks/README.md.)
+  only, a per-domain bound for the long-horizon domain (``DomainConfig.alpha``) one above the
+  number of steps its trajectories are built to span (3), i.e. 4: under alpha = 1 such a
+  trajectory can never be trained, by the rule itself. (``abort_stale`` and ``admission =
+  "paced"`` are selectable too; in side runs they changed neither waste nor step time beyond
+  seed noise, so the new policy leaves them off: see benchmarks/README.md.)
 
-Regimes: ``rollout_bound`` (the paper's quick 8B cluster: 12 H800 + 4 H20 roll out, 4 H800
-train, decode-heavy + prefill-heavy domains), ``trainer_bound`` (the same with 1 training GPU, so
-the trainer is the bottleneck) and ``long_horizon`` (a reasoning domain plus an agentic domain
-of 24 turns x 10 s env latency whose trajectories span >= 3 training steps, weight 1 : 3).
+Regimes (pools and domains of ``benchmarks.workloads.paper_cluster``; ``--quick`` halves its
+quick cluster: 6 H800 + 2 H20 roll out, 2 H800 train, batch 32, group 8):
+``rollout_bound`` (decode-heavy reasoning on H20 + prefill-heavy agentic on H800; the trainer
+waits for batches), ``trainer_bound`` (the same with H20 trainer GPUs, ~6.7x less compute, so
+rollout waits for the trainer) and ``long_horizon`` (reasoning, weight 3, plus an agentic
+domain of 16 turns x 25 s env latency, weight 1, whose trajectories span >= 3 training steps;
+``long_span_steps`` reports the measured lower bound: env seconds per long trajectory / step
+time).
 
-Reported per regime and policy (mean and 95% interval over seeds): step time; wasted share of
+Reported per regime and policy (mean and 95% interval over seeds; measured over the steps after
+the first 2, or the first ``LONG_ALPHA + 1`` in ``long_horizon``): step time; wasted share of
 generated tokens by reason (every generated token is trained, wasted for exactly one reason, or
 still in flight at the end); per domain the share of trained samples relative to its configured
 share, and the length bias ``|trained mean generated tokens / finished mean - 1|``.
@@ -47,27 +53,34 @@ NAME = "staleness_waste"
 #: e-Handbook of Statistical Methods, section 1.3.6.7.2).
 T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
 LONG = "long_agentic"
-#: steps the long-horizon domain's trajectories are built to span (24 turns x 10 s env latency
+#: steps the long-horizon domain's trajectories are built to span (16 turns x 25 s env latency
 #: + generation, against a ~60 s step), and the per-domain bound the new policy gives it
 LONG_SPAN_STEPS = 3
 LONG_ALPHA = LONG_SPAN_STEPS + 1
 
 POLICIES: dict[str, dict[str, Any]] = {
     "today": {},
-    "new": dict(weight_apply="eager", apply_waves=2, fresh_start=True, domain_mix="yield"),
+    "new": dict(weight_apply="eager", apply_waves=2, fresh_start=True, admission="capacity",
+                domain_mix="yield"),
 }
 
 
 def regimes(quick: bool) -> dict[str, SimScenario]:
-    steps = 5 if quick else 10
-    base = paper_cluster("qwen3-8b", quick=True, steps=steps)
+    base = paper_cluster("qwen3-8b", quick=True, steps=6 if quick else 12)
+    if quick:
+        base = base.replace(pools=tuple(p.__class__(p.name, p.hardware, p.num_workers // 2,
+                                                     tp=p.tp, max_batch=p.max_batch)
+                                        for p in base.pools),
+                            batch_size=base.batch_size // 2, trainer_gpus=base.trainer_gpus // 2)
     long_domains = (SimDomain(reasoning(), "h20", weight=3.0),
-                    SimDomain(agentic(LONG, turns=24, latency_mean_s=10.0, latency_std_s=4.0,
+                    SimDomain(agentic(LONG, turns=16, latency_mean_s=25.0, latency_std_s=5.0,
                                       prompt=2000, obs=300), "h800", weight=1.0))
     return {
         "rollout_bound": base,
-        "trainer_bound": base.replace(trainer_gpus=1),
-        "long_horizon": base.replace(domains=long_domains, max_turns=24),
+        "trainer_bound": base.replace(trainer_hardware="h20"),
+        # measured after LONG_ALPHA + 1 steps: before that no long trajectory can have finished
+        "long_horizon": base.replace(domains=long_domains, max_turns=16,
+                                     steps=base.steps + LONG_ALPHA),
     }
 
 
@@ -80,31 +93,51 @@ def apply_policy(sim: SimScenario, policy: str) -> SimScenario:
     return sim
 
 
-def measure(sim: SimScenario, seed: int) -> dict[str, Any]:
-    """One run: step time, waste shares by reason, per-domain trained share and length bias."""
-    res = run_simulated(sim, seed, warmup=2)
-    b = res.buffer
-    gen = max(b["generated_tokens"], 1)
+def measure(sim: SimScenario, seed: int, warmup: int) -> dict[str, Any]:
+    """One run, measured over the steps after ``warmup``: step time, waste shares by reason,
+    per-domain trained share and length bias (summed ``StepMetrics.by_domain`` of those
+    steps, so the start-up, before any long trajectory can finish, is left out)."""
+    res = run_simulated(sim, seed, warmup=warmup)
+    steps = res.steps[warmup:]
+    gen = max(sum(s["buffer_generated_tokens"] for s in steps), 1)
+    reasons: dict[str, int] = {}
+    dom: dict[str, dict[str, int]] = {}
+    for s in steps:
+        for k, v in s["wasted_tokens_by_reason"].items():
+            reasons[k] = reasons.get(k, 0) + v
+        for name, d in s["by_domain"].items():
+            acc = dom.setdefault(name, {})
+            for k in ("trained", "finished", "trained_tokens", "finished_tokens"):
+                acc[k] = acc.get(k, 0) + d[k]
     weights = {d.spec.name: d.weight for d in sim.domains}
     total_w = sum(weights.values())
-    trained = sum(c["trained"] for c in b["domains"].values()) or 1
+    trained = sum(c.get("trained", 0) for c in dom.values()) or 1
+    b = res.buffer
     out: dict[str, Any] = {
         "step_time_s": res.step_time_s,
-        "stale_waste_share": b["wasted_tokens"].get("stale", 0) / gen,
-        "waste_share": sum(b["wasted_tokens"].values()) / gen,
-        "waste_by_reason": {k: v / gen for k, v in b["wasted_tokens"].items()},
+        "stale_waste_share": reasons.get("stale", 0) / gen,
+        "waste_share": sum(reasons.values()) / gen,
+        "waste_by_reason": {k: v / gen for k, v in reasons.items()},
+        # whole run: every generated token trained, wasted for one reason, or in flight
         "accounted": (b["trained_tokens"] + sum(b["wasted_tokens"].values())
-                      + b["in_flight_tokens"]) / gen,
+                      + b["in_flight_tokens"]) / max(b["generated_tokens"], 1),
         "share_vs_configured": {}, "length_bias": {}, "trained_len": {}, "finished_len": {},
     }
-    for name, c in b["domains"].items():
-        out["share_vs_configured"][name] = (c["trained"] / trained) / (weights[name] / total_w)
-        t_len = c["trained_tokens"] / c["trained"] if c["trained"] else float("nan")
-        f_len = c["finished_tokens"] / c["finished"] if c["finished"] else float("nan")
+    # Multi-turn sessions' env seconds (only the long-horizon domain has more than one turn
+    # there) against the step time: a lower bound of the steps one trajectory spans.
+    long_env_s = [sum(lat) for _, lat in res.session_latencies if len(lat) > 1]
+    out["long_span_steps"] = (statistics.median(long_env_s) / res.step_time_s
+                              if long_env_s and LONG in weights else float("nan"))
+    for name in weights:
+        c = dom.get(name, {})
+        nt, nf = c.get("trained", 0), c.get("finished", 0)
+        out["share_vs_configured"][name] = (nt / trained) / (weights[name] / total_w)
+        t_len = c["trained_tokens"] / nt if nt else float("nan")
+        f_len = c["finished_tokens"] / nf if nf else float("nan")
         out["trained_len"][name], out["finished_len"][name] = t_len, f_len
         # A domain with no trained sample has no trained length: bias undefined (nan), and its
         # starvation shows in share_vs_configured instead.
-        out["length_bias"][name] = abs(t_len / f_len - 1) if c["trained"] else float("nan")
+        out["length_bias"][name] = abs(t_len / f_len - 1) if nt and nf else float("nan")
     return out
 
 
@@ -126,7 +159,9 @@ def run(quick: bool, seed: int) -> dict:
     per: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for regime, sim in regimes(quick).items():
         for policy in POLICIES:
-            per[(regime, policy)] = [measure(apply_policy(sim, policy), s) for s in seeds]
+            warmup = LONG_ALPHA + 1 if regime == "long_horizon" else 2
+            per[(regime, policy)] = [measure(apply_policy(sim, policy), s, warmup)
+                                     for s in seeds]
     worst: dict[str, tuple[float, float, str]] = {}
 
     def note_worst(key: str, value: float, ci: float, regime: str, higher_is_worse: bool) -> None:
@@ -149,6 +184,7 @@ def run(quick: bool, seed: int) -> dict:
             f"{k}={mean_ci([r['waste_by_reason'].get(k, 0.0) for r in runs])[0]:.3f}"
             for k in reasons)
         row["accounted"] = mean_ci([r["accounted"] for r in runs])[0]
+        row["long_span_steps"] = mean_ci([r["long_span_steps"] for r in runs])[0]
         domains = sorted(runs[0]["share_vs_configured"])
         shares = {d: mean_ci([r["share_vs_configured"][d] for r in runs]) for d in domains}
         biases = {d: mean_ci([r["length_bias"][d] for r in runs]) for d in domains}

@@ -114,8 +114,10 @@ class RunConfig(_Cfg):
     #: ``greedy``: start a group whenever the in-flight bound allows; ``paced``: hold a group
     #: back until the next weight apply when, by the measured batch period and the domain's
     #: measured group completion time, it would miss its staleness deadline now but meet it
-    #: then (``rollart.controller.pacing``).
-    admission: Literal["greedy", "paced"] = "greedy"
+    #: then (``rollart.controller.pacing``); ``capacity``: start a group only while fewer
+    #: still-admissible groups are in flight than the batches it could join can take
+    #: (``SampleBuffer.has_capacity``).
+    admission: Literal["greedy", "paced", "capacity"] = "greedy"
     #: domain of each admitted group: ``weight`` draws by ``domain.weight``; ``yield`` divides
     #: each weight by the domain's measured yield (samples trained per trajectory slot started),
     #: so domains whose trajectories are more often wasted (long horizon) are started more often

@@ -521,3 +521,31 @@ def test_abort_stale_lists_running_trajectories_that_a_bump_made_stale(abort_sta
     assert buf.begin_turn(a, 2) == "restart"
     fresh = buf.restart_trajectory(a)
     assert fresh is not None and buf.stats().wasted_tokens == {"stale": 1}
+
+
+# ---------------------------------------------------------------------------------- capacity
+def test_has_capacity_counts_still_admissible_groups_against_the_batches_a_group_can_join() -> None:
+    buf = SampleBuffer(alpha=1, batch_size=2, group_size=1)  # 2 groups per batch, 4 in flight
+    # version 0, next batch at 0; serving 0: batches 0 and 1 -> 4 groups
+    for key in ("a", "b", "c"):
+        (tid,) = buf.try_start_group(key)
+        assert buf.begin_turn(tid, 0) == "continue"
+        buf.record_tokens(tid, [0])
+        buf.complete(tid, sample(tid, key, [0]))
+    assert buf.has_capacity(0)  # 3 < 4
+    (d,) = buf.try_start_group("d")
+    assert not buf.has_capacity(0)  # 4 eligible groups fill both batches (and max_groups)
+    assert [s.sample_id for s in buf.take_batch()] == ["a/0", "b/1"]
+    # batch outstanding at 0: next batch at 1; serving 0 can only join it -> 2 groups (c, d)
+    assert not buf.has_capacity(0)
+    assert buf.has_capacity(1)  # serving 1 could join batches 1 and 2 -> 4 > 2
+    assert not buf.has_capacity(1, alpha=0) and buf.has_capacity(1, alpha=2)
+    buf.advance_version()
+    # c's and d's tokens (0) are still admissible at 1; a bump to 2 would make them stale
+    assert buf.has_capacity(1) and not buf.has_capacity(0)
+    assert buf.begin_turn(d, 1) == "continue"
+    buf.record_tokens(d, [1])
+    buf.complete(d, sample(d, "d", [1]))
+    assert [s.sample_id for s in buf.take_batch()] == ["c/2", "d/3"]
+    buf.advance_version()  # version 2: nothing in flight
+    assert buf.has_capacity(1) and not buf.has_capacity(0)  # serving 0 < 2 - 1: too old

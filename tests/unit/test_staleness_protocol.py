@@ -18,8 +18,10 @@ trajectory's token versions, built only from what it fed the buffer, and checks:
 - waste accounting: every generated token is trained, wasted under exactly one reason, or still
   in flight (in total and per domain), and the model's token count agrees with the buffer's.
 
-``fresh_start`` (a first token waits for a version of headroom) and ``abort_stale`` (running
-trajectories made stale by a bump are aborted and restarted at once) are drawn per example.
+``fresh_start`` (a first token waits for a version of headroom), ``abort_stale`` (running
+trajectories made stale by a bump are aborted and restarted at once) and version-aware admission
+(``capacity``: a group starts only if ``has_capacity`` for the newest serving worker) are drawn
+per example; liveness must hold under each.
 Weights reach two simulated workers by *eager, staggered apply* (``apply_on_worker``: any worker
 may take the trainer's newest version at any time, one at a time, independently of batches), and
 a turn may straddle an apply (its first tokens at the old version, the rest at the new one).
@@ -58,6 +60,7 @@ configs = st.fixed_dictionaries(
         "long_extra_alpha": st.integers(0, 2),
         "fresh_start": st.booleans(),
         "abort_stale": st.booleans(),
+        "capacity": st.booleans(),
     }
 )
 picks = st.integers(0, 10**6)
@@ -156,6 +159,12 @@ class StalenessProtocol(RuleBasedStateMachine):
     def _start_group(self, long: bool = False) -> bool:
         key = f"g{self.next_group}"
         alpha = self.alpha + self.cfg["long_extra_alpha"] if long else self.alpha
+        serving = max(self.workers)
+        if self.cfg["capacity"] and not self.buf.has_capacity(serving, alpha):
+            # Version-aware admission: every batch this group could join is spoken for.
+            nxt = self.buf.version + (1 if self.buf.batch_outstanding else 0)
+            assert self.buf.stats().groups_in_flight > 0 or serving + alpha < nxt
+            return False
         ids = self.buf.try_start_group(key, "long" if long else "short", alpha)
         if ids is None:
             assert self.buf.stats().groups_in_flight >= self.buf.max_groups
@@ -332,6 +341,7 @@ class StalenessProtocol(RuleBasedStateMachine):
         if self.buf.batch_outstanding:
             self.buf.advance_version()
             self._drain()
+        self.workers = [self.buf.version] * len(self.workers)  # the newest weights arrive
         for _ in range(12):
             if self._take():
                 return

@@ -300,6 +300,34 @@ class SampleBuffer:
         out, self._aborts = self._aborts, []
         return out
 
+    def has_capacity(self, serving_version: int, alpha: int | None = None) -> bool:
+        """Version-aware admission: whether a group started now on workers serving
+        ``serving_version`` (bound ``alpha``, default the buffer's) can still be trained.
+
+        Its samples can join the batches at trainer versions ``n .. serving_version + alpha``
+        (``n``: the next batch's version), i.e. ``k = serving_version + alpha - n + 1`` batches,
+        ``k * batch_size / group_size`` groups; batches are filled oldest first, so every open
+        group in flight that is still admissible at ``n`` comes before it. True if fewer such
+        groups than that are in flight (a group beyond them would only be trained if one of
+        them fails), and while ``has_room``.
+        """
+        if not self.has_room():
+            return False
+        a = self.alpha if alpha is None else alpha
+        n = self._version + (1 if self._outstanding else 0)
+        batches = serving_version + a - n + 1
+        if batches <= 0:
+            return False
+        eligible = 0
+        for g in self._groups.values():
+            if g.status != "open":
+                continue
+            versions = [t.min_version for t in (*g.kept, *g.finished, *g.live())
+                        if t.min_version is not None]
+            if not versions or min(versions) >= n - g.alpha:
+                eligible += 1
+        return eligible < batches * (self.batch_size // self.group_size)
+
     def has_room(self) -> bool:
         """Whether ``try_start_group`` would admit a group now (``groups_in_flight <
         max_groups``)."""

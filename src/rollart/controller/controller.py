@@ -38,7 +38,7 @@ from rollart.controller.modes import TurnBarrier, mode_spec
 from rollart.controller.pacing import Pacer
 from rollart.controller.ports import Tokenizer, TrainerBackend, TrainResult
 from rollart.controller.proxy import LLMProxy
-from rollart.controller.sample import Sample
+from rollart.controller.sample import BufferStats, Sample
 from rollart.controller.services import EnvRouter, RewardRouter
 from rollart.controller.tokens import ChatTokens
 from rollart.controller.trajectory import (
@@ -157,6 +157,7 @@ class Controller:
         self._last_step_end = 0.0
         self._pacer = Pacer(run.group_size) if run.admission == "paced" else None
         self._pending_domain: DomainConfig | None = None
+        self._stats_at_end: BufferStats | None = None
         #: the samples of the last training step
         self.last_batch: list[Sample] = []
 
@@ -296,6 +297,7 @@ class Controller:
             self._pacer.on_apply(self.clock())
         assert self._weights_changed is not None
         self._weights_changed.notify()
+        self._notify()
 
     async def _wait_for_weights(self, version: int) -> None:
         assert self._weights_changed is not None
@@ -360,6 +362,13 @@ class Controller:
                 # A held-back domain keeps its turn (else pacing would favour short domains).
                 domain = self._pending_domain or self._pick_domain()
                 self._pending_domain = None
+                if self.run.admission == "capacity" and not self.buffer.has_capacity(
+                        self.proxy.version, domain.alpha):
+                    # Every batch this group could join is already spoken for: wait for a
+                    # batch, an apply or a group that fails or goes stale.
+                    self._pending_domain = domain
+                    await self._changed.wait()
+                    continue
                 wait_s = self._pace_wait_s(domain)
                 if wait_s > 0:
                     self._pending_domain = domain
@@ -490,7 +499,8 @@ class Controller:
         """
         if not self._started:
             await self.start()
-        stats_before = self.buffer.stats()
+        # The previous step's end, so counters between steps (checkpoints) land in this step.
+        stats_before = self._stats_at_end or self.buffer.stats()
         tokens_before = self._ctx.generated_tokens if self._ctx else 0
         rerouted_before = self.proxy.num_rerouted
         t0 = self.clock()
@@ -521,13 +531,14 @@ class Controller:
             self._notify()
         t_end = self.clock()
         self._step += 1
+        self._stats_at_end = stats_after = self.buffer.stats()
         metrics = step_metrics(
             step=self._step,
             mode=self.run.mode,
             policy_version=result.version,
             batch=batch,
             before=stats_before,
-            after=self.buffer.stats(),
+            after=stats_after,
             step_time_s=t_end - self._last_step_end,
             trainer_idle_s=t_batch - t0,
             train_time_s=train_s,
