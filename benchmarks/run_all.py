@@ -18,8 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 BENCHMARKS = ("env_tail", "modes", "affinity", "redundancy", "staleness", "staleness_waste",
-              "weight_sync",
-              "controller_overhead", "real_engine", "weight_transfer")
+              "weight_sync", "controller_overhead", "real_engine", "weight_transfer")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -227,7 +227,7 @@ class SimCluster:
 
 def _as_dict(metrics: Any) -> dict[str, Any]:
     if isinstance(metrics, msgspec.Struct):
-        return msgspec.structs.asdict(metrics)
+        return msgspec.to_builtins(metrics)  # nested structs (by_domain) too
     if hasattr(metrics, "__dataclass_fields__"):
         from dataclasses import asdict
 
