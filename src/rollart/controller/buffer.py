@@ -62,6 +62,10 @@ In-flight bound and liveness
     So if the caller runs every trajectory it is given to completion at the current version,
     ``max_groups >= batch_size / group_size`` groups fill with admissible samples and
     ``take_batch`` succeeds.
+    ``has_capacity(serving_version)`` is a stricter, optional admission test (version-aware):
+    a group whose first tokens would be of ``serving_version`` can only join the batches at
+    versions ``next .. serving_version + alpha``; it is admitted only while fewer groups that
+    are still admissible at the next batch are in flight than those batches hold.
 
 Waste and selection accounting
     Every generated token (``record_tokens``, or a completed sample's ``num_generated``) ends in

@@ -10,7 +10,15 @@ trainer. Background work:
 - one task per trajectory (:func:`~rollart.controller.trajectory.run_trajectory`) whose outcome
   becomes a buffer call (complete / fail -> retry / restart / cancel); siblings the buffer asks
   to cancel are cancelled (aborting generation, closing the env session);
-- the weight push of the newest version (trainer -> workers, staged), overlapping rollout.
+- the weight push of the newest version (trainer -> workers, staged), overlapping rollout;
+  with ``run.weight_apply = "eager"`` it is applied as soon as it is staged, in waves.
+
+Staleness policies (``rollart.config.RunConfig``; all keep the bound strict): ``admission``
+``greedy`` (any free slot), ``capacity`` (a group starts only if some batch it could still
+join has room: ``SampleBuffer.has_capacity``) or ``paced`` (``rollart.controller.pacing``);
+``domain_mix`` ``weight`` or ``yield`` (see :meth:`Controller.domain_weights`); ``fresh_start``
+and ``abort_stale`` (``SampleBuffer``); ``DomainConfig.alpha`` per-domain bounds. A domain
+held back by admission keeps its turn, so waiting never favours short domains.
 
 :meth:`Controller.step` is one training step, per the paper's protocol (§6.2): get batch ->
 pause generation -> apply the newest weights -> resume -> train (overlap modes; rollout keeps
