@@ -103,12 +103,14 @@ async def test_step_metrics_attribute_waste_to_reasons_and_domains() -> None:
     wasted = sum(s.metrics.wasted_tokens for s in steps)
     trained = sum(s.metrics.trained_tokens for s in steps)
     assert generated == trained + wasted + steps[-1].metrics.in_flight_tokens
-    # Closing the run wastes the in-flight work under "shutdown" (or "retired" for the held
-    # samples of groups whose running members were cancelled).
     assert stats.generated_tokens == stats.trained_tokens + sum(stats.wasted_tokens.values()) \
         + stats.in_flight_tokens
+    # Closing the run cancels the running members: their tokens are wasted as "shutdown" (or
+    # "retired", the held samples of groups that can then no longer fill); the identity holds.
     final = c.controller.buffer.stats()
-    assert final.in_flight_tokens == 0 or final.running == 0
+    assert final.running == 0
+    assert final.generated_tokens == final.trained_tokens + sum(final.wasted_tokens.values()) \
+        + final.in_flight_tokens
     assert set(final.wasted_tokens) <= {"stale", "redundancy", "failed", "unselected",
                                         "retired", "shutdown"}
 
@@ -183,3 +185,19 @@ def test_unknown_or_out_of_range_options_are_refused() -> None:
         make_scenario(apply_waves=0)
     with pytest.raises(ConfigError, match="weight_apply"):
         make_scenario(weight_apply="later")
+
+
+@pytest.mark.looptime
+@pytest.mark.parametrize("admission", ["greedy", "capacity"])
+async def test_capacity_admission_stops_generating_batches_that_cannot_be_trained(
+        admission) -> None:
+    # Trainer-bound: rollout fills every slot long before the 20 s update ends.
+    env = FakeEnvHost(turns=2, latency=lambda i, s: 1.0)
+    trainer = FakeTrainer(train_s=20.0, push_s=0.5)
+    scenario = make_scenario(mode="rollart", alpha=1, batch_size=4, group_size=2,
+                             weight_apply="eager", fresh_start=True, admission=admission)
+    async with Cluster.from_scenario(scenario, backends=backends(env, trainer)) as c:
+        steps = await run_steps(c, 5)
+    stale = sum(s.metrics.wasted_tokens_by_reason.get("stale", 0) for s in steps)
+    # greedy: 2 batches in flight, 1 trained per step, the other goes stale at the next bump
+    assert (stale == 0) == (admission == "capacity"), stale
