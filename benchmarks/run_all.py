@@ -17,8 +17,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-BENCHMARKS = ("env_tail", "modes", "affinity", "redundancy", "staleness", "weight_sync", "pd",
-              "controller_overhead", "real_engine", "weight_transfer", "token_path")
+BENCHMARKS = ("env_tail", "modes", "affinity", "redundancy", "staleness", "staleness_waste",
+              "weight_sync", "pd", "controller_overhead", "real_engine", "weight_transfer",
+              "token_path")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -94,6 +94,35 @@ class RunConfig(_Cfg):
     on_stale: Literal["restart", "drop"] = "restart"
     #: recompute the KV cache of in-flight requests after a weight update (else keep it).
     reprefill: bool = False
+    #: overlap modes: when a trained version reaches the workers. ``at_batch``: at the pause of
+    #: the next step, once its batch is taken (the paper's §6.2 order); ``eager``: as soon as its
+    #: push completes, in ``apply_waves`` waves, so tokens generated while the next batch fills
+    #: are already of the new version (fewer go stale at alpha = 1).
+    weight_apply: Literal["at_batch", "eager"] = "at_batch"
+    #: eager apply: workers of each pool are paused and updated in this many successive waves,
+    #: so a pool never stops generating all at once (1 = every worker together).
+    apply_waves: Annotated[int, msgspec.Meta(ge=1, le=64)] = 2
+    #: a trajectory generates its first token only once the workers serve a version with one
+    #: version of headroom (``> trainer version - alpha``); otherwise it waits for the next
+    #: apply instead of starting work that could only join the very next batch and is mostly
+    #: wasted. Needs ``weight_apply = "eager"`` (the wait must not depend on a batch).
+    fresh_start: bool = False
+    #: ``rollart`` mode with ``on_stale = "restart"``: when a version bump makes a running
+    #: trajectory stale, abort its generation at once and restart its slot (else it runs on
+    #: until its next turn start, generating tokens that can never be trained).
+    abort_stale: bool = False
+    #: ``greedy``: start a group whenever the in-flight bound allows; ``paced``: hold a group
+    #: back until the next weight apply when, by the measured batch period and the domain's
+    #: measured group completion time, it would miss its staleness deadline now but meet it
+    #: then (``rollart.controller.pacing``); ``capacity``: start a group only while fewer
+    #: still-admissible groups are in flight than the batches it could join can take
+    #: (``SampleBuffer.has_capacity``).
+    admission: Literal["greedy", "paced", "capacity"] = "greedy"
+    #: domain of each admitted group: ``weight`` draws by ``domain.weight``; ``yield`` divides
+    #: each weight by the domain's measured yield (samples trained per trajectory slot started),
+    #: so domains whose trajectories are more often wasted (long horizon) are started more often
+    #: and reach their configured share of trained samples.
+    domain_mix: Literal["weight", "yield"] = "weight"
     #: maximum assistant turns per trajectory.
     max_turns: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 8
     #: generated tokens per turn (the engine's ``max_tokens``).
@@ -198,6 +227,11 @@ class DomainConfig(_Cfg):
     env_options: dict[str, Any] = msgspec.field(default_factory=dict)
     #: per-domain cap on turns (defaults to ``run.max_turns``; must not exceed it).
     max_turns: PosInt | None = None
+    #: this domain's staleness bound (``areal`` / ``rollart`` only; >= ``run.alpha``; ``None``
+    #: = ``run.alpha``): a long-horizon domain whose trajectories outlive ``run.alpha + 1``
+    #: training steps can never be trained under the run's bound. Its samples still obey this
+    #: bound strictly; the in-flight bound stays ``run.alpha``'s.
+    alpha: Annotated[int, msgspec.Meta(ge=1, le=64)] | None = None
 
 
 class EnvHostConfig(_Cfg):
@@ -322,6 +356,11 @@ def validate_scenario(scenario: Scenario, source: str = "<scenario>") -> Scenari
         raise _fail(
             source, "run.alpha", f"mode {run.mode!r} overlaps rollout and training: alpha >= 1"
         )
+    if run.fresh_start and (run.weight_apply != "eager" or run.mode not in (
+            "one_off", "areal", "rollart")):
+        raise _fail(source, "run.fresh_start", "needs weight_apply = 'eager' in an overlap mode "
+                    f"(got {run.weight_apply!r}, mode {run.mode!r}): a trajectory waiting for "
+                    "new weights must not wait for the batch that brings them")
     if run.max_tokens_per_turn > run.max_tokens_per_trajectory:
         raise _fail(
             source,
@@ -352,6 +391,14 @@ def validate_scenario(scenario: Scenario, source: str = "<scenario>") -> Scenari
                 source,
                 f"domains[{i}].reward_url",
                 f"{dom.reward_url!r} is not 'service', 'local' or an http(s) URL",
+            )
+        if dom.alpha is not None and (run.mode not in ("areal", "rollart")
+                                      or dom.alpha < run.alpha):
+            raise _fail(
+                source,
+                f"domains[{i}].alpha",
+                f"{dom.alpha}: a per-domain bound needs mode 'areal' or 'rollart' (got "
+                f"{run.mode!r}) and must be >= run.alpha {run.alpha}",
             )
         if dom.max_turns is not None and dom.max_turns > run.max_turns:
             raise _fail(

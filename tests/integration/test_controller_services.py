@@ -119,3 +119,56 @@ async def test_two_rollart_steps_on_real_services(services, tiny_model_dir) -> N
         await worker.close()
         await env.close()
         await trainer_client.close()
+
+
+NEW_POLICY = """
+weight_apply = "eager"
+apply_waves = 2
+fresh_start = true
+admission = "capacity"
+domain_mix = "yield"
+"""
+
+
+async def test_new_staleness_policy_on_real_services(services, tiny_model_dir) -> None:
+    """Eager staggered apply, fresh start, version-aware admission and the yield mix on real
+    processes: still strict, weights reach the worker without a batch, waste by reason adds
+    up (the trainer service keeps its version from the test above: versions are relative)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    scenario = parse_scenario(SCENARIO.replace("[run]\n", "[run]" + NEW_POLICY), "new.toml")
+    env = EnvClient(services["host"].address, name="env0")
+    worker = InferenceClient(services["worker"].address, name="w0", default_timeout_s=120)
+    trainer_client = TrainerClient(services["service"].address)
+    trainer = RemoteTrainer(trainer_client, version=(await trainer_client.status()).version)
+    async with RewardClient(f"http://{services['server'].address}") as reward:
+        backends = Backends(pools={"cpu": [worker]}, trainer=trainer, tokenizer=tokenizer,
+                            env_hosts=[env], reward_service=reward)
+        steps = []
+        async with Cluster.from_scenario(scenario, backends=backends) as cluster:
+            start = trainer.version
+            async for step in cluster.train(steps=3):
+                steps.append(step)
+            final = cluster.controller.buffer.stats()
+    try:
+        assert [s.metrics.policy_version for s in steps] == [start + 1, start + 2, start + 3]
+        # Step 3 waited for the eager apply of step 2's version before training.
+        assert (await worker.stats()).version >= start + 2
+        for s in steps:
+            m = s.metrics
+            trained_at = m.policy_version - 1
+            for x in s.samples:
+                assert all(v >= trained_at - 1
+                           for v, mk in zip(x.versions, x.loss_mask, strict=True) if mk)
+            assert m.wasted_tokens == sum(m.wasted_tokens_by_reason.values())
+            assert sum(d.trained for d in m.by_domain.values()) == len(s.samples) == 8
+            assert m.trained_tokens == sum(sum(x.loss_mask) for x in s.samples)
+        generated = sum(s.metrics.buffer_generated_tokens for s in steps)
+        assert generated == sum(s.metrics.trained_tokens + s.metrics.wasted_tokens
+                                for s in steps) + steps[-1].metrics.in_flight_tokens
+        assert final.generated_tokens == final.trained_tokens \
+            + sum(final.wasted_tokens.values()) + final.in_flight_tokens
+    finally:
+        await worker.close()
+        await env.close()

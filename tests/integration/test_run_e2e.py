@@ -21,8 +21,10 @@ METRIC_KEYS = {
     "step", "policy_version", "reward_mean", "reward_mean_by_domain", "num_samples",
     "step_time_s", "rollout_time_s", "train_time_s", "weight_sync_total_s",
     "weight_sync_exposed_s", "trainer_idle_s", "staleness_max", "num_aborted", "num_failed",
-    "num_generated_tokens",
+    "num_generated_tokens", "wasted_tokens", "wasted_tokens_by_reason", "by_domain",
+    "buffer_generated_tokens", "trained_tokens", "in_flight_tokens",
 }
+WASTE_REASONS = {"stale", "redundancy", "failed", "unselected", "retired", "shutdown"}
 
 
 @pytest.fixture(scope="module")
@@ -64,9 +66,26 @@ def test_short_run_writes_metrics_and_stops_every_process(tmp_path, cache_dir):
         assert r["num_samples"] == 8
         assert set(r["reward_mean_by_domain"]) <= {"guess", "arith"}
         assert r["num_failed"] == 0, r.get("num_failed_by_reason")
+        # Waste by reason and per domain, adding up within the step.
+        assert set(r["wasted_tokens_by_reason"]) <= WASTE_REASONS, r["wasted_tokens_by_reason"]
+        assert r["wasted_tokens"] == sum(r["wasted_tokens_by_reason"].values())
+        assert sum(d["trained"] for d in r["by_domain"].values()) == r["num_samples"]
+        assert sum(d["trained_tokens"] for d in r["by_domain"].values()) == r["trained_tokens"]
+        for reason, n in r["wasted_tokens_by_reason"].items():
+            assert sum(d["wasted_tokens"].get(reason, 0) for d in r["by_domain"].values()) == n
     assert [r["policy_version"] for r in rows] == [1, 2]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 2 and summary["mode"] == "rollart" and summary["alpha"] == 1
+    # Every generated token is trained, wasted for one reason, or in flight at the end.
+    assert summary["generated_tokens"] > 0
+    assert summary["generated_tokens"] == summary["trained_tokens"] \
+        + summary["wasted_tokens"] + summary["in_flight_tokens"]
+    assert summary["wasted_tokens"] == sum(summary["wasted_tokens_by_reason"].values())
+    assert set(summary["domains"]) <= {"guess", "arith"}
+    assert sum(d["trained"] for d in summary["domains"].values()) == 16
+    for d in summary["domains"].values():
+        assert {"trained_share_vs_configured", "length_bias", "mean_generated_trained",
+                "mean_generated_finished", "wasted_tokens"} <= set(d)
     assert summary["inference_engine"].startswith("vllm")
     assert json.loads((out / "config.json").read_text())["run"]["batch_size"] == 8
     assert (out / "logs" / "trainer.log").exists()

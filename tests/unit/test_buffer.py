@@ -232,7 +232,7 @@ def test_first_selection_cancel_list_and_bias_stats() -> None:
     batch = buf.take_batch()
     assert [s.sample_id for s in batch] == [c, a]
     s = buf.stats()
-    assert (s.cancelled, s.wasted_tokens, s.late_calls) == (2, {"cancelled": 5}, 1)
+    assert (s.cancelled, s.wasted_tokens, s.late_calls) == (2, {"redundancy": 5}, 1)
     assert (s.kept_mean_len, s.finished_mean_len, s.cancelled_mean_len) == (2.0, 2.0, 2.5)
 
 
@@ -391,3 +391,161 @@ def test_snapshot_restore_round_trip() -> None:
     assert [s.sample_id for s in new.take_batch()] == [a, restarted[0]]
     with pytest.raises(ConfigError, match="unknown snapshot format 7"):
         SampleBuffer.restore({**snap, "format": 7})
+
+
+# ---------------------------------------------------------------------------------- waste
+def test_every_generated_token_is_trained_wasted_once_or_in_flight() -> None:
+    """Waste by reason and per domain: each token lands in exactly one bucket."""
+    buf = SampleBuffer(alpha=1, batch_size=2, group_size=2, redundancy=1, max_attempts=2)
+    a, b, c = buf.try_start_group("g0", "math")
+    for tid, n in ((a, 3), (b, 4)):
+        assert buf.begin_turn(tid, 0) == "continue"
+        buf.record_tokens(tid, [0] * n)
+    assert buf.begin_turn(c, 0) == "continue"
+    buf.record_tokens(c, [0] * 5)
+    retry = buf.fail(c, "env_error")  # 5 tokens "failed", a retry in the same slot
+    assert retry is not None and buf.begin_turn(retry, 0) == "continue"
+    buf.record_tokens(retry, [0] * 6)
+    assert buf.complete(a, sample(a, "g0", [0] * 3)) == []
+    assert buf.complete(b, sample(b, "g0", [0] * 4)) == [retry]
+    buf.cancel(retry)  # the group is complete: 6 tokens of "redundancy"
+    d, e, f = buf.try_start_group("g1", "game")
+    assert buf.begin_turn(d, 0) == "continue"
+    buf.record_tokens(d, [0] * 7)
+    assert buf.begin_turn(e, 0) == "continue"
+    buf.record_tokens(e, [0] * 2)
+    batch = buf.take_batch()
+    assert [s.sample_id for s in batch] == [a, b]
+    buf.advance_version()
+    # version 1: d's tokens (0) still admissible; a bump to 2 makes them stale.
+    assert buf.complete(d, sample(d, "g1", [0] * 7)) == []
+    buf.cancel(f, "shutdown")  # no tokens: nothing wasted
+    s = buf.stats()
+    assert s.generated_tokens == 3 + 4 + 5 + 6 + 7 + 2
+    assert s.trained_tokens == 7
+    assert s.wasted_tokens == {"failed": 5, "redundancy": 6}
+    assert s.in_flight_tokens == 7 + 2  # d held, e running
+    buf.cancel(e, "shutdown")  # 2 tokens; g1 can no longer fill: d's 7 are "retired"
+    s = buf.stats()
+    assert s.wasted_tokens == {"failed": 5, "redundancy": 6, "shutdown": 2, "retired": 7}
+    assert s.in_flight_tokens == 0
+    assert s.generated_tokens == s.trained_tokens + sum(s.wasted_tokens.values())
+    math_, game = s.domains["math"], s.domains["game"]
+    assert (math_.groups_started, math_.started, math_.finished, math_.trained) == (1, 4, 2, 2)
+    assert (math_.trained_tokens, math_.finished_tokens, math_.generated_tokens) == (7, 7, 18)
+    assert math_.wasted_tokens == {"failed": 5, "redundancy": 6}
+    assert (game.started, game.finished, game.trained, game.generated_tokens) == (3, 1, 0, 9)
+    assert game.wasted_tokens == {"shutdown": 2, "retired": 7}
+
+
+def test_stale_waste_is_counted_for_restarts_and_replaced_samples() -> None:
+    buf = SampleBuffer(alpha=1, batch_size=1, group_size=1)
+    (old,) = buf.try_start_group("old", "long")
+    assert buf.begin_turn(old, 0) == "continue"
+    buf.record_tokens(old, [0, 0])
+    bump(buf, "b1")
+    bump(buf, "b2")  # version 2: old's tokens (0) are too old
+    assert buf.begin_turn(old, 2) == "restart"
+    fresh = buf.restart_trajectory(old)
+    assert fresh is not None
+    s = buf.stats()
+    assert s.wasted_tokens == {"stale": 2} and s.domains["long"].wasted_tokens == {"stale": 2}
+
+
+# ---------------------------------------------------------------------------------- per-group
+def test_a_group_with_its_own_alpha_keeps_samples_the_run_bound_would_drop() -> None:
+    buf = SampleBuffer(alpha=1, batch_size=2, group_size=1)
+    (short,) = buf.try_start_group("s", "short")
+    (long_,) = buf.try_start_group("l", "long", alpha=3)
+    for tid in (short, long_):
+        assert buf.begin_turn(tid, 0) == "continue"
+        buf.record_tokens(tid, [0])
+    buf.complete(long_, sample(long_, "l", [0]))
+    assert buf.take_batch() is None  # one group ready, batch needs two
+    buf._outstanding = True  # noqa: SLF001 (advance two versions without training a batch)
+    buf.advance_version()
+    buf._outstanding = True  # noqa: SLF001
+    buf.advance_version()
+    # version 2: the alpha-1 member must restart, the alpha-3 sample is still held.
+    assert buf.begin_turn(short, 2) == "restart"
+    assert buf.held_sample_ids() == {long_}
+    assert buf.stats().dropped == {}
+    with pytest.raises(SampleBufferError, match="alpha 0 must be an int >= the buffer's 1"):
+        buf.try_start_group("x", "short", alpha=0)
+
+
+def test_snapshot_keeps_each_groups_domain_and_alpha() -> None:
+    buf = SampleBuffer(alpha=1, batch_size=2, group_size=1, fresh_start=True, abort_stale=True)
+    (tid,) = buf.try_start_group("l", "long", alpha=3)
+    assert buf.begin_turn(tid, 0) == "continue"
+    buf.record_tokens(tid, [0])
+    buf.complete(tid, sample(tid, "l", [0]))
+    again = SampleBuffer.restore(msgspec.json.decode(msgspec.json.encode(buf.snapshot())))
+    assert (again.fresh_start, again.abort_stale) == (True, True)
+    g = again._groups["l"]  # noqa: SLF001
+    assert (g.domain, g.alpha) == ("long", 3)
+
+
+# ---------------------------------------------------------------------------------- fresh start
+def test_fresh_start_waits_for_a_version_of_headroom_before_the_first_token() -> None:
+    buf = SampleBuffer(alpha=1, batch_size=1, group_size=1, fresh_start=True)
+    (a,) = buf.try_start_group("a")
+    assert buf.begin_turn(a, 0) == "continue"
+    buf.record_tokens(a, [0])
+    bump(buf, "b")  # version 1, workers still at 0
+    (c,) = buf.try_start_group("c")
+    assert buf.begin_turn(c, 0) == "wait"  # its first token (0) could only join the next batch
+    assert buf.begin_turn(c, 1) == "continue"
+    assert buf.begin_turn(a, 0) == "continue"  # not a first token: the plain rule applies
+    plain = SampleBuffer(alpha=1, batch_size=1, group_size=1)
+    bump(plain, "b")
+    (d,) = plain.try_start_group("d")
+    assert plain.begin_turn(d, 0) == "continue"
+
+
+# ---------------------------------------------------------------------------------- abort stale
+@pytest.mark.parametrize("abort_stale", [True, False])
+def test_abort_stale_lists_running_trajectories_that_a_bump_made_stale(abort_stale) -> None:
+    buf = SampleBuffer(alpha=1, batch_size=1, group_size=1, abort_stale=abort_stale)
+    (a,) = buf.try_start_group("a")
+    assert buf.begin_turn(a, 0) == "continue"
+    buf.record_tokens(a, [0])
+    bump(buf, "b1")
+    assert buf.drain_aborts() == []  # version 1: tokens of 0 still admissible
+    bump(buf, "b2")
+    if not abort_stale:
+        assert buf.drain_aborts() == []
+        return
+    assert buf.drain_aborts() == [a]
+    assert buf.drain_aborts() == []  # listed once
+    assert buf.begin_turn(a, 2) == "restart"
+    fresh = buf.restart_trajectory(a)
+    assert fresh is not None and buf.stats().wasted_tokens == {"stale": 1}
+
+
+# ---------------------------------------------------------------------------------- capacity
+def test_has_capacity_counts_still_admissible_groups_against_the_batches_a_group_can_join() -> None:
+    buf = SampleBuffer(alpha=1, batch_size=2, group_size=1)  # 2 groups per batch, 4 in flight
+    # version 0, next batch at 0; serving 0: batches 0 and 1 -> 4 groups
+    for key in ("a", "b", "c"):
+        (tid,) = buf.try_start_group(key)
+        assert buf.begin_turn(tid, 0) == "continue"
+        buf.record_tokens(tid, [0])
+        buf.complete(tid, sample(tid, key, [0]))
+    assert buf.has_capacity(0)  # 3 < 4
+    (d,) = buf.try_start_group("d")
+    assert not buf.has_capacity(0)  # 4 eligible groups fill both batches (and max_groups)
+    assert [s.sample_id for s in buf.take_batch()] == ["a/0", "b/1"]
+    # batch outstanding at 0: next batch at 1; serving 0 can only join it -> 2 groups (c, d)
+    assert not buf.has_capacity(0)
+    assert buf.has_capacity(1)  # serving 1 could join batches 1 and 2 -> 4 > 2
+    assert not buf.has_capacity(1, alpha=0) and buf.has_capacity(1, alpha=2)
+    buf.advance_version()
+    # c's and d's tokens (0) are still admissible at 1; a bump to 2 would make them stale
+    assert buf.has_capacity(1) and not buf.has_capacity(0)
+    assert buf.begin_turn(d, 1) == "continue"
+    buf.record_tokens(d, [1])
+    buf.complete(d, sample(d, "d", [1]))
+    assert [s.sample_id for s in buf.take_batch()] == ["c/2", "d/3"]
+    buf.advance_version()  # version 2: nothing in flight
+    assert buf.has_capacity(1) and not buf.has_capacity(0)  # serving 0 < 2 - 1: too old

@@ -14,7 +14,19 @@ trajectory's token versions, built only from what it fed the buffer, and checks:
 - the in-flight bound holds at all times, and admission pauses only at it;
 - checkpoint/restore keeps every held sample and restarts the running work;
 - liveness: driving every running trajectory to completion at the current version always yields
-  a batch within a few rounds (a rule, and again at teardown).
+  a batch within a few rounds (a rule, and again at teardown);
+- waste accounting: every generated token is trained, wasted under exactly one reason, or still
+  in flight (in total and per domain), and the model's token count agrees with the buffer's.
+
+``fresh_start`` (a first token waits for a version of headroom), ``abort_stale`` (running
+trajectories made stale by a bump are aborted and restarted at once) and version-aware admission
+(``capacity``: a group starts only if ``has_capacity`` for the newest serving worker) are drawn
+per example; liveness must hold under each.
+Weights reach two simulated workers by *eager, staggered apply* (``apply_on_worker``: any worker
+may take the trainer's newest version at any time, one at a time, independently of batches), and
+a turn may straddle an apply (its first tokens at the old version, the rest at the new one).
+Groups of the ``long`` domain carry their own larger bound (per-domain alpha); every trained
+token is checked against its own group's bound.
 """
 
 from __future__ import annotations
@@ -45,6 +57,10 @@ configs = st.fixed_dictionaries(
         "check": st.sampled_from(["per_turn", "admission"]),
         "on_stale": st.sampled_from(["restart", "drop"]),
         "max_attempts": st.integers(1, 3),
+        "long_extra_alpha": st.integers(0, 2),
+        "fresh_start": st.booleans(),
+        "abort_stale": st.booleans(),
+        "capacity": st.booleans(),
     }
 )
 picks = st.integers(0, 10**6)
@@ -83,6 +99,8 @@ class StalenessProtocol(RuleBasedStateMachine):
             max_attempts=cfg["max_attempts"],
             rng=random.Random(seed),
             on_drop=self._on_drop,
+            fresh_start=cfg["fresh_start"],
+            abort_stale=cfg["abort_stale"],
         )
         self.cap = (self.alpha + 1) * self.B + self.k * self.buf.max_groups
         self.live: set[str] = set()
@@ -95,12 +113,16 @@ class StalenessProtocol(RuleBasedStateMachine):
         self.next_group = 0
         self.seed = seed
         self.base_consumed = self.base_dropped = 0
+        self.restored = False
+        self.workers = [0, 0]  # versions two inference workers serve
+        self.galpha: dict[str, int] = {}  # group -> its bound
+        self.generated = 0
 
     # ------------------------------------------------------------------ helpers
     def _on_drop(self, tid: str, reason: str) -> None:
         assert tid in self.completed and tid not in self.dropped and tid not in self.consumed
         if reason == "stale":
-            assert min(self.tokens[tid]) < self.buf.version - self.alpha, (
+            assert min(self.tokens[tid]) < self.buf.version - self.galpha[self.group[tid]], (
                 f"{tid} dropped as stale with versions {self.tokens[tid]} at "
                 f"version {self.buf.version}"
             )
@@ -117,6 +139,14 @@ class StalenessProtocol(RuleBasedStateMachine):
             self.tokens[tid] = []
 
     def _drain(self) -> None:
+        for tid in self.buf.drain_aborts():
+            # abort_stale: a bump made this running trajectory stale; abort and restart it.
+            assert self.cfg["abort_stale"] and tid in self.live
+            floor = self.buf.version - self.galpha[self.group[tid]]
+            assert self.tokens[tid] and min(self.tokens[tid]) < floor, (tid, self.tokens[tid])
+            self._gone(tid)
+            self.failed_or_cancelled.add(tid)
+            self._add(self.buf.restart_trajectory(tid))
         for tid in self.buf.drain_restarts():
             self._add(tid)
 
@@ -126,28 +156,40 @@ class StalenessProtocol(RuleBasedStateMachine):
     def _gone(self, tid: str) -> None:
         self.live.discard(tid)
 
-    def _start_group(self) -> bool:
+    def _start_group(self, long: bool = False) -> bool:
         key = f"g{self.next_group}"
-        ids = self.buf.try_start_group(key)
+        alpha = self.alpha + self.cfg["long_extra_alpha"] if long else self.alpha
+        serving = max(self.workers)
+        if self.cfg["capacity"] and not self.buf.has_capacity(serving, alpha):
+            # Version-aware admission: every batch this group could join is spoken for.
+            nxt = self.buf.version + (1 if self.buf.batch_outstanding else 0)
+            assert self.buf.stats().groups_in_flight > 0 or serving + alpha < nxt
+            return False
+        ids = self.buf.try_start_group(key, "long" if long else "short", alpha)
         if ids is None:
             assert self.buf.stats().groups_in_flight >= self.buf.max_groups
             return False
+        self.galpha[key] = alpha
         self.next_group += 1
         assert len(ids) == self.G + self.k
         for tid in ids:
             self._add(tid)
         return True
 
-    def _turn(self, tid: str, serving: int, ntok: int) -> str:
+    def _turn(self, tid: str, serving: int, ntok: int, newer: int = 0) -> str:
+        """One turn served at ``serving``; its last ``newer`` tokens come after an apply of the
+        trainer's version (staggered eager apply mid-turn)."""
         verdict = self.buf.begin_turn(tid, serving)
         event(f"verdict {verdict}")
-        floor = self.buf.version - self.alpha
+        floor = self.buf.version - self.galpha[self.group[tid]]
         toks = self.tokens[tid]
         if verdict in ("continue", "drop"):
             if verdict == "continue" and (self.cfg["check"] == "per_turn" or not toks):
                 assert all(v >= floor for v in toks) and serving >= floor
-            versions = [serving] * ntok
+            newer = min(newer, ntok)
+            versions = [serving] * (ntok - newer) + [self.buf.version] * newer
             self.buf.record_tokens(tid, versions)
+            self.generated += ntok
             toks.extend(versions)
         elif verdict == "restart":
             assert toks and min(toks) < floor and self.cfg["on_stale"] == "restart"
@@ -159,7 +201,10 @@ class StalenessProtocol(RuleBasedStateMachine):
             self._gone(tid)
             self.failed_or_cancelled.add(tid)
         else:
-            assert verdict == "wait" and serving < floor, (verdict, serving, floor)
+            # fresh_start: a first token needs one version of headroom (floor + 1).
+            fresh = self.cfg["fresh_start"] and not toks and self.galpha[self.group[tid]] >= 1
+            assert verdict == "wait" and serving < floor + (1 if fresh else 0), (
+                verdict, serving, floor)
         self._drain()
         return verdict
 
@@ -197,21 +242,39 @@ class StalenessProtocol(RuleBasedStateMachine):
             assert tid in self.completed and tid not in self.failed_or_cancelled
             assert tid not in self.consumed, f"{tid} trained twice"
             assert tid not in self.dropped
-            assert all(v >= version - self.alpha for v in self.tokens[tid]), (
+            assert all(v >= version - self.galpha[s.group_key] for v in self.tokens[tid]), (
                 f"{tid} versions {self.tokens[tid]} trained at version {version}"
             )
             self.consumed.add(tid)
         return True
 
     # ------------------------------------------------------------------ rules
-    @rule()
-    def start_group(self) -> None:
-        self._start_group()
+    @rule(long=st.booleans())
+    def start_group(self, long: bool) -> None:
+        self._start_group(long)
 
     @precondition(lambda self: self.live)
     @rule(i=picks, lag=st.integers(0, 1), ntok=st.integers(1, 4))
     def turn(self, i: int, lag: int, ntok: int) -> None:
         self._turn(self._pick(i), max(0, self.buf.version - lag), ntok)
+
+    @rule(w=st.integers(0, 1))
+    def apply_on_worker(self, w: int) -> None:
+        """Eager, staggered apply: worker ``w`` takes the trainer's newest version now (right
+        after its push, before any batch), while the other keeps serving its own."""
+        self.workers[w] = self.buf.version
+
+    @precondition(lambda self: self.live)
+    @rule(i=picks, w=st.integers(0, 1), ntok=st.integers(1, 4), newer=st.integers(0, 4))
+    def turn_on_worker(self, i: int, w: int, ntok: int, newer: int) -> None:
+        """A turn on worker ``w``; if that worker lags, an apply may land mid-turn (the last
+        ``newer`` tokens at the new version) and the worker then serves it."""
+        tid = self._pick(i)
+        serving = self.workers[w]
+        if serving == self.buf.version:
+            newer = 0
+        if self._turn(tid, serving, ntok, newer) in ("continue", "drop") and newer:
+            self.workers[w] = self.buf.version
 
     @precondition(lambda self: self.live)
     @rule(i=picks, reward=st.floats(-1, 1), cancel_now=st.booleans())
@@ -263,6 +326,7 @@ class StalenessProtocol(RuleBasedStateMachine):
         self.failed_or_cancelled |= self.live
         self.live.clear()
         self.base_consumed, self.base_dropped = len(self.consumed), len(self.dropped)
+        self.restored = True
         self._drain()
         assert self.buf.held_sample_ids() == held - set(self.dropped)
 
@@ -277,6 +341,7 @@ class StalenessProtocol(RuleBasedStateMachine):
         if self.buf.batch_outstanding:
             self.buf.advance_version()
             self._drain()
+        self.workers = [self.buf.version] * len(self.workers)  # the newest weights arrive
         for _ in range(12):
             if self._take():
                 return
@@ -306,6 +371,20 @@ class StalenessProtocol(RuleBasedStateMachine):
         assert s.groups_in_flight <= self.buf.max_groups
 
     @invariant()
+    def tokens_accounted(self) -> None:
+        """Every generated token is trained, wasted for exactly one reason, or in flight."""
+        s = self.buf.stats()
+        assert s.generated_tokens == s.trained_tokens + sum(s.wasted_tokens.values()) \
+            + s.in_flight_tokens
+        if not self.base_consumed and not self.base_dropped and not self.restored:
+            assert s.generated_tokens == self.generated
+        assert sum(d.generated_tokens for d in s.domains.values()) == s.generated_tokens
+        for reason, n in s.wasted_tokens.items():
+            assert sum(d.wasted_tokens.get(reason, 0) for d in s.domains.values()) == n
+        assert sum(d.trained for d in s.domains.values()) == s.consumed
+        assert set(s.wasted_tokens) <= {"stale", "redundancy", "failed", "unselected", "retired"}
+
+    @invariant()
     def nothing_lost(self) -> None:
         held = self.completed - self.consumed - set(self.dropped)
         assert self.buf.held_sample_ids() == held
@@ -315,7 +394,8 @@ class StalenessProtocol(RuleBasedStateMachine):
         assert sum(s.dropped.values()) == len(self.dropped) - self.base_dropped
         # Held samples are re-checked on every version bump: all admissible now.
         for tid in held:
-            assert all(v >= self.buf.version - self.alpha for v in self.tokens[tid])
+            floor = self.buf.version - self.galpha[self.group[tid]]
+            assert all(v >= floor for v in self.tokens[tid])
 
     def teardown(self) -> None:
         if hasattr(self, "buf"):

@@ -15,8 +15,9 @@ Admissibility (RollArt section 6.2, bound alpha)
     is ``>= v - alpha``. ``v`` only grows, so a sample that fails this once never passes again.
     It is checked (1) at every turn start in ``begin_turn`` (``check="per_turn"``; with
     ``check="admission"``, the AReaL policy, only at the first turn), (2) when a trajectory
-    completes, (3) on every ``advance_version`` for all held samples, and (4) again on every
-    sample at batch assembly in ``take_batch``. A stale held sample is dropped (counted,
+    completes, (3) on every ``advance_version`` for all held samples (and, with
+    ``abort_stale``, running ones: ``drain_aborts``), and (4) again on every sample at batch
+    assembly in ``take_batch``. A stale held sample is dropped (counted,
     ``on_drop(id, "stale")``) and its slot gets a fresh trajectory (``drain_restarts``).
 
 begin_turn verdicts, in order of precedence
@@ -27,7 +28,11 @@ begin_turn verdicts, in order of precedence
     attempts). ``"drop"``: the same but ``on_stale="drop"``: keep going; the sample will be
     dropped when it completes and only then replaced (so the group never exceeds its slots).
     ``"wait"``: the worker serves a version older than ``v - alpha`` (alpha = 0 with a lagging
-    worker): do not generate; call ``begin_turn`` again once the worker has the new weights.
+    worker), or, with ``fresh_start``, the trajectory has no token yet and the worker serves a
+    version older than ``v - alpha + 1`` (its first token would already be at the bound, so
+    it could only join the very next batch): do not generate; call ``begin_turn`` again once
+    the worker has the new weights. ``fresh_start`` needs weights that reach the workers
+    without waiting for a batch (eager apply), else the wait could block the batch it awaits.
     ``"continue"``: generate.
 
 Groups, slots and redundancy
@@ -57,6 +62,26 @@ In-flight bound and liveness
     So if the caller runs every trajectory it is given to completion at the current version,
     ``max_groups >= batch_size / group_size`` groups fill with admissible samples and
     ``take_batch`` succeeds.
+    ``has_capacity(serving_version)`` is a stricter, optional admission test (version-aware):
+    a group whose first tokens would be of ``serving_version`` can only join the batches at
+    versions ``next .. serving_version + alpha``; it is admitted only while fewer groups that
+    are still admissible at the next batch are in flight than those batches hold.
+
+Waste and selection accounting
+    Every generated token (``record_tokens``, or a completed sample's ``num_generated``) ends in
+    exactly one of: trained (``take_batch``), wasted under one reason, or still in flight
+    (running or held). Reasons: ``"stale"`` (restarted, or a held/completed sample dropped as
+    stale), ``"redundancy"`` (a member the group no longer needs, cancelled), ``"failed"``,
+    ``"unselected"``, ``"retired"`` (its group could no longer fill), or the caller's reason
+    for ``cancel`` (``"shutdown"``). So ``generated_tokens == trained_tokens + sum(wasted_tokens)
+    + in_flight_tokens`` at all times (property-tested). The same is kept per task domain, with
+    trajectories started / finished / trained and their turns and generated tokens, so the
+    selection bias (trained vs finished) is visible per domain.
+
+Per-group bound
+    ``try_start_group(..., alpha=a)`` gives a group its own bound ``a >= alpha`` (a per-domain
+    alpha for long-horizon tasks): its samples obey ``a`` everywhere above; the in-flight bound
+    and ``max_groups`` stay those of the buffer's ``alpha``.
 
 Races
     Calls on a trajectory that already finished, was cancelled, or whose group was forgotten are
@@ -74,10 +99,10 @@ from typing import Any, Literal
 
 import msgspec
 
-from rollart.controller.sample import BufferStats, Sample
+from rollart.controller.sample import BufferStats, DomainCounts, Sample
 from rollart.transport.errors import ConfigError, RollartError
 
-__all__ = ["BufferStats", "Sample", "SampleBuffer", "SampleBufferError", "TurnVerdict"]
+__all__ = ["BufferStats", "DomainCounts", "Sample", "SampleBuffer", "SampleBufferError", "TurnVerdict"]
 
 TurnVerdict = Literal["continue", "restart", "drop", "wait", "cancel"]
 _SNAPSHOT_FORMAT = 1
@@ -122,6 +147,8 @@ class _Group:
     closing: bool = False
     status: Literal["open", "consumed", "retired"] = "open"
     all_tids: list[str] = field(default_factory=list)
+    domain: str = "default"
+    alpha: int = 0
 
     def live(self) -> list[_Traj]:
         return [t for t in self.slots if t is not None and t.state in _LIVE]
@@ -144,6 +171,8 @@ class SampleBuffer:
         on_drop: called ``(traj_id, reason)`` whenever a completed sample is discarded.
         on_forget: called ``(group_key)`` when a group leaves (consumed or retired, no member
             live); the buffer keeps nothing of it after that.
+        fresh_start: a trajectory's first token needs one version of headroom (``"wait"``
+            otherwise; module docstring). Needs weights applied independently of batches.
 
     Raises:
         ConfigError: any argument out of range, naming it.
@@ -164,6 +193,8 @@ class SampleBuffer:
         rng: random.Random | None = None,
         on_drop: Callable[[str, str], None] | None = None,
         on_forget: Callable[[str], None] | None = None,
+        fresh_start: bool = False,
+        abort_stale: bool = False,
     ) -> None:
         for name, val, lo in (
             ("alpha", alpha, 0),
@@ -192,6 +223,9 @@ class SampleBuffer:
         self.alpha, self.batch_size, self.group_size = alpha, batch_size, group_size
         self.redundancy, self.selection, self.check = redundancy, selection, check
         self.on_stale, self.max_attempts = on_stale, max_attempts
+        self.fresh_start = bool(fresh_start)
+        self.abort_stale = bool(abort_stale)
+        self._aborts: list[str] = []
         self.max_groups = (alpha + 1) * batch_size // group_size
         self._version = initial_version
         self._outstanding = False
@@ -226,6 +260,9 @@ class SampleBuffer:
         self._failed: dict[str, int] = {}
         self._dropped: dict[str, int] = {}
         self._wasted: dict[str, int] = {}
+        self._generated = 0
+        self._trained_tokens = 0
+        self._domains: dict[str, DomainCounts] = {}
         self._last_staleness: list[int] = []
 
     # ------------------------------------------------------------------ properties / queries
@@ -250,9 +287,14 @@ class SampleBuffer:
         batch finds none again until this grows or the version advances."""
         return self._c["kept_members"]
 
-    def admissible(self, min_version: int | None) -> bool:
-        """Whether tokens whose oldest version is ``min_version`` may train at this version."""
-        return min_version is None or min_version >= self._version - self.alpha
+    def admissible(self, min_version: int | None, alpha: int | None = None) -> bool:
+        """Whether tokens whose oldest version is ``min_version`` may train at this version,
+        under bound ``alpha`` (default the buffer's; a group's own with ``_ok``)."""
+        a = self.alpha if alpha is None else alpha
+        return min_version is None or min_version >= self._version - a
+
+    def _ok(self, t: _Traj) -> bool:
+        return self.admissible(t.min_version, t.group.alpha)
 
     def group_of(self, traj_id: str) -> str:
         """Group key of a live or held trajectory. Raises ``SampleBufferError`` otherwise."""
@@ -270,6 +312,58 @@ class SampleBuffer:
         """Samples in complete, unconsumed groups (all admissible after the last sweep)."""
         return self.group_size * sum(1 for g in self._groups.values() if self._complete(g))
 
+    def drain_aborts(self) -> list[str]:
+        """With ``abort_stale``: running trajectories that went stale on a version bump (each
+        returned once, already in the "restart" state): the caller aborts each generation now
+        and calls ``restart_trajectory``, instead of letting it run to its next turn start."""
+        out, self._aborts = self._aborts, []
+        return out
+
+    def has_capacity(self, serving_version: int, alpha: int | None = None) -> bool:
+        """Version-aware admission: whether a group started now on workers serving
+        ``serving_version`` (bound ``alpha``, default the buffer's) can still be trained.
+
+        Its samples can join the batches at trainer versions ``n .. serving_version + alpha``
+        (``n``: the next batch's version), i.e. ``k = serving_version + alpha - n + 1`` batches,
+        ``k * batch_size / group_size`` groups; batches are filled oldest first, so every open
+        group in flight that is still admissible at ``n`` comes before it. True if fewer such
+        groups than that are in flight (a group beyond them would only be trained if one of
+        them fails), and while ``has_room``.
+        """
+        if not self.has_room():
+            return False
+        a = self.alpha if alpha is None else alpha
+        n = self._version + (1 if self._outstanding else 0)
+        batches = serving_version + a - n + 1
+        if batches <= 0:
+            return False
+        eligible = 0
+        for g in self._groups.values():
+            if g.status != "open":
+                continue
+            versions = [t.min_version for t in (*g.kept, *g.finished, *g.live())
+                        if t.min_version is not None]
+            if not versions or min(versions) >= n - g.alpha:
+                eligible += 1
+        return eligible < batches * (self.batch_size // self.group_size)
+
+    def has_room(self) -> bool:
+        """Whether ``try_start_group`` would admit a group now (``groups_in_flight <
+        max_groups``)."""
+        return len(self._groups) < self.max_groups
+
+    def domain_counts(self) -> dict[str, DomainCounts]:
+        """Live per-domain counters (read-only view; ``stats().domains`` is a copy)."""
+        return self._domains
+
+    def groups_in_flight_by_domain(self) -> dict[str, int]:
+        """Groups in flight (admitted, not yet consumed or retired, or with live members) per
+        domain."""
+        out: dict[str, int] = {}
+        for g in self._groups.values():
+            out[g.domain] = out.get(g.domain, 0) + 1
+        return out
+
     def drain_restarts(self) -> list[str]:
         """Trajectory ids the buffer created on its own (stale replacements, restore); the
         caller must start each (``group_of`` gives the group). Each id is returned once."""
@@ -277,18 +371,30 @@ class SampleBuffer:
         return out
 
     # ------------------------------------------------------------------ admission
-    def try_start_group(self, group_key: str) -> list[str] | None:
-        """Admit a group of ``group_size + redundancy`` trajectories; their ids, or ``None``
-        while ``groups_in_flight >= max_groups`` (admission paused).
+    def try_start_group(self, group_key: str, domain: str = "default",
+                        alpha: int | None = None) -> list[str] | None:
+        """Admit a group of ``group_size + redundancy`` trajectories of task ``domain``; their
+        ids, or ``None`` while ``groups_in_flight >= max_groups`` (admission paused).
+
+        ``alpha``: this group's staleness bound (a per-domain bound, >= the buffer's ``alpha``;
+        default the buffer's). Its samples are admissible only while every token is at most
+        ``alpha`` versions old; the in-flight bound stays the buffer's.
 
         Raises:
-            SampleBufferError: ``group_key`` is already in flight.
+            SampleBufferError: ``group_key`` is already in flight, or ``alpha`` is below the
+                buffer's bound.
         """
         if group_key in self._groups:
             raise SampleBufferError(f"group {group_key!r} is already in flight")
+        a = self.alpha if alpha is None else alpha
+        if not isinstance(a, int) or a < self.alpha:
+            raise SampleBufferError(
+                f"group {group_key!r}: alpha {alpha!r} must be an int >= the buffer's "
+                f"{self.alpha}")
         if len(self._groups) >= self.max_groups:
             return None
-        g = _Group(key=group_key, seq=self._group_seq, slots=[])
+        g = _Group(key=group_key, seq=self._group_seq, slots=[], domain=domain, alpha=a)
+        self._dom(domain).groups_started += 1
         self._group_seq += 1
         self._groups[group_key] = g
         for i in range(self.group_size + self.redundancy):
@@ -319,13 +425,16 @@ class SampleBuffer:
         if t.doomed:
             return "drop"
         if self.check == "per_turn" or t.turns == 0:
-            if not self.admissible(t.min_version):
+            if not self._ok(t):
                 if self.on_stale == "restart":
                     t.state = _S.ABORTING
                     return "restart"
                 t.doomed = True
                 return "drop"
-            if not self.admissible(serving_version):
+            if not self.admissible(serving_version, t.group.alpha):
+                return "wait"
+            if (self.fresh_start and t.min_version is None and t.group.alpha >= 1
+                    and not self.admissible(serving_version, t.group.alpha - 1)):
                 return "wait"
         t.turns += 1
         return "continue"
@@ -347,7 +456,7 @@ class SampleBuffer:
         if versions:
             lo = min(versions)
             t.min_version = lo if t.min_version is None else min(t.min_version, lo)
-            t.num_tokens += len(versions)
+            self._add_tokens(t, len(versions))
 
     def complete(self, traj_id: str, sample: Sample) -> list[str]:
         """A trajectory finished with a reward. Returns the ids of running siblings the caller
@@ -372,16 +481,21 @@ class SampleBuffer:
         sv = sample.min_version
         if sv is not None:
             t.min_version = sv if t.min_version is None else min(t.min_version, sv)
-        t.num_tokens = max(t.num_tokens, sample.num_generated)
+        # A caller that did not report every token through record_tokens: count the rest now.
+        self._add_tokens(t, max(0, sample.num_generated - t.num_tokens))
         t.sample, t.state = sample, _S.HELD
         self._c["completed"] += 1
         self._c["finished_members"] += 1
         self._c["finished_len"] += sample.num_generated
+        d = self._dom(g.domain)
+        d.finished += 1
+        d.finished_tokens += sample.num_generated
+        d.finished_turns += sample.num_turns
         if not self._slot_open(t):
             self._drop(t, "retired" if g.status == "retired" else "unselected")
             self._maybe_forget(g)
             return []
-        if t.doomed or not self.admissible(t.min_version):
+        if t.doomed or not self._ok(t):
             self._replace_stale(t)
             return []
         if self.selection == "unbiased" and not g.selected:
@@ -418,16 +532,23 @@ class SampleBuffer:
         self._close_slot(t)
         return None
 
-    def cancel(self, traj_id: str) -> None:
+    def cancel(self, traj_id: str, reason: str | None = None) -> None:
         """The caller aborted a live trajectory (redundancy, shutdown, "cancel" verdict).
-        Its slot closes; a group that can no longer fill is retired. No-op if not live."""
+        Its slot closes; a group that can no longer fill is retired. No-op if not live.
+
+        ``reason`` names the waste of its tokens (e.g. ``"shutdown"``); ``None`` derives it:
+        ``"retired"`` if its group was retired, ``"stale"`` if it was told to restart,
+        else ``"redundancy"`` (the group no longer needs it)."""
         t = self._get(traj_id)
         if t is None or t.state not in _LIVE:
             self._c["late_calls"] += 1
             return
+        if reason is None:
+            reason = ("retired" if t.group.status == "retired"
+                      else "stale" if t.state is _S.ABORTING or t.doomed else "redundancy")
         self._c["cancelled"] += 1
         self._c["cancelled_len"] += t.num_tokens
-        self._finish(t, "cancelled")
+        self._finish(t, reason)
         self._close_slot(t)
 
     def restart_trajectory(self, traj_id: str) -> str | None:
@@ -467,12 +588,17 @@ class SampleBuffer:
         out: list[Sample] = []
         self._last_staleness = []
         for g in ready[:need]:
+            d = self._dom(g.domain)
             for t in g.kept:
-                if not self.admissible(t.min_version):  # unreachable after the sweep
+                if not self._ok(t):  # unreachable after the sweep
                     raise SampleBufferError(f"internal: stale sample {t.tid!r} in a batch")
                 assert t.sample is not None
                 out.append(t.sample)
                 self._last_staleness.append(self._version - self._mv(t))
+                self._trained_tokens += t.num_tokens
+                d.trained += 1
+                d.trained_tokens += t.sample.num_generated
+                d.trained_turns += t.sample.num_turns
                 t.state, t.sample = _S.DONE, None
             g.kept, g.status = [], "consumed"
             self._maybe_forget(g)
@@ -533,6 +659,12 @@ class SampleBuffer:
             cancelled_mean_len=c["cancelled_len"] / max(c["cancelled"], 1),
             last_batch_max_staleness=max(st, default=0),
             last_batch_mean_staleness=sum(st) / len(st) if st else 0.0,
+            generated_tokens=self._generated,
+            trained_tokens=self._trained_tokens,
+            in_flight_tokens=sum(t.num_tokens for g in self._groups.values()
+                                 for t in (*g.live(), *g.kept, *g.finished)),
+            domains={k: msgspec.structs.replace(v, wasted_tokens=dict(v.wasted_tokens))
+                     for k, v in sorted(self._domains.items())},
         )
 
     def snapshot(self) -> dict[str, Any]:
@@ -546,6 +678,8 @@ class SampleBuffer:
             groups.append(
                 {
                     "key": g.key,
+                    "domain": g.domain,
+                    "alpha": g.alpha,
                     "selected": g.selected,
                     "closing": g.closing,
                     "slots": [
@@ -575,6 +709,8 @@ class SampleBuffer:
                 "check",
                 "on_stale",
                 "max_attempts",
+                "fresh_start",
+                "abort_stale",
             )
         }
         return {
@@ -611,6 +747,8 @@ class SampleBuffer:
                 slots=[None] * len(gs["slots"]),
                 selected=gs["selected"],
                 closing=gs["closing"],
+                domain=gs.get("domain", "default"),
+                alpha=gs.get("alpha", buf.alpha),
             )
             buf._group_seq += 1
             buf._groups[g.key] = g
@@ -646,6 +784,7 @@ class SampleBuffer:
         g.all_tids.append(tid)
         self._trajs[tid] = t
         self._c["started"] += 1
+        self._dom(g.domain).started += 1
         return t
 
     def _mv(self, t: _Traj) -> int:
@@ -661,10 +800,25 @@ class SampleBuffer:
             return False
         return t in g.kept or len(g.kept) < self.group_size
 
+    def _dom(self, domain: str) -> DomainCounts:
+        d = self._domains.get(domain)
+        if d is None:
+            d = self._domains[domain] = DomainCounts()
+        return d
+
+    def _add_tokens(self, t: _Traj, n: int) -> None:
+        t.num_tokens += n
+        self._generated += n
+        self._dom(t.group.domain).generated_tokens += n
+
     def _finish(self, t: _Traj, reason: str) -> None:
+        """Terminal state, not trained: every token ``t`` generated is wasted for ``reason``
+        (exactly once: a trajectory reaches DONE once)."""
         t.state = _S.DONE
         if t.num_tokens:
             self._wasted[reason] = self._wasted.get(reason, 0) + t.num_tokens
+            w = self._dom(t.group.domain).wasted_tokens
+            w[reason] = w.get(reason, 0) + t.num_tokens
 
     def _drop(self, t: _Traj, reason: str) -> None:
         """Discard a completed sample (counted, reported to ``on_drop``)."""
@@ -695,8 +849,13 @@ class SampleBuffer:
             if g.status != "open":
                 continue
             for t in [*g.kept, *g.finished]:
-                if not self.admissible(t.min_version):
+                if not self._ok(t):
                     self._replace_stale(t)
+            if self.abort_stale and self.check == "per_turn" and self.on_stale == "restart":
+                for t in g.live():
+                    if t.state is _S.RUNNING and not self._ok(t) and self._slot_open(t):
+                        t.state = _S.ABORTING
+                        self._aborts.append(t.tid)
 
     def _close_slot(self, t: _Traj) -> None:
         g = t.group

@@ -10,7 +10,15 @@ trainer. Background work:
 - one task per trajectory (:func:`~rollart.controller.trajectory.run_trajectory`) whose outcome
   becomes a buffer call (complete / fail -> retry / restart / cancel); siblings the buffer asks
   to cancel are cancelled (aborting generation, closing the env session);
-- the weight push of the newest version (trainer -> workers, staged), overlapping rollout.
+- the weight push of the newest version (trainer -> workers, staged), overlapping rollout;
+  with ``run.weight_apply = "eager"`` it is applied as soon as it is staged, in waves.
+
+Staleness policies (``rollart.config.RunConfig``; all keep the bound strict): ``admission``
+``greedy`` (any free slot), ``capacity`` (a group starts only if some batch it could still
+join has room: ``SampleBuffer.has_capacity``) or ``paced`` (``rollart.controller.pacing``);
+``domain_mix`` ``weight`` or ``yield`` (see :meth:`Controller.domain_weights`); ``fresh_start``
+and ``abort_stale`` (``SampleBuffer``); ``DomainConfig.alpha`` per-domain bounds. A domain
+held back by admission keeps its turn, so waiting never favours short domains.
 
 :meth:`Controller.step` is one training step, per the paper's protocol (§6.2): get batch ->
 pause generation -> apply the newest weights -> resume -> train (overlap modes; rollout keeps
@@ -24,6 +32,7 @@ Time is ``loop.time()`` unless a ``clock`` is injected, so a simulator's virtual
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 from collections import Counter
@@ -35,9 +44,10 @@ from rollart.controller.buffer import SampleBuffer
 from rollart.controller.loophealth import LoopLagMonitor
 from rollart.controller.metrics import StepMetrics, step_metrics
 from rollart.controller.modes import TurnBarrier, mode_spec
+from rollart.controller.pacing import Pacer
 from rollart.controller.ports import Tokenizer, TrainerBackend, TrainResult
 from rollart.controller.proxy import LLMProxy
-from rollart.controller.sample import Sample
+from rollart.controller.sample import BufferStats, Sample
 from rollart.controller.services import EnvRouter, RewardRouter
 from rollart.controller.tokens import ChatTokens
 from rollart.controller.trajectory import (
@@ -120,6 +130,8 @@ class Controller:
             initial_version=trainer.version,
             rng=random.Random(run.seed + 1),
             on_forget=self._forget_group,
+            fresh_start=run.fresh_start,
+            abort_stale=run.abort_stale,
         )
         self.domains: dict[str, DomainConfig] = {d.name: d for d in scenario.domains}
         self._groups: dict[str, tuple[DomainConfig, int]] = {}
@@ -160,6 +172,9 @@ class Controller:
         # (version, kept-sample count) at the last take_batch that found no batch: until one
         # changes no batch can be ready, so a wake-up does not rescan every group.
         self._no_batch_at: tuple[int, int] | None = None
+        self._pacer = Pacer(run.group_size) if run.admission == "paced" else None
+        self._pending_domain: DomainConfig | None = None
+        self._stats_at_end: BufferStats | None = None
         #: the samples of the last training step
         self.last_batch: list[Sample] = []
 
@@ -186,7 +201,9 @@ class Controller:
         )
         self._sync = WeightSync(
             self.proxy, self.trainer, self.clock, reprefill=self.run.reprefill,
-            on_applied=self._weights_changed.notify, on_push_done=self._on_done,
+            on_applied=self._on_applied, on_push_done=self._on_done,
+            eager=self.spec.overlap and self.run.weight_apply == "eager",
+            waves=self.run.apply_waves,
         )
         self._last_step_end = self._started_at = self.clock()
         self._spawn_aux(self._admission_loop(), "admission")
@@ -303,6 +320,13 @@ class Controller:
         if self._fatal is not None:
             raise self._fatal
 
+    def _on_applied(self) -> None:
+        if self._pacer is not None:
+            self._pacer.on_apply(self.clock())
+        assert self._weights_changed is not None
+        self._weights_changed.notify()
+        self._notify()
+
     async def _wait_for_weights(self, version: int) -> None:
         assert self._weights_changed is not None
         while self.proxy.version <= version:
@@ -317,20 +341,73 @@ class Controller:
             return self.buffer.groups_in_flight < per_batch
         return True
 
+    def domain_weights(self) -> list[float]:
+        """Admission weight of each domain (in ``self.domains`` order).
+
+        ``run.domain_mix = "weight"``: ``domain.weight``. ``"yield"``: ``weight / yield`` with
+        ``yield = (trained + G) / (G * resolved + G)``, ``resolved`` = groups started and no
+        longer in flight (samples trained per member slot of a finished group, with one group's
+        worth of prior so a new domain starts at 1; groups still in flight are left out, or a
+        long-horizon domain would look unproductive while its groups run): for trained shares
+        proportional to the weights, domain d must be started at a rate proportional to
+        ``weight_d / yield_d`` (trained_d = started_d * yield_d).
+        """
+        domains = list(self.domains.values())
+        if self.run.domain_mix == "weight":
+            return [d.weight for d in domains]
+        counts = self.buffer.domain_counts()
+        in_flight = self.buffer.groups_in_flight_by_domain()
+        g = self.run.group_size
+        out = []
+        for d in domains:
+            c = counts.get(d.name)
+            trained, groups = (c.trained, c.groups_started) if c is not None else (0, 0)
+            resolved = max(0, groups - in_flight.get(d.name, 0))
+            out.append(d.weight * (g * resolved + g) / (trained + g))
+        return out
+
     def _pick_domain(self) -> DomainConfig:
         domains = list(self.domains.values())
-        return self._rng.choices(domains, weights=[d.weight for d in domains])[0]
+        return self._rng.choices(domains, weights=self.domain_weights())[0]
+
+    def _pace_wait_s(self, domain: DomainConfig) -> float:
+        """Paced admission: seconds to hold ``domain``'s next group back (0: start now)."""
+        if self._pacer is None:
+            return 0.0
+        now = self.clock()
+        alpha = domain.alpha if domain.alpha is not None else self.run.alpha
+        if not self._pacer.should_wait(domain.name, now, self.proxy.version, alpha):
+            return 0.0
+        period = self._pacer.period_s() or 0.0
+        return max(1e-3, period)
 
     async def _admission_loop(self) -> None:
-        assert self._changed is not None
+        assert self._changed is not None and self._weights_changed is not None
         while True:
             started = False
-            if self._can_admit():
+            if self._can_admit() and self.buffer.has_room():
                 key = f"g{self._group_seq}"
-                ids = self.buffer.try_start_group(key)
+                # A held-back domain keeps its turn (else pacing would favour short domains).
+                domain = self._pending_domain or self._pick_domain()
+                self._pending_domain = None
+                if self.run.admission == "capacity" and not self.buffer.has_capacity(
+                        self.proxy.version, domain.alpha):
+                    # Every batch this group could join is already spoken for: wait for a
+                    # batch, an apply or a group that fails or goes stale.
+                    self._pending_domain = domain
+                    await self._changed.wait()
+                    continue
+                wait_s = self._pace_wait_s(domain)
+                if wait_s > 0:
+                    self._pending_domain = domain
+                    # Until the next apply (or one period, if it does not come).
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._weights_changed.wait(), wait_s)
+                    continue
+                ids = self.buffer.try_start_group(key, domain.name, domain.alpha)
                 if ids is not None:
                     self._group_seq += 1
-                    self._groups[key] = (self._pick_domain(), self._rng.randrange(2**31))
+                    self._groups[key] = (domain, self._rng.randrange(2**31))
                     for tid in ids:
                         self._launch(tid, key)
                     started = True
@@ -351,6 +428,15 @@ class Controller:
         task.add_done_callback(self._on_done)
 
     def _launch_restarts(self) -> None:
+        for tid in self.buffer.drain_aborts():
+            # Stale mid-generation (abort_stale): stop it now, restart its slot fresh.
+            task = self._tasks.get(tid)
+            if task is not None:
+                self._cancelled.add(tid)
+                task.cancel()
+            fresh = self.buffer.restart_trajectory(tid)
+            if fresh is not None:
+                self._launch(fresh, self.buffer.group_of(fresh))
         for tid in self.buffer.drain_restarts():
             self._launch(tid, self.buffer.group_of(tid))
 
@@ -367,6 +453,7 @@ class Controller:
     async def _run_one(self, tid: str, key: str) -> None:
         assert self._ctx is not None
         domain, seed = self._groups[key]
+        t_start = self.clock()
         try:
             sample = await run_trajectory(self._ctx, tid, key, domain, seed)
         except TrajectoryFailed as exc:
@@ -389,10 +476,12 @@ class Controller:
             self.buffer.cancel(tid)
         except asyncio.CancelledError:
             if tid not in self._cancelled:  # shutdown, not a sibling cancel
-                self.buffer.cancel(tid)
+                self.buffer.cancel(tid, "shutdown")
             raise
         else:
             self._failures_in_a_row = 0
+            if self._pacer is not None:
+                self._pacer.on_finished(domain.name, self.clock() - t_start)
             for sibling in self.buffer.complete(tid, sample):
                 self._cancel_traj(sibling)
             if self.run.selection == "unbiased":
@@ -449,7 +538,8 @@ class Controller:
         """
         if not self._started:
             await self.start()
-        stats_before = self.buffer.stats()
+        # The previous step's end, so counters between steps (checkpoints) land in this step.
+        stats_before = self._stats_at_end or self.buffer.stats()
         tokens_before = self._ctx.generated_tokens if self._ctx else 0
         rerouted_before = self.proxy.num_rerouted
         t0 = self.clock()
@@ -457,6 +547,8 @@ class Controller:
         self.last_batch = batch
         t_batch = self.clock()
         version = self.buffer.version
+        if self._pacer is not None:
+            self._pacer.on_batch(t_batch, version)
         self._admission_open = False
         assert self._sync is not None
         try:
@@ -479,13 +571,14 @@ class Controller:
         t_end = self.clock()
         self._step += 1
         lag = self._loop_lag.take() if self._loop_lag is not None else None
+        self._stats_at_end = stats_after = self.buffer.stats()
         metrics = step_metrics(
             step=self._step,
             mode=self.run.mode,
             policy_version=result.version,
             batch=batch,
             before=stats_before,
-            after=self.buffer.stats(),
+            after=stats_after,
             step_time_s=t_end - self._last_step_end,
             trainer_idle_s=t_batch - t0,
             train_time_s=train_s,

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from rollart.controller.sample import BufferStats, Sample
+from rollart.controller.sample import BufferStats, DomainCounts, Sample
 
 
 class StepMetrics(msgspec.Struct, kw_only=True):
@@ -31,6 +31,15 @@ class StepMetrics(msgspec.Struct, kw_only=True):
       reason; ``num_retries``: of those, retried.
     - ``num_generated_tokens``: tokens generated during the step (all trajectories).
     - ``wasted_tokens``: generated tokens thrown away (cancelled, failed, stale, unselected).
+    - ``wasted_tokens_by_reason``: the same by reason (``stale``, ``redundancy``, ``failed``,
+      ``unselected``, ``retired``, ``shutdown``); ``buffer_generated_tokens``: tokens the sample
+      buffer counted as generated in the step (``rollart.controller.buffer``: each one is
+      trained, wasted for exactly one reason, or still in flight, so over a whole run
+      ``sum(wasted) + trained + in flight at the end == sum(buffer_generated_tokens)``);
+      ``trained_tokens``: generated tokens of the batch; ``in_flight_tokens``: generated tokens of
+      running or held trajectories at the end of the step.
+    - ``by_domain``: per task domain, this step's ``DomainStepMetrics`` (started vs trained,
+      finished vs trained lengths and turns, waste by reason): the selection bias.
     - ``response_len_kept_mean``: mean generated tokens of the batch's samples;
       ``response_len_all_mean``: of every trajectory that finished during the step (kept or
       not), so the selection bias of redundancy is visible.
@@ -67,6 +76,45 @@ class StepMetrics(msgspec.Struct, kw_only=True):
     train_metrics: dict[str, float] = {}
     loop_lag_p99_ms: float | None = None
     loop_lag_max_ms: float | None = None
+    wasted_tokens_by_reason: dict[str, int] = {}
+    buffer_generated_tokens: int = 0
+    trained_tokens: int = 0
+    in_flight_tokens: int = 0
+    by_domain: dict[str, DomainStepMetrics] = {}
+
+
+class DomainStepMetrics(msgspec.Struct, kw_only=True):
+    """One domain's counters over one step (changes of ``DomainCounts``; sum rows for a run).
+
+    ``groups_started`` / ``started`` (trajectories incl. restarts and redundant members) /
+    ``finished`` / ``trained`` samples; ``finished_tokens`` / ``trained_tokens``: generated
+    tokens summed over finished / trained samples, ``finished_turns`` / ``trained_turns`` env
+    turns likewise (mean = sum / count); ``generated_tokens``: all generated for the domain;
+    ``wasted_tokens``: by reason.
+    """
+
+    groups_started: int = 0
+    started: int = 0
+    finished: int = 0
+    trained: int = 0
+    finished_tokens: int = 0
+    trained_tokens: int = 0
+    finished_turns: int = 0
+    trained_turns: int = 0
+    generated_tokens: int = 0
+    wasted_tokens: dict[str, int] = {}
+
+
+def domain_deltas(after: BufferStats, before: BufferStats) -> dict[str, DomainStepMetrics]:
+    """Per-domain change of the buffer's ``DomainCounts`` from ``before`` to ``after``."""
+    out = {}
+    for name, a in sorted(after.domains.items()):
+        b = before.domains.get(name, DomainCounts())
+        out[name] = DomainStepMetrics(
+            **{f: getattr(a, f) - getattr(b, f) for f in DomainStepMetrics.__struct_fields__
+               if f != "wasted_tokens"},
+            wasted_tokens=_delta(a.wasted_tokens, b.wasted_tokens))
+    return out
 
 
 def _mean(xs: Sequence[float]) -> float:
@@ -142,4 +190,9 @@ def step_metrics(
         train_metrics=dict(train_metrics or {}),
         loop_lag_p99_ms=loop_lag_p99_ms,
         loop_lag_max_ms=loop_lag_max_ms,
+        wasted_tokens_by_reason=_delta(after.wasted_tokens, before.wasted_tokens),
+        buffer_generated_tokens=after.generated_tokens - before.generated_tokens,
+        trained_tokens=after.trained_tokens - before.trained_tokens,
+        in_flight_tokens=after.in_flight_tokens,
+        by_domain=domain_deltas(after, before),
     )

@@ -245,13 +245,15 @@ class LLMProxy:
 
     # -- weight sync ------------------------------------------------------------------------
 
-    async def _on_all(self, what: str, call) -> list:
-        """Run ``call(worker)`` on every live worker at once; dead ones are removed.
+    async def _on_all(self, what: str, call, only: set[str] | None = None) -> list:
+        """Run ``call(worker)`` on every live worker (of the names in ``only``, if given) at
+        once; dead ones are removed.
 
         Raises PoolExhaustedError if that empties a pool; other errors propagate (fatal: a
         worker that cannot pause or apply weights leaves the run inconsistent).
         """
-        pairs = [(pool, w) for pool in self._pools.values() for w in pool.workers]
+        pairs = [(pool, w) for pool in self._pools.values() for w in pool.workers
+                 if only is None or w.name in only]
         results = await asyncio.gather(*(call(w) for _, w in pairs), return_exceptions=True)
         out = []
         for (pool, w), res in zip(pairs, results, strict=True):
@@ -284,3 +286,27 @@ class LLMProxy:
         )
         self.version = version
         return out
+
+    async def apply_in_waves(self, version: int, waves: int, *, reprefill: bool = False) -> None:
+        """Pause, apply the staged ``version`` and resume, one wave of workers at a time: wave
+        ``i`` holds workers ``i, i + waves, ...`` of every pool, so while one wave loads, the
+        others keep generating (with ``waves >= 2`` a pool of two or more workers never stops).
+
+        ``self.version`` (the version *every* worker serves, used by the staleness check) becomes
+        ``version`` after the last wave; tokens report the version of the worker that generated
+        them. Raises as :meth:`apply_weights` (``waves`` >= 1, else ``ValueError``).
+        """
+        if waves < 1:
+            raise ValueError(f"apply_in_waves: waves must be >= 1, got {waves}")
+        for i in range(waves):
+            names = {w.name for pool in self._pools.values()
+                     for w in pool.workers[i::waves]}
+            if not names:
+                continue
+            await self._on_all("pause", lambda w: w.pause("keep"), names)
+            try:
+                await self._on_all(f"apply_weights({version})",
+                                   lambda w: w.apply_weights(version, reprefill=reprefill), names)
+            finally:
+                await self._on_all("resume", lambda w: w.resume(), names)
+        self.version = version

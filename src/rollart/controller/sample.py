@@ -137,8 +137,8 @@ class BufferStats(msgspec.Struct, kw_only=True):
     ``failed`` by reason, ``restarted_stale`` (running trajectories aborted by the per-turn check),
     ``replaced_stale`` (held samples replaced after going stale), ``dropped`` samples by reason
     (``stale``, ``unselected``, ``retired``), ``cancelled``, ``groups_retired``,
-    ``wasted_tokens`` (generated tokens thrown away) by reason (``cancelled``, ``failed``,
-    ``stale``, ``unselected``, ``retired``), ``late_calls`` (calls on already-finished
+    ``wasted_tokens`` (generated tokens thrown away) by reason (``redundancy``, ``failed``,
+    ``stale``, ``unselected``, ``retired``, ``shutdown``), ``late_calls`` (calls on already-finished
     trajectories, ignored).
 
     Selection bias: ``finished_mean_len`` is the mean response length (generated tokens) of every
@@ -180,3 +180,31 @@ class BufferStats(msgspec.Struct, kw_only=True):
     cancelled_mean_len: float
     last_batch_max_staleness: int
     last_batch_mean_staleness: float
+    #: every generated token is in exactly one of trained / wasted (by reason) / in flight
+    generated_tokens: int = 0
+    trained_tokens: int = 0
+    in_flight_tokens: int = 0
+    #: the same accounting per task domain (see ``DomainCounts``)
+    domains: dict[str, DomainCounts] = {}
+
+
+class DomainCounts(msgspec.Struct, kw_only=True):
+    """Cumulative counters of one task domain in the sample buffer (selection bias, waste).
+
+    ``groups_started`` groups admitted; ``started`` trajectories (incl. retries, restarts and
+    redundant members); ``finished`` completed with a reward; ``trained`` consumed by a batch.
+    ``*_tokens`` are generated (policy) tokens and ``*_turns`` env turns summed over those
+    samples (means: divide by the count). ``generated_tokens`` is every token generated for the
+    domain; ``wasted_tokens`` the part thrown away, by reason (``SampleBuffer`` docstring).
+    """
+
+    groups_started: int = 0
+    started: int = 0
+    finished: int = 0
+    finished_tokens: int = 0
+    finished_turns: int = 0
+    trained: int = 0
+    trained_tokens: int = 0
+    trained_turns: int = 0
+    generated_tokens: int = 0
+    wasted_tokens: dict[str, int] = {}

@@ -29,7 +29,7 @@ import msgspec
 from rollart.config import Scenario, load_scenario
 from rollart.controller.loophealth import freeze_startup_objects, tune_gc
 from rollart.launcher.procs import ProcessFailedError
-from rollart.launcher.progress import Progress
+from rollart.launcher.progress import Progress, waste_summary
 from rollart.trainer.checkpoint import latest_checkpoint, mark_complete, read_json, step_dir
 from rollart.transport.errors import ConfigError, RollartError
 
@@ -220,5 +220,7 @@ def _write_summary(run_dir: Path, scenario: Scenario, started: float) -> None:
         "loop_lag_p99_ms_max": max((r["loop_lag_p99_ms"] for r in rows
                                     if r.get("loop_lag_p99_ms") is not None), default=None),
         "wall_time_s": time.time() - started,
+        # waste by reason and per-domain selection bias, totals over the steps
+        **waste_summary(rows, {d.name: d.weight for d in scenario.domains}),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -72,6 +72,8 @@ class SimDomain:
     spec: DomainSpec
     pool: str
     weight: float = 1.0
+    #: this domain's own staleness bound (``DomainConfig.alpha``); None = the run's
+    alpha: int | None = None
 
 
 @dataclass(frozen=True)
@@ -105,6 +107,13 @@ class SimScenario:
     eff: costs.Efficiency = costs.DEFAULT_EFFICIENCY
     max_attempts: int = 3
     reprefill: bool = False
+    #: ``RunConfig.weight_apply`` / ``apply_waves`` / ``domain_mix``
+    weight_apply: str = "at_batch"
+    apply_waves: int = 2
+    domain_mix: str = "weight"
+    fresh_start: bool = False
+    abort_stale: bool = False
+    admission: str = "greedy"
     generate_timeout_s: float = 1e6
     env_timeout_s: float = 1e6
     #: override every engine's weight-transfer link / host-to-device bandwidth (bytes/s)
@@ -164,13 +173,17 @@ def scenario_of(sim: SimScenario, seed: int) -> Scenario:
         max_turns=sim.max_turns, max_tokens_per_turn=sim.max_tokens_per_turn,
         max_tokens_per_trajectory=sim.max_tokens_per_trajectory, reprefill=sim.reprefill,
         generate_timeout_s=sim.generate_timeout_s, env_timeout_s=sim.env_timeout_s,
+        weight_apply=sim.weight_apply, apply_waves=sim.apply_waves,  # type: ignore[arg-type]
+        domain_mix=sim.domain_mix, fresh_start=sim.fresh_start,  # type: ignore[arg-type]
+        abort_stale=sim.abort_stale, admission=sim.admission,  # type: ignore[arg-type]
         retry=RetryConfig(max_attempts=sim.max_attempts),
     )
     pools = [PoolConfig(name=p.name, hardware=p.hardware, num_workers=p.num_workers,
                         engine=EngineConfig(max_num_seqs=p.max_batch, tensor_parallel_size=p.tp))
              for p in sim.pools]
     domains = [DomainConfig(name=d.spec.name, env=ENV_PREFIX + d.spec.name, pool=d.pool,
-                            reward="sim", reward_url="service", weight=d.weight)
+                            reward="sim", reward_url="service", weight=d.weight,
+                            alpha=d.alpha)
                for d in sim.domains]
     # The simulated trainer's micro-batch budget only has to admit a full-length sample.
     trainer = TrainerConfig(max_tokens_per_microbatch=max(8192, sim.max_tokens_per_trajectory))
@@ -227,7 +240,7 @@ class SimCluster:
 
 def _as_dict(metrics: Any) -> dict[str, Any]:
     if isinstance(metrics, msgspec.Struct):
-        return msgspec.structs.asdict(metrics)
+        return msgspec.to_builtins(metrics)  # nested structs (by_domain) too
     if hasattr(metrics, "__dataclass_fields__"):
         from dataclasses import asdict
 
@@ -265,7 +278,7 @@ def run_simulated(sim: SimScenario, seed: int = 0, *, virtual: bool = True,
         mode=sim.mode, steps=steps,
         step_time_s=statistics.fmean(s["step_time_s"] for s in steps[warmup:]),
         total_time_s=times[0], wall_s=wall,
-        buffer=msgspec.structs.asdict(cluster.controller.buffer.stats()),
+        buffer=msgspec.to_builtins(cluster.controller.buffer.stats()),
         workers={w.name: {"busy_s": w.busy_s, "generated_tokens": w.num_generated_tokens,
                           "prefill_tokens": w.prefill_tokens,
                           "prefix_hit_tokens": w.prefix_hit_tokens,
