@@ -188,12 +188,13 @@ class RpcServer:
             return
         self._pump.send([identity, call_id, _encoder.encode(reply), *buffers])
 
-    def _send_failed(self, parts: Sequence[Part], exc: zmq.ZMQError) -> bool:
+    def _send_failed(self, parts: Sequence[Part], count: int, exc: zmq.ZMQError) -> bool:
         if exc.errno == zmq.EHOSTUNREACH:
-            self.replies_to_gone_peers += 1
-            log.warning("%s: reply to a gone peer dropped (it disconnected): %s", self.name, exc)
+            self.replies_to_gone_peers += count
+            log.warning("%s: %d reply(ies) to a gone peer dropped (it disconnected): %s",
+                        self.name, count, exc)
         else:
-            log.warning("%s: reply of %d frames not sent: %s", self.name, len(parts), exc)
+            log.warning("%s: %d reply(ies) not sent: %s", self.name, count, exc)
         return False
 
     async def close(self) -> None:

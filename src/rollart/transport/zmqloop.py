@@ -8,6 +8,15 @@ to ``RECV_BUDGET``, then yields the loop) and hands each to a plain callback; ou
 to a queue flushed once per loop tick (one ``call_soon`` however many messages were queued in the
 tick). Works on any loop with ``add_reader`` (uvloop, the default selector loop, looptime).
 
+Small messages (no extra frames, body up to ``BATCH_BODY_BYTES``) queued in one tick for the same
+peer leave as ONE ZeroMQ message, a batch envelope: ``[route?, b"", blob]`` where ``blob`` repeats
+``(body length u32 big-endian, call id 8 bytes, body)``; a lone message keeps its plain form
+``[route?, call id, body, *frames]`` (the empty frame where the 8-byte call id would be is what
+marks a batch). Each ZeroMQ message sent from the loop thread can wake ZeroMQ's I/O thread, and
+on a busy machine each wake-up is a context switch: one message per peer per tick pays it once
+for the whole tick, as the physical floor's one ``write`` per tick does. The receiving pump
+unpacks batches, so ``on_message`` always sees plain messages.
+
 The ZeroMQ file descriptor is edge-triggered and signals only that the socket's state *may*
 have changed: after every batch of sends and receives the pump reads ``zmq.EVENTS`` (which also
 re-arms the descriptor) and goes round again while input is waiting, so a message that arrived
@@ -18,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import struct
 from collections import deque
 from collections.abc import Callable, Sequence
 
@@ -26,12 +36,22 @@ import zmq
 log = logging.getLogger(__name__)
 
 Part = bytes | memoryview
-#: (parts, error) -> True to keep the message queued and retry it later, False to drop it.
-SendErrorHandler = Callable[[Sequence[Part], zmq.ZMQError], bool]
+#: (parts, number of RPC messages in them, error) -> True to keep the message queued and retry
+#: it later, False to drop it.
+SendErrorHandler = Callable[[Sequence[Part], int, zmq.ZMQError], bool]
 
 #: Messages received per wake-up before the pump yields to other callbacks (it reschedules
 #: itself): at ~10-30 us of handling each, a few ms at most of loop time per turn.
 RECV_BUDGET = 256
+
+#: Bodies up to this size travel in batches (copied once into the blob); larger ones, and any
+#: message with extra (tensor) frames, travel alone and zero-copy.
+BATCH_BODY_BYTES = 64 * 1024
+#: A batch closes at about this many bytes and the next one starts.
+BATCH_BYTES = 1 << 20
+
+_LEN = struct.Struct(">I")
+_ENTRY_HEAD = _LEN.size + 8  # body length + call id
 
 # Plain ints: pyzmq's flag constants are enum members, and enum arithmetic per frame costs.
 _NOBLOCK = int(zmq.NOBLOCK)
@@ -73,7 +93,10 @@ class SocketPump:
         self._on_send_error = on_send_error or self._log_send_error
         self.name = name
         self._loop = asyncio.get_running_loop()
-        self._out: deque[Sequence[Part]] = deque()
+        # ZeroMQ messages ready to send, each with the number of RPC messages it carries.
+        self._out: deque[tuple[Sequence[Part], int]] = deque()
+        # This tick's small messages per route (the ROUTER identity; None for a DEALER).
+        self._batches: dict[Part | None, list[Sequence[Part]]] = {}
         self._scheduled = False
         self._closed = False
         self.receiving = True
@@ -84,18 +107,50 @@ class SocketPump:
         self._schedule()
 
     def send(self, parts: Sequence[Part]) -> None:
-        """Queue one multipart message; it leaves in this loop tick's flush, never dropped for
-        a full pipe (``EAGAIN`` keeps it queued until the socket can take it)."""
+        """Queue one message ``[route (ROUTER only), call id, body, *frames]``; it leaves in this
+        loop tick's flush, never dropped for a full pipe (``EAGAIN`` keeps it queued until the
+        socket can take it)."""
         if self._closed:
             return
-        self._out.append(parts)
+        head = self._copy_parts
+        if len(parts) == head and len(parts[head - 1]) <= BATCH_BODY_BYTES:
+            route = parts[0] if head == 3 else None
+            batch = self._batches.get(route)
+            if batch is None:
+                self._batches[route] = [parts]
+            else:
+                batch.append(parts)
+        else:
+            self._out.append((parts, 1))
         if not self._scheduled:
             self._schedule()
 
     @property
     def queued(self) -> int:
-        """Messages waiting in the pump's own queue (not yet handed to ZeroMQ)."""
-        return len(self._out)
+        """ZeroMQ messages waiting in the pump's own queue (not yet handed to ZeroMQ)."""
+        return len(self._out) + len(self._batches)
+
+    def _seal_batches(self) -> None:
+        """Turn this tick's small messages into one ZeroMQ message per route."""
+        out = self._out
+        for route, batch in self._batches.items():
+            if len(batch) == 1:
+                out.append((batch[0], 1))
+                continue
+            prefix = [] if route is None else [route]
+            chunks: list[Part] = []
+            size = count = 0
+            for parts in batch:
+                body = parts[-1]
+                chunks += (_LEN.pack(len(body)), parts[-2], body)
+                size += _ENTRY_HEAD + len(body)
+                count += 1
+                if size >= BATCH_BYTES:
+                    out.append(([*prefix, b"", b"".join(chunks)], count))
+                    chunks, size, count = [], 0, 0
+            if chunks:
+                out.append(([*prefix, b"", b"".join(chunks)], count))
+        self._batches.clear()
 
     def _schedule(self) -> None:
         self._scheduled = True
@@ -108,6 +163,8 @@ class SocketPump:
         sock = self._sock
         try:
             while True:
+                if self._batches:
+                    self._seal_batches()
                 progressed = self._flush() if self._out else False
                 if self.receiving:
                     got = self._drain()
@@ -154,19 +211,40 @@ class SocketPump:
                 else:
                     parts.append(sock.recv(_NOBLOCK, copy=False).buffer)
             try:
-                handle(parts)
+                if len(parts) == ncopy and len(parts[-2]) == 0:
+                    self._unbatch(parts)
+                else:
+                    handle(parts)
             except Exception:  # one bad message must not stop the pump
                 log.exception("%s: handling a received message failed", self.name)
         return n
+
+    def _unbatch(self, parts: list[Part]) -> None:
+        handle = self._on_message
+        prefix = parts[:-2]
+        blob = parts[-1]
+        pos, end = 0, len(blob)
+        while pos < end:
+            body_end = pos + _ENTRY_HEAD + (
+                _LEN.unpack_from(blob, pos)[0] if end - pos >= _LEN.size else 0)
+            if end - pos < _ENTRY_HEAD or body_end > end:
+                # A truncated entry: hand it on as a message without a call id, so the server
+                # answers "bad request" (call id 0) instead of dropping it silently.
+                handle([*prefix, b"", bytes(blob[pos:])])
+                return
+            handle([*prefix, blob[pos + _LEN.size:pos + _ENTRY_HEAD],
+                    blob[pos + _ENTRY_HEAD:body_end]])
+            pos = body_end
 
     def _flush(self) -> bool:
         """Send queued messages; True if at least one left."""
         sock = self._sock
         out = self._out
-        held: list[Sequence[Part]] = []
+        held: list[tuple[Sequence[Part], int]] = []
         sent = False
         while out:
-            parts = out.popleft()
+            item = out.popleft()
+            parts = item[0]
             last = len(parts) - 1
             try:
                 # A pipe's high-water mark is checked on a message's first part only, so a
@@ -176,21 +254,21 @@ class SocketPump:
                 sock.send(parts[last], _NOBLOCK, copy=False)
                 sent = True
             except zmq.Again:
-                held.append(parts)
+                held.append(item)
                 if not self._is_router:
                     break  # one pipe for every message: all the rest would block too
                 # ROUTER: only this peer's pipe is full; others may still take theirs.
             except zmq.ZMQError as exc:
                 if exc.errno in (zmq.ETERM, zmq.ENOTSOCK):
                     raise
-                if self._on_send_error(parts, exc):
-                    held.append(parts)
+                if self._on_send_error(parts, item[1], exc):
+                    held.append(item)
         if held:
             out.extendleft(reversed(held))
         return sent
 
-    def _log_send_error(self, parts: Sequence[Part], exc: zmq.ZMQError) -> bool:
-        log.warning("%s: message of %d parts not sent: %s", self.name, len(parts), exc)
+    def _log_send_error(self, parts: Sequence[Part], count: int, exc: zmq.ZMQError) -> bool:
+        log.warning("%s: %d message(s) not sent: %s", self.name, count, exc)
         return False
 
     def close(self) -> None:
@@ -199,5 +277,6 @@ class SocketPump:
             return
         self._closed = True
         self._out.clear()
+        self._batches.clear()
         self._loop.remove_reader(self._fd)
         self._sock.close(linger=0)
