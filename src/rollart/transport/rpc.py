@@ -117,6 +117,7 @@ class RpcServer:
         if self._closed.is_set():
             return
         if self._pump is None:
+            self._loop = asyncio.get_running_loop()
             self._pump = SocketPump(self._sock, self._on_request, copy_parts=3,
                                     on_send_error=self._send_failed, name=self.name)
         self._pump.receiving = True
@@ -142,7 +143,7 @@ class RpcServer:
                 code="unknown_kind", message=f"{self.name} does not handle {type(msg).__name__}",
             ), ())
             return
-        task = asyncio.ensure_future(self._run(handler, msg, parts, identity, call_id))
+        task = self._loop.create_task(self._run(handler, msg, parts, identity, call_id))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
