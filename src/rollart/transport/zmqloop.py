@@ -50,6 +50,10 @@ BATCH_BODY_BYTES = 64 * 1024
 #: A batch closes at about this many bytes and the next one starts.
 BATCH_BYTES = 1 << 20
 
+#: Parts at least this large are sent zero-copy (pyzmq's own copy_threshold default); smaller
+#: ones are copied, which is cheaper than the Frame object zero-copy needs.
+_ZERO_COPY_BYTES = 64 * 1024
+
 _LEN = struct.Struct(">I")
 _ENTRY_HEAD = _LEN.size + 8  # body length + call id
 
@@ -250,8 +254,10 @@ class SocketPump:
                 # A pipe's high-water mark is checked on a message's first part only, so a
                 # message is either refused whole (EAGAIN / EHOSTUNREACH here) or sent whole.
                 for i in range(last):
-                    sock.send(parts[i], _MORE_NOBLOCK, copy=False)
-                sock.send(parts[last], _NOBLOCK, copy=False)
+                    part = parts[i]
+                    sock.send(part, _MORE_NOBLOCK, copy=len(part) < _ZERO_COPY_BYTES)
+                part = parts[last]
+                sock.send(part, _NOBLOCK, copy=len(part) < _ZERO_COPY_BYTES)
                 sent = True
             except zmq.Again:
                 held.append(item)
