@@ -151,6 +151,10 @@ async def _gone_peer() -> None:
         await asyncio.wait_for(arrived.wait(), DEADLINE_S)
         raw.close(linger=0)
         await asyncio.wait_for(asyncio.to_thread(monitor.recv_multipart), DEADLINE_S)
+        # Stop monitoring before the monitor socket closes: a later event sent to a closed
+        # monitor blocks ZeroMQ's I/O thread, and with it every socket of the process.
+        server._sock.disable_monitor()
+        monitor.close(linger=0)
         release.set()
         async with RpcClient(server.address, heartbeat_interval_s=0) as client:
             # This reply goes out after the refused one (one socket, one send order).
@@ -159,7 +163,9 @@ async def _gone_peer() -> None:
             assert isinstance(reply, m.Ack)
         assert server.replies_to_gone_peers == 1
     finally:
-        monitor.close(linger=0)
+        if not monitor.closed:
+            server._sock.disable_monitor()
+            monitor.close(linger=0)
         raw.close(linger=0)
         await server.close()
         serving.cancel()
