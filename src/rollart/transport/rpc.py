@@ -10,7 +10,8 @@ No message is dropped for load: sockets have no high-water mark (see ``_HWM``), 
 finds a pipe full anyway stays queued (``SocketPump``), and the server's ROUTER is
 ``ROUTER_MANDATORY`` so the one reply that cannot be delivered, to a peer that is gone, is
 logged and counted (``RpcServer.replies_to_gone_peers``) instead of vanishing. Both ends run
-plain sockets from the event loop in bulk (``rollart.transport.zmqloop``), not ``zmq.asyncio``.
+plain sockets from the event loop in bulk (``rollart.transport.zmqloop``), not ``zmq.asyncio``:
+small messages to one peer in one loop tick travel as one ZeroMQ message (a batch envelope).
 """
 
 from __future__ import annotations
@@ -153,10 +154,9 @@ class RpcServer:
                 code="bad_request",
                 message="expected frames [call id (8 bytes), msgpack body, *tensor frames]",
             )
-        if self._max_bytes < DEFAULT_MAX_MESSAGE_BYTES or len(parts) > 3:
-            size = sum(len(p) for p in parts[1:])
-        else:
-            size = len(parts[1]) + len(parts[2])
+        size = len(parts[1]) + len(parts[2])
+        if len(parts) > 3:
+            size += sum(len(p) for p in parts[3:])
         if size > self._max_bytes:
             return m.ErrorReply(
                 code="too_large",
@@ -187,7 +187,15 @@ class RpcServer:
     def _send(self, identity: Part, call_id: Part, reply: m.Msg, buffers: Buffers) -> None:
         if self._pump is None or self._closed.is_set():
             return
-        self._pump.send([identity, call_id, _encoder.encode(reply), *buffers])
+        try:
+            body = _encoder.encode(reply)
+        except (TypeError, msgspec.EncodeError) as exc:
+            # A handler returned something that is not a wire message: fail this call only.
+            log.error("%s: cannot encode reply %r: %s", self.name, reply, exc)
+            body = _encoder.encode(m.ErrorReply(
+                code="internal", message=f"{self.name}: unencodable reply: {exc}"))
+            buffers = ()
+        self._pump.send([identity, call_id, body, *buffers])
 
     def _send_failed(self, parts: Sequence[Part], count: int, exc: zmq.ZMQError) -> bool:
         if exc.errno == zmq.EHOSTUNREACH:
