@@ -5,6 +5,13 @@ request it cannot decode, of an unknown kind, or over ``max_message_bytes`` gets
 ``ErrorReply`` naming the problem and the server keeps serving. A client awaits each reply with
 a timeout, and a heartbeat task turns a silent peer into ``PeerDeadError`` for every pending and
 later call instead of a hang.
+
+No message is dropped for load: sockets have no high-water mark (see ``_HWM``), a send that
+finds a pipe full anyway stays queued (``SocketPump``), and the server's ROUTER is
+``ROUTER_MANDATORY`` so the one reply that cannot be delivered, to a peer that is gone, is
+logged and counted (``RpcServer.replies_to_gone_peers``) instead of vanishing. Both ends run
+plain sockets from the event loop in bulk (``rollart.transport.zmqloop``), not ``zmq.asyncio``:
+small messages to one peer in one loop tick travel as one ZeroMQ message (a batch envelope).
 """
 
 from __future__ import annotations
@@ -21,10 +28,10 @@ from typing import Any
 
 import msgspec
 import zmq
-import zmq.asyncio
 
 from rollart.transport import messages as m
 from rollart.transport.errors import PeerDeadError, RemoteError, RemoteTimeoutError
+from rollart.transport.zmqloop import Part, SocketPump
 
 log = logging.getLogger(__name__)
 
@@ -33,16 +40,34 @@ HandlerResult = m.Msg | tuple[m.Msg, Buffers]
 Handler = Callable[[Any, list[memoryview]], Awaitable[HandlerResult]]
 
 _CALL_ID = struct.Struct(">Q")
+_NO_CALL_ID = _CALL_ID.pack(0)
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(m.Request)
 _reply_decoder = msgspec.msgpack.Decoder(m.Reply)
 
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 31
 
+#: SNDHWM and RCVHWM of every RPC socket: 0 = no limit. ZeroMQ's answer at a high-water mark
+#: is to drop (ROUTER) or to refuse (DEALER), and RPC wants neither: every message in flight
+#: is a request some caller awaits or the reply to one, so their number is already bounded by
+#: the callers' own concurrency (trajectories, weight buckets), and a second, smaller bound
+#: here only turns load into lost replies (issue 11: 10k outstanding calls against the
+#: default 1000). Memory is what those callers already hold: ~100 B of pipe per small message.
+#: Tests set it to 1 to force full pipes and the EAGAIN path.
+_HWM = 0
+
 
 def _resolve_bind(address: str) -> str:
     # ZeroMQ spells "any free port" as ':*'; accept the more familiar ':0'.
     return address[:-2] + ":*" if address.endswith(":0") else address
+
+
+def _socket(kind: int) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, _HWM)
+    sock.setsockopt(zmq.RCVHWM, _HWM)
+    return sock
 
 
 class RpcServer:
@@ -56,6 +81,9 @@ class RpcServer:
             ``internal`` (logged) — the server keeps serving either way.
         name: service name for ``Pong`` and logs.
         max_message_bytes: total bytes of one request (all frames) above which it is refused.
+
+    ``replies_to_gone_peers`` counts replies ZeroMQ refused because their client had
+    disconnected (``EHOSTUNREACH``); each is logged. No other reply is ever dropped.
     """
 
     def __init__(
@@ -70,86 +98,113 @@ class RpcServer:
         self._handlers = dict(handlers)
         self._handlers.setdefault(m.Ping, self._ping)
         self._max_bytes = max_message_bytes
-        self._ctx = zmq.asyncio.Context.instance()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self._sock = _socket(zmq.ROUTER)
+        # Without it a ROUTER silently drops a message it cannot route or whose pipe is full;
+        # with it the send raises EHOSTUNREACH (peer gone: counted, logged) or EAGAIN (kept).
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._sock.bind(_resolve_bind(address))
         self.address: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.replies_to_gone_peers = 0
+        self._pump: SocketPump | None = None
         self._tasks: set[asyncio.Task] = set()
-        self._send_lock = asyncio.Lock()
         self._closed = asyncio.Event()
 
     async def _ping(self, _msg: m.Ping, _frames: list[memoryview]) -> m.Pong:
         return m.Pong(service=self.name, pid=os.getpid())
 
     async def serve_forever(self) -> None:
-        """Receive and dispatch requests until ``close()``."""
+        """Receive and dispatch requests until ``close()`` (or until cancelled: then stop
+        receiving, while replies of requests already taken still go out)."""
+        if self._closed.is_set():
+            return
+        if self._pump is None:
+            self._loop = asyncio.get_running_loop()
+            self._pump = SocketPump(self._sock, self._on_request, copy_parts=3,
+                                    on_send_error=self._send_failed, name=self.name)
+        self._pump.receiving = True
         try:
-            while not self._closed.is_set():
-                try:
-                    frames = await self._sock.recv_multipart(copy=False)
-                except (zmq.ContextTerminated, zmq.ZMQError):
-                    if self._closed.is_set():
-                        return
-                    raise
-                task = asyncio.create_task(self._dispatch(frames))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+            await self._closed.wait()
         except asyncio.CancelledError:
-            pass
+            if self._pump is not None:
+                self._pump.receiving = False
 
-    async def _dispatch(self, frames: list[zmq.Frame]) -> None:
-        identity = frames[0].bytes
-        call_id_frame = frames[1].bytes if len(frames) > 1 else b""
-        reply, buffers = await self._handle(frames, call_id_frame)
-        if len(call_id_frame) != _CALL_ID.size:
+    def _on_request(self, parts: list[Part]) -> None:
+        identity = parts[0]
+        call_id = parts[1] if len(parts) > 1 else b""
+        if len(call_id) != _CALL_ID.size:
             # Nothing to match a reply with; the error still tells the peer what was wrong.
-            call_id_frame = _CALL_ID.pack(0)
-        out = [identity, call_id_frame, _encoder.encode(reply), *buffers]
-        async with self._send_lock:
-            if self._closed.is_set():
-                return
-            try:
-                await self._sock.send_multipart(out, copy=False)
-            except zmq.ZMQError as exc:
-                log.warning("%s: reply to a gone peer dropped: %s", self.name, exc)
+            call_id = _NO_CALL_ID
+        msg = self._decode(parts)
+        if isinstance(msg, m.ErrorReply):
+            self._send(identity, call_id, msg, ())
+            return
+        handler = self._handlers.get(type(msg))
+        if handler is None:
+            self._send(identity, call_id, m.ErrorReply(
+                code="unknown_kind", message=f"{self.name} does not handle {type(msg).__name__}",
+            ), ())
+            return
+        task = self._loop.create_task(self._run(handler, msg, parts, identity, call_id))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
-    async def _handle(self, frames: list[zmq.Frame], call_id: bytes) -> tuple[m.Msg, Buffers]:
-        if len(call_id) != _CALL_ID.size or len(frames) < 3:
+    def _decode(self, parts: list[Part]) -> Any:
+        if len(parts) < 3 or len(parts[1]) != _CALL_ID.size:
             return m.ErrorReply(
                 code="bad_request",
                 message="expected frames [call id (8 bytes), msgpack body, *tensor frames]",
-            ), ()
-        size = sum(len(f.buffer) for f in frames[1:])
+            )
+        size = len(parts[1]) + len(parts[2])
+        if len(parts) > 3:
+            size += sum(len(p) for p in parts[3:])
         if size > self._max_bytes:
             return m.ErrorReply(
                 code="too_large",
                 message=f"message of {size} bytes exceeds max_message_bytes={self._max_bytes}",
-            ), ()
+            )
         try:
-            msg = _request_decoder.decode(frames[2].buffer)
+            return _request_decoder.decode(parts[2])
         except msgspec.ValidationError as exc:
             code = "unknown_kind" if str(exc).endswith("`$.kind`") else "bad_request"
-            return m.ErrorReply(code=code, message=f"invalid request: {exc}"), ()
+            return m.ErrorReply(code=code, message=f"invalid request: {exc}")
         except msgspec.DecodeError as exc:
-            return m.ErrorReply(code="bad_request", message=f"undecodable body: {exc}"), ()
-        handler = self._handlers.get(type(msg))
-        if handler is None:
-            return m.ErrorReply(
-                code="unknown_kind",
-                message=f"{self.name} does not handle {type(msg).__name__}",
-            ), ()
+            return m.ErrorReply(code="bad_request", message=f"undecodable body: {exc}")
+
+    async def _run(self, handler: Handler, msg: Any, parts: list[Part], identity: Part,
+                   call_id: Part) -> None:
         try:
-            result = await handler(msg, [f.buffer for f in frames[3:]])
+            result = await handler(msg, list(parts[3:]))  # type: ignore[arg-type]
         except RemoteError as exc:
-            return m.ErrorReply(code=exc.code, message=exc.message), ()
+            result = m.ErrorReply(code=exc.code, message=exc.message)
         except Exception as exc:  # a handler bug fails this request only
             log.exception("%s: handler for %s failed", self.name, type(msg).__name__)
-            return m.ErrorReply(code="internal", message=f"{type(exc).__name__}: {exc}"), ()
+            result = m.ErrorReply(code="internal", message=f"{type(exc).__name__}: {exc}")
         if isinstance(result, tuple):
-            return result
-        return result, ()
+            self._send(identity, call_id, result[0], result[1])
+        else:
+            self._send(identity, call_id, result, ())
+
+    def _send(self, identity: Part, call_id: Part, reply: m.Msg, buffers: Buffers) -> None:
+        if self._pump is None or self._closed.is_set():
+            return
+        try:
+            body = _encoder.encode(reply)
+        except (TypeError, msgspec.EncodeError) as exc:
+            # A handler returned something that is not a wire message: fail this call only.
+            log.error("%s: cannot encode reply %r: %s", self.name, reply, exc)
+            body = _encoder.encode(m.ErrorReply(
+                code="internal", message=f"{self.name}: unencodable reply: {exc}"))
+            buffers = ()
+        self._pump.send([identity, call_id, body, *buffers])
+
+    def _send_failed(self, parts: Sequence[Part], count: int, exc: zmq.ZMQError) -> bool:
+        if exc.errno == zmq.EHOSTUNREACH:
+            self.replies_to_gone_peers += count
+            log.warning("%s: %d reply(ies) to a gone peer dropped (it disconnected): %s",
+                        self.name, count, exc)
+        else:
+            log.warning("%s: %d reply(ies) not sent: %s", self.name, count, exc)
+        return False
 
     async def close(self) -> None:
         """Stop receiving, cancel in-flight handlers and close the socket."""
@@ -158,7 +213,10 @@ class RpcServer:
             task.cancel()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._sock.close(linger=0)
+        if self._pump is not None:
+            self._pump.close()
+        else:
+            self._sock.close(linger=0)
 
 
 class RpcClient:
@@ -171,6 +229,9 @@ class RpcClient:
         heartbeat_interval_s: seconds between ``Ping`` probes; ``0`` disables heartbeats.
         liveness_timeout_s: a peer silent for this long (no reply of any kind, pings included)
             is declared dead: pending and later calls raise ``PeerDeadError``.
+
+    Must be created on a running event loop. Requests are never dropped: they queue (in the
+    client, then in ZeroMQ) until the server takes them, however many are outstanding.
     """
 
     def __init__(
@@ -185,9 +246,8 @@ class RpcClient:
         self.address = address
         self.name = name or address
         self.default_timeout_s = default_timeout_s
-        self._ctx = zmq.asyncio.Context.instance()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
+        self._loop = asyncio.get_running_loop()
+        self._sock = _socket(zmq.DEALER)
         self._sock.connect(address)
         self._pending: dict[int, asyncio.Future] = {}
         self._ids = itertools.count(1)
@@ -195,8 +255,7 @@ class RpcClient:
         self._last_heard = time.monotonic()
         self._hb_interval = heartbeat_interval_s
         self._liveness = liveness_timeout_s
-        self._send_lock = asyncio.Lock()
-        self._reader = asyncio.create_task(self._read_loop())
+        self._pump = SocketPump(self._sock, self._on_reply, copy_parts=2, name=self.name)
         self._heartbeat = (
             asyncio.create_task(self._heartbeat_loop()) if heartbeat_interval_s > 0 else None
         )
@@ -220,46 +279,41 @@ class RpcClient:
         if self._dead is not None:
             raise self._dead
         call_id = next(self._ids)
-        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future = self._loop.create_future()
         self._pending[call_id] = fut
         timeout = self.default_timeout_s if timeout_s is None else timeout_s
+        # A timer handle, not asyncio.wait_for: wait_for costs a task per call on Python 3.11.
+        timer = self._loop.call_later(timeout, self._expire, fut, msg, timeout)
         try:
-            async with self._send_lock:
-                await self._sock.send_multipart(
-                    [_CALL_ID.pack(call_id), _encoder.encode(msg), *buffers], copy=False
-                )
-            try:
-                reply, frames = await asyncio.wait_for(fut, timeout)
-            except TimeoutError:
-                raise RemoteTimeoutError(
-                    f"{self.name}: no reply to {type(msg).__name__} within {timeout:.3g} s"
-                ) from None
+            self._pump.send([_CALL_ID.pack(call_id), _encoder.encode(msg), *buffers])
+            reply, frames = await fut
         finally:
+            timer.cancel()
             self._pending.pop(call_id, None)
         if isinstance(reply, m.ErrorReply):
             raise RemoteError(reply.code, f"{self.name}: {reply.message}")
         return reply, frames
 
-    async def _read_loop(self) -> None:
-        while True:
-            try:
-                frames = await self._sock.recv_multipart(copy=False)
-            except (asyncio.CancelledError, zmq.ZMQError):
-                return
-            self._last_heard = time.monotonic()
-            if len(frames) < 2 or len(frames[0].bytes) != _CALL_ID.size:
-                log.warning("%s: dropped a malformed reply (%d frames)", self.name, len(frames))
-                continue
-            (call_id,) = _CALL_ID.unpack(frames[0].bytes)
-            fut = self._pending.get(call_id)
-            try:
-                reply = _reply_decoder.decode(frames[1].buffer)
-            except msgspec.MsgspecError as exc:
-                reply = m.ErrorReply(code="bad_request", message=f"undecodable reply: {exc}")
-            if call_id == 0 and isinstance(reply, m.ErrorReply):
-                log.warning("%s: unmatched error reply: %s", self.name, reply.message)
-            if fut is not None and not fut.done():
-                fut.set_result((reply, [f.buffer for f in frames[2:]]))
+    def _expire(self, fut: asyncio.Future, msg: m.Msg, timeout: float) -> None:
+        if not fut.done():
+            fut.set_exception(RemoteTimeoutError(
+                f"{self.name}: no reply to {type(msg).__name__} within {timeout:.3g} s"))
+
+    def _on_reply(self, parts: list[Part]) -> None:
+        self._last_heard = time.monotonic()
+        if len(parts) < 2 or len(parts[0]) != _CALL_ID.size:
+            log.warning("%s: dropped a malformed reply (%d frames)", self.name, len(parts))
+            return
+        (call_id,) = _CALL_ID.unpack(parts[0])
+        try:
+            reply = _reply_decoder.decode(parts[1])
+        except msgspec.MsgspecError as exc:
+            reply = m.ErrorReply(code="bad_request", message=f"undecodable reply: {exc}")
+        if call_id == 0 and isinstance(reply, m.ErrorReply):
+            log.warning("%s: unmatched error reply: %s", self.name, reply.message)
+        fut = self._pending.get(call_id)
+        if fut is not None and not fut.done():
+            fut.set_result((reply, parts[2:]))
 
     async def _heartbeat_loop(self) -> None:
         while self._dead is None:
@@ -287,11 +341,10 @@ class RpcClient:
     async def close(self) -> None:
         """Fail pending calls, stop background tasks and close the socket."""
         self.mark_dead("client closed")
-        tasks = [t for t in (self._reader, self._heartbeat) if t is not None]
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        self._sock.close(linger=0)
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+            await asyncio.gather(self._heartbeat, return_exceptions=True)
+        self._pump.close()
 
     async def __aenter__(self) -> RpcClient:
         return self

@@ -1,0 +1,369 @@
+"""``rpc_floor``: RPC echo throughput of rollart's transport against its physical floor (measured).
+
+Three transports carry the same echo (an ``EnvStep`` request answered by an ``EnvStepResult``,
+msgspec msgpack both ways) from one client in this process to one server in another process,
+both on uvloop, at concurrency 1, 64 and 1024 (that many coroutines each calling in a loop):
+
+- ``new``: ``rollart.transport.rpc`` (plain ZeroMQ sockets pumped in bulk from the loop).
+- ``old``: the transport before issue 11 (``benchmarks/_rpc_before.py``: pyzmq's asyncio layer).
+- ``floor``: the physical floor of issue 11, a bare uvloop ``asyncio.Protocol`` over TCP with
+  length-prefixed frames (4-byte length, 8-byte call id, msgpack body), one ``write`` per loop
+  tick, a future per call and no task per request: no ZeroMQ, no heartbeats, no timeouts.
+
+Reported per transport and concurrency: calls/s (answered calls only) and us per call (= 1e6 /
+calls/s: wall time per call with that many in flight, both processes included), and the calls
+whose reply never came within ``CALL_TIMEOUT_S`` (``lost_replies``, warm-ups included; the wait
+for them is in the elapsed time, as it would be for a real caller). Ratios ``new/old`` and ``new/floor`` of
+calls/s are computed within each repeat (the three transports run back to back, in a rotating
+order) and given as mean with a 95% Student-t interval over the repeats. Both processes share
+this machine's cores with whatever else runs (the load average is in ``meta``).
+
+``measure_floor(...)`` runs only the floor, for other benchmarks to print beside their figures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import math
+import os
+import statistics
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import uvloop
+
+from benchmarks.common import emit, parse_args, result
+from rollart.transport import messages as m
+from rollart.transport.errors import RemoteTimeoutError
+
+NAME = "rpc_floor"
+KINDS = ("new", "old", "floor")
+CONCURRENCY = (1, 64, 1024)
+_FRAME = struct.Struct(">IQ")  # body length + 8 (call id), call id
+_encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(m.Request)
+_reply_decoder = msgspec.msgpack.Decoder(m.Reply)
+
+#: Two-sided 95% Student-t quantiles by degrees of freedom (standard tables, e.g. NIST/SEMATECH
+#: e-Handbook of Statistical Methods, 1.3.6.7.2); above 30 the normal 1.96.
+_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
+        9: 2.262, 10: 2.228, 11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120,
+        17: 2.110, 18: 2.101, 19: 2.093, 20: 2.086, 25: 2.060, 30: 2.042}
+
+
+def ci95(values: list[float]) -> tuple[float, float]:
+    """Mean and half-width of its 95% Student-t interval (half-width nan for one value)."""
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return mean, math.nan
+    df = len(values) - 1
+    t = _T95.get(df) or (1.96 if df > 30 else _T95[max(k for k in _T95 if k <= df)])
+    return mean, t * statistics.stdev(values) / math.sqrt(len(values))
+
+
+def _request(i: int) -> m.EnvStep:
+    return m.EnvStep(session_id="bench", action=str(i))
+
+
+def _echo(msg: m.EnvStep) -> m.EnvStepResult:
+    return m.EnvStepResult(session_id=msg.session_id, observation=msg.action, reward=0.0,
+                           terminated=False, truncated=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# The floor: length-prefixed msgspec frames over a bare asyncio.Protocol
+# ----------------------------------------------------------------------------------------------
+
+
+class _Framed(asyncio.Protocol):
+    """Splits the byte stream into (call id, body) frames; batches writes to one per tick."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self._out: list[bytes] = []
+        self._transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        buf = self._buf
+        buf += data
+        pos, end = 0, len(buf)
+        while end - pos >= _FRAME.size:
+            length, call_id = _FRAME.unpack_from(buf, pos)
+            if end - pos - 4 < length:
+                break
+            self.frame(call_id, bytes(buf[pos + _FRAME.size:pos + 4 + length]))
+            pos += 4 + length
+        del buf[:pos]
+
+    def frame(self, call_id: int, body: bytes) -> None:
+        raise NotImplementedError
+
+    def send(self, call_id: int, body: bytes) -> None:
+        if not self._out:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._out.append(_FRAME.pack(len(body) + 8, call_id))
+        self._out.append(body)
+
+    def _flush(self) -> None:
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.write(b"".join(self._out))
+        self._out.clear()
+
+
+class _FloorServer(_Framed):
+    def frame(self, call_id: int, body: bytes) -> None:
+        self.send(call_id, _encoder.encode(_echo(_request_decoder.decode(body))))
+
+
+class _FloorClient(_Framed):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pending: dict[int, asyncio.Future] = {}
+        self._next = 0
+
+    def frame(self, call_id: int, body: bytes) -> None:
+        fut = self.pending.pop(call_id, None)
+        if fut is not None and not fut.done():
+            fut.set_result(_reply_decoder.decode(body))
+
+    async def call(self, msg: m.Msg) -> Any:
+        self._next += 1
+        fut = asyncio.get_running_loop().create_future()
+        self.pending[self._next] = fut
+        self.send(self._next, _encoder.encode(msg))
+        return await fut
+
+
+# ----------------------------------------------------------------------------------------------
+# Server processes
+# ----------------------------------------------------------------------------------------------
+
+
+async def _serve(kind: str) -> None:
+    if kind == "floor":
+        server = await asyncio.get_running_loop().create_server(_FloorServer, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        print(f"ADDRESS tcp://127.0.0.1:{port}", flush=True)
+    else:
+        mod = importlib.import_module(
+            "rollart.transport.rpc" if kind == "new" else "benchmarks._rpc_before")
+
+        async def step(msg: m.EnvStep, _frames: Any) -> m.EnvStepResult:
+            return _echo(msg)
+
+        rpc = mod.RpcServer("tcp://127.0.0.1:0", {m.EnvStep: step}, name=f"echo-{kind}")
+        serving = asyncio.create_task(rpc.serve_forever())
+        print(f"ADDRESS {rpc.address}", flush=True)
+    # Serve until the parent closes our stdin (or dies).
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+    if kind != "floor":
+        await rpc.close()
+        serving.cancel()
+
+
+def _spawn(kind: str) -> tuple[subprocess.Popen, str]:
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(root / "src"), str(root), env.get("PYTHONPATH", "")) if p)
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.rpc_floor", "serve", kind],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+                            cwd=root)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line.startswith("ADDRESS "):
+        proc.kill()
+        raise RuntimeError(f"{kind} echo server did not start: {line!r}")
+    return proc, line.split()[1]
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    assert proc.stdin is not None
+    proc.stdin.close()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+# ----------------------------------------------------------------------------------------------
+# Clients and the measurement
+# ----------------------------------------------------------------------------------------------
+
+
+#: Seconds an RPC echo call may wait for its reply before it counts as lost. The old transport
+#: drops replies past ZeroMQ's default high-water mark (issue 11); such a call then waits this
+#: long, which its calls/s includes, as a real caller's would.
+CALL_TIMEOUT_S = 10.0
+
+
+class Lost:
+    """Counts calls whose reply never came (``RemoteTimeoutError``)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+
+async def _run_calls(call: Callable[[m.Msg], Awaitable[Any]], concurrency: int, calls: int,
+                     lost: Lost) -> float:
+    """Issue ``calls`` echo calls from ``concurrency`` coroutines; returns elapsed seconds."""
+    issued = 0
+
+    async def worker() -> None:
+        nonlocal issued
+        while issued < calls:
+            issued += 1
+            try:
+                reply = await call(_request(issued))
+            except RemoteTimeoutError:
+                lost.count += 1
+                continue
+            if not isinstance(reply, m.EnvStepResult):
+                raise RuntimeError(f"bad echo reply {reply!r}")
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return time.perf_counter() - t0
+
+
+async def _measure(kind: str, address: str, concurrency: int, calls: int,
+                   lost: Lost | None = None) -> float:
+    """calls/s of one transport at one concurrency (after a warm-up of a tenth of ``calls``);
+    replies that never came are added to ``lost``."""
+    lost = lost or Lost()
+    if kind == "floor":
+        host, port = address.removeprefix("tcp://").rsplit(":", 1)
+        transport, client = await asyncio.get_running_loop().create_connection(
+            _FloorClient, host, int(port))
+        try:
+            await _run_calls(client.call, concurrency, max(concurrency, calls // 10), lost)
+            before = lost.count
+            elapsed = await _run_calls(client.call, concurrency, calls, lost)
+            return (calls - (lost.count - before)) / elapsed
+        finally:
+            transport.close()
+    mod = importlib.import_module(
+        "rollart.transport.rpc" if kind == "new" else "benchmarks._rpc_before")
+    rpc = mod.RpcClient(address, name=kind, heartbeat_interval_s=0)
+
+    async def call(msg: m.Msg) -> Any:
+        return (await rpc.call(msg, timeout_s=CALL_TIMEOUT_S))[0]
+
+    try:
+        await _run_calls(call, concurrency, max(concurrency, calls // 10), lost)
+        before = lost.count
+        elapsed = await _run_calls(call, concurrency, calls, lost)
+        return (calls - (lost.count - before)) / elapsed
+    finally:
+        await rpc.close()
+
+
+def _calls_for(concurrency: int, quick: bool) -> int:
+    # About a second per measurement at the expected rates (concurrency 1 is latency-bound).
+    base = 2_000 if concurrency == 1 else 10_000
+    return base // 4 if quick else base
+
+
+def measure_floor(concurrency: tuple[int, ...] = CONCURRENCY, *, repeats: int = 5,
+                  quick: bool = False) -> list[dict[str, Any]]:
+    """Measure the bare uvloop ``asyncio.Protocol`` echo floor (server in a child process).
+
+    Call from synchronous code (it runs its own uvloop). Returns one row per concurrency:
+    ``{"concurrency", "calls_per_s", "calls_per_s_ci95", "us_per_call"}`` (mean over
+    ``repeats``; ``us_per_call`` = 1e6 / mean calls/s).
+    """
+    proc, address = _spawn("floor")
+    try:
+        rates = uvloop.run(_floor_rates(address, concurrency, repeats, quick))
+    finally:
+        _stop(proc)
+    rows = []
+    for c in concurrency:
+        mean, half = ci95(rates[c])
+        rows.append({"concurrency": c, "calls_per_s": mean, "calls_per_s_ci95": half,
+                     "us_per_call": 1e6 / mean})
+    return rows
+
+
+async def _floor_rates(address: str, concurrency: tuple[int, ...], repeats: int, quick: bool
+                       ) -> dict[int, list[float]]:
+    rates: dict[int, list[float]] = {c: [] for c in concurrency}
+    for _ in range(repeats):
+        for c in concurrency:
+            rates[c].append(await _measure("floor", address, c, _calls_for(c, quick)))
+    return rates
+
+
+async def _all_rates(addresses: dict[str, str], repeats: int, quick: bool
+                     ) -> tuple[dict[tuple[str, int], list[float]], dict[tuple[str, int], Lost]]:
+    rates: dict[tuple[str, int], list[float]] = {(k, c): [] for k in KINDS for c in CONCURRENCY}
+    lost = {key: Lost() for key in rates}
+    for rep in range(repeats):
+        order = KINDS[rep % len(KINDS):] + KINDS[:rep % len(KINDS)]
+        for c in CONCURRENCY:
+            for kind in order:
+                rates[kind, c].append(await _measure(
+                    kind, addresses[kind], c, _calls_for(c, quick), lost[kind, c]))
+    return rates, lost
+
+
+def run(quick: bool, seed: int) -> dict[str, Any]:
+    started = time.perf_counter()
+    repeats = 5 if quick else 10
+    load_before = os.getloadavg()[0]
+    procs = {kind: _spawn(kind) for kind in KINDS}
+    try:
+        rates, lost = uvloop.run(
+            _all_rates({k: a for k, (_, a) in procs.items()}, repeats, quick))
+    finally:
+        for proc, _ in procs.values():
+            _stop(proc)
+    rows, ratios, intervals = [], {}, {}
+    for c in CONCURRENCY:
+        for kind in KINDS:
+            mean, half = ci95(rates[kind, c])
+            rows.append({"transport": kind, "concurrency": c, "calls_per_s": mean,
+                         "calls_per_s_ci95": half, "us_per_call": 1e6 / mean,
+                         "lost_replies": lost[kind, c].count})
+            ratios[f"lost_replies {kind} at c={c}"] = lost[kind, c].count
+        for other in ("old", "floor"):
+            per_rep = [a / b for a, b in zip(rates["new", c], rates[other, c], strict=True)]
+            mean, half = ci95(per_rep)
+            key = f"new/{other} calls_per_s at c={c}"
+            ratios[key], intervals[key] = mean, [mean - half, mean + half]
+    res = result(NAME, simulated=False, rows=rows, ratios=ratios, quick=quick, seed=seed,
+                 started=started,
+                 notes=(f"{repeats} repeats, transports interleaved; one client process, one "
+                        f"server process per transport, uvloop both sides; load average "
+                        f"{load_before:.2f} before / {os.getloadavg()[0]:.2f} after on "
+                        f"{os.cpu_count()} cores"))
+    res["ci95"] = {k: [round(lo, 4), round(hi, 4)] for k, (lo, hi) in intervals.items()}
+    res["meta"]["repeats"] = repeats
+    res["meta"]["load_avg_1m"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
+    return res
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any] | None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:
+        uvloop.run(_serve(argv[1]))
+        return None
+    args = parse_args(NAME, __doc__.splitlines()[0], argv)
+    res = run(args.quick, args.seed)
+    emit(res, args.json)
+    return res
+
+
+if __name__ == "__main__":
+    main()
