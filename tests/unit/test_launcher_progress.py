@@ -49,3 +49,12 @@ def test_summary_reports_the_worst_steps_lag_p99(tmp_path: Path) -> None:
     _write_summary(tmp_path, scenario(), started=0.0)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["loop_lag_p99_ms_max"] == 41.5
+
+
+def test_progress_redirected_to_a_file_keeps_every_column(capsys) -> None:
+    # Not a terminal (captured): rich would assume 80 columns and drop the last ones.
+    progress = Progress(scenario(), 2)
+    progress.step(1, metrics(1, 7.0))
+    out = capsys.readouterr().out
+    for col in ("abort", "fail", "waste", "lag p99 ms"):
+        assert col in out

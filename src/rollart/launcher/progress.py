@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from rich.console import Console
@@ -20,7 +21,10 @@ class Progress:
     """
 
     def __init__(self, scenario: Scenario, planned_steps: int) -> None:
-        self.console = Console(highlight=False)
+        # Redirected to a file or pipe, rich assumes 80 columns and drops the table's last
+        # columns (waste, lag); a log has no width to respect.
+        tty = sys.stdout.isatty()
+        self.console = Console(highlight=False, width=None if tty else _LOG_WIDTH)
         self.domains = [d.name for d in scenario.domains]
         self.planned = planned_steps
         run = scenario.run
@@ -51,6 +55,10 @@ class Progress:
 
     def close(self) -> None:
         self.console.rule()
+
+
+#: Columns of a progress row written to a file or pipe (enough for every column and ~6 domains).
+_LOG_WIDTH = 240
 
 
 def waste_text(metrics: Any) -> str:
