@@ -18,8 +18,8 @@ from rich.console import Console
 from rich.table import Table
 
 BENCHMARKS = ("env_tail", "modes", "affinity", "redundancy", "staleness", "staleness_waste",
-              "weight_sync", "pd", "controller_overhead", "real_engine", "weight_transfer",
-              "token_path")
+              "weight_sync", "pd", "controller_overhead", "rpc_floor", "real_engine",
+              "weight_transfer", "token_path")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,6 +7,11 @@ Wire format (ZeroMQ multipart, ROUTER/DEALER):
              name in the ``kind`` field
     frame 2..: raw tensor bytes, one frame per ``TensorMeta`` listed in the message (no pickle)
 
+Small messages (no tensor frames, body <= 64 KiB) that one side queues for the same peer in one
+event-loop tick leave as one ZeroMQ message, a batch envelope: ``[b"", blob]`` where ``blob``
+repeats ``(body length u32 big-endian, call id 8 bytes, body)``; the empty frame where the
+8-byte call id would be marks it. ``rollart.transport.zmqloop`` packs and unpacks it.
+
 A request whose frames cannot be decoded gets an ``ErrorReply`` naming the problem; the server
 keeps serving. Structs are ``forbid_unknown_fields`` so a peer of another version fails loudly.
 """
