@@ -278,6 +278,49 @@ def test_prefix_store_rejects_unknown_and_malformed_prefixes() -> None:
         assert info.value.code == "bad_request"
 
 
+def test_prefix_store_is_bounded_by_entries_as_well_as_tokens() -> None:
+    # One-token prefixes under many ids: the token bound alone would let 16 Mi entries pile up.
+    store = PrefixStore(max_tokens=1 << 20, max_entries=100)
+    for i in range(1000):
+        store.keep(f"t{i}", tb.pack_i32([i]), b"")
+    assert len(store) == 100 and store.num_tokens == 100 and store.evictions == 900
+    assert "t999" in store and "t899" not in store  # least recently used went first
+    with pytest.raises(ValueError, match="max_entries must be > 0"):
+        PrefixStore(max_entries=0)
+
+
+async def test_a_server_flooded_with_trajectory_ids_holds_a_bounded_store() -> None:
+    from rollart.transport.rpc import RpcClient, RpcServer
+
+    store = PrefixStore(max_entries=50)
+
+    async def generate(msg: m.Generate, _frames) -> m.Ack:
+        store.keep(msg.trajectory_id, store.take_prompt(msg), tb.pack_i32([7]))
+        return m.Ack()
+
+    server = RpcServer("tcp://127.0.0.1:0", {m.Generate: generate}, name="worker")
+    serving = asyncio.create_task(server.serve_forever())
+    try:
+        async with RpcClient(server.address, heartbeat_interval_s=0) as client:
+            params = m.SamplingParams(max_tokens=1)
+            await asyncio.gather(*(client.call(m.Generate(
+                request_id=f"r{i}", new_token_ids=tb.pack_i32([1, 2]), sampling=params,
+                trajectory_id=f"flood-{i}"), timeout_s=60) for i in range(500)))
+            assert len(store) == 50 and store.num_tokens == 150
+            # An over-long trajectory id is refused by name; the server keeps serving.
+            with pytest.raises(RemoteError) as info:
+                await client.call(m.Generate(
+                    request_id="long", new_token_ids=tb.pack_i32([1]), sampling=params,
+                    trajectory_id="x" * 100_000), timeout_s=60)
+            assert info.value.code == "bad_request" and "trajectory_id" in info.value.message
+            await client.call(m.Generate(request_id="ok", new_token_ids=tb.pack_i32([1]),
+                                         sampling=params, trajectory_id="g1/2"), timeout_s=60)
+            assert "g1/2" in store and len(store) == 50
+    finally:
+        await server.close()
+        serving.cancel()
+
+
 def test_the_simulated_worker_resolves_delta_prompts_like_the_real_one() -> None:
     from rollart.sim.clock import run_virtual
     from rollart.sim.hardware import H800

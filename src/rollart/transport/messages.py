@@ -29,6 +29,9 @@ from rollart.transport import tokenbytes as tb
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 PosInt = Annotated[int, msgspec.Meta(gt=0)]
 Probability = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
+#: a trajectory id as inference workers key their held prefixes by it: bounded, because a worker
+#: holds up to ``PrefixStore.max_entries`` of them (the controller's are like ``g12/345``)
+TrajectoryId = Annotated[str, msgspec.Meta(max_length=256)]
 
 #: Error codes carried by ``ErrorReply.code``. Per-item codes: the peer keeps serving.
 ErrorCode = Literal[
@@ -157,9 +160,9 @@ class Generate(Msg):
     request_id: str
     new_token_ids: bytes
     sampling: SamplingParams
-    trajectory_id: str = ""
+    trajectory_id: TrajectoryId = ""
     prefix_len: NonNegInt = 0
-    release: list[str] = []
+    release: list[TrajectoryId] = []
 
     @property
     def num_new_tokens(self) -> int:
