@@ -182,6 +182,9 @@ class GenerateResult(Msg):
     ``num_prompt_tokens``: the whole prompt's length (held prefix + new tokens).
     ``prompt_logprobs``: when requested, one entry per prompt token (``None`` for the first);
     opt-in diagnostics, so a plain list.
+
+    Raises ``ValueError`` (a ``bad_request`` where decoded) on ragged or unequal per-token
+    lengths, or a logprob that is NaN, infinite or > 0.
     """
 
     request_id: str
@@ -192,6 +195,27 @@ class GenerateResult(Msg):
     num_prompt_tokens: NonNegInt
     stats: WorkerStats
     prompt_logprobs: list[float | None] | None = None
+
+    def __post_init__(self) -> None:
+        # Checked where the reply is decoded, so a broken worker fails that request only (the
+        # client sees bad_request); a NaN or positive logprob reaching a batch would make the
+        # importance ratio NaN / wrong for every sample of the step, and TrainSample refuses it
+        # only once the batch is built (a failed step, not a failed trajectory).
+        rid = self.request_id
+        try:
+            n = tb.count(self.token_ids, 4, "token_ids")
+            lps = tb.view_f32(self.logprobs)
+        except ValueError as exc:
+            raise ValueError(f"request {rid!r}: {exc}") from None
+        nv = memoryview(self.versions).nbytes
+        if lps.size != n or nv != 4 * n:
+            raise ValueError(f"request {rid!r}: {4 * n} bytes of token_ids, {4 * lps.size} of "
+                             f"logprobs, {nv} of versions (4 per token each)")
+        # One comparison each: NaN fails both, so it is caught by the first.
+        if n and not (lps.max() <= 0.0 and lps.min() > -np.inf):
+            bad = lps[~(np.isfinite(lps) & (lps <= 0.0))]
+            raise ValueError(f"request {rid!r}: logprob {float(bad[0])} of a generated token "
+                             "must be finite and <= 0")
 
     @property
     def num_tokens(self) -> int:
