@@ -53,7 +53,7 @@ def _result(**change) -> m.GenerateResult:
         ({"logprobs": tb.pack_f32([-0.5, float("-inf")])}, "logprob -inf"),
         ({"logprobs": tb.pack_f32([-0.5])}, "8 bytes of token_ids, 4 of logprobs, 8 of versions"),
         ({"versions": b"\x03\x00"}, "8 bytes of token_ids, 8 of logprobs, 2 of versions"),
-        ({"token_ids": b"\x05\x00\x00"}, "token_ids: 3 bytes is not a whole number"),
+        ({"token_ids": b"\x05\x00\x00"}, "3 bytes of token_ids, 8 of logprobs, 8 of versions"),
     ],
     ids=["nan", "positive", "neg-inf", "short-logprobs", "short-versions", "ragged-ids"],
 )

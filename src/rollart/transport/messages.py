@@ -201,21 +201,17 @@ class GenerateResult(Msg):
         # client sees bad_request); a NaN or positive logprob reaching a batch would make the
         # importance ratio NaN / wrong for every sample of the step, and TrainSample refuses it
         # only once the batch is built (a failed step, not a failed trajectory).
-        rid = self.request_id
-        try:
-            n = tb.count(self.token_ids, 4, "token_ids")
-            lps = tb.view_f32(self.logprobs)
-        except ValueError as exc:
-            raise ValueError(f"request {rid!r}: {exc}") from None
-        nv = memoryview(self.versions).nbytes
-        if lps.size != n or nv != 4 * n:
-            raise ValueError(f"request {rid!r}: {4 * n} bytes of token_ids, {4 * lps.size} of "
+        nt, nl, nv = len(self.token_ids), len(self.logprobs), len(self.versions)
+        if nt % 4 or nl != nt or nv != nt:
+            raise ValueError(f"request {self.request_id!r}: {nt} bytes of token_ids, {nl} of "
                              f"logprobs, {nv} of versions (4 per token each)")
-        # One comparison each: NaN fails both, so it is caught by the first.
-        if n and not (lps.max() <= 0.0 and lps.min() > -np.inf):
-            bad = lps[~(np.isfinite(lps) & (lps <= 0.0))]
-            raise ValueError(f"request {rid!r}: logprob {float(bad[0])} of a generated token "
-                             "must be finite and <= 0")
+        if nt:
+            lps = np.frombuffer(self.logprobs, dtype=tb.F32)
+            # NaN fails the first comparison (max propagates it), -inf the second.
+            if not (lps.max() <= 0.0 and lps.min() > -np.inf):
+                bad = lps[~(np.isfinite(lps) & (lps <= 0.0))]
+                raise ValueError(f"request {self.request_id!r}: logprob {float(bad[0])} of a "
+                                 "generated token must be finite and <= 0")
 
     @property
     def num_tokens(self) -> int:
