@@ -1,6 +1,7 @@
 """A handler returning something that is not a wire message fails that call only, with an
 ``internal`` error instead of a silent timeout, and a reply whose token data are broken (ragged,
-NaN or positive logprobs) fails that call only, with ``bad_request``; the server keeps serving."""
+NaN or positive logprobs, negative token ids, which the controller's detokenizer cannot take)
+fails that call only, with ``bad_request``; the server keeps serving."""
 
 from __future__ import annotations
 
@@ -54,8 +55,11 @@ def _result(**change) -> m.GenerateResult:
         ({"logprobs": tb.pack_f32([-0.5])}, "8 bytes of token_ids, 4 of logprobs, 8 of versions"),
         ({"versions": b"\x03\x00"}, "8 bytes of token_ids, 8 of logprobs, 2 of versions"),
         ({"token_ids": b"\x05\x00\x00"}, "3 bytes of token_ids, 8 of logprobs, 8 of versions"),
+        ({"token_ids": tb.pack_i32([5, -1])}, "negative token id -1"),
+        ({"versions": tb.pack_i32([3, -2])}, "negative version -2"),
     ],
-    ids=["nan", "positive", "neg-inf", "short-logprobs", "short-versions", "ragged-ids"],
+    ids=["nan", "positive", "neg-inf", "short-logprobs", "short-versions", "ragged-ids",
+         "negative-id", "negative-version"],
 )
 async def test_a_generate_result_with_bad_token_data_fails_that_call_only(change, message) -> None:
     async def generate(msg: m.Generate, _frames):

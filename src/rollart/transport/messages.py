@@ -184,7 +184,7 @@ class GenerateResult(Msg):
     opt-in diagnostics, so a plain list.
 
     Raises ``ValueError`` (a ``bad_request`` where decoded) on ragged or unequal per-token
-    lengths, or a logprob that is NaN, infinite or > 0.
+    lengths, a negative token id or version, or a logprob that is NaN, infinite or > 0.
     """
 
     request_id: str
@@ -206,6 +206,13 @@ class GenerateResult(Msg):
             raise ValueError(f"request {self.request_id!r}: {nt} bytes of token_ids, {nl} of "
                              f"logprobs, {nv} of versions (4 per token each)")
         if nt:
+            # Token ids and versions are never negative: a negative id would fail the
+            # controller's detokenizer (and every later use), a negative version the sample.
+            ints = np.frombuffer(self.token_ids + self.versions, dtype=tb.I32)
+            if ints.min() < 0:
+                k = int(np.argmax(ints < 0))
+                what = "token id" if k < nt // 4 else "version"
+                raise ValueError(f"request {self.request_id!r}: negative {what} {int(ints[k])}")
             lps = np.frombuffer(self.logprobs, dtype=tb.F32)
             # NaN fails the first comparison (max propagates it), -inf the second.
             if not (lps.max() <= 0.0 and lps.min() > -np.inf):
