@@ -113,6 +113,8 @@ def test_minimal_defaults() -> None:
          "run.abort_stale: needs on_stale = 'restart'"),
         (("[run]", '[run]\nadmission = "fifo"'), "run.admission: Invalid enum value 'fifo'"),
         (("[run]", "[run]\napply_waves = 0"), "run.apply_waves: Expected `int` >= 1"),
+        (("[run]", "[run]\napply_waves = 4"),
+         "run.apply_waves: 4 is used by weight_apply = 'eager' only"),
     ],
 )
 def test_bad_configs_name_file_field_and_reason(edit: tuple[str, str], message: str) -> None:
