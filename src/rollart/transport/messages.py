@@ -10,7 +10,10 @@ Wire format (ZeroMQ multipart, ROUTER/DEALER):
 Small messages (no tensor frames, body <= 64 KiB) that one side queues for the same peer in one
 event-loop tick leave as one ZeroMQ message, a batch envelope: ``[b"", blob]`` where ``blob``
 repeats ``(body length u32 big-endian, call id 8 bytes, body)``; the empty frame where the
-8-byte call id would be marks it. ``rollart.transport.zmqloop`` packs and unpacks it.
+8-byte call id would be marks it. ``rollart.transport.zmqloop`` packs and unpacks it; a server
+answers an envelope it cannot unpack (empty, an entry's length past the blob, extra frames) with
+a ``bad_request`` naming the entry and byte offset under call id 0, after serving the entries
+before it.
 
 A request whose frames cannot be decoded gets an ``ErrorReply`` naming the problem; the server
 keeps serving. Structs are ``forbid_unknown_fields`` so a peer of another version fails loudly.
