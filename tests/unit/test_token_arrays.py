@@ -365,3 +365,19 @@ async def test_a_reply_with_ragged_token_bytes_fails_the_trajectory_only() -> No
     with pytest.raises(TrajectoryFailed) as info:
         await run_trajectory(ctx, tid, "g0", domains["math"], seed=1)
     assert info.value.reason == "generation_error" and "8 of logprobs" in info.value.detail
+
+
+async def test_a_trajectory_with_no_generated_token_fails_instead_of_reaching_the_trainer() -> None:
+    from rollart.controller.trajectory import TrajectoryFailed
+
+    # A worker answering "stop" with no token at all: a Sample without one generated token
+    # would make TrainSample refuse the whole batch (a fatal training step).
+    worker = FakeWorker("w1", respond=lambda req: "", add_eos=False)
+    ctx, buffer, domains = make_ctx(worker, FakeEnvHost(turns=1))
+    (tid, *_) = buffer.try_start_group("g0")
+    with pytest.raises(TrajectoryFailed) as info:
+        await run_trajectory(ctx, tid, "g0", domains["math"], seed=1)
+    assert info.value.reason == "generation_error" and "no token" in info.value.detail
+    with pytest.raises(ValueError, match="no generated token"):  # what the trainer would say
+        to_train_samples([Sample(sample_id="s", group_key="g", token_ids=[1, 2], loss_mask=[0, 0],
+                                 behaviour_logprobs=[0.0, 0.0], versions=[-1, -1], reward=1.0)])
