@@ -381,3 +381,12 @@ async def test_a_trajectory_with_no_generated_token_fails_instead_of_reaching_th
     with pytest.raises(ValueError, match="no generated token"):  # what the trainer would say
         to_train_samples([Sample(sample_id="s", group_key="g", token_ids=[1, 2], loss_mask=[0, 0],
                                  behaviour_logprobs=[0.0, 0.0], versions=[-1, -1], reward=1.0)])
+
+
+def test_pack_i32_refuses_values_outside_int32_from_any_source() -> None:
+    assert tb.view_i32(tb.pack_i32(np.array([0, 2**31 - 1], dtype=np.int64))).tolist() == [
+        0, 2**31 - 1]
+    for values in ([2**31], np.array([2**31, 5], dtype=np.int64),
+                   np.array([-(2**31) - 1], dtype=np.int64)):
+        with pytest.raises(OverflowError):
+            tb.pack_i32(values)
