@@ -66,6 +66,9 @@ class RetryConfig(_Cfg):
     max_failures_in_a_row: PosInt = 100
 
 
+#: ``RunConfig.apply_waves`` unless set (any other value needs ``weight_apply = "eager"``)
+_DEFAULT_APPLY_WAVES = 2
+
 class RunConfig(_Cfg):
     """What to run: algorithm shape, asynchrony mode, staleness bound and per-trajectory limits."""
 
@@ -101,13 +104,14 @@ class RunConfig(_Cfg):
     weight_apply: Literal["at_batch", "eager"] = "at_batch"
     #: eager apply: workers of each pool are paused and updated in this many successive waves,
     #: so a pool never stops generating all at once (1 = every worker together).
-    apply_waves: Annotated[int, msgspec.Meta(ge=1, le=64)] = 2
+    apply_waves: Annotated[int, msgspec.Meta(ge=1, le=64)] = _DEFAULT_APPLY_WAVES
     #: a trajectory generates its first token only once the workers serve a version with one
     #: version of headroom (``> trainer version - alpha``); otherwise it waits for the next
     #: apply instead of starting work that could only join the very next batch and is mostly
     #: wasted. Needs ``weight_apply = "eager"`` (the wait must not depend on a batch).
     fresh_start: bool = False
-    #: ``rollart`` mode with ``on_stale = "restart"``: when a version bump makes a running
+    #: modes with the per-turn check (``rollart``, ``sync``, ``sync_plus``) and
+    #: ``on_stale = "restart"`` only: when a version bump makes a running
     #: trajectory stale, abort its generation at once and restart its slot (else it runs on
     #: until its next turn start, generating tokens that can never be trained).
     abort_stale: bool = False
@@ -361,6 +365,18 @@ def validate_scenario(scenario: Scenario, source: str = "<scenario>") -> Scenari
         raise _fail(source, "run.fresh_start", "needs weight_apply = 'eager' in an overlap mode "
                     f"(got {run.weight_apply!r}, mode {run.mode!r}): a trajectory waiting for "
                     "new weights must not wait for the batch that brings them")
+    if run.weight_apply == "eager" and run.mode not in ("one_off", "areal", "rollart"):
+        raise _fail(source, "run.weight_apply", f"'eager' needs an overlap mode (one_off, areal, "
+                    f"rollart), got mode {run.mode!r}: without overlap the weights are applied "
+                    "while generation is paused anyway")
+    if run.apply_waves != _DEFAULT_APPLY_WAVES and run.weight_apply != "eager":
+        raise _fail(source, "run.apply_waves", f"{run.apply_waves} is used by weight_apply = "
+                    "'eager' only (at_batch applies on every worker at the pause)")
+    if run.abort_stale and (run.on_stale != "restart" or run.mode not in (
+            "sync", "sync_plus", "rollart")):
+        raise _fail(source, "run.abort_stale", "needs on_stale = 'restart' and a mode with the "
+                    f"per-turn staleness check (sync, sync_plus, rollart); got on_stale "
+                    f"{run.on_stale!r}, mode {run.mode!r}, where it would do nothing")
     if run.max_tokens_per_turn > run.max_tokens_per_trajectory:
         raise _fail(
             source,

@@ -103,6 +103,18 @@ def test_minimal_defaults() -> None:
          "['tcp://10.0.0.5:5600'] are elsewhere"),
         (("[run]", '[trainer]\nweight_transfer = "ucx"\n[run]'),
          "trainer.weight_transfer: Invalid enum value 'ucx'"),
+        (("[run]", '[run]\nmode = "sync_plus"\nalpha = 0\nweight_apply = "eager"'),
+         "run.weight_apply: 'eager' needs an overlap mode (one_off, areal, rollart), got mode "
+         "'sync_plus'"),
+        (("[run]", '[run]\nabort_stale = true\non_stale = "drop"'),
+         "run.abort_stale: needs on_stale = 'restart' and a mode with the per-turn staleness "
+         "check (sync, sync_plus, rollart); got on_stale 'drop', mode 'rollart'"),
+        (("[run]", '[run]\nabort_stale = true\nmode = "areal"'),
+         "run.abort_stale: needs on_stale = 'restart'"),
+        (("[run]", '[run]\nadmission = "fifo"'), "run.admission: Invalid enum value 'fifo'"),
+        (("[run]", "[run]\napply_waves = 0"), "run.apply_waves: Expected `int` >= 1"),
+        (("[run]", "[run]\napply_waves = 4"),
+         "run.apply_waves: 4 is used by weight_apply = 'eager' only"),
     ],
 )
 def test_bad_configs_name_file_field_and_reason(edit: tuple[str, str], message: str) -> None:

@@ -13,6 +13,7 @@ from test_controller_fakes import FakeEnvHost, FakeReward, FakeTrainer, FakeWork
 from rollart.controller import Backends, Cluster
 from rollart.controller.controller import ControllerStalledError
 from rollart.controller.proxy import PoolExhaustedError
+from rollart.transport.errors import RollartError
 
 
 def backends(env: FakeEnvHost, trainer: FakeTrainer | None = None,
@@ -281,6 +282,15 @@ async def test_snapshot_resume_keeps_held_samples_and_group_seeds() -> None:
     assert steps[0].step == 3 and w1.applied[1] == (2, False)
     trained = {x.sample_id for s in steps for x in s.samples}
     assert held <= trained  # nothing completed before the snapshot was lost
+    # A scenario edited since the snapshot is refused by name, not silently overridden.
+    edited = make_scenario(mode="rollart", alpha=2, batch_size=4, group_size=2,
+                           abort_stale=True)
+    with pytest.raises(RollartError) as info:
+        async with Cluster.from_scenario(edited, backends=backends(env, trainer, (w1, w2)),
+                                         resume=snap):
+            pass
+    assert "run.alpha (checkpoint 1, scenario 2), run.abort_stale (checkpoint False, " \
+        "scenario True)" in str(info.value)
 
 
 @pytest.mark.looptime

@@ -133,6 +133,17 @@ async def test_pause_apply_resume_on_every_worker() -> None:
     assert set(tb.view_i32(result.versions).tolist()) == {3}
 
 
+async def test_a_worker_dying_in_a_staggered_apply_leaves_no_other_worker_behind() -> None:
+    workers = [FakeWorker(f"a{i}") for i in range(1, 5)]
+    proxy = LLMProxy({"A": ("cpu", workers)}, {"d": "A"})
+    workers[0].kill()  # wave 0 = a1, a3: a1 is found dead and removed during the first wave
+    await proxy.apply_in_waves(1, 2)
+    assert proxy.pools["A"].removed == ["a1"]
+    # every live worker applied the version exactly once (not a3 twice and a2 / a4 never)
+    assert [w.applied for w in workers[1:]] == [[(1, False)]] * 3
+    assert proxy.version == 1
+
+
 async def test_weight_sync_drops_dead_workers_but_fails_on_an_empty_pool() -> None:
     proxy, a1, _, b1 = two_pools()
     a1.kill()

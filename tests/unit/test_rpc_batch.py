@@ -104,3 +104,50 @@ async def _mixed_sizes() -> None:
 @LOOPS
 def test_small_large_and_framed_messages_in_one_tick_all_match(run) -> None:
     run(_mixed_sizes())
+
+
+_GOOD = msgspec.msgpack.encode(m.EnvClose(session_id="ok"))
+
+
+@pytest.mark.parametrize(
+    ("frames", "message"),
+    [
+        ([b"", _entry(5, _GOOD)[:7]], "entry 0 at byte 0 has 7 bytes, less than its 12-byte"),
+        ([b"", _entry(5, _GOOD) + struct.pack(">IQ", 99, 6) + b"ab"],
+         f"entry 1 at byte {12 + len(_GOOD)} declares a 99-byte body but only 2 bytes follow"),
+        ([b"", struct.pack(">IQ", 0xFFFFFFFF, 7) + _GOOD],
+         "declares a 4294967295-byte body"),
+        ([b"", b""], "empty batch envelope"),
+        ([b""], "a batch envelope is [empty frame, blob]: got 1 frames"),
+        ([b"", _entry(8, _GOOD), b"extra"], "a batch envelope is [empty frame, blob]: got 3"),
+    ],
+    ids=["short-header", "length-past-blob", "huge-length", "empty-blob", "no-blob", "extra"],
+)
+def test_a_malformed_batch_envelope_gets_an_error_naming_the_problem(frames, message) -> None:
+    async def main() -> None:
+        async def ack(msg: m.EnvClose, _frames):
+            return m.Ack(detail=msg.session_id)
+
+        server = RpcServer("tcp://127.0.0.1:0", {m.EnvClose: ack}, name="env")
+        serving = asyncio.create_task(server.serve_forever())
+        raw = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        raw.connect(server.address)
+        try:
+            await raw.send_multipart(frames)
+            errors, acks = [], []
+            while not errors:
+                _, replies = _replies(await asyncio.wait_for(raw.recv_multipart(), 60))
+                for call_id, reply in replies:
+                    (errors if isinstance(reply, m.ErrorReply) else acks).append((call_id, reply))
+            assert [(c, e.code) for c, e in errors] == [(0, "bad_request")]
+            assert message in errors[0][1].message
+            # Entries before the broken one were served; the server keeps serving.
+            async with RpcClient(server.address, heartbeat_interval_s=0) as client:
+                reply, _ = await client.call(m.EnvClose(session_id="after"), timeout_s=60)
+            assert reply == m.Ack(detail="after")
+        finally:
+            raw.close(linger=0)
+            await server.close()
+            serving.cancel()
+
+    asyncio.run(main())

@@ -278,6 +278,49 @@ def test_prefix_store_rejects_unknown_and_malformed_prefixes() -> None:
         assert info.value.code == "bad_request"
 
 
+def test_prefix_store_is_bounded_by_entries_as_well_as_tokens() -> None:
+    # One-token prefixes under many ids: the token bound alone would let 16 Mi entries pile up.
+    store = PrefixStore(max_tokens=1 << 20, max_entries=100)
+    for i in range(1000):
+        store.keep(f"t{i}", tb.pack_i32([i]), b"")
+    assert len(store) == 100 and store.num_tokens == 100 and store.evictions == 900
+    assert "t999" in store and "t899" not in store  # least recently used went first
+    with pytest.raises(ValueError, match="max_entries must be > 0"):
+        PrefixStore(max_entries=0)
+
+
+async def test_a_server_flooded_with_trajectory_ids_holds_a_bounded_store() -> None:
+    from rollart.transport.rpc import RpcClient, RpcServer
+
+    store = PrefixStore(max_entries=50)
+
+    async def generate(msg: m.Generate, _frames) -> m.Ack:
+        store.keep(msg.trajectory_id, store.take_prompt(msg), tb.pack_i32([7]))
+        return m.Ack()
+
+    server = RpcServer("tcp://127.0.0.1:0", {m.Generate: generate}, name="worker")
+    serving = asyncio.create_task(server.serve_forever())
+    try:
+        async with RpcClient(server.address, heartbeat_interval_s=0) as client:
+            params = m.SamplingParams(max_tokens=1)
+            await asyncio.gather(*(client.call(m.Generate(
+                request_id=f"r{i}", new_token_ids=tb.pack_i32([1, 2]), sampling=params,
+                trajectory_id=f"flood-{i}"), timeout_s=60) for i in range(500)))
+            assert len(store) == 50 and store.num_tokens == 150
+            # An over-long trajectory id is refused by name; the server keeps serving.
+            with pytest.raises(RemoteError) as info:
+                await client.call(m.Generate(
+                    request_id="long", new_token_ids=tb.pack_i32([1]), sampling=params,
+                    trajectory_id="x" * 100_000), timeout_s=60)
+            assert info.value.code == "bad_request" and "trajectory_id" in info.value.message
+            await client.call(m.Generate(request_id="ok", new_token_ids=tb.pack_i32([1]),
+                                         sampling=params, trajectory_id="g1/2"), timeout_s=60)
+            assert "g1/2" in store and len(store) == 50
+    finally:
+        await server.close()
+        serving.cancel()
+
+
 def test_the_simulated_worker_resolves_delta_prompts_like_the_real_one() -> None:
     from rollart.sim.clock import run_virtual
     from rollart.sim.hardware import H800
@@ -322,3 +365,28 @@ async def test_a_reply_with_ragged_token_bytes_fails_the_trajectory_only() -> No
     with pytest.raises(TrajectoryFailed) as info:
         await run_trajectory(ctx, tid, "g0", domains["math"], seed=1)
     assert info.value.reason == "generation_error" and "8 of logprobs" in info.value.detail
+
+
+async def test_a_trajectory_with_no_generated_token_fails_instead_of_reaching_the_trainer() -> None:
+    from rollart.controller.trajectory import TrajectoryFailed
+
+    # A worker answering "stop" with no token at all: a Sample without one generated token
+    # would make TrainSample refuse the whole batch (a fatal training step).
+    worker = FakeWorker("w1", respond=lambda req: "", add_eos=False)
+    ctx, buffer, domains = make_ctx(worker, FakeEnvHost(turns=1))
+    (tid, *_) = buffer.try_start_group("g0")
+    with pytest.raises(TrajectoryFailed) as info:
+        await run_trajectory(ctx, tid, "g0", domains["math"], seed=1)
+    assert info.value.reason == "generation_error" and "no token" in info.value.detail
+    with pytest.raises(ValueError, match="no generated token"):  # what the trainer would say
+        to_train_samples([Sample(sample_id="s", group_key="g", token_ids=[1, 2], loss_mask=[0, 0],
+                                 behaviour_logprobs=[0.0, 0.0], versions=[-1, -1], reward=1.0)])
+
+
+def test_pack_i32_refuses_values_outside_int32_from_any_source() -> None:
+    assert tb.view_i32(tb.pack_i32(np.array([0, 2**31 - 1], dtype=np.int64))).tolist() == [
+        0, 2**31 - 1]
+    for values in ([2**31], np.array([2**31, 5], dtype=np.int64),
+                   np.array([-(2**31) - 1], dtype=np.int64)):
+        with pytest.raises(OverflowError):
+            tb.pack_i32(values)

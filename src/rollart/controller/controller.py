@@ -63,6 +63,9 @@ from rollart.transport.errors import RollartError
 log = logging.getLogger(__name__)
 
 
+#: scenario field of each ``SampleBuffer`` setting whose name differs (for resume errors)
+_SCENARIO_FIELD = {"check": "run.mode", "max_attempts": "run.retry.max_attempts"}
+
 class ControllerStalledError(RollartError):
     """Fatal: no batch can be produced (nothing running, admission cannot start a group)."""
 
@@ -273,8 +276,17 @@ class Controller:
     def _restore(self, snap: dict[str, Any]) -> None:
         if snap.get("format") != 1:
             raise RollartError(f"controller snapshot: unknown format {snap.get('format')!r}")
+        wanted = self.buffer.snapshot()["config"]  # the scenario's, before the restore
         self.buffer = SampleBuffer.restore(snap["buffer"], rng=random.Random(self.run.seed + 1),
                                            on_forget=self._forget_group)
+        # The restored buffer runs on the snapshot's settings: a scenario edited since (alpha,
+        # abort_stale, ...) would be ignored without a word.
+        had = {k: getattr(self.buffer, k) for k in wanted}
+        changed = [f"{_SCENARIO_FIELD.get(k, 'run.' + k)} (checkpoint {had[k]!r}, scenario "
+                   f"{v!r})" for k, v in wanted.items() if had.get(k) != v]
+        if changed:
+            raise RollartError("controller snapshot was taken with other settings: "
+                               f"{', '.join(changed)}; resume with the scenario it was taken with")
         if self.buffer.version != self.trainer.version:
             raise RollartError(
                 f"controller snapshot is at version {self.buffer.version}, the trainer at "

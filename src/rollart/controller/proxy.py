@@ -298,9 +298,10 @@ class LLMProxy:
         """
         if waves < 1:
             raise ValueError(f"apply_in_waves: waves must be >= 1, got {waves}")
-        for i in range(waves):
-            names = {w.name for pool in self._pools.values()
-                     for w in pool.workers[i::waves]}
+        # Waves fixed up front: a worker removed mid-apply must not shift the later waves.
+        plan = [{w.name for pool in self._pools.values() for w in pool.workers[i::waves]}
+                for i in range(waves)]
+        for names in plan:
             if not names:
                 continue
             await self._on_all("pause", lambda w: w.pause("keep"), names)

@@ -249,6 +249,8 @@ async def run_trajectory(
             loss_mask.frombytes(bytes(k))
             logprobs.frombytes(bytes(4 * k))
             versions.frombytes(_NO_VERSION * k)
+        if not num_generated:  # nothing to train on: the trainer would refuse the whole batch
+            raise TrajectoryFailed("generation_error", "the worker generated no token", 0)
         if ctx.barrier is not None:
             ctx.barrier.leave(traj_id)
         metadata = {

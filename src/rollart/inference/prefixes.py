@@ -4,8 +4,10 @@ A trajectory's next prompt is its previous prompt, the tokens generated for it, 
 observation tokens; the worker keeps the first two (int32 little-endian bytes) under the
 trajectory id, and ``Generate`` carries only the rest (``prefix_len`` + ``new_token_ids``).
 
-Memory is bounded by ``max_tokens`` held tokens (4 bytes each) over all trajectories, least
-recently used evicted first. An entry is taken out while its request runs and put back (prompt +
+Memory is bounded by ``max_tokens`` held tokens (4 bytes each) over all trajectories AND by
+``max_entries`` trajectories (each entry costs ~200 bytes besides its tokens, and a peer may name
+any number of trajectory ids, each holding as little as one token), least recently used evicted
+first. An entry is taken out while its request runs and put back (prompt +
 generated tokens) only when the request finishes normally, so an aborted, failed or cancelled
 turn leaves nothing behind; ``Generate.release`` drops finished trajectories' entries. A request
 whose ``prefix_len`` does not match what is held fails with ``prefix_unknown`` and the caller
@@ -25,6 +27,9 @@ from rollart.transport.errors import RemoteError
 #: default bound on held prefix tokens per worker: 16 Mi tokens = 64 MiB (512 trajectories
 #: at 32k-token contexts)
 DEFAULT_MAX_PREFIX_TOKENS = 1 << 24
+#: default bound on held trajectories per worker: 64 Ki entries (~13 MiB of bookkeeping with
+#: 256-character ids), far above one worker's concurrent trajectories at issue 11's 10k scale
+DEFAULT_MAX_PREFIX_ENTRIES = 1 << 16
 
 
 class PrefixStore:
@@ -33,16 +38,21 @@ class PrefixStore:
     Args:
         max_tokens: bound on the tokens held over all trajectories (> 0); one prefix longer
             than that is not kept at all.
+        max_entries: bound on the trajectories held (> 0).
 
     Attributes:
         num_tokens: tokens held now. ``hits`` / ``misses`` / ``evictions``: counts of requests
         resolved from a held prefix, requests failed with ``prefix_unknown``, entries evicted.
     """
 
-    def __init__(self, max_tokens: int = DEFAULT_MAX_PREFIX_TOKENS) -> None:
+    def __init__(self, max_tokens: int = DEFAULT_MAX_PREFIX_TOKENS,
+                 max_entries: int = DEFAULT_MAX_PREFIX_ENTRIES) -> None:
         if max_tokens <= 0:
             raise ValueError(f"PrefixStore: max_tokens must be > 0, got {max_tokens}")
+        if max_entries <= 0:
+            raise ValueError(f"PrefixStore: max_entries must be > 0, got {max_entries}")
         self.max_tokens = max_tokens
+        self.max_entries = max_entries
         self._held: OrderedDict[str, bytes] = OrderedDict()
         self.num_tokens = 0
         self.hits = 0
@@ -108,7 +118,8 @@ class PrefixStore:
 
     def keep(self, trajectory_id: str, prompt: bytes, generated: bytes) -> None:
         """Hold ``prompt`` + ``generated`` (int32 bytes) as ``trajectory_id``'s prefix, evicting
-        the least recently used prefixes beyond ``max_tokens``. No-op for an empty id."""
+        the least recently used prefixes beyond ``max_tokens`` or ``max_entries``. No-op for an
+        empty id."""
         if not trajectory_id:
             return
         self.drop(trajectory_id)
@@ -116,7 +127,7 @@ class PrefixStore:
         n = len(buf) // 4
         if n > self.max_tokens:
             return
-        while self.num_tokens + n > self.max_tokens:
+        while self.num_tokens + n > self.max_tokens or len(self._held) >= self.max_entries:
             _, old = self._held.popitem(last=False)
             self.num_tokens -= len(old) // 4
             self.evictions += 1

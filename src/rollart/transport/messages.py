@@ -10,7 +10,10 @@ Wire format (ZeroMQ multipart, ROUTER/DEALER):
 Small messages (no tensor frames, body <= 64 KiB) that one side queues for the same peer in one
 event-loop tick leave as one ZeroMQ message, a batch envelope: ``[b"", blob]`` where ``blob``
 repeats ``(body length u32 big-endian, call id 8 bytes, body)``; the empty frame where the
-8-byte call id would be marks it. ``rollart.transport.zmqloop`` packs and unpacks it.
+8-byte call id would be marks it. ``rollart.transport.zmqloop`` packs and unpacks it; a server
+answers an envelope it cannot unpack (empty, an entry's length past the blob, extra frames) with
+a ``bad_request`` naming the entry and byte offset under call id 0, after serving the entries
+before it.
 
 A request whose frames cannot be decoded gets an ``ErrorReply`` naming the problem; the server
 keeps serving. Structs are ``forbid_unknown_fields`` so a peer of another version fails loudly.
@@ -29,6 +32,9 @@ from rollart.transport import tokenbytes as tb
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 PosInt = Annotated[int, msgspec.Meta(gt=0)]
 Probability = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
+#: a trajectory id as inference workers key their held prefixes by it: bounded, because a worker
+#: holds up to ``PrefixStore.max_entries`` of them (the controller's are like ``g12/345``)
+TrajectoryId = Annotated[str, msgspec.Meta(max_length=256)]
 
 #: Error codes carried by ``ErrorReply.code``. Per-item codes: the peer keeps serving.
 ErrorCode = Literal[
@@ -157,9 +163,9 @@ class Generate(Msg):
     request_id: str
     new_token_ids: bytes
     sampling: SamplingParams
-    trajectory_id: str = ""
+    trajectory_id: TrajectoryId = ""
     prefix_len: NonNegInt = 0
-    release: list[str] = []
+    release: list[TrajectoryId] = []
 
     @property
     def num_new_tokens(self) -> int:
@@ -179,6 +185,9 @@ class GenerateResult(Msg):
     ``num_prompt_tokens``: the whole prompt's length (held prefix + new tokens).
     ``prompt_logprobs``: when requested, one entry per prompt token (``None`` for the first);
     opt-in diagnostics, so a plain list.
+
+    Raises ``ValueError`` (a ``bad_request`` where decoded) on ragged or unequal per-token
+    lengths, a negative token id or version, or a logprob that is NaN, infinite or > 0.
     """
 
     request_id: str
@@ -189,6 +198,30 @@ class GenerateResult(Msg):
     num_prompt_tokens: NonNegInt
     stats: WorkerStats
     prompt_logprobs: list[float | None] | None = None
+
+    def __post_init__(self) -> None:
+        # Checked where the reply is decoded, so a broken worker fails that request only (the
+        # client sees bad_request); a NaN or positive logprob reaching a batch would make the
+        # importance ratio NaN / wrong for every sample of the step, and TrainSample refuses it
+        # only once the batch is built (a failed step, not a failed trajectory).
+        nt, nl, nv = len(self.token_ids), len(self.logprobs), len(self.versions)
+        if nt % 4 or nl != nt or nv != nt:
+            raise ValueError(f"request {self.request_id!r}: {nt} bytes of token_ids, {nl} of "
+                             f"logprobs, {nv} of versions (4 per token each)")
+        if nt:
+            # Token ids and versions are never negative: a negative id would fail the
+            # controller's detokenizer (and every later use), a negative version the sample.
+            ints = np.frombuffer(self.token_ids + self.versions, dtype=tb.I32)
+            if ints.min() < 0:
+                k = int(np.argmax(ints < 0))
+                what = "token id" if k < nt // 4 else "version"
+                raise ValueError(f"request {self.request_id!r}: negative {what} {int(ints[k])}")
+            lps = np.frombuffer(self.logprobs, dtype=tb.F32)
+            # NaN fails the first comparison (max propagates it), -inf the second.
+            if not (lps.max() <= 0.0 and lps.min() > -np.inf):
+                bad = lps[~(np.isfinite(lps) & (lps <= 0.0))]
+                raise ValueError(f"request {self.request_id!r}: logprob {float(bad[0])} of a "
+                                 "generated token must be finite and <= 0")
 
     @property
     def num_tokens(self) -> int:

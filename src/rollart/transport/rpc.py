@@ -120,7 +120,8 @@ class RpcServer:
         if self._pump is None:
             self._loop = asyncio.get_running_loop()
             self._pump = SocketPump(self._sock, self._on_request, copy_parts=3,
-                                    on_send_error=self._send_failed, name=self.name)
+                                    on_send_error=self._send_failed,
+                                    on_bad_batch=self._bad_batch, name=self.name)
         self._pump.receiving = True
         try:
             await self._closed.wait()
@@ -148,7 +149,19 @@ class RpcServer:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def _bad_batch(self, prefix: list[Part], reason: str) -> None:
+        # No call id to answer (the broken entry's may be garbage): call id 0 names the problem.
+        if prefix:
+            self._send(prefix[0], _NO_CALL_ID, m.ErrorReply(
+                code="bad_request", message=f"{self.name}: {reason}"), ())
+
     def _decode(self, parts: list[Part]) -> Any:
+        if len(parts) >= 2 and len(parts[1]) == 0:
+            return m.ErrorReply(
+                code="bad_request",
+                message=f"a batch envelope is [empty frame, blob]: got {len(parts) - 1} frames "
+                "after the identity",
+            )
         if len(parts) < 3 or len(parts[1]) != _CALL_ID.size:
             return m.ErrorReply(
                 code="bad_request",

@@ -60,6 +60,11 @@ def pack_i32(values: Sequence[int] | Any) -> bytes:
     if isinstance(values, array.array) and values.typecode == "i":
         return values.tobytes()
     if isinstance(values, np.ndarray):
+        if values.dtype != I32 and values.size and (
+                values.min() < -(1 << 31) or values.max() >= 1 << 31):
+            # astype would wrap silently (a token id 2**31 would become -2**31)
+            raise OverflowError(f"pack_i32: values in [{values.min()}, {values.max()}] are "
+                                "outside int32")
         return values.astype(I32, copy=False).tobytes()
     return array.array("i", values).tobytes()
 

@@ -39,6 +39,9 @@ Part = bytes | memoryview
 #: (parts, number of RPC messages in them, error) -> True to keep the message queued and retry
 #: it later, False to drop it.
 SendErrorHandler = Callable[[Sequence[Part], int, zmq.ZMQError], bool]
+#: (route parts (the ROUTER identity, or none), what is wrong) for a batch envelope whose blob
+#: cannot be unpacked (from the broken entry on; the entries before it were delivered).
+BadBatchHandler = Callable[[list[Part], str], None]
 
 #: ZeroMQ messages (a batch counts once) received per wake-up before the pump yields to other
 #: callbacks (it reschedules itself), so a flood of requests cannot starve the loop's timers.
@@ -79,6 +82,9 @@ class SocketPump:
         copy_parts: how many leading parts are small enough to copy (identity, call id, body).
         on_send_error: decides the fate of a message whose send raised ``ZMQError`` other than
             ``EAGAIN`` (a full pipe, which always keeps the message queued); default: log, drop.
+        on_bad_batch: told of a batch envelope that is empty or whose entry is truncated (its
+            declared body length runs past the blob), with a reason naming the entry and byte
+            offset; default: log. A server answers it with an error reply.
         name: for logs.
     """
 
@@ -89,12 +95,14 @@ class SocketPump:
         *,
         copy_parts: int,
         on_send_error: SendErrorHandler | None = None,
+        on_bad_batch: BadBatchHandler | None = None,
         name: str = "",
     ) -> None:
         self._sock = sock
         self._on_message = on_message
         self._copy_parts = copy_parts
         self._on_send_error = on_send_error or self._log_send_error
+        self._on_bad_batch = on_bad_batch or self._log_bad_batch
         self.name = name
         self._loop = asyncio.get_running_loop()
         # ZeroMQ messages ready to send, each with the number of RPC messages it carries.
@@ -228,17 +236,31 @@ class SocketPump:
         prefix = parts[:-2]
         blob = parts[-1]
         pos, end = 0, len(blob)
+        if end == 0:
+            self._on_bad_batch(prefix, "empty batch envelope: the blob after the empty frame "
+                               "holds no (length u32, call id u64, body) entry")
+            return
+        index = 0
         while pos < end:
-            body_end = pos + _ENTRY_HEAD + (
-                _LEN.unpack_from(blob, pos)[0] if end - pos >= _LEN.size else 0)
-            if end - pos < _ENTRY_HEAD or body_end > end:
-                # A truncated entry: hand it on as a message without a call id, so the server
-                # answers "bad request" (call id 0) instead of dropping it silently.
-                handle([*prefix, b"", bytes(blob[pos:])])
+            left = end - pos
+            if left < _ENTRY_HEAD:
+                self._on_bad_batch(prefix, f"truncated batch envelope: entry {index} at byte "
+                                   f"{pos} has {left} bytes, less than its 12-byte header")
+                return
+            length = _LEN.unpack_from(blob, pos)[0]
+            body_end = pos + _ENTRY_HEAD + length
+            if body_end > end:
+                self._on_bad_batch(prefix, f"truncated batch envelope: entry {index} at byte "
+                                   f"{pos} declares a {length}-byte body but only "
+                                   f"{left - _ENTRY_HEAD} bytes follow its header")
                 return
             handle([*prefix, blob[pos + _LEN.size:pos + _ENTRY_HEAD],
                     blob[pos + _ENTRY_HEAD:body_end]])
             pos = body_end
+            index += 1
+
+    def _log_bad_batch(self, prefix: list[Part], reason: str) -> None:
+        log.warning("%s: dropped the rest of a received batch: %s", self.name, reason)
 
     def _flush(self) -> bool:
         """Send queued messages; True if at least one left."""
