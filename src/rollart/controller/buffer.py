@@ -79,8 +79,8 @@ Waste and selection accounting
     selection bias (trained vs finished) is visible per domain.
 
 AReaL's policy (``staleness_control="areal"``; mode ``areal`` only)
-    The bound above is rollart's. AReaL (Fu et al. 2025, arXiv 2505.24298, §5 and its
-    ``StalenessManager``) enforces staleness only through its admission capacity
+    The bound above is rollart's. AReaL (Fu et al. 2025, arXiv 2505.24298, §5; its rollout
+    capacity check) enforces staleness only through its admission capacity
     ``min(C - running, (eta + v + 1) * B - (accepted + running))``: nothing checks a sample at
     a turn, at completion or at batch assembly, so a trajectory that outlives versions (slow,
     or interrupted and re-prefilled) is trained however stale it finished. With
