@@ -5,12 +5,13 @@ Paper (Qwen3-32B, Fig. 10): rollart 2.05x vs Sync+, 1.35x vs One-off, 1.31x vs A
 The real controller runs every mode on the same workload and seed, side by side; each ratio
 over 3 (quick) / 5 seeds, 2 (quick) / 10 measured steps; ``--quick`` runs Qwen3-32B only.
 
-``areal`` is AReaL as the paper ran it, as far as rollart's controller can express it: the
-staleness check only at admission (its ModeSpec), the buffer bound ``(alpha + 1) x batch``
-(AReaL's admission capacity ``min(C - running, (eta + v + 1) B - (accepted + running))`` with
-eta = alpha), no hardware affinity (both domains spread over every engine in proportion to
-pool size) and interrupt + re-prefill of running requests on each weight update. Not
-expressed: AReaL keeps samples that finish stale (rollart's buffer drops them at completion).
+``areal`` is AReaL as the paper ran it: staleness bounded only by AReaL's admission capacity
+``(eta + v + 1) B - (accepted + running)`` with eta = alpha (``ModeSpec.staleness_control =
+"areal"``): no check at a turn, at completion or at batch assembly, so samples that finish
+stale are trained, and the ``staleness_max`` column shows how stale; no hardware affinity (both
+domains spread over every engine in proportion to pool size) and interrupt + re-prefill of
+running requests on each weight update. ``C - running`` (engine concurrency) is left to the
+engines' queues.
 
 Real nodes: ``--scenario FILE`` runs every mode on that scenario instead (its pools, envs and
 rewards as real processes through ``rollart.launcher.local.open_cluster``, or the addresses of
@@ -58,6 +59,9 @@ def run(quick: bool, seed: int) -> dict:
                 rows.append({"model": model, "mode": mode, "step_time_s": res.step_time_s,
                              "trainer_idle_s": _mean(res.steps, "trainer_idle_s"),
                              "staleness_mean": _mean(res.steps, "staleness_mean"),
+                             "staleness_max": max(s["staleness_max"] for s in res.steps),
+                             "stale_waste_share": res.buffer["wasted_tokens"].get("stale", 0)
+                             / max(1, res.buffer["generated_tokens"]),
                              "wall_s": res.wall_s})
             for base in ("sync", "sync_plus", "one_off", "areal"):
                 samples.setdefault(f"{model}: rollart vs {base}", []).append(

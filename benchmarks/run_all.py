@@ -17,7 +17,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-BENCHMARKS = ("env_tail", "modes", "affinity", "redundancy", "staleness", "staleness_waste",
+BENCHMARKS = ("env_tail", "modes", "ablations", "affinity", "redundancy", "staleness", "staleness_waste",
               "weight_sync", "pd", "controller_overhead", "rpc_floor", "real_engine",
               "weight_transfer", "token_path")
 

@@ -3,6 +3,18 @@
 Two task families, after the paper's mix (§2, §7): a *decode-heavy* reasoning domain (short
 prompt, long lognormal responses, one turn, reward only) and a *prefill-heavy* agentic domain
 (long prompt and observations, short responses, many turns, env latency).
+
+GRPO batch 512, group 8 (paper §7.1) counts **samples** (trajectories): 512 trajectories per
+step = 64 groups (prompts / env seeds) of 8. Why: RollArt is built on ROLL (paper §1, §5) and
+its agentic workloads run ROLL's agentic pipeline, where ``rollout_batch_size`` "is the number
+of trajectories" and equals ``num_env_groups x group_size`` (ROLL's agentic example configs:
+1024 = 128 groups x 8); only ROLL's single-turn RLVR pipeline counts prompts
+(``rollout_batch_size: 512  # prompt``). The paper's O(alpha x E) bound on pending
+trajectories is likewise stated in trajectories. Hence ``batch_size=512`` here, which is what
+``rollart.config.RunConfig.batch_size`` counts (samples per ``take_batch``, a multiple of
+``group_size``). Read as prompts, every step would train 4096 trajectories: 8x the rollout
+and training work per step, so step times (not the side-by-side ratios' direction) would
+scale accordingly.
 """
 
 from __future__ import annotations

@@ -107,3 +107,29 @@ def test_areal_runs_without_affinity_and_with_reprefill() -> None:
     # Both families reach both pools, in proportion to the pools' engine counts (8 : 4).
     assert by_family == {"agentic": {"h800": 8, "h20": 4}, "reasoning": {"h800": 8, "h20": 4}}
     assert sim.reprefill
+
+
+def test_ablations_switch_off_exactly_one_feature_each() -> None:
+    import dataclasses
+
+    from benchmarks import ablations
+
+    full = ablations.scenario("full", quick=True)
+    assert (full.redundancy, full.check, full.reward_gpus, full.push_at_pause) == (
+        2, None, 0, False)
+    assert {d.spec.name: d.pool for d in full.domains} == {"agentic": "h800",
+                                                          "reasoning": "h20"}
+    assert all(d.spec.step_failure_prob == ablations.ENV_FAILURE for d in full.domains)
+    expected = {"no_per_turn": {"check": "admission"}, "no_redundancy": {"redundancy": 0},
+                "dedicated_reward": {"reward_gpus": 1}, "no_overlap_sync": {"push_at_pause": True}}
+    for knob, change in expected.items():
+        got = ablations.scenario(knob, quick=True)
+        diff = {f.name: getattr(got, f.name) for f in dataclasses.fields(got)
+                if getattr(got, f.name) != getattr(full, f.name)}
+        assert diff == change, knob
+    no_aff = ablations.scenario("no_affinity", quick=True)
+    assert {d.pool for d in no_aff.domains if d.spec.name.startswith("agentic")} == {"h800",
+                                                                                     "h20"}
+    long = ablations.scenario("full", quick=True, workload="long_horizon")
+    agentic = next(d.spec for d in long.domains if d.spec.name == "agentic")
+    assert agentic.num_turns.mean == 30 and long.max_turns >= 30

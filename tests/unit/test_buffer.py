@@ -549,3 +549,75 @@ def test_has_capacity_counts_still_admissible_groups_against_the_batches_a_group
     assert [s.sample_id for s in buf.take_batch()] == ["c/2", "d/3"]
     buf.advance_version()  # version 2: nothing in flight
     assert buf.has_capacity(1) and not buf.has_capacity(0)  # serving 0 < 2 - 1: too old
+
+
+# ------------------------------------------------------------------- AReaL's policy
+def test_areal_keeps_a_sample_that_finished_stale_and_reports_its_staleness() -> None:
+    buf = SampleBuffer(alpha=1, batch_size=1, group_size=1, check="admission",
+                       staleness_control="areal")
+    (x,) = buf.try_start_group("x")
+    assert buf.begin_turn(x, 0) == "continue"
+    buf.record_tokens(x, [0])
+    bump(buf, "a")
+    bump(buf, "b")
+    bump(buf, "c")  # version 3: x's first token is 3 versions old (> alpha)
+    assert buf.begin_turn(x, 0) == "continue"  # no per-turn check, no wait for the worker
+    buf.record_tokens(x, [3])
+    assert buf.complete(x, sample(x, "x", [0, 3])) == []
+    (s,) = buf.take_batch()
+    assert s.sample_id == x
+    st = buf.stats()
+    assert (st.dropped, st.wasted_tokens, st.last_batch_max_staleness) == ({}, {}, 3)
+    assert buf.drain_restarts() == []
+
+
+def test_strict_bound_drops_what_areal_keeps() -> None:
+    buf = SampleBuffer(alpha=1, batch_size=1, group_size=1, check="admission")
+    (x,) = buf.try_start_group("x")
+    assert buf.begin_turn(x, 0) == "continue"
+    buf.record_tokens(x, [0])
+    for key in "abc":
+        bump(buf, key)
+    buf.record_tokens(x, [3])
+    buf.complete(x, sample(x, "x", [0, 3]))
+    assert buf.take_batch() is None and buf.stats().dropped == {"stale": 1}
+
+
+def test_areal_capacity_formula_counts_admitted_groups_until_the_version_advances() -> None:
+    # (eta + v + 1) * B / G = (1 + 0 + 1) * 2 = 4 groups at version 0.
+    buf = SampleBuffer(alpha=1, batch_size=4, group_size=2, staleness_control="areal")
+    keys = [f"g{i}" for i in range(4)]
+    for k in keys:
+        assert buf.try_start_group(k) is not None
+    assert not buf.has_room() and buf.try_start_group("g4") is None
+    for k in keys[:2]:
+        for tid in [t for t in buf.running_ids() if buf.group_of(t) == k]:
+            run(buf, tid, [0])
+    assert len(buf.take_batch()) == 4
+    # Consumed, but v is still 0 until the update is applied: AReaL admits nothing new
+    # (the strict buffer would, as its bound counts groups in flight).
+    assert buf.groups_in_flight == 2 and not buf.has_room()
+    buf.advance_version()
+    assert buf.has_room()
+    assert buf.try_start_group("g4") is not None and buf.try_start_group("g5") is not None
+    assert buf.try_start_group("g6") is None
+
+
+def test_areal_retired_group_frees_its_capacity_and_restore_keeps_the_count() -> None:
+    buf = SampleBuffer(alpha=0, batch_size=2, group_size=2, max_attempts=1,
+                       staleness_control="areal")
+    a, _ = buf.try_start_group("g")
+    assert buf.try_start_group("h") is None
+    buf.fail(a, "env_error")  # the group can no longer fill: retired, "rejected" in AReaL
+    assert buf.stats().groups_retired == 1
+    assert buf.try_start_group("h") is not None
+    snap = msgspec.json.decode(msgspec.json.encode(buf.snapshot()))
+    back = SampleBuffer.restore(snap)
+    assert back.staleness_control == "areal"
+    assert back.try_start_group("k") is None
+
+
+def test_staleness_control_is_validated() -> None:
+    with pytest.raises(ConfigError, match="staleness_control"):
+        SampleBuffer(alpha=1, batch_size=1, group_size=1,
+                     staleness_control="loose")  # type: ignore[arg-type]

@@ -78,6 +78,21 @@ Waste and selection accounting
     trajectories started / finished / trained and their turns and generated tokens, so the
     selection bias (trained vs finished) is visible per domain.
 
+AReaL's policy (``staleness_control="areal"``; mode ``areal`` only)
+    The bound above is rollart's. AReaL (Fu et al. 2025, arXiv 2505.24298, §5; its rollout
+    capacity check) enforces staleness only through its admission capacity
+    ``min(C - running, (eta + v + 1) * B - (accepted + running))``: nothing checks a sample at
+    a turn, at completion or at batch assembly, so a trajectory that outlives versions (slow,
+    or interrupted and re-prefilled) is trained however stale it finished. With
+    ``"areal"`` this buffer does the same: no ``"restart"`` / ``"drop"`` / ``"wait"``
+    verdicts, no stale drop at completion, on a version bump or in ``take_batch``, and
+    admission while ``admitted - retired < (alpha + v + 1) * batch_size / group_size`` groups
+    (the formula in groups, AReaL's unit of a rollout: ``accepted + running`` counts every
+    group admitted and not rejected, and ``v`` only grows at ``advance_version``, i.e. after
+    training, so a consumed batch frees no room until its update is applied). ``C - running``
+    (the engines' concurrency) is left to the workers' own queues. The staleness really
+    trained at is in ``stats().last_batch_max_staleness``.
+
 Per-group bound
     ``try_start_group(..., alpha=a)`` gives a group its own bound ``a >= alpha`` (a per-domain
     alpha for long-horizon tasks): its samples obey ``a`` everywhere above; the in-flight bound
@@ -173,6 +188,9 @@ class SampleBuffer:
             live); the buffer keeps nothing of it after that.
         fresh_start: a trajectory's first token needs one version of headroom (``"wait"``
             otherwise; module docstring). Needs weights applied independently of batches.
+        staleness_control: ``"bound"`` (alpha bounds every trained sample) or ``"areal"``
+            (alpha only enters AReaL's admission capacity; stale samples are kept; module
+            docstring).
 
     Raises:
         ConfigError: any argument out of range, naming it.
@@ -195,6 +213,7 @@ class SampleBuffer:
         on_forget: Callable[[str], None] | None = None,
         fresh_start: bool = False,
         abort_stale: bool = False,
+        staleness_control: Literal["bound", "areal"] = "bound",
     ) -> None:
         for name, val, lo in (
             ("alpha", alpha, 0),
@@ -217,6 +236,7 @@ class SampleBuffer:
             ("selection", selection, ("first", "unbiased")),
             ("check", check, ("per_turn", "admission")),
             ("on_stale", on_stale, ("restart", "drop")),
+            ("staleness_control", staleness_control, ("bound", "areal")),
         ):
             if val not in allowed:
                 raise ConfigError(f"SampleBuffer: {name} must be one of {allowed}, got {val!r}")
@@ -225,6 +245,10 @@ class SampleBuffer:
         self.on_stale, self.max_attempts = on_stale, max_attempts
         self.fresh_start = bool(fresh_start)
         self.abort_stale = bool(abort_stale)
+        self.staleness_control = staleness_control
+        self._areal = staleness_control == "areal"
+        #: groups admitted and not retired (AReaL's ``accepted + running``, in groups)
+        self._admitted_groups = 0
         self._aborts: list[str] = []
         self.max_groups = (alpha + 1) * batch_size // group_size
         self._version = initial_version
@@ -294,7 +318,8 @@ class SampleBuffer:
         return min_version is None or min_version >= self._version - a
 
     def _ok(self, t: _Traj) -> bool:
-        return self.admissible(t.min_version, t.group.alpha)
+        # AReaL's policy never rejects a sample for staleness once admitted.
+        return self._areal or self.admissible(t.min_version, t.group.alpha)
 
     def group_of(self, traj_id: str) -> str:
         """Group key of a live or held trajectory. Raises ``SampleBufferError`` otherwise."""
@@ -348,8 +373,12 @@ class SampleBuffer:
         return eligible < batches * (self.batch_size // self.group_size)
 
     def has_room(self) -> bool:
-        """Whether ``try_start_group`` would admit a group now (``groups_in_flight <
-        max_groups``)."""
+        """Whether ``try_start_group`` would admit a group now: ``groups_in_flight <
+        max_groups``, or with ``staleness_control="areal"`` AReaL's capacity (module
+        docstring)."""
+        if self._areal:
+            cap = (self.alpha + self._version + 1) * (self.batch_size // self.group_size)
+            return self._admitted_groups < cap
         return len(self._groups) < self.max_groups
 
     def domain_counts(self) -> dict[str, DomainCounts]:
@@ -391,8 +420,9 @@ class SampleBuffer:
             raise SampleBufferError(
                 f"group {group_key!r}: alpha {alpha!r} must be an int >= the buffer's "
                 f"{self.alpha}")
-        if len(self._groups) >= self.max_groups:
+        if not self.has_room():
             return None
+        self._admitted_groups += 1
         g = _Group(key=group_key, seq=self._group_seq, slots=[], domain=domain, alpha=a)
         self._dom(domain).groups_started += 1
         self._group_seq += 1
@@ -424,7 +454,7 @@ class SampleBuffer:
             return "restart"
         if t.doomed:
             return "drop"
-        if self.check == "per_turn" or t.turns == 0:
+        if not self._areal and (self.check == "per_turn" or t.turns == 0):
             if not self._ok(t):
                 if self.on_stale == "restart":
                     t.state = _S.ABORTING
@@ -711,6 +741,7 @@ class SampleBuffer:
                 "max_attempts",
                 "fresh_start",
                 "abort_stale",
+                "staleness_control",
             )
         }
         return {
@@ -740,6 +771,9 @@ class SampleBuffer:
         buf = cls(**snap["config"], initial_version=snap["version"], rng=rng, on_drop=on_drop,
                   on_forget=on_forget)
         buf._next_seq = snap["next_seq"]
+        # Every version's batch was admitted before it was trained; the open groups come back.
+        buf._admitted_groups = (buf._version * (buf.batch_size // buf.group_size)
+                                + len(snap["groups"]))
         for gs in snap["groups"]:
             g = _Group(
                 key=gs["key"],
@@ -872,6 +906,7 @@ class SampleBuffer:
 
     def _retire(self, g: _Group) -> None:
         g.status = "retired"
+        self._admitted_groups -= 1  # AReaL: a rejected rollout is not "accepted"
         self._c["groups_retired"] += 1
         for t in [*g.kept, *g.finished]:
             self._drop(t, "retired")

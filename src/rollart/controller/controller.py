@@ -135,6 +135,7 @@ class Controller:
             on_forget=self._forget_group,
             fresh_start=run.fresh_start,
             abort_stale=run.abort_stale,
+            staleness_control=self.spec.staleness_control,
         )
         self.domains: dict[str, DomainConfig] = {d.name: d for d in scenario.domains}
         self._groups: dict[str, tuple[DomainConfig, int]] = {}
@@ -522,8 +523,7 @@ class Controller:
             self._launch_restarts()
             if batch is not None:
                 return batch
-            room = self.buffer.groups_in_flight < self.buffer.max_groups
-            if not self._tasks and not (room and self._can_admit()):
+            if not self._tasks and not (self.buffer.has_room() and self._can_admit()):
                 raise ControllerStalledError(
                     f"no batch can be produced at version {self.buffer.version}: nothing is "
                     f"running and admission is paused ({self.buffer.stats()})"

@@ -1,6 +1,6 @@
 """The five rollout/training modes as data, and the turn barrier of ``sync`` mode.
 
-All modes run the same controller code; a :class:`ModeSpec` switches three things:
+All modes run the same controller code; a :class:`ModeSpec` switches these things:
 
 ==========  =========  ============  ================  =====================================
 mode        overlap    turn barrier  staleness check   admission
@@ -8,7 +8,7 @@ mode        overlap    turn barrier  staleness check   admission
 sync        no         yes           per turn (a=0)    one batch in flight
 sync_plus   no         no            per turn (a=0)    one batch in flight
 one_off     yes        no            at admission      one batch in flight, started per step
-areal       yes        no            at admission      buffer bound (alpha + 1) x batch
+areal       yes        no            none (AReaL)      AReaL's capacity (eta + v + 1) x batch
 rollart     yes        no            every turn        buffer bound (alpha + 1) x batch
 ==========  =========  ============  ================  =====================================
 
@@ -17,6 +17,12 @@ applied before it resumes (rollout, then train, then sync). ``overlap = True``: 
 protocol, get batch -> pause -> apply the newest weights -> resume -> train while rollout
 continues. ``one_off`` keeps at most one batch of groups in flight beyond the one being trained,
 so the rollout of step k+1 overlaps the training of step k and nothing more (batch level).
+
+``staleness_control = "areal"`` (mode ``areal`` only): AReaL's policy, not rollart's bound.
+Alpha only enters AReaL's admission capacity ``(eta + v + 1) * B - (accepted + running)``;
+no sample is checked at a turn, at completion or at batch assembly, so samples that finish
+stale are trained (``rollart.controller.buffer``, module docstring; the step metrics'
+``staleness_max`` shows how stale).
 """
 
 from __future__ import annotations
@@ -38,6 +44,9 @@ class ModeSpec:
     check: Literal["per_turn", "admission"]
     #: limit groups in flight (running or completed, not consumed) to one batch's worth
     one_batch_in_flight: bool
+    #: ``"bound"``: alpha bounds every trained sample; ``"areal"``: AReaL's admission capacity
+    #: only, stale samples kept (``SampleBuffer(staleness_control=...)``)
+    staleness_control: Literal["bound", "areal"] = "bound"
 
 
 MODES: dict[str, ModeSpec] = {
@@ -48,7 +57,7 @@ MODES: dict[str, ModeSpec] = {
     "one_off": ModeSpec("one_off", overlap=True, turn_barrier=False, check="admission",
                         one_batch_in_flight=True),
     "areal": ModeSpec("areal", overlap=True, turn_barrier=False, check="admission",
-                      one_batch_in_flight=False),
+                      one_batch_in_flight=False, staleness_control="areal"),
     "rollart": ModeSpec("rollart", overlap=True, turn_barrier=False, check="per_turn",
                         one_batch_in_flight=False),
 }

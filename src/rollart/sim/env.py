@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -162,35 +163,59 @@ class SimEnvHost:
             raise PeerDeadError(f"simulated env host {self.name} is dead")
 
 
+#: Serverless reward remote I/O per call (paper §7.5, Table 4: mean 0.01-0.02 s, max ~2 s):
+#: lognormal with mean 0.015 s (the middle of the range), std 0.03 s (not given by the paper;
+#: a heavy tail so that ~2 s maxima occur among thousands of calls), capped at 2.1 s (the
+#: paper's reward maximum).
+SERVERLESS_REWARD_LATENCY = Dist("lognormal", 0.015, 0.03, 0.0, 2.1)
+
+
 class SimReward:
     """A SIMULATED reward service (``RewardBackend``): sleeps ``latency_s`` per call, returns a
     reward in {0.0, 1.0} seeded by ``(seed, prompt, response)``.
 
+    Two shapes (paper §3 / §7.5, "reward offload"): *serverless* (``max_concurrency=None``,
+    elastic: every call only pays its remote I/O ``latency_s``, e.g.
+    ``SERVERLESS_REWARD_LATENCY``) and *dedicated* reward GPUs (``max_concurrency`` = number of
+    GPUs, each scoring one call at a time; ``service_s(prompt, response)`` seconds of GPU work
+    per call, e.g. one prefill of the sample on a reward model, queued behind earlier calls).
+
     Args:
-        latency_s: per-call latency distribution (seconds).
+        latency_s: per-call latency distribution (seconds), outside the GPU.
         failure_prob: probability that a call raises ``RewardError``.
         max_concurrency: calls served at once (reward GPUs / workers); ``None`` = elastic.
+        service_s: GPU seconds a call occupies its slot (``None``: 0).
+
+    Attributes: ``num_calls``; ``busy_s`` (GPU seconds spent scoring, all slots together:
+    utilisation = ``busy_s / (elapsed * max_concurrency)``).
     """
 
     def __init__(self, *, latency_s: Dist | None = None, seed: int = 0,
-                 failure_prob: float = 0.0, max_concurrency: int | None = None) -> None:
+                 failure_prob: float = 0.0, max_concurrency: int | None = None,
+                 service_s: Callable[[str, str], float] | None = None) -> None:
         if not 0.0 <= failure_prob <= 1.0:
             raise ValueError(f"failure_prob must be in [0, 1], got {failure_prob}")
         self.latency_s = latency_s or const(0.0)
         self.seed, self.failure_prob = seed, failure_prob
+        self.max_concurrency = max_concurrency
         self._slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+        self._service_s = service_s
         self._calls = itertools.count()
         self.num_calls = 0
+        self.busy_s = 0.0
 
     async def score(self, name: str, prompt: str, response: str, reference: Any = None,
                     metadata: dict[str, Any] | None = None) -> RewardResult:
         rng = seeded_rng(self.seed, name, prompt, response, next(self._calls))
         latency = self.latency_s.sample(rng)
+        work = self._service_s(prompt, response) if self._service_s is not None else 0.0
+        await asyncio.sleep(latency)
         if self._slots is not None:
             async with self._slots:
-                await asyncio.sleep(latency)
+                await asyncio.sleep(work)
         else:
-            await asyncio.sleep(latency)
+            await asyncio.sleep(work)
+        self.busy_s += work
         self.num_calls += 1
         if rng.random() < self.failure_prob:
             raise RewardError(f"simulated reward {name!r}: injected failure")

@@ -125,6 +125,18 @@ class SimScenario:
     gpus_per_node: int = 8
     #: engines' chunked-prefill token budget (vLLM ``max_num_batched_tokens``)
     max_num_batched_tokens: int = 8192
+    #: ablation knobs (simulation only). ``reward_gpus`` > 0: rewards are scored on that many
+    #: dedicated ``reward_hardware`` GPUs, one call at a time each, a call costing one prefill
+    #: of its prompt + final response on the policy's model profile (an LLM judge of the
+    #: policy's size: an assumption, the paper names no reward model); 0: serverless (elastic,
+    #: only ``reward_latency_s``). ``check``: override the mode's staleness check
+    #: (``"admission"``: rollart without its per-turn check; the bound still holds at
+    #: completion). ``push_at_pause``: the trainer's push is not overlapped with rollout but
+    #: made at the pause point, blocking (as a collective broadcast is).
+    reward_gpus: int = 0
+    reward_hardware: str = "h800"
+    check: str | None = None
+    push_at_pause: bool = False
 
     def engine_hardware(self, name: str) -> HardwareProfile:
         """The profile ``name`` with this scenario's bandwidth overrides applied."""
@@ -158,6 +170,8 @@ class SimResult:
     session_latencies: list[tuple[float, list[float]]] = field(default_factory=list)
     #: the trainer's ``push_times_s`` (seconds of each weight push, all workers together)
     push_times_s: list[float] = field(default_factory=list)
+    #: dedicated reward GPUs' busy share of the run (0 when serverless)
+    reward_utilisation: float = 0.0
     simulated: bool = True
 
 
@@ -211,10 +225,19 @@ class SimCluster:
         self.env_hosts = [SimEnvHost(f"env-{i}", self.table, seed=seed, opens=opens,
                                      max_concurrent_steps=sim.env_max_concurrent_steps)
                           for i in range(sim.env_hosts)]
-        self.reward = SimReward(latency_s=sim.reward_latency_s, seed=seed)
+        service = None
+        if sim.reward_gpus:
+            tok, reward_hw = SimTokenizer(self.table), get_hardware(sim.reward_hardware)
+
+            def service(prompt: str, response: str) -> float:
+                n = len(tok.encode(prompt)) + _generated(response)
+                return costs.prefill_s(model, reward_hw, n, eff=sim.eff)
+
+        self.reward = SimReward(latency_s=sim.reward_latency_s, seed=seed,
+                                max_concurrency=sim.reward_gpus or None, service_s=service)
         trainer_hw = sim.engine_hardware(sim.trainer_hardware)
         nodes = -(-sim.trainer_gpus // sim.gpus_per_node)
-        self.trainer = SimTrainer(model=model, hardware=trainer_hw, num_gpus=sim.trainer_gpus,
+        self.trainer: SimTrainer = SimTrainer(model=model, hardware=trainer_hw, num_gpus=sim.trainer_gpus,
                                   eff=sim.eff,
                                   egress_bytes_per_s=(nodes * trainer_hw.link_bytes_per_s
                                                       if sim.shared_trainer_egress else None))
@@ -225,6 +248,11 @@ class SimCluster:
             self.scenario, proxy=self.proxy, envs=EnvRouter(self.env_hosts),
             rewards=RewardRouter(service=self.reward), trainer=self.trainer,
             tokenizer=SimTokenizer(self.table))
+        if sim.check not in (None, "per_turn", "admission"):
+            raise ValueError(f"SimScenario.check must be per_turn or admission, got {sim.check!r}")
+        if sim.check is not None:
+            self.controller.buffer.check = sim.check  # type: ignore[assignment]
+        self.trainer.push_needs_pause = sim.push_at_pause
 
     async def run(self, steps: int | None = None) -> list[dict[str, Any]]:
         """Run ``steps`` (default ``sim.steps``) training steps; metrics as dicts."""
@@ -236,6 +264,13 @@ class SimCluster:
         finally:
             await self.controller.close()
         return out
+
+
+def _generated(response: str) -> int:
+    """Tokens of a simulated response text (``SimTokenizer.decode`` writes ``<gen:N>``)."""
+    if response.startswith("<gen:") and response.endswith(">"):
+        return int(response[5:-1])
+    return len(response.split())
 
 
 def _as_dict(metrics: Any) -> dict[str, Any]:
@@ -288,4 +323,6 @@ def run_simulated(sim: SimScenario, seed: int = 0, *, virtual: bool = True,
         session_latencies=sorted((v for h in cluster.env_hosts
                                   for v in h.session_latencies.values()), key=lambda v: v[0]),
         push_times_s=list(cluster.trainer.push_times_s),
+        reward_utilisation=(cluster.reward.busy_s / (times[0] * sim.reward_gpus)
+                            if sim.reward_gpus and times[0] > 0 else 0.0),
     )

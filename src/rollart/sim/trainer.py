@@ -64,6 +64,8 @@ class SimTrainer:
         self.push_times_s: list[float] = []
         self.num_tokens_trained = 0
         self.workers: list[GenerationBackend] = []
+        #: True: the controller pushes at the pause point, blocking (not overlapped)
+        self.push_needs_pause = False
 
     @property
     def version(self) -> int:
