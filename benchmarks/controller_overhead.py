@@ -31,9 +31,11 @@ Per N it reports:
   minus before start) per trajectory / per context token of N trajectories.
 - ``loop_lag_p99_ms`` (:class:`~rollart.controller.loophealth.LoopLagMonitor`) and garbage
   collection pause seconds per generation / longest pause (``gc.callbacks``).
-- the floor beside it: a bare uvloop ``asyncio.Protocol`` echo of length-prefixed msgspec
-  frames (``overhead_serve echo``), client CPU per call and round trip p50/p99; one turn is two
-  RPCs, so ``2 x floor_cpu_us_per_rpc`` is the transport floor of ``cpu_us_per_turn``.
+- the floor beside it (``benchmarks.rpc_floor.measure_floor``): a bare uvloop
+  ``asyncio.Protocol`` echo of length-prefixed msgspec frames in a child process, the client's
+  CPU per call at 256 in flight (``floor_cpu_us_per_rpc``), its calls/s, and the mean round
+  trip at one in flight; one turn is two RPCs, so ``2 x floor_cpu_us_per_rpc`` is the
+  transport floor of ``cpu_us_per_turn``.
 
 Sizes: ``--quick`` N = 1000 at 32k and N = 10000 at 4k contexts, 3 turns, 70-75 s each (10000 x
 32k needs more memory than a shared 24 GiB machine has); default N = 1000, 10000, 50000 at 32k,
@@ -71,6 +73,7 @@ import torch
 
 from benchmarks import overhead_serve as srv
 from benchmarks.common import main_for, result
+from benchmarks.rpc_floor import measure_floor
 from rollart.controller.controller import Controller
 from rollart.controller.loophealth import (
     GcPauses,
@@ -94,6 +97,7 @@ from rollart.transport.errors import RemoteTimeoutError
 NAME = "controller_overhead"
 GENERATE_TIMEOUT_S = 20.0
 SUBWINDOW_S = 5.0
+PROFILE_ENV = "CONTROLLER_OVERHEAD_PROFILE"
 #: controller bytes per held context token assumed before one size was measured (main's code:
 #: token ids, loss mask, logprobs and versions as Python lists, 8 B per slot each)
 BYTES_PER_TOKEN_GUESS = 40.0
@@ -243,6 +247,21 @@ def _ratio_ci95(num: list[float], den: list[float], seed: int) -> list[float]:
     return [stats[int(0.025 * len(stats))], stats[int(0.975 * len(stats)) - 1]]
 
 
+def _profiler() -> Any:
+    """A running ``cProfile.Profile`` of the controller's window when ``$CONTROLLER_OVERHEAD_PROFILE``
+    names a path prefix (stats go to ``<prefix>.<N>``), else None. It slows the controller, so
+    a profiled run's figures are not the benchmark's."""
+    if not os.environ.get(PROFILE_ENV):
+        return None
+    import cProfile
+
+    # The main thread's CPU time: wall time would charge preemption by other processes (and
+    # the I/O thread) to whatever function was running.
+    profiler = cProfile.Profile(time.thread_time)
+    profiler.enable()
+    return profiler
+
+
 def _rss() -> int:
     return psutil.Process().memory_info().rss
 
@@ -300,6 +319,7 @@ async def _drive(size: Size, args: Namespace, worker_addr: str, env_addr: str, s
         await asyncio.sleep(size.warmup_s)
         t0, cpu0, gen0, steps0 = time.monotonic(), time.process_time(), len(calls.gen_starts), \
             steps
+        profiler = _profiler()
         pauses.reset()
         lag.take()
         peak = _rss()
@@ -316,6 +336,9 @@ async def _drive(size: Size, args: Namespace, worker_addr: str, env_addr: str, s
             sub_turns.append(gens - gen_prev)
             cpu_prev, gen_prev = cpu, gens
         t1, cpu1, gen1 = time.monotonic(), time.process_time(), len(calls.gen_starts)
+        if profiler is not None:
+            profiler.disable()
+            profiler.dump_stats(f"{os.environ[PROFILE_ENV]}.{n}")
         lag_stats = lag.take()
         if trainer_task.done():
             trainer_task.result()  # a fatal error of the controller ends the run here
@@ -423,46 +446,14 @@ def _one_size(size: Size, seed: int, gc_policy: str) -> dict[str, Any]:
     return row
 
 
-async def _floor_client(addr: str, calls: int, concurrency: int) -> dict[str, float]:
-    host, port = addr.rsplit(":", 1)
-    loop = asyncio.get_running_loop()
-    proto = srv.EchoClientProtocol()
-    await loop.create_connection(lambda: proto, host, int(port))
-    payload = b"x" * 64
-    rtts: list[float] = []
-
-    async def caller(k: int) -> None:
-        for _ in range(k):
-            t = time.perf_counter()
-            await proto.call(payload)
-            rtts.append(time.perf_counter() - t)
-
-    await caller(200)  # warm-up
-    rtts.clear()
-    per, cpu0, t0 = calls // concurrency, time.process_time(), time.perf_counter()
-    await asyncio.gather(*(caller(per) for _ in range(concurrency)))
-    cpu, wall = time.process_time() - cpu0, time.perf_counter() - t0
-    proto.close()
-    rtts.sort()
-    return {"cpu_us_per_rpc": 1e6 * cpu / (per * concurrency),
-            "calls_per_s": per * concurrency / wall,
-            "rtt_p50_ms": 1e3 * _pct(rtts, 0.5), "rtt_p99_ms": 1e3 * _pct(rtts, 0.99)}
-
-
 def _floor(quick: bool) -> dict[str, Any]:
-    """Bare uvloop + msgspec echo (replaceable by ``benchmarks.rpc_floor`` when it lands)."""
-    import uvloop
-
-    proc, addr = _spawn(["echo", "--dump", os.devnull])
-    try:
-        calls = 20_000 if quick else 100_000
-        low = uvloop.run(_floor_client(addr, 2000, 1))
-        high = uvloop.run(_floor_client(addr, calls, 256))
-    finally:
-        _stop([proc])
-    return {"floor_cpu_us_per_rpc": high["cpu_us_per_rpc"],
-            "floor_calls_per_s": high["calls_per_s"], "floor_rtt_p50_ms": low["rtt_p50_ms"],
-            "floor_rtt_p99_ms": low["rtt_p99_ms"]}
+    """The transport floor (``benchmarks.rpc_floor.measure_floor``: bare uvloop + msgspec
+    echo in a child process) at one call and at 256 calls in flight."""
+    low, high = measure_floor((1, 256), repeats=3, quick=quick)
+    return {"floor_cpu_us_per_rpc": high["client_cpu_us_per_call"],
+            "floor_cpu_us_per_rpc_ci95": high["client_cpu_us_per_call_ci95"],
+            "floor_calls_per_s": high["calls_per_s"],
+            "floor_rtt_mean_ms": 1e-3 * low["us_per_call"]}
 
 
 def run(quick: bool, seed: int) -> dict:
