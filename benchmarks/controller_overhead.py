@@ -28,7 +28,9 @@ Per N it reports:
   the generate calls open at the window's end have ended (they get their timeout + 15 s),
   plus those still open then.
 - ``rss_bytes_per_traj`` / ``rss_bytes_per_token``: controller RSS growth (peak in the window
-  minus before start) per trajectory / per context token of N trajectories.
+  minus before start) per trajectory / per context token of N trajectories;
+  ``worker_rss_bytes_per_token``: the SIMULATED worker process's peak RSS per context token
+  (it keeps every trajectory's prefix for delta prompts; for the memory estimate only).
 - ``loop_lag_p99_ms`` (:class:`~rollart.controller.loophealth.LoopLagMonitor`) and garbage
   collection pause seconds per generation / longest pause (``gc.callbacks``).
 - the floor beside it (``benchmarks.rpc_floor.measure_floor``): a bare uvloop
@@ -37,10 +39,10 @@ Per N it reports:
   trip at one in flight; one turn is two RPCs, so ``2 x floor_cpu_us_per_rpc`` is the
   transport floor of ``cpu_us_per_turn``.
 
-Sizes: ``--quick`` N = 1000 and N = 10000 at 32k contexts, 3 turns, 70 s and 100 s (the 10k
-run's 40 s warm-up covers its start-up: 10k prompts of 32k tokens tokenised and sent once);
-default N = 1000, 10000, 50000 at 32k, 8 turns. A size whose estimated controller memory exceeds 60% of available memory is skipped and
-its row says what it needs. Every process shares the machine's cores: the controller gets what
+Sizes: ``--quick`` N = 1000 at 32k and N = 10000 at 16k contexts, 3 turns, 70 s and 90 s
+(10000 x 32k needs ~14 GiB with the SIMULATED worker's copy of every prefix: more than a shared
+24 GiB machine has free); default N = 1000, 10000, 50000 at 32k, 8 turns. A size whose estimated memory (controller and SIMULATED worker, per token as measured at
+the previous size) exceeds 60% of available memory is skipped and its row says what it needs. Every process shares the machine's cores: the controller gets what
 the scheduler leaves it (``cpu_share_of_core``), and once the offered load needs more than that
 the latency and lag are queueing. ``CONTROLLER_OVERHEAD_GC=default`` runs with CPython's default
 collector policy instead (to measure before/after), ``=G0,G1,G2`` given thresholds.
@@ -114,7 +116,7 @@ class Size:
 
 # Quick: 3 turns, so trajectories (~20 s open spread + 3 x 10 s) complete and steps train
 # inside the window and per-completion costs are counted too.
-QUICK = (Size(1000, 32768, 3, 70.0, 20.0), Size(10_000, 32768, 3, 100.0, 40.0))
+QUICK = (Size(1000, 32768, 3, 70.0, 20.0), Size(10_000, 16384, 3, 90.0, 30.0))
 FULL = (Size(1000, 32768, 8, 150.0, 30.0), Size(10_000, 32768, 8, 180.0, 40.0),
         Size(50_000, 32768, 8, 240.0, 60.0))
 
@@ -267,7 +269,7 @@ def _rss() -> int:
 
 
 async def _drive(size: Size, args: Namespace, worker_addr: str, env_addr: str, seed: int,
-                 gc_policy: str) -> dict[str, Any]:
+                 gc_policy: str, worker_pid: int) -> dict[str, Any]:
     table = DomainTable([srv.domain_spec(args)])
     spec = table.domains[0]
     n, group = size.n, 8
@@ -323,6 +325,8 @@ async def _drive(size: Size, args: Namespace, worker_addr: str, env_addr: str, s
         pauses.reset()
         lag.take()
         peak = _rss()
+        worker_proc = psutil.Process(worker_pid)
+        worker_peak = worker_proc.memory_info().rss
         sub_cpu: list[float] = []
         sub_turns: list[float] = []
         running: list[int] = []
@@ -330,6 +334,7 @@ async def _drive(size: Size, args: Namespace, worker_addr: str, env_addr: str, s
         while time.monotonic() < t_start + size.duration_s and not trainer_task.done():
             await asyncio.sleep(SUBWINDOW_S)
             peak = max(peak, _rss())
+            worker_peak = max(worker_peak, worker_proc.memory_info().rss)
             cpu, gens = time.process_time(), len(calls.gen_starts)
             running.append(controller.num_running)
             sub_cpu.append(1e6 * (cpu - cpu_prev))
@@ -383,6 +388,7 @@ async def _drive(size: Size, args: Namespace, worker_addr: str, env_addr: str, s
             "rss_mb": peak / 2**20,
             "rss_bytes_per_traj": rss_delta / n,
             "rss_bytes_per_token": rss_delta / (n * size.context_tokens),
+            "worker_rss_bytes_per_token": worker_peak / (n * size.context_tokens),
             "loop_lag_p50_ms": lag_stats.p50_ms, "loop_lag_p99_ms": lag_stats.p99_ms,
             "loop_lag_max_ms": lag_stats.max_ms,
             "gc_s": [round(s, 3) for s in pauses.seconds], "gc_count": pauses.count,
@@ -427,7 +433,7 @@ def _one_size(size: Size, seed: int, gc_policy: str) -> dict[str, Any]:
             procs.append(wp)
             ep, eaddr = _spawn(["env", "--dump", str(dumps["env"]), "--seed", str(seed), *dom])
             procs.append(ep)
-            out = uvloop.run(_drive(size, args, waddr, eaddr, seed, gc_policy))
+            out = uvloop.run(_drive(size, args, waddr, eaddr, seed, gc_policy, wp.pid))
         finally:
             _stop(procs)
         recs = {k: msgspec.msgpack.decode(p.read_bytes(), type=srv.Records)
@@ -464,20 +470,24 @@ def run(quick: bool, seed: int) -> dict:
                          f"'G0,G1,G2', got {gc_policy!r}")
     floor = _floor(quick)
     rows: list[dict[str, Any]] = []
-    per_token = BYTES_PER_TOKEN_GUESS
+    per_token = worker_per_token = BYTES_PER_TOKEN_GUESS
     for size in QUICK if quick else FULL:
-        need = size.n * size.context_tokens * per_token
+        tokens = size.n * size.context_tokens
+        need = tokens * (per_token + worker_per_token)
         avail = psutil.virtual_memory().available
         if need > 0.6 * avail:
             rows.append({"n": size.n, "context_tokens": size.context_tokens,
-                         "skipped": f"needs ~{need / 2**30:.1f} GiB of controller memory "
-                                    f"({per_token:.0f} B/token), {avail / 2**30:.1f} GiB free"})
+                         "skipped": f"needs ~{need / 2**30:.1f} GiB (controller {per_token:.0f} "
+                                    f"+ SIMULATED worker {worker_per_token:.0f} B/token), "
+                                    f"{avail / 2**30:.1f} GiB free"})
             continue
         # Fresh backend processes per size: the worker keeps the weight version a run reached.
         row = _one_size(size, seed, gc_policy)
         rows.append(row)
         if row["rss_bytes_per_token"] > 0:
             per_token = max(per_token / 4, row["rss_bytes_per_token"])
+        # The worker's RSS includes its start-up (~0.1 GiB), so small sizes overstate it.
+        worker_per_token = max(worker_per_token / 4, row["worker_rss_bytes_per_token"])
     return result(NAME, simulated=False, rows=rows, ratios=ratios_of(rows, floor), quick=quick,
                   seed=seed, started=started, notes=f"measured; gc policy {gc_policy}; backends "
                   "are SIMULATED processes (zero-latency worker, env lognormal mean 10 s) over "
