@@ -28,17 +28,21 @@ Per N it reports:
   the generate calls open at the window's end have ended (they get their timeout + 15 s),
   plus those still open then.
 - ``rss_bytes_per_traj`` / ``rss_bytes_per_token``: controller RSS growth (peak in the window
-  minus before start) per trajectory / per context token of N trajectories.
+  minus before start) per trajectory / per context token of N trajectories;
+  ``worker_rss_bytes_per_token``: the SIMULATED worker process's peak RSS per context token
+  (it keeps every trajectory's prefix for delta prompts; for the memory estimate only).
 - ``loop_lag_p99_ms`` (:class:`~rollart.controller.loophealth.LoopLagMonitor`) and garbage
   collection pause seconds per generation / longest pause (``gc.callbacks``).
-- the floor beside it: a bare uvloop ``asyncio.Protocol`` echo of length-prefixed msgspec
-  frames (``overhead_serve echo``), client CPU per call and round trip p50/p99; one turn is two
-  RPCs, so ``2 x floor_cpu_us_per_rpc`` is the transport floor of ``cpu_us_per_turn``.
+- the floor beside it (``benchmarks.rpc_floor.measure_floor``): a bare uvloop
+  ``asyncio.Protocol`` echo of length-prefixed msgspec frames in a child process, the client's
+  CPU per call at 256 in flight (``floor_cpu_us_per_rpc``), its calls/s, and the mean round
+  trip at one in flight; one turn is two RPCs, so ``2 x floor_cpu_us_per_rpc`` is the
+  transport floor of ``cpu_us_per_turn``.
 
-Sizes: ``--quick`` N = 1000 at 32k and N = 10000 at 4k contexts, 3 turns, 70-75 s each (10000 x
-32k needs more memory than a shared 24 GiB machine has); default N = 1000, 10000, 50000 at 32k,
-8 turns. A size whose estimated controller memory exceeds 60% of available memory is skipped and
-its row says what it needs. Every process shares the machine's cores: the controller gets what
+Sizes: ``--quick`` N = 1000 at 32k and N = 10000 at 16k contexts, 3 turns, 70 s and 90 s
+(10000 x 32k needs ~14 GiB with the SIMULATED worker's copy of every prefix: more than a shared
+24 GiB machine has free); default N = 1000, 10000, 50000 at 32k, 8 turns. A size whose estimated memory (controller and SIMULATED worker, per token as measured at
+the previous size) exceeds 60% of available memory is skipped and its row says what it needs. Every process shares the machine's cores: the controller gets what
 the scheduler leaves it (``cpu_share_of_core``), and once the offered load needs more than that
 the latency and lag are queueing. ``CONTROLLER_OVERHEAD_GC=default`` runs with CPython's default
 collector policy instead (to measure before/after), ``=G0,G1,G2`` given thresholds.
@@ -71,6 +75,7 @@ import torch
 
 from benchmarks import overhead_serve as srv
 from benchmarks.common import main_for, result
+from benchmarks.rpc_floor import measure_floor
 from rollart.controller.controller import Controller
 from rollart.controller.loophealth import (
     GcPauses,
@@ -94,6 +99,7 @@ from rollart.transport.errors import RemoteTimeoutError
 NAME = "controller_overhead"
 GENERATE_TIMEOUT_S = 20.0
 SUBWINDOW_S = 5.0
+PROFILE_ENV = "CONTROLLER_OVERHEAD_PROFILE"
 #: controller bytes per held context token assumed before one size was measured (main's code:
 #: token ids, loss mask, logprobs and versions as Python lists, 8 B per slot each)
 BYTES_PER_TOKEN_GUESS = 40.0
@@ -110,7 +116,7 @@ class Size:
 
 # Quick: 3 turns, so trajectories (~20 s open spread + 3 x 10 s) complete and steps train
 # inside the window and per-completion costs are counted too.
-QUICK = (Size(1000, 32768, 3, 70.0, 20.0), Size(10_000, 4096, 3, 75.0, 25.0))
+QUICK = (Size(1000, 32768, 3, 70.0, 20.0), Size(10_000, 16384, 3, 90.0, 30.0))
 FULL = (Size(1000, 32768, 8, 150.0, 30.0), Size(10_000, 32768, 8, 180.0, 40.0),
         Size(50_000, 32768, 8, 240.0, 60.0))
 
@@ -243,12 +249,27 @@ def _ratio_ci95(num: list[float], den: list[float], seed: int) -> list[float]:
     return [stats[int(0.025 * len(stats))], stats[int(0.975 * len(stats)) - 1]]
 
 
+def _profiler() -> Any:
+    """A running ``cProfile.Profile`` of the controller's window when ``$CONTROLLER_OVERHEAD_PROFILE``
+    names a path prefix (stats go to ``<prefix>.<N>``), else None. It slows the controller, so
+    a profiled run's figures are not the benchmark's."""
+    if not os.environ.get(PROFILE_ENV):
+        return None
+    import cProfile
+
+    # The main thread's CPU time: wall time would charge preemption by other processes (and
+    # the I/O thread) to whatever function was running.
+    profiler = cProfile.Profile(time.thread_time)
+    profiler.enable()
+    return profiler
+
+
 def _rss() -> int:
     return psutil.Process().memory_info().rss
 
 
 async def _drive(size: Size, args: Namespace, worker_addr: str, env_addr: str, seed: int,
-                 gc_policy: str) -> dict[str, Any]:
+                 gc_policy: str, worker_pid: int) -> dict[str, Any]:
     table = DomainTable([srv.domain_spec(args)])
     spec = table.domains[0]
     n, group = size.n, 8
@@ -300,9 +321,12 @@ async def _drive(size: Size, args: Namespace, worker_addr: str, env_addr: str, s
         await asyncio.sleep(size.warmup_s)
         t0, cpu0, gen0, steps0 = time.monotonic(), time.process_time(), len(calls.gen_starts), \
             steps
+        profiler = _profiler()
         pauses.reset()
         lag.take()
         peak = _rss()
+        worker_proc = psutil.Process(worker_pid)
+        worker_peak = worker_proc.memory_info().rss
         sub_cpu: list[float] = []
         sub_turns: list[float] = []
         running: list[int] = []
@@ -310,12 +334,16 @@ async def _drive(size: Size, args: Namespace, worker_addr: str, env_addr: str, s
         while time.monotonic() < t_start + size.duration_s and not trainer_task.done():
             await asyncio.sleep(SUBWINDOW_S)
             peak = max(peak, _rss())
+            worker_peak = max(worker_peak, worker_proc.memory_info().rss)
             cpu, gens = time.process_time(), len(calls.gen_starts)
             running.append(controller.num_running)
             sub_cpu.append(1e6 * (cpu - cpu_prev))
             sub_turns.append(gens - gen_prev)
             cpu_prev, gen_prev = cpu, gens
         t1, cpu1, gen1 = time.monotonic(), time.process_time(), len(calls.gen_starts)
+        if profiler is not None:
+            profiler.disable()
+            profiler.dump_stats(f"{os.environ[PROFILE_ENV]}.{n}")
         lag_stats = lag.take()
         if trainer_task.done():
             trainer_task.result()  # a fatal error of the controller ends the run here
@@ -360,6 +388,7 @@ async def _drive(size: Size, args: Namespace, worker_addr: str, env_addr: str, s
             "rss_mb": peak / 2**20,
             "rss_bytes_per_traj": rss_delta / n,
             "rss_bytes_per_token": rss_delta / (n * size.context_tokens),
+            "worker_rss_bytes_per_token": worker_peak / (n * size.context_tokens),
             "loop_lag_p50_ms": lag_stats.p50_ms, "loop_lag_p99_ms": lag_stats.p99_ms,
             "loop_lag_max_ms": lag_stats.max_ms,
             "gc_s": [round(s, 3) for s in pauses.seconds], "gc_count": pauses.count,
@@ -404,7 +433,7 @@ def _one_size(size: Size, seed: int, gc_policy: str) -> dict[str, Any]:
             procs.append(wp)
             ep, eaddr = _spawn(["env", "--dump", str(dumps["env"]), "--seed", str(seed), *dom])
             procs.append(ep)
-            out = uvloop.run(_drive(size, args, waddr, eaddr, seed, gc_policy))
+            out = uvloop.run(_drive(size, args, waddr, eaddr, seed, gc_policy, wp.pid))
         finally:
             _stop(procs)
         recs = {k: msgspec.msgpack.decode(p.read_bytes(), type=srv.Records)
@@ -423,46 +452,14 @@ def _one_size(size: Size, seed: int, gc_policy: str) -> dict[str, Any]:
     return row
 
 
-async def _floor_client(addr: str, calls: int, concurrency: int) -> dict[str, float]:
-    host, port = addr.rsplit(":", 1)
-    loop = asyncio.get_running_loop()
-    proto = srv.EchoClientProtocol()
-    await loop.create_connection(lambda: proto, host, int(port))
-    payload = b"x" * 64
-    rtts: list[float] = []
-
-    async def caller(k: int) -> None:
-        for _ in range(k):
-            t = time.perf_counter()
-            await proto.call(payload)
-            rtts.append(time.perf_counter() - t)
-
-    await caller(200)  # warm-up
-    rtts.clear()
-    per, cpu0, t0 = calls // concurrency, time.process_time(), time.perf_counter()
-    await asyncio.gather(*(caller(per) for _ in range(concurrency)))
-    cpu, wall = time.process_time() - cpu0, time.perf_counter() - t0
-    proto.close()
-    rtts.sort()
-    return {"cpu_us_per_rpc": 1e6 * cpu / (per * concurrency),
-            "calls_per_s": per * concurrency / wall,
-            "rtt_p50_ms": 1e3 * _pct(rtts, 0.5), "rtt_p99_ms": 1e3 * _pct(rtts, 0.99)}
-
-
 def _floor(quick: bool) -> dict[str, Any]:
-    """Bare uvloop + msgspec echo (replaceable by ``benchmarks.rpc_floor`` when it lands)."""
-    import uvloop
-
-    proc, addr = _spawn(["echo", "--dump", os.devnull])
-    try:
-        calls = 20_000 if quick else 100_000
-        low = uvloop.run(_floor_client(addr, 2000, 1))
-        high = uvloop.run(_floor_client(addr, calls, 256))
-    finally:
-        _stop([proc])
-    return {"floor_cpu_us_per_rpc": high["cpu_us_per_rpc"],
-            "floor_calls_per_s": high["calls_per_s"], "floor_rtt_p50_ms": low["rtt_p50_ms"],
-            "floor_rtt_p99_ms": low["rtt_p99_ms"]}
+    """The transport floor (``benchmarks.rpc_floor.measure_floor``: bare uvloop + msgspec
+    echo in a child process) at one call and at 256 calls in flight."""
+    low, high = measure_floor((1, 256), repeats=3, quick=quick)
+    return {"floor_cpu_us_per_rpc": high["client_cpu_us_per_call"],
+            "floor_cpu_us_per_rpc_ci95": high["client_cpu_us_per_call_ci95"],
+            "floor_calls_per_s": high["calls_per_s"],
+            "floor_rtt_mean_ms": 1e-3 * low["us_per_call"]}
 
 
 def run(quick: bool, seed: int) -> dict:
@@ -473,20 +470,24 @@ def run(quick: bool, seed: int) -> dict:
                          f"'G0,G1,G2', got {gc_policy!r}")
     floor = _floor(quick)
     rows: list[dict[str, Any]] = []
-    per_token = BYTES_PER_TOKEN_GUESS
+    per_token = worker_per_token = BYTES_PER_TOKEN_GUESS
     for size in QUICK if quick else FULL:
-        need = size.n * size.context_tokens * per_token
+        tokens = size.n * size.context_tokens
+        need = tokens * (per_token + worker_per_token)
         avail = psutil.virtual_memory().available
         if need > 0.6 * avail:
             rows.append({"n": size.n, "context_tokens": size.context_tokens,
-                         "skipped": f"needs ~{need / 2**30:.1f} GiB of controller memory "
-                                    f"({per_token:.0f} B/token), {avail / 2**30:.1f} GiB free"})
+                         "skipped": f"needs ~{need / 2**30:.1f} GiB (controller {per_token:.0f} "
+                                    f"+ SIMULATED worker {worker_per_token:.0f} B/token), "
+                                    f"{avail / 2**30:.1f} GiB free"})
             continue
         # Fresh backend processes per size: the worker keeps the weight version a run reached.
         row = _one_size(size, seed, gc_policy)
         rows.append(row)
         if row["rss_bytes_per_token"] > 0:
             per_token = max(per_token / 4, row["rss_bytes_per_token"])
+        # The worker's RSS includes its start-up (~0.1 GiB), so small sizes overstate it.
+        worker_per_token = max(worker_per_token / 4, row["worker_rss_bytes_per_token"])
     return result(NAME, simulated=False, rows=rows, ratios=ratios_of(rows, floor), quick=quick,
                   seed=seed, started=started, notes=f"measured; gc policy {gc_policy}; backends "
                   "are SIMULATED processes (zero-latency worker, env lognormal mean 10 s) over "

@@ -2,7 +2,6 @@
 
     python -m benchmarks.overhead_serve worker --dump W.msgpack [domain args]
     python -m benchmarks.overhead_serve env --dump E.msgpack [domain args]
-    python -m benchmarks.overhead_serve echo --dump /dev/null
 
 ``worker``: the simulated inference engine at ``time_scale=0`` (answers at once with
 ``--response-tokens`` tokens); ``env``: a simulated env host whose steps really sleep (asyncio)
@@ -12,8 +11,7 @@ Both serve the real ZeroMQ RPC (``rollart.sim.serve`` handlers), print ``ADDRESS
 first, and record for every call the ``time.monotonic()`` seconds at which its handler started
 (the request was received and decoded) and returned (the reply is about to be encoded and
 sent). ``CLOCK_MONOTONIC`` is one clock for every process of the host, so the controller-added
-latency is computed across processes. ``echo``: the transport floor, a bare uvloop
-``asyncio.Protocol`` echo of length-prefixed msgspec frames. On SIGTERM the records are written to ``--dump``
+latency is computed across processes. On SIGTERM the records are written to ``--dump``
 (msgpack) and the process exits.
 """
 
@@ -23,7 +21,6 @@ import argparse
 import asyncio
 import math
 import signal
-import struct
 import time
 from collections import Counter
 from pathlib import Path
@@ -86,89 +83,6 @@ class Records(msgspec.Struct, gc=False):
     calls: list[tuple[str, int, float, float]]
 
 
-class Echo(msgspec.Struct, array_like=True, gc=False):
-    """One frame of the floor echo: call id and an opaque payload."""
-
-    call_id: int
-    payload: bytes
-
-
-_LEN = struct.Struct("!I")
-_echo_encoder = msgspec.msgpack.Encoder()
-_echo_decoder = msgspec.msgpack.Decoder(Echo)
-
-
-def _frames(buf: bytearray) -> tuple[list[Echo], bytearray]:
-    out, pos = [], 0
-    while len(buf) - pos >= 4:
-        (size,) = _LEN.unpack_from(buf, pos)
-        if len(buf) - pos - 4 < size:
-            break
-        out.append(_echo_decoder.decode(memoryview(buf)[pos + 4:pos + 4 + size]))
-        pos += 4 + size
-    return out, buf[pos:]
-
-
-def _frame(msg: Echo) -> bytes:
-    body = _echo_encoder.encode(msg)
-    return _LEN.pack(len(body)) + body
-
-
-class EchoServerProtocol(asyncio.Protocol):
-    """The floor: decode each length-prefixed msgspec frame, encode it back; one write per
-    batch of frames received (the bare cost of an RPC with msgspec on uvloop)."""
-
-    def connection_made(self, transport: Any) -> None:
-        self.transport, self.buf = transport, bytearray()
-
-    def data_received(self, data: bytes) -> None:
-        self.buf += data
-        msgs, self.buf = _frames(self.buf)
-        if msgs:
-            self.transport.write(b"".join(_frame(msg) for msg in msgs))
-
-
-class EchoClientProtocol(asyncio.Protocol):
-    """Client of :class:`EchoServerProtocol`: ``await call(payload)`` per round trip."""
-
-    def __init__(self) -> None:
-        self.buf = bytearray()
-        self.pending: dict[int, asyncio.Future] = {}
-        self.next_id = 0
-
-    def connection_made(self, transport: Any) -> None:
-        self.transport = transport
-
-    def data_received(self, data: bytes) -> None:
-        self.buf += data
-        msgs, self.buf = _frames(self.buf)
-        for msg in msgs:
-            fut = self.pending.pop(msg.call_id, None)
-            if fut is not None and not fut.done():
-                fut.set_result(msg.payload)
-
-    async def call(self, payload: bytes) -> bytes:
-        self.next_id += 1
-        fut = asyncio.get_running_loop().create_future()
-        self.pending[self.next_id] = fut
-        self.transport.write(_frame(Echo(self.next_id, payload)))
-        return await asyncio.wait_for(fut, 30.0)
-
-    def close(self) -> None:
-        self.transport.close()
-
-
-async def _serve_echo() -> None:
-    loop = asyncio.get_running_loop()
-    server = await loop.create_server(EchoServerProtocol, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    stop = asyncio.Event()
-    loop.add_signal_handler(signal.SIGTERM, stop.set)
-    print(f"ADDRESS 127.0.0.1:{port}", flush=True)
-    await stop.wait()
-    server.close()
-
-
 def _timed(handler: Any, calls: list, key: Any) -> Any:
     async def wrapped(msg: Any, frames: list) -> Any:
         t_in = time.monotonic()
@@ -181,9 +95,6 @@ def _timed(handler: Any, calls: list, key: Any) -> Any:
 
 
 async def _serve(args: argparse.Namespace) -> Records:
-    if args.kind == "echo":
-        await _serve_echo()
-        return Records(calls=[])
     table = DomainTable([domain_spec(args)])
     calls: list[tuple[str, int, float, float]] = []
     if args.kind == "worker":
@@ -217,7 +128,7 @@ async def _serve(args: argparse.Namespace) -> Records:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.overhead_serve")
-    p.add_argument("kind", choices=("worker", "env", "echo"))
+    p.add_argument("kind", choices=("worker", "env"))
     p.add_argument("--dump", required=True)
     p.add_argument("--seed", type=int, default=0)
     add_domain_args(p)

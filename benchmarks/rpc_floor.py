@@ -238,19 +238,17 @@ async def _run_calls(call: Callable[[m.Msg], Awaitable[Any]], concurrency: int, 
 
 
 async def _measure(kind: str, address: str, concurrency: int, calls: int,
-                   lost: Lost | None = None) -> float:
+                   lost: Lost | None = None, cpu_us: list[float] | None = None) -> float:
     """calls/s of one transport at one concurrency (after a warm-up of a tenth of ``calls``);
-    replies that never came are added to ``lost``."""
+    replies that never came are added to ``lost``; the client process's CPU microseconds
+    (``time.process_time``) per answered call are appended to ``cpu_us`` if given."""
     lost = lost or Lost()
     if kind == "floor":
         host, port = address.removeprefix("tcp://").rsplit(":", 1)
         transport, client = await asyncio.get_running_loop().create_connection(
             _FloorClient, host, int(port))
         try:
-            await _run_calls(client.call, concurrency, max(concurrency, calls // 10), lost)
-            before = lost.count
-            elapsed = await _run_calls(client.call, concurrency, calls, lost)
-            return (calls - (lost.count - before)) / elapsed
+            return await _timed_calls(client.call, concurrency, calls, lost, cpu_us)
         finally:
             transport.close()
     mod = importlib.import_module(
@@ -261,12 +259,20 @@ async def _measure(kind: str, address: str, concurrency: int, calls: int,
         return (await rpc.call(msg, timeout_s=CALL_TIMEOUT_S))[0]
 
     try:
-        await _run_calls(call, concurrency, max(concurrency, calls // 10), lost)
-        before = lost.count
-        elapsed = await _run_calls(call, concurrency, calls, lost)
-        return (calls - (lost.count - before)) / elapsed
+        return await _timed_calls(call, concurrency, calls, lost, cpu_us)
     finally:
         await rpc.close()
+
+
+async def _timed_calls(call: Callable[[m.Msg], Awaitable[Any]], concurrency: int, calls: int,
+                       lost: Lost, cpu_us: list[float] | None) -> float:
+    await _run_calls(call, concurrency, max(concurrency, calls // 10), lost)
+    before, cpu0 = lost.count, time.process_time()
+    elapsed = await _run_calls(call, concurrency, calls, lost)
+    answered = calls - (lost.count - before)
+    if cpu_us is not None:
+        cpu_us.append(1e6 * (time.process_time() - cpu0) / max(1, answered))
+    return answered / elapsed
 
 
 def _calls_for(concurrency: int, quick: bool) -> int:
@@ -280,29 +286,36 @@ def measure_floor(concurrency: tuple[int, ...] = CONCURRENCY, *, repeats: int = 
     """Measure the bare uvloop ``asyncio.Protocol`` echo floor (server in a child process).
 
     Call from synchronous code (it runs its own uvloop). Returns one row per concurrency:
-    ``{"concurrency", "calls_per_s", "calls_per_s_ci95", "us_per_call"}`` (mean over
-    ``repeats``; ``us_per_call`` = 1e6 / mean calls/s).
+    ``{"concurrency", "calls_per_s", "calls_per_s_ci95", "us_per_call",
+    "client_cpu_us_per_call", "client_cpu_us_per_call_ci95"}`` (means over ``repeats``, ci95
+    values are half-widths; ``us_per_call`` = 1e6 / mean calls/s, wall time;
+    ``client_cpu_us_per_call``: CPU of the calling process alone, the floor of what one RPC
+    costs a client such as the controller).
     """
     proc, address = _spawn("floor")
     try:
-        rates = uvloop.run(_floor_rates(address, concurrency, repeats, quick))
+        rates, cpu = uvloop.run(_floor_rates(address, concurrency, repeats, quick))
     finally:
         _stop(proc)
     rows = []
     for c in concurrency:
         mean, half = ci95(rates[c])
+        cpu_mean, cpu_half = ci95(cpu[c])
         rows.append({"concurrency": c, "calls_per_s": mean, "calls_per_s_ci95": half,
-                     "us_per_call": 1e6 / mean})
+                     "us_per_call": 1e6 / mean, "client_cpu_us_per_call": cpu_mean,
+                     "client_cpu_us_per_call_ci95": cpu_half})
     return rows
 
 
 async def _floor_rates(address: str, concurrency: tuple[int, ...], repeats: int, quick: bool
-                       ) -> dict[int, list[float]]:
+                       ) -> tuple[dict[int, list[float]], dict[int, list[float]]]:
     rates: dict[int, list[float]] = {c: [] for c in concurrency}
+    cpu: dict[int, list[float]] = {c: [] for c in concurrency}
     for _ in range(repeats):
         for c in concurrency:
-            rates[c].append(await _measure("floor", address, c, _calls_for(c, quick)))
-    return rates
+            rates[c].append(await _measure("floor", address, c, _calls_for(c, quick),
+                                           cpu_us=cpu[c]))
+    return rates, cpu
 
 
 async def _all_rates(addresses: dict[str, str], repeats: int, quick: bool

@@ -4,6 +4,7 @@ call with the right reply across processes, and ``measure_floor`` returns its ro
 from __future__ import annotations
 
 import math
+import os
 
 import uvloop
 from benchmarks import rpc_floor
@@ -30,6 +31,10 @@ def test_measure_floor_rows() -> None:
     for r in rows:
         assert r["calls_per_s"] > 0 and math.isfinite(r["calls_per_s_ci95"])
         assert math.isclose(r["us_per_call"], 1e6 / r["calls_per_s"])
+        # The calling process's CPU per call: positive, and at most its wall time per call
+        # plus the other cores' share (one process cannot use more than every core).
+        assert 0 < r["client_cpu_us_per_call"] <= (os.cpu_count() or 1) * r["us_per_call"]
+        assert math.isfinite(r["client_cpu_us_per_call_ci95"])
 
 
 def test_ci95_matches_student_t() -> None:

@@ -621,3 +621,49 @@ def test_staleness_control_is_validated() -> None:
     with pytest.raises(ConfigError, match="staleness_control"):
         SampleBuffer(alpha=1, batch_size=1, group_size=1,
                      staleness_control="loose")  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------- cost
+def test_take_batch_checks_only_candidate_groups_while_nothing_is_stale() -> None:
+    buf = SampleBuffer(alpha=100, batch_size=4, group_size=2)
+    second = []
+    for i in range(40):  # 40 groups with one member kept each: none complete
+        tid, other = buf.try_start_group(f"g{i}")
+        run(buf, tid, [0])
+        second.append(other)
+    assert buf.take_batch() is None  # the first sweep visits every sample once
+    run(buf, second[0], [0])  # g0 complete: 1 of the 2 groups a batch needs
+    checked = {"ok": 0, "complete": 0}
+
+    def counting(name: str, fn):
+        def wrapped(*args):
+            checked[name] += 1
+            return fn(*args)
+        return wrapped
+
+    buf._ok = counting("ok", buf._ok)
+    buf._complete = counting("complete", buf._complete)
+    # What a completion's take_batch and a stats() call cost does not grow with the 40 groups
+    # and 41 held samples in flight: no staleness re-check (nothing can be stale), only the
+    # complete group looked at.
+    assert buf.take_batch() is None
+    assert buf.ready_samples() == 2
+    assert checked == {"ok": 0, "complete": 2}
+    run(buf, second[1], [0])
+    assert [s.group_key for s in buf.take_batch()] == ["g0", "g0", "g1", "g1"]
+
+
+def test_tokens_of_an_old_version_recorded_after_a_sweep_are_still_swept() -> None:
+    buf = SampleBuffer(alpha=1, batch_size=1, group_size=1, abort_stale=True)
+    (a,) = buf.try_start_group("a")
+    assert buf.begin_turn(a, 0) == "continue"  # no tokens yet
+    for key in ("b1", "b2"):
+        (tid,) = buf.try_start_group(key)
+        run(buf, tid, [buf.version])
+        assert [s.sample_id for s in buf.take_batch()] == [tid]
+        buf.advance_version()
+    assert buf.version == 2 and buf.drain_aborts() == []
+    buf.record_tokens(a, [0])  # a worker still serving version 0: stale at 2 with alpha 1
+    (c,) = buf.try_start_group("c")
+    assert buf.take_batch() is None  # a completion's take_batch sweeps
+    assert buf.drain_aborts() == [a]

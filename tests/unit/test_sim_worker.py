@@ -397,3 +397,21 @@ def test_prefix_cache_evicts_least_recently_used_but_never_the_kept_hit() -> Non
     # The kept hit is never evicted, even when the pool cannot fit.
     assert not cache.evict_for(160, 250, keep=hit) and cache.tokens == 100
     assert cache.evict_for(160, 250) and cache.tokens == 0 and len(cache) == 0
+
+
+def test_a_request_holds_its_prompt_as_the_wire_bytes_not_a_list() -> None:
+    async def main():
+        w = _worker()
+        await w.pause("keep")
+        task = asyncio.create_task(w.generate(_req("r0", prompt=5000)))
+        await asyncio.sleep(0)
+        (req,) = [*w._waiting, *w._running.values()]
+        prompt = req.prompt
+        await w.resume()
+        res = await task
+        return prompt, req.prompt_bytes, res
+
+    prompt, raw, res = run_virtual(main)
+    # No per-token Python objects for a 5000-token prompt: a view of the received bytes.
+    assert isinstance(prompt, memoryview) and prompt.obj is raw and len(prompt) == 5001
+    assert res.num_prompt_tokens == 5001 and res.finish_reason == "stop"

@@ -250,6 +250,15 @@ class SampleBuffer:
         #: groups admitted and not retired (AReaL's ``accepted + running``, in groups)
         self._admitted_groups = 0
         self._aborts: list[str] = []
+        # A lower bound of ``min_version + group alpha`` over every trajectory of an open group
+        # (None: no bound, sweep). While it is >= the version no trajectory is stale, so
+        # ``_sweep_stale`` has nothing to do and is skipped: take_batch runs once per kept
+        # sample, and a full sweep there made every completion O(trajectories).
+        self._fresh_bound: int | None = None
+        # Groups that reached group_size kept members (a superset of the complete ones: a
+        # group only becomes complete in _keep or restore), so finding complete groups costs
+        # O(candidates), not O(groups in flight), per take_batch.
+        self._ready: dict[str, _Group] = {}
         self.max_groups = (alpha + 1) * batch_size // group_size
         self._version = initial_version
         self._outstanding = False
@@ -335,7 +344,7 @@ class SampleBuffer:
 
     def ready_samples(self) -> int:
         """Samples in complete, unconsumed groups (all admissible after the last sweep)."""
-        return self.group_size * sum(1 for g in self._groups.values() if self._complete(g))
+        return self.group_size * sum(1 for g in self._ready.values() if self._complete(g))
 
     def drain_aborts(self) -> list[str]:
         """With ``abort_stale``: running trajectories that went stale on a version bump (each
@@ -477,16 +486,18 @@ class SampleBuffer:
             return
         if t.state is _S.ABORTING:
             raise SampleBufferError(f"trajectory {traj_id!r} was told to restart; no tokens")
-        bad = [v for v in versions if not 0 <= v <= self._version]
-        if bad:
+        if not versions:
+            return
+        lo = min(versions)
+        if lo < 0 or max(versions) > self._version:
+            bad = [v for v in versions if not 0 <= v <= self._version]
             raise SampleBufferError(
                 f"trajectory {traj_id!r}: token versions {bad[:3]} outside "
                 f"[0, trainer version {self._version}]"
             )
-        if versions:
-            lo = min(versions)
-            t.min_version = lo if t.min_version is None else min(t.min_version, lo)
-            self._add_tokens(t, len(versions))
+        t.min_version = lo if t.min_version is None else min(t.min_version, lo)
+        self._lower_bound(t)
+        self._add_tokens(t, len(versions))
 
     def complete(self, traj_id: str, sample: Sample) -> list[str]:
         """A trajectory finished with a reward. Returns the ids of running siblings the caller
@@ -511,6 +522,7 @@ class SampleBuffer:
         sv = sample.min_version
         if sv is not None:
             t.min_version = sv if t.min_version is None else min(t.min_version, sv)
+            self._lower_bound(t)
         # A caller that did not report every token through record_tokens: count the rest now.
         self._add_tokens(t, max(0, sample.num_generated - t.num_tokens))
         t.sample, t.state = sample, _S.HELD
@@ -610,7 +622,8 @@ class SampleBuffer:
                 f"a batch for version {self._version} is outstanding; call advance_version()"
             )
         self._sweep_stale()
-        ready = [g for g in self._groups.values() if self._complete(g)]
+        ready = [g for g in self._ready.values() if self._complete(g)]
+        self._ready = {g.key: g for g in ready}
         need = self.batch_size // self.group_size
         if len(ready) < need:
             return None
@@ -796,6 +809,9 @@ class SampleBuffer:
                 t.sample = msgspec.convert(ss["sample"], Sample)
                 t.state, t.min_version = _S.HELD, ss["min_version"]
                 (g.kept if ss["kept"] else g.finished).append(t)
+            if len(g.kept) == buf.group_size:
+                buf._ready[g.key] = g
+        buf._fresh_bound = None
         buf._sweep_stale()
         return buf
 
@@ -867,7 +883,10 @@ class SampleBuffer:
             self._on_drop(t.tid, reason)
 
     def _keep(self, t: _Traj) -> None:
-        t.group.kept.append(t)
+        g = t.group
+        g.kept.append(t)
+        if len(g.kept) == self.group_size:
+            self._ready[g.key] = g
         assert t.sample is not None
         self._c["kept_members"] += 1
         self._c["kept_len"] += t.sample.num_generated
@@ -878,18 +897,34 @@ class SampleBuffer:
         self._c["replaced_stale"] += 1
         self._restarts.append(self._new_traj(t.group, t.slot, t.attempt).tid)
 
+    def _lower_bound(self, t: _Traj) -> None:
+        """``t.min_version`` was just lowered: keep ``_fresh_bound`` a lower bound."""
+        if self._fresh_bound is not None and t.min_version is not None:
+            self._fresh_bound = min(self._fresh_bound, t.min_version + t.group.alpha)
+
     def _sweep_stale(self) -> None:
+        """Replace stale held samples (and abort stale running trajectories if configured).
+        Skipped while ``_fresh_bound`` proves no trajectory is stale (a sweep would do
+        nothing); a full sweep recomputes the bound."""
+        if self._fresh_bound is not None and self._fresh_bound >= self._version:
+            return
+        abort = self.abort_stale and self.check == "per_turn" and self.on_stale == "restart"
+        bound: int | None = None
         for g in list(self._groups.values()):
             if g.status != "open":
                 continue
             for t in [*g.kept, *g.finished]:
                 if not self._ok(t):
                     self._replace_stale(t)
-            if self.abort_stale and self.check == "per_turn" and self.on_stale == "restart":
-                for t in g.live():
-                    if t.state is _S.RUNNING and not self._ok(t) and self._slot_open(t):
-                        t.state = _S.ABORTING
-                        self._aborts.append(t.tid)
+            for t in [*g.kept, *g.finished, *g.live()]:
+                if abort and t.state is _S.RUNNING and not self._ok(t) and self._slot_open(t):
+                    t.state = _S.ABORTING
+                    self._aborts.append(t.tid)
+                if t.min_version is not None:
+                    b = t.min_version + g.alpha
+                    bound = b if bound is None or b < bound else bound
+        # No trajectory with a version at all: any later one lowers the bound from here.
+        self._fresh_bound = self._version if bound is None else bound
 
     def _close_slot(self, t: _Traj) -> None:
         g = t.group

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -59,7 +59,7 @@ _EPS = 1e-9
 @dataclass
 class _Request:
     rid: str
-    prompt: list[int]
+    prompt: Sequence[int]  # int32 memoryview of prompt_bytes
     target: int  # tokens this request will generate before finishing
     finish: Literal["stop", "length"]
     logprob: float
@@ -161,7 +161,10 @@ class SimInferenceWorker:
         if request.request_id in self._ids:
             raise RemoteError("bad_request", f"duplicate request_id {request.request_id!r}")
         prompt_bytes = self.prefixes.take_prompt(request)
-        prompt = tb.view_i32(prompt_bytes).tolist()
+        # A zero-copy int32 view: a list would cost ~40 bytes and a conversion per prompt token
+        # on every turn, and long contexts are held by thousands of waiting requests at once.
+        tb.view_i32(prompt_bytes)  # raises ValueError on a ragged length
+        prompt = memoryview(prompt_bytes).cast("i")  # native int32: the wire is little-endian
         if len(prompt) + 1 > self.capacity:
             raise RemoteError("engine_error", f"prompt of {len(prompt)} tokens "
                               f"exceeds the KV cache ({self.capacity} tokens) of {self.name}")
@@ -479,7 +482,7 @@ class SimInferenceWorker:
         for version, count in req.segments:
             versions.extend([version] * count)
         if self.prefix_cache and reason != "abort":
-            self._cache.add(req.prompt + ids)
+            self._cache.add([*req.prompt, *ids])
             self._cache.evict_for(self._kv_used(), self.capacity)
         token_bytes = tb.pack_i32(ids)
         if reason != "abort":

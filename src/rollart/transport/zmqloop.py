@@ -178,8 +178,9 @@ class SocketPump:
                 if self._batches:
                     self._seal_batches()
                 progressed = self._flush() if self._out else False
+                events = -1
                 if self.receiving:
-                    got = self._drain()
+                    got, events = self._drain()
                     if got >= RECV_BUDGET:
                         # More may be waiting: let other callbacks run first, come back soon.
                         if not self._scheduled:
@@ -188,7 +189,9 @@ class SocketPump:
                     progressed = progressed or got > 0
                 # Reading EVENTS re-arms the edge-triggered descriptor: anything that changes
                 # after this read wakes the reader; anything already pending is handled here.
-                events = sock.getsockopt(_EVENTS)
+                # The drain's last read is one (nothing touched the socket since).
+                if events < 0:
+                    events = sock.getsockopt(_EVENTS)
                 if events & _POLLIN and self.receiving:
                     continue
                 if events & _POLLOUT and self._out:
@@ -204,16 +207,25 @@ class SocketPump:
                 return
             raise
 
-    def _drain(self) -> int:
+    def _drain(self) -> tuple[int, int]:
+        """Receive and handle up to ``RECV_BUDGET`` messages: (how many, the socket's EVENTS
+        as last read, -1 if not read after the last receive)."""
         sock = self._sock
         handle = self._on_message
         ncopy = self._copy_parts
         n = 0
+        events = -1
         while n < RECV_BUDGET:
+            # Asking first costs less than the zmq.Again exception an empty recv raises.
+            events = sock.getsockopt(_EVENTS)
+            if not events & _POLLIN:
+                break
             try:
                 first = sock.recv(_NOBLOCK)
             except zmq.Again:
+                events = -1
                 break
+            events = -1
             n += 1
             parts: list[Part] = [first]
             # The remaining parts of a multipart message arrive with the first (atomic).
@@ -229,7 +241,7 @@ class SocketPump:
                     handle(parts)
             except Exception:  # one bad message must not stop the pump
                 log.exception("%s: handling a received message failed", self.name)
-        return n
+        return n, events
 
     def _unbatch(self, parts: list[Part]) -> None:
         handle = self._on_message
