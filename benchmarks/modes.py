@@ -78,16 +78,27 @@ def _mean(steps: list[dict], key: str) -> float:
     return sum(vals) / len(vals)
 
 
+#: rollart's own staleness policy (issue 12); the baselines run as their papers describe
+#: them, so they get RunConfig's defaults for these fields whatever the scenario sets.
+ROLLART_POLICY_FIELDS = ("weight_apply", "apply_waves", "fresh_start", "abort_stale",
+                         "admission", "domain_mix")
+
+
 def scenario_for_mode(base: Any, mode: str, *, seed: int, steps: int | None) -> Any:
     """``base`` (a ``rollart.config.Scenario``) switched to ``mode`` with that mode's alpha
-    (the scenario's own alpha, at least 1, where the mode allows any), validated."""
-    from rollart.config import validate_scenario
+    (the scenario's own alpha, at least 1, where the mode allows any), validated. Modes other
+    than ``rollart`` drop the scenario's rollart staleness policy (``ROLLART_POLICY_FIELDS``
+    back to their defaults)."""
+    from rollart.config import RunConfig, validate_scenario
 
     fixed = MODE_ALPHA[mode]
+    defaults = RunConfig()
+    policy = {} if mode == "rollart" else {
+        f: getattr(defaults, f) for f in ROLLART_POLICY_FIELDS}
     run = msgspec.structs.replace(
         base.run, mode=mode, alpha=max(1, base.run.alpha) if fixed is None else fixed,
         seed=seed, steps=steps or base.run.steps,
-        reprefill=True if mode == "areal" else base.run.reprefill)
+        reprefill=True if mode == "areal" else base.run.reprefill, **policy)
     return validate_scenario(msgspec.structs.replace(base, run=run), f"<modes {mode}>")
 
 

@@ -80,6 +80,12 @@ def test_modes_switches_a_real_scenario_to_every_mode() -> None:
         "rollart": ("rollart", 1, 3, 5)}
     assert got["areal"].run.reprefill and not got["rollart"].run.reprefill
     assert got["rollart"].pools == base.pools
+    # The quickstart sets rollart's staleness policy; the baselines run without it.
+    assert got["rollart"].run.weight_apply == "eager" and got["rollart"].run.fresh_start
+    for m in ("sync", "sync_plus", "one_off", "areal"):
+        run = got[m].run
+        assert (run.weight_apply, run.fresh_start, run.admission, run.domain_mix) == (
+            "at_batch", False, "greedy", "weight"), m
 
 
 def test_affinity_sweeps_equal_cost_splits() -> None:
