@@ -75,7 +75,7 @@ def test_real_engine_quick_small(tmp_path: Path) -> None:
 
     assert res["benchmark"] == "real_engine"
     assert res["simulated"] is False
-    assert set(res) == {"benchmark", "simulated", "rows", "ratios", "meta"}
+    assert set(res) == {"benchmark", "simulated", "rows", "ratios", "ci95", "meta"}
     assert res["meta"]["quick"] is True and res["meta"]["model"] == "random"
 
     steps = [r for r in res["rows"] if r["part"] == "step_time"]
