@@ -63,14 +63,19 @@ def run(quick: bool, seed: int) -> dict:
                              "stale_waste_share": res.buffer["wasted_tokens"].get("stale", 0)
                              / max(1, res.buffer["generated_tokens"]),
                              "wall_s": res.wall_s})
-            for base in ("sync", "sync_plus", "one_off", "areal"):
-                samples.setdefault(f"{model}: rollart vs {base}", []).append(
-                    times[base] / times["rollart"])
+            _add_ratios(samples, model, times)
     ratios, ci = summarize(samples)
     return result(NAME, simulated=True, rows=mean_rows(rows, ("model", "mode")),
                   ratios=ratios, ci95=ci, seeds=seeds, quick=quick, seed=seed,
                   started=started, notes="paper (32B): 2.05x vs sync_plus, 1.35x vs one_off, "
                   "1.31x vs areal; step time = mean over steps after the first")
+
+
+def _add_ratios(samples: dict[str, list[float]], label: str, times: dict[str, float]) -> None:
+    """Append one seed's ``rollart vs <baseline>`` step-time ratios under ``label``."""
+    for base in ("sync", "sync_plus", "one_off", "areal"):
+        samples.setdefault(f"{label}: rollart vs {base}", []).append(
+            times[base] / times["rollart"])
 
 
 def _mean(steps: list[dict], key: str) -> float:
@@ -122,9 +127,7 @@ def run_on_scenario(path: Path, quick: bool, seed: int, *, num_seeds: int, cache
             rows.append({"scenario": path.name, "mode": mode, "step_time_s": times[mode],
                          "rollout_time_s": sum(r["rollout_time_s"] for r in steps[1:])
                          / max(1, len(steps) - 1)})
-        for other in ("sync", "sync_plus", "one_off", "areal"):
-            samples.setdefault(f"{path.stem}: rollart vs {other}", []).append(
-                times[other] / times["rollart"])
+        _add_ratios(samples, path.stem, times)
     ratios, ci = summarize(samples)
     return result(NAME, simulated=False, rows=mean_rows(rows, ("scenario", "mode")),
                   ratios=ratios, ci95=ci, seeds=seeds, quick=quick, seed=seed,

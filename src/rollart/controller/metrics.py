@@ -83,26 +83,9 @@ class StepMetrics(msgspec.Struct, kw_only=True):
     by_domain: dict[str, DomainStepMetrics] = {}
 
 
-class DomainStepMetrics(msgspec.Struct, kw_only=True):
-    """One domain's counters over one step (changes of ``DomainCounts``; sum rows for a run).
-
-    ``groups_started`` / ``started`` (trajectories incl. restarts and redundant members) /
-    ``finished`` / ``trained`` samples; ``finished_tokens`` / ``trained_tokens``: generated
-    tokens summed over finished / trained samples, ``finished_turns`` / ``trained_turns`` env
-    turns likewise (mean = sum / count); ``generated_tokens``: all generated for the domain;
-    ``wasted_tokens``: by reason.
-    """
-
-    groups_started: int = 0
-    started: int = 0
-    finished: int = 0
-    trained: int = 0
-    finished_tokens: int = 0
-    trained_tokens: int = 0
-    finished_turns: int = 0
-    trained_turns: int = 0
-    generated_tokens: int = 0
-    wasted_tokens: dict[str, int] = {}
+#: One domain's counters over one step: the change of the buffer's cumulative ``DomainCounts``
+#: (same fields; sum the rows of a run for its totals).
+DomainStepMetrics = DomainCounts
 
 
 def domain_deltas(after: BufferStats, before: BufferStats) -> dict[str, DomainStepMetrics]:
@@ -110,8 +93,8 @@ def domain_deltas(after: BufferStats, before: BufferStats) -> dict[str, DomainSt
     out = {}
     for name, a in sorted(after.domains.items()):
         b = before.domains.get(name, DomainCounts())
-        out[name] = DomainStepMetrics(
-            **{f: getattr(a, f) - getattr(b, f) for f in DomainStepMetrics.__struct_fields__
+        out[name] = DomainCounts(
+            **{f: getattr(a, f) - getattr(b, f) for f in DomainCounts.__struct_fields__
                if f != "wasted_tokens"},
             wasted_tokens=_delta(a.wasted_tokens, b.wasted_tokens))
     return out
