@@ -95,6 +95,7 @@ from rollart.sim.trainer import SimTrainer
 from rollart.sim.workload import DomainTable, SimTokenizer
 from rollart.transport import messages as m
 from rollart.transport.errors import RemoteTimeoutError
+from rollart.transport.security import create_key_file, load_key_file
 
 NAME = "controller_overhead"
 GENERATE_TIMEOUT_S = 20.0
@@ -269,7 +270,7 @@ def _rss() -> int:
 
 
 async def _drive(size: Size, args: Namespace, worker_addr: str, env_addr: str, seed: int,
-                 gc_policy: str, worker_pid: int) -> dict[str, Any]:
+                 gc_policy: str, worker_pid: int, auth: Any) -> dict[str, Any]:
     table = DomainTable([srv.domain_spec(args)])
     spec = table.domains[0]
     n, group = size.n, 8
@@ -285,8 +286,8 @@ async def _drive(size: Size, args: Namespace, worker_addr: str, env_addr: str, s
                       generate_timeout_s=GENERATE_TIMEOUT_S,
                       env_timeout_s=args.env_max_s + 30.0, env_hosts=1)
     calls = Calls()
-    client = InferenceClient(worker_addr, name="w0", liveness_timeout_s=120.0)
-    env = EnvClient(env_addr, name="env", liveness_timeout_s=120.0)
+    client = InferenceClient(worker_addr, auth=auth, name="w0", liveness_timeout_s=120.0)
+    env = EnvClient(env_addr, auth=auth, name="env", liveness_timeout_s=120.0)
     trainer = SimTrainer(model=QWEN3_8B, hardware=H800, num_gpus=8, time_scale=0.0,
                          weights=lambda: [("w", torch.zeros(16))])
     controller = Controller(
@@ -428,12 +429,17 @@ def _one_size(size: Size, seed: int, gc_policy: str) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="ctrl-overhead-") as tmp:
         dumps = {k: Path(tmp) / f"{k}.msgpack" for k in ("worker", "env")}
         procs: list[subprocess.Popen] = []
+        # Authenticated (CURVE) as in a real run: the transport's encryption is part of it.
+        key_file = create_key_file(Path(tmp) / "keys")
+        keyed = ["--key-file", str(key_file)]
         try:
-            wp, waddr = _spawn(["worker", "--dump", str(dumps["worker"]), *dom])
+            wp, waddr = _spawn(["worker", "--dump", str(dumps["worker"]), *dom, *keyed])
             procs.append(wp)
-            ep, eaddr = _spawn(["env", "--dump", str(dumps["env"]), "--seed", str(seed), *dom])
+            ep, eaddr = _spawn(["env", "--dump", str(dumps["env"]), "--seed", str(seed), *dom,
+                                *keyed])
             procs.append(ep)
-            out = uvloop.run(_drive(size, args, waddr, eaddr, seed, gc_policy, wp.pid))
+            out = uvloop.run(_drive(size, args, waddr, eaddr, seed, gc_policy, wp.pid,
+                                    load_key_file(key_file)))
         finally:
             _stop(procs)
         recs = {k: msgspec.msgpack.decode(p.read_bytes(), type=srv.Records)

@@ -36,6 +36,7 @@ from rollart.sim.worker import SimInferenceWorker
 from rollart.sim.workload import Dist, DomainSpec, DomainTable, const
 from rollart.transport import messages as m
 from rollart.transport.rpc import RpcServer
+from rollart.transport.security import Auth, add_auth_args, service_auth
 
 DOMAIN = "zero"
 
@@ -94,7 +95,7 @@ def _timed(handler: Any, calls: list, key: Any) -> Any:
     return wrapped
 
 
-async def _serve(args: argparse.Namespace) -> Records:
+async def _serve(args: argparse.Namespace, auth: Auth) -> Records:
     table = DomainTable([domain_spec(args)])
     calls: list[tuple[str, int, float, float]] = []
     if args.kind == "worker":
@@ -114,7 +115,7 @@ async def _serve(args: argparse.Namespace) -> Records:
         handlers[m.EnvOpen] = _timed(handlers[m.EnvOpen], calls,
                                      lambda _msg, res: (res.session_id, -1))
         handlers[m.EnvStep] = _timed(handlers[m.EnvStep], calls, step_key)
-    server = RpcServer("tcp://127.0.0.1:0", handlers, name=f"bench-{args.kind}")
+    server = RpcServer("tcp://127.0.0.1:0", handlers, name=f"bench-{args.kind}", auth=auth)
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
     serving = asyncio.create_task(server.serve_forever())
@@ -132,10 +133,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dump", required=True)
     p.add_argument("--seed", type=int, default=0)
     add_domain_args(p)
+    add_auth_args(p)
     args = p.parse_args(argv)
+    auth = service_auth(args.key_file, args.insecure, "tcp://127.0.0.1:0")
     import uvloop
 
-    records = uvloop.run(_serve(args))
+    records = uvloop.run(_serve(args, auth))
     Path(args.dump).write_bytes(msgspec.msgpack.encode(records))
 
 

@@ -259,16 +259,20 @@ async def _worker_round(opts: Any, run_dir: Path, warm: list[list[int]],
                         ) -> tuple[int, float]:
     from rollart.inference.client import InferenceClient
     from rollart.launcher.procs import Supervisor, python_module
+    from rollart.transport.security import create_key_file, load_key_file
 
     sup = Supervisor(run_dir)
+    key_file = create_key_file(run_dir / "keys")  # authenticated, as rollart run's workers
     try:
         # The engine options of the bare round, as rollart.launcher.services passes them.
         address = await sup.start("worker-bench", python_module(
             "rollart.inference.worker", "--model", opts.model, "--name", "bench",
             "--kv-cache-bytes", str(opts.kv_cache_bytes), "--dtype", opts.dtype,
             "--seed", str(opts.seed), "--max-model-len", str(opts.max_model_len),
-            "--max-num-seqs", str(opts.max_num_seqs)), ready_timeout_s=600)
-        async with InferenceClient(address, name="bench", liveness_timeout_s=60) as client:
+            "--max-num-seqs", str(opts.max_num_seqs), "--key-file", str(key_file)),
+            ready_timeout_s=600)
+        async with InferenceClient(address, auth=load_key_file(key_file), name="bench",
+                                   liveness_timeout_s=60) as client:
             for k in range(WARMUP_ROUNDS):
                 await time_worker(client, warm, max_tokens, f"{tag}-warm{k}")
             return await time_worker(client, prompts, max_tokens, tag)

@@ -4,7 +4,12 @@ Three transports carry the same echo (an ``EnvStep`` request answered by an ``En
 msgspec msgpack both ways) from one client in this process to one server in another process,
 both on uvloop, at concurrency 1, 64 and 1024 (that many coroutines each calling in a loop):
 
-- ``new``: ``rollart.transport.rpc`` (plain ZeroMQ sockets pumped in bulk from the loop).
+- ``new``: ``rollart.transport.rpc`` (plain ZeroMQ sockets pumped in bulk from the loop),
+  unauthenticated (``INSECURE``), as before issue 14.
+- ``curve``: the same transport with the run's CURVE key (``rollart.transport.security``): the
+  default since issue 14. Every message is encrypted and authenticated (NaCl crypto_box:
+  Curve25519 key agreement at the handshake, XSalsa20-Poly1305 per message) on both sides, in
+  ZeroMQ's I/O threads; ``curve/new`` is what that costs.
 - ``old``: the transport before issue 11 (``benchmarks/_rpc_before.py``: pyzmq's asyncio layer).
 - ``floor``: the physical floor of issue 11, a bare uvloop ``asyncio.Protocol`` over TCP with
   length-prefixed frames (4-byte length, 8-byte call id, msgpack body), one ``write`` per loop
@@ -13,8 +18,8 @@ both on uvloop, at concurrency 1, 64 and 1024 (that many coroutines each calling
 Reported per transport and concurrency: calls/s (answered calls only) and us per call (= 1e6 /
 calls/s: wall time per call with that many in flight, both processes included), and the calls
 whose reply never came within ``CALL_TIMEOUT_S`` (``lost_replies``, warm-ups included; the wait
-for them is in the elapsed time, as it would be for a real caller). Ratios ``new/old`` and ``new/floor`` of
-calls/s are computed within each repeat (the three transports run back to back, in a rotating
+for them is in the elapsed time, as it would be for a real caller). Ratios ``new/old``,
+``new/floor`` and ``curve/new`` of calls/s are computed within each repeat (the three transports run back to back, in a rotating
 order) and given as mean with a 95% Student-t interval over the repeats. Both processes share
 this machine's cores with whatever else runs (the load average is in ``meta``).
 
@@ -31,6 +36,7 @@ import statistics
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -42,9 +48,24 @@ import uvloop
 from benchmarks.common import emit, parse_args, result
 from rollart.transport import messages as m
 from rollart.transport.errors import RemoteTimeoutError
+from rollart.transport.security import INSECURE, Auth, create_key_file, load_key_file
 
 NAME = "rpc_floor"
-KINDS = ("new", "old", "floor")
+KINDS = ("new", "curve", "old", "floor")
+_key_dir: tempfile.TemporaryDirectory | None = None
+
+
+def _key_path() -> Path:
+    """The benchmark's CURVE key file (made once per process, removed at exit)."""
+    global _key_dir
+    if _key_dir is None:
+        _key_dir = tempfile.TemporaryDirectory(prefix="rpc-floor-")
+        create_key_file(Path(_key_dir.name) / "keys")
+    return Path(_key_dir.name) / "keys" / "run.key_secret"
+
+
+def _auth(kind: str, key_file: Path | None = None) -> Auth:
+    return load_key_file(key_file or _key_path()) if kind == "curve" else INSECURE
 CONCURRENCY = (1, 64, 1024)
 _FRAME = struct.Struct(">IQ")  # body length + 8 (call id), call id
 _encoder = msgspec.msgpack.Encoder()
@@ -149,19 +170,21 @@ class _FloorClient(_Framed):
 # ----------------------------------------------------------------------------------------------
 
 
-async def _serve(kind: str) -> None:
+async def _serve(kind: str, key_file: Path | None) -> None:
     if kind == "floor":
         server = await asyncio.get_running_loop().create_server(_FloorServer, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
         print(f"ADDRESS tcp://127.0.0.1:{port}", flush=True)
     else:
         mod = importlib.import_module(
-            "rollart.transport.rpc" if kind == "new" else "benchmarks._rpc_before")
+            "benchmarks._rpc_before" if kind == "old" else "rollart.transport.rpc")
 
         async def step(msg: m.EnvStep, _frames: Any) -> m.EnvStepResult:
             return _echo(msg)
 
-        rpc = mod.RpcServer("tcp://127.0.0.1:0", {m.EnvStep: step}, name=f"echo-{kind}")
+        auth = {} if kind == "old" else {"auth": _auth(kind, key_file)}
+        rpc = mod.RpcServer("tcp://127.0.0.1:0", {m.EnvStep: step}, name=f"echo-{kind}",
+                            **auth)
         serving = asyncio.create_task(rpc.serve_forever())
         print(f"ADDRESS {rpc.address}", flush=True)
     # Serve until the parent closes our stdin (or dies).
@@ -176,7 +199,8 @@ def _spawn(kind: str) -> tuple[subprocess.Popen, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(root / "src"), str(root), env.get("PYTHONPATH", "")) if p)
-    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.rpc_floor", "serve", kind],
+    key = [str(_key_path())] if kind == "curve" else []
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.rpc_floor", "serve", kind, *key],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
                             cwd=root)
     assert proc.stdout is not None
@@ -252,8 +276,9 @@ async def _measure(kind: str, address: str, concurrency: int, calls: int,
         finally:
             transport.close()
     mod = importlib.import_module(
-        "rollart.transport.rpc" if kind == "new" else "benchmarks._rpc_before")
-    rpc = mod.RpcClient(address, name=kind, heartbeat_interval_s=0)
+        "benchmarks._rpc_before" if kind == "old" else "rollart.transport.rpc")
+    auth = {} if kind == "old" else {"auth": _auth(kind)}
+    rpc = mod.RpcClient(address, name=kind, heartbeat_interval_s=0, **auth)
 
     async def call(msg: m.Msg) -> Any:
         return (await rpc.call(msg, timeout_s=CALL_TIMEOUT_S))[0]
@@ -355,6 +380,10 @@ def run(quick: bool, seed: int) -> dict[str, Any]:
             mean, half = ci95(per_rep)
             key = f"new/{other} calls_per_s at c={c}"
             ratios[key], intervals[key] = mean, [mean - half, mean + half]
+        per_rep = [a / b for a, b in zip(rates["curve", c], rates["new", c], strict=True)]
+        mean, half = ci95(per_rep)
+        key = f"curve/new calls_per_s at c={c}"
+        ratios[key], intervals[key] = mean, [mean - half, mean + half]
     res = result(NAME, simulated=False, rows=rows, ratios=ratios, quick=quick, seed=seed,
                  started=started,
                  notes=(f"{repeats} repeats, transports interleaved; one client process, one "
@@ -370,7 +399,7 @@ def run(quick: bool, seed: int) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:
-        uvloop.run(_serve(argv[1]))
+        uvloop.run(_serve(argv[1], Path(argv[2]) if len(argv) > 2 else None))
         return None
     args = parse_args(NAME, __doc__.splitlines()[0], argv)
     res = run(args.quick, args.seed)

@@ -70,7 +70,12 @@ async def _run(args: argparse.Namespace, run_dir: Path) -> list[dict[str, Any]]:
     from rollart.launcher.procs import Supervisor, python_module
     from rollart.models.tiny import build_tiny_model
     from rollart.trainer.client import TrainerClient
+    from rollart.transport.security import create_key_file, load_key_file
 
+    # Authenticated, as in rollart run: CURVE encrypts the zmq path's buckets (gloo's are not).
+    key_file = create_key_file(run_dir / "keys")
+    keyed = ["--key-file", str(key_file)]
+    auth = load_key_file(key_file)
     model = build_tiny_model(run_dir / "model", hidden_size=args.hidden_size,
                              num_layers=args.num_layers, num_heads=args.hidden_size // 64,
                              intermediate_size=4 * args.hidden_size)
@@ -83,15 +88,15 @@ async def _run(args: argparse.Namespace, run_dir: Path) -> list[dict[str, Any]]:
                 "rollart.inference.worker", "--model", str(model), "--name", kind,
                 "--dtype", "float32", "--enforce-eager", "--kv-cache-bytes", str(256 << 20),
                 "--max-model-len", "256",
-                "--weight-transfer", kind), env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"},
+                "--weight-transfer", kind, *keyed), env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"},
                 ready_timeout_s=600)
             options = json.dumps({"lr": 1e-4, "bucket_bytes": args.bucket_bytes,
                                   "weight_transfer": kind})
             trainer = await sup.start(f"trainer-{kind}", python_module(
-                "rollart.trainer.service", "--model", str(model), "--options", options),
+                "rollart.trainer.service", "--model", str(model), "--options", options, *keyed),
                 ready_timeout_s=600)
-            w = InferenceClient(worker, name=kind, liveness_timeout_s=120)
-            t = TrainerClient(trainer)
+            w = InferenceClient(worker, auth=auth, name=kind, liveness_timeout_s=120)
+            t = TrainerClient(trainer, auth=auth)
             clients += [w, t]
             await t.set_workers([worker])
             pairs[kind] = (t, w)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["Backends", "Cluster", "__version__", "open_cluster"]
+__all__ = ["Backends", "Cluster", "__version__", "open_cluster", "run_credentials"]
 
 
 def __getattr__(name: str) -> Any:
@@ -22,4 +22,8 @@ def __getattr__(name: str) -> Any:
         from rollart.launcher.local import open_cluster
 
         return open_cluster
+    if name == "run_credentials":
+        from rollart.transport.security import run_credentials
+
+        return run_credentials
     raise AttributeError(f"module 'rollart' has no attribute {name!r}")

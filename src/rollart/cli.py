@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve-env": ("rollart.envhost.host", "serve environment sessions over ZMQ"),
     "serve-reward": ("rollart.reward.server", "serve reward functions over HTTP"),
     "serve-trainer": ("rollart.trainer.service", "serve the trainer over ZMQ"),
+    "keygen": ("rollart.transport.security", "make a run key file for services started by hand"),
 }
 
 

@@ -138,6 +138,13 @@ class RunConfig(_Cfg):
     #: timeout of one env open / step call, seconds.
     env_timeout_s: PosFloat = 120.0
     retry: RetryConfig = msgspec.field(default_factory=RetryConfig)
+    #: run every ZeroMQ service without authentication (no CURVE key). Alone (or ``rollart run
+    #: --insecure`` alone) it is allowed only when every service is on this machine's loopback;
+    #: with services elsewhere it needs both (README "Security").
+    insecure: bool = False
+    #: the run's key file (``.key_secret``, mode 0600) when the scenario names services started
+    #: by hand with ``--key-file``; ``None``: ``rollart run`` makes a new key per launch.
+    key_file: str | None = None
 
 
 class ModelConfig(_Cfg):

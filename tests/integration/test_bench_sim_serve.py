@@ -19,6 +19,7 @@ from rollart.sim.workload import DomainSpec, DomainTable, SimTokenizer, const, o
 from rollart.transport import messages as m
 from rollart.transport import tokenbytes as tb
 from rollart.transport.rpc import RpcServer
+from rollart.transport.security import env_credentials
 
 TABLE = DomainTable([DomainSpec("zero", response_tokens=const(16), num_turns=const(2))])
 
@@ -26,11 +27,11 @@ TABLE = DomainTable([DomainSpec("zero", response_tokens=const(16), num_turns=con
 async def test_sim_worker_and_env_over_zmq() -> None:
     worker = SimInferenceWorker("w", hardware=H800, model=QWEN3_8B, domains=TABLE,
                                 time_scale=0.0)
-    wsrv = RpcServer("tcp://127.0.0.1:0", worker_handlers(worker), name="w")
-    esrv = RpcServer("tcp://127.0.0.1:0", env_handlers(SimEnvHost("e", TABLE)), name="e")
+    wsrv = RpcServer("tcp://127.0.0.1:0", worker_handlers(worker), name="w", auth=env_credentials())
+    esrv = RpcServer("tcp://127.0.0.1:0", env_handlers(SimEnvHost("e", TABLE)), name="e", auth=env_credentials())
     tasks = [asyncio.create_task(wsrv.serve_forever()), asyncio.create_task(esrv.serve_forever())]
-    client = InferenceClient(wsrv.address, name="w")
-    env = EnvClient(esrv.address, name="e")
+    client = InferenceClient(wsrv.address, name="w", auth=env_credentials())
+    env = EnvClient(esrv.address, name="e", auth=env_credentials())
     try:
         ids = SimTokenizer(TABLE).encode(observation("zero", 32, tag="a"))
         res = await client.generate(m.Generate(request_id="a/t0", new_token_ids=tb.pack_i32(ids),

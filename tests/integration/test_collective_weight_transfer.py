@@ -18,6 +18,7 @@ from rollart.trainer.client import TrainerClient
 from rollart.transport import messages as m
 from rollart.transport import tokenbytes as tb
 from rollart.transport.errors import RemoteError
+from rollart.transport.security import env_credentials
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -67,8 +68,8 @@ async def _broadcast_rounds_match_the_trainer(worker_addr: str, trainer_addr: st
                                               tmp_path, *, rounds: int, tol: float) -> None:
     """``rounds`` x (train, pause, broadcast, apply, resume) on one worker; then its prompt
     logprobs changed and equal the trainer's under the last version within ``tol``."""
-    client = InferenceClient(worker_addr, name="w", liveness_timeout_s=60)
-    trainer = TrainerClient(trainer_addr)
+    client = InferenceClient(worker_addr, name="w", liveness_timeout_s=60, auth=env_credentials())
+    trainer = TrainerClient(trainer_addr, auth=env_credentials())
     try:
         before = await prompt_logprobs(client)
         await trainer.set_workers([worker_addr])
@@ -92,9 +93,9 @@ async def _broadcast_rounds_match_the_trainer(worker_addr: str, trainer_addr: st
 async def test_broadcast_loads_the_trainers_version_into_every_paused_worker(
         services, tiny_model_dir, tmp_path):
     addrs, trainer_addr = services
-    workers = [InferenceClient(a, name=f"w{i}", liveness_timeout_s=60)
+    workers = [InferenceClient(a, name=f"w{i}", liveness_timeout_s=60, auth=env_credentials())
                for i, a in enumerate(addrs)]
-    trainer = TrainerClient(trainer_addr)
+    trainer = TrainerClient(trainer_addr, auth=env_credentials())
     try:
         assert (await trainer.status()).weight_transfer == "gloo"
         assert {(await w.stats()).weight_transfer for w in workers} == {"gloo"}
@@ -137,9 +138,9 @@ async def test_broadcast_loads_the_trainers_version_into_every_paused_worker(
 
 async def test_a_changed_worker_set_re_forms_the_group(services):
     addrs, trainer_addr = services
-    workers = [InferenceClient(a, name=f"w{i}", liveness_timeout_s=60)
+    workers = [InferenceClient(a, name=f"w{i}", liveness_timeout_s=60, auth=env_credentials())
                for i, a in enumerate(addrs)]
-    trainer = TrainerClient(trainer_addr)
+    trainer = TrainerClient(trainer_addr, auth=env_credentials())
     try:
         await trainer.set_workers(addrs[1:])  # w0 left the run
         version = await _train(trainer)
@@ -163,7 +164,7 @@ async def test_a_worker_refuses_to_generate_from_a_half_loaded_model(tiny_model_
     worker = service_launcher("rollart.inference.worker",
                               [*_worker_args(tiny_model_dir), "--name", "half"],
                               ready_timeout_s=300)
-    client = InferenceClient(worker.address, name="half", liveness_timeout_s=60)
+    client = InferenceClient(worker.address, name="half", liveness_timeout_s=60, auth=env_credentials())
     try:
         with pytest.raises(RemoteError, match="pause the worker first"):
             await client.weight_transfer(m.WeightTransferStart(), timeout_s=30)
@@ -180,7 +181,7 @@ async def test_collective_messages_to_a_zmq_worker_are_refused(tiny_model_dir, s
     worker = service_launcher("rollart.inference.worker",
                               ["--model", str(tiny_model_dir), "--enforce-eager",
                                "--kv-cache-bytes", str(32 << 20)], ready_timeout_s=300)
-    client = InferenceClient(worker.address, name="zmq-worker", liveness_timeout_s=60)
+    client = InferenceClient(worker.address, name="zmq-worker", liveness_timeout_s=60, auth=env_credentials())
     try:
         with pytest.raises(RemoteError, match="receives weights over zmq"):
             await client.weight_transfer(m.WeightTransferStart(), timeout_s=30)

@@ -18,6 +18,7 @@ from rollart.envhost.client import EnvClient
 from rollart.inference.client import InferenceClient
 from rollart.reward.client import RewardClient
 from rollart.trainer.client import TrainerClient
+from rollart.transport.security import env_credentials
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -80,9 +81,9 @@ async def test_two_rollart_steps_on_real_services(services, tiny_model_dir) -> N
 
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
     scenario = parse_scenario(SCENARIO, "itest.toml")
-    env = EnvClient(services["host"].address, name="env0")
-    worker = InferenceClient(services["worker"].address, name="w0", default_timeout_s=120)
-    trainer_client = TrainerClient(services["service"].address)
+    env = EnvClient(services["host"].address, name="env0", auth=env_credentials())
+    worker = InferenceClient(services["worker"].address, name="w0", default_timeout_s=120, auth=env_credentials())
+    trainer_client = TrainerClient(services["service"].address, auth=env_credentials())
     trainer = RemoteTrainer(trainer_client)
     async with RewardClient(f"http://{services['server'].address}") as reward:
         backends = Backends(pools={"cpu": [worker]}, trainer=trainer, tokenizer=tokenizer,
@@ -138,9 +139,9 @@ async def test_new_staleness_policy_on_real_services(services, tiny_model_dir) -
 
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
     scenario = parse_scenario(SCENARIO.replace("[run]\n", "[run]" + NEW_POLICY), "new.toml")
-    env = EnvClient(services["host"].address, name="env0")
-    worker = InferenceClient(services["worker"].address, name="w0", default_timeout_s=120)
-    trainer_client = TrainerClient(services["service"].address)
+    env = EnvClient(services["host"].address, name="env0", auth=env_credentials())
+    worker = InferenceClient(services["worker"].address, name="w0", default_timeout_s=120, auth=env_credentials())
+    trainer_client = TrainerClient(services["service"].address, auth=env_credentials())
     trainer = RemoteTrainer(trainer_client, version=(await trainer_client.status()).version)
     async with RewardClient(f"http://{services['server'].address}") as reward:
         backends = Backends(pools={"cpu": [worker]}, trainer=trainer, tokenizer=tokenizer,

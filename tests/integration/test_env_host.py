@@ -20,6 +20,7 @@ from rollart.envhost.client import EnvClient
 from rollart.envhost.solvers import next_action
 from rollart.transport import messages as m
 from rollart.transport.errors import EnvError, PeerDeadError
+from rollart.transport.security import env_credentials
 
 TESTS_DIR = Path(__file__).resolve().parents[1]
 ECHO = "py:envhost_user_envs:EchoEnv"
@@ -82,7 +83,7 @@ def host(tmp_path_factory):
 
 @pytest.fixture
 async def client(host):
-    c = EnvClient(host.address, name="itest", default_timeout_s=30.0)
+    c = EnvClient(host.address, name="itest", default_timeout_s=30.0, auth=env_credentials())
     yield c
     await c.close()
 
@@ -219,6 +220,7 @@ async def test_malformed_messages_get_error_replies(host, client):
     ctx = zmq.asyncio.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    env_credentials().secure_client(sock)  # the run's key, as every client
     sock.connect(host.address)
     decoder = msgspec.msgpack.Decoder(m.Reply)
     call_id = struct.pack(">Q", 7)
@@ -256,7 +258,7 @@ async def test_max_sessions(client):
 
 async def test_killed_host_raises_peer_dead_not_a_hang(tmp_path):
     proc = HostProcess(tmp_path, "--step-timeout-s", "60")
-    c = EnvClient(proc.address, name="doomed", heartbeat_interval_s=0.2, liveness_timeout_s=1.0)
+    c = EnvClient(proc.address, name="doomed", heartbeat_interval_s=0.2, liveness_timeout_s=1.0, auth=env_credentials())
     try:
         s = await c.open(HANG, 0, {"hang_s": 60.0})
         pending = asyncio.create_task(c.step(s.session_id, "hang"))
@@ -274,7 +276,7 @@ async def test_killed_host_raises_peer_dead_not_a_hang(tmp_path):
 
 async def test_sigterm_shuts_down_even_with_a_stuck_env(tmp_path):
     proc = HostProcess(tmp_path, "--step-timeout-s", "0.3")
-    c = EnvClient(proc.address, name="term")
+    c = EnvClient(proc.address, name="term", auth=env_credentials())
     try:
         s = await c.open(HANG, 0, {"hang_s": 60.0})
         with pytest.raises(EnvError):

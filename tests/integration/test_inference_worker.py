@@ -25,6 +25,7 @@ from rollart.transport import messages as m
 from rollart.transport import tokenbytes as tb
 from rollart.transport.errors import PeerDeadError, RemoteError
 from rollart.transport.rpc import RpcClient
+from rollart.transport.security import env_credentials
 from rollart.transport.tensors import crc32_hex, tensor_to_frame
 
 pytestmark = pytest.mark.vllm
@@ -61,7 +62,7 @@ def worker(tiny_model_dir, service_starter, tmp_path_factory):
 
     async def warm_up() -> None:
         # vLLM's first request pays one-off compilation (~2 s): keep it out of timed tests.
-        async with InferenceClient(service.address, name="w0", heartbeat_interval_s=0) as c:
+        async with InferenceClient(service.address, name="w0", heartbeat_interval_s=0, auth=env_credentials()) as c:
             await c.generate(gen("warm-up", 4))
 
     asyncio.run(warm_up())
@@ -78,6 +79,7 @@ async def client(worker):
         heartbeat_interval_s=0.5,
         # generous: the shared 2-core machine can starve a process for seconds
         liveness_timeout_s=15,
+        auth=env_credentials(),
     )
     yield c
     await c.close()
@@ -414,7 +416,7 @@ async def test_checksum_mismatch_rejected_and_old_weights_kept(client, worker):
     before = await prompt_logprobs(client, tokens)
     target = (await client.stats()).version + 1
     named = new_weights(seed=999)
-    async with RpcClient(worker.address, heartbeat_interval_s=0) as rpc:
+    async with RpcClient(worker.address, heartbeat_interval_s=0, auth=env_credentials()) as rpc:
         with pytest.raises(RemoteError) as info:
             await raw_bucket(rpc, target, 0, 1, named, checksum="00000000")
     assert info.value.code == "checksum_mismatch"
@@ -430,7 +432,7 @@ async def test_incomplete_version_rejected(client, worker):
     target = (await client.stats()).version + 1000
     named = new_weights(seed=5)
     half = len(named) // 2
-    async with RpcClient(worker.address, heartbeat_interval_s=0) as rpc:
+    async with RpcClient(worker.address, heartbeat_interval_s=0, auth=env_credentials()) as rpc:
         await raw_bucket(rpc, target, 0, 2, named[:half])  # bucket 1 of 2 never sent
         with pytest.raises(RemoteError) as info:
             await client.apply_weights(target)
@@ -448,6 +450,7 @@ async def test_bad_input_gets_errors_and_worker_keeps_serving(client, worker):
     ctx = zmq.asyncio.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    env_credentials().secure_client(sock)  # the run's key, as every client
     sock.connect(worker.address)
     try:
         await sock.send_multipart([struct.pack(">Q", 7), b"\xc1 not msgpack"])
@@ -458,7 +461,7 @@ async def test_bad_input_gets_errors_and_worker_keeps_serving(client, worker):
     finally:
         sock.close()
 
-    async with RpcClient(worker.address, heartbeat_interval_s=0) as rpc:
+    async with RpcClient(worker.address, heartbeat_interval_s=0, auth=env_credentials()) as rpc:
         with pytest.raises(RemoteError) as info:  # a message kind this worker does not serve
             await rpc.call(m.EnvStep(session_id="s", action="a"))
         assert info.value.code == "unknown_kind"
@@ -496,7 +499,8 @@ async def test_engine_core_death_exits_worker_nonzero(tiny_model_dir, service_la
         WORKER, ["--model", str(tiny_model_dir), "--name", "doomed", "--dtype", "float32"]
     )
     c = InferenceClient(
-        service.address, name="doomed", heartbeat_interval_s=0.5, liveness_timeout_s=3
+        service.address, name="doomed", heartbeat_interval_s=0.5, liveness_timeout_s=3,
+        auth=env_credentials(),
     )
     try:
         await c.generate(gen("warm", 2))

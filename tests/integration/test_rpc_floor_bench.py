@@ -22,7 +22,7 @@ def test_every_transport_echoes_across_processes() -> None:
     finally:
         for proc, _ in procs.values():
             rpc_floor._stop(proc)
-    assert set(rates) == {"new", "old", "floor"} and all(r > 0 for r in rates.values())
+    assert set(rates) == {"new", "curve", "old", "floor"} and all(r > 0 for r in rates.values())
 
 
 def test_measure_floor_rows() -> None:

@@ -29,6 +29,7 @@ from rollart.launcher.services import trainer_argv
 from rollart.trainer.client import TrainerClient
 from rollart.transport import messages as m
 from rollart.transport.errors import PeerDeadError, RemoteError
+from rollart.transport.security import env_credentials
 
 HERE = Path(__file__).parent
 WORKER = HERE / "fsdp_step_worker.py"
@@ -159,7 +160,7 @@ def _start(service_launcher, model_dir: Path, resume: Path | None, log_dir: Path
 async def test_serve_trainer_with_two_ranks_trains_saves_and_resumes(
         tiny_model_dir, service_launcher, tmp_path):
     svc, ranks = _start(service_launcher, tiny_model_dir, None, tmp_path / "logs")
-    client = TrainerClient(svc.address)
+    client = TrainerClient(svc.address, auth=env_credentials())
     samples = _samples(5)
     try:
         assert (await client.status()).version == 0
@@ -186,7 +187,7 @@ async def test_serve_trainer_with_two_ranks_trains_saves_and_resumes(
     assert _wait_gone(ranks.values()) == []
 
     svc, ranks = _start(service_launcher, tiny_model_dir, ckpt, tmp_path / "logs2")
-    client = TrainerClient(svc.address)
+    client = TrainerClient(svc.address, auth=env_credentials())
     try:
         status = await client.status()
         assert (status.version, status.step) == (1, 1)
@@ -214,7 +215,7 @@ async def test_a_dead_follower_rank_ends_the_whole_trainer(
     # torchrun ends rank 0 and exits non-zero: nothing is left to hang.
     assert svc.wait_exit(timeout_s=120) != 0
     assert _wait_gone(ranks.values()) == []
-    client = TrainerClient(svc.address, liveness_timeout_s=5)
+    client = TrainerClient(svc.address, liveness_timeout_s=5, auth=env_credentials())
     try:
         with pytest.raises((PeerDeadError, RemoteError)):
             await client.train(0, _samples(2))

@@ -7,6 +7,7 @@ import pytest
 
 from rollart.trainer.service import TrainerOptions, TrainerService
 from rollart.transport import messages as m
+from rollart.transport.security import INSECURE
 
 
 def _samples() -> list[m.TrainSample]:
@@ -19,7 +20,7 @@ def _samples() -> list[m.TrainSample]:
 
 async def test_kl_to_the_initial_policy_is_zero_then_grows(tiny_model_dir):
     service = TrainerService(tiny_model_dir, TrainerOptions(lr=0.05),
-                             b'{"kl_coef": 0.5}', resume=None)
+                             b'{"kl_coef": 0.5}', resume=None, auth=INSECURE)  # in-process: opens no socket
     first = await service.train(m.TrainBatch(step=0, samples=_samples()), None)
     second = await service.train(m.TrainBatch(step=1, samples=_samples()), None)
     assert first.metrics["kl"] == pytest.approx(0.0, abs=1e-6)  # policy == reference

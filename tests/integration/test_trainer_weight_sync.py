@@ -15,6 +15,7 @@ from rollart.inference.client import InferenceClient
 from rollart.trainer.client import TrainerClient
 from rollart.transport import messages as m
 from rollart.transport import tokenbytes as tb
+from rollart.transport.security import env_credentials
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -54,8 +55,8 @@ async def _rollout_samples(worker: InferenceClient, n: int) -> list[m.TrainSampl
 async def test_one_step_changes_weights_and_worker_serves_the_trainers_version(
         services, tiny_model_dir, tmp_path):
     worker_addr, trainer_addr = services
-    worker = InferenceClient(worker_addr, name="worker", liveness_timeout_s=30)
-    trainer = TrainerClient(trainer_addr)
+    worker = InferenceClient(worker_addr, name="worker", liveness_timeout_s=30, auth=env_credentials())
+    trainer = TrainerClient(trainer_addr, auth=env_credentials())
     try:
         before = await prompt_logprobs(worker)
         await trainer.set_workers([worker_addr])
@@ -87,8 +88,8 @@ async def test_one_step_changes_weights_and_worker_serves_the_trainers_version(
 
 async def test_a_worker_that_missed_versions_is_brought_to_the_latest(services, tmp_path):
     worker_addr, trainer_addr = services
-    worker = InferenceClient(worker_addr, name="worker", liveness_timeout_s=30)
-    trainer = TrainerClient(trainer_addr)
+    worker = InferenceClient(worker_addr, name="worker", liveness_timeout_s=30, auth=env_credentials())
+    trainer = TrainerClient(trainer_addr, auth=env_credentials())
     try:
         await trainer.set_workers([])  # the worker misses the next two versions
         samples = await _rollout_samples(worker, 2)

@@ -12,6 +12,7 @@ from rollart.transport import messages as m
 from rollart.transport import tokenbytes as tb
 from rollart.transport.errors import PeerDeadError, RemoteError, RemoteTimeoutError
 from rollart.transport.rpc import RpcServer
+from rollart.transport.security import env_credentials
 from rollart.transport.tensors import decode_bucket
 
 
@@ -81,9 +82,10 @@ async def served():
             m.Pause: fake.pause,
         },
         name="fake",
+        auth=env_credentials(),
     )
     task = asyncio.create_task(server.serve_forever())
-    client = InferenceClient(server.address, name="fake", heartbeat_interval_s=0)
+    client = InferenceClient(server.address, name="fake", heartbeat_interval_s=0, auth=env_credentials())
     yield fake, server, client
     await client.close()
     await server.close()
@@ -186,7 +188,8 @@ def test_plan_buckets_limits_and_errors():
 async def test_dead_worker_raises_peer_dead_and_skips_abort(served):
     fake, server, _ = served
     client = InferenceClient(
-        server.address, name="fake", heartbeat_interval_s=0.05, liveness_timeout_s=0.3
+        server.address, name="fake", heartbeat_interval_s=0.05, liveness_timeout_s=0.3,
+        auth=env_credentials(),
     )
     try:
         task = asyncio.create_task(client.generate(gen("r3")))

@@ -15,11 +15,12 @@ import zmq.asyncio
 from rollart.transport import messages as m
 from rollart.transport.errors import PeerDeadError, RemoteError, RemoteTimeoutError
 from rollart.transport.rpc import RpcClient, RpcServer
+from rollart.transport.security import env_credentials
 from rollart.transport.tensors import crc32_hex, decode_bucket, iter_buckets
 
 
 async def _start(handlers, **kw):
-    server = RpcServer("tcp://127.0.0.1:0", handlers, name="test", **kw)
+    server = RpcServer("tcp://127.0.0.1:0", handlers, name="test", **kw, auth=env_credentials())
     task = asyncio.create_task(server.serve_forever())
     return server, task
 
@@ -34,7 +35,7 @@ async def test_concurrent_calls_are_matched_by_call_id():
         )
 
     server, task = await _start({m.EnvStep: step})
-    client = RpcClient(server.address, heartbeat_interval_s=0)
+    client = RpcClient(server.address, heartbeat_interval_s=0, auth=env_credentials())
     try:
         replies = await asyncio.gather(
             *(client.call(m.EnvStep(session_id="s", action=str(i))) for i in range(5))
@@ -55,7 +56,7 @@ async def test_handler_error_is_per_item_and_server_keeps_serving():
         return m.Ack()
 
     server, task = await _start({m.EnvClose: boom})
-    client = RpcClient(server.address, heartbeat_interval_s=0)
+    client = RpcClient(server.address, heartbeat_interval_s=0, auth=env_credentials())
     try:
         with pytest.raises(RemoteError) as info:
             await client.call(m.EnvClose(session_id="bad"))
@@ -80,6 +81,7 @@ async def test_malformed_unknown_and_oversized_messages_get_error_replies():
     server, task = await _start({m.EnvClose: ack}, max_message_bytes=1024)
     ctx = zmq.asyncio.Context.instance()
     raw = ctx.socket(zmq.DEALER)
+    env_credentials().secure_client(raw)  # the run's key, as every client
     raw.connect(server.address)
     dec = msgspec.msgpack.Decoder(m.Reply)
 
@@ -115,7 +117,7 @@ async def test_timeout_and_dead_peer_are_distinct():
         await asyncio.sleep(3600)
 
     server, task = await _start({m.EnvStep: hang})
-    client = RpcClient(server.address, heartbeat_interval_s=0.05, liveness_timeout_s=0.3)
+    client = RpcClient(server.address, heartbeat_interval_s=0.05, liveness_timeout_s=0.3, auth=env_credentials())
     try:
         with pytest.raises(RemoteTimeoutError):
             await client.call(m.EnvStep(session_id="s", action="a"), timeout_s=0.1)

@@ -14,6 +14,7 @@ import zmq.asyncio
 
 from rollart.transport import messages as m
 from rollart.transport.rpc import RpcClient, RpcServer
+from rollart.transport.security import env_credentials
 from rollart.transport.zmqloop import BATCH_BODY_BYTES
 
 LOOPS = pytest.mark.parametrize("run", [asyncio.run, uvloop.run], ids=["asyncio", "uvloop"])
@@ -40,9 +41,10 @@ async def _raw_batch() -> None:
     async def ack(msg: m.EnvClose, _frames):
         return m.Ack(detail=msg.session_id)
 
-    server = RpcServer("tcp://127.0.0.1:0", {m.EnvClose: ack}, name="batch")
+    server = RpcServer("tcp://127.0.0.1:0", {m.EnvClose: ack}, name="batch", auth=env_credentials())
     serving = asyncio.create_task(server.serve_forever())
     raw = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+    env_credentials().secure_client(raw)  # the run's key, as every client
     raw.connect(server.address)
     try:
         enc = msgspec.msgpack.encode
@@ -83,9 +85,9 @@ async def _mixed_sizes() -> None:
                                 terminated=False, truncated=False)
         return reply, [bytes(f) for f in frames]
 
-    server = RpcServer("tcp://127.0.0.1:0", {m.EnvStep: echo}, name="mixed")
+    server = RpcServer("tcp://127.0.0.1:0", {m.EnvStep: echo}, name="mixed", auth=env_credentials())
     serving = asyncio.create_task(server.serve_forever())
-    client = RpcClient(server.address, heartbeat_interval_s=0)
+    client = RpcClient(server.address, heartbeat_interval_s=0, auth=env_credentials())
     try:
         sizes = [0, 10, BATCH_BODY_BYTES + 1, 3 * BATCH_BODY_BYTES, 5, 0, 2 * BATCH_BODY_BYTES]
         calls = [client.call(m.EnvStep(session_id=str(i), action="x" * n),
@@ -128,9 +130,10 @@ def test_a_malformed_batch_envelope_gets_an_error_naming_the_problem(frames, mes
         async def ack(msg: m.EnvClose, _frames):
             return m.Ack(detail=msg.session_id)
 
-        server = RpcServer("tcp://127.0.0.1:0", {m.EnvClose: ack}, name="env")
+        server = RpcServer("tcp://127.0.0.1:0", {m.EnvClose: ack}, name="env", auth=env_credentials())
         serving = asyncio.create_task(server.serve_forever())
         raw = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        env_credentials().secure_client(raw)  # the run's key, as every client
         raw.connect(server.address)
         try:
             await raw.send_multipart(frames)
@@ -142,7 +145,7 @@ def test_a_malformed_batch_envelope_gets_an_error_naming_the_problem(frames, mes
             assert [(c, e.code) for c, e in errors] == [(0, "bad_request")]
             assert message in errors[0][1].message
             # Entries before the broken one were served; the server keeps serving.
-            async with RpcClient(server.address, heartbeat_interval_s=0) as client:
+            async with RpcClient(server.address, heartbeat_interval_s=0, auth=env_credentials()) as client:
                 reply, _ = await client.call(m.EnvClose(session_id="after"), timeout_s=60)
             assert reply == m.Ack(detail="after")
         finally:

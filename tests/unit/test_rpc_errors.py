@@ -14,6 +14,7 @@ from rollart.transport import messages as m
 from rollart.transport import tokenbytes as tb
 from rollart.transport.errors import RemoteError
 from rollart.transport.rpc import RpcClient, RpcServer
+from rollart.transport.security import env_credentials
 
 
 async def test_unencodable_reply_is_an_internal_error_for_that_call_only() -> None:
@@ -22,9 +23,9 @@ async def test_unencodable_reply_is_an_internal_error_for_that_call_only() -> No
             return object()
         return m.Ack(detail=msg.session_id)
 
-    server = RpcServer("tcp://127.0.0.1:0", {m.EnvClose: bad}, name="enc")
+    server = RpcServer("tcp://127.0.0.1:0", {m.EnvClose: bad}, name="enc", auth=env_credentials())
     serving = asyncio.create_task(server.serve_forever())
-    client = RpcClient(server.address, heartbeat_interval_s=0)
+    client = RpcClient(server.address, heartbeat_interval_s=0, auth=env_credentials())
     try:
         with pytest.raises(RemoteError) as info:
             await client.call(m.EnvClose(session_id="bad"), timeout_s=60)
@@ -65,9 +66,9 @@ async def test_a_generate_result_with_bad_token_data_fails_that_call_only(change
     async def generate(msg: m.Generate, _frames):
         return _result(**change) if msg.request_id == "bad" else _result()
 
-    server = RpcServer("tcp://127.0.0.1:0", {m.Generate: generate}, name="worker")
+    server = RpcServer("tcp://127.0.0.1:0", {m.Generate: generate}, name="worker", auth=env_credentials())
     serving = asyncio.create_task(server.serve_forever())
-    client = RpcClient(server.address, heartbeat_interval_s=0)
+    client = RpcClient(server.address, heartbeat_interval_s=0, auth=env_credentials())
     params = m.SamplingParams(max_tokens=2)
     try:
         with pytest.raises(RemoteError) as info:

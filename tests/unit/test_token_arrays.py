@@ -28,6 +28,7 @@ from rollart.trainer.step import collate
 from rollart.transport import messages as m
 from rollart.transport import tokenbytes as tb
 from rollart.transport.errors import RemoteError
+from rollart.transport.security import env_credentials
 
 ENC = msgspec.msgpack.Encoder()
 REQ = msgspec.msgpack.Decoder(m.Request)
@@ -298,10 +299,10 @@ async def test_a_server_flooded_with_trajectory_ids_holds_a_bounded_store() -> N
         store.keep(msg.trajectory_id, store.take_prompt(msg), tb.pack_i32([7]))
         return m.Ack()
 
-    server = RpcServer("tcp://127.0.0.1:0", {m.Generate: generate}, name="worker")
+    server = RpcServer("tcp://127.0.0.1:0", {m.Generate: generate}, name="worker", auth=env_credentials())
     serving = asyncio.create_task(server.serve_forever())
     try:
-        async with RpcClient(server.address, heartbeat_interval_s=0) as client:
+        async with RpcClient(server.address, heartbeat_interval_s=0, auth=env_credentials()) as client:
             params = m.SamplingParams(max_tokens=1)
             await asyncio.gather(*(client.call(m.Generate(
                 request_id=f"r{i}", new_token_ids=tb.pack_i32([1, 2]), sampling=params,

@@ -7,6 +7,7 @@ from typing import Any
 from rollart.transport import messages as m
 from rollart.transport.errors import EnvError, RemoteError, RemoteTimeoutError
 from rollart.transport.rpc import RpcClient
+from rollart.transport.security import Auth
 
 
 class EnvClient:
@@ -14,6 +15,8 @@ class EnvClient:
 
     Args:
         address: the host's ZeroMQ endpoint (its ``--ready-file`` content).
+        auth: the run's key (``rollart.transport.security.RunKey``) or ``INSECURE``, as the
+            host was started with (else it never answers).
         name: peer name used in errors and logs.
         default_timeout_s: timeout of a call that gives none (seconds); keep it above the host's
             ``step_timeout_s`` plus any injected latency so the host's typed ``env_timeout``
@@ -33,6 +36,7 @@ class EnvClient:
         self,
         address: str,
         *,
+        auth: Auth,
         name: str = "",
         default_timeout_s: float = 120.0,
         heartbeat_interval_s: float = 2.0,
@@ -42,6 +46,7 @@ class EnvClient:
         self.address = address
         self._rpc = RpcClient(
             address,
+            auth=auth,
             name=self.name,
             default_timeout_s=default_timeout_s,
             heartbeat_interval_s=heartbeat_interval_s,

@@ -34,6 +34,7 @@ from rollart.envhost.latency import LatencyConfig, LatencyModel, select_latency
 from rollart.transport import messages as m
 from rollart.transport.errors import ConfigError, EnvError
 from rollart.transport.rpc import RpcServer
+from rollart.transport.security import Auth, add_auth_args, service_auth
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,12 @@ class HostConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         max_sessions: sessions open (or opening) at once; ``EnvOpen`` beyond it is refused.
         threads: worker threads running env code.
         latency: env name, family (``game`` / ``rg`` / ``py``) or ``"*"`` -> ``LatencyConfig``.
-        max_message_bytes: largest request accepted (bytes).
+        max_message_bytes: largest request accepted (bytes), also the socket's ``MAXMSGSIZE``
+            (a larger frame disconnects its sender before it is buffered). Requests are an env
+            name, options and one action (a turn's text: ``run.max_tokens_per_turn`` tokens,
+            a few KiB to a few hundred KiB); 4 MiB leaves room for large options while a
+            flood of oversized frames cannot grow the host's memory. At least 2 MiB, the
+            largest batch envelope of small requests (``zmqloop.MAX_BATCH_FRAME_BYTES``).
     """
 
     address: str = "tcp://127.0.0.1:0"
@@ -64,7 +70,7 @@ class HostConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_sessions: Annotated[int, msgspec.Meta(gt=0, le=1_000_000)] = 1024
     threads: Annotated[int, msgspec.Meta(gt=0, le=4096)] = 32
     latency: dict[str, LatencyConfig] = {}
-    max_message_bytes: Annotated[int, msgspec.Meta(gt=0)] = 64 << 20
+    max_message_bytes: Annotated[int, msgspec.Meta(ge=2 << 20, le=1 << 30)] = 4 << 20
 
 
 @dataclass(eq=False)
@@ -87,8 +93,9 @@ class EnvHost:
     ``bad_request`` (bad options, session busy, host full), ``env_error``, ``env_timeout``.
     """
 
-    def __init__(self, config: HostConfig) -> None:
+    def __init__(self, config: HostConfig, auth: Auth) -> None:
         self.config = config
+        self.auth = auth
         self.name = config.name
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=config.threads, thread_name_prefix=f"{config.name}-env"
@@ -121,6 +128,7 @@ class EnvHost:
             self.config.address,
             self.handlers,
             name=self.name,
+            auth=self.auth,
             max_message_bytes=self.config.max_message_bytes,
         )
         self._serve_task = asyncio.create_task(self._server.serve_forever())
@@ -380,6 +388,7 @@ def _parser() -> argparse.ArgumentParser:
         'game=\'{"distribution": "normal", "mean_s": 10, "std_s": 3}\' (repeatable)',
     )
     p.add_argument("--log-level", default="INFO")
+    add_auth_args(p)
     return p
 
 
@@ -422,12 +431,12 @@ def build_config(args: argparse.Namespace) -> HostConfig:
         raise ConfigError(f"{where}: {exc}") from None
 
 
-async def _serve(config: HostConfig, ready_file: Path | None) -> int:
+async def _serve(config: HostConfig, auth: Auth, ready_file: Path | None) -> int:
     # Import the env libraries before serving so the first open is not slowed by it.
     import gem  # noqa: F401
     import reasoning_gym  # noqa: F401
 
-    host = EnvHost(config)
+    host = EnvHost(config, auth)
     address = await host.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -452,12 +461,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         config = build_config(args)
+        auth = service_auth(args.key_file, args.insecure, config.address)
     except ConfigError as exc:
         print(f"rollart serve-env: {exc}", file=sys.stderr)
         return 2
     import uvloop
 
-    stuck = uvloop.run(_serve(config, args.ready_file))
+    stuck = uvloop.run(_serve(config, auth, args.ready_file))
     if stuck:
         # Threads stuck in hung envs cannot be interrupted and would block interpreter exit.
         log.warning("%d env thread(s) still stuck at exit; exiting without joining them", stuck)

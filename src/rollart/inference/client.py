@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Literal, TypeVar
 from rollart.transport import messages as m
 from rollart.transport.errors import PeerDeadError, RemoteError, RemoteTimeoutError
 from rollart.transport.rpc import RpcClient
+from rollart.transport.security import Auth
 from rollart.transport.tensors import crc32_hex, tensor_to_frame
 
 if TYPE_CHECKING:
@@ -59,6 +60,8 @@ class InferenceClient:
 
     Args:
         address: the worker's ZeroMQ endpoint (what it wrote to its ``--ready-file``).
+        auth: the run's key (``rollart.transport.security.RunKey``) or ``INSECURE``, as the
+            worker was started with (else it never answers).
         name: worker name used in errors and logs.
         default_timeout_s: timeout of a call that gives none (seconds; a ``generate`` waits for
             the whole continuation, so keep this above the longest expected generation).
@@ -74,6 +77,7 @@ class InferenceClient:
         self,
         address: str,
         *,
+        auth: Auth,
         name: str,
         default_timeout_s: float = 600.0,
         heartbeat_interval_s: float = 2.0,
@@ -86,6 +90,7 @@ class InferenceClient:
         self._abort_timeout_s = abort_timeout_s
         self._rpc = RpcClient(
             address,
+            auth=auth,
             name=name,
             default_timeout_s=default_timeout_s,
             heartbeat_interval_s=heartbeat_interval_s,

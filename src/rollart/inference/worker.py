@@ -32,6 +32,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import signal
 import sys
@@ -50,8 +51,9 @@ from rollart.inference.prefixes import DEFAULT_MAX_PREFIX_TOKENS, PrefixStore
 from rollart.inference.weights import TIED_LM_HEAD, CheckpointLayout, WeightStager
 from rollart.transport import messages as m
 from rollart.transport import tokenbytes as tb
-from rollart.transport.errors import RemoteError
+from rollart.transport.errors import ConfigError, RemoteError
 from rollart.transport.rpc import RpcServer
+from rollart.transport.security import Auth, add_auth_args, service_auth
 
 log = logging.getLogger("rollart.inference.worker")
 
@@ -412,7 +414,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--stage-dir", help="where weight buckets are staged (default /dev/shm)")
     p.add_argument("--max-prefix-tokens", type=int, default=DEFAULT_MAX_PREFIX_TOKENS,
                    help="bound on trajectory prompt tokens kept for delta prompts (4 B each)")
+    p.add_argument("--max-message-bytes", type=int, default=DEFAULT_WORKER_MESSAGE_BYTES,
+                   help="largest request (all frames): a weight bucket plus its header; "
+                        "rollart run passes trainer.weight_bucket_bytes + 64 MiB")
     p.add_argument("--log-level", default="INFO")
+    add_auth_args(p)
     args = p.parse_args(argv)
     model = Path(args.model)
     if not (model / "config.json").is_file():
@@ -423,7 +429,32 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--version must be >= 0, got {args.version}")
     if args.max_prefix_tokens <= 0:
         p.error(f"--max-prefix-tokens must be positive, got {args.max_prefix_tokens}")
+    if not 0 < args.max_message_bytes <= 1 << 40:
+        p.error(f"--max-message-bytes must be in (0, 2**40], got {args.max_message_bytes}")
     return args
+
+
+#: Largest request of a worker run by hand: the trainer's default weight bucket
+#: (``trainer.weight_bucket_bytes`` = 1 GiB) plus 64 MiB for the header and a lone tensor's
+#: slack.
+DEFAULT_WORKER_MESSAGE_BYTES = (1 << 30) + (64 << 20)
+#: Frames a worker takes whatever its model: a ``Generate`` body is its prompt delta as int32
+#: (4 B per token: 64 MiB = 16M tokens, far above any ``max_model_len``).
+_MIN_WORKER_FRAME_BYTES = 64 << 20
+
+
+def frame_limit(layout: CheckpointLayout | None, max_message_bytes: int) -> int:
+    """The worker socket's ``MAXMSGSIZE`` (bytes): its largest legitimate frame.
+
+    A weight bucket carries one frame per tensor, in the trainer's dtype (at most float32: 4 B
+    per element), so the largest frame is the checkpoint's largest tensor at 4 B per element;
+    other requests need at most ``_MIN_WORKER_FRAME_BYTES``. Without a safetensors layout
+    (nothing to size from) the whole ``max_message_bytes``.
+    """
+    if layout is None or not layout.shapes:
+        return max_message_bytes
+    largest = max(math.prod(shape) for shape in layout.shapes.values()) * 4
+    return max(largest, _MIN_WORKER_FRAME_BYTES)
 
 
 def _write_ready_file(path: str, address: str) -> None:
@@ -433,8 +464,9 @@ def _write_ready_file(path: str, address: str) -> None:
     os.replace(tmp, path)
 
 
-async def serve(args: argparse.Namespace) -> int:
-    """Start the engine and the server; return the process exit status (1 on a fatal error)."""
+async def serve(args: argparse.Namespace, auth: Auth) -> int:
+    """Start the engine and the server (only ``auth``'s holders are served); return the
+    process exit status (1 on a fatal error)."""
     opts = EngineOptions(
         model=args.model,
         kv_cache_bytes=args.kv_cache_bytes,
@@ -468,7 +500,10 @@ async def serve(args: argparse.Namespace) -> int:
             weight_transfer=args.weight_transfer, num_ranks=args.tensor_parallel_size,
             max_prefix_tokens=args.max_prefix_tokens,
         )
-        server = RpcServer(args.address, worker.handlers(), name=args.name)
+        frame_bytes = frame_limit(stager.layout, args.max_message_bytes)
+        server = RpcServer(args.address, worker.handlers(), name=args.name, auth=auth,
+                           max_message_bytes=max(args.max_message_bytes, frame_bytes),
+                           max_frame_bytes=frame_bytes)
         tasks = [
             asyncio.create_task(server.serve_forever()),
             asyncio.create_task(worker.watch_engine()),
@@ -510,7 +545,13 @@ def main(argv: list[str] | None = None) -> int:
         uvloop = None
     run = uvloop.run if uvloop is not None else asyncio.run
     try:
-        return run(serve(args))
+        # Before the engine starts: a bad key file fails in a second, not after the model loads.
+        auth = service_auth(args.key_file, args.insecure, args.address)
+    except ConfigError as exc:
+        print(f"rollart serve-inference: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return run(serve(args, auth))
     except Exception as exc:  # start-up failures (model load, bind) end the process clearly
         log.exception("%s: failed", args.name)
         print(f"rollart inference worker {args.name}: FATAL: {exc!r}", file=sys.stderr)

@@ -68,7 +68,8 @@ async def open_cluster(scenario: str | Path | Scenario, *, run_dir: str | Path |
                        cache_dir: str | Path = ".cache/rollart",
                        trainer_resume: Path | None = None, trainer_version: int = 0,
                        controller_resume: dict[str, Any] | None = None,
-                       on_note: Any = None) -> AsyncIterator[Any]:
+                       on_note: Any = None, insecure: bool = False,
+                       key_file: str | Path | None = None) -> AsyncIterator[Any]:
     """Start ``scenario``'s local services and yield a (not yet started) ``Cluster``.
 
     Args:
@@ -78,6 +79,12 @@ async def open_cluster(scenario: str | Path | Scenario, *, run_dir: str | Path |
         cache_dir: where the embedded tiny model is built and cached.
         trainer_resume / trainer_version / controller_resume: continue from a checkpoint.
         on_note: optional ``callable(str)`` told about progress (services starting / ready).
+        insecure: run the ZeroMQ services without authentication (``rollart run --insecure``;
+            see ``rollart.launcher.runkeys``). By default every service gets the run's CURVE
+            key, kept at ``run_dir/keys/run.key_secret`` (``rollart.run_credentials(run_dir)``
+            loads it; the yielded cluster's ``run_key`` is it).
+        key_file: the run's key when the scenario names services started by hand (overrides
+            ``run.key_file``).
     Raises:
         ConfigError: bad scenario (before any process starts).
         ProcessFailedError: a service failed to start or died during the block.
@@ -89,6 +96,7 @@ async def open_cluster(scenario: str | Path | Scenario, *, run_dir: str | Path |
     from rollart.controller.training import RemoteTrainer
     from rollart.envhost.client import EnvClient
     from rollart.inference.client import InferenceClient
+    from rollart.launcher.runkeys import run_auth
     from rollart.launcher.services import start_services
     from rollart.reward.client import RewardClient
     from rollart.trainer.client import TrainerClient
@@ -103,6 +111,8 @@ async def open_cluster(scenario: str | Path | Scenario, *, run_dir: str | Path |
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_bytes(scenario_to_json(scenario))
     note = on_note or (lambda _text: None)
+    keyed = run_auth(scenario, run_dir, insecure=insecure, key_file=key_file)
+    auth = keyed.auth
 
     sup = Supervisor(run_dir)
     clients: list[Any] = []
@@ -114,7 +124,8 @@ async def open_cluster(scenario: str | Path | Scenario, *, run_dir: str | Path |
     try:
         t0 = time.perf_counter()
         note(f"starting services (logs: {run_dir / 'logs'})")
-        addrs = await start_services(sup, scenario, model_dir, trainer_resume=trainer_resume)
+        addrs = await start_services(sup, scenario, model_dir, trainer_resume=trainer_resume,
+                                     auth_argv=keyed.argv)
         note(f"services ready in {time.perf_counter() - t0:.1f} s")
         rc = scenario.reward
         reward = RewardClient(addrs.reward_url, max_concurrency=rc.max_concurrency,
@@ -129,16 +140,17 @@ async def open_cluster(scenario: str | Path | Scenario, *, run_dir: str | Path |
                                     backoff_s=rc.backoff_s)
             await endpoint.__aenter__()
             endpoints[url] = endpoint
-        pools = {name: [InferenceClient(a, name=f"{name}-{i}") for i, a in enumerate(addrs_)]
+        pools = {name: [InferenceClient(a, auth=auth, name=f"{name}-{i}")
+                        for i, a in enumerate(addrs_)]
                  for name, addrs_ in addrs.workers.items()}
         workers = [w for ws in pools.values() for w in ws]
         clients += workers
         await _check_weight_transfer(scenario, workers)
-        envs = [EnvClient(a, name=h.name)
+        envs = [EnvClient(a, auth=auth, name=h.name)
                 for a, h in zip(addrs.env_hosts, scenario.env_hosts, strict=True)]
         # A collective broadcast is a rendezvous plus start / update / finish on every worker,
         # each bounded by weight_transfer_timeout_s on the trainer: never give up before it.
-        trainer_client = TrainerClient(addrs.trainer, publish_timeout_s=max(
+        trainer_client = TrainerClient(addrs.trainer, auth=auth, publish_timeout_s=max(
             600.0, 4 * scenario.trainer.weight_transfer_timeout_s + 60.0))
         clients += envs + [trainer_client]
         backends = Backends(
@@ -150,6 +162,7 @@ async def open_cluster(scenario: str | Path | Scenario, *, run_dir: str | Path |
         cluster = Cluster.from_scenario(scenario, backends=backends, resume=controller_resume)
         cluster.run_dir = run_dir  # type: ignore[attr-defined]
         cluster.trainer_client = trainer_client  # type: ignore[attr-defined]
+        cluster.run_key = auth  # type: ignore[attr-defined]
 
         body = asyncio.current_task()
 

@@ -44,6 +44,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--resume", type=Path, help="run directory to continue from its checkpoint")
     p.add_argument("--cache-dir", type=Path, default=Path(".cache/rollart"),
                    help="where the embedded tiny model is built and cached")
+    p.add_argument("--insecure", action="store_true",
+                   help="run the ZeroMQ services without authentication (loopback only, unless "
+                        "the scenario also sets run.insecure = true); default: a CURVE key per "
+                        "run in DIR/keys")
+    p.add_argument("--key-file", type=Path,
+                   help="the run's key (.key_secret) when the scenario names services started "
+                        "by hand with it (overrides run.key_file)")
     return p.parse_args(argv)
 
 
@@ -69,7 +76,8 @@ class RunState(msgspec.Struct, kw_only=True):
 
 
 async def _drive(scenario: Scenario, run_dir: Path, cache_dir: Path, planned: int,
-                 resume: tuple[Path, RunState] | None) -> int:
+                 resume: tuple[Path, RunState] | None, *, insecure: bool = False,
+                 key_file: Path | None = None) -> int:
     from rollart.launcher.local import open_cluster
 
     progress = Progress(scenario, planned)
@@ -91,7 +99,7 @@ async def _drive(scenario: Scenario, run_dir: Path, cache_dir: Path, planned: in
             trainer_resume=resume[0] if resume else None,
             trainer_version=resume[1].version if resume else 0,
             controller_resume=resume[1].controller if resume else None,
-            on_note=progress.note,
+            on_note=progress.note, insecure=insecure, key_file=key_file,
         ) as cluster:
             return await _train(cluster, scenario, run_dir, resume[1].step if resume else 0,
                                 planned, progress)
@@ -175,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     import uvloop
 
     try:
-        rc = uvloop.run(_drive(scenario, run_dir, args.cache_dir, planned, resume))
+        rc = uvloop.run(_drive(scenario, run_dir, args.cache_dir, planned, resume,
+                               insecure=args.insecure, key_file=args.key_file))
     except ConfigError as exc:
         print(f"rollart run: config error: {exc}", file=sys.stderr)
         return 2

@@ -18,6 +18,7 @@ import msgspec
 
 from rollart.config import Scenario
 from rollart.launcher.procs import Supervisor, python_module
+from rollart.trainer.service import trainer_message_bytes
 
 
 @dataclass
@@ -61,9 +62,14 @@ def trainer_env(sc: Scenario) -> dict[str, str]:
 
 
 async def start_services(sup: Supervisor, scenario: Scenario, model_dir: Path, *,
-                         trainer_resume: Path | None, ready_timeout_s: float = 600.0
-                         ) -> Addresses:
+                         trainer_resume: Path | None, auth_argv: list[str],
+                         ready_timeout_s: float = 600.0) -> Addresses:
     """Start every local service of ``scenario`` (concurrently) and return all addresses.
+
+    ``auth_argv`` (``--key-file PATH`` or ``--insecure``: ``rollart.launcher.runkeys``) is
+    given to every ZeroMQ service; each worker's ``--max-message-bytes`` is a weight bucket
+    (``trainer.weight_bucket_bytes``) plus 64 MiB, the trainer's sized by
+    ``trainer_message_bytes``.
 
     Raises:
         ProcessFailedError: a service exited before it was ready (its log tail included).
@@ -84,7 +90,8 @@ async def start_services(sup: Supervisor, scenario: Scenario, model_dir: Path, *
             "rollart.envhost.host", "--name", host.name,
             "--step-timeout-s", str(host.step_timeout_s),
             "--open-timeout-s", str(host.open_timeout_s),
-            "--max-sessions", str(host.max_sessions), "--threads", str(host.threads))
+            "--max-sessions", str(host.max_sessions), "--threads", str(host.threads),
+            *auth_argv)
         for key, lat in host.latency.items():
             argv += ["--latency", f"{key}={msgspec.json.encode(lat).decode()}"]
         starts[f"env:{host.name}"] = sup.start(f"env-{host.name}", argv,
@@ -96,7 +103,8 @@ async def start_services(sup: Supervisor, scenario: Scenario, model_dir: Path, *
         argv = python_module(
             "rollart.inference.worker", "--model", str(model_dir), "--name", name,
             "--kv-cache-bytes", str(eng.kv_cache_bytes), "--dtype", sc.model.dtype,
-            "--seed", str(sc.run.seed + k))
+            "--seed", str(sc.run.seed + k),
+            "--max-message-bytes", str(sc.trainer.weight_bucket_bytes + (64 << 20)), *auth_argv)
         if eng.max_model_len:
             argv += ["--max-model-len", str(eng.max_model_len)]
         if eng.max_num_seqs:
@@ -115,7 +123,8 @@ async def start_services(sup: Supervisor, scenario: Scenario, model_dir: Path, *
                else _gpu_binding(local_workers, k))
         starts[f"worker:{pool.name}:{i}"] = sup.start(
             f"worker-{name}", argv, env=env, ready_timeout_s=ready_timeout_s)
-    starts["trainer"] = sup.start("trainer", trainer_argv(sc, model_dir, trainer_resume),
+    starts["trainer"] = sup.start("trainer",
+                                  [*trainer_argv(sc, model_dir, trainer_resume), *auth_argv],
                                   env=trainer_env(sc), ready_timeout_s=ready_timeout_s)
 
     keys = list(starts)
@@ -155,7 +164,9 @@ def trainer_argv(sc: Scenario, model_dir: Path, resume: Path | None) -> list[str
     # (validate_scenario guarantees one temperature > 0 across domains).
     (step_cfg["temperature"],) = temperatures
     args = ["--model", str(model_dir), "--options", msgspec.json.encode(options).decode(),
-            "--step-config", msgspec.json.encode(step_cfg).decode()]
+            "--step-config", msgspec.json.encode(step_cfg).decode(),
+            "--max-message-bytes",
+            str(trainer_message_bytes(sc.run.batch_size, sc.run.max_tokens_per_trajectory))]
     if t.num_processes == 1:
         argv = python_module("rollart.trainer.service", *args)
     else:

@@ -4,8 +4,10 @@ Used by the controller-overhead benchmark: the controller talks to these process
 real ``InferenceClient`` / ``EnvClient``, so what it measures is the controller plus the real
 transport, with backends that answer in (near) zero time.
 
-    python -m rollart.sim.serve worker --address tcp://127.0.0.1:0 --time-scale 0
-    python -m rollart.sim.serve env --address tcp://127.0.0.1:0
+    python -m rollart.sim.serve worker --address tcp://127.0.0.1:0 --time-scale 0 --key-file K
+    python -m rollart.sim.serve env --address tcp://127.0.0.1:0 --key-file K
+
+``--key-file`` / ``--insecure`` as for every rollart service (``rollart.transport.security``).
 
 The bound address is printed as the first stdout line (``ADDRESS tcp://...``). The simulated
 domain is given on the command line (``--domain NAME --prompt-tokens ...``); every process of a
@@ -24,7 +26,9 @@ from rollart.sim.models import get_model
 from rollart.sim.worker import SimInferenceWorker
 from rollart.sim.workload import DomainSpec, DomainTable, const
 from rollart.transport import messages as m
+from rollart.transport.errors import ConfigError
 from rollart.transport.rpc import RpcServer
+from rollart.transport.security import Auth, add_auth_args, service_auth
 
 
 def worker_handlers(worker: SimInferenceWorker) -> dict[type, Any]:
@@ -92,7 +96,7 @@ def add_domain_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--turns", type=int, default=4)
 
 
-async def _serve(args: argparse.Namespace) -> None:
+async def _serve(args: argparse.Namespace, auth: Auth) -> None:
     table = DomainTable([domain_from_args(args)])
     if args.kind == "worker":
         worker = SimInferenceWorker(args.name, hardware=get_hardware(args.hardware),
@@ -102,7 +106,7 @@ async def _serve(args: argparse.Namespace) -> None:
         handlers = worker_handlers(worker)
     else:
         handlers = env_handlers(SimEnvHost(args.name, table, seed=args.seed))
-    server = RpcServer(args.address, handlers, name=args.name)
+    server = RpcServer(args.address, handlers, name=args.name, auth=auth)
     print(f"ADDRESS {server.address}", flush=True)
     await server.serve_forever()
 
@@ -118,12 +122,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-batch", type=int, default=100_000)
     parser.add_argument("--time-scale", type=float, default=0.0)
     add_domain_args(parser)
+    add_auth_args(parser)
     args = parser.parse_args(argv)
     args.name = args.name or f"sim-{args.kind}"
+    try:
+        auth = service_auth(args.key_file, args.insecure, args.address)
+    except ConfigError as exc:
+        sys.exit(f"rollart.sim.serve: {exc}")
     import uvloop
 
     try:
-        uvloop.run(_serve(args))
+        uvloop.run(_serve(args, auth))
     except KeyboardInterrupt:
         sys.exit(0)
 

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from rollart.transport import messages as m
 from rollart.transport.rpc import RpcClient
+from rollart.transport.security import Auth
 
 
 class TrainerClient:
@@ -13,6 +14,8 @@ class TrainerClient:
 
     Args:
         address: the trainer's ZMQ endpoint.
+        auth: the run's key (``rollart.transport.security.RunKey``) or ``INSECURE``, as the
+            trainer was started with (else it never answers).
         train_timeout_s: timeout of one ``train`` call (a step on a large batch can be slow).
         publish_timeout_s: timeout of ``wait_published`` / ``publish_latest`` (a collective
             broadcast includes the group's rendezvous and every worker's load).
@@ -20,13 +23,13 @@ class TrainerClient:
         ``PeerDeadError`` (the trainer process is gone: fatal for the run).
     """
 
-    def __init__(self, address: str, *, train_timeout_s: float = 3600.0,
+    def __init__(self, address: str, *, auth: Auth, train_timeout_s: float = 3600.0,
                  publish_timeout_s: float = 600.0, default_timeout_s: float = 600.0,
                  liveness_timeout_s: float = 60.0) -> None:
         self.name = "trainer"
         self.train_timeout_s = train_timeout_s
         self.publish_timeout_s = publish_timeout_s
-        self._rpc = RpcClient(address, name="trainer", default_timeout_s=default_timeout_s,
+        self._rpc = RpcClient(address, auth=auth, name="trainer", default_timeout_s=default_timeout_s,
                               liveness_timeout_s=liveness_timeout_s)
 
     @property

@@ -27,8 +27,9 @@ from typing import Annotated, Literal
 import msgspec
 
 from rollart.transport import messages as m
-from rollart.transport.errors import RemoteError
+from rollart.transport.errors import ConfigError, RemoteError
 from rollart.transport.rpc import RpcServer
+from rollart.transport.security import INSECURE, Auth, add_auth_args, service_auth
 
 log = logging.getLogger("rollart.trainer")
 
@@ -62,7 +63,8 @@ class TrainerService:
     """Holds the model, optimizer and publisher; one RPC handler per trainer message."""
 
     def __init__(self, model_path: Path, opts: TrainerOptions, step_cfg_json: bytes | None,
-                 resume: Path | None) -> None:
+                 resume: Path | None, *, auth: Auth) -> None:
+        """``auth``: the run's key (or ``INSECURE``), also used to push weights to workers."""
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -97,7 +99,8 @@ class TrainerService:
         self.step = 0
 
         def connect(addr: str) -> InferenceClient:
-            return InferenceClient(addr, name=f"worker@{addr}", default_timeout_s=600.0)
+            return InferenceClient(addr, auth=auth, name=f"worker@{addr}",
+                                   default_timeout_s=600.0)
 
         self.weight_transfer = opts.weight_transfer
         self.publisher = WeightPublisher(connect, bucket_bytes=opts.bucket_bytes)
@@ -214,12 +217,33 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--options", default="{}", help="TrainerOptions as JSON")
     p.add_argument("--step-config", default="", help="TrainStepConfig as JSON")
     p.add_argument("--resume", type=Path, help="checkpoint dir (step_NNNNNN) to load")
-    return p.parse_args(argv)
+    p.add_argument("--max-message-bytes", type=int, default=DEFAULT_TRAINER_MESSAGE_BYTES,
+                   help="largest request (a TrainBatch); rollart run sizes it from the scenario "
+                        "(trainer_message_bytes)")
+    add_auth_args(p)
+    args = p.parse_args(argv)
+    if not 0 < args.max_message_bytes <= 1 << 40:
+        p.error(f"--max-message-bytes must be in (0, 2**40], got {args.max_message_bytes}")
+    return args
 
 
-async def _serve(args: argparse.Namespace) -> int:
+#: Largest request of a trainer started by hand: a ``TrainBatch`` of e.g. 1024 samples of
+#: 32k tokens at 9 B per token (int32 id, float32 logprob, uint8 mask) is ~300 MB.
+DEFAULT_TRAINER_MESSAGE_BYTES = 1 << 30
+
+
+def trainer_message_bytes(batch_size: int, max_tokens_per_trajectory: int) -> int:
+    """``--max-message-bytes`` for a trainer fed ``batch_size`` samples of at most
+    ``max_tokens_per_trajectory`` tokens: 9 B per token on the wire (int32 token id, float32
+    behaviour logprob, uint8 loss mask: ``TrainSample``), doubled for msgpack framing and ids,
+    plus 16 MiB; at least 64 MiB."""
+    return max(64 << 20, 2 * 9 * batch_size * max_tokens_per_trajectory + (16 << 20))
+
+
+async def _serve(args: argparse.Namespace, auth: Auth) -> int:
     opts = msgspec.json.decode(args.options.encode(), type=TrainerOptions)
-    service = TrainerService(args.model, opts, args.step_config.encode() or None, args.resume)
+    service = TrainerService(args.model, opts, args.step_config.encode() or None, args.resume,
+                             auth=auth)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     exit_code = 0
@@ -231,7 +255,8 @@ async def _serve(args: argparse.Namespace) -> int:
 
     service.runner.on_fatal = lambda _exc: loop.call_soon_threadsafe(fatal)
     await service.start()
-    server = RpcServer(args.address, service.handlers(), name="trainer")  # type: ignore[arg-type]
+    server = RpcServer(args.address, service.handlers(), name="trainer",  # type: ignore[arg-type]
+                       auth=auth, max_message_bytes=args.max_message_bytes)
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     serving = asyncio.create_task(server.serve_forever())
@@ -251,7 +276,9 @@ async def _serve(args: argparse.Namespace) -> int:
 def _follow(args: argparse.Namespace) -> int:
     # A rank > 0 under torchrun: same construction as rank 0 (collective), then its commands.
     opts = msgspec.json.decode(args.options.encode(), type=TrainerOptions)
-    service = TrainerService(args.model, opts, args.step_config.encode() or None, args.resume)
+    # A follower rank opens no socket, but builds the same service (the key is not used).
+    service = TrainerService(args.model, opts, args.step_config.encode() or None, args.resume,
+                             auth=INSECURE)
     return service.runner.follow()
 
 
@@ -266,9 +293,14 @@ def main(argv: list[str] | None = None) -> int:
         die_with_parent()  # torchrun put us in our own session: go when it goes
     if is_follower():
         return _follow(args)
+    try:
+        auth = service_auth(args.key_file, args.insecure, args.address)
+    except ConfigError as exc:
+        print(f"rollart serve-trainer: {exc}", file=sys.stderr)
+        return 2
     import uvloop
 
-    return uvloop.run(_serve(args))
+    return uvloop.run(_serve(args, auth))
 
 
 if __name__ == "__main__":

@@ -12,6 +12,12 @@ finds a pipe full anyway stays queued (``SocketPump``), and the server's ROUTER 
 logged and counted (``RpcServer.replies_to_gone_peers``) instead of vanishing. Both ends run
 plain sockets from the event loop in bulk (``rollart.transport.zmqloop``), not ``zmq.asyncio``:
 small messages to one peer in one loop tick travel as one ZeroMQ message (a batch envelope).
+
+Every socket is given an ``auth`` (``rollart.transport.security``): the run's CURVE key, or
+``INSECURE`` chosen explicitly. A server's ``MAXMSGSIZE`` (``max_frame_bytes``) is set before it
+binds, so ZeroMQ drops a peer announcing a larger frame before buffering it; the total size
+of a request (all frames) is checked after the read (``max_message_bytes``: a ``too_large``
+reply).
 """
 
 from __future__ import annotations
@@ -31,7 +37,8 @@ import zmq
 
 from rollart.transport import messages as m
 from rollart.transport.errors import PeerDeadError, RemoteError, RemoteTimeoutError
-from rollart.transport.zmqloop import Part, SocketPump
+from rollart.transport.security import Auth
+from rollart.transport.zmqloop import MAX_BATCH_FRAME_BYTES, Part, SocketPump
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +60,8 @@ DEFAULT_MAX_MESSAGE_BYTES = 1 << 31
 #: the callers' own concurrency (trajectories, weight buckets), and a second, smaller bound
 #: here only turns load into lost replies (issue 11: 10k outstanding calls against the
 #: default 1000). Memory is what those callers already hold: ~100 B of pipe per small message.
-#: Tests set it to 1 to force full pipes and the EAGAIN path.
+#: Tests set it to 2 to force full pipes and the EAGAIN path (not 1: a CURVE server whose
+#: RCVHWM is 1 never delivers its first message, libzmq 4.3.5, measured).
 _HWM = 0
 
 
@@ -80,7 +88,13 @@ class RpcServer:
             A handler raising ``RemoteError`` replies with its code; any other exception replies
             ``internal`` (logged) — the server keeps serving either way.
         name: service name for ``Pong`` and logs.
-        max_message_bytes: total bytes of one request (all frames) above which it is refused.
+        auth: the run's key (``RunKey``: only its holders are served) or ``INSECURE``.
+        max_message_bytes: total bytes of one request (all frames) above which it is refused
+            with a ``too_large`` reply.
+        max_frame_bytes: the socket's ``MAXMSGSIZE``: a peer sending a larger frame is
+            disconnected by ZeroMQ before the frame is buffered (no reply: its calls time out).
+            Default ``max_message_bytes``; raised to at least ``MAX_BATCH_FRAME_BYTES`` so
+            batch envelopes of small requests always fit.
 
     ``replies_to_gone_peers`` counts replies ZeroMQ refused because their client had
     disconnected (``EHOSTUNREACH``); each is logged. No other reply is ever dropped.
@@ -92,13 +106,20 @@ class RpcServer:
         handlers: dict[type, Handler],
         *,
         name: str,
+        auth: Auth,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        max_frame_bytes: int | None = None,
     ) -> None:
         self.name = name
         self._handlers = dict(handlers)
         self._handlers.setdefault(m.Ping, self._ping)
         self._max_bytes = max_message_bytes
+        self.max_frame_bytes = max(max_frame_bytes or max_message_bytes, MAX_BATCH_FRAME_BYTES)
+        self.auth = auth
         self._sock = _socket(zmq.ROUTER)
+        # Both before bind: no peer is ever read without them.
+        self._sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
+        auth.secure_server(self._sock)
         # Without it a ROUTER silently drops a message it cannot route or whose pipe is full;
         # with it the send raises EHOSTUNREACH (peer gone: counted, logged) or EAGAIN (kept).
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -237,6 +258,8 @@ class RpcClient:
 
     Args:
         address: the server's ZeroMQ endpoint.
+        auth: the run's key (``RunKey``) or ``INSECURE``; it must match the server's: a client
+            without the server's key gets no reply (its calls time out, the peer looks dead).
         name: peer name used in error messages.
         default_timeout_s: timeout of a call that gives none.
         heartbeat_interval_s: seconds between ``Ping`` probes; ``0`` disables heartbeats.
@@ -251,6 +274,7 @@ class RpcClient:
         self,
         address: str,
         *,
+        auth: Auth,
         name: str = "",
         default_timeout_s: float = 60.0,
         heartbeat_interval_s: float = 2.0,
@@ -261,6 +285,7 @@ class RpcClient:
         self.default_timeout_s = default_timeout_s
         self._loop = asyncio.get_running_loop()
         self._sock = _socket(zmq.DEALER)
+        auth.secure_client(self._sock)
         self._sock.connect(address)
         self._pending: dict[int, asyncio.Future] = {}
         self._ids = itertools.count(1)

@@ -59,6 +59,10 @@ _ZERO_COPY_BYTES = 64 * 1024
 
 _LEN = struct.Struct(">I")
 _ENTRY_HEAD = _LEN.size + 8  # body length + call id
+#: Largest frame a batch envelope can be: a batch closes once it reaches ``BATCH_BYTES``, so
+#: its last entry (header + a body of at most ``BATCH_BODY_BYTES``) ends below this. A
+#: receiving socket's ``MAXMSGSIZE`` must not be smaller.
+MAX_BATCH_FRAME_BYTES = BATCH_BYTES + _ENTRY_HEAD + BATCH_BODY_BYTES
 
 # Plain ints: pyzmq's flag constants are enum members, and enum arithmetic per frame costs.
 _NOBLOCK = int(zmq.NOBLOCK)
