@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import stat
+import sys
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -282,7 +283,14 @@ def main(argv: list[str] | None = None) -> int:
     copy the file (keeping mode 0600) to every machine that runs one of the run's services."""
     p = argparse.ArgumentParser(prog="rollart keygen", description=main.__doc__)
     p.add_argument("dir", type=Path, help="directory for the key files (created mode 0700)")
+    p.add_argument("--force", action="store_true",
+                   help="replace an existing key (services started with it stop accepting "
+                        "the run's clients)")
     args = p.parse_args(argv)
+    existing = args.dir / f"{KEY_NAME}.key_secret"
+    if existing.exists() and not args.force:
+        print(f"rollart keygen: {existing} exists; --force replaces it", file=sys.stderr)
+        return 2
     print(create_key_file(args.dir))
     return 0
 
