@@ -88,14 +88,13 @@ class _Session:
 class EnvHost:
     """Holds env sessions and serves them with ``RpcServer``.
 
-    Use ``await host.start()`` (binds, returns the bound address) then ``await host.aclose()``.
+    Use ``await host.start(auth)`` (binds, returns the bound address) then ``await host.aclose()``.
     Handlers raise ``EnvError`` with codes ``not_found`` (unknown env / session),
     ``bad_request`` (bad options, session busy, host full), ``env_error``, ``env_timeout``.
     """
 
-    def __init__(self, config: HostConfig, auth: Auth) -> None:
+    def __init__(self, config: HostConfig) -> None:
         self.config = config
-        self.auth = auth
         self.name = config.name
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=config.threads, thread_name_prefix=f"{config.name}-env"
@@ -122,13 +121,14 @@ class EnvHost:
             m.GetEnvStats: self.stats,
         }
 
-    async def start(self) -> str:
-        """Bind and start serving in the background; returns the bound address."""
+    async def start(self, auth: Auth) -> str:
+        """Bind and start serving in the background, only to holders of ``auth`` (the run's
+        key, or ``INSECURE``); returns the bound address."""
         self._server = RpcServer(
             self.config.address,
             self.handlers,
             name=self.name,
-            auth=self.auth,
+            auth=auth,
             max_message_bytes=self.config.max_message_bytes,
         )
         self._serve_task = asyncio.create_task(self._server.serve_forever())
@@ -436,8 +436,8 @@ async def _serve(config: HostConfig, auth: Auth, ready_file: Path | None) -> int
     import gem  # noqa: F401
     import reasoning_gym  # noqa: F401
 
-    host = EnvHost(config, auth)
-    address = await host.start()
+    host = EnvHost(config)
+    address = await host.start(auth)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
