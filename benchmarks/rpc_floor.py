@@ -15,12 +15,14 @@ both on uvloop, at concurrency 1, 64 and 1024 (that many coroutines each calling
   length-prefixed frames (4-byte length, 8-byte call id, msgpack body), one ``write`` per loop
   tick, a future per call and no task per request: no ZeroMQ, no heartbeats, no timeouts.
 
-Reported per transport and concurrency: calls/s (answered calls only) and us per call (= 1e6 /
-calls/s: wall time per call with that many in flight, both processes included), and the calls
+Reported per transport and concurrency: calls/s (answered calls only), us per call (= 1e6 /
+calls/s: wall time per call with that many in flight, both processes included), the client
+process's CPU us per answered call (all its threads: ZeroMQ's I/O thread included), and the calls
 whose reply never came within ``CALL_TIMEOUT_S`` (``lost_replies``, warm-ups included; the wait
 for them is in the elapsed time, as it would be for a real caller). Ratios ``new/old``,
-``new/floor`` and ``curve/new`` of calls/s are computed within each repeat (the three transports run back to back, in a rotating
-order) and given as mean with a 95% Student-t interval over the repeats. Both processes share
+``new/floor`` and ``curve/new`` of calls/s (and ``curve/new`` of client CPU per call) are
+computed within each repeat (the transports run back to back, in a rotating order) and given
+as mean with a 95% Student-t interval over the repeats. Both processes share
 this machine's cores with whatever else runs (the load average is in ``meta``).
 
 ``measure_floor(...)`` runs only the floor, for other benchmarks to print beside their figures.
@@ -344,16 +346,19 @@ async def _floor_rates(address: str, concurrency: tuple[int, ...], repeats: int,
 
 
 async def _all_rates(addresses: dict[str, str], repeats: int, quick: bool
-                     ) -> tuple[dict[tuple[str, int], list[float]], dict[tuple[str, int], Lost]]:
+                     ) -> tuple[dict[tuple[str, int], list[float]], dict[tuple[str, int], Lost],
+                                dict[tuple[str, int], list[float]]]:
     rates: dict[tuple[str, int], list[float]] = {(k, c): [] for k in KINDS for c in CONCURRENCY}
     lost = {key: Lost() for key in rates}
+    cpu: dict[tuple[str, int], list[float]] = {key: [] for key in rates}
     for rep in range(repeats):
         order = KINDS[rep % len(KINDS):] + KINDS[:rep % len(KINDS)]
         for c in CONCURRENCY:
             for kind in order:
                 rates[kind, c].append(await _measure(
-                    kind, addresses[kind], c, _calls_for(c, quick), lost[kind, c]))
-    return rates, lost
+                    kind, addresses[kind], c, _calls_for(c, quick), lost[kind, c],
+                    cpu_us=cpu[kind, c]))
+    return rates, lost, cpu
 
 
 def run(quick: bool, seed: int) -> dict[str, Any]:
@@ -362,7 +367,7 @@ def run(quick: bool, seed: int) -> dict[str, Any]:
     load_before = os.getloadavg()[0]
     procs = {kind: _spawn(kind) for kind in KINDS}
     try:
-        rates, lost = uvloop.run(
+        rates, lost, cpu = uvloop.run(
             _all_rates({k: a for k, (_, a) in procs.items()}, repeats, quick))
     finally:
         for proc, _ in procs.values():
@@ -371,8 +376,11 @@ def run(quick: bool, seed: int) -> dict[str, Any]:
     for c in CONCURRENCY:
         for kind in KINDS:
             mean, half = ci95(rates[kind, c])
+            cpu_mean, cpu_half = ci95(cpu[kind, c])
             rows.append({"transport": kind, "concurrency": c, "calls_per_s": mean,
                          "calls_per_s_ci95": half, "us_per_call": 1e6 / mean,
+                         "client_cpu_us_per_call": cpu_mean,
+                         "client_cpu_us_per_call_ci95": cpu_half,
                          "lost_replies": lost[kind, c].count})
             ratios[f"lost_replies {kind} at c={c}"] = lost[kind, c].count
         for other in ("old", "floor"):
@@ -383,6 +391,12 @@ def run(quick: bool, seed: int) -> dict[str, Any]:
         per_rep = [a / b for a, b in zip(rates["curve", c], rates["new", c], strict=True)]
         mean, half = ci95(per_rep)
         key = f"curve/new calls_per_s at c={c}"
+        ratios[key], intervals[key] = mean, [mean - half, mean + half]
+        # CPU of the calling process (its ZeroMQ I/O thread, where CURVE runs, included):
+        # less sensitive than wall-clock rates to other load on the machine.
+        per_rep = [a / b for a, b in zip(cpu["curve", c], cpu["new", c], strict=True)]
+        mean, half = ci95(per_rep)
+        key = f"curve/new client_cpu_us_per_call at c={c}"
         ratios[key], intervals[key] = mean, [mean - half, mean + half]
     res = result(NAME, simulated=False, rows=rows, ratios=ratios, quick=quick, seed=seed,
                  started=started,
