@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -36,3 +37,6 @@ def test_readme_driver_script_trains_two_steps(tmp_path):
     assert [x.split(":")[0] for x in lines] == ["step 1", "step 2"]
     assert all("samples=8" in x for x in lines)
     assert (tmp_path / "runs" / "driver-example" / "logs").is_dir()
+    # open_cluster authenticated every service with the run's own key (mode 0600).
+    key = tmp_path / "runs" / "driver-example" / "keys" / "run.key_secret"
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -89,6 +90,10 @@ def test_short_run_writes_metrics_and_stops_every_process(tmp_path, cache_dir):
     assert summary["inference_engine"].startswith("vllm")
     assert json.loads((out / "config.json").read_text())["run"]["batch_size"] == 8
     assert (out / "logs" / "trainer.log").exists()
+    # Authenticated by default, with the run's own key, private to the user.
+    key = out / "keys" / "run.key_secret"
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600
+    assert stat.S_IMODE(key.parent.stat().st_mode) == 0o700
     time.sleep(1.0)
     assert _processes_mentioning(str(out)) == []  # no orphans
 
