@@ -228,3 +228,10 @@ def test_trainer_message_bytes_fits_a_full_batch():
     assert trainer_message_bytes(8, 2048) == 64 << 20
     big = trainer_message_bytes(1024, 32_768)
     assert big >= 9 * 1024 * 32_768 and big < 1 << 30
+
+
+def test_key_file_path_may_start_with_a_tilde(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    sec.create_key_file(tmp_path / ".rollart")
+    assert sec.load_key_file("~/.rollart/run.key_secret").path == tmp_path / ".rollart" / \
+        "run.key_secret"

@@ -77,7 +77,7 @@ def run_auth(scenario: Scenario, run_dir: Path, *, insecure: bool = False,
         keys.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(keys, 0o700)
         path = keys / f"{KEY_NAME}.key_secret"
-        if Path(given).resolve() != path.resolve():
+        if Path(given).expanduser().resolve() != path.resolve():
             shutil.copyfile(key.path, path)  # type: ignore[arg-type]
             os.chmod(path, 0o600)
     return RunAuth(load_key_file(path), ["--key-file", str(path.resolve())])

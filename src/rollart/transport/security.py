@@ -170,7 +170,7 @@ def load_key_file(path: str | Path) -> RunKey:
         ConfigError: the file is missing, readable or writable by other users (``chmod 600``
             it), or holds no secret key.
     """
-    p = Path(path)
+    p = Path(path).expanduser()  # "~/..." as written in a scenario's run.key_file
     try:
         mode = p.stat().st_mode
     except OSError as exc:
