@@ -199,8 +199,9 @@ async def test_inference_worker_refuses_unauthenticated_and_oversized(
     svc = service_launcher(
         "rollart.inference.worker",
         ["--model", str(tiny_model_dir), "--name", "sec", "--dtype", "float32",
-         "--max-model-len", "256", "--max-num-seqs", "8", "--key-file", str(run_key.path)],
-        ready_timeout_s=300)
+         "--max-model-len", "256", "--max-num-seqs", "8", "--enforce-eager",
+         "--key-file", str(run_key.path)],
+        ready_timeout_s=900)  # vLLM's start-up on a loaded 2-core machine
     await check_refused_while_serving(svc.address, run_key, other_key, m.GetStats(),
                                       m.WorkerStats)
     # The tiny model's largest tensor is far below 64 MiB: its frame limit is 64 MiB.
