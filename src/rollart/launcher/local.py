@@ -189,15 +189,15 @@ async def open_cluster(scenario: str | Path | Scenario, *, run_dir: str | Path |
         workers = [w for ws in pools.values() for w in ws]
         clients += workers
         await _check_weight_transfer(scenario, workers)
-        envs = [EnvClient(a, name=h.name)
+        env_clients = [EnvClient(a, name=h.name)
                 for a, h in zip(addrs.env_hosts, scenario.env_hosts, strict=True)]
         # A collective broadcast is a rendezvous plus start / update / finish on every worker,
         # each bounded by weight_transfer_timeout_s on the trainer: never give up before it.
         trainer_client = TrainerClient(addrs.trainer, publish_timeout_s=max(
             600.0, 4 * scenario.trainer.weight_transfer_timeout_s + 60.0))
-        clients += envs + [trainer_client]
+        clients += env_clients + [trainer_client]
         backends = Backends(
-            pools=pools, env_hosts=envs, reward_service=reward, reward_endpoints=endpoints,
+            pools=pools, env_hosts=env_clients, reward_service=reward, reward_endpoints=endpoints,
             trainer=RemoteTrainer(
                 trainer_client, version=point[1].version if point else 0,
                 push_needs_pause=scenario.trainer.weight_transfer != "zmq"),
