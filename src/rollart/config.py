@@ -131,7 +131,9 @@ class RunConfig(_Cfg):
     domain_mix: Literal["weight", "yield"] = "weight"
     #: maximum assistant turns per trajectory.
     max_turns: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 8
-    #: generated tokens per turn (the engine's ``max_tokens``).
+    #: generated tokens per turn (the engine's ``max_tokens``). A turn that reaches it ends the
+    #: episode: the env still scores that cut-off action, then the trajectory finishes with
+    #: ``finish_reason = "length"``.
     max_tokens_per_turn: PosInt = 256
     #: total tokens of one training sequence (prompt + generated + observations).
     max_tokens_per_trajectory: PosInt = 2048
@@ -568,3 +570,16 @@ def scenario_from_json(data: bytes | str, source: str = "<config.json>") -> Scen
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise ConfigError(f"{source}: {exc}") from None
     return validate_scenario(scenario, source)
+
+
+def _attach_docs() -> None:
+    # `#:` comments above each field become a "Fields:" section of the class docstrings, so
+    # help(DomainConfig) shows them (rollart.configdoc).
+    import sys
+
+    from rollart.configdoc import attach_field_docs
+
+    attach_field_docs(sys.modules[__name__])
+
+
+_attach_docs()

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable, Collection, Mapping
@@ -30,6 +32,8 @@ from typing import Any
 from rollart.config import Scenario, load_scenario, scenario_to_json
 from rollart.launcher.procs import ProcessFailedError, Supervisor
 from rollart.transport.errors import ConfigError, RollartError
+
+log = logging.getLogger("rollart.launcher")
 
 
 def preflight(scenario: Scenario, source: str = "<scenario>", *,
@@ -80,6 +84,9 @@ def resolve_model(scenario: Scenario, cache_dir: Path) -> Path:
         return path
     from rollart.models.warmup import ensure_quickstart_model
 
+    changed = warmup_set_change(cache_dir, scenario)
+    if changed:
+        log.warning("%s", changed)
     try:
         return ensure_quickstart_model(cache_dir, scenario)
     except ValueError as exc:  # e.g. warm-up requested but no domain has a solver
@@ -94,6 +101,27 @@ def default_cache_dir() -> Path:
         return Path(os.environ["ROLLART_CACHE_DIR"])
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "rollart"
+
+
+def warmup_set_change(cache_dir: Path, scenario: Scenario) -> str | None:
+    """Remember which envs the tiny model (``model.tiny_seed``) was last warmed up on, under
+    ``cache_dir``; return a warning when this scenario's set differs (a different warm-up:
+    another checkpoint is built, and the RL starting point is not the earlier runs'), else
+    ``None``."""
+    model = scenario.model
+    if model.path != "tiny" or not model.tiny_warmup:
+        return None
+    now = sorted({f"{d.env} {json.dumps(d.env_options, sort_keys=True)}"
+                  for d in scenario.domains})
+    marker = Path(cache_dir) / f"warmup-set-seed{model.tiny_seed}.json"
+    before = json.loads(marker.read_text()) if marker.exists() else None
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_text(json.dumps(now))
+    if before is None or before == now:
+        return None
+    return (f"the tiny model's warm-up set changed: it was warmed up on {before}, this "
+            f"scenario's domains give {now}; another warmed-up model is used (built now if "
+            "missing), so the RL starting point differs from earlier runs'")
 
 
 @contextlib.asynccontextmanager
