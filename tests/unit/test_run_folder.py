@@ -160,3 +160,14 @@ def test_scenario_output_table_is_bounded() -> None:
         parse_scenario(MINIMAL.read_text() + "\n[output]\ntranscript_rate = 2.0\n")
     sc = parse_scenario(MINIMAL.read_text() + "\n[output]\ntranscripts_per_step = 0\n")
     assert msgspec.to_builtins(sc)["output"]["transcripts_per_step"] == 0
+
+
+def test_wandb_requested_but_not_installed_is_a_config_error(tmp_path: Path, monkeypatch) -> None:
+    import sys
+
+    from rollart.config import parse_scenario
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # an import of it fails, as when absent
+    sc = parse_scenario(MINIMAL.read_text() + "\n[output]\nwandb = true\ntensorboard = false\n")
+    with pytest.raises(rundir.ConfigError, match="output.wandb"):
+        rundir.RunFolder(tmp_path, sc)

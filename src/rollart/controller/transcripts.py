@@ -74,8 +74,7 @@ class TranscriptRecorder:
         self._pending: dict[str, Sample] = {}
         self._resolved: list[tuple[Sample, str, str | None]] = []
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="rollart-transcripts")
-        self._lock = threading.Lock()  # the file: one writer at a time, even across close()
-        self._last: Future[int] | None = None
+        self._lock = threading.Lock()  # guards the file and ``written``
         #: records written so far (updated by the worker thread)
         self.written = 0
 
@@ -103,8 +102,7 @@ class TranscriptRecorder:
         chosen, self._resolved = self._resolved[: self.per_step], []
         if not chosen:
             return None
-        self._last = self._pool.submit(self._write, step, chosen)
-        return self._last
+        return self._pool.submit(self._write, step, chosen)
 
     def close(self) -> None:
         """Finish pending writes and stop the worker thread (blocking; idempotent)."""
@@ -112,7 +110,8 @@ class TranscriptRecorder:
 
     # ------------------------------------------------------------------ worker thread
     def _write(self, step: int, chosen: list[tuple[Sample, str, str | None]]) -> int:
-        lines = [json.dumps(self.record(step, s, status, reason)) + "\n"
+        # default=str: a local reward's details may hold values JSON cannot encode.
+        lines = [json.dumps(self.record(step, s, status, reason), default=str) + "\n"
                  for s, status, reason in chosen]
         with self._lock:
             self.path.parent.mkdir(parents=True, exist_ok=True)

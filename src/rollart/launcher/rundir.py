@@ -113,7 +113,7 @@ class RunFolder:
         started: wall-clock start (``time.time()``) for ``summary.json``'s ``wall_time_s``.
 
     Raises:
-        ImportError: ``output.wandb`` is set but ``wandb`` is not installed.
+        ConfigError: ``output.wandb`` is set but ``wandb`` is not installed.
     """
 
     def __init__(self, run_dir: Path, scenario: Scenario, *, final_step: int | None = None,

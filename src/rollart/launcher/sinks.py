@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rollart.transport.errors import ConfigError
+
 log = logging.getLogger(__name__)
 
 #: per-step scalars taken as they are from a metrics row (seconds, counts, versions)
@@ -90,11 +92,15 @@ class WandbSink:
     """Logs each step's scalars to a W&B run (``wandb.init(project, dir=run_dir, config)``).
 
     Raises:
-        ImportError: ``wandb`` is not installed (the scenario asked for it).
+        ConfigError: ``wandb`` is not installed (the scenario asked for it).
     """
 
     def __init__(self, project: str, run_dir: Path, config: dict[str, Any]) -> None:
-        import wandb  # optional: only when output.wandb is set
+        try:
+            import wandb  # optional: only when output.wandb is set
+        except ImportError:
+            raise ConfigError("output.wandb: true, but the wandb package is not installed "
+                              "(pip install wandb), or set it false") from None
 
         self._run = wandb.init(project=project, dir=str(run_dir), config=config,
                                name=run_dir.name)
