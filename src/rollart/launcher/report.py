@@ -10,7 +10,9 @@ Reads ``RUN_DIR/metrics.jsonl`` (and ``summary.json`` when present) and writes, 
 - ``step_time.png``: each step's wall time split into waiting for the batch, training, exposed
   weight sync and the rest (stacked bars, seconds);
 - ``throughput.png``: generated and trained tokens per second of step wall time;
-- ``index.html``: the five images and, from ``summary.json``, each domain's reward over its
+- ``signal.png``: per domain, the share of each batch's groups whose rewards were all equal
+  (zero GRPO advantage: no gradient; a domain stuck at 1.0 cannot learn);
+- ``index.html``: the six images and, from ``summary.json``, each domain's reward over its
   first and last 10 steps and trained share.
 
 Exit codes: 0 written, 2 no metrics to plot (missing or empty ``metrics.jsonl``).
@@ -34,6 +36,7 @@ PLOTS = {
     "staleness.png": "Staleness of each batch",
     "step_time.png": "Step time breakdown",
     "throughput.png": "Throughput",
+    "signal.png": "Groups without learning signal (all rewards equal), per domain",
 }
 
 
@@ -116,6 +119,15 @@ def write_plots(rows: list[dict[str, Any]], out: Path) -> list[Path]:
                        ("throughput/trained_tokens_per_s", "trained")):
         ax.plot(steps, [s.get(key, 0.0) for s in scal], marker=".", label=label)
     _save(fig, out / "throughput.png")
+
+    fig, ax = _figure(PLOTS["signal.png"], "share of the domain's groups")
+    for d in domains:
+        pts = [(st, s[f"flat_group_share/{d}"]) for st, s in zip(steps, scal, strict=True)
+               if f"flat_group_share/{d}" in s]
+        if pts:
+            ax.plot(*zip(*pts, strict=True), marker=".", label=d)
+    ax.set_ylim(-0.05, 1.05)
+    _save(fig, out / "signal.png")
     return [out / name for name in PLOTS]
 
 
@@ -131,7 +143,7 @@ def write_html(run_dir: Path, out: Path, rows: list[dict[str, Any]]) -> Path:
     domains = summary.get("domains", {})
     if domains:
         cols = ["reward_first10_mean", "reward_last10_mean", "reward_change", "trained_share",
-                "configured_share", "wasted_tokens"]
+                "configured_share", "flat_group_share", "wasted_tokens"]
         head = "".join(f"<th>{c}</th>" for c in ["domain", *cols])
         body = "".join(
             "<tr><td>" + html.escape(name) + "</td>"

@@ -199,17 +199,25 @@ def domain_rewards(rows: list[dict[str, Any]], window: int = SUMMARY_WINDOW
                    ) -> dict[str, dict[str, Any]]:
     """Per domain: mean batch reward over its first and last ``window`` steps with samples of
     it (``reward_first{window}_mean`` / ``reward_last{window}_mean``), their difference
-    (``reward_change``) and the number of such steps."""
+    (``reward_change``), the number of such steps, and ``flat_group_share``: the share of its
+    trained groups whose rewards were all equal (zero advantage: no gradient)."""
     per: dict[str, list[float]] = {}
+    groups: dict[str, list[int]] = {}
     for r in rows:
         for d, v in r.get("reward_mean_by_domain", {}).items():
             per.setdefault(d, []).append(v)
+        for d, g in r.get("groups_by_domain", {}).items():
+            acc = groups.setdefault(d, [0, 0])
+            acc[0] += g
+            acc[1] += r.get("flat_groups_by_domain", {}).get(d, 0)
     out = {}
     for d, xs in sorted(per.items()):
         first, last = _mean(xs[:window]), _mean(xs[-window:])
+        g, flat = groups.get(d, [0, 0])
         out[d] = {f"reward_first{window}_mean": first, f"reward_last{window}_mean": last,
                   "reward_change": (last - first) if first is not None and last is not None
-                  else None, "steps_with_samples": len(xs)}
+                  else None, "steps_with_samples": len(xs),
+                  "flat_group_share": round(flat / g, 6) if g else None}
     return out
 
 

@@ -36,7 +36,9 @@ def step_scalars(row: dict[str, Any]) -> dict[str, float]:
     ``waste/total`` (share of the step's generated tokens, 0..1); ``throughput/
     generated_tokens_per_s`` and ``throughput/trained_tokens_per_s`` (tokens over the step's
     wall time); ``train/<name>`` (the trainer's metrics); ``trained_share/<domain>`` (the
-    domain's share of the batch's samples). ``None`` values are left out.
+    domain's share of the batch's samples); ``flat_group_share/<domain>`` (share of the
+    domain's groups in the batch whose rewards are all equal: no GRPO gradient). ``None``
+    values are left out.
     """
     out: dict[str, float] = {}
     for k in _PLAIN:
@@ -56,6 +58,10 @@ def step_scalars(row: dict[str, Any]) -> dict[str, float]:
         out["throughput/trained_tokens_per_s"] = row.get("trained_tokens", 0) / dt
     for k, v in row.get("train_metrics", {}).items():
         out[f"train/{k}"] = float(v)
+    flat = row.get("flat_groups_by_domain", {})
+    for d, g in row.get("groups_by_domain", {}).items():
+        if g:
+            out[f"flat_group_share/{d}"] = flat.get(d, 0) / g
     n = row.get("num_samples") or 0
     if n:
         for d, c in row.get("by_domain", {}).items():
