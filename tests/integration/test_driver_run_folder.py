@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+# Two cluster start-ups (fresh, resume) on a loaded CPU machine can exceed the 600 s default.
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800)]
 
 SCENARIO = """
 [run]
