@@ -63,3 +63,24 @@ async def test_a_run_admits_through_the_users_policy() -> None:
     assert len(steps) == 3 and seen
     # alpha = 2 would allow 6 groups in flight; the policy holds each domain to one
     assert max(max(d.values(), default=0) for d in seen) == 1
+
+
+def test_batch_order_is_a_policy_a_subclass_can_change() -> None:
+    from rollart.controller.buffer import SampleBuffer
+    from rollart.controller.sample import Sample
+
+    class PreferMath(SampleBuffer):
+        def batch_order(self, domain, min_version, seq):
+            return (domain != "math", *super().batch_order(domain, min_version, seq))
+
+    def fill(buf):
+        for key, domain in (("g0", "game"), ("g1", "math")):
+            for tid in buf.try_start_group(key, domain):
+                buf.begin_turn(tid, 0)
+                buf.complete(tid, Sample(sample_id=tid, group_key=key, token_ids=[1, 2],
+                                         loss_mask=[0, 1], behaviour_logprobs=[0.0, -1.0],
+                                         versions=[-1, 0], reward=1.0, domain=domain))
+        return {s.group_key for s in buf.take_batch()}
+
+    assert fill(SampleBuffer(alpha=1, batch_size=2, group_size=2)) == {"g0"}  # oldest first
+    assert fill(PreferMath(alpha=1, batch_size=2, group_size=2)) == {"g1"}
