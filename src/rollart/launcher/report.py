@@ -53,7 +53,10 @@ def _figure(title: str, ylabel: str) -> tuple[Any, Any]:
     matplotlib.use("Agg")  # files only: never a display
     import matplotlib.pyplot as plt
 
+    from matplotlib.ticker import MaxNLocator
+
     fig, ax = plt.subplots(figsize=(7, 3.6), dpi=100)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
     ax.set_title(title)
     ax.set_xlabel("step")
     ax.set_ylabel(ylabel)
