@@ -52,7 +52,6 @@ def _figure(title: str, ylabel: str) -> tuple[Any, Any]:
 
     matplotlib.use("Agg")  # files only: never a display
     import matplotlib.pyplot as plt
-
     from matplotlib.ticker import MaxNLocator
 
     fig, ax = plt.subplots(figsize=(7, 3.6), dpi=100)
