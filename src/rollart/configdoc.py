@@ -10,8 +10,8 @@ copy in sync).
 
 from __future__ import annotations
 
-import ast
 import inspect
+import re
 import sys
 from types import ModuleType
 from typing import Any
@@ -29,27 +29,33 @@ TABLES = {
 
 def field_comments(module: ModuleType) -> dict[str, dict[str, str]]:
     """``{class name: {field: text of the #: lines above it}}`` from the module's source
-    (empty when the source is not available)."""
+    (empty when the source is not available). A line scan, not a parse: it runs at import of
+    ``rollart.config`` in every process."""
     try:
-        source = inspect.getsource(module)
+        lines = inspect.getsource(module).splitlines()
     except (OSError, TypeError):
         return {}
-    lines = source.splitlines()
     out: dict[str, dict[str, str]] = {}
-    for node in ast.parse(source).body:
-        if not isinstance(node, ast.ClassDef):
+    fields: dict[str, str] | None = None
+    text: list[str] = []
+    for line in lines:
+        stripped = line.strip()
+        if m := _CLASS.match(line):
+            fields, text = out.setdefault(m.group(1), {}), []
+        elif fields is None:
             continue
-        fields = out.setdefault(node.name, {})
-        for item in node.body:
-            if not (isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)):
-                continue
-            text: list[str] = []
-            i = item.lineno - 2
-            while i >= 0 and lines[i].strip().startswith("#:"):
-                text.insert(0, lines[i].strip()[2:].strip())
-                i -= 1
-            fields[item.target.id] = " ".join(text)
+        elif stripped.startswith("#:"):
+            text.append(stripped[2:].strip())
+        elif m := _FIELD.match(line):
+            fields[m.group(1)] = " ".join(text)
+            text = []
+        else:  # the comment must sit right above its field
+            text = []
     return out
+
+
+_CLASS = re.compile(r"^class (\w+)\(")
+_FIELD = re.compile(r"^    (\w+): ")
 
 
 def _type_name(tp: Any) -> str:
