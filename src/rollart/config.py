@@ -9,6 +9,7 @@ Layout (tables of ``scenarios/*.toml``)::
     [[env_hosts]]  environment host processes (and optional latency injection)
     [reward]       the HTTP reward service (launched locally or an existing URL)
     [trainer]      optimisation and checkpoint settings
+    [output]       what the run folder gets: transcripts, TensorBoard, W&B
 
 Every Struct rejects unknown fields, bounds are ``msgspec.Meta`` constraints, and cross-field
 rules are checked by :func:`validate_scenario`. Nothing is ever rewritten after loading: a bad
@@ -31,6 +32,7 @@ __all__ = [
     "EngineConfig",
     "EnvHostConfig",
     "ModelConfig",
+    "OutputConfig",
     "PoolConfig",
     "RetryConfig",
     "RewardServiceConfig",
@@ -129,7 +131,9 @@ class RunConfig(_Cfg):
     domain_mix: Literal["weight", "yield"] = "weight"
     #: maximum assistant turns per trajectory.
     max_turns: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 8
-    #: generated tokens per turn (the engine's ``max_tokens``).
+    #: generated tokens per turn (the engine's ``max_tokens``). A turn that reaches it ends the
+    #: episode: the env still scores that cut-off action, then the trajectory finishes with
+    #: ``finish_reason = "length"``.
     max_tokens_per_turn: PosInt = 256
     #: total tokens of one training sequence (prompt + generated + observations).
     max_tokens_per_trajectory: PosInt = 2048
@@ -315,6 +319,24 @@ class TrainerConfig(_Cfg):
     num_processes: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1
 
 
+class OutputConfig(_Cfg):
+    """What a run writes beside ``metrics.jsonl`` (``rollart.launcher.rundir``)."""
+
+    #: decoded trajectories written per step to ``transcripts.jsonl`` at most (0: none).
+    transcripts_per_step: Annotated[int, msgspec.Meta(ge=0, le=1024)] = 8
+    #: probability that a finished trajectory is considered for a transcript (seeded by
+    #: ``run.seed``); the first ``transcripts_per_step`` of those resolved in a step are written.
+    transcript_rate: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.25
+    #: characters kept of each decoded text (prompt, response, observation); longer ones are cut.
+    transcript_max_chars: Annotated[int, msgspec.Meta(ge=16, le=1_000_000)] = 4000
+    #: write TensorBoard event files under ``RUN_DIR/tensorboard``.
+    tensorboard: bool = True
+    #: also log step metrics to Weights & Biases (needs ``wandb`` installed; not a dependency).
+    wandb: bool = False
+    #: W&B project name.
+    wandb_project: Annotated[str, msgspec.Meta(min_length=1)] = "rollart"
+
+
 class Scenario(_Cfg):
     """A whole run. Use :func:`load_scenario`; a hand-built one goes through
     :func:`validate_scenario` before use."""
@@ -326,6 +348,7 @@ class Scenario(_Cfg):
     env_hosts: list[EnvHostConfig] = msgspec.field(default_factory=list)
     reward: RewardServiceConfig = msgspec.field(default_factory=RewardServiceConfig)
     trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
+    output: OutputConfig = msgspec.field(default_factory=OutputConfig)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -554,3 +577,16 @@ def scenario_from_json(data: bytes | str, source: str = "<config.json>") -> Scen
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise ConfigError(f"{source}: {exc}") from None
     return validate_scenario(scenario, source)
+
+
+def _attach_docs() -> None:
+    # `#:` comments above each field become a "Fields:" section of the class docstrings, so
+    # help(DomainConfig) shows them (rollart.configdoc).
+    import sys
+
+    from rollart.configdoc import attach_field_docs
+
+    attach_field_docs(sys.modules[__name__])
+
+
+_attach_docs()

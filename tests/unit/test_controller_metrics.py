@@ -22,3 +22,22 @@ def test_rollout_span_of_restored_samples_starts_at_the_controllers_start() -> N
                   weight_sync_total_s=0.0, weight_sync_exposed_s=0.0, num_generated_tokens=2)
     assert step_metrics(**common).rollout_time_s == 1012.0  # the old, misleading span
     assert step_metrics(**common, rollout_not_before=5000.0).rollout_time_s == 12.0
+
+
+def test_flat_groups_are_counted_per_domain() -> None:
+    stats = SampleBuffer(alpha=1, batch_size=6, group_size=2).stats()
+
+    def s(sid: str, group: str, domain: str, reward: float) -> Sample:
+        return Sample(sample_id=sid, group_key=group, token_ids=[1, 2], loss_mask=[0, 1],
+                      behaviour_logprobs=[0.0, -1.0], versions=[-1, 0], reward=reward,
+                      domain=domain)
+
+    # arith: one group all 0 (flat), one mixed; game: one group all 1 (flat)
+    batch = [s("a", "g0", "arith", 0.0), s("b", "g0", "arith", 0.0),
+             s("c", "g1", "arith", 0.0), s("d", "g1", "arith", 1.0),
+             s("e", "g2", "game", 1.0), s("f", "g2", "game", 1.0)]
+    m = step_metrics(step=1, mode="rollart", policy_version=1, batch=batch, before=stats,
+                     after=stats, step_time_s=1.0, trainer_idle_s=0.0, train_time_s=1.0,
+                     weight_sync_total_s=0.0, weight_sync_exposed_s=0.0, num_generated_tokens=6)
+    assert m.groups_by_domain == {"arith": 2, "game": 1}
+    assert m.flat_groups_by_domain == {"arith": 1, "game": 1}

@@ -48,3 +48,42 @@ def test_a_failure_far_above_the_log_tail_is_still_shown(tmp_path) -> None:
     short = tmp_path / "ok.log"
     short.write_text("a\nb\n")
     assert log_tail(short) == "a\nb"
+
+
+def _local_scenario(env_hosts: bool):
+    from rollart.config import parse_scenario
+
+    text = ('[[pools]]\nname = "cpu"\n[[domains]]\nname = "d"\nenv = "script:echo"\n'
+            'pool = "cpu"\nreward = "mine"\nreward_url = "local"\n')
+    if env_hosts:
+        text += '[[env_hosts]]\nname = "e"\n'
+    return parse_scenario(text, "s.toml")
+
+
+def test_preflight_lets_a_driver_script_bring_its_own_reward_and_env() -> None:
+    from rollart.launcher.local import preflight
+    from rollart.transport.errors import ConfigError
+
+    sc = _local_scenario(env_hosts=False)
+    # open_cluster: rewards may still be registered on the yielded cluster; envs given
+    preflight(sc, "s.toml", local_envs={"script:echo"})
+    with pytest.raises(ConfigError, match=r"env_hosts: .*script:echo.*open_cluster\(envs="):
+        preflight(sc, "s.toml")
+    # open_cluster(rewards=...) and `rollart run` (which registers nothing) know the set
+    preflight(sc, "s.toml", local_rewards={"mine"}, local_envs={"script:echo"})
+    with pytest.raises(ConfigError, match=r"domains\[0\]\.reward: .*'mine'.*rewards="):
+        preflight(_local_scenario(env_hosts=True), "s.toml", local_rewards=())
+
+
+async def test_cluster_start_names_envs_nobody_serves() -> None:
+    from test_controller_fakes import TOK, FakeReward, FakeTrainer
+
+    from rollart.controller import Backends, Cluster
+    from rollart.transport.errors import ConfigError
+
+    b = Backends(pools={"cpu": [FakeWorker("w")]}, trainer=FakeTrainer(), tokenizer=TOK,
+                 reward_service=FakeReward())
+    cluster = Cluster.from_scenario(_local_scenario(env_hosts=False), backends=b)
+    cluster.register_reward("mine", lambda *a: 1.0)
+    with pytest.raises(ConfigError, match="script:echo"):
+        await cluster.start()

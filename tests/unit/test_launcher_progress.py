@@ -12,7 +12,7 @@ from rich.console import Console
 from rollart.config import parse_scenario
 from rollart.controller.metrics import StepMetrics
 from rollart.launcher.progress import Progress
-from rollart.launcher.run import _write_summary
+from rollart.launcher.rundir import write_summary
 
 SCENARIO = Path(__file__).resolve().parents[1] / "minimal_scenario.toml"
 
@@ -46,7 +46,7 @@ def test_summary_reports_the_worst_steps_lag_p99(tmp_path: Path) -> None:
     rows = [metrics(1, 3.0), metrics(2, 41.5), metrics(3, None)]
     (tmp_path / "metrics.jsonl").write_text(
         "".join(json.dumps(msgspec.to_builtins(r)) + "\n" for r in rows))
-    _write_summary(tmp_path, scenario(), started=0.0)
+    write_summary(tmp_path, scenario(), started=0.0)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["loop_lag_p99_ms_max"] == 41.5
 

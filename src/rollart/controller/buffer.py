@@ -627,7 +627,8 @@ class SampleBuffer:
         need = self.batch_size // self.group_size
         if len(ready) < need:
             return None
-        ready.sort(key=lambda g: (min(self._mv(t) for t in g.kept), g.seq))
+        ready.sort(key=lambda g: self.batch_order(g.domain, min(self._mv(t) for t in g.kept),
+                                                  g.seq))
         out: list[Sample] = []
         self._last_staleness = []
         for g in ready[:need]:
@@ -649,6 +650,14 @@ class SampleBuffer:
         self._c["batches"] += 1
         self._outstanding = True
         return out
+
+    def batch_order(self, domain: str, min_version: int, seq: int) -> Any:
+        """Batch assembly policy: sort key of a complete group (smallest first) among those
+        ``take_batch`` can choose; ``min_version`` is the oldest generated-token version of its
+        kept samples, ``seq`` its admission order. Default: oldest tokens first, then oldest
+        group (fewest samples go stale). Override it in a subclass to assemble batches
+        otherwise; whatever it picks is still admissible (stale groups were swept before)."""
+        return (min_version, seq)
 
     def advance_version(self) -> None:
         """The trainer applied the update of the outstanding batch: ``version += 1``; held

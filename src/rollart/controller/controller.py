@@ -57,6 +57,7 @@ from rollart.controller.trajectory import (
     TrajectoryStale,
     run_trajectory,
 )
+from rollart.controller.transcripts import TranscriptRecorder
 from rollart.controller.weightsync import WeightSync
 from rollart.transport.errors import RollartError
 
@@ -98,6 +99,12 @@ class Controller:
             restarted, same group seeds and RNG stream); the trainer must be at its version.
         loop_lag: an event-loop lag monitor, started with the controller; each step reports
             its p99 / max (``None``: not measured; virtual-clock runs must not pass one).
+        transcripts: told of every finished trajectory, discarded sample and batch
+            (``rollart.controller.transcripts``); ``None``: no transcripts.
+        buffer_class: the sample buffer's class: ``SampleBuffer`` or a subclass overriding its
+            admission (``try_start_group`` / ``has_room``) or batch assembly (``batch_order``)
+            while keeping its protocol (``rollart.controller.buffer``); built with the same
+            keyword arguments and restored with its ``restore`` classmethod.
 
     Raises:
         ConfigError: a domain whose reward cannot be routed, or an unknown pool affinity.
@@ -115,13 +122,17 @@ class Controller:
         clock: Callable[[], float] | None = None,
         resume: dict[str, Any] | None = None,
         loop_lag: LoopLagMonitor | None = None,
+        transcripts: TranscriptRecorder | None = None,
+        buffer_class: type[SampleBuffer] = SampleBuffer,
     ) -> None:
         run = scenario.run
         self.scenario, self.run = scenario, run
         self.spec = mode_spec(run.mode)
         self.proxy, self.envs, self.rewards, self.trainer = proxy, envs, rewards, trainer
         self._rng = random.Random(run.seed)
-        self.buffer = SampleBuffer(
+        self.transcripts = transcripts
+        self._buffer_class = buffer_class
+        self.buffer = buffer_class(
             alpha=run.alpha,
             batch_size=run.batch_size,
             group_size=run.group_size,
@@ -133,6 +144,7 @@ class Controller:
             initial_version=trainer.version,
             rng=random.Random(run.seed + 1),
             on_forget=self._forget_group,
+            on_drop=transcripts.dropped if transcripts is not None else None,
             fresh_start=run.fresh_start,
             abort_stale=run.abort_stale,
             staleness_control=self.spec.staleness_control,
@@ -278,8 +290,9 @@ class Controller:
         if snap.get("format") != 1:
             raise RollartError(f"controller snapshot: unknown format {snap.get('format')!r}")
         wanted = self.buffer.snapshot()["config"]  # the scenario's, before the restore
-        self.buffer = SampleBuffer.restore(snap["buffer"], rng=random.Random(self.run.seed + 1),
-                                           on_forget=self._forget_group)
+        self.buffer = self._buffer_class.restore(
+            snap["buffer"], rng=random.Random(self.run.seed + 1), on_forget=self._forget_group,
+            on_drop=self.transcripts.dropped if self.transcripts is not None else None)
         # The restored buffer runs on the snapshot's settings: a scenario edited since (alpha,
         # abort_stale, ...) would be ignored without a word.
         had = {k: getattr(self.buffer, k) for k in wanted}
@@ -493,6 +506,8 @@ class Controller:
             raise
         else:
             self._failures_in_a_row = 0
+            if self.transcripts is not None:
+                self.transcripts.finished(sample)
             if self._pacer is not None:
                 self._pacer.on_finished(domain.name, self.clock() - t_start)
             for sibling in self.buffer.complete(tid, sample):
@@ -606,6 +621,8 @@ class Controller:
         )
         self._align_s = 0.0
         self._last_step_end = t_end
+        if self.transcripts is not None:
+            self.transcripts.step(self._step, batch)  # decoded and written on its own thread
         return metrics
 
     async def _train(self, batch: list[Sample], version: int) -> tuple[TrainResult, float]:

@@ -2,24 +2,30 @@
 
 ::
 
+    import asyncio
     import rollart
 
     async def main() -> None:
-        cluster = rollart.Cluster.from_scenario("scenarios/quickstart.toml", backends=backends)
+        # Starts the scenario's services on this machine; writes runs/demo (metrics,
+        # TensorBoard, transcripts, checkpoints); every process stops when the block ends.
+        async with rollart.open_cluster("scenarios/quickstart.toml",
+                                        run_dir="runs/demo") as cluster:
 
-        @cluster.reward("length_penalty")              # domains with reward_url = "local"
-        def length_penalty(prompt, response, reference, metadata):
-            return -len(response) / 1000
+            @cluster.reward("length_penalty")          # domains with reward_url = "local"
+            def length_penalty(prompt, response, reference, metadata):
+                return -len(response) / 1000
 
-        cluster.set_affinity("arith", "game")          # move a domain to another pool
-        async with cluster:                            # starts the controller
+            cluster.set_affinity("arith", "game")      # move a domain to another pool
             async for step in cluster.train(steps=20):
                 print(step.step, step.metrics.reward_mean_by_domain)
+
+    asyncio.run(main())
 
 Register local rewards and envs before the cluster starts (``async with`` or the first
 ``train``): the controller checks at start that every domain's reward and env exist.
 ``rollart.open_cluster(scenario)`` builds the backends from a scenario by starting its services
-on this machine.
+on this machine; ``Cluster.from_scenario(scenario, backends=...)`` takes backends built
+otherwise (``rollart.sim`` builds simulated ones).
 
 ``backends`` holds the clients the cluster drives (inference workers per pool, env hosts, the
 reward service, the trainer, the tokenizer): the real clients of running services (the launcher
@@ -29,12 +35,13 @@ owner closes them after the cluster exits.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from rollart.config import Scenario, load_scenario, validate_scenario
+from rollart.controller.buffer import SampleBuffer
 from rollart.controller.controller import Controller
 from rollart.controller.loophealth import LoopLagMonitor
 from rollart.controller.metrics import StepMetrics
@@ -48,6 +55,7 @@ from rollart.controller.ports import (
 from rollart.controller.proxy import LLMProxy
 from rollart.controller.sample import Sample
 from rollart.controller.services import EnvRouter, LocalEnvBackend, RewardFn, RewardRouter
+from rollart.controller.transcripts import TranscriptRecorder
 from rollart.transport.errors import ConfigError
 
 
@@ -77,14 +85,23 @@ class TrainStep:
     samples: list[Sample]
 
 
+#: ``await hook(cluster, step)`` after each training step (:meth:`Cluster.add_step_hook`)
+StepHook = Callable[["Cluster", TrainStep], Awaitable[None]]
+
+
 class Cluster:
     """A scenario bound to its backends; use ``async with``. See the module docstring."""
 
     def __init__(self, scenario: Scenario, backends: Backends,
-                 resume: dict[str, Any] | None = None) -> None:
+                 resume: dict[str, Any] | None = None, *,
+                 buffer_class: type[SampleBuffer] = SampleBuffer,
+                 transcripts: TranscriptRecorder | None = None) -> None:
         self.scenario = validate_scenario(scenario)
         self.backends = backends
         self._resume = resume
+        self.buffer_class = buffer_class
+        self.transcripts = transcripts
+        self._step_hooks: list[StepHook] = []
         missing = {p.name for p in scenario.pools} - set(backends.pools)
         if missing:
             raise ConfigError(f"backends: no workers for pools {sorted(missing)}")
@@ -95,13 +112,23 @@ class Cluster:
 
     @classmethod
     def from_scenario(cls, scenario: str | Path | Scenario, *, backends: Backends,
-                      resume: dict[str, Any] | None = None) -> Cluster:
+                      resume: dict[str, Any] | None = None,
+                      buffer_class: type[SampleBuffer] = SampleBuffer,
+                      transcripts: TranscriptRecorder | None = None) -> Cluster:
         """A cluster for a scenario file path or a ``Scenario``; ``resume``: a
-        :meth:`snapshot` of an earlier run (the trainer restored to its version).
+        :meth:`snapshot` of an earlier run (the trainer restored to its version);
+        ``buffer_class``: a ``SampleBuffer`` subclass with your own admission or batch
+        assembly (see ``Controller``); ``transcripts``: a ``TranscriptRecorder``.
         Raises ConfigError."""
         if not isinstance(scenario, Scenario):
             scenario = load_scenario(scenario)
-        return cls(scenario, backends, resume)
+        return cls(scenario, backends, resume, buffer_class=buffer_class,
+                   transcripts=transcripts)
+
+    def add_step_hook(self, hook: StepHook) -> None:
+        """Await ``hook(cluster, train_step)`` after every training step, before the step is
+        yielded (``open_cluster`` writes the run folder with one)."""
+        self._step_hooks.append(hook)
 
     def snapshot(self) -> dict[str, Any]:
         """JSON-able controller state between steps, for :meth:`from_scenario` ``resume``."""
@@ -152,6 +179,12 @@ class Cluster:
         if self.controller is not None:
             return
         b, sc = self.backends, self.scenario
+        if not b.env_hosts:
+            missing = sorted({d.env for d in sc.domains} - set(self._local_envs))
+            if missing:
+                raise ConfigError(f"no env host, and envs {missing} are not registered "
+                                  f"in-process (register_env); registered: "
+                                  f"{sorted(self._local_envs)}")
         hardware = {p.name: p.hardware for p in sc.pools}
         proxy = LLMProxy(
             {name: (hardware.get(name, "?"), workers) for name, workers in b.pools.items()},
@@ -168,6 +201,8 @@ class Cluster:
             clock=b.clock,
             resume=self._resume,
             loop_lag=b.loop_lag,
+            transcripts=self.transcripts,
+            buffer_class=self.buffer_class,
         )
         await self.controller.start()
 
@@ -192,4 +227,7 @@ class Cluster:
         assert self.controller is not None
         for _ in range(self.scenario.run.steps if steps is None else steps):
             metrics = await self.controller.step()
-            yield TrainStep(metrics.step, metrics, self.controller.last_batch)
+            out = TrainStep(metrics.step, metrics, self.controller.last_batch)
+            for hook in self._step_hooks:
+                await hook(self, out)
+            yield out

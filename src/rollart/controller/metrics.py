@@ -38,6 +38,9 @@ class StepMetrics(msgspec.Struct, kw_only=True):
       ``sum(wasted) + trained + in flight at the end == sum(buffer_generated_tokens)``);
       ``trained_tokens``: generated tokens of the batch; ``in_flight_tokens``: generated tokens of
       running or held trajectories at the end of the step.
+    - ``flat_groups_by_domain``: per task domain, the batch's groups whose rewards are all equal
+      (zero GRPO advantage: they give the policy no gradient), out of
+      ``groups_by_domain``; a domain whose groups are all flat cannot learn.
     - ``by_domain``: per task domain, this step's ``DomainStepMetrics`` (started vs trained,
       finished vs trained lengths and turns, waste by reason): the selection bias.
     - ``response_len_kept_mean``: mean generated tokens of the batch's samples;
@@ -81,6 +84,8 @@ class StepMetrics(msgspec.Struct, kw_only=True):
     trained_tokens: int = 0
     in_flight_tokens: int = 0
     by_domain: dict[str, DomainStepMetrics] = {}
+    groups_by_domain: dict[str, int] = {}
+    flat_groups_by_domain: dict[str, int] = {}
 
 
 #: One domain's counters over one step: the change of the buffer's cumulative ``DomainCounts``
@@ -135,8 +140,15 @@ def step_metrics(
     start: a sample restored from a checkpoint started in an earlier process, and the span would
     otherwise include the downtime)."""
     by_domain: dict[str, list[float]] = {}
+    groups: dict[str, tuple[str, set[float]]] = {}
     for s in batch:
         by_domain.setdefault(s.domain, []).append(s.reward)
+        groups.setdefault(s.group_key, (s.domain, set()))[1].add(s.reward)
+    n_groups: dict[str, int] = {}
+    flat: dict[str, int] = {}
+    for domain, rewards in groups.values():
+        n_groups[domain] = n_groups.get(domain, 0) + 1
+        flat[domain] = flat.get(domain, 0) + (len(rewards) == 1)
     starts = [s.metadata["t_start"] for s in batch if "t_start" in s.metadata]
     if starts and rollout_not_before is not None:
         starts = [max(t, rollout_not_before) for t in starts]
@@ -178,4 +190,6 @@ def step_metrics(
         trained_tokens=after.trained_tokens - before.trained_tokens,
         in_flight_tokens=after.in_flight_tokens,
         by_domain=domain_deltas(after, before),
+        groups_by_domain=dict(sorted(n_groups.items())),
+        flat_groups_by_domain=dict(sorted(flat.items())),
     )

@@ -3,9 +3,15 @@ back a ``rollart.Cluster`` (the driver API) that is closed, with every process, 
 
 ::
 
-    async with rollart.open_cluster("scenarios/quickstart.toml") as cluster:
+    async with rollart.open_cluster("scenarios/quickstart.toml", run_dir="runs/demo",
+                                    rewards={"my_reward": my_reward}) as cluster:
         async for step in cluster.train(steps=2):
             print(step.metrics.reward_mean_by_domain)
+
+The run folder is written as ``rollart run`` writes it (``rollart.launcher.rundir``: metrics,
+TensorBoard, transcripts, checkpoints, summary); ``resume=True`` continues it from its newest
+checkpoint. Local rewards and envs come as ``rewards=`` / ``envs=`` or are registered on the
+yielded cluster before its first step (``register_reward`` / ``register_env``).
 
 If a service process dies while the block runs, the block is cancelled and
 ``ProcessFailedError`` (naming the process and showing its log tail) is raised from it.
@@ -15,8 +21,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import logging
+import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -24,23 +33,41 @@ from rollart.config import Scenario, load_scenario, scenario_to_json
 from rollart.launcher.procs import ProcessFailedError, Supervisor
 from rollart.transport.errors import ConfigError, RollartError
 
+log = logging.getLogger("rollart.launcher")
 
-def preflight(scenario: Scenario, source: str = "<scenario>") -> None:
+
+def preflight(scenario: Scenario, source: str = "<scenario>", *,
+              local_rewards: Collection[str] | None = None,
+              local_envs: Collection[str] = ()) -> None:
     """Checks that only matter when rollart starts the services itself (before anything starts).
 
+    Args:
+        local_rewards: names of the local reward functions the caller registers (``None``:
+            unknown yet, a driver script may still register them: not checked here, the
+            controller checks them when the cluster starts).
+        local_envs: env names the caller serves in-process.
+
     Raises:
-        ConfigError: no env host to open sessions on, or a domain scored by a local reward
-            function that nothing can register (only the driver API registers them).
+        ConfigError: no env host to open a domain's sessions on, or (``local_rewards`` given)
+            a domain scored by a local reward function nobody registers.
     """
     if not scenario.env_hosts:
-        raise ConfigError(f"{source}: env_hosts: at least one [[env_hosts]] is needed to run "
-                          "the domains' environments")
+        remote = sorted({d.env for d in scenario.domains} - set(local_envs))
+        if remote:
+            raise ConfigError(f"{source}: env_hosts: at least one [[env_hosts]] is needed to "
+                              f"run the envs {remote} (or register them in-process with the "
+                              "driver API: open_cluster(envs=...))")
+    if local_rewards is None:
+        return
+    known = {"env_return", *local_rewards}
     for i, dom in enumerate(scenario.domains):
-        if dom.reward_url == "local" and dom.reward != "env_return":
+        if dom.reward_url == "local" and dom.reward not in known:
             raise ConfigError(
                 f"{source}: domains[{i}].reward: local reward {dom.reward!r} is not built in "
-                "(only 'env_return' is); serve it from the reward service (reward_url = "
-                "\"service\", loaded with reward.modules) or register it with the driver API")
+                "(only 'env_return' is) and `rollart run` cannot register one; serve it from "
+                "the reward service (reward_url = \"service\", loaded with reward.modules) or "
+                "run the scenario from a script: rollart.open_cluster(scenario, "
+                f"rewards={{{dom.reward!r}: fn}})")
 
 
 def resolve_model(scenario: Scenario, cache_dir: Path) -> Path:
@@ -57,28 +84,76 @@ def resolve_model(scenario: Scenario, cache_dir: Path) -> Path:
         return path
     from rollart.models.warmup import ensure_quickstart_model
 
+    changed = warmup_set_change(cache_dir, scenario)
+    if changed:
+        log.warning("%s", changed)
     try:
         return ensure_quickstart_model(cache_dir, scenario)
     except ValueError as exc:  # e.g. warm-up requested but no domain has a solver
         raise ConfigError(f"model.tiny_warmup: {exc}") from None
 
 
+def default_cache_dir() -> Path:
+    """Per-user cache of built models: ``$ROLLART_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/rollart``, else ``~/.cache/rollart`` (never relative to the working
+    directory, so every script and run of a user shares one)."""
+    if os.environ.get("ROLLART_CACHE_DIR"):
+        return Path(os.environ["ROLLART_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "rollart"
+
+
+def warmup_set_change(cache_dir: Path, scenario: Scenario) -> str | None:
+    """Remember which envs the tiny model (``model.tiny_seed``) was last warmed up on, under
+    ``cache_dir``; return a warning when this scenario's set differs (a different warm-up:
+    another checkpoint is built, and the RL starting point is not the earlier runs'), else
+    ``None``."""
+    model = scenario.model
+    if model.path != "tiny" or not model.tiny_warmup:
+        return None
+    now = sorted({f"{d.env} {json.dumps(d.env_options, sort_keys=True)}"
+                  for d in scenario.domains})
+    marker = Path(cache_dir) / f"warmup-set-seed{model.tiny_seed}.json"
+    before = json.loads(marker.read_text()) if marker.exists() else None
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_text(json.dumps(now))
+    if before is None or before == now:
+        return None
+    return (f"the tiny model's warm-up set changed: it was warmed up on {before}, this "
+            f"scenario's domains give {now}; another warmed-up model is used (built now if "
+            "missing), so the RL starting point differs from earlier runs'")
+
+
 @contextlib.asynccontextmanager
 async def open_cluster(scenario: str | Path | Scenario, *, run_dir: str | Path | None = None,
-                       cache_dir: str | Path = ".cache/rollart",
-                       trainer_resume: Path | None = None, trainer_version: int = 0,
-                       controller_resume: dict[str, Any] | None = None,
-                       on_note: Any = None, insecure: bool = False,
+                       cache_dir: str | Path | None = None, resume: bool = False,
+                       steps: int | None = None,
+                       rewards: Mapping[str, Any] | None = None,
+                       envs: Mapping[str, Callable[[], Any]] | None = None,
+                       buffer_class: Any = None,
+                       on_note: Any = None, started: float | None = None,
+                       insecure: bool = False,
                        key_file: str | Path | None = None) -> AsyncIterator[Any]:
-    """Start ``scenario``'s local services and yield a (not yet started) ``Cluster``.
+    """Start ``scenario``'s local services and yield a (not yet started) ``Cluster`` whose
+    steps are written to ``run_dir`` (``rollart.launcher.rundir``).
 
     Args:
         scenario: a scenario file or a validated ``Scenario``.
-        run_dir: where logs (``run_dir/logs``) and ``config.json`` go (default: a new
-            ``runs/driver-<time>``).
-        cache_dir: where the embedded tiny model is built and cached.
-        trainer_resume / trainer_version / controller_resume: continue from a checkpoint.
-        on_note: optional ``callable(str)`` told about progress (services starting / ready).
+        run_dir: the run folder (default: a new ``runs/driver-<time>``). A fresh run moves an
+            earlier run's files found there to ``run_dir/previous-<time>/``.
+        cache_dir: where the embedded tiny model is built and cached (default
+            :func:`default_cache_dir`).
+        resume: continue ``run_dir`` from its newest complete checkpoint (trainer weights and
+            optimiser, controller state, step count; later steps' records are forgotten).
+        steps: the planned last step (checkpointed whatever ``checkpoint_every``; default
+            ``run.steps``).
+        rewards: local reward functions by name (as ``Cluster.register_reward``).
+        envs: in-process env factories by env name (as ``Cluster.register_env``).
+        buffer_class: a ``SampleBuffer`` subclass with your own admission / batch assembly
+            (``rollart.controller.controller.Controller``); default ``SampleBuffer``.
+        on_note: optional ``callable(str)`` told about progress (services starting / ready,
+            checkpoints).
+        started: wall-clock start of the run (``time.time()``) for ``summary.json``.
         insecure: run the ZeroMQ services without authentication (``rollart run --insecure``;
             see ``rollart.launcher.runkeys``). By default every service gets the run's CURVE
             key, kept at ``run_dir/keys/run.key_secret`` (``rollart.run_credentials(run_dir)``
@@ -86,17 +161,20 @@ async def open_cluster(scenario: str | Path | Scenario, *, run_dir: str | Path |
         key_file: the run's key when the scenario names services started by hand (overrides
             ``run.key_file``).
     Raises:
-        ConfigError: bad scenario (before any process starts).
+        ConfigError: bad scenario, or ``resume`` without a checkpoint (before any process
+            starts).
         ProcessFailedError: a service failed to start or died during the block.
     """
     from transformers import AutoTokenizer
 
+    from rollart.controller.buffer import SampleBuffer
     from rollart.controller.driver import Backends, Cluster
     from rollart.controller.loophealth import LoopLagMonitor
     from rollart.controller.training import RemoteTrainer
     from rollart.envhost.client import EnvClient
     from rollart.inference.client import InferenceClient
     from rollart.launcher.runkeys import run_auth
+    from rollart.launcher import rundir
     from rollart.launcher.services import start_services
     from rollart.reward.client import RewardClient
     from rollart.trainer.client import TrainerClient
@@ -105,12 +183,17 @@ async def open_cluster(scenario: str | Path | Scenario, *, run_dir: str | Path |
     if not isinstance(scenario, Scenario):
         source = str(scenario)
         scenario = load_scenario(scenario)
-    preflight(scenario, source)
-    model_dir = resolve_model(scenario, Path(cache_dir))
+    preflight(scenario, source, local_envs=set(envs or ()))
+    started = time.time() if started is None else started
     run_dir = Path(run_dir) if run_dir else Path("runs") / f"driver-{time.strftime('%Y%m%d-%H%M%S')}"
-    run_dir.mkdir(parents=True, exist_ok=True)
+    point = rundir.resume_point(run_dir) if resume else None
+    model_dir = resolve_model(scenario, Path(cache_dir) if cache_dir else default_cache_dir())
+    rundir.prepare(run_dir, point[1].step if point else None)
     (run_dir / "config.json").write_bytes(scenario_to_json(scenario))
     note = on_note or (lambda _text: None)
+    folder = rundir.RunFolder(run_dir, scenario, final_step=steps or scenario.run.steps,
+                              started=started)
+    folder.on_note = note
     keyed = run_auth(scenario, run_dir, insecure=insecure, key_file=key_file)
     auth = keyed.auth
 
@@ -124,7 +207,8 @@ async def open_cluster(scenario: str | Path | Scenario, *, run_dir: str | Path |
     try:
         t0 = time.perf_counter()
         note(f"starting services (logs: {run_dir / 'logs'})")
-        addrs = await start_services(sup, scenario, model_dir, trainer_resume=trainer_resume,
+        addrs = await start_services(sup, scenario, model_dir,
+                                     trainer_resume=point[0] if point else None,
                                      auth_argv=keyed.argv)
         note(f"services ready in {time.perf_counter() - t0:.1f} s")
         rc = scenario.reward
@@ -146,23 +230,32 @@ async def open_cluster(scenario: str | Path | Scenario, *, run_dir: str | Path |
         workers = [w for ws in pools.values() for w in ws]
         clients += workers
         await _check_weight_transfer(scenario, workers)
-        envs = [EnvClient(a, auth=auth, name=h.name)
+        env_clients = [EnvClient(a, auth=auth, name=h.name)
                 for a, h in zip(addrs.env_hosts, scenario.env_hosts, strict=True)]
         # A collective broadcast is a rendezvous plus start / update / finish on every worker,
         # each bounded by weight_transfer_timeout_s on the trainer: never give up before it.
         trainer_client = TrainerClient(addrs.trainer, auth=auth, publish_timeout_s=max(
             600.0, 4 * scenario.trainer.weight_transfer_timeout_s + 60.0))
-        clients += envs + [trainer_client]
+        clients += env_clients + [trainer_client]
         backends = Backends(
-            pools=pools, env_hosts=envs, reward_service=reward, reward_endpoints=endpoints,
+            pools=pools, env_hosts=env_clients, reward_service=reward, reward_endpoints=endpoints,
             trainer=RemoteTrainer(
-                trainer_client, version=trainer_version,
+                trainer_client, version=point[1].version if point else 0,
                 push_needs_pause=scenario.trainer.weight_transfer != "zmq"),
             tokenizer=AutoTokenizer.from_pretrained(model_dir), loop_lag=LoopLagMonitor())
-        cluster = Cluster.from_scenario(scenario, backends=backends, resume=controller_resume)
+        cluster = Cluster.from_scenario(
+            scenario, backends=backends, resume=point[1].controller if point else None,
+            buffer_class=buffer_class or SampleBuffer,
+            transcripts=folder.transcript_recorder(backends.tokenizer))
         cluster.run_dir = run_dir  # type: ignore[attr-defined]
         cluster.trainer_client = trainer_client  # type: ignore[attr-defined]
         cluster.run_key = auth  # type: ignore[attr-defined]
+        cluster.run_folder = folder  # type: ignore[attr-defined]
+        cluster.add_step_hook(folder.on_step)
+        for name, fn in (rewards or {}).items():
+            cluster.register_reward(name, fn)
+        for name, factory in (envs or {}).items():
+            cluster.register_env(name, factory)
 
         body = asyncio.current_task()
 
@@ -185,6 +278,8 @@ async def open_cluster(scenario: str | Path | Scenario, *, run_dir: str | Path |
         if cluster is not None:
             with contextlib.suppress(Exception):
                 await cluster.close()
+        # Blocking, but only joins the transcript thread and flushes files.
+        folder.close()
         for c in reversed(clients):
             with contextlib.suppress(Exception):
                 await c.close()

