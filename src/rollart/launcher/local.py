@@ -173,8 +173,8 @@ async def open_cluster(scenario: str | Path | Scenario, *, run_dir: str | Path |
     from rollart.controller.training import RemoteTrainer
     from rollart.envhost.client import EnvClient
     from rollart.inference.client import InferenceClient
-    from rollart.launcher.runkeys import run_auth
     from rollart.launcher import rundir
+    from rollart.launcher.runkeys import run_auth
     from rollart.launcher.services import start_services
     from rollart.reward.client import RewardClient
     from rollart.trainer.client import TrainerClient
