@@ -102,10 +102,13 @@ class RewardBackend(Protocol):
 
 class TrainResult(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Outcome of one training step: the trainer's new ``version`` (previous + 1) and scalar
-    ``metrics`` (loss, grad norm, clip fraction, ... as the trainer names them)."""
+    ``metrics`` (loss, grad norm, clip fraction, ... as the trainer names them); ``agreement``:
+    per sample of the batch, in order, the engine/trainer agreement (``m.SampleAgreement``;
+    empty when the trainer does not report it)."""
 
     version: int
     metrics: dict[str, float] = msgspec.field(default_factory=dict)
+    agreement: list[m.SampleAgreement] = msgspec.field(default_factory=list)
 
 
 @runtime_checkable

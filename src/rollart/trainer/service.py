@@ -141,13 +141,14 @@ class TrainerService:
         async with self._lock:
             start = time.perf_counter()
             metrics = await asyncio.to_thread(self.runner.train, msg.samples)
+            agreement = [m.SampleAgreement(*row) for row in self.runner.last_agreement]
             self.version += 1
             self.step = msg.step + 1
             if self.collective is None:
                 snapshot = await asyncio.to_thread(self.runner.snapshot)
                 self.publisher.publish(self.version, snapshot)
             return m.TrainResult(step=msg.step, version=self.version, metrics=metrics,
-                                 train_time_s=time.perf_counter() - start)
+                                 train_time_s=time.perf_counter() - start, agreement=agreement)
 
     async def set_workers(self, msg: m.SetWorkers, _frames: object) -> m.Ack:
         if self.collective is not None:
