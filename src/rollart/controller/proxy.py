@@ -330,10 +330,11 @@ class LLMProxy:
 
     async def _on_all(self, what: str, call, only: set[str] | None = None) -> list:
         """Run ``call(worker)`` on every live worker (of the names in ``only``, if given) at
-        once; dead ones are removed.
+        once; dead ones are removed, and so are (quarantined) ones whose call failed with a
+        ``RemoteError`` (e.g. a failed weight apply or prefix-cache reset): a worker that
+        cannot pause or apply weights must not serve on with other weights than its pool's.
 
-        Raises PoolExhaustedError if that empties a pool; other errors propagate (fatal: a
-        worker that cannot pause or apply weights leaves the run inconsistent).
+        Raises PoolExhaustedError if that empties a pool; other errors propagate.
         """
         pairs = [(pool, w) for pool in self._pools.values() for w in pool.workers
                  if only is None or w.name in only]
@@ -342,13 +343,17 @@ class LLMProxy:
         for (pool, w), res in zip(pairs, results, strict=True):
             if isinstance(res, PeerDeadError):
                 self._remove(pool, w, f"{what}: {res}")
+            elif isinstance(res, RemoteError):
+                self._remove(pool, w, f"quarantined: {what} failed: {res}")
+                self.quarantined.append(w.name)
             elif isinstance(res, BaseException):
                 raise res
             else:
                 out.append(res)
         for pool in self._pools.values():
             if not pool.workers:
-                raise PoolExhaustedError(f"pool {pool.name!r}: every worker died during {what}")
+                raise PoolExhaustedError(f"pool {pool.name!r}: no worker left after {what} "
+                                         f"(removed: {pool.removed})")
         return out
 
     async def pause(self, mode: Literal["keep", "abort"] = "keep") -> None:
