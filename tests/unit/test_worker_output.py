@@ -297,3 +297,15 @@ def test_sample_agreement_field_round_trips_on_the_wire() -> None:
     back = msgspec.msgpack.decode(msgspec.msgpack.encode(r), type=m.TrainResult)
     assert back.agreement == [m.SampleAgreement(logprob_mismatch=0.5, iw_max=3.0,
                                                 iw_capped_fraction=0.25)]
+
+
+def test_summary_totals_failures_by_reason_and_quarantines() -> None:
+    from rollart.launcher.progress import failure_summary
+
+    rows = [{"num_failed_by_reason": {"invalid_worker_output": 2}, "num_invalid_replies": 2,
+             "quarantined_workers": []},
+            {"num_failed_by_reason": {"invalid_worker_output": 1, "env_error": 1},
+             "num_invalid_replies": 1, "quarantined_workers": ["w1"]}]
+    assert failure_summary(rows) == {
+        "failed_by_reason": {"env_error": 1, "invalid_worker_output": 3},
+        "num_invalid_replies": 3, "quarantined_workers": ["w1"]}

@@ -29,7 +29,7 @@ import msgspec
 from rollart.config import Scenario, load_scenario
 from rollart.controller.loophealth import freeze_startup_objects, tune_gc
 from rollart.launcher.procs import ProcessFailedError
-from rollart.launcher.progress import Progress, waste_summary
+from rollart.launcher.progress import Progress, failure_summary, waste_summary
 from rollart.trainer.checkpoint import latest_checkpoint, mark_complete, read_json, step_dir
 from rollart.transport.errors import ConfigError, RollartError
 
@@ -222,5 +222,7 @@ def _write_summary(run_dir: Path, scenario: Scenario, started: float) -> None:
         "wall_time_s": time.time() - started,
         # waste by reason and per-domain selection bias, totals over the steps
         **waste_summary(rows, {d.name: d.weight for d in scenario.domains}),
+        # failed trajectories by reason, bad worker replies, quarantined workers (issue 13)
+        **failure_summary(rows),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
