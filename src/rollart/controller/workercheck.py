@@ -87,8 +87,8 @@ def check_generate_result(
         bad_v = vlo if vlo < min_version else vhi
         return (f"request {rid!r}: token version {bad_v} outside [{min_version}, "
                 f"{max_version}] (served when sent .. newest applied)")
-    if n > 1 and bool((np.diff(vs) < 0).any()):
-        k = int(np.argmax(np.diff(vs) < 0))
+    if vlo != vhi and bool((down := np.diff(vs) < 0).any()):  # one version: nothing to see
+        k = int(np.argmax(down))
         return (f"request {rid!r}: versions go backwards within the turn ({int(vs[k])} then "
                 f"{int(vs[k + 1])} at token {k + 1})")
     return None
