@@ -309,3 +309,43 @@ def test_summary_totals_failures_by_reason_and_quarantines() -> None:
     assert failure_summary(rows) == {
         "failed_by_reason": {"env_error": 1, "invalid_worker_output": 3},
         "num_invalid_replies": 3, "quarantined_workers": ["w1"]}
+
+
+class FakeDroppingTrainer(FakeTrainer):
+    """Refuses (drops) the second sample of its first batch, as the trainer's own last check
+    does (``TrainResult.dropped``), and trains on the rest."""
+
+    async def train(self, samples):
+        drop = samples[1].sample_id if not self.batches else None
+        base = await super().train([s for s in samples if s.sample_id != drop])
+        base.dropped = {drop: "12 tokens > max_tokens_per_microbatch 8"} if drop else {}
+        return base
+
+
+async def test_a_sample_the_trainer_drops_is_counted_and_the_batch_trains() -> None:
+    trainer = FakeDroppingTrainer()
+    ctl, _, _ = make_controller([FakeWorker("m0")], trainer=trainer, batch_size=4, group_size=2)
+    try:
+        first = await ctl.step()
+        second = await ctl.step()
+    finally:
+        await ctl.close()
+    assert first.num_samples == 3 == len(trainer.batches[0]) and len(ctl.last_batch) == 4
+    assert first.wasted_tokens_by_reason.get("invalid_sample", 0) > 0
+    assert ctl.buffer.stats().dropped == {"invalid_sample": 1}
+    assert second.num_samples == 4 and second.policy_version == 2
+    assert_accounting(ctl.buffer, trainer)
+
+
+def test_split_batch_drops_only_the_sample_over_the_budget() -> None:
+    from rollart.trainer.step import TrainStepConfig, split_batch
+
+    def ts(sid: str, n: int) -> m.TrainSample:
+        return m.TrainSample.from_lists(token_ids=[5] * n, loss_mask=[0] + [1] * (n - 1),
+                                        behaviour_logprobs=[0.0] + [-1.0] * (n - 1),
+                                        advantage=1.0, sample_id=sid)
+
+    usable, dropped = split_batch([ts("a", 4), ts("b", 12), ts("c", 8)],
+                                  TrainStepConfig(max_tokens_per_microbatch=8))
+    assert [s.sample_id for s in usable] == ["a", "c"]
+    assert dropped == {"b": "12 tokens > max_tokens_per_microbatch 8"}

@@ -598,6 +598,8 @@ class Controller:
         finally:
             self._admission_open = True
             self._notify()
+        if result.dropped:
+            batch = self.last_batch = [s for s in batch if s.sample_id not in result.dropped]
         t_end = self.clock()
         self._step += 1
         lag = self._loop_lag.take() if self._loop_lag is not None else None
@@ -685,6 +687,10 @@ class Controller:
             raise RollartError(
                 f"trainer returned version {result.version} after training at {version}"
             )
+        for sid, why in result.dropped.items():  # the trainer's own last check
+            log.warning("batch at version %d: the trainer dropped sample %s (%s)", version,
+                        sid, why)
+            self.buffer.drop_consumed(sid, INVALID_SAMPLE_REASON)
         self.buffer.advance_version()
         self._launch_restarts()
         return result, self.clock() - t0

@@ -134,7 +134,7 @@ class RemoteTrainer:
         self._version = reply.version
         return TrainResult(version=reply.version,
                            metrics={**reply.metrics, "trainer_step_s": reply.train_time_s},
-                           agreement=reply.agreement)
+                           agreement=reply.agreement, dropped=reply.dropped)
 
     async def push_weights(self, version: int, workers: Sequence[GenerationBackend]) -> None:
         await self.set_workers(workers)

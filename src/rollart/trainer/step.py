@@ -384,6 +384,22 @@ def sample_agreement(
     return list(zip(mismatch, iw_max, capped, strict=True))
 
 
+def split_batch(
+    batch: Sequence[TrainSample], cfg: TrainStepConfig
+) -> tuple[list[TrainSample], dict[str, str]]:
+    """The samples `train_step` can take, and the others (sample_id -> why: over the
+    micro-batch budget): the trainer drops such a sample, never the whole batch, and reports
+    it (``TrainResult.dropped``) so the controller counts it."""
+    usable, dropped = [], {}
+    for s in batch:
+        if s.num_tokens > cfg.max_tokens_per_microbatch:
+            dropped[s.sample_id] = (f"{s.num_tokens} tokens > max_tokens_per_microbatch "
+                                    f"{cfg.max_tokens_per_microbatch}")
+        else:
+            usable.append(s)
+    return usable, dropped
+
+
 def check_batch(batch: Sequence[TrainSample], cfg: TrainStepConfig) -> None:
     """The input checks of `train_step`, without touching a model (a data-parallel leader runs
     them before it hands the batch to its ranks, so a bad batch never reaches a collective).

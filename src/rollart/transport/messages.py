@@ -494,14 +494,16 @@ class SampleAgreement(msgspec.Struct, forbid_unknown_fields=True, array_like=Tru
 class TrainResult(Msg):
     """The optimizer step is done; ``version`` (= updates applied) is being pushed to workers.
 
-    ``agreement``: one entry per sample of the batch, in batch order (empty from a trainer
-    that does not report it)."""
+    ``agreement``: one entry per sample trained on, in batch order (empty from a trainer that
+    does not report it). ``dropped``: sample_id -> why, samples of the batch the trainer could
+    not train on (the others were trained)."""
 
     step: NonNegInt
     version: NonNegInt
     metrics: dict[str, float]
     train_time_s: float
     agreement: list[SampleAgreement] = []
+    dropped: dict[str, str] = {}
 
 
 class SetWorkers(Msg):
