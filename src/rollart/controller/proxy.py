@@ -27,8 +27,10 @@ the ``GenerateResult`` contract (or did not decode: code ``bad_reply``) raises
 :class:`~rollart.controller.workercheck.InvalidWorkerOutput` for that turn only, and a worker
 that keeps doing it (``violations``) is quarantined: :meth:`quarantine` takes it out of its pool
 (one warning line naming it), exactly as :meth:`remove_worker` does for a dead one; a pool left
-without workers makes it raise ``PoolExhaustedError``. Cancelling the awaiting task cancels the worker call, which aborts the request
-on the worker (the client's contract).
+without workers makes it raise ``PoolExhaustedError``.
+
+Cancelling the awaiting task cancels the worker call, which aborts the request on the worker
+(the client's contract).
 """
 
 from __future__ import annotations
@@ -216,7 +218,9 @@ class LLMProxy:
     def _judge(self, worker: GenerationBackend, problem: str | None) -> None:
         """Count one reply of ``worker`` (``problem``: its violation, or ``None``); quarantine
         the worker at the threshold; raise ``InvalidWorkerOutput`` for a violation."""
-        if self.violations is not None and self.violations.record(worker.name, problem is None):
+        hit = self.violations is not None and self.violations.record(worker.name, problem is None)
+        if hit and problem is not None and worker.name not in self.quarantined:
+            assert self.violations is not None
             self.quarantine(
                 worker.name,
                 f"{self.violations.count(worker.name)} invalid replies among its last "
