@@ -372,11 +372,12 @@ def sample_agreement(
             count = mask.sum(dim=1).clamp(min=1)
             mean_abs = (log_w.abs().sum(dim=1) / count).tolist()
             frac = (((log_w > log_cap) & mask).sum(dim=1) / count).tolist()
+            # One device-to-host copy per field and micro-batch, not per sample.
             peak = torch.where(mask, log_w, torch.full_like(log_w, -math.inf)).amax(dim=1)
+            peak_w = peak.double().exp().tolist()
             for row, s in enumerate(mb):
                 i = index[s.sample_id]
-                mismatch[i], capped[i] = mean_abs[row], frac[row]
-                iw_max[i] = math.exp(float(peak[row]))
+                mismatch[i], capped[i], iw_max[i] = mean_abs[row], frac[row], peak_w[row]
     if dp is not None:
         summed = dp.all_reduce(mismatch + capped, "sum")
         mismatch, capped = summed[:n], summed[n:]
