@@ -194,6 +194,8 @@ async def test_a_failed_prefix_cache_reset_fails_the_apply(reset, in_flight, rep
     assert info.value.code == "engine_error"
     assert worker.fatal.is_set() and worker.version == 0  # it exits; never labels version 1
     assert "label 1" not in worker.engine.calls
+    assert worker.engine.calls.count(f"reset({reprefill})") == (1 if in_flight and not reprefill
+                                                                 else 2)
 
 
 async def test_a_reset_kept_by_in_flight_requests_in_keep_mode_is_fine() -> None:

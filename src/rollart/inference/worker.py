@@ -295,21 +295,23 @@ class InferenceWorker:
         vLLM answers False when blocks could not be freed. That is expected only while
         in-flight requests hold blocks in the keep-the-KV mode (``cache_salt`` then keeps new
         requests off them). Otherwise (``reprefill`` resets running requests too, or nothing
-        is in flight) False, like an exception, means the engine kept KV of older weights: the
-        update fails and the worker exits, as after a failed reload (issue 13), so it never
-        serves a prompt from a stale cache.
+        is in flight) False on a second try, like an exception, means the engine kept KV of
+        older weights: the update fails and the worker exits, as after a failed reload (issue
+        13), so it never serves a prompt from a stale cache.
 
         Raises:
             RemoteError: ``engine_error`` naming the version and cause (the worker then exits).
         """
-        try:
-            ok = await self.engine.reset_prefix_cache(reset_running_requests=reprefill)
-        except Exception as exc:
-            why = f"raised {exc!r}"
-        else:
+        why = ""
+        for _attempt in range(2):  # once more: an abort just before may still hold blocks
+            try:
+                ok = await self.engine.reset_prefix_cache(reset_running_requests=reprefill)
+            except Exception as exc:
+                why = f"raised {exc!r}"
+                break
             if ok or (not reprefill and self._active):
                 return
-            why = "returned False"
+            why = "returned False twice"
         reason = (f"resetting the prefix cache after loading weight version {version} {why} "
                   f"({len(self._active)} requests in flight, reprefill={reprefill})")
         log.error("%s: %s", self.name, reason)
