@@ -40,6 +40,7 @@ __all__ = [
     "SamplingConfig",
     "Scenario",
     "TrainerConfig",
+    "WorkerChecksConfig",
     "load_scenario",
     "parse_scenario",
     "scenario_to_json",
@@ -66,6 +67,35 @@ class RetryConfig(_Cfg):
     #: this many trajectory failures in a row, with no success in between, stop the run
     #: (fatal): a broken env or reward endpoint must not spin forever.
     max_failures_in_a_row: PosInt = 100
+
+
+class WorkerChecksConfig(_Cfg):
+    """What the controller does with inference workers whose output is wrong (issue 13).
+
+    Every ``GenerateResult`` is checked where it arrives (``rollart.controller.workercheck``);
+    a violation fails that trajectory (reason ``invalid_worker_output``, retried, never scored).
+    A worker with ``max_invalid_replies`` violations among its last ``invalid_window`` replies
+    is quarantined: taken out of its pool (its trajectories go to the pool's other workers; the
+    run stops when that would empty the pool).
+
+    Engine/trainer agreement, checked per batch from the trainer's recompute: for each serving
+    worker, the token-weighted mean ``|logp_trainer - logp_behaviour|`` of the batch samples it
+    served (nats per token) above ``max_logprob_mismatch``, or the fraction of their tokens whose
+    importance weight ``exp(logp_trainer - logp_behaviour)`` exceeds the trainer's ``iw_cap``
+    above ``max_iw_capped_fraction``, triggers ``agreement_policy``: ``off`` (not checked),
+    ``warn`` (a log line naming the worker), ``quarantine`` (that worker leaves its pool) or
+    ``stop`` (the run stops with an error naming it).
+    """
+
+    #: violations among a worker's last ``invalid_window`` replies that quarantine it.
+    max_invalid_replies: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 3
+    #: replies of one worker over which violations are counted.
+    invalid_window: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 100
+    agreement_policy: Literal["off", "warn", "quarantine", "stop"] = "warn"
+    #: nats per generated token (bf16 engines typically agree to ~0.01-0.05).
+    max_logprob_mismatch: Annotated[float, msgspec.Meta(gt=0, le=100)] = 0.5
+    #: fraction of a worker's tokens in the batch whose importance weight is over ``iw_cap``.
+    max_iw_capped_fraction: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.05
 
 
 #: ``RunConfig.apply_waves`` unless set (any other value needs ``weight_apply = "eager"``)
@@ -149,6 +179,8 @@ class RunConfig(_Cfg):
     #: the run's key file (``.key_secret``, mode 0600) when the scenario names services started
     #: by hand with ``--key-file``; ``None``: ``rollart run`` makes a new key per launch.
     key_file: str | None = None
+    #: checks of inference workers' output and of engine/trainer agreement.
+    worker_checks: WorkerChecksConfig = msgspec.field(default_factory=WorkerChecksConfig)
 
 
 class ModelConfig(_Cfg):
@@ -382,6 +414,11 @@ def validate_scenario(scenario: Scenario, source: str = "<scenario>") -> Scenari
             "run.batch_size",
             f"{run.batch_size} is not a multiple of run.group_size {run.group_size}",
         )
+    wc = run.worker_checks
+    if wc.invalid_window < wc.max_invalid_replies:
+        raise _fail(source, "run.worker_checks.invalid_window",
+                    f"{wc.invalid_window} < max_invalid_replies {wc.max_invalid_replies}: no "
+                    "worker could ever be quarantined")
     if run.mode in ("sync", "sync_plus") and run.alpha != 0:
         raise _fail(source, "run.alpha", f"mode {run.mode!r} is on-policy: alpha must be 0")
     if run.mode == "one_off" and run.alpha != 1:

@@ -64,11 +64,13 @@ def main(out_dir: Path) -> int:
         model = place_model(model, "cpu", ranks)
         opt = (torch.optim.SGD(model.parameters(), lr=0.1) if optimizer == "sgd"
                else torch.optim.AdamW(model.parameters(), lr=1e-3))
-        metrics = train_step(model, opt, samples, cfg, dp=ranks)
+        agreement: list = []
+        metrics = train_step(model, opt, samples, cfg, dp=ranks, agreement=agreement)
         params = gather_parameters(model, keep=rank == 0)
         if rank == 0:
             save_file({k: v.contiguous() for k, v in params}, str(out_dir / f"{name}.safetensors"))
-            (out_dir / f"{name}.json").write_text(json.dumps(metrics))
+            (out_dir / f"{name}.json").write_text(json.dumps({**metrics,
+                                                              "agreement": agreement}))
     if ranks is not None:
         ranks.close()
     return 0

@@ -67,6 +67,11 @@ def test_short_run_writes_metrics_and_stops_every_process(tmp_path, cache_dir):
         assert r["num_samples"] == 8
         assert set(r["reward_mean_by_domain"]) <= {"guess", "arith"}
         assert r["num_failed"] == 0, r.get("num_failed_by_reason")
+        # Real workers keep the reply contract and agree with the trainer (issue 13): the
+        # agreement is reported per serving worker, none over the thresholds.
+        assert r["num_invalid_replies"] == 0 and r["quarantined_workers"] == []
+        assert r["logprob_mismatch_by_worker"] and r["disagreeing_workers"] == []
+        assert max(r["logprob_mismatch_by_worker"].values()) < 1e-2, r
         # Waste by reason and per domain, adding up within the step.
         assert set(r["wasted_tokens_by_reason"]) <= WASTE_REASONS, r["wasted_tokens_by_reason"]
         assert r["wasted_tokens"] == sum(r["wasted_tokens_by_reason"].values())
@@ -77,6 +82,7 @@ def test_short_run_writes_metrics_and_stops_every_process(tmp_path, cache_dir):
     assert [r["policy_version"] for r in rows] == [1, 2]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 2 and summary["mode"] == "rollart" and summary["alpha"] == 1
+    assert summary["failed_by_reason"] == {} and summary["quarantined_workers"] == []
     # Every generated token is trained, wasted for one reason, or in flight at the end.
     assert summary["generated_tokens"] > 0
     assert summary["generated_tokens"] == summary["trained_tokens"] \

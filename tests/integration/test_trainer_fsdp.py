@@ -73,6 +73,10 @@ def test_two_ranks_train_step_equals_one_process(tmp_path):
                     "iw_max", "iw_min", "logprob_mismatch", "ratio_mean", "clip_fraction",
                     "num_skipped_steps"):
             assert m2[key] == pytest.approx(m1[key], rel=METRIC_REL, abs=1e-7), (case, key)
+        # Per-sample engine/trainer agreement: each rank has a share, all-reduced to the whole.
+        assert len(m2["agreement"]) == m1["num_samples"]
+        for row1, row2 in zip(m1["agreement"], m2["agreement"], strict=True):
+            assert row2 == pytest.approx(row1, rel=METRIC_REL, abs=1e-6), case
     clipped = json.loads((two / "clipped.json").read_text())
     assert clipped["grad_norm"] > 2.0  # clipping to 1.0 was active
     odd = json.loads((two / "odd.json").read_text())

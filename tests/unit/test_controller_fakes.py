@@ -314,6 +314,8 @@ def _toml(v: Any) -> str:
         return "true" if v else "false"
     if isinstance(v, str):
         return f'"{v}"'
+    if isinstance(v, dict):  # an inline table, e.g. worker_checks = {agreement_policy = "stop"}
+        return "{" + ", ".join(f"{k} = {_toml(x)}" for k, x in v.items()) + "}"
     return str(v)
 
 

@@ -1,7 +1,7 @@
 """A handler returning something that is not a wire message fails that call only, with an
 ``internal`` error instead of a silent timeout, and a reply whose token data are broken (ragged,
 NaN or positive logprobs, negative token ids, which the controller's detokenizer cannot take)
-fails that call only, with ``bad_request``; the server keeps serving."""
+fails that call only, with ``bad_reply``; the server keeps serving."""
 
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ async def test_a_generate_result_with_bad_token_data_fails_that_call_only(change
         with pytest.raises(RemoteError) as info:
             await client.call(m.Generate(request_id="bad", new_token_ids=tb.pack_i32([1]),
                                          sampling=params), timeout_s=60)
-        assert info.value.code == "bad_request" and message in info.value.message
+        assert info.value.code == "bad_reply" and message in info.value.message
         reply, _ = await client.call(m.Generate(request_id="ok", new_token_ids=tb.pack_i32([1]),
                                                 sampling=params), timeout_s=60)
         assert isinstance(reply, m.GenerateResult) and reply.num_tokens == 2

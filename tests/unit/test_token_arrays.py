@@ -365,7 +365,8 @@ async def test_a_reply_with_ragged_token_bytes_fails_the_trajectory_only() -> No
     (tid, *_) = buffer.try_start_group("g0")
     with pytest.raises(TrajectoryFailed) as info:
         await run_trajectory(ctx, tid, "g0", domains["math"], seed=1)
-    assert info.value.reason == "generation_error" and "8 of logprobs" in info.value.detail
+    # A contract violation the proxy catches (counted towards the worker's quarantine).
+    assert info.value.reason == "invalid_worker_output" and "8 of logprobs" in info.value.detail
 
 
 async def test_a_trajectory_with_no_generated_token_fails_instead_of_reaching_the_trainer() -> None:
@@ -378,7 +379,8 @@ async def test_a_trajectory_with_no_generated_token_fails_instead_of_reaching_th
     (tid, *_) = buffer.try_start_group("g0")
     with pytest.raises(TrajectoryFailed) as info:
         await run_trajectory(ctx, tid, "g0", domains["math"], seed=1)
-    assert info.value.reason == "generation_error" and "no token" in info.value.detail
+    assert info.value.reason == "invalid_worker_output"
+    assert "'stop' with no token" in info.value.detail
     with pytest.raises(ValueError, match="no generated token"):  # what the trainer would say
         to_train_samples([Sample(sample_id="s", group_key="g", token_ids=[1, 2], loss_mask=[0, 0],
                                  behaviour_logprobs=[0.0, 0.0], versions=[-1, -1], reward=1.0)])

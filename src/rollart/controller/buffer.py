@@ -295,6 +295,9 @@ class SampleBuffer:
         self._wasted: dict[str, int] = {}
         self._generated = 0
         self._trained_tokens = 0
+        #: members of the outstanding batch: tid -> (tokens counted as trained, generated
+        #: tokens, turns, domain), for ``drop_consumed``
+        self._batch_members: dict[str, tuple[int, int, int, str]] = {}
         self._domains: dict[str, DomainCounts] = {}
         self._last_staleness: list[int] = []
 
@@ -621,6 +624,7 @@ class SampleBuffer:
             raise SampleBufferError(
                 f"a batch for version {self._version} is outstanding; call advance_version()"
             )
+        self._batch_members.clear()
         self._sweep_stale()
         ready = [g for g in self._ready.values() if self._complete(g)]
         self._ready = {g.key: g for g in ready}
@@ -640,6 +644,8 @@ class SampleBuffer:
                 out.append(t.sample)
                 self._last_staleness.append(self._version - self._mv(t))
                 self._trained_tokens += t.num_tokens
+                self._batch_members[t.tid] = (t.num_tokens, t.sample.num_generated,
+                                              t.sample.num_turns, g.domain)
                 d.trained += 1
                 d.trained_tokens += t.sample.num_generated
                 d.trained_turns += t.sample.num_turns
@@ -658,6 +664,30 @@ class SampleBuffer:
         group (fewest samples go stale). Override it in a subclass to assemble batches
         otherwise; whatever it picks is still admissible (stale groups were swept before)."""
         return (min_version, seq)
+    def drop_consumed(self, sample_id: str, reason: str) -> None:
+        """A sample of the outstanding batch that cannot be trained on after all (the train
+        path's last check refused it): it counts as dropped and its tokens as wasted for
+        ``reason`` instead of consumed and trained (per domain too), so the token accounting
+        still adds up. Its slot is not refilled (its group was consumed).
+
+        Raises:
+            SampleBufferError: ``sample_id`` is not in the outstanding batch (or was dropped).
+        """
+        entry = self._batch_members.pop(sample_id, None) if self._outstanding else None
+        if entry is None:
+            raise SampleBufferError(f"drop_consumed: {sample_id!r} is not in the outstanding "
+                                    "batch")
+        num_tokens, num_generated, num_turns, domain = entry
+        d = self._dom(domain)
+        self._trained_tokens -= num_tokens
+        d.trained -= 1
+        d.trained_tokens -= num_generated
+        d.trained_turns -= num_turns
+        self._c["consumed"] -= 1
+        self._dropped[reason] = self._dropped.get(reason, 0) + 1
+        if num_tokens:
+            self._wasted[reason] = self._wasted.get(reason, 0) + num_tokens
+            d.wasted_tokens[reason] = d.wasted_tokens.get(reason, 0) + num_tokens
 
     def advance_version(self) -> None:
         """The trainer applied the update of the outstanding batch: ``version += 1``; held

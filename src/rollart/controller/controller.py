@@ -40,6 +40,13 @@ from collections.abc import Callable
 from typing import Any
 
 from rollart.config import DomainConfig, Scenario
+from rollart.controller.agreement import (
+    UNKNOWN_WORKER,
+    WorkerAgreement,
+    WorkerDisagreementError,
+    by_worker,
+    offenders,
+)
 from rollart.controller.buffer import SampleBuffer
 from rollart.controller.loophealth import LoopLagMonitor
 from rollart.controller.metrics import StepMetrics, step_metrics
@@ -50,6 +57,7 @@ from rollart.controller.proxy import LLMProxy
 from rollart.controller.sample import BufferStats, Sample
 from rollart.controller.services import EnvRouter, RewardRouter
 from rollart.controller.tokens import ChatTokens
+from rollart.controller.training import INVALID_SAMPLE_REASON, trainable_problem
 from rollart.controller.trajectory import (
     TrajectoryContext,
     TrajectoryFailed,
@@ -59,6 +67,7 @@ from rollart.controller.trajectory import (
 )
 from rollart.controller.transcripts import TranscriptRecorder
 from rollart.controller.weightsync import WeightSync
+from rollart.controller.workercheck import ViolationWindow
 from rollart.transport.errors import RollartError
 
 log = logging.getLogger(__name__)
@@ -90,7 +99,8 @@ class Controller:
 
     Args:
         scenario: a validated scenario (``run`` and ``domains`` are used here).
-        proxy: LLM proxy over the scenario's pools (its ``version`` = weights the workers serve).
+        proxy: LLM proxy over the scenario's pools (its ``version`` = weights the workers serve);
+            one without a ``violations`` window gets ``run.worker_checks``' rule.
         envs, rewards: env and reward routers.
         trainer: the trainer port; its ``version`` must equal the workers' at start.
         tokenizer: the policy's tokenizer (chat template, encode, decode).
@@ -129,6 +139,9 @@ class Controller:
         self.scenario, self.run = scenario, run
         self.spec = mode_spec(run.mode)
         self.proxy, self.envs, self.rewards, self.trainer = proxy, envs, rewards, trainer
+        if proxy.violations is None:  # the scenario's quarantine rule for bad worker output
+            wc = run.worker_checks
+            proxy.violations = ViolationWindow(wc.max_invalid_replies, wc.invalid_window)
         self._rng = random.Random(run.seed)
         self.transcripts = transcripts
         self._buffer_class = buffer_class
@@ -482,6 +495,9 @@ class Controller:
         t_start = self.clock()
         try:
             sample = await run_trajectory(self._ctx, tid, key, domain, seed)
+            problem = trainable_problem(sample)
+            if problem is not None:  # caught here, it costs a retry, not a training step
+                raise TrajectoryFailed(INVALID_SAMPLE_REASON, problem, sample.num_generated)
         except TrajectoryFailed as exc:
             log.info("trajectory %s failed: %s", tid, exc)
             self._failures_in_a_row += 1
@@ -569,8 +585,10 @@ class Controller:
         stats_before = self._stats_at_end or self.buffer.stats()
         tokens_before = self._ctx.generated_tokens if self._ctx else 0
         rerouted_before = self.proxy.num_rerouted
+        invalid_before = self.proxy.num_invalid_replies
+        quarantined_before = len(self.proxy.quarantined)
         t0 = self.clock()
-        batch = await self._get_batch()
+        batch = self._screen(await self._get_batch())
         self.last_batch = batch
         t_batch = self.clock()
         version = self.buffer.version
@@ -595,6 +613,8 @@ class Controller:
         finally:
             self._admission_open = True
             self._notify()
+        if result.dropped:
+            batch = self.last_batch = [s for s in batch if s.sample_id not in result.dropped]
         t_end = self.clock()
         self._step += 1
         lag = self._loop_lag.take() if self._loop_lag is not None else None
@@ -619,11 +639,63 @@ class Controller:
             loop_lag_p99_ms=lag.p99_ms if lag is not None else None,
             loop_lag_max_ms=lag.max_ms if lag is not None else None,
         )
+        metrics.num_invalid_replies = self.proxy.num_invalid_replies - invalid_before
+        agreement = by_worker(batch, result.agreement)
+        metrics.logprob_mismatch_by_worker = {
+            k: round(w.logprob_mismatch, 6) for k, w in agreement.items()}
+        metrics.iw_capped_fraction_by_worker = {
+            k: round(w.iw_capped_fraction, 6) for k, w in agreement.items()}
+        metrics.disagreeing_workers = sorted(self._act_on_disagreement(agreement))
+        metrics.quarantined_workers = self.proxy.quarantined[quarantined_before:]
         self._align_s = 0.0
         self._last_step_end = t_end
         if self.transcripts is not None:
             self.transcripts.step(self._step, batch)  # decoded and written on its own thread
         return metrics
+
+    def _act_on_disagreement(self, agreement: dict[str, WorkerAgreement]) -> dict[str, str]:
+        """Apply ``run.worker_checks.agreement_policy`` to the workers whose tokens disagree
+        with the trainer (see ``rollart.controller.agreement``); returns them -> why.
+
+        Raises:
+            WorkerDisagreementError: policy ``stop``.
+            PoolExhaustedError: policy ``quarantine`` emptied a pool.
+        """
+        cfg = self.run.worker_checks
+        bad = offenders(agreement, cfg)
+        for name, why in bad.items():
+            log.warning("step %d: worker %s disagrees with the trainer: %s (policy %s)",
+                        self._step, name, why, cfg.agreement_policy)
+        if bad and cfg.agreement_policy == "stop":
+            raise WorkerDisagreementError(
+                f"step {self._step}: engine/trainer disagreement on worker(s) "
+                f"{sorted(bad)}: {bad} (run.worker_checks.agreement_policy = 'stop')")
+        if cfg.agreement_policy == "quarantine":
+            for name in bad:
+                if name != UNKNOWN_WORKER:
+                    self.proxy.quarantine(name, f"disagrees with the trainer: {bad[name]}")
+        return bad
+
+    def _screen(self, batch: list[Sample]) -> list[Sample]:
+        """The train path's last check: a sample the trainer would refuse is dropped from the
+        batch (counted as dropped / wasted ``invalid_sample``), never the whole batch.
+
+        Raises:
+            RollartError: no sample of the batch is usable.
+        """
+        kept = []
+        for s in batch:
+            problem = trainable_problem(s)
+            if problem is None:
+                kept.append(s)
+                continue
+            log.warning("batch at version %d: dropped sample %s (%s)", self.buffer.version,
+                        s.sample_id, problem)
+            self.buffer.drop_consumed(s.sample_id, INVALID_SAMPLE_REASON)
+        if not kept:
+            raise RollartError(f"no sample of the batch at version {self.buffer.version} can "
+                               "be trained on (see the dropped samples above)")
+        return kept
 
     async def _train(self, batch: list[Sample], version: int) -> tuple[TrainResult, float]:
         t0 = self.clock()
@@ -632,6 +704,10 @@ class Controller:
             raise RollartError(
                 f"trainer returned version {result.version} after training at {version}"
             )
+        for sid, why in result.dropped.items():  # the trainer's own last check
+            log.warning("batch at version %d: the trainer dropped sample %s (%s)", version,
+                        sid, why)
+            self.buffer.drop_consumed(sid, INVALID_SAMPLE_REASON)
         self.buffer.advance_version()
         self._launch_restarts()
         return result, self.clock() - t0

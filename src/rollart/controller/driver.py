@@ -74,6 +74,8 @@ class Backends:
     reward_endpoints: dict[str, RewardBackend] = field(default_factory=dict)
     clock: Callable[[], float] | None = None
     loop_lag: LoopLagMonitor | None = None
+    #: the model's vocabulary size: generated token ids must be below it (None: unchecked)
+    vocab_size: int | None = None
 
 
 @dataclass
@@ -190,6 +192,7 @@ class Cluster:
             {name: (hardware.get(name, "?"), workers) for name, workers in b.pools.items()},
             self._affinity,
             version=b.trainer.version,
+            vocab_size=b.vocab_size,
         )
         self.controller = Controller(
             sc,

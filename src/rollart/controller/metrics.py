@@ -46,6 +46,13 @@ class StepMetrics(msgspec.Struct, kw_only=True):
     - ``response_len_kept_mean``: mean generated tokens of the batch's samples;
       ``response_len_all_mean``: of every trajectory that finished during the step (kept or
       not), so the selection bias of redundancy is visible.
+    - ``num_invalid_replies``: worker replies that broke the ``GenerateResult`` contract
+      (their trajectories failed with reason ``invalid_worker_output``);
+      ``quarantined_workers``: workers taken out of their pool during the step (bad output or
+      engine/trainer disagreement); ``logprob_mismatch_by_worker`` /
+      ``iw_capped_fraction_by_worker``: the batch's engine/trainer agreement per serving
+      worker (``rollart.controller.agreement``); ``disagreeing_workers``: those over
+      ``run.worker_checks``' thresholds.
     - ``loop_lag_p99_ms`` / ``loop_lag_max_ms``: how late the controller's event loop woke a
       periodic probe during the step (p99 / max, milliseconds; ``None`` when not monitored,
       0.0 when no probe woke: a step shorter than the probe interval): every trajectory's next
@@ -86,6 +93,11 @@ class StepMetrics(msgspec.Struct, kw_only=True):
     by_domain: dict[str, DomainStepMetrics] = {}
     groups_by_domain: dict[str, int] = {}
     flat_groups_by_domain: dict[str, int] = {}
+    num_invalid_replies: int = 0
+    quarantined_workers: list[str] = []
+    logprob_mismatch_by_worker: dict[str, float] = {}
+    iw_capped_fraction_by_worker: dict[str, float] = {}
+    disagreeing_workers: list[str] = []
 
 
 #: One domain's counters over one step: the change of the buffer's cumulative ``DomainCounts``

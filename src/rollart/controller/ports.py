@@ -102,10 +102,15 @@ class RewardBackend(Protocol):
 
 class TrainResult(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Outcome of one training step: the trainer's new ``version`` (previous + 1) and scalar
-    ``metrics`` (loss, grad norm, clip fraction, ... as the trainer names them)."""
+    ``metrics`` (loss, grad norm, clip fraction, ... as the trainer names them); ``agreement``:
+    per sample trained on, in batch order, the engine/trainer agreement (``m.SampleAgreement``;
+    empty when the trainer does not report it); ``dropped``: sample_id -> why, samples the
+    trainer could not train on (the rest of the batch was trained)."""
 
     version: int
     metrics: dict[str, float] = msgspec.field(default_factory=dict)
+    agreement: list[m.SampleAgreement] = msgspec.field(default_factory=list)
+    dropped: dict[str, str] = msgspec.field(default_factory=dict)
 
 
 @runtime_checkable

@@ -20,8 +20,17 @@ more (counted in ``num_prefix_resends``). A finished trajectory's id rides on th
 A worker that raises ``PeerDeadError`` (or reports ``dead``) is removed from its pool and the
 request is re-sent to another worker of the same pool; when a pool has no live worker left the
 call raises :class:`PoolExhaustedError`, a fatal error for the run (distinct from per-request
-``RemoteError``). Cancelling the awaiting task cancels the worker call, which aborts the request
-on the worker (the client's contract).
+``RemoteError``).
+
+Every reply is checked where it arrives (``rollart.controller.workercheck``): a reply that breaks
+the ``GenerateResult`` contract (or did not decode: code ``bad_reply``) raises
+:class:`~rollart.controller.workercheck.InvalidWorkerOutput` for that turn only, and a worker
+that keeps doing it (``violations``) is quarantined: :meth:`quarantine` takes it out of its pool
+(one warning line naming it), exactly as :meth:`remove_worker` does for a dead one; a pool left
+without workers makes it raise ``PoolExhaustedError``.
+
+Cancelling the awaiting task cancels the worker call, which aborts the request on the worker
+(the client's contract).
 """
 
 from __future__ import annotations
@@ -35,6 +44,12 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from rollart.controller.ports import GenerationBackend
+from rollart.controller.workercheck import (
+    BAD_REPLY,
+    InvalidWorkerOutput,
+    ViolationWindow,
+    check_generate_result,
+)
 from rollart.transport import messages as m
 from rollart.transport.errors import ConfigError, PeerDeadError, RemoteError
 
@@ -67,6 +82,10 @@ class LLMProxy:
         pools: pool name -> (hardware label, workers); at least one worker per pool.
         affinity: domain name -> pool name.
         version: policy version the workers serve at start (0: the initial weights).
+        vocab_size: the model's vocabulary size; generated token ids must be below it
+            (``None``: not checked beyond ``>= 0``).
+        violations: per-worker violation window deciding quarantine (``None``: a bad reply
+            fails its turn, the worker is never quarantined for it).
 
     Raises:
         ConfigError: an empty pool, a duplicate worker name, or affinity to an unknown pool.
@@ -78,6 +97,8 @@ class LLMProxy:
         affinity: Mapping[str, str],
         *,
         version: int = 0,
+        vocab_size: int | None = None,
+        violations: ViolationWindow | None = None,
     ) -> None:
         self._pools: dict[str, Pool] = {}
         seen: set[str] = set()
@@ -100,6 +121,14 @@ class LLMProxy:
             name: deque(maxlen=MAX_PENDING_RELEASES) for name in seen
         }
         self.version = version
+        #: newest version any worker was asked to apply (bound of a token's version)
+        self.max_version = version
+        self.vocab_size = vocab_size
+        self.violations = violations
+        #: worker names taken out of their pool for bad output, in order
+        self.quarantined: list[str] = []
+        #: replies that broke the contract (a count, for metrics)
+        self.num_invalid_replies = 0
         #: requests re-sent after their worker died (a count, for metrics)
         self.num_rerouted = 0
         #: whole prompts re-sent because a worker answered ``prefix_unknown``
@@ -156,6 +185,51 @@ class LLMProxy:
             if w is worker:
                 del self._held[traj]
 
+    def remove_worker(self, name: str, why: str) -> Pool:
+        """Take worker ``name`` out of its pool (no later request is routed to it; trajectories
+        that were sticky to it go to the pool's other workers, resending their whole prompt)
+        and return that pool, which may now be empty (see :meth:`route`). One warning line
+        names the worker and ``why``. Idempotent. Raises ConfigError for an unknown name."""
+        for pool in self._pools.values():
+            for w in pool.workers:
+                if w.name == name:
+                    self._remove(pool, w, why)
+                    return pool
+            if name in pool.removed:
+                return pool
+        raise ConfigError(f"remove_worker: no worker named {name!r}")
+
+    def quarantine(self, name: str, why: str) -> None:
+        """Take a misbehaving (alive) worker out of its pool: :meth:`remove_worker`, counted in
+        ``quarantined``.
+
+        Raises:
+            PoolExhaustedError: it was its pool's last worker (fatal: the run stops).
+        """
+        pool = self.remove_worker(name, f"quarantined: {why}")
+        if name not in self.quarantined:
+            self.quarantined.append(name)
+        if not pool.workers:
+            raise PoolExhaustedError(
+                f"pool {pool.name!r} ({pool.hardware}): its last worker {name!r} was "
+                f"quarantined ({why}); removed: {pool.removed}"
+            )
+
+    def _judge(self, worker: GenerationBackend, problem: str | None) -> None:
+        """Count one reply of ``worker`` (``problem``: its violation, or ``None``); quarantine
+        the worker at the threshold; raise ``InvalidWorkerOutput`` for a violation."""
+        hit = self.violations is not None and self.violations.record(worker.name, problem is None)
+        if hit and problem is not None and worker.name not in self.quarantined:
+            assert self.violations is not None
+            self.quarantine(
+                worker.name,
+                f"{self.violations.count(worker.name)} invalid replies among its last "
+                f"{self.violations.window} (run.worker_checks); last: {problem}",
+            )
+        if problem is not None:
+            self.num_invalid_replies += 1
+            raise InvalidWorkerOutput(worker.name, problem)
+
     def route(self, traj_id: str, domain: str) -> GenerationBackend:
         """Pick the worker for ``traj_id``'s next turn (sticky, else least-loaded).
 
@@ -193,11 +267,13 @@ class LLMProxy:
         sequence so far); only the tokens after what the worker holds are copied and sent.
 
         Raises:
+            InvalidWorkerOutput: the reply broke the contract (see the module docstring).
             RemoteError: the worker failed this request (per trajectory).
-            PoolExhaustedError: fatal, see :meth:`route`.
+            PoolExhaustedError: fatal, see :meth:`route` and :meth:`quarantine`.
         """
         total = len(prompt)
         while True:
+            min_version = self.version  # every worker serves at least this one now
             worker = self.route(traj_id, domain)
             held_by, held = self._held.pop(traj_id, (None, 0))
             if held_by is not worker or held > total:
@@ -222,6 +298,8 @@ class LLMProxy:
                 self.num_rerouted += 1
                 continue
             except RemoteError as exc:
+                if exc.code == BAD_REPLY:  # the reply did not even decode
+                    self._judge(worker, exc.message)
                 if exc.code != "prefix_unknown" or held == 0:
                     raise
                 self.num_prefix_resends += 1  # next pass: held_by is gone, so prefix_len 0
@@ -233,7 +311,16 @@ class LLMProxy:
                     pending.append(traj_id)
             if result.finish_reason != "abort":
                 self._held[traj_id] = (worker, total + result.num_tokens)
+            self._judge(worker, check_generate_result(
+                result, max_tokens=sampling.max_tokens, min_version=min_version,
+                max_version=self.max_version, vocab_size=self.vocab_size))
             return result
+
+    def served_by(self, traj_id: str) -> str | None:
+        """Name of the worker that served ``traj_id``'s last (not aborted) turn, until
+        :meth:`release`; ``None`` if none holds it."""
+        held = self._held.get(traj_id)
+        return held[0].name if held is not None else None
 
     def release(self, traj_id: str) -> None:
         """Forget ``traj_id``'s sticky worker (the trajectory ended); that worker is told to
@@ -247,10 +334,11 @@ class LLMProxy:
 
     async def _on_all(self, what: str, call, only: set[str] | None = None) -> list:
         """Run ``call(worker)`` on every live worker (of the names in ``only``, if given) at
-        once; dead ones are removed.
+        once; dead ones are removed, and so are (quarantined) ones whose call failed with a
+        ``RemoteError`` (e.g. a failed weight apply or prefix-cache reset): a worker that
+        cannot pause or apply weights must not serve on with other weights than its pool's.
 
-        Raises PoolExhaustedError if that empties a pool; other errors propagate (fatal: a
-        worker that cannot pause or apply weights leaves the run inconsistent).
+        Raises PoolExhaustedError if that empties a pool; other errors propagate.
         """
         pairs = [(pool, w) for pool in self._pools.values() for w in pool.workers
                  if only is None or w.name in only]
@@ -259,13 +347,17 @@ class LLMProxy:
         for (pool, w), res in zip(pairs, results, strict=True):
             if isinstance(res, PeerDeadError):
                 self._remove(pool, w, f"{what}: {res}")
+            elif isinstance(res, RemoteError):
+                self._remove(pool, w, f"quarantined: {what} failed: {res}")
+                self.quarantined.append(w.name)
             elif isinstance(res, BaseException):
                 raise res
             else:
                 out.append(res)
         for pool in self._pools.values():
             if not pool.workers:
-                raise PoolExhaustedError(f"pool {pool.name!r}: every worker died during {what}")
+                raise PoolExhaustedError(f"pool {pool.name!r}: no worker left after {what} "
+                                         f"(removed: {pool.removed})")
         return out
 
     async def pause(self, mode: Literal["keep", "abort"] = "keep") -> None:
@@ -281,6 +373,7 @@ class LLMProxy:
         Call between :meth:`pause` and :meth:`resume` (paper §6.2). ``reprefill``: recompute the
         KV cache of in-flight requests under the new weights.
         """
+        self.max_version = max(self.max_version, version)
         out = await self._on_all(
             f"apply_weights({version})", lambda w: w.apply_weights(version, reprefill=reprefill)
         )
@@ -299,6 +392,7 @@ class LLMProxy:
         if waves < 1:
             raise ValueError(f"apply_in_waves: waves must be >= 1, got {waves}")
         # Waves fixed up front: a worker removed mid-apply must not shift the later waves.
+        self.max_version = max(self.max_version, version)
         plan = [{w.name for pool in self._pools.values() for w in pool.workers[i::waves]}
                 for i in range(waves)]
         for names in plan:

@@ -64,7 +64,8 @@ class Sample(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, dict=True
     ``sample_id`` is the trajectory id the buffer issued; ``reward`` is a finite float (a failed
     trajectory is never a sample: see ``SampleBuffer.fail``). ``num_turns`` counts env turns,
     ``finish_reason`` is the engine's/env's reason the trajectory ended (``"stop"``, ``"length"``,
-    ``"terminated"``, ...). Raises ``ValueError`` naming the sample and field on bad input.
+    ``"terminated"``, ...). ``turn_workers[i]``: name of the inference worker that generated
+    assistant turn ``i`` (empty for samples from before it was recorded). Raises ``ValueError`` naming the sample and field on bad input.
     """
 
     sample_id: str
@@ -78,6 +79,7 @@ class Sample(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, dict=True
     num_turns: int = 1
     finish_reason: str = "stop"
     metadata: dict[str, Any] = {}
+    turn_workers: list[str] = []
 
     def __post_init__(self) -> None:
         sid = self.sample_id

@@ -47,6 +47,28 @@ def to_train_samples(samples: Sequence[Sample]) -> list[m.TrainSample]:
     ]
 
 
+#: buffer reason of a sample the train path's last check refused
+INVALID_SAMPLE_REASON = "invalid_sample"
+
+
+def trainable_problem(sample: Sample) -> str | None:
+    """Why the trainer would refuse ``sample`` (``TrainSample``'s own validation: no generated
+    token, a behaviour logprob not finite or > 0, a negative token id, ...), or ``None``.
+
+    The controller checks each sample when its trajectory completes (a refused one fails the
+    trajectory, reason ``invalid_sample``, and its slot is retried) and again for every batch
+    (samples restored from a checkpoint skipped the first check): one bad sample is dropped,
+    never the batch. Costs one vectorised pass over the sample's arrays, no copy.
+    """
+    try:
+        m.TrainSample(token_ids=sample.token_ids, loss_mask=sample.loss_mask,
+                      behaviour_logprobs=sample.behaviour_logprobs, advantage=0.0,
+                      sample_id=sample.sample_id)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 class TrainerClientLike(Protocol):
     """What :class:`RemoteTrainer` needs of ``TrainerClient``."""
 
@@ -111,7 +133,8 @@ class RemoteTrainer:
             )
         self._version = reply.version
         return TrainResult(version=reply.version,
-                           metrics={**reply.metrics, "trainer_step_s": reply.train_time_s})
+                           metrics={**reply.metrics, "trainer_step_s": reply.train_time_s},
+                           agreement=reply.agreement, dropped=reply.dropped)
 
     async def push_weights(self, version: int, workers: Sequence[GenerationBackend]) -> None:
         await self.set_workers(workers)

@@ -5,7 +5,9 @@ one of three per-trajectory outcomes the controller turns into buffer calls:
 
 - :class:`TrajectoryFailed` (``reason``: ``env_error``, ``env_timeout``, ``env_not_found``,
   ``env_host_lost``, ``generation_error``, ``generation_timeout``, ``generation_aborted``,
-  ``reward_error``, ``prompt_too_long``): never a reward of 0; the buffer may retry the slot;
+  ``invalid_worker_output`` (the reply broke the ``GenerateResult`` contract, see
+  ``rollart.controller.workercheck``), ``reward_error``, ``prompt_too_long``): never a reward of
+  0; the buffer may retry the slot;
 - :class:`TrajectoryStale`: the per-turn staleness check said restart;
 - :class:`TrajectoryNotNeeded`: the buffer said the group no longer needs it.
 
@@ -35,6 +37,7 @@ from rollart.controller.proxy import LLMProxy
 from rollart.controller.sample import Sample
 from rollart.controller.services import EnvHostsExhaustedError, EnvRouter, RewardRouter
 from rollart.controller.tokens import ChatTokens
+from rollart.controller.workercheck import INVALID_OUTPUT_REASON, InvalidWorkerOutput
 from rollart.transport import messages as m
 from rollart.transport import tokenbytes as tb
 from rollart.transport.errors import (
@@ -133,6 +136,7 @@ async def run_trajectory(
     loss_mask = array.array("b")
     logprobs = array.array("f")
     versions = array.array("i")
+    turn_workers: list[str] = []  # the worker that served each turn (engine/trainer checks)
     num_generated = 0
     if ctx.barrier is not None:
         ctx.barrier.join(traj_id)
@@ -196,17 +200,13 @@ async def run_trajectory(
                 )
             except RemoteTimeoutError as exc:
                 raise TrajectoryFailed("generation_timeout", str(exc), num_generated) from exc
+            except InvalidWorkerOutput as exc:
+                raise TrajectoryFailed(INVALID_OUTPUT_REASON, str(exc), num_generated) from exc
             except RemoteError as exc:
                 raise TrajectoryFailed("generation_error", str(exc), num_generated) from exc
-            sizes = [len(result.token_ids), len(result.logprobs), len(result.versions)]
-            n = sizes[0] // 4
-            if sizes[0] % 4 or sizes != [4 * n] * 3:
-                raise TrajectoryFailed(
-                    "generation_error",
-                    f"worker returned {sizes[0]} bytes of token ids, {sizes[1]} of logprobs, "
-                    f"{sizes[2]} of versions (4 per token each)",
-                    num_generated,
-                )
+            # The proxy checked the reply (lengths, versions, logprobs, token ids).
+            n = result.num_tokens
+            turn_workers.append(ctx.proxy.served_by(traj_id) or "")
             new_ids = tb.to_array(result.token_ids, "i")
             new_versions = tb.to_array(result.versions, "i")
             token_ids.extend(new_ids)
@@ -281,6 +281,7 @@ async def run_trajectory(
             domain=domain.name,
             num_turns=turn,
             finish_reason=finish,
+            turn_workers=turn_workers,
             metadata={
                 "seed": seed,
                 "num_prompt_tokens": num_prompt,

@@ -280,9 +280,7 @@ class InferenceWorker:
                 await self.engine.pause_generation(mode="keep", clear_cache=False)
             if staged is not None:
                 await self._reload(msg.version, staged.paths())
-            # Returns False while in-flight requests hold blocks (keep mode); cache_salt then
-            # keeps new requests off the old blocks.
-            await self.engine.reset_prefix_cache(reset_running_requests=msg.reprefill)
+            await self._reset_prefix_cache(msg.version, msg.reprefill)
             await self.engine.update_weight_version(str(msg.version))
             self.version = msg.version
             self.received_version = None
@@ -292,6 +290,35 @@ class InferenceWorker:
             elapsed = time.perf_counter() - start
         log.info("%s: applied weight version %d in %.3f s", self.name, msg.version, elapsed)
         return m.WeightsApplied(version=msg.version, apply_time_s=elapsed, stats=self.stats())
+
+    async def _reset_prefix_cache(self, version: int, reprefill: bool) -> None:
+        """Drop the prefix cache's blocks computed under older weights.
+
+        vLLM answers False when blocks could not be freed. That is expected only while
+        in-flight requests hold blocks in the keep-the-KV mode (``cache_salt`` then keeps new
+        requests off them). Otherwise (``reprefill`` resets running requests too, or nothing
+        is in flight) False on a second try, like an exception, means the engine kept KV of
+        older weights: the update fails and the worker exits, as after a failed reload (issue
+        13), so it never serves a prompt from a stale cache.
+
+        Raises:
+            RemoteError: ``engine_error`` naming the version and cause (the worker then exits).
+        """
+        why = ""
+        for _attempt in range(2):  # once more: an abort just before may still hold blocks
+            try:
+                ok = await self.engine.reset_prefix_cache(reset_running_requests=reprefill)
+            except Exception as exc:
+                why = f"raised {exc!r}"
+                break
+            if ok or (not reprefill and self._active):
+                return
+            why = "returned False twice"
+        reason = (f"resetting the prefix cache after loading weight version {version} {why} "
+                  f"({len(self._active)} requests in flight, reprefill={reprefill})")
+        log.error("%s: %s", self.name, reason)
+        self.die(reason)
+        raise RemoteError("engine_error", f"{self.name}: {reason}; the worker exits")
 
     async def _reload(self, version: int, paths: list[str]) -> None:
         layout = self.stager.layout

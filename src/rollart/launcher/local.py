@@ -165,7 +165,7 @@ async def open_cluster(scenario: str | Path | Scenario, *, run_dir: str | Path |
             starts).
         ProcessFailedError: a service failed to start or died during the block.
     """
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     from rollart.controller.buffer import SampleBuffer
     from rollart.controller.driver import Backends, Cluster
@@ -242,7 +242,8 @@ async def open_cluster(scenario: str | Path | Scenario, *, run_dir: str | Path |
             trainer=RemoteTrainer(
                 trainer_client, version=point[1].version if point else 0,
                 push_needs_pause=scenario.trainer.weight_transfer != "zmq"),
-            tokenizer=AutoTokenizer.from_pretrained(model_dir), loop_lag=LoopLagMonitor())
+            tokenizer=AutoTokenizer.from_pretrained(model_dir), loop_lag=LoopLagMonitor(),
+            vocab_size=_vocab_size(AutoConfig.from_pretrained(model_dir)))
         cluster = Cluster.from_scenario(
             scenario, backends=backends, resume=point[1].controller if point else None,
             buffer_class=buffer_class or SampleBuffer,
@@ -307,3 +308,11 @@ async def _check_weight_transfer(scenario: Scenario, workers: list[Any]) -> None
         raise RollartError(f"trainer.weight_transfer is {kind!r}, but these workers receive "
                            f"weights otherwise: {wrong}; start them with "
                            f"`rollart serve-inference ... --weight-transfer {kind}`")
+
+
+def _vocab_size(config: Any) -> int | None:
+    """The model's vocabulary size (rows of its embedding), for the proxy's token-id check;
+    ``None`` when the config does not say."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    size = getattr(text, "vocab_size", None)
+    return size if isinstance(size, int) and size > 0 else None

@@ -129,3 +129,17 @@ def waste_summary(rows: list[dict[str, Any]], weights: dict[str, float]) -> dict
                                    for k, v in sorted(reasons.items())},
         "domains": dict(sorted(domains.items())),
     }
+
+
+def failure_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Run totals of failures from ``metrics.jsonl`` rows (for summary.json): failed
+    trajectories by reason, invalid worker replies and the workers quarantined, in order."""
+    reasons: dict[str, int] = {}
+    for r in rows:
+        for k, v in r.get("num_failed_by_reason", {}).items():
+            reasons[k] = reasons.get(k, 0) + v
+    return {
+        "failed_by_reason": dict(sorted(reasons.items())),
+        "num_invalid_replies": sum(r.get("num_invalid_replies", 0) for r in rows),
+        "quarantined_workers": [w for r in rows for w in r.get("quarantined_workers", [])],
+    }

@@ -32,7 +32,7 @@ from typing import Any
 import msgspec
 
 from rollart.config import Scenario
-from rollart.launcher.progress import waste_summary
+from rollart.launcher.progress import failure_summary, waste_summary
 from rollart.launcher.sinks import TensorBoardSink, WandbSink, step_scalars
 from rollart.trainer.checkpoint import latest_checkpoint, mark_complete, read_json, step_dir
 from rollart.transport.errors import ConfigError
@@ -243,6 +243,8 @@ def write_summary(run_dir: Path, scenario: Scenario, started: float) -> dict[str
         "wall_time_s": time.time() - started,
         # waste by reason and per-domain selection bias, totals over the steps
         **waste_summary(rows, {d.name: d.weight for d in scenario.domains}),
+        # failed trajectories by reason, bad worker replies, quarantined workers (issue 13)
+        **failure_summary(rows),
     }
     for name, rw in domain_rewards(rows).items():
         summary["domains"].setdefault(name, {}).update(rw)

@@ -304,6 +304,8 @@ class RankRunner:
         self.failure: BaseException | None = None
         self._lock = threading.Lock()
         self._transfer: Any = None  # a follower's non-sender weight-transfer engine
+        #: per-sample engine/trainer agreement of the last train (``sample_agreement``)
+        self.last_agreement: list[tuple[float, float, float]] = []
 
     def train(self, samples: Sequence[TrainSample]) -> dict[str, float]:
         """One `train_step` over all ranks; metrics of the whole batch.
@@ -381,8 +383,11 @@ class RankRunner:
         from rollart.trainer.step import train_step
 
         if isinstance(cmd, TrainCommand):
-            return train_step(self.model, self.optimizer, cmd.samples, self.step_cfg,
-                              ref_model=self.ref_model, dp=self.ranks)
+            agreement: list[tuple[float, float, float]] = []
+            out = train_step(self.model, self.optimizer, cmd.samples, self.step_cfg,
+                             ref_model=self.ref_model, dp=self.ranks, agreement=agreement)
+            self.last_agreement = agreement
+            return out
         if isinstance(cmd, SnapshotCommand):
             if self.ranks is None:
                 return snapshot_parameters(self.model)

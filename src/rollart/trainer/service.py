@@ -141,16 +141,26 @@ class TrainerService:
         # the whole batch with a bad_request naming the sample.
         if not msg.samples:
             raise RemoteError("bad_request", "TrainBatch has no samples")
+        from rollart.trainer.step import split_batch
+
+        usable, dropped = split_batch(msg.samples, self.step_cfg)
+        for sid, why in dropped.items():
+            log.warning("step %d: dropped sample %s (%s)", msg.step, sid, why)
+        if not usable:
+            raise RemoteError("bad_request", f"no sample of the batch can be trained on: "
+                              f"{dropped}")
         async with self._lock:
             start = time.perf_counter()
-            metrics = await asyncio.to_thread(self.runner.train, msg.samples)
+            metrics = await asyncio.to_thread(self.runner.train, usable)
+            agreement = [m.SampleAgreement(*row) for row in self.runner.last_agreement]
             self.version += 1
             self.step = msg.step + 1
             if self.collective is None:
                 snapshot = await asyncio.to_thread(self.runner.snapshot)
                 self.publisher.publish(self.version, snapshot)
             return m.TrainResult(step=msg.step, version=self.version, metrics=metrics,
-                                 train_time_s=time.perf_counter() - start)
+                                 train_time_s=time.perf_counter() - start, agreement=agreement,
+                                 dropped=dropped)
 
     async def set_workers(self, msg: m.SetWorkers, _frames: object) -> m.Ack:
         if self.collective is not None:

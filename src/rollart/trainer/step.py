@@ -344,6 +344,63 @@ def _accumulate(
         _padding_pass(model, cfg)
 
 
+def sample_agreement(
+    batch: Sequence[TrainSample],
+    plans: list[tuple[list[list[TrainSample]], int]],
+    proximal: list[list[Tensor]],
+    cfg: TrainStepConfig,
+    dp: DataParallel | None = None,
+) -> list[tuple[float, float, float]]:
+    """Per sample of `batch` (in order): (mean |logp_prox - logp_behaviour| in nats, max
+    importance weight exp(logp_prox - logp_behaviour), fraction of its generated tokens with a
+    weight over `cfg.iw_cap`), over its loss-mask tokens.
+
+    `plans[k]` / `proximal[k]`: this rank's micro-batches of minibatch k and their proximal
+    logprobs ([B_i, T_i] each). Under `dp` every rank holds a share; the values are combined
+    with two all-reduces (sum, max) so every rank returns the whole batch's.
+    """
+    index = {s.sample_id: i for i, s in enumerate(batch)}
+    n = len(batch)
+    mismatch, capped, iw_max = [0.0] * n, [0.0] * n, [0.0] * n
+    log_cap = math.log(cfg.iw_cap) if cfg.iw_cap is not None else math.inf
+    for (mbs, _), prox in zip(plans, proximal, strict=True):
+        for mb, lp in zip(mbs, prox, strict=True):
+            rows = collate(mb, pad_token_id=cfg.pad_token_id, device=lp.device)
+            mask = rows["loss_mask"]
+            log_w = torch.where(mask, lp.float() - rows["behaviour_logprobs"],
+                                torch.zeros((), device=lp.device))
+            count = mask.sum(dim=1).clamp(min=1)
+            mean_abs = (log_w.abs().sum(dim=1) / count).tolist()
+            frac = (((log_w > log_cap) & mask).sum(dim=1) / count).tolist()
+            # One device-to-host copy per field and micro-batch, not per sample.
+            peak = torch.where(mask, log_w, torch.full_like(log_w, -math.inf)).amax(dim=1)
+            peak_w = peak.double().exp().tolist()
+            for row, s in enumerate(mb):
+                i = index[s.sample_id]
+                mismatch[i], capped[i], iw_max[i] = mean_abs[row], frac[row], peak_w[row]
+    if dp is not None:
+        summed = dp.all_reduce(mismatch + capped, "sum")
+        mismatch, capped = summed[:n], summed[n:]
+        iw_max = dp.all_reduce(iw_max, "max")
+    return list(zip(mismatch, iw_max, capped, strict=True))
+
+
+def split_batch(
+    batch: Sequence[TrainSample], cfg: TrainStepConfig
+) -> tuple[list[TrainSample], dict[str, str]]:
+    """The samples `train_step` can take, and the others (sample_id -> why: over the
+    micro-batch budget): the trainer drops such a sample, never the whole batch, and reports
+    it (``TrainResult.dropped``) so the controller counts it."""
+    usable, dropped = [], {}
+    for s in batch:
+        if s.num_tokens > cfg.max_tokens_per_microbatch:
+            dropped[s.sample_id] = (f"{s.num_tokens} tokens > max_tokens_per_microbatch "
+                                    f"{cfg.max_tokens_per_microbatch}")
+        else:
+            usable.append(s)
+    return usable, dropped
+
+
 def check_batch(batch: Sequence[TrainSample], cfg: TrainStepConfig) -> None:
     """The input checks of `train_step`, without touching a model (a data-parallel leader runs
     them before it hands the batch to its ranks, so a bad batch never reaches a collective).
@@ -380,6 +437,7 @@ def train_step(
     *,
     ref_model: nn.Module | None = None,
     dp: DataParallel | None = None,
+    agreement: list[tuple[float, float, float]] | None = None,
 ) -> dict[str, float]:
     """One GRPO / decoupled-PPO update of `model` on `batch` (see module docstring).
 
@@ -392,6 +450,8 @@ def train_step(
             like `model` or a full replica on every rank).
         dp: the data-parallel rank group when `model` is FSDP2-sharded over several ranks; every
             rank calls `train_step` with the same `batch` and `cfg`.
+        agreement: if given (a list), extended with `sample_agreement`'s per-sample
+            engine/trainer agreement (before the update), in batch order.
 
     Returns:
         Floats over the whole batch (all ranks): loss metrics averaged over tokens (`loss`,
@@ -417,6 +477,8 @@ def train_step(
     proximal = [_recompute(model, p, cfg, pad) for p, pad in plans]
     reference = ([_recompute(ref_model, p, cfg, pad) for p, pad in plans]  # type: ignore[arg-type]
                  if cfg.kl_coef > 0 else None)
+    if agreement is not None:
+        agreement.extend(sample_agreement(batch, plans, proximal, cfg, dp))
 
     acc = _MetricAccumulator()
     grad_norm_max = 0.0

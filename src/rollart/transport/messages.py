@@ -39,6 +39,7 @@ TrajectoryId = Annotated[str, msgspec.Meta(max_length=256)]
 #: Error codes carried by ``ErrorReply.code``. Per-item codes: the peer keeps serving.
 ErrorCode = Literal[
     "bad_request",  # frames or fields could not be decoded / failed validation
+    "bad_reply",  # client side: the peer's reply could not be decoded / failed validation
     "unknown_kind",  # a message kind this service does not handle
     "too_large",  # message over the service's max_message_bytes
     "not_found",  # unknown request id, session id, env name, ...
@@ -186,7 +187,7 @@ class GenerateResult(Msg):
     ``prompt_logprobs``: when requested, one entry per prompt token (``None`` for the first);
     opt-in diagnostics, so a plain list.
 
-    Raises ``ValueError`` (a ``bad_request`` where decoded) on ragged or unequal per-token
+    Raises ``ValueError`` (a ``bad_reply`` where decoded) on ragged or unequal per-token
     lengths, a negative token id or version, or a logprob that is NaN, infinite or > 0.
     """
 
@@ -476,13 +477,33 @@ class TrainBatch(Msg):
     samples: list[TrainSample]
 
 
+class SampleAgreement(msgspec.Struct, forbid_unknown_fields=True, array_like=True, gc=False):
+    """Engine/trainer agreement on one sample's generated tokens, from the trainer's recompute
+    under the weights before the update (``w_t = exp(logp_trainer_t - logp_behaviour_t)``).
+
+    ``logprob_mismatch``: mean ``|log w_t|`` (nats per token); ``iw_max``: max ``w_t``;
+    ``iw_capped_fraction``: fraction of its tokens with ``w_t`` over the trainer's ``iw_cap``
+    (0.0 without a cap).
+    """
+
+    logprob_mismatch: float
+    iw_max: float
+    iw_capped_fraction: float
+
+
 class TrainResult(Msg):
-    """The optimizer step is done; ``version`` (= updates applied) is being pushed to workers."""
+    """The optimizer step is done; ``version`` (= updates applied) is being pushed to workers.
+
+    ``agreement``: one entry per sample trained on, in batch order (empty from a trainer that
+    does not report it). ``dropped``: sample_id -> why, samples of the batch the trainer could
+    not train on (the others were trained)."""
 
     step: NonNegInt
     version: NonNegInt
     metrics: dict[str, float]
     train_time_s: float
+    agreement: list[SampleAgreement] = []
+    dropped: dict[str, str] = {}
 
 
 class SetWorkers(Msg):

@@ -346,7 +346,8 @@ class RpcClient:
         try:
             reply = _reply_decoder.decode(parts[1])
         except msgspec.MsgspecError as exc:
-            reply = m.ErrorReply(code="bad_request", message=f"undecodable reply: {exc}")
+            # ``bad_reply``, not ``bad_request``: the peer's answer is wrong, not our request
+            reply = m.ErrorReply(code="bad_reply", message=f"undecodable reply: {exc}")
         if call_id == 0 and isinstance(reply, m.ErrorReply):
             log.warning("%s: unmatched error reply: %s", self.name, reply.message)
         fut = self._pending.get(call_id)
