@@ -20,7 +20,8 @@ import msgspec
 
 #: Scenario table -> Struct class name, in README order
 TABLES = {
-    "[run]": "RunConfig", "[run.retry]": "RetryConfig", "[model]": "ModelConfig",
+    "[run]": "RunConfig", "[run.retry]": "RetryConfig",
+    "[run.worker_checks]": "WorkerChecksConfig", "[model]": "ModelConfig",
     "[[pools]]": "PoolConfig", "[pools.engine]": "EngineConfig", "[[domains]]": "DomainConfig",
     "[domains.sampling]": "SamplingConfig", "[[env_hosts]]": "EnvHostConfig",
     "[reward]": "RewardServiceConfig", "[trainer]": "TrainerConfig", "[output]": "OutputConfig",
