@@ -271,6 +271,13 @@ class RewardServiceConfig(_Cfg):
     timeout_s: PosFloat = 30.0
     max_retries: NonNegInt = 3
     backoff_s: NonNegFloat = 0.5
+    #: also retry timeouts (HTTP 504, no reply within ``timeout_s``): off, since a function
+    #: that hung once usually hangs again and each retry starts it again.
+    retry_timeouts: bool = False
+    #: largest reward reply body the controller reads, bytes (larger: ``reward_too_large``).
+    max_reply_bytes: Annotated[int, msgspec.Meta(ge=1024, le=1 << 30)] = 1 << 20
+    #: largest JSON-encoded ``details`` kept in a sample's metadata, bytes.
+    max_details_bytes: Annotated[int, msgspec.Meta(ge=2, le=1 << 26)] = 64 << 10
 
 
 class TrainerConfig(_Cfg):

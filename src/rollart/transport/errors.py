@@ -62,3 +62,8 @@ class RewardError(RollartError):
         super().__init__(reason if status is None else f"HTTP {status}: {reason}")
         self.status = status
         self.reason = reason
+
+
+class RewardTooLargeError(RewardError):
+    """A reward reply, or its ``details``, exceeded the client's size limit (not retried: the
+    same call would return the same). Fails that trajectory with reason ``reward_too_large``."""
