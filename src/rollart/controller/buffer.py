@@ -291,6 +291,7 @@ class SampleBuffer:
             0,
         )
         self._failed: dict[str, int] = {}
+        self._groups_dropped: dict[str, int] = {}
         self._dropped: dict[str, int] = {}
         self._wasted: dict[str, int] = {}
         self._generated = 0
@@ -574,6 +575,27 @@ class SampleBuffer:
         self._close_slot(t)
         return None
 
+    def drop_group(self, group_key: str, reason: str) -> list[str]:
+        """Give up on an open group (e.g. its failure budget is spent): retire it, counted in
+        ``stats().groups_dropped`` by ``reason``; its held samples are dropped (``"retired"``).
+        Returns its live members for the caller to cancel; ``[]`` if it is not open."""
+        g = self._groups.get(group_key)
+        if g is None or g.status != "open":
+            return []
+        if not reason:
+            raise SampleBufferError(f"group {group_key!r}: drop_group() needs a reason")
+        self._groups_dropped[reason] = self._groups_dropped.get(reason, 0) + 1
+        self._retire(g)
+        live = [t.tid for t in g.live()]
+        self._maybe_forget(g)
+        return live
+
+    def open_groups(self) -> list[tuple[str, str, int, list[str]]]:
+        """``(key, domain, kept members, live member ids)`` of every group still collecting,
+        oldest first (what a batch waits on)."""
+        return [(g.key, g.domain, len(g.kept), [t.tid for t in g.live()])
+                for g in self._groups.values() if g.status == "open"]
+
     def cancel(self, traj_id: str, reason: str | None = None) -> None:
         """The caller aborted a live trajectory (redundancy, shutdown, "cancel" verdict).
         Its slot closes; a group that can no longer fill is retired. No-op if not live.
@@ -693,6 +715,7 @@ class SampleBuffer:
             dropped=dict(self._dropped),
             cancelled=c["cancelled"],
             groups_retired=c["groups_retired"],
+            groups_dropped=dict(self._groups_dropped),
             wasted_tokens=dict(self._wasted),
             late_calls=c["late_calls"],
             finished_members=c["finished_members"],

@@ -81,6 +81,10 @@ class StepMetrics(msgspec.Struct, kw_only=True):
     trained_tokens: int = 0
     in_flight_tokens: int = 0
     by_domain: dict[str, DomainStepMetrics] = {}
+    #: env steps rejected as invalid actions (model-caused; those trajectories are trained on)
+    num_invalid_actions: int = 0
+    #: groups given up during the step, by reason (``failure_budget``)
+    groups_dropped_by_reason: dict[str, int] = {}
 
 
 #: One domain's counters over one step: the change of the buffer's cumulative ``DomainCounts``
@@ -128,6 +132,7 @@ def step_metrics(
     rollout_not_before: float | None = None,
     loop_lag_p99_ms: float | None = None,
     loop_lag_max_ms: float | None = None,
+    num_invalid_actions: int = 0,
 ) -> StepMetrics:
     """Assemble a step's metrics from its batch and the buffer counters around it.
 
@@ -178,4 +183,6 @@ def step_metrics(
         trained_tokens=after.trained_tokens - before.trained_tokens,
         in_flight_tokens=after.in_flight_tokens,
         by_domain=domain_deltas(after, before),
+        num_invalid_actions=num_invalid_actions,
+        groups_dropped_by_reason=_delta(after.groups_dropped, before.groups_dropped),
     )
