@@ -290,7 +290,7 @@ async def _run_trajectory(
             action = chat.decode(new_ids)
             responses.append(action)
             turn += 1
-            act.enter(f"env step {turn}", ctx.clock())
+            act.enter(f"env step {turn - 1}", ctx.clock())  # turn counts the action just taken
             invalid: str | None = None
             try:
                 step = await envs.step(session_id, action, timeout_s=run.env_timeout_s)
