@@ -55,6 +55,14 @@ def fake_own_timeout(prompt, response, reference, metadata):
     raise TimeoutError("solver gave up after 2 s")
 
 
+async def fake_async_cancels(prompt, response, reference, metadata):
+    raise asyncio.CancelledError()
+
+
+def fake_thread_cancels(prompt, response, reference, metadata):
+    raise asyncio.CancelledError()
+
+
 def fake_set_details(prompt, response, reference, metadata):
     return 1.0, {"not_json": object()}
 
@@ -124,6 +132,8 @@ async def _score(
         (fake_raises, {"executor": "inline"}, 500, "raised ZeroDivisionError"),
         (fake_own_timeout, {}, 504, "timed out: solver gave up"),
         (fake_returns, {}, 422, "returned None"),
+        (fake_async_cancels, {}, 500, "raised CancelledError although nothing cancelled it"),
+        (fake_thread_cancels, {}, 500, "raised CancelledError"),
     ],
 )
 async def test_runner_classifies_failures(

@@ -292,7 +292,15 @@ class RewardRunner:
             ) from None
         except ScoringError:
             raise
-        except (asyncio.CancelledError, KeyboardInterrupt):
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():  # the request really was cancelled
+                raise
+            # The function raised it on its own: passed on, it would drop the connection.
+            raise ScoringError(
+                500, f"reward function {spec.name!r} raised CancelledError although nothing "
+                "cancelled it") from None
+        except KeyboardInterrupt:
             raise
         except BaseException as exc:
             # BaseException too: a SystemExit raised in a worker would otherwise stop the server.
