@@ -99,6 +99,9 @@ class Controller:
             restarted, same group seeds and RNG stream); the trainer must be at its version.
         loop_lag: an event-loop lag monitor, started with the controller; each step reports
             its p99 / max (``None``: not measured; virtual-clock runs must not pass one).
+        stall_watchdog: log what ``get_batch`` waits on every ``run.stall_log_s`` (simulators
+            on a virtual clock turn it off: its timer would hide a deadlock from the clock's
+            idle detection).
 
     Raises:
         ConfigError: a domain whose reward cannot be routed, or an unknown pool affinity.
@@ -116,8 +119,10 @@ class Controller:
         clock: Callable[[], float] | None = None,
         resume: dict[str, Any] | None = None,
         loop_lag: LoopLagMonitor | None = None,
+        stall_watchdog: bool = True,
     ) -> None:
         run = scenario.run
+        self._stall_watchdog_on = stall_watchdog
         self.scenario, self.run = scenario, run
         self.spec = mode_spec(run.mode)
         self.proxy, self.envs, self.rewards, self.trainer = proxy, envs, rewards, trainer
@@ -540,27 +545,33 @@ class Controller:
     # ------------------------------------------------------------------ training side
     async def _get_batch(self) -> list[Sample]:
         assert self._changed is not None
+        # The stall watchdog: a batch that does not come says what it waits on (one task per
+        # step, not a timer per wake-up: get_batch wakes on every trajectory outcome).
+        watchdog = (asyncio.create_task(self._stall_watchdog(), name="stall-watchdog")
+                    if self._stall_watchdog_on else None)
+        try:
+            while True:
+                self._raise_if_fatal()
+                batch = self._try_take_batch()
+                self._launch_restarts()
+                if batch is not None:
+                    return batch
+                if not self._tasks and not (self.buffer.has_room() and self._can_admit()):
+                    raise ControllerStalledError(
+                        f"no batch can be produced at version {self.buffer.version}: nothing is "
+                        f"running and admission is paused ({self.buffer.stats()})"
+                    )
+                await self._changed.wait()
+        finally:
+            if watchdog is not None:
+                watchdog.cancel()
+
+    async def _stall_watchdog(self) -> None:
         loop = asyncio.get_running_loop()
-        t_wait = loop.time()
-        next_log = t_wait + self.run.stall_log_s
+        t0 = loop.time()
         while True:
-            self._raise_if_fatal()
-            batch = self._try_take_batch()
-            self._launch_restarts()
-            if batch is not None:
-                return batch
-            if not self._tasks and not (self.buffer.has_room() and self._can_admit()):
-                raise ControllerStalledError(
-                    f"no batch can be produced at version {self.buffer.version}: nothing is "
-                    f"running and admission is paused ({self.buffer.stats()})"
-                )
-            # The stall watchdog: a batch that does not come says what it waits on.
-            try:
-                async with asyncio.timeout_at(next_log):
-                    await self._changed.wait()
-            except TimeoutError:
-                log.warning("%s", self.stall_report(loop.time() - t_wait))
-                next_log = loop.time() + self.run.stall_log_s
+            await asyncio.sleep(self.run.stall_log_s)
+            log.warning("%s", self.stall_report(loop.time() - t0))
 
     def stall_report(self, waited_s: float, max_groups: int = 8, max_members: int = 8) -> str:
         """What the training loop's ``get_batch`` waits on: the open groups (oldest first) with
