@@ -391,3 +391,20 @@ async def test_in_process_env_raising_invalid_action_is_observed_not_failed() ->
     assert all(s.metadata["num_invalid_actions"] == 1 and s.num_turns == 3
                for st in steps for s in st.samples)
     assert any("expected JSON, got 'ok'" in TOK.decode(p) for p in worker.prompts)
+
+
+async def test_oversized_local_reward_details_fail_the_trajectory() -> None:
+    calls: list[int] = []
+
+    def reward(prompt, response, reference, metadata):
+        calls.append(1)
+        blob = "x" * (1 << 20) if len(calls) == 1 else ""
+        return float(metadata["env_return"]), {"blob": blob}
+
+    cluster = Cluster.from_scenario(scenario(reward="r", reward_url="local"), backends=backends())
+    cluster.register_reward("r", reward)
+    async with cluster as c:
+        steps = await run_past_failure(c)
+    check_batches(steps)
+    assert failed(steps) == {"reward_too_large": 1}
+    assert all(len(s.metadata["reward_details"]["blob"]) == 0 for st in steps for s in st.samples)

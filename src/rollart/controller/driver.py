@@ -172,7 +172,8 @@ class Cluster:
             rewards=RewardRouter(
                 b.reward_service, b.reward_endpoints, self._local_rewards,
                 calls=OffLoopCalls(sc.run.local_threads, what="local reward"),
-                local_timeout_s=sc.run.local_reward_timeout_s),
+                local_timeout_s=sc.run.local_reward_timeout_s,
+                max_details_bytes=sc.reward.max_details_bytes),
             trainer=b.trainer,
             tokenizer=b.tokenizer,
             clock=b.clock,

@@ -30,6 +30,7 @@ from rollart.transport.errors import (
     InvalidActionError,
     PeerDeadError,
     RewardError,
+    RewardTooLargeError,
 )
 
 
@@ -155,6 +156,7 @@ class _LocalResult(msgspec.Struct):
 
 
 RewardFn = Callable[[str, str, Any, dict[str, Any]], Any]
+_json = msgspec.json.Encoder()
 
 
 def env_return_reward(prompt: str, response: str, reference: Any, metadata: dict) -> float:
@@ -173,17 +175,21 @@ class RewardRouter:
             Sync ones run off the event loop (``calls``), each within ``local_timeout_s``.
         calls: the bounded threads local functions run on.
         local_timeout_s: deadline of one local reward call, seconds (``None``: none).
+        max_details_bytes: largest JSON-encoded ``details`` a local function may return
+            (larger: ``RewardTooLargeError``, like the HTTP client's limit).
     """
 
     def __init__(self, service: RewardBackend | None = None,
                  endpoints: Mapping[str, RewardBackend] | None = None,
                  local: Mapping[str, RewardFn] | None = None,
                  calls: OffLoopCalls | None = None,
-                 local_timeout_s: float | None = 60.0) -> None:
+                 local_timeout_s: float | None = 60.0,
+                 max_details_bytes: int = 64 << 10) -> None:
         self.service = service
         self.endpoints = dict(endpoints or {})
         self.calls = calls or OffLoopCalls(what="local reward")
         self.local_timeout_s = local_timeout_s
+        self.max_details_bytes = max_details_bytes
         self.local: dict[str, RewardFn] = {"env_return": env_return_reward, **(local or {})}
 
     def register(self, name: str, fn: RewardFn) -> None:
@@ -230,4 +236,14 @@ class RewardRouter:
             raise RewardError(f"local reward {name!r} returned {type(reward).__name__}, not a number")
         if not math.isfinite(reward):
             raise RewardError(f"local reward {name!r} returned non-finite {reward!r}")
+        if details:
+            try:
+                size = len(_json.encode(details))
+            except (TypeError, msgspec.EncodeError) as exc:
+                raise RewardError(f"local reward {name!r} returned details that are not JSON: "
+                                  f"{exc}") from None
+            if size > self.max_details_bytes:
+                raise RewardTooLargeError(
+                    f"local reward {name!r}: details of {size} bytes (JSON) exceed "
+                    f"max_details_bytes = {self.max_details_bytes}")
         return _LocalResult(float(reward), dict(details))
