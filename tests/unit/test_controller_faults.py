@@ -408,3 +408,22 @@ async def test_oversized_local_reward_details_fail_the_trajectory() -> None:
     check_batches(steps)
     assert failed(steps) == {"reward_too_large": 1}
     assert all(len(s.metadata["reward_details"]["blob"]) == 0 for st in steps for s in st.samples)
+
+
+@pytest.mark.looptime
+async def test_group_out_of_attempts_is_dropped_with_a_reason_and_a_warning(caplog) -> None:
+    env = FailSeedEnv(turns=1, latency=lambda i, s: 1.0)
+    sc = scenario(retry={"max_attempts": 2})
+    caplog.set_level(logging.WARNING, logger="rollart.controller.controller")
+    async with Cluster.from_scenario(sc, backends=backends(env)) as c:
+        steps = await run_past_failure(c)
+        steps += await run_steps(c, 2)
+    check_batches(steps)
+    dropped: dict[str, int] = {}
+    for st in steps:
+        for k, v in st.metrics.groups_dropped_by_reason.items():
+            dropped[k] = dropped.get(k, 0) + v
+    assert dropped == {"attempts_exhausted": 1}
+    assert any("group g0 dropped: a member failed run.retry.max_attempts = 2 times"
+               in r.getMessage() for r in caplog.records)
+    assert all(s.group_key != "g0" for st in steps for s in st.samples)

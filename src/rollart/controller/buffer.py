@@ -48,7 +48,8 @@ Groups, slots and redundancy
 Failures
     ``fail(id, reason)`` counts the failure by reason (never a reward of 0). If the slot's attempt
     is ``< max_attempts`` and the group still collects members, a retry id (attempt + 1) is
-    returned. A group that can no longer reach ``group_size`` (held + live members fall short)
+    returned; a group that can no longer fill because a slot ran out of attempts counts in
+    ``stats().groups_dropped["attempts_exhausted"]`` (``drop_group`` adds the caller's reasons). A group that can no longer reach ``group_size`` (held + live members fall short)
     is retired: its held samples are dropped (``"retired"``), its live members get ``"cancel"``.
 
 In-flight bound and liveness
@@ -572,7 +573,12 @@ class SampleBuffer:
         if self._slot_open(t) and t.attempt < self.max_attempts:
             self._c["retries"] += 1
             return self._new_traj(g, t.slot, t.attempt + 1).tid
+        was_open = g.status == "open" and t.attempt >= self.max_attempts
         self._close_slot(t)
+        if was_open and g.status == "retired":
+            # A slot ran out of attempts and the group can no longer fill: given up, by reason.
+            self._groups_dropped["attempts_exhausted"] = (
+                self._groups_dropped.get("attempts_exhausted", 0) + 1)
         return None
 
     def drop_group(self, group_key: str, reason: str) -> list[str]:
@@ -589,6 +595,10 @@ class SampleBuffer:
         live = [t.tid for t in g.live()]
         self._maybe_forget(g)
         return live
+
+    def stats_dropped(self, reason: str) -> int:
+        """Groups given up for ``reason`` so far (O(1); ``stats().groups_dropped`` has all)."""
+        return self._groups_dropped.get(reason, 0)
 
     def open_groups(self) -> list[tuple[str, str, int, list[str]]]:
         """``(key, domain, kept members, live member ids)`` of every group still collecting,

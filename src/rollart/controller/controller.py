@@ -165,6 +165,7 @@ class Controller:
         self._ctx: TrajectoryContext | None = None
         self._finished: Counter[str] = Counter()
         self._group_failures: Counter[str] = Counter()
+        self._exhausted_seen = 0
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._cancelled: set[str] = set()
         self._aux: set[asyncio.Task[Any]] = set()
@@ -535,6 +536,10 @@ class Controller:
             return
         if retry is not None:
             self._launch(retry, key)
+        elif self.buffer.stats_dropped("attempts_exhausted") > self._exhausted_seen:
+            self._exhausted_seen += 1
+            log.warning("group %s dropped: a member failed run.retry.max_attempts = %d times; "
+                        "last: %s", key, self.run.retry.max_attempts, exc)
 
     async def _selection_deadline(self, key: str) -> None:
         await asyncio.sleep(self.run.selection_deadline_s)
