@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from polling import wait_for
 from test_reward_service import _env
 
 from rollart.reward.client import RewardClient
@@ -52,6 +53,10 @@ async def _health(client: RewardClient, base: str) -> dict:
         return await resp.json()
 
 
+async def _idle(client: RewardClient, base: str) -> bool:
+    return (await _health(client, base))["idle_processes"] == 1
+
+
 async def test_hung_scorers_never_starve_later_calls(service: str) -> None:
     async with RewardClient(service, timeout_s=60, max_retries=3, backoff_s=0.01) as client:
         # Three times the thread slots hang (two at a time, each pair on free slots), then
@@ -63,6 +68,9 @@ async def test_hung_scorers_never_starve_later_calls(service: str) -> None:
                 *(client.score("hangs_forever", "p", "r") for _ in range(2)),
                 return_exceptions=True)
         for _ in range(3):
+            # The killed worker's replacement is started in the background; once it is idle
+            # the next hung call runs (rather than waiting for it: a 503, not a hang).
+            await wait_for(lambda: _idle(client, service))
             with pytest.raises(RewardError, match="timed out after 1 s") as info:
                 await client.score("hangs_in_process", "p", "r")
             assert info.value.status == 504

@@ -188,14 +188,17 @@ async def test_hung_process_calls_are_killed_and_replaced(runner: RewardRunner) 
     # One worker process: without the kill, the first hung call would hold it for an hour and
     # every later call would time out queueing for it.
     spec_ok = _spec(fake_returns, executor="process", timeout_s=60.0)
+    runner.start_process_pool()
     for _ in range(3):
+        # A replacement joins the idle slots once started (not counted against a deadline).
+        await _wait_for(lambda: runner.stats()["idle_processes"] == 1)
         with pytest.raises(ScoringError, match="timed out after 0.5 s") as info:
             await _score(runner, fake_hangs_forever, executor="process", timeout_s=0.5)
         assert info.value.status == 504
     assert runner.stats()["killed_processes"] == 3
     ok = await runner.score(spec_ok, "p", "r", None, {"value": 0.75})
     assert ok.reward == 0.75
-    assert len(runner._procs) == runner.num_processes  # replaced, not leaked
+    await _wait_for(lambda: len(runner._procs) == runner.num_processes)  # replaced, no leak
 
 
 async def test_hung_thread_calls_are_abandoned_and_do_not_starve_later_calls() -> None:
@@ -224,6 +227,29 @@ async def test_hung_thread_calls_are_abandoned_and_do_not_starve_later_calls() -
     finally:
         release.set()
         runner.close()
+
+
+async def test_a_saturated_pool_answers_503_not_504(runner: RewardRunner) -> None:
+    release = threading.Event()
+
+    def fake_blocks(prompt, response, reference, metadata):
+        release.wait(60)
+        return 1.0
+
+    busy = asyncio.ensure_future(_score(runner, fake_blocks, executor="thread", timeout_s=30))
+    try:
+        others = [asyncio.ensure_future(_score(runner, fake_blocks, executor="thread",
+                                               timeout_s=30)) for _ in range(3)]
+        # All 4 thread slots are taken: a call that cannot get one is "busy", not "hung".
+        await _wait_for(lambda: runner._thread_slots is not None and runner._thread_slots.locked())
+        with pytest.raises(ScoringError, match="no free thread slot within 0.3 s") as info:
+            await _score(runner, fake_returns, metadata={"value": 1.0}, executor="thread",
+                         timeout_s=0.3)
+        assert info.value.status == 503
+        assert runner.stats()["hung_threads"] == 0
+    finally:
+        release.set()
+    assert [r.reward for r in await asyncio.gather(busy, *others)] == [1.0] * 4
 
 
 async def test_hung_thread_calls_leave_slots_for_later_calls() -> None:
@@ -330,7 +356,8 @@ async def test_list_and_health(client: TestClient) -> None:
     assert by_name["slow"]["executor"] == "async"
     assert by_name["math"]["timeout_s"] == 20.0
     assert (await (await client.get("/healthz")).json()) == {
-        "status": "ok", "hung_threads": 0, "killed_processes": 0, "broken_processes": 0}
+        "status": "ok", "hung_threads": 0, "idle_processes": 0, "killed_processes": 0,
+        "broken_processes": 0}
 
 
 async def test_invalid_utf8_is_a_400_and_reference_is_optional():

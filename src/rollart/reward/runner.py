@@ -2,7 +2,9 @@
 
 Async functions run on the loop; sync ones run inline (trivial functions only), in threads, or
 in worker processes (CPU-bound scoring: sympy holds the GIL, so threads would stall the server).
-Every call is bounded by the function's ``timeout_s``, which includes queueing for a slot.
+Every call is bounded by the function's ``timeout_s`` from the moment it has a thread or worker
+process; waiting for one is bounded by ``timeout_s`` too and answered 503 (saturated: retry)
+past it, so a saturated service is never mistaken for a hung function.
 
 A call that outlives its timeout must not starve later calls (a few hung calls used to occupy
 every pool slot, so every later call timed out too):
@@ -92,12 +94,14 @@ class RewardRunner:
 
     Args:
         num_threads: thread functions running at once (``executor="thread"``), >= 1.
-        num_processes: worker processes for ``executor="process"`` functions (spawned, not
-            forked: forking a process that runs an event loop and threads is unsafe).
+        num_processes: worker processes for ``executor="process"`` functions (forked from a
+            forkserver, never from the service: forking a process that runs an event loop and
+            threads is unsafe).
         default_timeout_s: limit for functions that do not set ``timeout_s``, in seconds.
         warm_up: pre-import math-verify and reasoning-gym in each worker process.
         max_hung_threads: thread calls past their timeout still running (abandoned) before
-            further thread calls are refused with 503, >= 1.
+            further thread calls are refused with 503, >= 1. An abandoned thread costs its
+            stack's touched pages (tens of KiB) and whatever the function holds.
 
     Raises:
         ValueError: an argument out of range, named.
@@ -110,7 +114,7 @@ class RewardRunner:
         num_processes: int | None = None,
         default_timeout_s: float = 30.0,
         warm_up: bool = True,
-        max_hung_threads: int = 64,
+        max_hung_threads: int = 1024,
     ) -> None:
         if num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {num_threads}")
@@ -137,50 +141,85 @@ class RewardRunner:
         # Single-process executors: one hung call is killed without touching the others.
         self._procs: list[cf.ProcessPoolExecutor] = []
         self._idle: asyncio.Queue[cf.ProcessPoolExecutor] | None = None
+        self._spawning: set[asyncio.Task[None]] = set()
         self._closed = False
 
     def stats(self) -> dict[str, int]:
-        """Counters: ``hung_threads`` (now), ``killed_processes``, ``broken_processes``."""
+        """Gauges ``hung_threads``, ``idle_processes`` (started, free); counters
+        ``killed_processes``, ``broken_processes``."""
         return {
             "hung_threads": self.num_hung_threads,
+            "idle_processes": self._idle.qsize() if self._idle is not None else 0,
             "killed_processes": self.num_killed_processes,
             "broken_processes": self.num_broken_processes,
         }
 
     # ------------------------------------------------------------------ process slots
-    def _new_proc(self) -> cf.ProcessPoolExecutor:
-        pool = cf.ProcessPoolExecutor(
-            1,
-            mp_context=multiprocessing.get_context("spawn"),
-            initializer=_warm_up if self._warm_up else None,
-        )
-        self._procs.append(pool)
-        return pool
-
     def _slots(self) -> asyncio.Queue[cf.ProcessPoolExecutor]:
         # Created lazily: a service that only serves thread/async functions never spawns workers.
         if self._idle is None:
             self._idle = asyncio.Queue()
             for _ in range(self.num_processes):
-                self._idle.put_nowait(self._new_proc())
+                self._spawn()
         return self._idle
 
+    def _spawn(self) -> None:
+        """Start a worker process in the background; it joins the idle slots once warmed up,
+        so no call's deadline is spent on a process start (and no starting process is killed
+        for being slow: that would never let a replacement finish warming up)."""
+        task = asyncio.get_running_loop().create_task(self._start_slot())
+        self._spawning.add(task)
+        task.add_done_callback(self._spawning.discard)
+
+    async def _start_slot(self) -> None:
+        delay_s = 0.5
+        while not self._closed:
+            pool = cf.ProcessPoolExecutor(
+                1, mp_context=self._mp_context(),
+                initializer=_warm_up if self._warm_up else None,
+            )
+            self._procs.append(pool)
+            try:
+                await asyncio.get_running_loop().run_in_executor(pool, int)
+            except BrokenProcessPool as exc:  # e.g. the warm-up imports failed
+                log.error("reward worker process failed to start (%s); retrying in %g s",
+                          exc, delay_s)
+                self._procs.remove(pool)
+                _terminate(pool)
+                await asyncio.sleep(delay_s)
+                delay_s = min(2 * delay_s, 30.0)
+                continue
+            if self._closed:
+                return
+            assert self._idle is not None
+            self._idle.put_nowait(pool)
+            return
+
+    def _mp_context(self) -> Any:
+        # Workers fork from a forkserver that imported the heavy scorers once: a replacement
+        # for a killed worker starts in milliseconds instead of re-importing them (seconds),
+        # and nothing forks the service itself (an event loop and threads: unsafe to fork).
+        ctx = multiprocessing.get_context("forkserver")
+        if self._warm_up:
+            ctx.set_forkserver_preload(["math_verify", "reasoning_gym"])
+        return ctx
+
     def start_process_pool(self) -> None:
-        """Spawn the worker processes now (instead of on the first process call)."""
-        for pool in self._slots()._queue:  # type: ignore[attr-defined]
-            pool.submit(int)
+        """Start the worker processes now (instead of on the first process call); call from
+        inside the event loop."""
+        self._slots()
 
     def _replace(self, pool: cf.ProcessPoolExecutor) -> None:
-        """Kill ``pool``'s process and put a fresh slot in its place."""
+        """Kill ``pool``'s process and start a fresh slot in its place."""
         if pool in self._procs:
             self._procs.remove(pool)
         _terminate(pool)
         if not self._closed:
-            self._slots().put_nowait(self._new_proc())
+            self._spawn()
 
-    async def _run_process(self, spec: RewardFunction, args: tuple) -> Any:
+    async def _run_process(self, spec: RewardFunction, args: tuple,
+                           pool: cf.ProcessPoolExecutor) -> Any:
         slots = self._slots()
-        pool = await slots.get()
         loop = asyncio.get_running_loop()
         fut = loop.run_in_executor(pool, functools.partial(_call, spec.fn, *args))
         try:
@@ -211,34 +250,53 @@ class RewardRunner:
 
     # ------------------------------------------------------------------ thread calls
     async def _run_thread(self, spec: RewardFunction, args: tuple) -> Any:
+        """Run on a fresh daemon thread (the caller holds a thread slot)."""
+        loop = asyncio.get_running_loop()
+        call = _ThreadCall(loop, loop.create_future())
+        thread = threading.Thread(
+            target=self._thread_main, args=(call, spec, args),
+            name=f"{THREAD_PREFIX}-{next(self._thread_ids)}", daemon=True,
+        )
+        thread.start()
+        try:
+            return await call.fut
+        except asyncio.CancelledError:
+            with call.lock:
+                if not call.finished:
+                    call.abandoned = True
+                    with self._hung_lock:
+                        self.num_hung_threads += 1
+                    log.warning("abandoning a call of reward function %r past its deadline "
+                                "(%d thread call(s) hung)", spec.name, self.num_hung_threads)
+            raise
+
+    async def _acquire(self, spec: RewardFunction, timeout_s: float
+                       ) -> cf.ProcessPoolExecutor | None:
+        """A thread slot (``None``) or an idle worker process for ``spec``, waiting at most
+        ``timeout_s``. Raises ScoringError 503 (retryable: the service is saturated, the
+        function did not run) past it, or while too many thread calls hang."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                if spec.executor == "process":
+                    return await self._slots().get()
+                if self._thread_slots is None:
+                    self._thread_slots = asyncio.Semaphore(self.num_threads)
+                await self._thread_slots.acquire()
+        except TimeoutError:
+            what = "worker process" if spec.executor == "process" else "thread slot"
+            raise ScoringError(
+                503, f"reward function {spec.name!r}: no free {what} within {timeout_s:g} s "
+                "(the service is saturated); retry") from None
+        # Checked holding a slot, so at most num_threads more can be abandoned past it.
         if self.num_hung_threads >= self.max_hung_threads:
+            self._thread_slots.release()
             raise ScoringError(
                 503,
-                f"reward function {spec.name!r}: {self.num_hung_threads} thread calls hung past "
-                f"their timeout (limit {self.max_hung_threads}); refusing thread calls until "
-                "one returns (use executor='process' for functions that may hang)",
+                f"reward function {spec.name!r}: {self.num_hung_threads} thread calls hung "
+                f"past their timeout (limit {self.max_hung_threads}); refusing thread calls "
+                "until one returns (use executor='process' for functions that may hang)",
             )
-        if self._thread_slots is None:
-            self._thread_slots = asyncio.Semaphore(self.num_threads)
-        async with self._thread_slots:
-            loop = asyncio.get_running_loop()
-            call = _ThreadCall(loop, loop.create_future())
-            thread = threading.Thread(
-                target=self._thread_main, args=(call, spec, args),
-                name=f"{THREAD_PREFIX}-{next(self._thread_ids)}", daemon=True,
-            )
-            thread.start()
-            try:
-                return await call.fut
-            except asyncio.CancelledError:
-                with call.lock:
-                    if not call.finished:
-                        call.abandoned = True
-                        with self._hung_lock:
-                            self.num_hung_threads += 1
-                        log.warning("abandoning a call of reward function %r past its deadline "
-                                    "(%d thread call(s) hung)", spec.name, self.num_hung_threads)
-                raise
+        return None
 
     def _thread_main(self, call: _ThreadCall, spec: RewardFunction, args: tuple) -> None:
         try:
@@ -264,12 +322,17 @@ class RewardRunner:
 
         Raises:
             ScoringError: 422 (RewardInputError or invalid reward), 500 (the function raised),
-                503 (its worker process died and was replaced, or too many hung thread
-                calls), 504 (timeout; a process call is killed, a thread call abandoned).
+                503 (no free thread / worker process within ``timeout_s``, its worker process
+                died and was replaced, or too many hung thread calls: retryable), 504 (it ran
+                past ``timeout_s``; a process call is killed, a thread call abandoned).
         """
         timeout_s = spec.timeout_s if spec.timeout_s is not None else self.default_timeout_s
         args = (prompt, response, reference, metadata)
         deadline = asyncio.timeout(timeout_s)
+        pooled = not spec.is_async and spec.executor in ("thread", "process")
+        # Waiting for a slot is not running: past timeout_s it is a 503 (saturated, retry),
+        # and the function's own timeout_s starts once it has a thread or process.
+        pool = await self._acquire(spec, timeout_s) if pooled else None
         try:
             async with deadline:
                 if spec.is_async:
@@ -279,7 +342,8 @@ class RewardRunner:
                 elif spec.executor == "thread":
                     result = await self._run_thread(spec, args)
                 else:
-                    result = await self._run_process(spec, args)
+                    assert pool is not None
+                    result = await self._run_process(spec, args, pool)
         except TimeoutError as exc:
             if deadline.expired():
                 reason = f"timed out after {timeout_s:g} s"
@@ -307,6 +371,10 @@ class RewardRunner:
             raise ScoringError(
                 500, f"reward function {spec.name!r} raised {type(exc).__name__}: {exc}"
             ) from None
+        finally:
+            if pooled and spec.executor == "thread":
+                assert self._thread_slots is not None
+                self._thread_slots.release()  # an abandoned call frees its slot too
         try:
             return validate_result(spec.name, result)
         except InvalidRewardError as exc:
@@ -315,6 +383,8 @@ class RewardRunner:
     def close(self) -> None:
         """Kill the worker processes; abandon thread calls still running (daemon threads)."""
         self._closed = True
+        for task in self._spawning:
+            task.cancel()
         procs, self._procs = self._procs, []
         for pool in procs:
             _terminate(pool)

@@ -4,8 +4,9 @@ Routes (contract in :mod:`rollart.reward.protocol`):
 
 - ``POST /v1/reward/{name}``: score one response -> ``{"reward": float, "details": object}``.
 - ``GET /v1/reward``: ``{"functions": [{"name", "description", "executor", "timeout_s"}, ...]}``.
-- ``GET /healthz``: 200 ``{"status": "ok", "hung_threads": int, "killed_processes": int,
-  "broken_processes": int}`` (see :class:`~rollart.reward.runner.RewardRunner`).
+- ``GET /healthz``: 200 ``{"status": "ok", "hung_threads": int, "idle_processes": int,
+  "killed_processes": int, "broken_processes": int}`` (see
+  :class:`~rollart.reward.runner.RewardRunner`).
 
 Every non-200 reply is JSON ``{"error": "..."}`` naming the problem, and no failure is ever
 reported as a reward: a crashing, hanging or misbehaving function fails that request only, and the
@@ -227,7 +228,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--max-hung-threads",
         type=int,
-        default=64,
+        default=1024,
         help="thread calls abandoned past their timeout before thread calls get 503",
     )
     p.add_argument(
