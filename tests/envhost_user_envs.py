@@ -94,3 +94,28 @@ class BadShapeEnv(EchoEnv):
 
 class NotAnEnv:
     """Has no reset/step."""
+
+
+class ToolCallEnv(EchoEnv):
+    """Actions must be JSON objects (a tool call); anything else is rejected as an invalid action
+    (the model's fault: the session goes on)."""
+
+    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        import json
+
+        from rollart.transport.errors import InvalidActionError
+
+        try:
+            call = json.loads(action)
+        except json.JSONDecodeError as exc:
+            raise InvalidActionError(f"tool call is not JSON: {exc}") from None
+        return super().step(str(call.get("tool")))
+
+
+class StrayCancelEnv(EchoEnv):
+    """Env code that raises ``asyncio.CancelledError`` on its own (nobody cancelled it)."""
+
+    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        import asyncio
+
+        raise asyncio.CancelledError()

@@ -10,7 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["Backends", "Cluster", "__version__", "open_cluster", "run_credentials"]
+__all__ = ["Backends", "Cluster", "InvalidActionError", "__version__", "open_cluster",
+           "run_credentials"]
 
 
 def __getattr__(name: str) -> Any:
@@ -18,6 +19,10 @@ def __getattr__(name: str) -> Any:
         from rollart.controller import driver
 
         return getattr(driver, name)
+    if name == "InvalidActionError":  # raised by env code on a malformed action
+        from rollart.transport.errors import InvalidActionError
+
+        return InvalidActionError
     if name == "open_cluster":
         from rollart.launcher.local import open_cluster
 

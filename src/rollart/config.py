@@ -67,6 +67,10 @@ class RetryConfig(_Cfg):
     #: this many trajectory failures in a row, with no success in between, stop the run
     #: (fatal): a broken env or reward endpoint must not spin forever.
     max_failures_in_a_row: PosInt = 100
+    #: failures per group (all its slots together) before the group is dropped with reason
+    #: ``failure_budget`` and a warning, so an always-failing prompt cannot loop (``None``:
+    #: only ``max_attempts`` per slot bounds it).
+    max_failures_per_group: PosInt | None = None
 
 
 class WorkerChecksConfig(_Cfg):
@@ -169,7 +173,7 @@ class RunConfig(_Cfg):
     max_tokens_per_trajectory: PosInt = 2048
     #: timeout of one generate call, seconds.
     generate_timeout_s: PosFloat = 600.0
-    #: timeout of one env open / step call, seconds.
+    #: timeout of one env open / step call, seconds (env hosts and in-process envs).
     env_timeout_s: PosFloat = 120.0
     retry: RetryConfig = msgspec.field(default_factory=RetryConfig)
     #: run every ZeroMQ service without authentication (no CURVE key). Alone (or ``rollart run
@@ -181,6 +185,17 @@ class RunConfig(_Cfg):
     key_file: str | None = None
     #: checks of inference workers' output and of engine/trainer agreement.
     worker_checks: WorkerChecksConfig = msgspec.field(default_factory=WorkerChecksConfig)
+    #: wall-clock limit of one trajectory, seconds (env open to reward), ``None``: none; past
+    #: it the trajectory fails with reason ``trajectory_timeout`` (retried like any failure).
+    trajectory_timeout_s: PosFloat | None = None
+    #: threads running sync in-process (``Cluster.register_env`` / ``register_reward``) env
+    #: and reward calls off the event loop, at once (per kind).
+    local_threads: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 16
+    #: deadline of one in-process reward call, seconds.
+    local_reward_timeout_s: PosFloat = 60.0
+    #: the training loop waiting this long for a batch logs what it waits on (groups,
+    #: trajectories, what each is doing and since when), and again every as long, seconds.
+    stall_log_s: PosFloat = 60.0
 
 
 class ModelConfig(_Cfg):
@@ -270,8 +285,18 @@ class DomainConfig(_Cfg):
     turn_template: str = "{observation}"
     #: extra keyword arguments of the tokenizer's chat template (e.g. enable_thinking = false).
     chat_template_kwargs: dict[str, Any] = msgspec.field(default_factory=dict)
-    #: options passed to the env's reset.
+    #: options the env is built with (env hosts: ``gem.make`` / ``Attr(**options)`` / the
+    #: dataset config; in-process envs: ``factory(**options)``).
     env_options: dict[str, Any] = msgspec.field(default_factory=dict)
+    #: when the env rejects an action (raises ``InvalidActionError``, e.g. broken tool-call
+    #: JSON): ``observe``: the model gets the error message as the next observation and the
+    #: trajectory goes on; ``penalty``: the trajectory ends with reward
+    #: ``invalid_action_penalty`` (the reward function is not called); ``fail``: the trajectory
+    #: fails (reason ``invalid_action``) and is re-drawn, like an env failure. The first two
+    #: are trained on (model-caused, counted in ``num_invalid_actions``).
+    invalid_action: Literal["observe", "penalty", "fail"] = "observe"
+    #: reward of a trajectory ended by an invalid action under ``invalid_action = "penalty"``.
+    invalid_action_penalty: Annotated[float, msgspec.Meta(ge=-1e6, le=1e6)] = -1.0
     #: per-domain cap on turns (defaults to ``run.max_turns``; must not exceed it).
     max_turns: PosInt | None = None
     #: this domain's staleness bound (``areal`` / ``rollart`` only; >= ``run.alpha``; ``None``
@@ -314,6 +339,13 @@ class RewardServiceConfig(_Cfg):
     timeout_s: PosFloat = 30.0
     max_retries: NonNegInt = 3
     backoff_s: NonNegFloat = 0.5
+    #: also retry timeouts (HTTP 504, no reply within ``timeout_s``): off, since a function
+    #: that hung once usually hangs again and each retry starts it again.
+    retry_timeouts: bool = False
+    #: largest reward reply body the controller reads, bytes (larger: ``reward_too_large``).
+    max_reply_bytes: Annotated[int, msgspec.Meta(ge=1024, le=1 << 30)] = 1 << 20
+    #: largest JSON-encoded ``details`` kept in a sample's metadata, bytes.
+    max_details_bytes: Annotated[int, msgspec.Meta(ge=2, le=1 << 26)] = 64 << 10
 
 
 class TrainerConfig(_Cfg):

@@ -57,3 +57,23 @@ def hangs(prompt, response, reference, metadata):
     """Sleeps far past its 1 s timeout (in a pool thread, so the loop stays free)."""
     time.sleep(30)
     return 1.0
+
+
+@reward_function("hangs_forever", timeout_s=1.0)
+def hangs_forever(prompt, response, reference, metadata):
+    """Never returns within the test (a thread call: it is abandoned past its 1 s timeout)."""
+    time.sleep(3600)
+    return 1.0
+
+
+@reward_function("hangs_in_process", executor="process", timeout_s=1.0)
+def hangs_in_process(prompt, response, reference, metadata):
+    """Never returns within the test (its worker process is killed past the 1 s timeout)."""
+    time.sleep(3600)
+    return 1.0
+
+
+@reward_function("huge_details")
+def huge_details(prompt, response, reference, metadata):
+    """A valid reward with 2 MB of details (the client refuses it: RewardTooLargeError)."""
+    return 1.0, {"blob": "x" * (2 << 20)}

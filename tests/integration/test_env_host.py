@@ -298,3 +298,15 @@ def test_bad_config_exits_2(tmp_path):
         timeout=60,
     )
     assert proc.returncode == 2 and "--latency game: invalid JSON" in proc.stderr
+
+
+async def test_invalid_action_over_the_wire_keeps_the_session(client):
+    opened = await client.open("py:envhost_user_envs:ToolCallEnv", 1, {"max_turns": 2})
+    try:
+        with pytest.raises(EnvError, match="tool call is not JSON") as err:
+            await client.step(opened.session_id, "search(")
+        assert err.value.code == "invalid_action"
+        ok = await client.step(opened.session_id, '{"tool": "search"}')
+        assert ok.observation == "you said search"
+    finally:
+        await client.close_session(opened.session_id)

@@ -667,3 +667,25 @@ def test_tokens_of_an_old_version_recorded_after_a_sweep_are_still_swept() -> No
     (c,) = buf.try_start_group("c")
     assert buf.take_batch() is None  # a completion's take_batch sweeps
     assert buf.drain_aborts() == [a]
+
+
+def test_drop_group_retires_it_counts_the_reason_and_returns_live_members() -> None:
+    buf = SampleBuffer(alpha=1, batch_size=2, group_size=2, redundancy=1)
+    a, b, c = buf.try_start_group("g0")
+    run(buf, a, [0])  # one member held
+    assert buf.fail(b, "env_error") is not None  # its retry is live
+    retry = buf.running_ids()[-1]
+    assert buf.open_groups() == [("g0", "default", 1, [retry, c])]  # slot order
+    assert buf.drop_group("g0", "failure_budget") == [retry, c]
+    for tid in (c, retry):
+        buf.cancel(tid)
+    st = buf.stats()
+    assert st.groups_dropped == {"failure_budget": 1}
+    assert st.groups_retired == 1 and st.dropped == {"retired": 1}
+    assert st.groups_in_flight == 0 and buf.open_groups() == []
+    assert buf.drop_group("g0", "failure_budget") == []  # gone: a no-op
+    assert st.generated_tokens == st.trained_tokens + sum(st.wasted_tokens.values()) \
+        + st.in_flight_tokens
+    buf.try_start_group("g1")
+    with pytest.raises(SampleBufferError, match="needs a reason"):
+        buf.drop_group("g1", "")

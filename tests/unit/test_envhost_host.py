@@ -261,3 +261,23 @@ def test_build_config_unknown_toml_key(tmp_path):
     path.write_text("step_timeout = 5\n")
     with pytest.raises(ConfigError, match=f"{path}.*unknown field `step_timeout`"):
         build_config(parse("--config", str(path)))
+
+
+async def test_invalid_action_is_reported_and_the_session_stays_open(make_host):
+    host = make_host()
+    opened = await open_(host, "py:envhost_user_envs:ToolCallEnv", seed=1, max_turns=2)
+    with pytest.raises(EnvError, match="tool call is not JSON") as err:
+        await step(host, opened.session_id, '{"tool": "search"')  # broken JSON
+    assert err.value.code == "invalid_action"
+    assert host.num_errors == 0  # the model's fault, not an env failure
+    ok = await step(host, opened.session_id, '{"tool": "search"}')
+    assert ok.observation == "you said search" and not ok.terminated
+
+
+async def test_stray_cancelled_error_in_env_code_is_an_env_error(make_host):
+    host = make_host()
+    opened = await open_(host, "py:envhost_user_envs:StrayCancelEnv", seed=1)
+    with pytest.raises(EnvError, match="raised CancelledError") as err:
+        await step(host, opened.session_id, "a")
+    assert err.value.code == "env_error"
+    assert (await open_(host, ECHO, seed=2)).observation  # the host keeps serving

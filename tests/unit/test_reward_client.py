@@ -13,7 +13,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from rollart.reward.client import RewardClient, RewardResult
-from rollart.transport.errors import RewardError
+from rollart.transport.errors import RewardError, RewardTooLargeError
 
 
 class FakeRewardEndpoint:
@@ -47,6 +47,22 @@ class FakeRewardEndpoint:
             return web.json_response({"error": "function crashed"}, status=500)
         if name == "hang":
             await asyncio.sleep(30)
+        if name == "timeout504":
+            return web.json_response({"error": "timed out after 1 s"}, status=504)
+        if name == "huge":  # 2 MB body with a Content-Length
+            return web.json_response({"reward": 1.0, "details": {"blob": "x" * (2 << 20)}})
+        if name == "huge_stream":  # no Content-Length: chunked
+            resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+            resp.enable_chunked_encoding()
+            await resp.prepare(request)
+            await resp.write(b'{"reward": 1.0, "details": {"blob": "')
+            for _ in range(64):
+                await resp.write(b"x" * 65536)
+            await resp.write(b'"}}')
+            await resp.write_eof()
+            return resp
+        if name == "big_details":
+            return web.json_response({"reward": 1.0, "details": {"blob": "x" * 5000}})
         if name == "garbage":
             return web.Response(text='{"reward": "high"}', content_type="application/json")
         if name == "slow":
@@ -68,7 +84,7 @@ async def endpoint() -> AsyncIterator[tuple[FakeRewardEndpoint, str]]:
         yield fake, str(server.make_url("/"))
 
 
-def _client(url: str, **kwargs: float) -> RewardClient:
+def _client(url: str, **kwargs: float | bool) -> RewardClient:
     opts = {"timeout_s": 5.0, "max_retries": 3, "backoff_s": 0.01, **kwargs}
     return RewardClient(url, **opts)
 
@@ -131,10 +147,47 @@ async def test_persistent_5xx_fails_after_bounded_retries(endpoint) -> None:
     assert len(fake.hits["down"]) == 3
 
 
-async def test_hang_times_out_and_is_retried(endpoint) -> None:
+async def test_hang_times_out_and_is_not_retried_by_default(endpoint) -> None:
+    fake, root = endpoint
+    async with _client(root, timeout_s=0.2, max_retries=3) as client:
+        with pytest.raises(RewardError, match="no reply within timeout_s=0.2") as info:
+            await client.score("hang", "p", "r")
+        with pytest.raises(RewardError, match="timed out after 1 s") as info504:
+            await client.score("timeout504", "p", "r")
+    assert info.value.status is None and info504.value.status == 504
+    # A hung function is not started again by retries.
+    assert len(fake.hits["hang"]) == 1
+    assert len(fake.hits["timeout504"]) == 1
+
+
+async def test_timeouts_are_retried_when_asked(endpoint) -> None:
+    fake, root = endpoint
+    async with _client(root, max_retries=2, retry_timeouts=True) as client:
+        with pytest.raises(RewardError, match="after 3 attempts: timed out"):
+            await client.score("timeout504", "p", "r")
+    assert len(fake.hits["timeout504"]) == 3
+
+
+@pytest.mark.parametrize(("name", "match"), [
+    ("huge", "reply of \\d+ bytes exceeds max_reply_bytes = 65536"),
+    ("huge_stream", "reply body exceeds max_reply_bytes = 65536"),
+    ("big_details", "details of 5011 bytes \\(JSON\\) exceed max_details_bytes = 4096"),
+])
+async def test_oversized_replies_are_a_typed_error(endpoint, name: str, match: str) -> None:
+    fake, root = endpoint
+    async with _client(root, max_reply_bytes=65536, max_details_bytes=4096) as client:
+        with pytest.raises(RewardTooLargeError, match=match):
+            await client.score(name, "p", "r")
+        # The client keeps working after refusing a body part-way.
+        ok = await client.score("plain", "p", "r")
+    assert ok.reward == 0.25
+    assert len(fake.hits[name]) == 1  # not retried
+
+
+async def test_hang_times_out_and_is_retried_when_asked(endpoint) -> None:
     fake, root = endpoint
     start = time.monotonic()
-    async with _client(root, timeout_s=0.2, max_retries=1) as client:
+    async with _client(root, timeout_s=0.2, max_retries=1, retry_timeouts=True) as client:
         with pytest.raises(RewardError, match="no reply within timeout_s=0.2") as info:
             await client.score("hang", "p", "r")
     assert info.value.status is None

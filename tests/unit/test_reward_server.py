@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -52,6 +53,14 @@ def fake_raises(prompt, response, reference, metadata):
 
 def fake_own_timeout(prompt, response, reference, metadata):
     raise TimeoutError("solver gave up after 2 s")
+
+
+async def fake_async_cancels(prompt, response, reference, metadata):
+    raise asyncio.CancelledError()
+
+
+def fake_thread_cancels(prompt, response, reference, metadata):
+    raise asyncio.CancelledError()
 
 
 def fake_set_details(prompt, response, reference, metadata):
@@ -123,6 +132,8 @@ async def _score(
         (fake_raises, {"executor": "inline"}, 500, "raised ZeroDivisionError"),
         (fake_own_timeout, {}, 504, "timed out: solver gave up"),
         (fake_returns, {}, 422, "returned None"),
+        (fake_async_cancels, {}, 500, "raised CancelledError although nothing cancelled it"),
+        (fake_thread_cancels, {}, 500, "raised CancelledError"),
     ],
 )
 async def test_runner_classifies_failures(
@@ -153,12 +164,113 @@ async def test_runner_process_pool_runs_math_and_survives_dead_workers(
     with pytest.raises(ScoringError, match="raised SystemExit") as info:
         await _score(runner, fake_worker_exits, executor="process")
     assert info.value.status == 500
-    with pytest.raises(ScoringError, match="process pool broken") as info:
+    with pytest.raises(ScoringError, match="worker process died") as info:
         await _score(runner, fake_worker_dies, executor="process")
     assert info.value.status == 503
-    # A fresh pool replaces the broken one.
+    # A fresh process replaces the dead one.
     again = await runner.score(math_spec, "p", r"\boxed{7}", "6", {})
     assert again.reward == 0.0
+    assert runner.stats()["broken_processes"] == 1
+
+
+async def _wait_for(predicate, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.02)
+
+
+def fake_hangs_forever(prompt, response, reference, metadata):
+    time.sleep(3600)
+
+
+async def test_hung_process_calls_are_killed_and_replaced(runner: RewardRunner) -> None:
+    # One worker process: without the kill, the first hung call would hold it for an hour and
+    # every later call would time out queueing for it.
+    spec_ok = _spec(fake_returns, executor="process", timeout_s=60.0)
+    runner.start_process_pool()
+    for _ in range(3):
+        # A replacement joins the idle slots once started (not counted against a deadline).
+        await _wait_for(lambda: runner.stats()["idle_processes"] == 1)
+        with pytest.raises(ScoringError, match="timed out after 0.5 s") as info:
+            await _score(runner, fake_hangs_forever, executor="process", timeout_s=0.5)
+        assert info.value.status == 504
+    assert runner.stats()["killed_processes"] == 3
+    ok = await runner.score(spec_ok, "p", "r", None, {"value": 0.75})
+    assert ok.reward == 0.75
+    await _wait_for(lambda: len(runner._procs) == runner.num_processes)  # replaced, no leak
+
+
+async def test_hung_thread_calls_are_abandoned_and_do_not_starve_later_calls() -> None:
+    release = threading.Event()
+
+    def fake_blocks(prompt, response, reference, metadata):
+        release.wait(60)
+        return 1.0
+
+    runner = RewardRunner(num_threads=2, max_hung_threads=3, warm_up=False)
+    try:
+        for _ in range(3):  # more hung calls than threads
+            with pytest.raises(ScoringError, match="timed out") as info:
+                await _score(runner, fake_blocks, executor="thread", timeout_s=0.3)
+            assert info.value.status == 504
+        assert runner.stats()["hung_threads"] == 3
+        # Past max_hung_threads thread calls are refused at once, naming why...
+        with pytest.raises(ScoringError, match="3 thread calls hung") as info:
+            await _score(runner, fake_returns, metadata={"value": 1.0}, executor="thread")
+        assert info.value.status == 503
+        # ...and once the hung calls return, thread calls are served again.
+        release.set()
+        await _wait_for(lambda: runner.stats()["hung_threads"] == 0)
+        ok = await _score(runner, fake_returns, metadata={"value": 0.5}, executor="thread")
+        assert ok.reward == 0.5
+    finally:
+        release.set()
+        runner.close()
+
+
+async def test_a_saturated_pool_answers_503_not_504(runner: RewardRunner) -> None:
+    release = threading.Event()
+
+    def fake_blocks(prompt, response, reference, metadata):
+        release.wait(60)
+        return 1.0
+
+    busy = asyncio.ensure_future(_score(runner, fake_blocks, executor="thread", timeout_s=30))
+    try:
+        others = [asyncio.ensure_future(_score(runner, fake_blocks, executor="thread",
+                                               timeout_s=30)) for _ in range(3)]
+        # All 4 thread slots are taken: a call that cannot get one is "busy", not "hung".
+        await _wait_for(lambda: runner._thread_slots is not None and runner._thread_slots.locked())
+        with pytest.raises(ScoringError, match="no free thread slot within 0.3 s") as info:
+            await _score(runner, fake_returns, metadata={"value": 1.0}, executor="thread",
+                         timeout_s=0.3)
+        assert info.value.status == 503
+        assert runner.stats()["hung_threads"] == 0
+    finally:
+        release.set()
+    assert [r.reward for r in await asyncio.gather(busy, *others)] == [1.0] * 4
+
+
+async def test_hung_thread_calls_leave_slots_for_later_calls() -> None:
+    release = threading.Event()
+
+    def fake_blocks(prompt, response, reference, metadata):
+        release.wait(60)
+        return 1.0
+
+    runner = RewardRunner(num_threads=2, max_hung_threads=64, warm_up=False)
+    try:
+        for _ in range(4):  # twice the thread slots
+            with pytest.raises(ScoringError, match="timed out"):
+                await _score(runner, fake_blocks, executor="thread", timeout_s=0.2)
+        ok = await _score(runner, fake_returns, metadata={"value": 0.25}, executor="thread",
+                          timeout_s=30.0)
+        assert ok.reward == 0.25
+        assert runner.stats()["hung_threads"] == 4
+    finally:
+        release.set()
+        runner.close()
 
 
 @pytest.fixture
@@ -243,7 +355,9 @@ async def test_list_and_health(client: TestClient) -> None:
     assert by_name["math"]["executor"] == "process"
     assert by_name["slow"]["executor"] == "async"
     assert by_name["math"]["timeout_s"] == 20.0
-    assert (await (await client.get("/healthz")).json()) == {"status": "ok"}
+    assert (await (await client.get("/healthz")).json()) == {
+        "status": "ok", "hung_threads": 0, "idle_processes": 0, "killed_processes": 0,
+        "broken_processes": 0}
 
 
 async def test_invalid_utf8_is_a_400_and_reference_is_optional():

@@ -48,7 +48,8 @@ Groups, slots and redundancy
 Failures
     ``fail(id, reason)`` counts the failure by reason (never a reward of 0). If the slot's attempt
     is ``< max_attempts`` and the group still collects members, a retry id (attempt + 1) is
-    returned. A group that can no longer reach ``group_size`` (held + live members fall short)
+    returned; a group that can no longer fill because a slot ran out of attempts counts in
+    ``stats().groups_dropped["attempts_exhausted"]`` (``drop_group`` adds the caller's reasons). A group that can no longer reach ``group_size`` (held + live members fall short)
     is retired: its held samples are dropped (``"retired"``), its live members get ``"cancel"``.
 
 In-flight bound and liveness
@@ -291,6 +292,7 @@ class SampleBuffer:
             0,
         )
         self._failed: dict[str, int] = {}
+        self._groups_dropped: dict[str, int] = {}
         self._dropped: dict[str, int] = {}
         self._wasted: dict[str, int] = {}
         self._generated = 0
@@ -574,8 +576,38 @@ class SampleBuffer:
         if self._slot_open(t) and t.attempt < self.max_attempts:
             self._c["retries"] += 1
             return self._new_traj(g, t.slot, t.attempt + 1).tid
+        was_open = g.status == "open" and t.attempt >= self.max_attempts
         self._close_slot(t)
+        if was_open and g.status == "retired":
+            # A slot ran out of attempts and the group can no longer fill: given up, by reason.
+            self._groups_dropped["attempts_exhausted"] = (
+                self._groups_dropped.get("attempts_exhausted", 0) + 1)
         return None
+
+    def drop_group(self, group_key: str, reason: str) -> list[str]:
+        """Give up on an open group (e.g. its failure budget is spent): retire it, counted in
+        ``stats().groups_dropped`` by ``reason``; its held samples are dropped (``"retired"``).
+        Returns its live members for the caller to cancel; ``[]`` if it is not open."""
+        g = self._groups.get(group_key)
+        if g is None or g.status != "open":
+            return []
+        if not reason:
+            raise SampleBufferError(f"group {group_key!r}: drop_group() needs a reason")
+        self._groups_dropped[reason] = self._groups_dropped.get(reason, 0) + 1
+        self._retire(g)
+        live = [t.tid for t in g.live()]
+        self._maybe_forget(g)
+        return live
+
+    def stats_dropped(self, reason: str) -> int:
+        """Groups given up for ``reason`` so far (O(1); ``stats().groups_dropped`` has all)."""
+        return self._groups_dropped.get(reason, 0)
+
+    def open_groups(self) -> list[tuple[str, str, int, list[str]]]:
+        """``(key, domain, kept members, live member ids)`` of every group still collecting,
+        oldest first (what a batch waits on)."""
+        return [(g.key, g.domain, len(g.kept), [t.tid for t in g.live()])
+                for g in self._groups.values() if g.status == "open"]
 
     def cancel(self, traj_id: str, reason: str | None = None) -> None:
         """The caller aborted a live trajectory (redundancy, shutdown, "cancel" verdict).
@@ -732,6 +764,7 @@ class SampleBuffer:
             dropped=dict(self._dropped),
             cancelled=c["cancelled"],
             groups_retired=c["groups_retired"],
+            groups_dropped=dict(self._groups_dropped),
             wasted_tokens=dict(self._wasted),
             late_calls=c["late_calls"],
             finished_members=c["finished_members"],

@@ -51,6 +51,7 @@ from rollart.controller.buffer import SampleBuffer
 from rollart.controller.loophealth import LoopLagMonitor
 from rollart.controller.metrics import StepMetrics, step_metrics
 from rollart.controller.modes import TurnBarrier, mode_spec
+from rollart.controller.offloop import requested_cancel
 from rollart.controller.pacing import Pacer
 from rollart.controller.ports import Tokenizer, TrainerBackend, TrainResult
 from rollart.controller.proxy import LLMProxy
@@ -115,6 +116,9 @@ class Controller:
             admission (``try_start_group`` / ``has_room``) or batch assembly (``batch_order``)
             while keeping its protocol (``rollart.controller.buffer``); built with the same
             keyword arguments and restored with its ``restore`` classmethod.
+        stall_watchdog: log what ``get_batch`` waits on every ``run.stall_log_s`` (simulators
+            on a virtual clock turn it off: its timer would hide a deadlock from the clock's
+            idle detection).
 
     Raises:
         ConfigError: a domain whose reward cannot be routed, or an unknown pool affinity.
@@ -134,8 +138,10 @@ class Controller:
         loop_lag: LoopLagMonitor | None = None,
         transcripts: TranscriptRecorder | None = None,
         buffer_class: type[SampleBuffer] = SampleBuffer,
+        stall_watchdog: bool = True,
     ) -> None:
         run = scenario.run
+        self._stall_watchdog_on = stall_watchdog
         self.scenario, self.run = scenario, run
         self.spec = mode_spec(run.mode)
         self.proxy, self.envs, self.rewards, self.trainer = proxy, envs, rewards, trainer
@@ -183,6 +189,8 @@ class Controller:
         self._chats = chats
         self._ctx: TrajectoryContext | None = None
         self._finished: Counter[str] = Counter()
+        self._group_failures: Counter[str] = Counter()
+        self._exhausted_seen = 0
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._cancelled: set[str] = set()
         self._aux: set[asyncio.Task[Any]] = set()
@@ -333,6 +341,7 @@ class Controller:
         controller, so that its per-group state holds only groups in flight."""
         self._groups.pop(key, None)
         self._finished.pop(key, None)
+        self._group_failures.pop(key, None)
 
     # ------------------------------------------------------------------ supervision
     def _notify(self) -> None:
@@ -500,16 +509,7 @@ class Controller:
                 raise TrajectoryFailed(INVALID_SAMPLE_REASON, problem, sample.num_generated)
         except TrajectoryFailed as exc:
             log.info("trajectory %s failed: %s", tid, exc)
-            self._failures_in_a_row += 1
-            self._last_failures = [*self._last_failures[-4:], str(exc)]
-            if self._failures_in_a_row >= self.run.retry.max_failures_in_a_row:
-                raise ControllerStalledError(
-                    f"{self._failures_in_a_row} trajectory failures in a row "
-                    f"(run.retry.max_failures_in_a_row); last: {self._last_failures}"
-                ) from exc
-            retry = self.buffer.fail(tid, exc.reason)
-            if retry is not None:
-                self._launch(retry, key)
+            self._on_failed(tid, key, exc)
         except TrajectoryStale:
             fresh = self.buffer.restart_trajectory(tid)
             if fresh is not None:
@@ -517,9 +517,16 @@ class Controller:
         except TrajectoryNotNeeded:
             self.buffer.cancel(tid)
         except asyncio.CancelledError:
-            if tid not in self._cancelled:  # shutdown, not a sibling cancel
-                self.buffer.cancel(tid, "shutdown")
-            raise
+            if tid in self._cancelled or self._closed or requested_cancel():
+                if tid not in self._cancelled:  # shutdown, not a sibling cancel
+                    self.buffer.cancel(tid, "shutdown")
+                raise
+            # Nobody cancelled this task: env / reward / user code raised CancelledError on
+            # its own. A failure of this trajectory (counted, retried), not a silent retirement.
+            log.warning("trajectory %s: CancelledError raised inside it although nothing "
+                        "cancelled it; counted as failure 'unrequested_cancel' and retried", tid)
+            self._on_failed(tid, key, TrajectoryFailed(
+                "unrequested_cancel", "CancelledError raised by env, reward or user code"))
         else:
             self._failures_in_a_row = 0
             if self.transcripts is not None:
@@ -539,6 +546,32 @@ class Controller:
                 self._launch_restarts()
             self._notify()
 
+    def _on_failed(self, tid: str, key: str, exc: TrajectoryFailed) -> None:
+        """Count a failed trajectory, retry its slot, or give its group up when the group's
+        failure budget (``run.retry.max_failures_per_group``) is spent."""
+        self._failures_in_a_row += 1
+        self._last_failures = [*self._last_failures[-4:], str(exc)]
+        if self._failures_in_a_row >= self.run.retry.max_failures_in_a_row:
+            raise ControllerStalledError(
+                f"{self._failures_in_a_row} trajectory failures in a row "
+                f"(run.retry.max_failures_in_a_row); last: {self._last_failures}"
+            ) from exc
+        retry = self.buffer.fail(tid, exc.reason)
+        self._group_failures[key] += 1
+        budget = self.run.retry.max_failures_per_group
+        if budget is not None and self._group_failures[key] >= budget:
+            log.warning("group %s dropped: %d failures (run.retry.max_failures_per_group = %d); "
+                        "last: %s", key, self._group_failures[key], budget, exc)
+            for other in self.buffer.drop_group(key, "failure_budget"):
+                self._cancel_traj(other)
+            return
+        if retry is not None:
+            self._launch(retry, key)
+        elif self.buffer.stats_dropped("attempts_exhausted") > self._exhausted_seen:
+            self._exhausted_seen += 1
+            log.warning("group %s dropped: a member failed run.retry.max_attempts = %d times; "
+                        "last: %s", key, self.run.retry.max_attempts, exc)
+
     async def _selection_deadline(self, key: str) -> None:
         await asyncio.sleep(self.run.selection_deadline_s)
         for tid in self.buffer.close_group(key):
@@ -548,18 +581,55 @@ class Controller:
     # ------------------------------------------------------------------ training side
     async def _get_batch(self) -> list[Sample]:
         assert self._changed is not None
+        # The stall watchdog: a batch that does not come says what it waits on (one task per
+        # step, not a timer per wake-up: get_batch wakes on every trajectory outcome).
+        watchdog = (asyncio.create_task(self._stall_watchdog(), name="stall-watchdog")
+                    if self._stall_watchdog_on else None)
+        try:
+            while True:
+                self._raise_if_fatal()
+                batch = self._try_take_batch()
+                self._launch_restarts()
+                if batch is not None:
+                    return batch
+                if not self._tasks and not (self.buffer.has_room() and self._can_admit()):
+                    raise ControllerStalledError(
+                        f"no batch can be produced at version {self.buffer.version}: nothing is "
+                        f"running and admission is paused ({self.buffer.stats()})"
+                    )
+                await self._changed.wait()
+        finally:
+            if watchdog is not None:
+                watchdog.cancel()
+
+    async def _stall_watchdog(self) -> None:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
         while True:
-            self._raise_if_fatal()
-            batch = self._try_take_batch()
-            self._launch_restarts()
-            if batch is not None:
-                return batch
-            if not self._tasks and not (self.buffer.has_room() and self._can_admit()):
-                raise ControllerStalledError(
-                    f"no batch can be produced at version {self.buffer.version}: nothing is "
-                    f"running and admission is paused ({self.buffer.stats()})"
-                )
-            await self._changed.wait()
+            await asyncio.sleep(self.run.stall_log_s)
+            log.warning("%s", self.stall_report(loop.time() - t0))
+
+    def stall_report(self, waited_s: float, max_groups: int = 8, max_members: int = 8) -> str:
+        """What the training loop's ``get_batch`` waits on: the open groups (oldest first) with
+        their kept members, and what each running member is doing and for how long."""
+        now = self.clock()
+        activity = self._ctx.activity if self._ctx is not None else {}
+        groups = self.buffer.open_groups()
+        lines = [f"no batch for {waited_s:.0f} s at version {self.buffer.version}: "
+                 f"{self.buffer.ready_samples()}/{self.run.batch_size} samples ready, "
+                 f"{len(groups)} group(s) collecting, {len(self._tasks)} trajectories running"]
+        for key, domain, kept, live in groups[:max_groups]:
+            doing = []
+            for tid in live[:max_members]:
+                act = activity.get(tid)
+                doing.append(f"{tid} {act.phase} for {now - act.since:.0f} s" if act is not None
+                             else f"{tid} not started")
+            more = f", +{len(live) - max_members} more" if len(live) > max_members else ""
+            lines.append(f"  group {key} ({domain}): {kept}/{self.run.group_size} kept; "
+                         f"{'; '.join(doing) or 'no member running'}{more}")
+        if len(groups) > max_groups:
+            lines.append(f"  +{len(groups) - max_groups} more group(s)")
+        return "\n".join(lines)
 
     def _try_take_batch(self) -> list[Sample] | None:
         # A batch becomes ready only when a sample is kept or the version advances (held
@@ -584,6 +654,7 @@ class Controller:
         # The previous step's end, so counters between steps (checkpoints) land in this step.
         stats_before = self._stats_at_end or self.buffer.stats()
         tokens_before = self._ctx.generated_tokens if self._ctx else 0
+        invalid_actions_before = self._ctx.invalid_actions if self._ctx else 0
         rerouted_before = self.proxy.num_rerouted
         invalid_before = self.proxy.num_invalid_replies
         quarantined_before = len(self.proxy.quarantined)
@@ -638,6 +709,8 @@ class Controller:
             rollout_not_before=self._started_at,
             loop_lag_p99_ms=lag.p99_ms if lag is not None else None,
             loop_lag_max_ms=lag.max_ms if lag is not None else None,
+            num_invalid_actions=(self._ctx.invalid_actions if self._ctx else 0)
+            - invalid_actions_before,
         )
         metrics.num_invalid_replies = self.proxy.num_invalid_replies - invalid_before
         agreement = by_worker(batch, result.agreement)

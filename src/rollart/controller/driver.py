@@ -45,6 +45,7 @@ from rollart.controller.buffer import SampleBuffer
 from rollart.controller.controller import Controller
 from rollart.controller.loophealth import LoopLagMonitor
 from rollart.controller.metrics import StepMetrics
+from rollart.controller.offloop import OffLoopCalls
 from rollart.controller.ports import (
     EnvBackend,
     GenerationBackend,
@@ -141,7 +142,10 @@ class Cluster:
     # ------------------------------------------------------------------ registration
     def register_reward(self, name: str, fn: RewardFn) -> None:
         """Register local reward ``fn(prompt, response, reference, metadata) -> float |
-        (float, details)`` (sync or async) for domains with ``reward_url = "local"``."""
+        (float, details)`` (sync or async) for domains with ``reward_url = "local"``. A sync
+        ``fn`` runs on a thread (``run.local_threads``), never on the event loop; each call is
+        bounded by ``run.local_reward_timeout_s`` (past it the trajectory fails with
+        ``reward_error``, never a reward of 0)."""
         if self.controller is not None:
             self.controller.rewards.register(name, fn)
         self._local_rewards[name] = fn
@@ -156,8 +160,10 @@ class Cluster:
         return deco
 
     def register_env(self, name: str, factory: Callable[[], Any]) -> None:
-        """Serve env ``name`` in-process: ``factory()`` returns an object with ``reset(seed)``
-        and ``step(action)`` (see ``LocalEnvBackend``). Register before entering."""
+        """Serve env ``name`` in-process: ``factory(**domain.env_options)`` returns an object
+        with ``reset(seed)`` and ``step(action)`` (see ``LocalEnvBackend``); sync methods run on
+        threads (``run.local_threads``) within ``run.env_timeout_s`` each; ``step`` may raise
+        ``rollart.InvalidActionError`` for a malformed action. Register before entering."""
         if self.controller is not None:
             raise RuntimeError("register_env must be called before the cluster starts")
         self._local_envs[name] = factory
@@ -197,8 +203,13 @@ class Cluster:
         self.controller = Controller(
             sc,
             proxy=proxy,
-            envs=EnvRouter(b.env_hosts, LocalEnvBackend(self._local_envs)),
-            rewards=RewardRouter(b.reward_service, b.reward_endpoints, self._local_rewards),
+            envs=EnvRouter(b.env_hosts, LocalEnvBackend(
+                self._local_envs, OffLoopCalls(sc.run.local_threads, what="local env"))),
+            rewards=RewardRouter(
+                b.reward_service, b.reward_endpoints, self._local_rewards,
+                calls=OffLoopCalls(sc.run.local_threads, what="local reward"),
+                local_timeout_s=sc.run.local_reward_timeout_s,
+                max_details_bytes=sc.reward.max_details_bytes),
             trainer=b.trainer,
             tokenizer=b.tokenizer,
             clock=b.clock,

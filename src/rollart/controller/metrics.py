@@ -98,6 +98,10 @@ class StepMetrics(msgspec.Struct, kw_only=True):
     logprob_mismatch_by_worker: dict[str, float] = {}
     iw_capped_fraction_by_worker: dict[str, float] = {}
     disagreeing_workers: list[str] = []
+    #: env steps rejected as invalid actions (model-caused; those trajectories are trained on)
+    num_invalid_actions: int = 0
+    #: groups given up during the step, by reason (``failure_budget``)
+    groups_dropped_by_reason: dict[str, int] = {}
 
 
 #: One domain's counters over one step: the change of the buffer's cumulative ``DomainCounts``
@@ -145,6 +149,7 @@ def step_metrics(
     rollout_not_before: float | None = None,
     loop_lag_p99_ms: float | None = None,
     loop_lag_max_ms: float | None = None,
+    num_invalid_actions: int = 0,
 ) -> StepMetrics:
     """Assemble a step's metrics from its batch and the buffer counters around it.
 
@@ -204,4 +209,6 @@ def step_metrics(
         by_domain=domain_deltas(after, before),
         groups_by_domain=dict(sorted(n_groups.items())),
         flat_groups_by_domain=dict(sorted(flat.items())),
+        num_invalid_actions=num_invalid_actions,
+        groups_dropped_by_reason=_delta(after.groups_dropped, before.groups_dropped),
     )

@@ -188,6 +188,9 @@ class BufferStats(msgspec.Struct, kw_only=True):
     in_flight_tokens: int = 0
     #: the same accounting per task domain (see ``DomainCounts``)
     domains: dict[str, DomainCounts] = {}
+    #: groups given up by reason (``attempts_exhausted``: a slot used ``max_attempts``;
+    #: ``failure_budget``: ``run.retry.max_failures_per_group``)
+    groups_dropped: dict[str, int] = {}
 
 
 class DomainCounts(msgspec.Struct, kw_only=True):

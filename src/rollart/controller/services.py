@@ -13,8 +13,7 @@
 
 from __future__ import annotations
 
-import asyncio
-import inspect
+import functools
 import itertools
 import math
 from collections.abc import Callable, Mapping
@@ -22,9 +21,17 @@ from typing import Any
 
 import msgspec
 
+from rollart.controller.offloop import OffLoopCalls
 from rollart.controller.ports import EnvBackend, RewardBackend, RewardOutcome
 from rollart.transport import messages as m
-from rollart.transport.errors import ConfigError, EnvError, PeerDeadError, RewardError
+from rollart.transport.errors import (
+    ConfigError,
+    EnvError,
+    InvalidActionError,
+    PeerDeadError,
+    RewardError,
+    RewardTooLargeError,
+)
 
 
 class EnvHostsExhaustedError(PeerDeadError):
@@ -34,33 +41,44 @@ class EnvHostsExhaustedError(PeerDeadError):
 class LocalEnvBackend:
     """In-process envs registered by name; each session is one env object.
 
-    ``factories[name]()`` returns an object with ``reset(seed) -> (observation: str, info: dict)``
-    and ``step(action: str) -> (observation, reward, terminated, truncated, info)`` (sync or
-    async) and optionally ``close()``. An exception in the env raises ``EnvError("env_error")``.
+    ``factories[name](**options)`` (the domain's ``env_options``; ``factory()`` when there are
+    none) returns an object with ``reset(seed) -> (observation: str, info: dict)`` and
+    ``step(action: str) -> (observation, reward, terminated, truncated, info)`` (sync or async)
+    and optionally ``close()``. Sync calls run off the event loop (``calls``: bounded threads)
+    and every call is bounded by the ``timeout_s`` it is given. An exception in the env raises
+    ``EnvError("env_error")``, a call past its deadline ``EnvError("env_timeout")``;
+    ``InvalidActionError`` from ``step`` passes through (a model-caused outcome, not a failure).
     """
 
     name = "local"
     dead = False
 
-    def __init__(self, factories: Mapping[str, Callable[[], Any]] | None = None) -> None:
-        self.factories: dict[str, Callable[[], Any]] = dict(factories or {})
+    def __init__(self, factories: Mapping[str, Callable[..., Any]] | None = None,
+                 calls: OffLoopCalls | None = None) -> None:
+        self.factories: dict[str, Callable[..., Any]] = dict(factories or {})
+        self.calls = calls or OffLoopCalls(what="local env")
         self._sessions: dict[str, Any] = {}
         self._ids = itertools.count()
 
-    @staticmethod
-    async def _call(fn: Callable[..., Any], *args: Any) -> Any:
+    async def _call(self, what: str, timeout_s: float | None, fn: Callable[..., Any],
+                    *args: Any) -> Any:
         try:
-            out = fn(*args)
-            return await out if inspect.isawaitable(out) else out
+            return await self.calls.run(fn, *args, timeout_s=timeout_s, name=what)
+        except InvalidActionError:
+            raise
+        except TimeoutError as exc:
+            raise EnvError("env_timeout", f"{what}: no result within {timeout_s} s") from exc
         except Exception as exc:
-            raise EnvError("env_error", f"{type(exc).__name__}: {exc}") from exc
+            raise EnvError("env_error", f"{what}: {type(exc).__name__}: {exc}") from exc
 
     async def open(self, env_name: str, seed: int, options: dict[str, Any] | None = None, *,
                    timeout_s: float | None = None) -> m.EnvOpened:
         if env_name not in self.factories:
             raise EnvError("not_found", f"no local env {env_name!r}")
-        env = await self._call(self.factories[env_name])
-        obs, info = await self._call(env.reset, seed)
+        factory = self.factories[env_name]
+        env = await self._call(f"{env_name} factory", timeout_s,
+                               functools.partial(factory, **(options or {})))
+        obs, info = await self._call(f"{env_name}.reset", timeout_s, env.reset, seed)
         sid = f"local-{next(self._ids)}"
         self._sessions[sid] = env
         return m.EnvOpened(session_id=sid, observation=obs, info=dict(info or {}))
@@ -70,7 +88,8 @@ class LocalEnvBackend:
         env = self._sessions.get(session_id)
         if env is None:
             raise EnvError("not_found", f"no local session {session_id!r}")
-        obs, reward, terminated, truncated, info = await self._call(env.step, action)
+        obs, reward, terminated, truncated, info = await self._call(
+            f"{session_id}.step", timeout_s, env.step, action)
         return m.EnvStepResult(session_id=session_id, observation=obs, reward=float(reward),
                                terminated=bool(terminated), truncated=bool(truncated),
                                info=dict(info or {}))
@@ -79,7 +98,7 @@ class LocalEnvBackend:
         env = self._sessions.pop(session_id, None)
         close = getattr(env, "close", None)
         if close is not None:
-            await self._call(close)
+            await self._call(f"{session_id}.close", None, close)
 
 
 class EnvRouter:
@@ -137,6 +156,7 @@ class _LocalResult(msgspec.Struct):
 
 
 RewardFn = Callable[[str, str, Any, dict[str, Any]], Any]
+_json = msgspec.json.Encoder()
 
 
 def env_return_reward(prompt: str, response: str, reference: Any, metadata: dict) -> float:
@@ -152,13 +172,24 @@ class RewardRouter:
         endpoints: URL -> client for domains naming an http(s) URL.
         local: name -> function ``fn(prompt, response, reference, metadata)`` returning a float
             or ``(float, details)`` (sync or async); ``env_return`` is always available.
+            Sync ones run off the event loop (``calls``), each within ``local_timeout_s``.
+        calls: the bounded threads local functions run on.
+        local_timeout_s: deadline of one local reward call, seconds (``None``: none).
+        max_details_bytes: largest JSON-encoded ``details`` a local function may return
+            (larger: ``RewardTooLargeError``, like the HTTP client's limit).
     """
 
     def __init__(self, service: RewardBackend | None = None,
                  endpoints: Mapping[str, RewardBackend] | None = None,
-                 local: Mapping[str, RewardFn] | None = None) -> None:
+                 local: Mapping[str, RewardFn] | None = None,
+                 calls: OffLoopCalls | None = None,
+                 local_timeout_s: float | None = 60.0,
+                 max_details_bytes: int = 64 << 10) -> None:
         self.service = service
         self.endpoints = dict(endpoints or {})
+        self.calls = calls or OffLoopCalls(what="local reward")
+        self.local_timeout_s = local_timeout_s
+        self.max_details_bytes = max_details_bytes
         self.local: dict[str, RewardFn] = {"env_return": env_return_reward, **(local or {})}
 
     def register(self, name: str, fn: RewardFn) -> None:
@@ -190,11 +221,14 @@ class RewardRouter:
         if fn is None:
             raise RewardError(f"no local reward function {name!r}")
         try:
-            out = fn(prompt, response, reference, metadata)
-            if inspect.isawaitable(out):
-                out = await out
-        except asyncio.CancelledError:
-            raise
+            if fn is env_return_reward:  # trivial: not worth a thread
+                out = fn(prompt, response, reference, metadata)
+            else:
+                out = await self.calls.run(fn, prompt, response, reference, metadata,
+                                           timeout_s=self.local_timeout_s, name=name)
+        except TimeoutError as exc:
+            raise RewardError(f"local reward {name!r}: no result within "
+                              f"{self.local_timeout_s} s") from exc
         except Exception as exc:
             raise RewardError(f"local reward {name!r} raised {type(exc).__name__}: {exc}") from exc
         reward, details = out if isinstance(out, tuple) else (out, {})
@@ -202,4 +236,14 @@ class RewardRouter:
             raise RewardError(f"local reward {name!r} returned {type(reward).__name__}, not a number")
         if not math.isfinite(reward):
             raise RewardError(f"local reward {name!r} returned non-finite {reward!r}")
+        if details:
+            try:
+                size = len(_json.encode(details))
+            except (TypeError, msgspec.EncodeError) as exc:
+                raise RewardError(f"local reward {name!r} returned details that are not JSON: "
+                                  f"{exc}") from None
+            if size > self.max_details_bytes:
+                raise RewardTooLargeError(
+                    f"local reward {name!r}: details of {size} bytes (JSON) exceed "
+                    f"max_details_bytes = {self.max_details_bytes}")
         return _LocalResult(float(reward), dict(details))

@@ -6,7 +6,9 @@ one of three per-trajectory outcomes the controller turns into buffer calls:
 - :class:`TrajectoryFailed` (``reason``: ``env_error``, ``env_timeout``, ``env_not_found``,
   ``env_host_lost``, ``generation_error``, ``generation_timeout``, ``generation_aborted``,
   ``invalid_worker_output`` (the reply broke the ``GenerateResult`` contract, see
-  ``rollart.controller.workercheck``), ``reward_error``, ``prompt_too_long``): never a reward of
+  ``rollart.controller.workercheck``), ``reward_error``, ``reward_too_large``,
+  ``prompt_too_long``, ``trajectory_timeout`` (``run.trajectory_timeout_s``),
+  ``invalid_action`` (only under the domain's ``invalid_action = "fail"``)): never a reward of
   0; the buffer may retry the slot;
 - :class:`TrajectoryStale`: the per-turn staleness check said restart;
 - :class:`TrajectoryNotNeeded`: the buffer said the group no longer needs it.
@@ -19,7 +21,16 @@ Limits: ``max_turns`` assistant turns, ``max_tokens_per_turn`` generated tokens 
 ``max_tokens_per_trajectory`` tokens in the whole training sequence. ``finish_reason`` of the
 sample: ``terminated`` / ``env_truncated`` (the env ended it), ``length`` (the engine reported
 ``finish_reason="length"`` on a turn: the env still scores that truncated action, then the
-trajectory ends), ``max_tokens`` (the sequence budget ran out), ``max_turns``.
+trajectory ends), ``max_tokens`` (the sequence budget ran out), ``max_turns``,
+``invalid_action`` (the env rejected an action under ``invalid_action = "penalty"``).
+
+Invalid actions (the multi-turn reward contract): an env rejects a malformed action by raising
+``InvalidActionError`` (an env host replies ``invalid_action``). That is the model's doing, not
+an env failure, so the trajectory is *not* re-drawn: under the domain's ``invalid_action =
+"observe"`` the error message is the turn's observation (step reward 0; the episode goes on and
+the reward function scores it as usual); under ``"penalty"`` the trajectory ends and its reward
+is ``invalid_action_penalty`` (the reward function is not called). Either way it is trained on
+and counted (``TrajectoryContext.invalid_actions``, ``metadata["num_invalid_actions"]``).
 """
 
 from __future__ import annotations
@@ -42,10 +53,12 @@ from rollart.transport import messages as m
 from rollart.transport import tokenbytes as tb
 from rollart.transport.errors import (
     EnvError,
+    InvalidActionError,
     PeerDeadError,
     RemoteError,
     RemoteTimeoutError,
     RewardError,
+    RewardTooLargeError,
 )
 
 log = logging.getLogger(__name__)
@@ -74,6 +87,21 @@ class TrajectoryNotNeeded(Exception):
     """The buffer said ``cancel``: the group has enough members (or was retired)."""
 
 
+@dataclass(slots=True)
+class Activity:
+    """What a running trajectory is doing (``phase``: ``env open``, ``generating turn 2``,
+    ``env step 2``, ``reward``, ``waiting for weights``) since ``since`` (controller clock, s)."""
+
+    group_key: str
+    phase: str
+    since: float
+    num_generated: int = 0
+    num_invalid_actions: int = 0
+
+    def enter(self, phase: str, now: float) -> None:
+        self.phase, self.since = phase, now
+
+
 @dataclass
 class TrajectoryContext:
     """Everything a trajectory coroutine uses; one per controller.
@@ -94,20 +122,24 @@ class TrajectoryContext:
     barrier: TurnBarrier | None = None
     generated_tokens: int = 0
     env_steps: int = 0
+    #: env steps the env rejected as invalid actions (model-caused; trained on)
+    invalid_actions: int = 0
     extra_metadata: dict[str, Any] = field(default_factory=dict)
+    #: trajectory id -> what it is doing now (running trajectories only)
+    activity: dict[str, Activity] = field(default_factory=dict)
 
 
-def _env_failure(exc: BaseException) -> TrajectoryFailed:
+def _env_failure(exc: BaseException, num_generated: int = 0) -> TrajectoryFailed:
     if isinstance(exc, RemoteTimeoutError):
-        return TrajectoryFailed("env_timeout", str(exc))
+        return TrajectoryFailed("env_timeout", str(exc), num_generated)
     if isinstance(exc, EnvError):
         reason = {"env_timeout": "env_timeout", "not_found": "env_not_found"}.get(
             exc.code, "env_error"
         )
-        return TrajectoryFailed(reason, str(exc))
+        return TrajectoryFailed(reason, str(exc), num_generated)
     if isinstance(exc, RemoteError):
-        return TrajectoryFailed("env_error", str(exc))
-    return TrajectoryFailed("env_host_lost", f"{type(exc).__name__}: {exc}")
+        return TrajectoryFailed("env_error", str(exc), num_generated)
+    return TrajectoryFailed("env_host_lost", f"{type(exc).__name__}: {exc}", num_generated)
 
 
 async def _close_session(envs: EnvRouter, session_id: str) -> None:
@@ -121,12 +153,40 @@ async def _close_session(envs: EnvRouter, session_id: str) -> None:
 async def run_trajectory(
     ctx: TrajectoryContext, traj_id: str, group_key: str, domain: DomainConfig, seed: int
 ) -> Sample:
-    """Run trajectory ``traj_id`` of ``domain`` with env ``seed`` to a scored sample.
+    """Run trajectory ``traj_id`` of ``domain`` with env ``seed`` to a scored sample, within
+    ``run.trajectory_timeout_s`` (wall clock) when set. While it runs, ``ctx.activity[traj_id]``
+    says what it is doing and since when (the stall watchdog reads it).
 
     Raises:
         TrajectoryFailed, TrajectoryStale, TrajectoryNotNeeded: see the module docstring.
         PoolExhaustedError, EnvHostsExhaustedError: fatal.
     """
+    act = ctx.activity[traj_id] = Activity(group_key, "starting", ctx.clock())
+    timeout_s = ctx.run.trajectory_timeout_s
+    try:
+        if timeout_s is None:
+            return await _run_trajectory(ctx, traj_id, group_key, domain, seed, act)
+        deadline = asyncio.timeout(timeout_s)
+        try:
+            async with deadline:
+                return await _run_trajectory(ctx, traj_id, group_key, domain, seed, act)
+        except TimeoutError:
+            if not deadline.expired():
+                raise
+            raise TrajectoryFailed(
+                "trajectory_timeout",
+                f"{traj_id} ran longer than run.trajectory_timeout_s = {timeout_s:g} s "
+                f"(it was {act.phase} since {ctx.clock() - act.since:.1f} s)",
+                act.num_generated,
+            ) from None
+    finally:
+        ctx.activity.pop(traj_id, None)
+
+
+async def _run_trajectory(
+    ctx: TrajectoryContext, traj_id: str, group_key: str, domain: DomainConfig, seed: int,
+    act: Activity,
+) -> Sample:
     run, envs, chat = ctx.run, ctx.envs, ctx.chat[domain.name]
     t_start = ctx.clock()
     session_id: str | None = None
@@ -141,6 +201,7 @@ async def run_trajectory(
     if ctx.barrier is not None:
         ctx.barrier.join(traj_id)
     try:
+        act.enter("env open", ctx.clock())
         try:
             opened = await envs.open(domain.env, seed, domain.env_options,
                                      timeout_s=run.env_timeout_s)
@@ -148,6 +209,8 @@ async def run_trajectory(
             raise
         except (RemoteError, PeerDeadError) as exc:
             raise _env_failure(exc) from exc
+        except InvalidActionError as exc:  # there is no action at reset: the env's fault
+            raise TrajectoryFailed("env_error", f"reset raised {exc!r}") from exc
         session_id = opened.session_id
         messages = []
         if domain.system_prompt:
@@ -162,6 +225,7 @@ async def run_trajectory(
         sampling = domain.sampling
         max_turns = domain.max_turns or run.max_turns
         env_return = 0.0
+        penalty: float | None = None
         responses: list[str] = []
         finish = "max_turns"
         turn = 0
@@ -172,6 +236,7 @@ async def run_trajectory(
             if verdict == "cancel":
                 raise TrajectoryNotNeeded(traj_id)
             if verdict == "wait":
+                act.enter("waiting for weights", ctx.clock())
                 await ctx.wait_for_weights(ctx.proxy.version)
                 continue
             budget = run.max_tokens_per_trajectory - len(token_ids)
@@ -193,6 +258,7 @@ async def run_trajectory(
                 top_p=sampling.top_p,
                 top_k=sampling.top_k,
             )
+            act.enter(f"generating turn {turn}", ctx.clock())
             try:
                 result = await ctx.proxy.generate(
                     traj_id, domain.name, f"{traj_id}/t{turn}", token_ids, params,
@@ -214,6 +280,7 @@ async def run_trajectory(
             logprobs.frombytes(result.logprobs)
             versions.extend(new_versions)
             num_generated += n
+            act.num_generated = num_generated
             ctx.generated_tokens += n
             ctx.buffer.record_tokens(traj_id, new_versions)
             if result.finish_reason == "abort":
@@ -223,13 +290,31 @@ async def run_trajectory(
             action = chat.decode(new_ids)
             responses.append(action)
             turn += 1
+            act.enter(f"env step {turn - 1}", ctx.clock())  # turn counts the action just taken
+            invalid: str | None = None
             try:
                 step = await envs.step(session_id, action, timeout_s=run.env_timeout_s)
+            except InvalidActionError as exc:  # in-process env
+                invalid = exc.message
+            except EnvError as exc:
+                if exc.code != "invalid_action":
+                    raise _env_failure(exc, num_generated) from exc
+                invalid = exc.message
             except (RemoteError, PeerDeadError) as exc:
-                failure = _env_failure(exc)
-                failure.num_generated = num_generated
-                raise failure from exc
+                raise _env_failure(exc, num_generated) from exc
             ctx.env_steps += 1
+            if invalid is not None:
+                # The model's action was malformed: its fault, not the env's. Train on it.
+                ctx.invalid_actions += 1
+                act.num_invalid_actions += 1
+                if domain.invalid_action == "fail":
+                    raise TrajectoryFailed("invalid_action", invalid, num_generated)
+                if domain.invalid_action == "penalty":
+                    finish = "invalid_action"
+                    penalty = domain.invalid_action_penalty
+                    break
+                step = m.EnvStepResult(session_id=session_id, observation=invalid, reward=0.0,
+                                       terminated=False, truncated=False)
             env_return += step.reward
             if result.finish_reason == "length":
                 finish = "length" if max_new == run.max_tokens_per_turn else "max_tokens"
@@ -263,13 +348,22 @@ async def run_trajectory(
             "finish_reason": finish,
             "responses": responses,
         }
-        try:
-            scored = await ctx.rewards.score(
-                domain.reward, domain.reward_url, prompt_text,
-                responses[-1] if responses else "", opened.info.get("reference"), metadata,
-            )
-        except RewardError as exc:
-            raise TrajectoryFailed("reward_error", str(exc), num_generated) from exc
+        act.enter("reward", ctx.clock())
+        if penalty is not None:
+            # Ended by an invalid action: the domain's penalty is its reward (configured,
+            # explicit; the reward function never saw a finished episode).
+            reward, details = penalty, {"invalid_action": True}
+        else:
+            try:
+                scored = await ctx.rewards.score(
+                    domain.reward, domain.reward_url, prompt_text,
+                    responses[-1] if responses else "", opened.info.get("reference"), metadata,
+                )
+            except RewardTooLargeError as exc:
+                raise TrajectoryFailed("reward_too_large", str(exc), num_generated) from exc
+            except RewardError as exc:
+                raise TrajectoryFailed("reward_error", str(exc), num_generated) from exc
+            reward, details = float(scored.reward), dict(scored.details)
         return Sample(
             sample_id=traj_id,
             group_key=group_key,
@@ -277,7 +371,7 @@ async def run_trajectory(
             loss_mask=loss_mask,
             behaviour_logprobs=logprobs,
             versions=versions,
-            reward=float(scored.reward),
+            reward=reward,
             domain=domain.name,
             num_turns=turn,
             finish_reason=finish,
@@ -288,7 +382,8 @@ async def run_trajectory(
                 "env_return": env_return,
                 "t_start": t_start,
                 "t_end": ctx.clock(),
-                "reward_details": dict(scored.details),
+                "reward_details": details,
+                "num_invalid_actions": act.num_invalid_actions,
                 **ctx.extra_metadata,
             },
         )

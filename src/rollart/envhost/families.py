@@ -9,7 +9,10 @@ An env name is ``FAMILY:REST``:
   ``score_answer``.
 - ``py:package.module:Attr`` — a user env: ``Attr(**options)`` must return an object with
   ``reset(seed) -> (observation, info)`` and ``step(action) -> (observation, reward, terminated,
-  truncated, info)``, and optionally ``close()``.
+  truncated, info)``, and optionally ``close()``. ``step`` may raise
+  ``rollart.transport.errors.InvalidActionError`` for a malformed action (e.g. broken tool-call
+  JSON): the host replies ``invalid_action`` and the session stays open (a model-caused outcome
+  the controller trains on, per the domain's ``invalid_action`` policy).
 
 Every adapter is synchronous and may block; the host runs it in a worker thread, one call at a
 time per session.

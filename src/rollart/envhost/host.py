@@ -7,6 +7,8 @@ Env code is synchronous and may block, so every reset / step / close runs in a t
 ``threads`` workers with a timeout, and the event loop keeps serving other sessions meanwhile.
 An env that raises or times out fails *that* session: the reply is ``env_error`` /
 ``env_timeout``, the session is removed (a later step gets ``not_found`` naming why) and released.
+An env whose ``step`` raises ``InvalidActionError`` (a malformed action: the model's fault) gets
+the reply ``invalid_action`` with its message, and the session stays open.
 A thread stuck in a hung env cannot be interrupted: it stays busy until the env returns (then the
 env is closed), which is why ``threads`` should exceed the number of envs expected to hang.
 Injected latency is an awaited sleep before the step, so it never holds a thread.
@@ -32,7 +34,7 @@ import msgspec
 from rollart.envhost.families import EnvAdapter, EnvSpecError, make_env
 from rollart.envhost.latency import LatencyConfig, LatencyModel, select_latency
 from rollart.transport import messages as m
-from rollart.transport.errors import ConfigError, EnvError
+from rollart.transport.errors import ConfigError, EnvError, InvalidActionError
 from rollart.transport.rpc import RpcServer
 from rollart.transport.security import Auth, add_auth_args, service_auth
 
@@ -155,7 +157,7 @@ class EnvHost:
     async def _run(self, s: _Session, fn: Callable[[], Any], timeout_s: float, what: str) -> Any:
         """Run ``fn`` in the pool; raise ``EnvError(env_timeout)`` after ``timeout_s``."""
         loop = asyncio.get_running_loop()
-        cf = self._pool.submit(fn)
+        cf = self._pool.submit(_no_stray_cancel, fn)
         s.inflight = cf
         try:
             return await asyncio.wait_for(asyncio.wrap_future(cf), timeout_s)
@@ -298,6 +300,11 @@ class EnvHost:
             obs, reward, terminated, truncated, info = await self._run(
                 s, lambda: env.step(msg.action), self.config.step_timeout_s, what
             )
+        except InvalidActionError as exc:
+            # The model's action was malformed; the env is fine and the session goes on (the
+            # controller applies the domain's invalid_action policy).
+            s.num_steps += 1
+            raise EnvError("invalid_action", f"{what}: {exc.message}") from None
         except EnvError as exc:
             if not s.closed:
                 self._fail(s, exc)
@@ -350,6 +357,15 @@ class EnvHost:
             num_steps=self.num_steps,
             num_errors=self.num_errors,
         )
+
+
+def _no_stray_cancel(fn: Callable[[], Any]) -> Any:
+    """``fn()``; a ``CancelledError`` raised by env code becomes an ordinary error (nobody
+    cancelled anything: passed on as is it would look like the handler being cancelled)."""
+    try:
+        return fn()
+    except asyncio.CancelledError as exc:
+        raise RuntimeError(f"env code raised CancelledError ({exc})") from None
 
 
 def _close_quietly(s: _Session) -> None:

@@ -29,7 +29,7 @@ from collections.abc import AsyncIterator, Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
-from rollart.config import Scenario, load_scenario, scenario_to_json
+from rollart.config import RewardServiceConfig, Scenario, load_scenario, scenario_to_json
 from rollart.launcher.procs import ProcessFailedError, Supervisor
 from rollart.transport.errors import ConfigError, RollartError
 
@@ -214,14 +214,14 @@ async def open_cluster(scenario: str | Path | Scenario, *, run_dir: str | Path |
         rc = scenario.reward
         reward = RewardClient(addrs.reward_url, max_concurrency=rc.max_concurrency,
                               timeout_s=rc.timeout_s, max_retries=rc.max_retries,
-                              backoff_s=rc.backoff_s)
+                              backoff_s=rc.backoff_s, **_reward_limits(rc))
         await reward.__aenter__()
         # Domains scored by any endpoint speaking the reward contract (e.g. a FaaS URL).
         for url in sorted({d.reward_url for d in scenario.domains
                            if d.reward_url.startswith(("http://", "https://"))}):
             endpoint = RewardClient(url, max_concurrency=rc.max_concurrency,
                                     timeout_s=rc.timeout_s, max_retries=rc.max_retries,
-                                    backoff_s=rc.backoff_s)
+                                    backoff_s=rc.backoff_s, **_reward_limits(rc))
             await endpoint.__aenter__()
             endpoints[url] = endpoint
         pools = {name: [InferenceClient(a, auth=auth, name=f"{name}-{i}")
@@ -316,3 +316,9 @@ def _vocab_size(config: Any) -> int | None:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     size = getattr(text, "vocab_size", None)
     return size if isinstance(size, int) and size > 0 else None
+
+
+def _reward_limits(rc: RewardServiceConfig) -> dict[str, Any]:
+    """The reward client's timeout-retry and size-limit options from the scenario."""
+    return {"retry_timeouts": rc.retry_timeouts, "max_reply_bytes": rc.max_reply_bytes,
+            "max_details_bytes": rc.max_details_bytes}

@@ -4,11 +4,18 @@ Works with any endpoint that speaks the contract of :mod:`rollart.reward.protoco
 reward service, or e.g. a serverless function URL (put ``{name}`` in ``base_url`` when the function
 name is not a ``/v1/reward/{name}`` path suffix).
 
-Retry policy: a call is retried up to ``max_retries`` times on a timeout, a connection error,
-HTTP 429 or any 5xx, sleeping ``min(backoff_s * 2**attempt, max_backoff_s)`` seconds between tries
-(or the server's ``Retry-After`` when given and larger, capped the same way). Other 4xx are the
-caller's fault and are not retried. A call that still fails raises ``RewardError`` (never a
+Retry policy: a call is retried up to ``max_retries`` times on a connection error, HTTP 429 or
+a 5xx other than 504, sleeping ``min(backoff_s * 2**attempt, max_backoff_s)`` seconds between
+tries (or the server's ``Retry-After`` when given and larger, capped the same way). A timeout
+(HTTP 504, or no reply within ``timeout_s``) is retried only with ``retry_timeouts=True``: a
+function that hung once usually hangs again, and each retry would start it again. Other 4xx are
+the caller's fault and are not retried. A call that still fails raises ``RewardError`` (never a
 reward of 0).
+
+Size limits: a reply body over ``max_reply_bytes`` is not read past the limit, and a 200 whose
+``details`` encode to more than ``max_details_bytes`` is refused: both raise
+:class:`RewardTooLargeError` (the trajectory fails with reason ``reward_too_large``), so nothing
+oversized reaches a sample or a checkpoint.
 """
 
 from __future__ import annotations
@@ -23,7 +30,12 @@ import aiohttp
 import msgspec
 
 from rollart.reward.protocol import RewardRequest
-from rollart.transport.errors import RewardError
+from rollart.transport.errors import RewardError, RewardTooLargeError
+
+#: ``max_reply_bytes`` default: a reward reply is a float and a small details object
+DEFAULT_MAX_REPLY_BYTES = 1 << 20
+#: ``max_details_bytes`` default (JSON-encoded ``details``; kept in each sample's metadata)
+DEFAULT_MAX_DETAILS_BYTES = 64 << 10
 
 
 class RewardResult(msgspec.Struct, frozen=True):
@@ -37,7 +49,9 @@ _result_decoder = msgspec.json.Decoder(RewardResult)
 _encoder = msgspec.json.Encoder()
 
 
-def _is_retryable(status: int) -> bool:
+def _is_retryable(status: int, retry_timeouts: bool) -> bool:
+    if status == 504:
+        return retry_timeouts
     return status == 429 or status >= 500
 
 
@@ -52,6 +66,10 @@ class RewardClient:
         max_retries: extra attempts after the first on retryable failures, >= 0.
         backoff_s: first retry delay in seconds; doubles per retry, capped at ``max_backoff_s``.
         max_backoff_s: cap of one retry delay, seconds.
+        retry_timeouts: also retry HTTP 504 and client-side timeouts (off: a hung function is
+            not started again by the retries).
+        max_reply_bytes: largest reply body read, bytes (>= 1024).
+        max_details_bytes: largest JSON-encoded ``details`` accepted, bytes (>= 2).
 
     Raises:
         ValueError: a bad argument (named in the message).
@@ -66,6 +84,9 @@ class RewardClient:
         max_retries: int = 3,
         backoff_s: float = 0.5,
         max_backoff_s: float = 10.0,
+        retry_timeouts: bool = False,
+        max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES,
+        max_details_bytes: int = DEFAULT_MAX_DETAILS_BYTES,
     ) -> None:
         if not base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url must start with http:// or https://, got {base_url!r}")
@@ -79,6 +100,14 @@ class RewardClient:
             raise ValueError(
                 f"backoff_s and max_backoff_s must be >= 0, got {backoff_s}, {max_backoff_s}"
             )
+        if max_reply_bytes < 1024 or max_details_bytes < 2:
+            raise ValueError(
+                "max_reply_bytes must be >= 1024 and max_details_bytes >= 2, got "
+                f"{max_reply_bytes}, {max_details_bytes}"
+            )
+        self.retry_timeouts = retry_timeouts
+        self.max_reply_bytes = max_reply_bytes
+        self.max_details_bytes = max_details_bytes
         self.base_url = base_url
         self.max_concurrency = max_concurrency
         self.timeout_s = timeout_s
@@ -143,6 +172,7 @@ class RewardClient:
             RewardResult with a finite ``reward``.
 
         Raises:
+            RewardTooLargeError: the reply body or its ``details`` exceed the limits (no retry).
             RewardError: ``status`` is the last HTTP status (``None`` after a timeout or
                 connection error); ``reason`` names the function, the attempts and the cause.
             msgspec.EncodeError: ``reference`` / ``metadata`` are not JSON-serialisable.
@@ -160,7 +190,7 @@ class RewardClient:
             try:
                 async with self._semaphore, session.post(url, data=body) as resp:
                     status = resp.status
-                    payload = await resp.read()
+                    payload = await self._read_capped(name, resp)
                     if status == 200:
                         return self._decode(name, payload)
                     reason = _reason(payload)
@@ -169,7 +199,10 @@ class RewardClient:
                 reason = f"no reply within timeout_s={self.timeout_s:g}"
             except aiohttp.ClientError as exc:
                 reason = f"{type(exc).__name__}: {exc}"
-            retryable = status is None or _is_retryable(status)
+            if status is None:
+                retryable = self.retry_timeouts or not reason.startswith("no reply within")
+            else:
+                retryable = _is_retryable(status, self.retry_timeouts)
             if not retryable or attempt >= self.max_retries:
                 tries = f" after {attempt + 1} attempts" if attempt else ""
                 raise RewardError(f"reward {name!r} at {url}{tries}: {reason}", status)
@@ -179,6 +212,26 @@ class RewardClient:
             attempt += 1
             await asyncio.sleep(delay)
 
+    async def _read_capped(self, name: str, resp: aiohttp.ClientResponse) -> bytes:
+        """The body, refusing one over ``max_reply_bytes`` without reading it all."""
+        limit = self.max_reply_bytes
+        if resp.content_length is not None and resp.content_length > limit:
+            resp.close()
+            raise RewardTooLargeError(
+                f"reward {name!r}: reply of {resp.content_length} bytes exceeds max_reply_bytes"
+                f" = {limit}", resp.status)
+        chunks, size = [], 0
+        while True:
+            chunk = await resp.content.read(min(65536, limit + 1 - size))
+            if not chunk:
+                return b"".join(chunks)
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > limit:
+                resp.close()
+                raise RewardTooLargeError(
+                    f"reward {name!r}: reply body exceeds max_reply_bytes = {limit}", resp.status)
+
     def _decode(self, name: str, payload: bytes) -> RewardResult:
         # A 200 with a broken body is the endpoint's bug; it is not retried (it would repeat).
         try:
@@ -187,6 +240,12 @@ class RewardClient:
             raise RewardError(f"reward {name!r}: invalid 200 reply: {exc}", 200) from None
         if not math.isfinite(result.reward):
             raise RewardError(f"reward {name!r}: non-finite reward {result.reward!r}", 200)
+        if result.details:
+            size = len(_encoder.encode(result.details))
+            if size > self.max_details_bytes:
+                raise RewardTooLargeError(
+                    f"reward {name!r}: details of {size} bytes (JSON) exceed max_details_bytes = "
+                    f"{self.max_details_bytes}", 200)
         return result
 
     def _require_session(self) -> aiohttp.ClientSession:

@@ -1,11 +1,24 @@
 """Runs reward functions off the event loop, under a timeout, and classifies every failure.
 
-Async functions run on the loop; sync ones run inline (trivial functions only), in a thread
-pool, or in a process pool (CPU-bound scoring: sympy holds the GIL, so threads would stall the
-server). Every call is bounded by the function's ``timeout_s``, which includes queueing for a pool
-slot. A timed-out thread or process task cannot be killed: the caller gets its 504 at once, but
-the pool slot stays busy until the task returns (the built-in math scorer bounds itself with
-math-verify's own timeouts; user functions should bound themselves too).
+Async functions run on the loop; sync ones run inline (trivial functions only), in threads, or
+in worker processes (CPU-bound scoring: sympy holds the GIL, so threads would stall the server).
+Every call is bounded by the function's ``timeout_s`` from the moment it has a thread or worker
+process; waiting for one is bounded by ``timeout_s`` too and answered 503 (saturated: retry)
+past it, so a saturated service is never mistaken for a hung function.
+
+A call that outlives its timeout must not starve later calls (a few hung calls used to occupy
+every pool slot, so every later call timed out too):
+
+- process functions run in ``num_processes`` single-process slots; a call past its timeout has
+  its process killed (SIGTERM) and the slot gets a fresh process (``num_killed_processes``).
+- thread functions run one daemon thread per call, at most ``num_threads`` at once. A thread
+  cannot be killed: past its timeout it is *abandoned* (its slot is freed at once, it is
+  counted in ``num_hung_threads`` until it returns, and its result is discarded). At most
+  ``max_hung_threads`` may be abandoned at once; beyond that thread calls get 503 (the service
+  keeps serving process and async functions) until one returns. Chosen over running sync
+  functions in processes by default because thread functions may be closures or hold state
+  that cannot be sent to another process; functions that may hang should use
+  ``executor="process"``.
 """
 
 from __future__ import annotations
@@ -13,6 +26,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures as cf
 import functools
+import itertools
+import logging
 import multiprocessing
 import os
 import threading
@@ -22,6 +37,8 @@ from typing import Any
 
 from rollart.reward.protocol import InvalidRewardError, RewardResponse, validate_result
 from rollart.reward.registry import RewardFunction, RewardInputError
+
+log = logging.getLogger("rollart.reward.runner")
 
 THREAD_PREFIX = "rollart-reward"
 
@@ -45,15 +62,49 @@ def _call(fn: Any, prompt: str, response: str, reference: Any, metadata: dict) -
     return fn(prompt, response, reference, metadata)
 
 
+def _terminate(pool: cf.ProcessPoolExecutor) -> None:
+    """Kill ``pool``'s worker processes and shut it down without waiting."""
+    # 3.11 has no public terminate, so use the executor's process map.
+    procs = list((getattr(pool, "_processes", None) or {}).values())
+    pool.shutdown(wait=False, cancel_futures=True)
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+
+
+class _ThreadCall:
+    """One sync call on its own daemon thread; its outcome is handed to the loop's future."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, fut: asyncio.Future[Any]) -> None:
+        self.loop, self.fut = loop, fut
+        self.lock = threading.Lock()
+        self.finished = False
+        self.abandoned = False
+
+    def settle(self, ok: bool, value: Any) -> None:
+        if not self.fut.done():
+            if ok:
+                self.fut.set_result(value)
+            else:
+                self.fut.set_exception(value)
+
+
 class RewardRunner:
-    """Owns the thread and process pools of one service.
+    """Owns the threads and worker processes of one service.
 
     Args:
-        num_threads: thread-pool size for ``executor="thread"`` functions.
-        num_processes: process-pool size for ``executor="process"`` functions (spawned, not
-            forked: forking a process that runs an event loop and threads is unsafe).
+        num_threads: thread functions running at once (``executor="thread"``), >= 1.
+        num_processes: worker processes for ``executor="process"`` functions (forked from a
+            forkserver, never from the service: forking a process that runs an event loop and
+            threads is unsafe).
         default_timeout_s: limit for functions that do not set ``timeout_s``, in seconds.
         warm_up: pre-import math-verify and reasoning-gym in each worker process.
+        max_hung_threads: thread calls past their timeout still running (abandoned) before
+            further thread calls are refused with 503, >= 1. An abandoned thread costs its
+            stack's touched pages (tens of KiB) and whatever the function holds.
+
+    Raises:
+        ValueError: an argument out of range, named.
     """
 
     def __init__(
@@ -63,35 +114,207 @@ class RewardRunner:
         num_processes: int | None = None,
         default_timeout_s: float = 30.0,
         warm_up: bool = True,
+        max_hung_threads: int = 1024,
     ) -> None:
         if num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {num_threads}")
         if default_timeout_s <= 0:
             raise ValueError(f"default_timeout_s must be > 0, got {default_timeout_s}")
+        if max_hung_threads < 1:
+            raise ValueError(f"max_hung_threads must be >= 1, got {max_hung_threads}")
         self.num_processes = num_processes or max(1, min(4, os.cpu_count() or 1))
         if self.num_processes < 1:
             raise ValueError(f"num_processes must be >= 1, got {num_processes}")
+        self.num_threads = num_threads
+        self.max_hung_threads = max_hung_threads
         self.default_timeout_s = default_timeout_s
-        self._threads = cf.ThreadPoolExecutor(num_threads, thread_name_prefix=THREAD_PREFIX)
         self._warm_up = warm_up
-        self._processes: cf.ProcessPoolExecutor | None = None
+        #: thread calls abandoned after their timeout and still running (gauge)
+        self.num_hung_threads = 0
+        #: worker processes killed because a call outlived its timeout (cumulative)
+        self.num_killed_processes = 0
+        #: worker processes replaced after dying on their own (cumulative)
+        self.num_broken_processes = 0
+        self._hung_lock = threading.Lock()
+        self._thread_ids = itertools.count()
+        self._thread_slots: asyncio.Semaphore | None = None
+        # Single-process executors: one hung call is killed without touching the others.
+        self._procs: list[cf.ProcessPoolExecutor] = []
+        self._idle: asyncio.Queue[cf.ProcessPoolExecutor] | None = None
+        self._spawning: set[asyncio.Task[None]] = set()
+        self._closed = False
 
-    def _process_pool(self) -> cf.ProcessPoolExecutor:
+    def stats(self) -> dict[str, int]:
+        """Gauges ``hung_threads``, ``idle_processes`` (started, free); counters
+        ``killed_processes``, ``broken_processes``."""
+        return {
+            "hung_threads": self.num_hung_threads,
+            "idle_processes": self._idle.qsize() if self._idle is not None else 0,
+            "killed_processes": self.num_killed_processes,
+            "broken_processes": self.num_broken_processes,
+        }
+
+    # ------------------------------------------------------------------ process slots
+    def _slots(self) -> asyncio.Queue[cf.ProcessPoolExecutor]:
         # Created lazily: a service that only serves thread/async functions never spawns workers.
-        if self._processes is None:
-            self._processes = cf.ProcessPoolExecutor(
-                self.num_processes,
-                mp_context=multiprocessing.get_context("spawn"),
+        if self._idle is None:
+            self._idle = asyncio.Queue()
+            for _ in range(self.num_processes):
+                self._spawn()
+        return self._idle
+
+    def _spawn(self) -> None:
+        """Start a worker process in the background; it joins the idle slots once warmed up,
+        so no call's deadline is spent on a process start (and no starting process is killed
+        for being slow: that would never let a replacement finish warming up)."""
+        task = asyncio.get_running_loop().create_task(self._start_slot())
+        self._spawning.add(task)
+        task.add_done_callback(self._spawning.discard)
+
+    async def _start_slot(self) -> None:
+        delay_s = 0.5
+        while not self._closed:
+            pool = cf.ProcessPoolExecutor(
+                1, mp_context=self._mp_context(),
                 initializer=_warm_up if self._warm_up else None,
             )
-        return self._processes
+            self._procs.append(pool)
+            try:
+                await asyncio.get_running_loop().run_in_executor(pool, int)
+            except BrokenProcessPool as exc:  # e.g. the warm-up imports failed
+                log.error("reward worker process failed to start (%s); retrying in %g s",
+                          exc, delay_s)
+                self._procs.remove(pool)
+                _terminate(pool)
+                await asyncio.sleep(delay_s)
+                delay_s = min(2 * delay_s, 30.0)
+                continue
+            if self._closed:
+                return
+            assert self._idle is not None
+            self._idle.put_nowait(pool)
+            return
+
+    def _mp_context(self) -> Any:
+        # Workers fork from a forkserver that imported the heavy scorers once: a replacement
+        # for a killed worker starts in milliseconds instead of re-importing them (seconds),
+        # and nothing forks the service itself (an event loop and threads: unsafe to fork).
+        ctx = multiprocessing.get_context("forkserver")
+        if self._warm_up:
+            ctx.set_forkserver_preload(["math_verify", "reasoning_gym"])
+        return ctx
 
     def start_process_pool(self) -> None:
-        """Spawn the worker processes now (instead of on the first process-pool call)."""
-        pool = self._process_pool()
-        for _ in range(self.num_processes):
-            pool.submit(int)
+        """Start the worker processes now (instead of on the first process call); call from
+        inside the event loop."""
+        self._slots()
 
+    def _replace(self, pool: cf.ProcessPoolExecutor) -> None:
+        """Kill ``pool``'s process and start a fresh slot in its place."""
+        if pool in self._procs:
+            self._procs.remove(pool)
+        _terminate(pool)
+        if not self._closed:
+            self._spawn()
+
+    async def _run_process(self, spec: RewardFunction, args: tuple,
+                           pool: cf.ProcessPoolExecutor) -> Any:
+        slots = self._slots()
+        loop = asyncio.get_running_loop()
+        fut = loop.run_in_executor(pool, functools.partial(_call, spec.fn, *args))
+        try:
+            result = await fut
+        except BrokenProcessPool as exc:
+            # The worker died (e.g. OOM-killed, os._exit): replace it; this call fails (503).
+            self.num_broken_processes += 1
+            self._replace(pool)
+            raise ScoringError(
+                503, f"reward function {spec.name!r}: worker process died ({exc}); retry"
+            ) from None
+        except asyncio.CancelledError:
+            # Timed out (or the caller went away) while the function runs: kill it, else the
+            # slot stays busy until the function returns, which may be never.
+            if not fut.done() or fut.cancelled():
+                self.num_killed_processes += 1
+                log.warning("killing the worker process of reward function %r (past its "
+                            "deadline); a fresh one replaces it", spec.name)
+                self._replace(pool)
+            else:
+                slots.put_nowait(pool)
+            raise
+        except BaseException:
+            slots.put_nowait(pool)
+            raise
+        slots.put_nowait(pool)
+        return result
+
+    # ------------------------------------------------------------------ thread calls
+    async def _run_thread(self, spec: RewardFunction, args: tuple) -> Any:
+        """Run on a fresh daemon thread (the caller holds a thread slot)."""
+        loop = asyncio.get_running_loop()
+        call = _ThreadCall(loop, loop.create_future())
+        thread = threading.Thread(
+            target=self._thread_main, args=(call, spec, args),
+            name=f"{THREAD_PREFIX}-{next(self._thread_ids)}", daemon=True,
+        )
+        thread.start()
+        try:
+            return await call.fut
+        except asyncio.CancelledError:
+            with call.lock:
+                if not call.finished:
+                    call.abandoned = True
+                    with self._hung_lock:
+                        self.num_hung_threads += 1
+                    log.warning("abandoning a call of reward function %r past its deadline "
+                                "(%d thread call(s) hung)", spec.name, self.num_hung_threads)
+            raise
+
+    async def _acquire(self, spec: RewardFunction, timeout_s: float
+                       ) -> cf.ProcessPoolExecutor | None:
+        """A thread slot (``None``) or an idle worker process for ``spec``, waiting at most
+        ``timeout_s``. Raises ScoringError 503 (retryable: the service is saturated, the
+        function did not run) past it, or while too many thread calls hang."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                if spec.executor == "process":
+                    return await self._slots().get()
+                if self._thread_slots is None:
+                    self._thread_slots = asyncio.Semaphore(self.num_threads)
+                await self._thread_slots.acquire()
+        except TimeoutError:
+            what = "worker process" if spec.executor == "process" else "thread slot"
+            raise ScoringError(
+                503, f"reward function {spec.name!r}: no free {what} within {timeout_s:g} s "
+                "(the service is saturated); retry") from None
+        # Checked holding a slot, so at most num_threads more can be abandoned past it.
+        if self.num_hung_threads >= self.max_hung_threads:
+            self._thread_slots.release()
+            raise ScoringError(
+                503,
+                f"reward function {spec.name!r}: {self.num_hung_threads} thread calls hung "
+                f"past their timeout (limit {self.max_hung_threads}); refusing thread calls "
+                "until one returns (use executor='process' for functions that may hang)",
+            )
+        return None
+
+    def _thread_main(self, call: _ThreadCall, spec: RewardFunction, args: tuple) -> None:
+        try:
+            ok, value = True, _call(spec.fn, *args)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller, classified there
+            ok, value = False, exc
+        with call.lock:
+            call.finished = True
+            if call.abandoned:
+                with self._hung_lock:
+                    self.num_hung_threads -= 1
+                return
+        try:
+            call.loop.call_soon_threadsafe(call.settle, ok, value)
+        except RuntimeError:  # the loop is closed: the service stopped, nobody waits
+            pass
+
+    # ------------------------------------------------------------------ scoring
     async def score(
         self, spec: RewardFunction, prompt: str, response: str, reference: Any, metadata: dict
     ) -> RewardResponse:
@@ -99,12 +322,17 @@ class RewardRunner:
 
         Raises:
             ScoringError: 422 (RewardInputError or invalid reward), 500 (the function raised),
-                503 (process pool broken; it is rebuilt for later calls), 504 (timeout).
+                503 (no free thread / worker process within ``timeout_s``, its worker process
+                died and was replaced, or too many hung thread calls: retryable), 504 (it ran
+                past ``timeout_s``; a process call is killed, a thread call abandoned).
         """
         timeout_s = spec.timeout_s if spec.timeout_s is not None else self.default_timeout_s
         args = (prompt, response, reference, metadata)
         deadline = asyncio.timeout(timeout_s)
-        pool: cf.ProcessPoolExecutor | None = None
+        pooled = not spec.is_async and spec.executor in ("thread", "process")
+        # Waiting for a slot is not running: past timeout_s it is a 503 (saturated, retry),
+        # and the function's own timeout_s starts once it has a thread or process.
+        pool = await self._acquire(spec, timeout_s) if pooled else None
         try:
             async with deadline:
                 if spec.is_async:
@@ -112,16 +340,10 @@ class RewardRunner:
                 elif spec.executor == "inline":
                     result = spec.fn(*args)
                 elif spec.executor == "thread":
-                    loop = asyncio.get_running_loop()
-                    result = await loop.run_in_executor(
-                        self._threads, functools.partial(_call, spec.fn, *args)
-                    )
+                    result = await self._run_thread(spec, args)
                 else:
-                    loop = asyncio.get_running_loop()
-                    pool = self._process_pool()
-                    result = await loop.run_in_executor(
-                        pool, functools.partial(_call, spec.fn, *args)
-                    )
+                    assert pool is not None
+                    result = await self._run_process(spec, args, pool)
         except TimeoutError as exc:
             if deadline.expired():
                 reason = f"timed out after {timeout_s:g} s"
@@ -132,45 +354,46 @@ class RewardRunner:
             raise ScoringError(
                 422, f"reward function {spec.name!r} rejected the input: {exc}"
             ) from None
-        except BrokenProcessPool as exc:
-            # A worker died (e.g. OOM-killed): the pool is unusable; start a fresh one next call.
-            # Only the first failed call replaces it; others may already see the new pool.
-            if pool is not None and pool is self._processes:
-                self._processes = None
-                pool.shutdown(wait=False, cancel_futures=True)
+        except ScoringError:
+            raise
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():  # the request really was cancelled
+                raise
+            # The function raised it on its own: passed on, it would drop the connection.
             raise ScoringError(
-                503, f"reward function {spec.name!r}: process pool broken ({exc}); retry"
-            ) from None
-        except (asyncio.CancelledError, KeyboardInterrupt):
+                500, f"reward function {spec.name!r} raised CancelledError although nothing "
+                "cancelled it") from None
+        except KeyboardInterrupt:
             raise
         except BaseException as exc:
             # BaseException too: a SystemExit raised in a worker would otherwise stop the server.
             raise ScoringError(
                 500, f"reward function {spec.name!r} raised {type(exc).__name__}: {exc}"
             ) from None
+        finally:
+            if pooled and spec.executor == "thread":
+                assert self._thread_slots is not None
+                self._thread_slots.release()  # an abandoned call frees its slot too
         try:
             return validate_result(spec.name, result)
         except InvalidRewardError as exc:
             raise ScoringError(422, str(exc)) from None
 
     def close(self) -> None:
-        """Shut the pools down without waiting for timed-out tasks still running."""
-        self._threads.shutdown(wait=False, cancel_futures=True)
-        if self._processes is not None:
-            pool, self._processes = self._processes, None
-            # A hung task would otherwise block interpreter exit (concurrent.futures joins its
-            # workers at exit); 3.11 has no public terminate, so use the executor's process map.
-            procs = list((getattr(pool, "_processes", None) or {}).values())
-            pool.shutdown(wait=False, cancel_futures=True)
-            for proc in procs:
-                if proc.is_alive():
-                    proc.terminate()
+        """Kill the worker processes; abandon thread calls still running (daemon threads)."""
+        self._closed = True
+        for task in self._spawning:
+            task.cancel()
+        procs, self._procs = self._procs, []
+        for pool in procs:
+            _terminate(pool)
 
     def wait_threads(self, timeout_s: float) -> int:
-        """After :meth:`close`, wait up to ``timeout_s`` for pool threads to finish.
+        """After :meth:`close`, wait up to ``timeout_s`` for running thread calls to finish.
 
-        Returns the number still running: calls that timed out earlier and never returned, which
-        would otherwise keep the interpreter from exiting (pool threads are joined at exit).
+        Returns the number still running (calls that timed out and never returned; they are
+        daemon threads and do not keep the interpreter alive).
         """
         deadline = time.monotonic() + timeout_s
         alive = []

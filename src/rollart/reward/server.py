@@ -4,7 +4,9 @@ Routes (contract in :mod:`rollart.reward.protocol`):
 
 - ``POST /v1/reward/{name}``: score one response -> ``{"reward": float, "details": object}``.
 - ``GET /v1/reward``: ``{"functions": [{"name", "description", "executor", "timeout_s"}, ...]}``.
-- ``GET /healthz``: 200 ``{"status": "ok"}``.
+- ``GET /healthz``: 200 ``{"status": "ok", "hung_threads": int, "idle_processes": int,
+  "killed_processes": int, "broken_processes": int}`` (see
+  :class:`~rollart.reward.runner.RewardRunner`).
 
 Every non-200 reply is JSON ``{"error": "..."}`` naming the problem, and no failure is ever
 reported as a reward: a crashing, hanging or misbehaving function fails that request only, and the
@@ -143,7 +145,8 @@ async def _list(request: web.Request) -> web.Response:
 
 
 async def _healthz(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok"})
+    # The runner's counters show a service that keeps serving around hung functions.
+    return web.json_response({"status": "ok", **request.app[_RUNNER].stats()})
 
 
 def build_registry(import_paths: Sequence[str] = ()) -> RewardRegistry:
@@ -221,7 +224,13 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=30.0,
         help="per-call limit for functions without their own, seconds",
     )
-    p.add_argument("--threads", type=int, default=8, help="thread-pool size for sync functions")
+    p.add_argument("--threads", type=int, default=8, help="thread calls running at once")
+    p.add_argument(
+        "--max-hung-threads",
+        type=int,
+        default=1024,
+        help="thread calls abandoned past their timeout before thread calls get 503",
+    )
     p.add_argument(
         "--processes",
         type=int,
@@ -238,7 +247,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not 0 <= args.port <= 65535:
         p.error(f"--port must be in [0, 65535], got {args.port}")
-    for flag in ("max_body_bytes", "max_inflight", "threads"):
+    for flag in ("max_body_bytes", "max_inflight", "threads", "max_hung_threads"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.timeout_s <= 0:
@@ -295,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rollart serve-reward: cannot load reward functions: {exc}", file=sys.stderr)
         return 2
     runner = RewardRunner(
-        num_threads=args.threads, num_processes=args.processes, default_timeout_s=args.timeout_s
+        num_threads=args.threads, num_processes=args.processes, default_timeout_s=args.timeout_s,
+        max_hung_threads=args.max_hung_threads,
     )
     try:
         code = uvloop.run(serve(args, registry, runner))

@@ -247,7 +247,7 @@ class SimCluster:
         self.controller = Controller(
             self.scenario, proxy=self.proxy, envs=EnvRouter(self.env_hosts),
             rewards=RewardRouter(service=self.reward), trainer=self.trainer,
-            tokenizer=SimTokenizer(self.table))
+            tokenizer=SimTokenizer(self.table), stall_watchdog=False)
         if sim.check not in (None, "per_turn", "admission"):
             raise ValueError(f"SimScenario.check must be per_turn or admission, got {sim.check!r}")
         if sim.check is not None:

@@ -62,3 +62,23 @@ class RewardError(RollartError):
         super().__init__(reason if status is None else f"HTTP {status}: {reason}")
         self.status = status
         self.reason = reason
+
+
+class RewardTooLargeError(RewardError):
+    """A reward reply, or its ``details``, exceeded the client's size limit (not retried: the
+    same call would return the same). Fails that trajectory with reason ``reward_too_large``."""
+
+
+class InvalidActionError(RollartError):
+    """Raised by an env's ``step`` when the model's action is malformed (e.g. broken tool-call
+    JSON): a *model-caused* outcome, not an env failure. The trajectory is not re-drawn: per its
+    domain's ``invalid_action`` policy the model sees ``message`` as the next observation, or
+    the trajectory ends with the domain's penalty reward, and it is trained on.
+
+    Attributes:
+        message: what is wrong with the action, shown to the model (``"observe"`` policy).
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message

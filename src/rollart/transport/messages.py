@@ -45,6 +45,7 @@ ErrorCode = Literal[
     "not_found",  # unknown request id, session id, env name, ...
     "env_error",  # the environment raised
     "env_timeout",  # the environment step exceeded its timeout
+    "invalid_action",  # the env rejected the model's action (model-caused; session stays open)
     "stale_version",  # a weight version older than (or equal to) the current one
     "checksum_mismatch",  # a weight bucket's bytes do not match its checksum
     "incomplete_version",  # apply requested before every bucket of the version arrived
