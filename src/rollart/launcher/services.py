@@ -87,6 +87,8 @@ async def start_services(sup: Supervisor, scenario: Scenario, model_dir: Path, *
             "--max-sessions", str(host.max_sessions), "--threads", str(host.threads))
         for key, lat in host.latency.items():
             argv += ["--latency", f"{key}={msgspec.json.encode(lat).decode()}"]
+        for env_name in env_allow_list(sc):
+            argv += ["--allow-env", env_name]
         starts[f"env:{host.name}"] = sup.start(f"env-{host.name}", argv,
                                                ready_timeout_s=ready_timeout_s)
     local_workers = [(p, i) for p in sc.pools if not p.addresses for i in range(p.num_workers)]
@@ -129,6 +131,12 @@ async def start_services(sup: Supervisor, scenario: Scenario, model_dir: Path, *
         addrs.workers[pool.name] = list(pool.addresses) or [
             got[f"worker:{pool.name}:{i}"] for i in range(pool.num_workers)]
     return addrs
+
+
+def env_allow_list(sc: Scenario) -> list[str]:
+    """The ``py:`` envs a local env host may build: exactly the scenario's ``py:`` domains
+    (``rollart.envhost.allow``; ``game:`` / ``rg:`` envs need no entry)."""
+    return sorted({d.env for d in sc.domains if d.env.startswith("py:")})
 
 
 def trainer_argv(sc: Scenario, model_dir: Path, resume: Path | None) -> list[str]:
