@@ -93,7 +93,7 @@ async def _run(args: argparse.Namespace, run_dir: Path) -> list[dict[str, Any]]:
             w = InferenceClient(worker, name=kind, liveness_timeout_s=120)
             t = TrainerClient(trainer)
             clients += [w, t]
-            await t.set_workers([worker])
+            await t.register_workers([worker])
             pairs[kind] = (t, w)
         rows = []
         for r in range(args.rounds + 1):  # round 0 warms up (group formation, first reload)

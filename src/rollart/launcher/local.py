@@ -114,7 +114,8 @@ async def open_cluster(scenario: str | Path | Scenario, *, run_dir: str | Path |
     try:
         t0 = time.perf_counter()
         note(f"starting services (logs: {run_dir / 'logs'})")
-        addrs = await start_services(sup, scenario, model_dir, trainer_resume=trainer_resume)
+        addrs = await start_services(sup, scenario, model_dir, trainer_resume=trainer_resume,
+                                     checkpoint_dir=run_dir / "checkpoints")
         note(f"services ready in {time.perf_counter() - t0:.1f} s")
         rc = scenario.reward
         reward = RewardClient(addrs.reward_url, max_concurrency=rc.max_concurrency,

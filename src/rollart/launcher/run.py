@@ -130,7 +130,8 @@ async def _train(cluster: Any, scenario: Scenario, run_dir: Path, start_step: in
 
 async def _checkpoint(cluster: Any, root: Path, step: int, version: int) -> None:
     d = step_dir(root, step)
-    await cluster.trainer_client.save_checkpoint(str(d))
+    # the trainer saves only under its --checkpoint-dir (run_dir/checkpoints = root): by name
+    await cluster.trainer_client.save_checkpoint(d.name)
     state = RunState(step=step, version=version, controller=cluster.snapshot())
     (d / "controller.json").write_bytes(msgspec.json.encode(state))
     mark_complete(root, step)

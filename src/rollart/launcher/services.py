@@ -61,9 +61,10 @@ def trainer_env(sc: Scenario) -> dict[str, str]:
 
 
 async def start_services(sup: Supervisor, scenario: Scenario, model_dir: Path, *,
-                         trainer_resume: Path | None, ready_timeout_s: float = 600.0
-                         ) -> Addresses:
+                         trainer_resume: Path | None, ready_timeout_s: float = 600.0,
+                         checkpoint_dir: Path | None = None) -> Addresses:
     """Start every local service of ``scenario`` (concurrently) and return all addresses.
+    ``checkpoint_dir``: the only directory the trainer saves checkpoints under.
 
     Raises:
         ProcessFailedError: a service exited before it was ready (its log tail included).
@@ -117,7 +118,8 @@ async def start_services(sup: Supervisor, scenario: Scenario, model_dir: Path, *
                else _gpu_binding(local_workers, k))
         starts[f"worker:{pool.name}:{i}"] = sup.start(
             f"worker-{name}", argv, env=env, ready_timeout_s=ready_timeout_s)
-    starts["trainer"] = sup.start("trainer", trainer_argv(sc, model_dir, trainer_resume),
+    starts["trainer"] = sup.start("trainer", trainer_argv(sc, model_dir, trainer_resume,
+                                                          checkpoint_dir=checkpoint_dir),
                                   env=trainer_env(sc), ready_timeout_s=ready_timeout_s)
 
     keys = list(starts)
@@ -139,9 +141,11 @@ def env_allow_list(sc: Scenario) -> list[str]:
     return sorted({d.env for d in sc.domains if d.env.startswith("py:")})
 
 
-def trainer_argv(sc: Scenario, model_dir: Path, resume: Path | None) -> list[str]:
+def trainer_argv(sc: Scenario, model_dir: Path, resume: Path | None, *,
+                 checkpoint_dir: Path | None = None) -> list[str]:
     """Command line of the trainer process for scenario ``sc`` (under torchrun when
-    ``trainer.num_processes`` > 1; the Supervisor appends ``--ready-file``)."""
+    ``trainer.num_processes`` > 1; the Supervisor appends ``--ready-file``). The trainer saves
+    checkpoints only under ``checkpoint_dir`` (none: it refuses to save)."""
     t = sc.trainer
     # "auto" keeps the checkpoint's dtype on GPUs; CPU training stays in float32.
     dtype = sc.model.dtype if sc.model.dtype != "auto" else (
@@ -174,4 +178,6 @@ def trainer_argv(sc: Scenario, model_dir: Path, resume: Path | None) -> list[str
                              "-m", "rollart.trainer.service", *args)
     if resume is not None:
         argv += ["--resume", str(resume)]
+    if checkpoint_dir is not None:
+        argv += ["--checkpoint-dir", str(checkpoint_dir)]
     return argv
