@@ -62,9 +62,11 @@ def trainer_env(sc: Scenario) -> dict[str, str]:
 
 async def start_services(sup: Supervisor, scenario: Scenario, model_dir: Path, *,
                          trainer_resume: Path | None, ready_timeout_s: float = 600.0,
-                         checkpoint_dir: Path | None = None) -> Addresses:
+                         checkpoint_dir: Path | None = None,
+                         reward_token_file: Path | None = None) -> Addresses:
     """Start every local service of ``scenario`` (concurrently) and return all addresses.
-    ``checkpoint_dir``: the only directory the trainer saves checkpoints under.
+    ``checkpoint_dir``: the only directory the trainer saves checkpoints under;
+    ``reward_token_file``: the bearer token a local reward service requires (by path).
 
     Raises:
         ProcessFailedError: a service exited before it was ready (its log tail included).
@@ -77,6 +79,8 @@ async def start_services(sup: Supervisor, scenario: Scenario, model_dir: Path, *
                              "--port", str(sc.reward.port))
         for mod in sc.reward.modules:
             argv += ["--functions", mod]
+        if reward_token_file is not None:
+            argv += ["--token-file", str(reward_token_file)]
         starts["reward"] = sup.start("reward", argv, ready_timeout_s=ready_timeout_s)
     for host in sc.env_hosts:
         if host.address is not None:

@@ -52,6 +52,8 @@ class RewardClient:
         max_retries: extra attempts after the first on retryable failures, >= 0.
         backoff_s: first retry delay in seconds; doubles per retry, capped at ``max_backoff_s``.
         max_backoff_s: cap of one retry delay, seconds.
+        token: bearer token sent as ``Authorization: Bearer <token>`` on every call
+            (``rollart.reward.auth``); a wrong one gets HTTP 401, which is not retried.
 
     Raises:
         ValueError: a bad argument (named in the message).
@@ -66,6 +68,7 @@ class RewardClient:
         max_retries: int = 3,
         backoff_s: float = 0.5,
         max_backoff_s: float = 10.0,
+        token: str | None = None,
     ) -> None:
         if not base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url must start with http:// or https://, got {base_url!r}")
@@ -85,6 +88,9 @@ class RewardClient:
         self.max_retries = max_retries
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
+        self._headers = {"Content-Type": "application/json"}
+        if token is not None:
+            self._headers["Authorization"] = f"Bearer {token}"
         self._semaphore = asyncio.Semaphore(max_concurrency)
         self._session: aiohttp.ClientSession | None = None
 
@@ -92,7 +98,7 @@ class RewardClient:
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=self.max_concurrency),
             timeout=aiohttp.ClientTimeout(total=self.timeout_s),
-            headers={"Content-Type": "application/json"},
+            headers=self._headers,
         )
         return self
 
