@@ -162,8 +162,8 @@ async def test_reward_service_needs_the_bearer_token(service_launcher, tmp_path)
     svc = service_launcher("rollart.reward.server",
                            ["--port", "0", "--token-file", str(tmp_path / "secrets" /
                                                                "reward.token")])
-    url = f"http://{svc.address}/v1/reward/math"
-    body = {"prompt": "p", "response": "\\boxed{4}", "reference": "4"}
+    url = f"http://{svc.address}/v1/reward/exact_match"
+    body = {"prompt": "p", "response": "4", "reference": "4"}
     async with aiohttp.ClientSession() as http:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": token}):
             async with http.post(url, json=body, headers=headers) as resp:

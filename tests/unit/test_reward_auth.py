@@ -19,7 +19,7 @@ TOKEN = "s3cret-token-for-tests"
 
 @pytest.fixture
 async def server():
-    runner = RewardRunner(num_threads=2, num_processes=None, default_timeout_s=10)
+    runner = RewardRunner(num_threads=2, num_processes=None, default_timeout_s=120)
     app = create_app(build_registry(), runner, token=TOKEN)
     srv = TestServer(app)
     await srv.start_server()
@@ -30,19 +30,19 @@ async def server():
 async def test_requests_without_or_with_a_wrong_token_get_401_and_the_service_keeps_serving(
         server):
     async with TestClient(server) as client:
-        body = {"prompt": "p", "response": "\\boxed{4}", "reference": "4"}
+        body = {"prompt": "p", "response": "4", "reference": "4"}
         for headers, fragment in [({}, "no Authorization header"),
                                   ({"Authorization": "Bearer nope"}, "wrong bearer token"),
                                   ({"Authorization": TOKEN}, "wrong bearer token"),
                                   ({"Authorization": f"Bearer {TOKEN}x"}, "wrong bearer token")]:
-            resp = await client.post("/v1/reward/math", json=body, headers=headers)
+            resp = await client.post("/v1/reward/exact_match", json=body, headers=headers)
             assert resp.status == 401
             assert fragment in (await resp.json())["error"]
             assert resp.headers["WWW-Authenticate"].startswith("Bearer")
             assert TOKEN not in await resp.text()
         assert (await client.get("/v1/reward")).status == 401
         assert (await client.get("/healthz")).status == 200  # liveness stays open
-        ok = await client.post("/v1/reward/math", json=body,
+        ok = await client.post("/v1/reward/exact_match", json=body,
                                headers={"Authorization": f"Bearer {TOKEN}"})
         assert ok.status == 200 and (await ok.json())["reward"] == 1.0
 
@@ -50,10 +50,10 @@ async def test_requests_without_or_with_a_wrong_token_get_401_and_the_service_ke
 async def test_reward_client_sends_its_token(server):
     url = str(server.make_url("/"))
     async with RewardClient(url, token=TOKEN, max_retries=0) as good:
-        assert (await good.score("math", "p", "\\boxed{4}", "4")).reward == 1.0
+        assert (await good.score("exact_match", "p", "4", "4")).reward == 1.0
     async with RewardClient(url, token="wrong", max_retries=3, backoff_s=0.0) as bad:
         with pytest.raises(RewardError) as err:
-            await bad.score("math", "p", "\\boxed{4}", "4")
+            await bad.score("exact_match", "p", "4", "4")
     assert err.value.status == 401 and "after" not in err.value.reason  # 401: not retried
 
 
