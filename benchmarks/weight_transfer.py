@@ -98,7 +98,7 @@ async def _run(args: argparse.Namespace, run_dir: Path) -> list[dict[str, Any]]:
             w = InferenceClient(worker, auth=auth, name=kind, liveness_timeout_s=120)
             t = TrainerClient(trainer, auth=auth)
             clients += [w, t]
-            await t.set_workers([worker])
+            await t.register_workers([worker])
             pairs[kind] = (t, w)
         rows = []
         for r in range(args.rounds + 1):  # round 0 warms up (group formation, first reload)

@@ -272,6 +272,11 @@ class DomainConfig(_Cfg):
     #: ``"service"``: the scenario's reward service; ``"local"``: in-process; or an http(s) URL
     #: of any endpoint speaking the reward contract (``{name}`` is replaced by the function name).
     reward_url: Annotated[str, msgspec.Meta(min_length=1)] = "service"
+    #: bearer token of an http(s) ``reward_url``: the *name* of the environment variable that
+    #: holds it (never the token itself: this file is copied into the run's config.json).
+    reward_token_env: Annotated[str, msgspec.Meta(min_length=1)] | None = None
+    #: or the path of a file (mode 0600) holding it.
+    reward_token_file: Annotated[str, msgspec.Meta(min_length=1)] | None = None
     #: extra JSON metadata sent with every reward call of this domain.
     reward_metadata: dict[str, Any] = msgspec.field(default_factory=dict)
     #: relative frequency of this domain's groups (normalised over all domains).
@@ -346,6 +351,10 @@ class RewardServiceConfig(_Cfg):
     max_reply_bytes: Annotated[int, msgspec.Meta(ge=1024, le=1 << 30)] = 1 << 20
     #: largest JSON-encoded ``details`` kept in a sample's metadata, bytes.
     max_details_bytes: Annotated[int, msgspec.Meta(ge=2, le=1 << 26)] = 64 << 10
+    #: bearer token of the running service at ``url``: the environment variable holding it, or
+    #: a file (mode 0600) holding it. A service the launcher starts gets a fresh token per run.
+    token_env: Annotated[str, msgspec.Meta(min_length=1)] | None = None
+    token_file: Annotated[str, msgspec.Meta(min_length=1)] | None = None
 
 
 class TrainerConfig(_Cfg):
@@ -583,7 +592,32 @@ def validate_scenario(scenario: Scenario, source: str = "<scenario>") -> Scenari
         ("http://", "https://")
     ):
         raise _fail(source, "reward.url", f"{scenario.reward.url!r} is not an http(s) URL")
+    _check_reward_tokens(scenario, source)
     return scenario
+
+
+def _check_reward_tokens(scenario: Scenario, source: str) -> None:
+    """Token sources: one per endpoint, and only where an endpoint of another owner is called
+    (a service the launcher starts gets the run's own token, ``rollart.reward.auth``)."""
+    rc = scenario.reward
+    if rc.token_env is not None and rc.token_file is not None:
+        raise _fail(source, "reward.token_env", "give token_env or token_file, not both")
+    if (rc.token_env or rc.token_file) and rc.url is None:
+        raise _fail(source, "reward.token_env",
+                    "only for a running service (reward.url); the service the launcher starts "
+                    "gets a fresh token per run")
+    by_url: dict[str, tuple[str | None, str | None]] = {}
+    for i, dom in enumerate(scenario.domains):
+        tokens = (dom.reward_token_env, dom.reward_token_file)
+        if all(tokens):
+            raise _fail(source, f"domains[{i}].reward_token_env",
+                        "give reward_token_env or reward_token_file, not both")
+        if any(tokens) and not dom.reward_url.startswith(("http://", "https://")):
+            raise _fail(source, f"domains[{i}].reward_token_env",
+                        f"only for an http(s) reward_url, not {dom.reward_url!r}")
+        if by_url.setdefault(dom.reward_url, tokens) != tokens:
+            raise _fail(source, f"domains[{i}].reward_token_env",
+                        f"domains calling {dom.reward_url} must use the same token source")
 
 
 def _host(address: str) -> str:

@@ -8,6 +8,7 @@ communicator so it runs on CPU. The NCCL variant at the end runs only where CUDA
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 import torch
@@ -41,7 +42,9 @@ def services(tiny_model_dir, service_starter, tmp_path_factory):
     trainer = service_starter(
         "rollart.trainer.service",
         ["--model", str(tiny_model_dir), "--options",
-         '{"lr": 0.01, "weight_transfer": "gloo", "weight_transfer_timeout_s": 120}'],
+         '{"lr": 0.01, "weight_transfer": "gloo", "weight_transfer_timeout_s": 120}',
+         *(a for w in workers for a in ("--worker", w.address)),
+         "--checkpoint-dir", str(tmp_path_factory.mktemp("ckpts"))],
         log_dir=log_dir, ready_timeout_s=300)
     yield [w.address for w in workers], trainer.address
     for w in workers:
@@ -72,7 +75,7 @@ async def _broadcast_rounds_match_the_trainer(worker_addr: str, trainer_addr: st
     trainer = TrainerClient(trainer_addr, auth=env_credentials())
     try:
         before = await prompt_logprobs(client)
-        await trainer.set_workers([worker_addr])
+        await trainer.register_workers([worker_addr])
         for _ in range(rounds):
             version = await _train(trainer)
             await client.pause("keep")
@@ -80,8 +83,8 @@ async def _broadcast_rounds_match_the_trainer(worker_addr: str, trainer_addr: st
             assert published.version == version
             assert (await client.apply_weights(version)).version == version
             await client.resume()
-        await trainer.save_checkpoint(str(tmp_path / "ckpt"))
-        expected = trainer_logprobs(model_dir, tmp_path / "ckpt")
+        saved = await trainer.save_checkpoint("ckpt")
+        expected = trainer_logprobs(model_dir, Path(saved.path))
         after = await prompt_logprobs(client)
         assert max(abs(a - b) for a, b in zip(before, after, strict=True)) > 1e-3
         assert after == pytest.approx(expected, abs=tol)
@@ -120,8 +123,8 @@ async def test_broadcast_loads_the_trainers_version_into_every_paused_worker(
                 assert applied.version == version == applied.stats.version
             await asyncio.gather(*(w.resume() for w in workers))
 
-        await trainer.save_checkpoint(str(tmp_path / "ckpt"))
-        expected = trainer_logprobs(tiny_model_dir, tmp_path / "ckpt")
+        saved = await trainer.save_checkpoint("broadcast")
+        expected = trainer_logprobs(tiny_model_dir, Path(saved.path))
         after = [await prompt_logprobs(w) for w in workers]
         assert max(abs(a - b) for a, b in zip(before, after[0], strict=True)) > 1e-3
         for lps in after:
@@ -203,7 +206,8 @@ async def test_two_fsdp_ranks_broadcast_through_rank_0(tiny_model_dir, service_l
                               [*_worker_args(tiny_model_dir), "--name", "w"],
                               ready_timeout_s=300)
     scenario = TWO_RANK_SCENARIO + 'weight_transfer = "gloo"\nweight_transfer_timeout_s = 120\n'
-    argv = trainer_argv(parse_scenario(scenario), tiny_model_dir, None)
+    argv = trainer_argv(parse_scenario(scenario), tiny_model_dir, None,
+                        checkpoint_dir=tmp_path / "ckpts")
     assert argv[1:3] == ["-m", "torch.distributed.run"]
     trainer_proc = service_launcher(argv[2], argv[3:], ready_timeout_s=300)
     await _broadcast_rounds_match_the_trainer(worker.address, trainer_proc.address,
@@ -225,7 +229,8 @@ async def test_nccl_broadcast_on_gpus(tiny_model_dir, service_launcher, tmp_path
     trainer_proc = service_launcher(
         "rollart.trainer.service",
         ["--model", str(tiny_model_dir), "--options",
-         '{"lr": 0.01, "device": "cuda", "weight_transfer": "nccl", "bucket_bytes": 65536}'],
+         '{"lr": 0.01, "device": "cuda", "weight_transfer": "nccl", "bucket_bytes": 65536}',
+         "--checkpoint-dir", str(tmp_path / "ckpts")],
         env={"CUDA_VISIBLE_DEVICES": "1"}, ready_timeout_s=600)
     await _broadcast_rounds_match_the_trainer(  # tolerance: TF32 matmuls on the GPU
         worker.address, trainer_proc.address, tiny_model_dir, tmp_path, rounds=1, tol=2e-3)

@@ -76,6 +76,9 @@ def host(tmp_path_factory):
         "--max-sessions", str(MAX_SESSIONS),
         "--threads", "4",
         "--latency", 'py:envhost_user_envs:make_echo={"distribution": "normal", "mean_s": 0.4}',
+        *(f"--allow-env=py:envhost_user_envs:{a}"
+          for a in ("EchoEnv", "HangingEnv", "make_echo", "RaisingEnv")),
+        "--allow-env=py:no_such_mod_q:X",  # allowed, so its import is tried (and fails)
     )  # fmt: skip
     yield proc
     proc.stop()
@@ -257,7 +260,7 @@ async def test_max_sessions(client):
 
 
 async def test_killed_host_raises_peer_dead_not_a_hang(tmp_path):
-    proc = HostProcess(tmp_path, "--step-timeout-s", "60")
+    proc = HostProcess(tmp_path, "--step-timeout-s", "60", f"--allow-env={HANG}")
     c = EnvClient(proc.address, name="doomed", heartbeat_interval_s=0.2, liveness_timeout_s=1.0, auth=env_credentials())
     try:
         s = await c.open(HANG, 0, {"hang_s": 60.0})
@@ -275,7 +278,8 @@ async def test_killed_host_raises_peer_dead_not_a_hang(tmp_path):
 
 
 async def test_sigterm_shuts_down_even_with_a_stuck_env(tmp_path):
-    proc = HostProcess(tmp_path, "--step-timeout-s", "0.3")
+    proc = HostProcess(tmp_path, "--step-timeout-s", "0.3", f"--allow-env={HANG}",
+                       f"--allow-env={ECHO}")
     c = EnvClient(proc.address, name="term", auth=env_credentials())
     try:
         s = await c.open(HANG, 0, {"hang_s": 60.0})

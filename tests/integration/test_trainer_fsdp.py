@@ -149,8 +149,10 @@ def _load(model_dir: Path, ckpt: Path):
     return state, {k: v.detach().clone() for k, v in model.named_parameters()}, avg
 
 
-def _start(service_launcher, model_dir: Path, resume: Path | None, log_dir: Path):
-    argv = trainer_argv(parse_scenario(SCENARIO), model_dir, resume)
+def _start(service_launcher, model_dir: Path, resume: Path | None, log_dir: Path,
+           checkpoint_dir: Path | None = None):
+    argv = trainer_argv(parse_scenario(SCENARIO), model_dir, resume,
+                        checkpoint_dir=checkpoint_dir)
     assert argv[1:3] == ["-m", "torch.distributed.run"]
     svc = service_launcher(argv[2], argv[3:], log_dir=log_dir, ready_timeout_s=240)
     deadline = time.monotonic() + 60
@@ -163,7 +165,8 @@ def _start(service_launcher, model_dir: Path, resume: Path | None, log_dir: Path
 @pytest.mark.slow
 async def test_serve_trainer_with_two_ranks_trains_saves_and_resumes(
         tiny_model_dir, service_launcher, tmp_path):
-    svc, ranks = _start(service_launcher, tiny_model_dir, None, tmp_path / "logs")
+    svc, ranks = _start(service_launcher, tiny_model_dir, None, tmp_path / "logs",
+                        tmp_path / "ckpt")
     client = TrainerClient(svc.address, auth=env_credentials())
     samples = _samples(5)
     try:
@@ -173,8 +176,9 @@ async def test_serve_trainer_with_two_ranks_trains_saves_and_resumes(
         assert result.metrics["num_tokens"] == sum(s.num_loss_tokens for s in samples)
         assert result.metrics["num_padding_microbatches"] >= 0  # the 2-rank path reported
         assert result.metrics["grad_norm"] > 0 and result.metrics["loss"] != 0
-        ckpt = tmp_path / "ckpt" / "step_000001"
-        saved = await client.save_checkpoint(str(ckpt))
+        ckpt = (tmp_path / "ckpt" / "step_000001").resolve()
+        saved = await client.save_checkpoint("step_000001")
+        assert saved.path == str(ckpt)
         assert saved.version == 1
     finally:
         await client.close()
@@ -190,13 +194,13 @@ async def test_serve_trainer_with_two_ranks_trains_saves_and_resumes(
     svc.proc.wait(timeout=30)
     assert _wait_gone(ranks.values()) == []
 
-    svc, ranks = _start(service_launcher, tiny_model_dir, ckpt, tmp_path / "logs2")
+    svc, ranks = _start(service_launcher, tiny_model_dir, ckpt, tmp_path / "logs2",
+                        tmp_path / "ckpt")
     client = TrainerClient(svc.address, auth=env_credentials())
     try:
         status = await client.status()
         assert (status.version, status.step) == (1, 1)
-        again = tmp_path / "ckpt" / "again"
-        await client.save_checkpoint(str(again))
+        again = Path((await client.save_checkpoint("again")).path)
         result = await client.train(status.step, samples)
         assert result.version == 2
     finally:

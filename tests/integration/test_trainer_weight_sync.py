@@ -7,6 +7,8 @@ versions is brought straight to the latest one.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from weight_checks import FIXED, prompt_logprobs, trainer_logprobs
@@ -30,7 +32,9 @@ def services(tiny_model_dir, service_starter, tmp_path_factory):
                               "--enforce-eager"], log_dir=log_dir, ready_timeout_s=300)
     trainer = service_starter("rollart.trainer.service",
                               ["--model", str(tiny_model_dir), "--options",
-                               '{"lr": 0.01, "bucket_bytes": 200000}'],
+                               '{"lr": 0.01, "bucket_bytes": 200000}',
+                               "--worker", worker.address,  # the run's only worker
+                               "--checkpoint-dir", str(tmp_path_factory.mktemp("ckpts"))],
                               log_dir=log_dir, ready_timeout_s=300)
     yield worker.address, trainer.address
     worker.stop()
@@ -71,9 +75,9 @@ async def test_one_step_changes_weights_and_worker_serves_the_trainers_version(
         applied = await worker.apply_weights(result.version)
         assert applied.version == result.version == applied.stats.version
         after = await prompt_logprobs(worker)
-        saved = await trainer.save_checkpoint(str(tmp_path / "ckpt"))
+        saved = await trainer.save_checkpoint("one-step")
         assert saved.version == result.version
-        expected = trainer_logprobs(tiny_model_dir, tmp_path / "ckpt")
+        expected = trainer_logprobs(tiny_model_dir, Path(saved.path))
         assert max(abs(a - b) for a, b in zip(before, after, strict=True)) > 1e-3  # changed
         assert after == pytest.approx(expected, abs=TOL)
         # New tokens now carry the new version.

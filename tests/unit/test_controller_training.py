@@ -57,7 +57,12 @@ class FakeTrainerClient:
         return m.TrainResult(step=step, version=self.version, metrics={"loss": 0.5},
                              train_time_s=1.5)
 
+    async def register_workers(self, addresses):
+        self.registered = list(addresses)
+        self.workers.append(list(addresses))
+
     async def set_workers(self, addresses):
+        assert set(addresses) <= set(self.registered), "only registered workers"
         self.workers.append(list(addresses))
 
     async def wait_published(self, version):
@@ -86,8 +91,10 @@ async def test_remote_trainer_trains_and_waits_for_publication() -> None:
     assert [s.advantage for s in client.batches[0]] == pytest.approx([1.0, -1.0], abs=1e-5)
     await trainer.push_weights(1, [w1, w2])
     assert client.workers == [["tcp://w1", "tcp://w2"]]  # registered once
-    await trainer.push_weights(1, [w2])  # w1 was removed: re-register
+    assert client.registered == ["tcp://w1", "tcp://w2"]
+    await trainer.push_weights(1, [w2])  # w1 was removed: the push set shrinks
     assert client.workers[-1] == ["tcp://w2"]
+    assert client.registered == ["tcp://w1", "tcp://w2"]  # never registered again
     assert math.isclose(trainer.last_published.total_s, 0.1)
 
 

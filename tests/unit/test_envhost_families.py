@@ -287,3 +287,16 @@ def test_bisection_uses_hints():
     assert next_action("game:GuessTheNumber-v0-hard", obs, ["\\boxed{25}", "\\boxed{38}"]) == (
         f"\\boxed{{{math.floor((26 + 37) / 2)}}}"
     )
+
+
+@pytest.mark.parametrize("value", ["/etc/passwd", "../../../etc/passwd", "sub/words.txt", ".x"])
+def test_rg_options_naming_files_may_not_name_paths(value):
+    with pytest.raises(EnvSpecError, match="data_file.*refused") as err:
+        make_env("rg:spell_backward", {"data_file": value}).reset(1)
+    assert err.value.code == "bad_request"
+
+
+def test_rg_option_naming_a_packaged_file_still_works():
+    env = make_env("rg:spell_backward", {"data_file": "words3to10.txt"})
+    obs, _ = env.reset(1)
+    assert obs

@@ -17,6 +17,9 @@ from rollart.transport.errors import ConfigError, EnvError
 TESTS_DIR = Path(__file__).resolve().parents[1]
 ECHO = "py:envhost_user_envs:EchoEnv"
 HANG = "py:envhost_user_envs:HangingEnv"
+USER_ENVS = [f"py:envhost_user_envs:{a}" for a in (
+    "EchoEnv", "make_echo", "RaisingEnv", "HangingEnv", "SlowResetEnv", "NanRewardEnv",
+    "BadShapeEnv", "NotAnEnv")]
 
 
 @pytest.fixture
@@ -32,6 +35,7 @@ async def make_host(user_envs):
     hosts: list[EnvHost] = []
 
     def make(**kwargs) -> EnvHost:
+        kwargs.setdefault("allow_env", USER_ENVS)
         host = EnvHost(HostConfig(**kwargs))
         hosts.append(host)
         return host
@@ -212,11 +216,59 @@ async def test_injected_failure_fails_the_session(make_host):
 
 
 async def test_aclose_releases_every_session(user_envs):
-    host = EnvHost(HostConfig())
+    host = EnvHost(HostConfig(allow_env=[ECHO]))
     for seed in (501, 502):
         await open_(host, ECHO, seed=seed)
     await host.aclose()
     assert {501, 502} <= set(user_envs.CLOSED_SEEDS)
+
+
+# ---- py: allow-list ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", [
+    "py:os:system", "py:subprocess:check_output", "py:envhost_user_envs:EchoEnv.__init__",
+    "py:envhost_user_envs:np.load", "py:envhost_user_envs_missing:EchoEnv"])
+async def test_py_env_not_on_the_allow_list_is_refused_before_import(make_host, tmp_path,
+                                                                    monkeypatch, name):
+    imported: list[str] = []
+    import importlib
+
+    real_import = importlib.import_module
+    monkeypatch.setattr(importlib, "import_module",
+                        lambda mod, *a: imported.append(mod) or real_import(mod, *a))
+    host = make_host(allow_env=[ECHO])
+    side_effect = tmp_path / "ran"
+    with pytest.raises(EnvError, match="allow-list") as err:
+        await open_(host, name, command=f"touch {side_effect}")
+    assert err.value.code == "bad_request"
+    assert name in err.value.message and "--allow-env" in err.value.message
+    assert imported == [] and not side_effect.exists()
+    assert (await host.stats()).num_sessions == 0
+    assert (await open_(host, ECHO, seed=3)).observation == "echo env, seed 3"  # still serving
+
+
+async def test_default_host_allows_no_py_env_but_builtin_families(make_host):
+    host = make_host(allow_env=[])
+    with pytest.raises(EnvError, match="allowed: none") as err:
+        await open_(host, ECHO)
+    assert err.value.code == "bad_request"
+    with pytest.raises(EnvError) as err:  # rg: needs no entry: the dataset lookup runs
+        await open_(host, "rg:no_such_dataset_zz")
+    assert err.value.code == "not_found"
+
+
+@pytest.mark.parametrize("entry", ["py:os", "game:GuessTheNumber-v0", "py::X", "os:system"])
+def test_malformed_allow_entries_are_config_errors(entry):
+    with pytest.raises(ConfigError, match="expected an exact py:package.module:Attr"):
+        build_config(parse("--allow-env", entry))
+
+
+def test_allow_env_from_toml_and_flags(tmp_path):
+    path = tmp_path / "env.toml"
+    path.write_text(f'allow_env = ["{ECHO}"]\n')
+    cfg = build_config(parse("--config", str(path), "--allow-env", HANG))
+    assert cfg.allow_env == [ECHO, HANG]
 
 
 # ---- config ------------------------------------------------------------------------------------

@@ -8,18 +8,27 @@ import pytest
 import torch
 
 from rollart.trainer.broadcast import WeightPublisher, snapshot_parameters
+from rollart.transport.errors import PeerDeadError
 
 
 class FakeSink:
-    def __init__(self, name: str, delay_s: float = 0.0, fail: bool = False) -> None:
+    def __init__(self, name: str, delay_s: float = 0.0, fail: bool = False,
+                 dies: bool = False) -> None:
         self.name = name
         self.delay_s = delay_s
         self.fail = fail
+        self.dies = dies  # the push fails because the peer was declared dead
+        self.dead = False
+        self.calls = 0
         self.received: list[tuple[int, list[str]]] = []
         self.closed = False
 
     async def push_weights(self, version, named_tensors, *, bucket_bytes):
+        self.calls += 1
         await asyncio.sleep(self.delay_s)
+        if self.dies:
+            self.dead = True
+            raise PeerDeadError(f"{self.name} silent for 12.0 s")
         if self.fail:
             raise ConnectionError("worker unreachable")
         self.received.append((version, [n for n, _ in named_tensors]))
@@ -67,4 +76,37 @@ async def test_push_latest_brings_a_new_worker_to_the_newest_version():
     await pub.wait(2)
     report = await pub.push_latest(["late"])
     assert report.version == 2 and sinks["late"].received == [(2, ["w"])]
+    await pub.close()
+
+
+async def test_a_dead_worker_is_marked_and_skipped_by_later_pushes(caplog):
+    sinks = {"a": FakeSink("a"), "dead": FakeSink("dead", dies=True)}
+    pub = WeightPublisher(lambda addr: sinks[addr], bucket_bytes=1024)
+    await pub.set_workers(["a", "dead"])
+    pub.publish(1, [("w", torch.zeros(1))])
+    first = await pub.wait(1, timeout_s=5)
+    assert "silent for 12.0 s" in first.failed["dead"]
+    assert "unreachable since version 1" in pub.unreachable["dead"]
+    assert any("later versions skip it" in r.getMessage() for r in caplog.records)
+    pub.publish(2, [("w", torch.ones(1))])
+    second = await pub.wait(2, timeout_s=5)
+    assert sinks["dead"].calls == 1  # not tried again: no wait on the dead peer
+    assert "skipped" in second.failed["dead"] and sinks["a"].received[-1][0] == 2
+    await pub.set_workers(["a"])  # removed, then registered again: a fresh client is tried
+    sinks["dead"] = FakeSink("dead")
+    await pub.set_workers(["a", "dead"])
+    assert "dead" not in pub.unreachable
+    report = await pub.push_latest(["dead"])
+    assert report.failed == {} and sinks["dead"].received == [(2, ["w"])]
+    await pub.close()
+
+
+async def test_a_push_over_its_timeout_marks_the_worker_unreachable():
+    sinks = {"slow": FakeSink("slow", delay_s=30.0)}
+    pub = WeightPublisher(lambda addr: sinks[addr], bucket_bytes=1024, push_timeout_s=0.05)
+    await pub.set_workers(["slow"])
+    pub.publish(1, [("w", torch.zeros(1))])
+    report = await pub.wait(1, timeout_s=10)
+    assert "TimeoutError" in report.failed["slow"]
+    assert "push_timeout_s=0.05" in pub.unreachable["slow"]
     await pub.close()

@@ -74,6 +74,8 @@ class TrainerClientLike(Protocol):
 
     async def train(self, step: int, samples: Sequence[m.TrainSample]) -> m.TrainResult: ...
 
+    async def register_workers(self, addresses: Sequence[str]) -> None: ...
+
     async def set_workers(self, addresses: Sequence[str]) -> None: ...
 
     async def wait_published(self, version: int) -> m.Published: ...
@@ -89,8 +91,10 @@ class RemoteTrainer:
         version: the trainer's version now (0 for a fresh run; the checkpoint's on resume).
 
     ``set_workers`` registers the workers' addresses (``InferenceClient.address``) with the
-    trainer, which pushes every new version to them right after the step; ``push_weights``
-    re-registers them if the set changed (a dead worker was removed) and waits until
+    trainer, which pushes every new version to them right after the step: the first call
+    registers the run's workers (``RegisterWorkers``, once: the trainer sends weights to no
+    other address); ``push_weights`` re-sends the set (``SetWorkers``, registered addresses
+    only) if it changed (a dead worker was removed) and waits until
     ``version`` is staged. Workers the trainer did not push ``version`` to after its step (a
     resumed run's workers, a worker registered later) get the trainer's latest weights pushed to
     them directly. Raises ``RollartError`` naming live workers the push failed on.
@@ -119,7 +123,10 @@ class RemoteTrainer:
 
     async def set_workers(self, workers: Sequence[GenerationBackend]) -> None:
         addresses = [getattr(w, "address") for w in workers]  # noqa: B009 - not in the port
-        if addresses != self._addresses:
+        if self._addresses is None:
+            await self.client.register_workers(addresses)
+            self._addresses = addresses
+        elif addresses != self._addresses:
             await self.client.set_workers(addresses)
             self._addresses = addresses
 

@@ -26,6 +26,7 @@ import math
 import random
 import threading
 from collections.abc import Callable, Mapping
+from pathlib import PurePosixPath
 from typing import Any, Protocol, runtime_checkable
 
 import msgspec
@@ -332,6 +333,7 @@ def rg_dataset(dataset: str, seed: int, config: Mapping[str, Any] | None = None)
             "bad_request",
             f"rg:{dataset}: unknown option(s) {unknown}{hint}; accepted: {sorted(allowed)}",
         )
+    _check_file_options(f"rg:{dataset}", config)
     try:
         ds = reasoning_gym.create_dataset(dataset, seed=seed, **config)
     except (AssertionError, TypeError, ValueError) as exc:
@@ -339,6 +341,25 @@ def rg_dataset(dataset: str, seed: int, config: Mapping[str, Any] | None = None)
             "bad_request", f"rg:{dataset}: invalid options {config}: {type(exc).__name__}: {exc}"
         ) from None
     return ds
+
+
+def _check_file_options(where: str, config: Mapping[str, Any]) -> None:
+    """Options naming a file (``spell_backward``'s ``data_file``) may name only a file of the
+    package's own data directory: reasoning-gym joins the value to that directory, so an
+    absolute path or ``..`` would read any file and show its words in the observations.
+
+    Raises:
+        EnvSpecError: (``bad_request``) such an option holding a path, not a bare file name.
+    """
+    for key, value in config.items():
+        if not any(w in key for w in ("file", "path", "dir")):
+            continue
+        if not isinstance(value, str) or not value or value != PurePosixPath(value).name \
+                or value.startswith(".") or "\\" in value:
+            raise EnvSpecError(
+                "bad_request",
+                f"{where}: option {key}={value!r} refused: options naming files may only name "
+                "a file of the dataset package's own data (a bare file name, no path)")
 
 
 def rg_entry(dataset: str, seed: int, config: Mapping[str, Any] | None = None) -> dict[str, Any]:

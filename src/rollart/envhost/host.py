@@ -31,6 +31,7 @@ from typing import Annotated, Any
 
 import msgspec
 
+from rollart.envhost.allow import check_allow_entries, check_env_allowed
 from rollart.envhost.families import EnvAdapter, EnvSpecError, make_env
 from rollart.envhost.latency import LatencyConfig, LatencyModel, select_latency
 from rollart.transport import messages as m
@@ -62,6 +63,8 @@ class HostConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             a few KiB to a few hundred KiB); 4 MiB leaves room for large options while a
             flood of oversized frames cannot grow the host's memory. At least 2 MiB, the
             largest batch envelope of small requests (``zmqloop.MAX_BATCH_FRAME_BYTES``).
+        allow_env: the only ``py:package.module:Attr`` envs this host builds (exact names;
+            ``rollart.envhost.allow``); ``game:`` / ``rg:`` envs need no entry.
     """
 
     address: str = "tcp://127.0.0.1:0"
@@ -73,6 +76,10 @@ class HostConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     threads: Annotated[int, msgspec.Meta(gt=0, le=4096)] = 32
     latency: dict[str, LatencyConfig] = {}
     max_message_bytes: Annotated[int, msgspec.Meta(ge=2 << 20, le=1 << 30)] = 4 << 20
+    allow_env: list[str] = []
+
+    def __post_init__(self) -> None:
+        check_allow_entries(self.allow_env)  # raises ValueError naming a malformed entry
 
 
 @dataclass(eq=False)
@@ -104,6 +111,7 @@ class EnvHost:
         self._sessions: dict[str, _Session] = {}
         self._closed_reasons: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._latency = {k: LatencyModel(v) for k, v in config.latency.items()}
+        self._allowed = frozenset(config.allow_env)
         self._ordinal = 0
         self.num_steps = 0
         self.num_errors = 0
@@ -235,7 +243,14 @@ class EnvHost:
     # -- handlers ----------------------------------------------------------------------------------
 
     async def open(self, msg: m.EnvOpen, _frames: list[memoryview] | None = None) -> m.EnvOpened:
-        """Build env ``msg.env_name`` with ``msg.options`` and reset it with ``msg.seed``."""
+        """Build env ``msg.env_name`` with ``msg.options`` and reset it with ``msg.seed``.
+        A ``py:`` env not on the allow-list is refused (``bad_request``) before anything is
+        imported or looked up, and no session is created."""
+        try:
+            check_env_allowed(msg.env_name, self._allowed)
+        except EnvSpecError as exc:
+            log.warning("%s: %s", self.name, exc.message)
+            raise EnvError(exc.code, exc.message) from None
         if len(self._sessions) >= self.config.max_sessions:
             raise EnvError(
                 "bad_request",
@@ -403,6 +418,14 @@ def _parser() -> argparse.ArgumentParser:
         help='latency injection for an env name, family or "*", e.g. '
         'game=\'{"distribution": "normal", "mean_s": 10, "std_s": 3}\' (repeatable)',
     )
+    p.add_argument(
+        "--allow-env",
+        action="append",
+        default=[],
+        metavar="py:package.module:Attr",
+        help="a py: env this host may build (exact name, repeatable); py: envs not listed are "
+        "refused before any import. game: and rg: envs need no entry",
+    )
     p.add_argument("--log-level", default="INFO")
     add_auth_args(p)
     return p
@@ -440,6 +463,8 @@ def build_config(args: argparse.Namespace) -> HostConfig:
             raise ConfigError(f"--latency {key}: invalid JSON: {exc}") from None
     if latency:
         raw["latency"] = latency
+    if args.allow_env:
+        raw["allow_env"] = [*raw.get("allow_env", []), *args.allow_env]
     try:
         return msgspec.convert(raw, HostConfig)
     except msgspec.ValidationError as exc:

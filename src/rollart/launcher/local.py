@@ -207,21 +207,26 @@ async def open_cluster(scenario: str | Path | Scenario, *, run_dir: str | Path |
     try:
         t0 = time.perf_counter()
         note(f"starting services (logs: {run_dir / 'logs'})")
+        rc = scenario.reward
+        # Tokens first: a missing token variable / file fails before any process starts.
+        service_token, token_file, endpoint_tokens = _reward_tokens(scenario, run_dir)
         addrs = await start_services(sup, scenario, model_dir,
                                      trainer_resume=point[0] if point else None,
-                                     auth_argv=keyed.argv)
+                                     auth_argv=keyed.argv,
+                                     checkpoint_dir=run_dir / "checkpoints",
+                                     reward_token_file=token_file)
         note(f"services ready in {time.perf_counter() - t0:.1f} s")
-        rc = scenario.reward
         reward = RewardClient(addrs.reward_url, max_concurrency=rc.max_concurrency,
                               timeout_s=rc.timeout_s, max_retries=rc.max_retries,
-                              backoff_s=rc.backoff_s, **_reward_limits(rc))
+                              backoff_s=rc.backoff_s, token=service_token,
+                              **_reward_limits(rc))
         await reward.__aenter__()
         # Domains scored by any endpoint speaking the reward contract (e.g. a FaaS URL).
-        for url in sorted({d.reward_url for d in scenario.domains
-                           if d.reward_url.startswith(("http://", "https://"))}):
+        for url, token in sorted(endpoint_tokens.items()):
             endpoint = RewardClient(url, max_concurrency=rc.max_concurrency,
                                     timeout_s=rc.timeout_s, max_retries=rc.max_retries,
-                                    backoff_s=rc.backoff_s, **_reward_limits(rc))
+                                    backoff_s=rc.backoff_s, token=token,
+                                    **_reward_limits(rc))
             await endpoint.__aenter__()
             endpoints[url] = endpoint
         pools = {name: [InferenceClient(a, auth=auth, name=f"{name}-{i}")
@@ -289,6 +294,34 @@ async def open_cluster(scenario: str | Path | Scenario, *, run_dir: str | Path |
                 with contextlib.suppress(Exception):
                     await client.__aexit__(None, None, None)
         await sup.stop_all()
+
+
+def _reward_tokens(scenario: Scenario, run_dir: Path
+                   ) -> tuple[str | None, Path | None, dict[str, str | None]]:
+    """``(service token, its file, {endpoint url: token})`` (``rollart.reward.auth``).
+
+    A reward service the launcher starts gets a fresh token in ``run_dir/secrets/`` (mode
+    0600, handed over by path); a running one (``reward.url``) and each http(s) domain
+    endpoint use the token their scenario entry names (variable or file), if any.
+
+    Raises:
+        ConfigError: a named token variable is unset, or a token file unreadable or not private.
+    """
+    from rollart.reward.auth import create_token_file, token_from
+
+    rc = scenario.reward
+    token_file = None
+    if rc.url is None:
+        token_file = run_dir / "secrets" / "reward.token"
+        token_file.unlink(missing_ok=True)  # a resumed run gets a new token
+        token = create_token_file(token_file)
+    else:
+        token = token_from(rc.token_env, rc.token_file, "reward.token_env / token_file")
+    endpoints = {
+        d.reward_url: token_from(d.reward_token_env, d.reward_token_file,
+                                 f"domains[{d.name}].reward_token_env / reward_token_file")
+        for d in scenario.domains if d.reward_url.startswith(("http://", "https://"))}
+    return token, token_file, endpoints
 
 
 async def _check_weight_transfer(scenario: Scenario, workers: list[Any]) -> None:

@@ -164,7 +164,8 @@ class RunFolder:
         """Save the trainer's checkpoint and the controller's state as ``step``'s."""
         root = self.run_dir / "checkpoints"
         d = step_dir(root, step)
-        await cluster.trainer_client.save_checkpoint(str(d))
+        # the trainer saves only under its --checkpoint-dir (run_dir/checkpoints = root): by name
+        await cluster.trainer_client.save_checkpoint(d.name)
         state = RunState(step=step, version=version, controller=cluster.snapshot())
         (d / "controller.json").write_bytes(msgspec.json.encode(state))
         mark_complete(root, step)

@@ -63,8 +63,12 @@ def trainer_env(sc: Scenario) -> dict[str, str]:
 
 async def start_services(sup: Supervisor, scenario: Scenario, model_dir: Path, *,
                          trainer_resume: Path | None, auth_argv: list[str],
-                         ready_timeout_s: float = 600.0) -> Addresses:
+                         ready_timeout_s: float = 600.0,
+                         checkpoint_dir: Path | None = None,
+                         reward_token_file: Path | None = None) -> Addresses:
     """Start every local service of ``scenario`` (concurrently) and return all addresses.
+    ``checkpoint_dir``: the only directory the trainer saves checkpoints under;
+    ``reward_token_file``: the bearer token a local reward service requires (by path).
 
     ``auth_argv`` (``--key-file PATH`` or ``--insecure``: ``rollart.launcher.runkeys``) is
     given to every ZeroMQ service; each worker's ``--max-message-bytes`` is a weight bucket
@@ -82,6 +86,8 @@ async def start_services(sup: Supervisor, scenario: Scenario, model_dir: Path, *
                              "--port", str(sc.reward.port))
         for mod in sc.reward.modules:
             argv += ["--functions", mod]
+        if reward_token_file is not None:
+            argv += ["--token-file", str(reward_token_file)]
         starts["reward"] = sup.start("reward", argv, ready_timeout_s=ready_timeout_s)
     for host in sc.env_hosts:
         if host.address is not None:
@@ -94,6 +100,8 @@ async def start_services(sup: Supervisor, scenario: Scenario, model_dir: Path, *
             *auth_argv)
         for key, lat in host.latency.items():
             argv += ["--latency", f"{key}={msgspec.json.encode(lat).decode()}"]
+        for env_name in env_allow_list(sc):
+            argv += ["--allow-env", env_name]
         starts[f"env:{host.name}"] = sup.start(f"env-{host.name}", argv,
                                                ready_timeout_s=ready_timeout_s)
     local_workers = [(p, i) for p in sc.pools if not p.addresses for i in range(p.num_workers)]
@@ -124,7 +132,8 @@ async def start_services(sup: Supervisor, scenario: Scenario, model_dir: Path, *
         starts[f"worker:{pool.name}:{i}"] = sup.start(
             f"worker-{name}", argv, env=env, ready_timeout_s=ready_timeout_s)
     starts["trainer"] = sup.start("trainer",
-                                  [*trainer_argv(sc, model_dir, trainer_resume), *auth_argv],
+                                  [*trainer_argv(sc, model_dir, trainer_resume,
+                                                 checkpoint_dir=checkpoint_dir), *auth_argv],
                                   env=trainer_env(sc), ready_timeout_s=ready_timeout_s)
 
     keys = list(starts)
@@ -140,9 +149,17 @@ async def start_services(sup: Supervisor, scenario: Scenario, model_dir: Path, *
     return addrs
 
 
-def trainer_argv(sc: Scenario, model_dir: Path, resume: Path | None) -> list[str]:
+def env_allow_list(sc: Scenario) -> list[str]:
+    """The ``py:`` envs a local env host may build: exactly the scenario's ``py:`` domains
+    (``rollart.envhost.allow``; ``game:`` / ``rg:`` envs need no entry)."""
+    return sorted({d.env for d in sc.domains if d.env.startswith("py:")})
+
+
+def trainer_argv(sc: Scenario, model_dir: Path, resume: Path | None, *,
+                 checkpoint_dir: Path | None = None) -> list[str]:
     """Command line of the trainer process for scenario ``sc`` (under torchrun when
-    ``trainer.num_processes`` > 1; the Supervisor appends ``--ready-file``)."""
+    ``trainer.num_processes`` > 1; the Supervisor appends ``--ready-file``). The trainer saves
+    checkpoints only under ``checkpoint_dir`` (none: it refuses to save)."""
     t = sc.trainer
     # "auto" keeps the checkpoint's dtype on GPUs; CPU training stays in float32.
     dtype = sc.model.dtype if sc.model.dtype != "auto" else (
@@ -177,4 +194,6 @@ def trainer_argv(sc: Scenario, model_dir: Path, resume: Path | None) -> list[str
                              "-m", "rollart.trainer.service", *args)
     if resume is not None:
         argv += ["--resume", str(resume)]
+    if checkpoint_dir is not None:
+        argv += ["--checkpoint-dir", str(checkpoint_dir)]
     return argv

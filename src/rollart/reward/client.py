@@ -70,6 +70,8 @@ class RewardClient:
             not started again by the retries).
         max_reply_bytes: largest reply body read, bytes (>= 1024).
         max_details_bytes: largest JSON-encoded ``details`` accepted, bytes (>= 2).
+        token: bearer token sent as ``Authorization: Bearer <token>`` on every call
+            (``rollart.reward.auth``); a wrong one gets HTTP 401, which is not retried.
 
     Raises:
         ValueError: a bad argument (named in the message).
@@ -87,6 +89,7 @@ class RewardClient:
         retry_timeouts: bool = False,
         max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES,
         max_details_bytes: int = DEFAULT_MAX_DETAILS_BYTES,
+        token: str | None = None,
     ) -> None:
         if not base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url must start with http:// or https://, got {base_url!r}")
@@ -114,6 +117,9 @@ class RewardClient:
         self.max_retries = max_retries
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
+        self._headers = {"Content-Type": "application/json"}
+        if token is not None:
+            self._headers["Authorization"] = f"Bearer {token}"
         self._semaphore = asyncio.Semaphore(max_concurrency)
         self._session: aiohttp.ClientSession | None = None
 
@@ -121,7 +127,7 @@ class RewardClient:
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=self.max_concurrency),
             timeout=aiohttp.ClientTimeout(total=self.timeout_s),
-            headers={"Content-Type": "application/json"},
+            headers=self._headers,
         )
         return self
 

@@ -11,6 +11,10 @@ Routes (contract in :mod:`rollart.reward.protocol`):
 Every non-200 reply is JSON ``{"error": "..."}`` naming the problem, and no failure is ever
 reported as a reward: a crashing, hanging or misbehaving function fails that request only, and the
 service keeps serving.
+
+Authentication (:mod:`rollart.reward.auth`): with ``--token-file`` every route but ``/healthz``
+needs ``Authorization: Bearer TOKEN`` (else 401). Without it the service warns; on a non-loopback
+``--host`` it refuses to start unless ``--no-auth`` says so explicitly.
 """
 
 from __future__ import annotations
@@ -29,9 +33,11 @@ import uvloop
 from aiohttp import web
 
 from rollart.reward import builtins
+from rollart.reward.auth import bearer_middleware, read_token_file
 from rollart.reward.protocol import ErrorResponse, RewardRequest
 from rollart.reward.registry import RewardRegistry
 from rollart.reward.runner import RewardRunner, ScoringError
+from rollart.transport.errors import ConfigError
 
 log = logging.getLogger("rollart.reward.server")
 
@@ -172,18 +178,22 @@ def create_app(
     *,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     max_inflight: int = DEFAULT_MAX_INFLIGHT,
+    token: str | None = None,
 ) -> web.Application:
     """The aiohttp application. Closing it (``on_cleanup``) shuts ``runner``'s pools down.
 
     Args:
         max_body_bytes: request bodies above this get 413.
         max_inflight: concurrent scoring calls above this get 429 with ``Retry-After: 1``.
+        token: if given, every route but ``/healthz`` answers 401 unless the request carries
+            ``Authorization: Bearer <token>`` (checked before the body is read).
     """
     if max_body_bytes < 1 or max_inflight < 1:
         raise ValueError(
             f"max_body_bytes and max_inflight must be >= 1, got {max_body_bytes}, {max_inflight}"
         )
-    app = web.Application(middlewares=[_json_errors], client_max_size=max_body_bytes)
+    auth = [bearer_middleware(token)] if token is not None else []
+    app = web.Application(middlewares=[_json_errors, *auth], client_max_size=max_body_bytes)
     app[_REGISTRY] = registry
     app[_RUNNER] = runner
     handler = _RewardHandler(max_body_bytes, max_inflight)
@@ -243,8 +253,25 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="write the bound 'host:port' here once listening",
     )
+    p.add_argument(
+        "--token-file",
+        type=Path,
+        default=None,
+        help="file (mode 0600) holding the bearer token every request must carry "
+        "('Authorization: Bearer TOKEN'); rollart run creates one per run",
+    )
+    p.add_argument(
+        "--no-auth",
+        action="store_true",
+        help="serve without a token; needed to bind a non-loopback --host without --token-file",
+    )
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
+    if args.token_file is not None and args.no_auth:
+        p.error("--token-file and --no-auth exclude each other")
+    if args.token_file is None and not args.no_auth and not _is_loopback(args.host):
+        p.error(f"--host {args.host} is reachable from other machines: give --token-file "
+                "(or --no-auth to serve anyone who can connect)")
     if not 0 <= args.port <= 65535:
         p.error(f"--port must be in [0, 65535], got {args.port}")
     for flag in ("max_body_bytes", "max_inflight", "threads", "max_hung_threads"):
@@ -257,6 +284,10 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def _is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
 def _write_ready_file(path: Path, host: str, port: int) -> None:
     # Write-then-rename so a poller never reads a half-written address.
     tmp = path.with_name(path.name + ".tmp")
@@ -265,12 +296,21 @@ def _write_ready_file(path: Path, host: str, port: int) -> None:
     os.replace(tmp, path)
 
 
-async def serve(args: argparse.Namespace, registry: RewardRegistry, runner: RewardRunner) -> int:
-    """Listen until SIGINT/SIGTERM, then drain and shut down. Returns the exit code."""
+async def serve(args: argparse.Namespace, registry: RewardRegistry, runner: RewardRunner, *,
+                token: str | None = None) -> int:
+    """Listen until SIGINT/SIGTERM, then drain and shut down (``token``: see ``create_app``).
+    Returns the exit code."""
     if any(spec.executor == "process" and not spec.is_async for spec in registry):
         runner.start_process_pool()
+    if token is None:
+        log.warning("serving without authentication (no --token-file): any local process "
+                    "can call the reward functions")
     app = create_app(
-        registry, runner, max_body_bytes=args.max_body_bytes, max_inflight=args.max_inflight
+        registry,
+        runner,
+        max_body_bytes=args.max_body_bytes,
+        max_inflight=args.max_inflight,
+        token=token,
     )
     app_runner = web.AppRunner(app, access_log=None, shutdown_timeout=5.0)
     await app_runner.setup()
@@ -299,6 +339,11 @@ def main(argv: list[str] | None = None) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
+        token = read_token_file(args.token_file, "--token-file") if args.token_file else None
+    except ConfigError as exc:
+        print(f"rollart serve-reward: {exc}", file=sys.stderr)
+        return 2
+    try:
         registry = build_registry(args.functions)
     except (ImportError, ValueError, TypeError) as exc:
         print(f"rollart serve-reward: cannot load reward functions: {exc}", file=sys.stderr)
@@ -308,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         max_hung_threads=args.max_hung_threads,
     )
     try:
-        code = uvloop.run(serve(args, registry, runner))
+        code = uvloop.run(serve(args, registry, runner, token=token))
     except OSError as exc:
         print(
             f"rollart serve-reward: cannot listen on {args.host}:{args.port}: {exc}",

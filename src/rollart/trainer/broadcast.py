@@ -8,6 +8,13 @@ only part of the transfer exposed to rollout.
 
 Every push is the full parameter set, so a worker that missed versions is brought to the latest
 one by a single push (``push_latest``), never by replaying deltas.
+
+Which workers may receive weights is decided by the trainer service (``rollart.trainer.access``);
+the publisher pushes to the addresses it is given. A worker whose push fails because it is dead
+(its client declared it so, at most ``liveness_timeout_s`` + one heartbeat after it went silent)
+or took longer than ``push_timeout_s`` is marked unreachable, logged once, and skipped at once by
+every later push (reported in ``failed``), so one dead peer never delays each later version;
+registering it again (``set_workers`` without it, then with it) connects afresh.
 """
 
 from __future__ import annotations
@@ -27,6 +34,9 @@ class WeightSink(Protocol):
     """What the publisher needs from an inference worker client (InferenceClient fits)."""
 
     name: str
+
+    @property
+    def dead(self) -> bool: ...
 
     async def push_weights(self, version: int, named_tensors: Iterable[tuple[str, Any]], *,
                            bucket_bytes: int) -> None: ...
@@ -63,12 +73,18 @@ class WeightPublisher:
     Args:
         connect: ``address -> WeightSink`` (e.g. ``lambda a: InferenceClient(a, name=a)``).
         bucket_bytes: target bucket size in bytes (the paper uses ~1 GB buckets).
+        push_timeout_s: limit of pushing one version to one worker, seconds; a worker over it
+            is marked unreachable.
     """
 
-    def __init__(self, connect: Callable[[str], WeightSink], *, bucket_bytes: int) -> None:
+    def __init__(self, connect: Callable[[str], WeightSink], *, bucket_bytes: int,
+                 push_timeout_s: float = 600.0) -> None:
         self._connect = connect
         self.bucket_bytes = bucket_bytes
+        self.push_timeout_s = push_timeout_s
         self._sinks: dict[str, WeightSink] = {}
+        #: address -> why it was marked unreachable (later pushes skip it)
+        self.unreachable: dict[str, str] = {}
         self._latest: tuple[int, list[tuple[str, Any]]] | None = None
         self._pushes: dict[int, asyncio.Task[PushReport]] = {}
 
@@ -82,6 +98,7 @@ class WeightPublisher:
         for addr in list(self._sinks):
             if addr not in wanted:
                 await self._sinks.pop(addr).close()
+                self.unreachable.pop(addr, None)
         for addr in wanted:
             if addr not in self._sinks:
                 self._sinks[addr] = self._connect(addr)
@@ -130,7 +147,20 @@ class WeightPublisher:
         num_bytes = sum(t.numel() * t.element_size() for _, t in tensors)
 
         async def one(addr: str) -> None:
-            await self._sinks[addr].push_weights(version, tensors, bucket_bytes=self.bucket_bytes)
+            if addr in self.unreachable:
+                raise ConnectionError(f"skipped: {self.unreachable[addr]}")
+            sink = self._sinks[addr]
+            try:
+                await asyncio.wait_for(
+                    sink.push_weights(version, tensors, bucket_bytes=self.bucket_bytes),
+                    self.push_timeout_s)
+            except TimeoutError:
+                self._mark(addr, version, f"push exceeded push_timeout_s={self.push_timeout_s:g}")
+                raise
+            except Exception as exc:
+                if sink.dead:
+                    self._mark(addr, version, f"declared dead: {exc}")
+                raise
 
         results = await asyncio.gather(*(one(a) for a in addresses), return_exceptions=True)
         failed = {a: repr(r) for a, r in zip(addresses, results, strict=True)
@@ -139,6 +169,11 @@ class WeightPublisher:
             log.warning("weight push of version %d to %s failed: %s", version, addr, err)
         return PushReport(version=version, total_s=time.perf_counter() - start,
                           num_bytes=num_bytes, workers=addresses, failed=failed)
+
+    def _mark(self, addr: str, version: int, why: str) -> None:
+        self.unreachable[addr] = f"worker {addr} unreachable since version {version} ({why})"
+        log.warning("%s; later versions skip it until it is registered again",
+                    self.unreachable[addr])
 
     async def close(self) -> None:
         for task in self._pushes.values():

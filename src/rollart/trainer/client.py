@@ -43,7 +43,13 @@ class TrainerClient:
         assert isinstance(reply, m.TrainResult)
         return reply
 
+    async def register_workers(self, addresses: Sequence[str]) -> None:
+        """Register the run's workers (once): the only ones the trainer sends weights to.
+        Raises ``RemoteError`` (``forbidden``) if others were registered already."""
+        await self._rpc.call(m.RegisterWorkers(addresses=list(addresses)))
+
     async def set_workers(self, addresses: Sequence[str]) -> None:
+        """Push to these registered workers from now on (``forbidden``: one is not)."""
         await self._rpc.call(m.SetWorkers(addresses=list(addresses)))
 
     async def wait_published(self, version: int) -> m.Published:
@@ -59,6 +65,9 @@ class TrainerClient:
         return reply
 
     async def save_checkpoint(self, path: str) -> m.CheckpointSaved:
+        """Save as ``path``, relative to the trainer's ``--checkpoint-dir`` (``step_000042``);
+        the reply's ``path`` is the directory written. Raises ``RemoteError`` (``forbidden``)
+        for an absolute path or one resolving outside that directory."""
         reply, _ = await self._rpc.call(m.SaveCheckpoint(path=path))
         assert isinstance(reply, m.CheckpointSaved)
         return reply

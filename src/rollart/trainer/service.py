@@ -57,18 +57,23 @@ class TrainerOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     weight_transfer_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 600.0
     #: under torchrun: timeout of each training collective (gloo raises, NCCL aborts), seconds.
     collective_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 1800.0
+    #: limit of pushing one version to one worker (zmq), seconds; a worker over it, or one
+    #: declared dead, is marked unreachable and skipped by later pushes.
+    weight_push_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 600.0
 
 
 class TrainerService:
     """Holds the model, optimizer and publisher; one RPC handler per trainer message."""
 
     def __init__(self, model_path: Path, opts: TrainerOptions, step_cfg_json: bytes | None,
-                 resume: Path | None, *, auth: Auth) -> None:
+                 resume: Path | None, *, auth: Auth, checkpoint_dir: Path | None = None,
+                 workers: list[str] | None = None) -> None:
         """``auth``: the run's key (or ``INSECURE``), also used to push weights to workers."""
         import torch
         from transformers import AutoModelForCausalLM
 
         from rollart.inference.client import InferenceClient
+        from rollart.trainer.access import WorkerRegistry
         from rollart.trainer.broadcast import WeightPublisher
         from rollart.trainer.checkpoint import load_trainer
         from rollart.trainer.distributed import RankGroup, RankRunner, place_model
@@ -103,7 +108,11 @@ class TrainerService:
                                    default_timeout_s=600.0)
 
         self.weight_transfer = opts.weight_transfer
-        self.publisher = WeightPublisher(connect, bucket_bytes=opts.bucket_bytes)
+        self.publisher = WeightPublisher(connect, bucket_bytes=opts.bucket_bytes,
+                                         push_timeout_s=opts.weight_push_timeout_s)
+        #: the only workers weights may go to; checkpoints only under checkpoint_dir
+        self.registry = WorkerRegistry(workers)
+        self.checkpoint_dir = checkpoint_dir
         # Train / snapshot / save go through the runner, which hands them to the other ranks.
         self.runner = RankRunner(self.model, self.optimizer, self.step_cfg, self.ranks,
                                  ref_model=self.ref_model)
@@ -132,6 +141,7 @@ class TrainerService:
     def handlers(self) -> dict[type, object]:
         return {
             m.TrainBatch: self.train, m.SetWorkers: self.set_workers,
+            m.RegisterWorkers: self.register_workers,
             m.WaitPublished: self.wait_published, m.PublishLatest: self.publish_latest,
             m.SaveCheckpoint: self.save, m.GetTrainerState: self.status,
         }
@@ -162,7 +172,14 @@ class TrainerService:
                                  train_time_s=time.perf_counter() - start, agreement=agreement,
                                  dropped=dropped)
 
+    async def register_workers(self, msg: m.RegisterWorkers, _frames: object) -> m.Ack:
+        """Fix the run's workers (once; ``rollart.trainer.access``) and push to them."""
+        self.registry.register(msg.addresses)
+        log.info("workers registered for this run: %s", self.registry.registered)
+        return await self.set_workers(m.SetWorkers(addresses=msg.addresses), None)
+
     async def set_workers(self, msg: m.SetWorkers, _frames: object) -> m.Ack:
+        self.registry.check(msg.addresses, "SetWorkers")
         if self.collective is not None:
             await self.collective.set_workers(msg.addresses)
         else:
@@ -197,6 +214,7 @@ class TrainerService:
                            num_bytes=report.num_bytes, failed=report.failed)
 
     async def publish_latest(self, msg: m.PublishLatest, _frames: object) -> m.Published:
+        self.registry.check(msg.addresses, "PublishLatest")
         if self.collective is not None:
             # A broadcast reaches the whole group: the addresses must be registered workers.
             await self.collective.set_workers([*self.collective.workers, *msg.addresses])
@@ -208,10 +226,18 @@ class TrainerService:
                            num_bytes=report.num_bytes, failed=report.failed)
 
     async def save(self, msg: m.SaveCheckpoint, _frames: object) -> m.CheckpointSaved:
+        """Save under the checkpoint directory; a path outside it is ``forbidden``."""
+        from rollart.trainer.access import CheckpointPathError, forbidden, resolve_checkpoint
+
+        try:
+            path = resolve_checkpoint(self.checkpoint_dir, msg.path)
+        except CheckpointPathError as exc:
+            log.warning("SaveCheckpoint refused: %s", exc)
+            raise forbidden(str(exc)) from None
         async with self._lock:
-            seconds = await asyncio.to_thread(self.runner.save, Path(msg.path),
+            seconds = await asyncio.to_thread(self.runner.save, path,
                                               version=self.version, step=self.step)
-        return m.CheckpointSaved(path=msg.path, version=self.version, save_time_s=seconds)
+        return m.CheckpointSaved(path=str(path), version=self.version, save_time_s=seconds)
 
     async def status(self, _msg: m.GetTrainerState, _frames: object) -> m.TrainerStatus:
         n = sum(p.numel() for p in self.model.parameters())
@@ -230,6 +256,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-message-bytes", type=int, default=DEFAULT_TRAINER_MESSAGE_BYTES,
                    help="largest request (a TrainBatch); rollart run sizes it from the scenario "
                         "(trainer_message_bytes)")
+    p.add_argument("--checkpoint-dir", type=Path,
+                   help="the only directory SaveCheckpoint writes under (names are relative to "
+                   "it); without it SaveCheckpoint is refused")
+    p.add_argument("--worker", action="append", default=None, metavar="ADDRESS",
+                   help="register an inference worker at start (repeatable); then no "
+                   "RegisterWorkers may add others. Default: the controller registers them")
     add_auth_args(p)
     args = p.parse_args(argv)
     if not 0 < args.max_message_bytes <= 1 << 40:
@@ -253,7 +285,7 @@ def trainer_message_bytes(batch_size: int, max_tokens_per_trajectory: int) -> in
 async def _serve(args: argparse.Namespace, auth: Auth) -> int:
     opts = msgspec.json.decode(args.options.encode(), type=TrainerOptions)
     service = TrainerService(args.model, opts, args.step_config.encode() or None, args.resume,
-                             auth=auth)
+                             auth=auth, checkpoint_dir=args.checkpoint_dir, workers=args.worker)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     exit_code = 0
@@ -288,7 +320,8 @@ def _follow(args: argparse.Namespace) -> int:
     opts = msgspec.json.decode(args.options.encode(), type=TrainerOptions)
     # A follower rank opens no socket, but builds the same service (the key is not used).
     service = TrainerService(args.model, opts, args.step_config.encode() or None, args.resume,
-                             auth=INSECURE)
+                             auth=INSECURE, checkpoint_dir=args.checkpoint_dir,
+                             workers=args.worker)
     return service.runner.follow()
 
 

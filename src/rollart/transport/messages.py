@@ -43,6 +43,7 @@ ErrorCode = Literal[
     "unknown_kind",  # a message kind this service does not handle
     "too_large",  # message over the service's max_message_bytes
     "not_found",  # unknown request id, session id, env name, ...
+    "forbidden",  # refused by an access rule (unregistered worker, path outside a root, ...)
     "env_error",  # the environment raised
     "env_timeout",  # the environment step exceeded its timeout
     "invalid_action",  # the env rejected the model's action (model-caused; session stays open)
@@ -507,8 +508,17 @@ class TrainResult(Msg):
     dropped: dict[str, str] = {}
 
 
+class RegisterWorkers(Msg):
+    """The run's inference worker addresses, sent once by the controller: the only workers the
+    trainer will ever send weights to (``rollart.trainer.access``), and its push set from now
+    on. A later ``RegisterWorkers`` naming another address is refused (``forbidden``)."""
+
+    addresses: Annotated[list[str], msgspec.Meta(min_length=1)]
+
+
 class SetWorkers(Msg):
-    """Inference worker addresses the trainer pushes each new version to."""
+    """Registered worker addresses the trainer pushes each new version to (a dead one left
+    out); an unregistered address is refused (``forbidden``)."""
 
     addresses: list[str]
 
@@ -522,7 +532,8 @@ class WaitPublished(Msg):
 
 
 class PublishLatest(Msg):
-    """Push the latest version to ``addresses`` now (workers that missed versions)."""
+    """Push the latest version to ``addresses`` now (registered workers that missed versions;
+    an unregistered address is refused, ``forbidden``)."""
 
     addresses: list[str]
 
@@ -535,7 +546,9 @@ class Published(Msg):
 
 
 class SaveCheckpoint(Msg):
-    """Save model + optimizer (DCP) and trainer state under directory ``path``."""
+    """Save model + optimizer (DCP) and trainer state under directory ``path``, relative to the
+    trainer's checkpoint directory (``step_000042``); an absolute path or one resolving outside
+    it is refused (``forbidden``). ``CheckpointSaved.path`` is the resolved directory."""
 
     path: str
 
@@ -610,6 +623,7 @@ Request = (
     | EnvClose
     | GetEnvStats
     | TrainBatch
+    | RegisterWorkers
     | SetWorkers
     | WaitPublished
     | PublishLatest
