@@ -77,7 +77,7 @@ def host(tmp_path_factory):
         "--threads", "4",
         "--latency", 'py:envhost_user_envs:make_echo={"distribution": "normal", "mean_s": 0.4}',
         *(f"--allow-env=py:envhost_user_envs:{a}"
-          for a in ("EchoEnv", "HangingEnv", "make_echo", "RaisingEnv")),
+          for a in ("EchoEnv", "HangingEnv", "make_echo", "RaisingEnv", "ToolCallEnv")),
         "--allow-env=py:no_such_mod_q:X",  # allowed, so its import is tried (and fails)
     )  # fmt: skip
     yield proc

@@ -19,7 +19,7 @@ ECHO = "py:envhost_user_envs:EchoEnv"
 HANG = "py:envhost_user_envs:HangingEnv"
 USER_ENVS = [f"py:envhost_user_envs:{a}" for a in (
     "EchoEnv", "make_echo", "RaisingEnv", "HangingEnv", "SlowResetEnv", "NanRewardEnv",
-    "BadShapeEnv", "NotAnEnv")]
+    "BadShapeEnv", "NotAnEnv", "ToolCallEnv", "StrayCancelEnv")]
 
 
 @pytest.fixture
