@@ -251,6 +251,16 @@ class Controller:
         if self._loop_lag is not None:
             await self._loop_lag.stop()
 
+    def remove_worker(self, name: str, why: str) -> int:
+        """Take inference worker ``name`` out of its pool (:meth:`LLMProxy.remove_worker`) and
+        unregister it at the trainer at once, so that no weight push waits on it. Returns the
+        live workers left in its pool (0: its domains cannot generate; the caller decides).
+        Raises KeyError if no live worker has that name."""
+        left = self.proxy.remove_worker(name, why)
+        if self._started and left and not self._closed:
+            self._spawn_aux(self.trainer.set_workers(self.proxy.workers()), f"unregister-{name}")
+        return left
+
     @property
     def barrier(self) -> TurnBarrier | None:
         return self._ctx.barrier if self._ctx is not None else None

@@ -133,7 +133,11 @@ class LLMProxy:
             ) from None
 
     def workers(self) -> list[GenerationBackend]:
-        """Every live worker of every pool."""
+        """Every live worker of every pool (workers found dead are removed first, so a weight
+        sync never waits on them)."""
+        for pool in self._pools.values():
+            for w in [w for w in pool.workers if w.dead]:
+                self._remove(pool, w, "reported dead")
         return [w for pool in self._pools.values() for w in pool.workers]
 
     # -- routing ----------------------------------------------------------------------------
@@ -155,6 +159,24 @@ class LLMProxy:
         for traj, (w, _) in list(self._held.items()):
             if w is worker:
                 del self._held[traj]
+
+    def remove_worker(self, name: str, why: str) -> int:
+        """Take worker ``name`` out of its pool for good: no new turn is routed to it, its
+        trajectories' sticky routes and held prefixes are forgotten (their next turn goes to
+        another worker with the whole prompt), and weight syncs skip it. Requests in flight on
+        it are not touched here: the caller makes them fail (e.g. ``mark_dead`` on the client)
+        and :meth:`generate` re-sends them. Logs one warning with ``why``.
+
+        Returns the number of live workers left in its pool (0: the pool is exhausted and its
+        domains' next turns raise :class:`PoolExhaustedError`). Raises KeyError for an unknown
+        or already removed name.
+        """
+        for pool in self._pools.values():
+            for w in pool.workers:
+                if w.name == name:
+                    self._remove(pool, w, why)
+                    return len(pool.workers)
+        raise KeyError(f"no live worker named {name!r}")
 
     def route(self, traj_id: str, domain: str) -> GenerationBackend:
         """Pick the worker for ``traj_id``'s next turn (sticky, else least-loaded).

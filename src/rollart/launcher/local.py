@@ -7,8 +7,11 @@ back a ``rollart.Cluster`` (the driver API) that is closed, with every process, 
         async for step in cluster.train(steps=2):
             print(step.metrics.reward_mean_by_domain)
 
-If a service process dies while the block runs, the block is cancelled and
-``ProcessFailedError`` (naming the process and showing its log tail) is raised from it.
+If a service process dies while the block runs and the run cannot go on without it (see
+``rollart.launcher.peers``: a worker whose pool has live workers left, or an env host with live
+peers, is survived), the block is cancelled and ``ProcessFailedError`` (naming the process, its
+exit code and showing its log tail) is raised from it: the one error of the run, also when the
+controller noticed the loss first.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from rollart.config import Scenario, load_scenario, scenario_to_json
+from rollart.launcher.peers import PeerLoss
 from rollart.launcher.procs import ProcessFailedError, Supervisor
 from rollart.transport.errors import ConfigError, RollartError
 
@@ -152,9 +156,11 @@ async def open_cluster(scenario: str | Path | Scenario, *, run_dir: str | Path |
         cluster.trainer_client = trainer_client  # type: ignore[attr-defined]
 
         body = asyncio.current_task()
+        loss = _peer_loss(sup, scenario, pools, envs, trainer_client, cluster)
 
         async def watch() -> None:
-            failed.append(await sup.wait_any_failure())
+            exc = await sup.wait_any_failure(loss.on_exit)
+            failed.append(exc.with_context(loss.context.get(exc.name, "")))
             assert body is not None
             body.cancel()
 
@@ -165,6 +171,13 @@ async def open_cluster(scenario: str | Path | Scenario, *, run_dir: str | Path |
             if failed and body is not None:
                 body.uncancel()  # the cancellation was ours: surface the real cause
                 raise failed[0] from None
+            raise
+        except Exception as exc:
+            # The controller saw a dead peer's effect (PoolExhaustedError, a failed push) before
+            # the watcher reported the exit: the exit is the one message.
+            dead = sup.unexpected_exit()
+            if dead is not None:
+                raise dead.with_context(loss.context.get(dead.name, "")) from exc
             raise
     finally:
         if watcher is not None:
@@ -180,6 +193,19 @@ async def open_cluster(scenario: str | Path | Scenario, *, run_dir: str | Path |
                 with contextlib.suppress(Exception):
                     await client.__aexit__(None, None, None)
         await sup.stop_all()
+
+
+def _peer_loss(sup: Supervisor, scenario: Scenario, pools: dict[str, list[Any]],
+               envs: list[Any], trainer_client: Any, cluster: Any) -> PeerLoss:
+    """Map the services ``start_services`` started (by their names) to their clients."""
+    workers = {f"worker-{p.name}-{i}": (p.name, pools[p.name][i])
+               for p in scenario.pools if not p.addresses for i in range(p.num_workers)}
+    env_hosts = {f"env-{h.name}": c for h, c in zip(scenario.env_hosts, envs, strict=True)
+                 if h.address is None}
+    known = {name for name in sup.services}
+    return PeerLoss({k: v for k, v in workers.items() if k in known},
+                    {k: v for k, v in env_hosts.items() if k in known}, envs,
+                    {"trainer": trainer_client}, cluster)
 
 
 async def _check_weight_transfer(scenario: Scenario, workers: list[Any]) -> None:
