@@ -69,9 +69,26 @@ def _cmdline(pid: int) -> str:
 
 async def _wait_for(predicate, what: str, deadline_s: float = 300.0) -> None:
     end = time.monotonic() + deadline_s
-    while not predicate():
+    while True:
+        if predicate():
+            return
         assert time.monotonic() < end, f"timed out waiting for {what}"
         await asyncio.sleep(0.2)
+
+
+async def _wait_gone(pids: set[int]) -> None:
+    """Wait (up to DEADLINE_S) until none of ``pids`` runs; fail naming the survivors."""
+    end = time.monotonic() + DEADLINE_S
+    while True:
+        left = alive(pids)
+        if not left:
+            return
+        assert time.monotonic() < end, [_cmdline(p) for p in left]
+        await asyncio.sleep(0.2)
+
+
+def _read_int(path: Path) -> int:
+    return int(path.read_text())
 
 
 def _argv(kind: str, model_dir: Path) -> tuple[list[str], int]:
@@ -111,10 +128,7 @@ def test_service_killed_leaves_no_survivor(kind: str, tmp_path: Path, tiny_model
             exc = await asyncio.wait_for(sup.wait_any_failure(), DEADLINE_S)
             assert exc.name == kind and exc.returncode == -signal.SIGKILL
             assert str(exc.log_path) in str(exc)
-            end = time.monotonic() + DEADLINE_S
-            while alive(family) and time.monotonic() < end:
-                await asyncio.sleep(0.2)
-            assert alive(family) == set(), [_cmdline(p) for p in alive(family)]
+            await _wait_gone(family)
             assert group_members(pid) == []
         finally:
             await sup.stop_all()
@@ -152,14 +166,11 @@ def test_stop_all_kills_children_left_by_a_dead_service(tmp_path: Path):
         sup = Supervisor(tmp_path / "run")
         await sup.start("svc", ["python3", str(script)])
         svc = sup.services["svc"]
-        child = int(Path(str(svc.ready_path) + ".child").read_text())
+        child = _read_int(Path(str(svc.ready_path) + ".child"))
         os.kill(svc.proc.pid, signal.SIGKILL)  # type: ignore[union-attr]
         await svc.proc.wait()  # type: ignore[union-attr]
         assert alive({child}) == {child}  # orphaned, still running
         await sup.stop_all(timeout_s=DEADLINE_S, grace_s=1.0)
-        end = time.monotonic() + DEADLINE_S
-        while alive({child}) and time.monotonic() < end:
-            await asyncio.sleep(0.1)
-        assert alive({child}) == set()
+        await _wait_gone({child})
 
     asyncio.run(main())
