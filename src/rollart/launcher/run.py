@@ -8,6 +8,14 @@ Outputs: ``DIR/config.json`` (resolved scenario), ``DIR/metrics.jsonl`` (one obj
 ``DIR/trained_samples.jsonl`` (sample ids per step: exactly-once evidence across resumes),
 ``DIR/summary.json`` and ``DIR/checkpoints/step_NNNNNN`` (every ``trainer.checkpoint_every``
 steps and at the end). ``--resume DIR`` continues a run directory from its newest checkpoint.
+
+``--checkpoint-on-interrupt``: the first Ctrl-C (SIGINT) or SIGTERM does not stop the run at
+once: the step in progress *finishes* (its batch is trained, its metrics written; rollout in
+flight is left to the checkpoint's buffer snapshot as on any checkpoint), a checkpoint of that
+step is written, and the run stops with exit code 130 (SIGINT) or 143 (SIGTERM); ``--resume DIR``
+continues from it. Finishing rather than abandoning the step keeps the checkpoint at a step
+boundary, the only point where the trainer's weights and the controller's buffer agree. A second
+signal stops at once, without a checkpoint (as without the option).
 """
 
 from __future__ import annotations
@@ -44,6 +52,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--resume", type=Path, help="run directory to continue from its checkpoint")
     p.add_argument("--cache-dir", type=Path, default=Path(".cache/rollart"),
                    help="where the embedded tiny model is built and cached")
+    p.add_argument("--checkpoint-on-interrupt", action="store_true",
+                   help="on the first Ctrl-C / SIGTERM finish the current step, write a "
+                        "checkpoint and stop (a second signal stops at once)")
     return p.parse_args(argv)
 
 
@@ -60,6 +71,22 @@ class Terminated(Exception):
     """The launcher got SIGTERM; every process was stopped."""
 
 
+class Interrupted(Exception):
+    """``--checkpoint-on-interrupt``: a signal stopped the run after a checkpoint of step
+    ``step`` at ``path`` (``signum``: the signal)."""
+
+    def __init__(self, signum: int, step: int, path: Path) -> None:
+        self.signum, self.step, self.path = signum, step, path
+        super().__init__(f"stopped by signal {signum} after a checkpoint of step {step}: {path}")
+
+
+class StopRequest:
+    """The first SIGINT / SIGTERM under ``--checkpoint-on-interrupt`` (``signum``), or none."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+
+
 class RunState(msgspec.Struct, kw_only=True):
     """What ``rollart run`` keeps beside a checkpoint (``controller.json``)."""
 
@@ -69,10 +96,12 @@ class RunState(msgspec.Struct, kw_only=True):
 
 
 async def _drive(scenario: Scenario, run_dir: Path, cache_dir: Path, planned: int,
-                 resume: tuple[Path, RunState] | None) -> int:
+                 resume: tuple[Path, RunState] | None,
+                 checkpoint_on_interrupt: bool = False) -> int:
     from rollart.launcher.local import open_cluster
 
     progress = Progress(scenario, planned)
+    stop = StopRequest()
     # SIGTERM (e.g. `timeout`, a scheduler) stops the run as Ctrl-C does: every service's whole
     # process group is stopped, vLLM's engine-core children included. Without this the default
     # action kills the launcher at once and the children only get their parent-death signal.
@@ -81,10 +110,24 @@ async def _drive(scenario: Scenario, run_dir: Path, cache_dir: Path, planned: in
     terminated = asyncio.Event()
 
     def on_sigterm() -> None:
+        if checkpoint_on_interrupt and stop.signum is None:
+            stop.signum = signal.SIGTERM
+            progress.note("SIGTERM: finishing this step, then a checkpoint (again: stop now)")
+            return
         terminated.set()
         main_task.cancel()
 
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, on_sigterm)
+    def on_sigint() -> None:
+        if stop.signum is None:
+            stop.signum = signal.SIGINT
+            progress.note("Ctrl-C: finishing this step, then a checkpoint (again: stop now)")
+            return
+        main_task.cancel()
+
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, on_sigterm)
+    if checkpoint_on_interrupt:
+        loop.add_signal_handler(signal.SIGINT, on_sigint)
     try:
         async with open_cluster(
             scenario, run_dir=run_dir, cache_dir=cache_dir,
@@ -94,17 +137,19 @@ async def _drive(scenario: Scenario, run_dir: Path, cache_dir: Path, planned: in
             on_note=progress.note,
         ) as cluster:
             return await _train(cluster, scenario, run_dir, resume[1].step if resume else 0,
-                                planned, progress)
+                                planned, progress, stop)
     except asyncio.CancelledError:
         if terminated.is_set():
             raise Terminated from None
+        if stop.signum == signal.SIGINT:  # the second Ctrl-C
+            raise KeyboardInterrupt from None
         raise
     finally:
         progress.close()
 
 
 async def _train(cluster: Any, scenario: Scenario, run_dir: Path, start_step: int, planned: int,
-                 progress: Progress) -> int:
+                 progress: Progress, stop: StopRequest | None = None) -> int:
     every = scenario.trainer.checkpoint_every
     ckpt_root = run_dir / "checkpoints"
     step = start_step
@@ -121,10 +166,14 @@ async def _train(cluster: Any, scenario: Scenario, run_dir: Path, start_step: in
                 f.write(json.dumps({"step": step,
                                     "sample_ids": [s.sample_id for s in out.samples]}) + "\n")
             progress.step(step, out.metrics)
-            if (every and step % every == 0) or step == planned:
+            stopping = stop is not None and stop.signum is not None
+            if (every and step % every == 0) or step == planned or stopping:
                 await _checkpoint(cluster, ckpt_root, step,
                                   out.metrics.policy_version)
                 progress.note(f"checkpoint saved: {step_dir(ckpt_root, step)}")
+            if stopping and step < planned:
+                assert stop is not None and stop.signum is not None
+                raise Interrupted(stop.signum, step, step_dir(ckpt_root, step))
     return 0
 
 
@@ -175,13 +224,19 @@ def main(argv: list[str] | None = None) -> int:
     import uvloop
 
     try:
-        rc = uvloop.run(_drive(scenario, run_dir, args.cache_dir, planned, resume))
+        rc = uvloop.run(_drive(scenario, run_dir, args.cache_dir, planned, resume,
+                               args.checkpoint_on_interrupt))
     except ConfigError as exc:
         print(f"rollart run: config error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("rollart run: interrupted; every process was stopped", file=sys.stderr)
         rc = 130
+    except Interrupted as exc:
+        print(f"rollart run: {'interrupted' if exc.signum == signal.SIGINT else 'terminated'}"
+              f" after step {exc.step}; checkpoint saved: {exc.path}; continue with "
+              f"`rollart run {args.scenario} --resume {run_dir}`", file=sys.stderr)
+        rc = 128 + exc.signum
     except Terminated:
         print("rollart run: terminated (SIGTERM); every process was stopped", file=sys.stderr)
         rc = 143
