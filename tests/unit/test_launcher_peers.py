@@ -4,6 +4,7 @@ and ``PeerLoss`` deciding which losses a run survives (the rest are fatal, with 
 from __future__ import annotations
 
 import array
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from rollart.controller.training import RemoteTrainer
 from rollart.launcher.peers import PeerLoss
 from rollart.launcher.procs import ServiceProcess
 from rollart.transport import messages as m
+from rollart.transport.errors import PeerDeadError
 
 
 class FakeMortalWorker(FakeWorker):
@@ -28,17 +30,23 @@ class FakeMortalWorker(FakeWorker):
 
 
 class FakeMortalEnvHost(FakeEnvHost):
-    def __init__(self, name: str, **kw) -> None:
-        super().__init__(**kw)
-        self.name = name
-        self._gone = False
+    """An env host whose client the launcher can mark dead: every call then fails."""
 
-    @property
-    def dead(self) -> bool:
-        return self._gone
+    def __init__(self, name: str, **kw) -> None:
+        super().__init__(name, **kw)
 
     def mark_dead(self, reason: str) -> None:
-        self._gone = True
+        self._dead = True
+
+    async def step(self, session_id, action, *, timeout_s=None):
+        result = await super().step(session_id, action, timeout_s=timeout_s)
+        if self._dead:
+            raise PeerDeadError(f"{self.name} died")
+        return result
+
+    async def close_session(self, session_id) -> None:
+        assert not self._dead, "close_session called on a dead host"
+        await super().close_session(session_id)
 
 
 def service(name: str) -> ServiceProcess:
@@ -138,3 +146,18 @@ def test_trainer_loss_is_fatal_and_its_client_stops_at_once() -> None:
     assert not loss.on_exit(service("trainer"))
     assert trainer_client.dead  # nothing waits on it any more
     assert not loss.on_exit(service("reward"))  # not known: fatal
+
+
+@pytest.mark.looptime
+async def test_a_fatal_loss_is_reported_once_and_the_dead_host_is_not_called(caplog) -> None:
+    host = FakeMortalEnvHost("h1", turns=3, latency=lambda i, s: 1.0)
+    cluster, _ = two_worker_cluster([host], FakeTrainer())
+    loss = PeerLoss({}, {"env-h1": host}, [host], {}, cluster)
+    async with cluster:
+        await run_steps(cluster, 1)
+        assert host.sessions  # sessions open on it now
+        assert not loss.on_exit(service("env-h1"))
+        await asyncio.sleep(30.0)  # its trajectories fail; nothing retries them
+        assert cluster.controller.num_running == 0
+    # The launcher reports the exit; the controller does not add an error of its own.
+    assert not [r for r in caplog.records if "fatal error" in r.getMessage()]

@@ -172,6 +172,7 @@ class Controller:
         self._last_failures: list[str] = []
         self._started = False
         self._closed = False
+        self._stopping = False
         self._last_step_end = 0.0
         # (version, kept-sample count) at the last take_batch that found no batch: until one
         # changes no batch can be ready, so a wake-up does not rescan every group.
@@ -251,6 +252,12 @@ class Controller:
         if self._loop_lag is not None:
             await self._loop_lag.stop()
 
+    def stop_soon(self) -> None:
+        """The owner found a fatal fault outside the controller (e.g. a service process died)
+        and is about to close it: failures that follow from that fault are neither reported as
+        the run's error nor retried (the owner reports the cause, once)."""
+        self._stopping = True
+
     def remove_worker(self, name: str, why: str) -> int:
         """Take inference worker ``name`` out of its pool (:meth:`LLMProxy.remove_worker`) and
         unregister it at the trainer at once, so that no weight push waits on it. Returns the
@@ -327,7 +334,7 @@ class Controller:
         if task.cancelled():
             return
         exc = task.exception()
-        if exc is not None and self._fatal is None and not self._closed:
+        if exc is not None and self._fatal is None and not self._closed and not self._stopping:
             log.error("fatal error in %s: %s: %s", task.get_name(), type(exc).__name__, exc)
             self._fatal = exc
         self._notify()
@@ -489,7 +496,7 @@ class Controller:
                     f"(run.retry.max_failures_in_a_row); last: {self._last_failures}"
                 ) from exc
             retry = self.buffer.fail(tid, exc.reason)
-            if retry is not None:
+            if retry is not None and not self._stopping:
                 self._launch(retry, key)
         except TrajectoryStale:
             fresh = self.buffer.restart_trajectory(tid)
@@ -514,7 +521,7 @@ class Controller:
                     self._spawn_aux(self._selection_deadline(key), f"deadline-{key}")
         finally:
             self._cancelled.discard(tid)
-            if not self._closed:
+            if not self._closed and not self._stopping:
                 self._launch_restarts()
             self._notify()
 

@@ -53,15 +53,19 @@ class PeerLoss:
         why = f"process {svc.name!r} exited with code {code} (log: {svc.log_path})"
         client = (self.workers[svc.name][1] if svc.name in self.workers
                   else self.env_hosts.get(svc.name) or self.others.get(svc.name))
-        if client is not None and not client.dead:
-            client.mark_dead(why)
         ok = False
         if svc.name in self.workers:
             ok = self._worker_lost(svc.name, why)
         elif svc.name in self.env_hosts:
-            ok = any(not h.dead for h in self.all_env_hosts)
+            ok = any(not h.dead for h in self.all_env_hosts if h is not client)
             if not ok:
                 self.context[svc.name] = "no live env host is left"
+        controller = self.cluster.controller
+        if not ok and controller is not None:
+            controller.stop_soon()  # what fails next follows from this exit: one message
+        # After stop_soon: the calls pending on it fail now, not after a liveness timeout.
+        if client is not None and not client.dead:
+            client.mark_dead(why)
         if ok:
             self.survived.append(svc.name)
         return ok
@@ -70,6 +74,7 @@ class PeerLoss:
         pool, client = self.workers[name]
         controller = self.cluster.controller
         if controller is None:  # not started: its proxy will skip the dead client
+            client.mark_dead(why)
             left = sum(not c.dead for c in self.pools[pool])
         else:
             try:
