@@ -225,7 +225,7 @@ class Supervisor:
                 return self.failure(svc)
             await asyncio.sleep(0.2)
 
-    async def stop_all(self, timeout_s: float = 15.0, grace_s: float = 5.0) -> None:
+    async def stop_all(self, timeout_s: float = 15.0, grace_s: float = 2.0) -> None:
         """SIGTERM every service's process group (dead services' too: their children may live
         on), SIGKILL a group whose leader is still there after ``timeout_s``, and SIGKILL what is
         left of any group ``grace_s`` after its leader exited (orphans of a service that did not
