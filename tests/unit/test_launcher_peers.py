@@ -34,6 +34,8 @@ class FakeMortalEnvHost(FakeEnvHost):
 
     def __init__(self, name: str, **kw) -> None:
         super().__init__(name, **kw)
+        #: session ids someone tried to close after the host was marked dead
+        self.closed_when_dead: list[str] = []
 
     def mark_dead(self, reason: str) -> None:
         self._dead = True
@@ -45,7 +47,9 @@ class FakeMortalEnvHost(FakeEnvHost):
         return result
 
     async def close_session(self, session_id) -> None:
-        assert not self._dead, "close_session called on a dead host"
+        if self._dead:
+            self.closed_when_dead.append(session_id)
+            raise PeerDeadError(f"{self.name} died")
         await super().close_session(session_id)
 
 
@@ -159,5 +163,6 @@ async def test_a_fatal_loss_is_reported_once_and_the_dead_host_is_not_called(cap
         assert not loss.on_exit(service("env-h1"))
         await asyncio.sleep(30.0)  # its trajectories fail; nothing retries them
         assert cluster.controller.num_running == 0
+    assert host.closed_when_dead == []  # the dead host was never asked to close a session
     # The launcher reports the exit; the controller does not add an error of its own.
     assert not [r for r in caplog.records if "fatal error" in r.getMessage()]
