@@ -24,7 +24,9 @@ from pathlib import Path
 import pytest
 from test_launcher_orphans import alive, descendants
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+# A run starts 4-5 processes (two vLLM engines); on a loaded 2-core machine start-up alone took
+# up to 7 minutes, and the interrupt test starts two runs.
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(2400)]
 
 SHORT_RUN = Path(__file__).parent / "scenarios" / "short_run.toml"
 
