@@ -134,6 +134,17 @@ async def test_losing_one_worker_of_a_pool_reroutes_its_turns_and_the_run_goes_o
     assert loss.context["worker-p2-0"] == "it was the last live worker of pool 'p2'"
 
 
+@pytest.mark.looptime
+async def test_losing_the_last_worker_of_a_pool_logs_nothing_but_the_one_message(caplog):
+    cluster, (a1, a2, b1) = two_worker_cluster([FakeEnvHost(turns=3)], FakeTrainer())
+    loss = PeerLoss({"worker-p2-0": ("p2", b1)}, {}, [], {}, cluster)
+    async with cluster:
+        await run_steps(cluster, 1)
+        assert not loss.on_exit(service("worker-p2-0"))
+    assert b1.dead
+    assert not [r for r in caplog.records if r.levelname in ("WARNING", "ERROR")]
+
+
 def test_env_host_loss_is_survived_only_while_another_host_lives() -> None:
     h1, h2 = FakeMortalEnvHost("h1"), FakeMortalEnvHost("h2")
     cluster, _ = two_worker_cluster([h1, h2], FakeTrainer())

@@ -76,6 +76,9 @@ class PeerLoss:
         if controller is None:  # not started: its proxy will skip the dead client
             client.mark_dead(why)
             left = sum(not c.dead for c in self.pools[pool])
+        elif not [w for w in controller.proxy.pools[pool].workers
+                  if w is not client and not w.dead]:
+            left = 0  # fatal: left in place, the one message is the launcher's
         else:
             try:
                 left = controller.remove_worker(client.name, why)
