@@ -205,6 +205,7 @@ class Controller:
         self._last_failures: list[str] = []
         self._started = False
         self._closed = False
+        self._stopping = False
         self._last_step_end = 0.0
         # (version, kept-sample count) at the last take_batch that found no batch: until one
         # changes no batch can be ready, so a wake-up does not rescan every group.
@@ -284,6 +285,22 @@ class Controller:
         if self._loop_lag is not None:
             await self._loop_lag.stop()
 
+    def stop_soon(self) -> None:
+        """The owner found a fatal fault outside the controller (e.g. a service process died)
+        and is about to close it: failures that follow from that fault are neither reported as
+        the run's error nor retried (the owner reports the cause, once)."""
+        self._stopping = True
+
+    def remove_worker(self, name: str, why: str) -> int:
+        """Take inference worker ``name`` out of its pool (:meth:`LLMProxy.remove_worker`) and
+        unregister it at the trainer at once, so that no weight push waits on it. Returns the
+        live workers left in its pool (0: its domains cannot generate; the caller decides).
+        Idempotent. Raises ConfigError if no worker has that name."""
+        left = len(self.proxy.remove_worker(name, why).workers)
+        if self._started and left and not self._closed:
+            self._spawn_aux(self.trainer.set_workers(self.proxy.workers()), f"unregister-{name}")
+        return left
+
     @property
     def barrier(self) -> TurnBarrier | None:
         return self._ctx.barrier if self._ctx is not None else None
@@ -352,7 +369,7 @@ class Controller:
         if task.cancelled():
             return
         exc = task.exception()
-        if exc is not None and self._fatal is None and not self._closed:
+        if exc is not None and self._fatal is None and not self._closed and not self._stopping:
             log.error("fatal error in %s: %s: %s", task.get_name(), type(exc).__name__, exc)
             self._fatal = exc
         self._notify()
@@ -542,7 +559,7 @@ class Controller:
                     self._spawn_aux(self._selection_deadline(key), f"deadline-{key}")
         finally:
             self._cancelled.discard(tid)
-            if not self._closed:
+            if not self._closed and not self._stopping:
                 self._launch_restarts()
             self._notify()
 
@@ -565,7 +582,7 @@ class Controller:
             for other in self.buffer.drop_group(key, "failure_budget"):
                 self._cancel_traj(other)
             return
-        if retry is not None:
+        if retry is not None and not self._stopping:
             self._launch(retry, key)
         elif self.buffer.stats_dropped("attempts_exhausted") > self._exhausted_seen:
             self._exhausted_seen += 1

@@ -162,7 +162,11 @@ class LLMProxy:
             ) from None
 
     def workers(self) -> list[GenerationBackend]:
-        """Every live worker of every pool."""
+        """Every live worker of every pool (workers found dead are removed first, so a weight
+        sync never waits on them)."""
+        for pool in self._pools.values():
+            for w in [w for w in pool.workers if w.dead]:
+                self._remove(pool, w, "reported dead")
         return [w for pool in self._pools.values() for w in pool.workers]
 
     # -- routing ----------------------------------------------------------------------------

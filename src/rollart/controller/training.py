@@ -157,7 +157,10 @@ class RemoteTrainer:
         else:
             published = await self.client.wait_published(version)
         self.last_published = published
-        # A worker removed since (dead) may be among the failures; only live ones matter.
-        failed = {a: why for a, why in published.failed.items() if a in (self._addresses or [])}
+        # A worker removed or found dead since may be among the failures; only live ones
+        # matter (the controller re-routes the dead one's trajectories).
+        live = {getattr(w, "address") for w in workers if not w.dead}  # noqa: B009
+        failed = {a: why for a, why in published.failed.items()
+                  if a in (self._addresses or []) and a in live}
         if failed:
             raise RollartError(f"weights of version {version} not staged on: {failed}")

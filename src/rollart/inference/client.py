@@ -103,6 +103,11 @@ class InferenceClient:
         """True once the worker was declared dead or the client closed."""
         return self._rpc.dead
 
+    def mark_dead(self, reason: str) -> None:
+        """Declare the worker dead (e.g. its process exited): pending and later calls raise
+        ``PeerDeadError`` at once instead of after the liveness timeout."""
+        self._rpc.mark_dead(reason)
+
     async def _call(
         self,
         msg: m.Msg,

@@ -13,8 +13,11 @@ TensorBoard, transcripts, checkpoints, summary); ``resume=True`` continues it fr
 checkpoint. Local rewards and envs come as ``rewards=`` / ``envs=`` or are registered on the
 yielded cluster before its first step (``register_reward`` / ``register_env``).
 
-If a service process dies while the block runs, the block is cancelled and
-``ProcessFailedError`` (naming the process and showing its log tail) is raised from it.
+If a service process dies while the block runs and the run cannot go on without it (see
+``rollart.launcher.peers``: a worker whose pool has live workers left, or an env host with live
+peers, is survived), the block is cancelled and ``ProcessFailedError`` (naming the process, its
+exit code and showing its log tail) is raised from it: the one error of the run, also when the
+controller noticed the loss first.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from rollart.config import RewardServiceConfig, Scenario, load_scenario, scenario_to_json
+from rollart.launcher.peers import PeerLoss
 from rollart.launcher.procs import ProcessFailedError, Supervisor
 from rollart.transport.errors import ConfigError, RollartError
 
@@ -264,9 +268,11 @@ async def open_cluster(scenario: str | Path | Scenario, *, run_dir: str | Path |
             cluster.register_env(name, factory)
 
         body = asyncio.current_task()
+        loss = _peer_loss(sup, scenario, pools, env_clients, trainer_client, cluster)
 
         async def watch() -> None:
-            failed.append(await sup.wait_any_failure())
+            exc = await sup.wait_any_failure(loss.on_exit)
+            failed.append(exc.with_context(loss.context.get(exc.name, "")))
             assert body is not None
             body.cancel()
 
@@ -277,6 +283,13 @@ async def open_cluster(scenario: str | Path | Scenario, *, run_dir: str | Path |
             if failed and body is not None:
                 body.uncancel()  # the cancellation was ours: surface the real cause
                 raise failed[0] from None
+            raise
+        except Exception as exc:
+            # The controller saw a dead peer's effect (PoolExhaustedError, a failed push) before
+            # the watcher reported the exit: the exit is the one message.
+            dead = sup.unexpected_exit()
+            if dead is not None:
+                raise dead.with_context(loss.context.get(dead.name, "")) from exc
             raise
     finally:
         if watcher is not None:
@@ -322,6 +335,19 @@ def _reward_tokens(scenario: Scenario, run_dir: Path
                                  f"domains[{d.name}].reward_token_env / reward_token_file")
         for d in scenario.domains if d.reward_url.startswith(("http://", "https://"))}
     return token, token_file, endpoints
+
+
+def _peer_loss(sup: Supervisor, scenario: Scenario, pools: dict[str, list[Any]],
+               envs: list[Any], trainer_client: Any, cluster: Any) -> PeerLoss:
+    """Map the services ``start_services`` started (by their names) to their clients."""
+    workers = {f"worker-{p.name}-{i}": (p.name, pools[p.name][i])
+               for p in scenario.pools if not p.addresses for i in range(p.num_workers)}
+    env_hosts = {f"env-{h.name}": c for h, c in zip(scenario.env_hosts, envs, strict=True)
+                 if h.address is None}
+    known = {name for name in sup.services}
+    return PeerLoss({k: v for k, v in workers.items() if k in known},
+                    {k: v for k, v in env_hosts.items() if k in known}, envs,
+                    {"trainer": trainer_client}, cluster)
 
 
 async def _check_weight_transfer(scenario: Scenario, workers: list[Any]) -> None:

@@ -5,8 +5,20 @@ Each service writes its bound address to a ``--ready-file`` once it serves, so s
 0 and nothing races for fixed ports. Children run in their own process group and get SIGTERM
 when this process dies (Linux ``PR_SET_PDEATHSIG``); each service then stops its own children
 (an inference worker still starting its engine does so once the engine is up), so even a
-SIGKILLed launcher leaves no orphans behind for long. A stopped launcher (``stop_all``) signals
-whole process groups, children included.
+SIGKILLed launcher leaves no orphans behind for long.
+
+No orphans when a service dies on its own either: a service's own children (vLLM's
+``EngineCore`` and ``VLLM::Worker``, the reward service's process pool) inherit its process
+group and do not leave it, and the group outlives its leader. So the moment the supervisor sees
+a service exit (:meth:`Supervisor.wait_any_failure`), it SIGKILLs that service's whole group:
+whatever the service started dies with it, however the service ended. ``stop_all`` signals the
+groups of every service, dead ones included, and kills what is left of a group once its leader
+has exited. Rejected alternatives: ``PR_SET_PDEATHSIG`` inside each service for its children
+fires when the *thread* that forked them exits (process pools fork from helper threads) and
+needs code in every library that spawns; ``PR_SET_CHILD_SUBREAPER`` would make the launcher (a
+user's driver script, under the driver API) the parent of every orphan, changing its process for
+good. A descendant that calls ``setsid`` itself escapes the group (nothing in vLLM 0.32's engine
+path or ``concurrent.futures`` does).
 """
 
 from __future__ import annotations
@@ -18,7 +30,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,14 +40,21 @@ from rollart.transport.errors import RollartError
 class ProcessFailedError(RollartError):
     """A supervised process exited unexpectedly (fatal for the run). Names it and its log."""
 
-    def __init__(self, name: str, returncode: int | None, log_path: Path, tail: str) -> None:
+    def __init__(self, name: str, returncode: int | None, log_path: Path, tail: str,
+                 context: str = "") -> None:
         self.name = name
         self.returncode = returncode
         self.log_path = log_path
+        self.tail = tail
         super().__init__(
-            f"process {name!r} exited with code {returncode} (log: {log_path})\n"
+            f"process {name!r} exited with code {returncode} (log: {log_path})"
+            f"{'; ' + context if context else ''}\n"
             f"--- last lines of its log ---\n{tail}"
         )
+
+    def with_context(self, context: str) -> ProcessFailedError:
+        """The same error, saying why the run cannot go on without the process."""
+        return ProcessFailedError(self.name, self.returncode, self.log_path, self.tail, context)
 
 
 def _set_pdeathsig() -> None:  # runs in the child between fork and exec
@@ -81,6 +100,33 @@ class ServiceProcess:
     @property
     def alive(self) -> bool:
         return self.proc is not None and self.proc.returncode is None
+
+    def kill_group(self, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to the service's process group (its children included), alive or not.
+
+        The group id is the service's pid (``start_new_session``); Linux does not reuse a pid
+        while a process group of that id has members, so this reaches only this service's.
+        """
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, sig)
+
+
+def group_members(pgid: int) -> list[int]:
+    """Pids of the live (non-zombie) processes of process group ``pgid``, from ``/proc``."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses
+        fields = stat[stat.rindex(")") + 2:].split()
+        if fields[0] not in ("Z", "X") and int(fields[2]) == pgid:
+            out.append(int(entry))
+    return out
 
 
 class Supervisor:
@@ -141,32 +187,69 @@ class Supervisor:
                                    f"(log: {svc.log_path})")
             await asyncio.sleep(0.1)
 
-    async def wait_any_failure(self) -> ProcessFailedError:
-        """Return (never raise) an error for the first service that exits unexpectedly."""
+    def failure(self, svc: ServiceProcess) -> ProcessFailedError:
+        """The error naming exited service ``svc``, its exit code and log (with its tail)."""
+        return ProcessFailedError(svc.name, svc.proc.returncode if svc.proc else None,
+                                  svc.log_path, log_tail(svc.log_path))
+
+    def unexpected_exit(self) -> ProcessFailedError | None:
+        """The error of a service that exited unexpectedly and was not survived, if any."""
+        for svc in self.services.values():
+            if not svc.alive and svc.proc is not None and not svc.expected_exit:
+                return self.failure(svc)
+        return None
+
+    async def wait_any_failure(
+            self, survive: Callable[[ServiceProcess], bool] | None = None,
+    ) -> ProcessFailedError:
+        """Return (never raise) an error for the first service that exits unexpectedly and
+        that the run cannot survive.
+
+        Every service that exits has its process group SIGKILLed at once (its children die with
+        it). ``survive(svc)`` is asked about each unexpected exit: True means the run goes on
+        without the service (e.g. an inference worker whose pool has live workers left); the
+        service then counts as an expected exit.
+        """
+        reaped: set[str] = set()
         while True:
-            for svc in self.services.values():
-                if svc.proc is not None and svc.proc.returncode is not None \
-                        and not svc.expected_exit:
-                    return ProcessFailedError(svc.name, svc.proc.returncode, svc.log_path,
-                                              log_tail(svc.log_path))
+            for svc in list(self.services.values()):
+                if svc.proc is None or svc.alive or svc.name in reaped:
+                    continue
+                reaped.add(svc.name)
+                svc.kill_group()
+                if svc.expected_exit:
+                    continue
+                if survive is not None and survive(svc):
+                    svc.expected_exit = True
+                    continue
+                return self.failure(svc)
             await asyncio.sleep(0.2)
 
-    async def stop_all(self, timeout_s: float = 15.0) -> None:
-        """SIGTERM every child's process group, then SIGKILL what is left after ``timeout_s``."""
-        live = [s for s in self.services.values() if s.alive]
-        for svc in live:
+    async def stop_all(self, timeout_s: float = 15.0, grace_s: float = 2.0) -> None:
+        """SIGTERM every service's process group (dead services' too: their children may live
+        on), SIGKILL a group whose leader is still there after ``timeout_s``, and SIGKILL what is
+        left of any group ``grace_s`` after its leader exited (orphans of a service that did not
+        stop its children)."""
+        started = [s for s in self.services.values() if s.proc is not None]
+        for svc in started:
             svc.expected_exit = True
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(svc.proc.pid, signal.SIGTERM)  # type: ignore[union-attr]
+            svc.kill_group(signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
-        for svc in live:
+        for svc in started:
             remaining = max(0.1, deadline - time.monotonic())
             try:
                 await asyncio.wait_for(svc.proc.wait(), remaining)  # type: ignore[union-attr]
             except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(svc.proc.pid, signal.SIGKILL)  # type: ignore[union-attr]
+                svc.kill_group(signal.SIGKILL)
                 await svc.proc.wait()  # type: ignore[union-attr]
+        grace_end = time.monotonic() + grace_s
+        for svc in started:
+            assert svc.proc is not None
+            while time.monotonic() < grace_end:
+                if not group_members(svc.proc.pid):
+                    break
+                await asyncio.sleep(0.1)
+            svc.kill_group(signal.SIGKILL)
 
 
 def python_module(module: str, *args: str) -> list[str]:

@@ -10,6 +10,14 @@ Outputs: ``DIR/config.json`` (resolved scenario), ``DIR/metrics.jsonl`` (one obj
 and ``DIR/checkpoints/step_NNNNNN`` (every ``trainer.checkpoint_every`` steps and at the end):
 the run folder of ``rollart.launcher.rundir``, written the same way for a driver script.
 ``--resume DIR`` continues a run directory from its newest checkpoint.
+
+``--checkpoint-on-interrupt``: the first Ctrl-C (SIGINT) or SIGTERM does not stop the run at
+once: the step in progress *finishes* (its batch is trained, its metrics written; rollout in
+flight is left to the checkpoint's buffer snapshot as on any checkpoint), a checkpoint of that
+step is written, and the run stops with exit code 130 (SIGINT) or 143 (SIGTERM); ``--resume DIR``
+continues from it. Finishing rather than abandoning the step keeps the checkpoint at a step
+boundary, the only point where the trainer's weights and the controller's buffer agree. A second
+signal stops at once, without a checkpoint (as without the option).
 """
 
 from __future__ import annotations
@@ -51,6 +59,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--key-file", type=Path,
                    help="the run's key (.key_secret) when the scenario names services started "
                         "by hand with it (overrides run.key_file)")
+    p.add_argument("--checkpoint-on-interrupt", action="store_true",
+                   help="on the first Ctrl-C / SIGTERM finish the current step, write a "
+                        "checkpoint and stop (a second signal stops at once)")
     return p.parse_args(argv)
 
 
@@ -58,12 +69,29 @@ class Terminated(Exception):
     """The launcher got SIGTERM; every process was stopped."""
 
 
+class Interrupted(Exception):
+    """``--checkpoint-on-interrupt``: a signal stopped the run after a checkpoint of step
+    ``step`` at ``path`` (``signum``: the signal)."""
+
+    def __init__(self, signum: int, step: int, path: Path) -> None:
+        self.signum, self.step, self.path = signum, step, path
+        super().__init__(f"stopped by signal {signum} after a checkpoint of step {step}: {path}")
+
+
+class StopRequest:
+    """The first SIGINT / SIGTERM under ``--checkpoint-on-interrupt`` (``signum``), or none."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+
+
 async def _drive(scenario: Scenario, run_dir: Path, cache_dir: Path | None, planned: int,
                  start_step: int, resume: bool, started: float, *, insecure: bool = False,
-                 key_file: Path | None = None) -> int:
+                 key_file: Path | None = None, checkpoint_on_interrupt: bool = False) -> int:
     from rollart.launcher.local import open_cluster
 
     progress = Progress(scenario, planned)
+    stop = StopRequest()
     # SIGTERM (e.g. `timeout`, a scheduler) stops the run as Ctrl-C does: every service's whole
     # process group is stopped, vLLM's engine-core children included. Without this the default
     # action kills the launcher at once and the children only get their parent-death signal.
@@ -72,33 +100,57 @@ async def _drive(scenario: Scenario, run_dir: Path, cache_dir: Path | None, plan
     terminated = asyncio.Event()
 
     def on_sigterm() -> None:
+        if checkpoint_on_interrupt and stop.signum is None:
+            stop.signum = signal.SIGTERM
+            progress.note("SIGTERM: finishing this step, then a checkpoint (again: stop now)")
+            return
         terminated.set()
         main_task.cancel()
 
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, on_sigterm)
+    def on_sigint() -> None:
+        if stop.signum is None:
+            stop.signum = signal.SIGINT
+            progress.note("Ctrl-C: finishing this step, then a checkpoint (again: stop now)")
+            return
+        main_task.cancel()
+
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, on_sigterm)
+    if checkpoint_on_interrupt:
+        loop.add_signal_handler(signal.SIGINT, on_sigint)
     try:
         async with open_cluster(
             scenario, run_dir=run_dir, cache_dir=cache_dir, resume=resume, steps=planned,
             on_note=progress.note, started=started, insecure=insecure, key_file=key_file,
         ) as cluster:
-            return await _train(cluster, start_step, planned, progress)
+            return await _train(cluster, start_step, planned, progress, stop)
     except asyncio.CancelledError:
         if terminated.is_set():
             raise Terminated from None
+        if stop.signum == signal.SIGINT:  # the second Ctrl-C
+            raise KeyboardInterrupt from None
         raise
     finally:
         progress.close()
 
 
-async def _train(cluster: Any, start_step: int, planned: int, progress: Progress) -> int:
+async def _train(cluster: Any, start_step: int, planned: int, progress: Progress,
+                 stop: StopRequest | None = None) -> int:
     # The run folder (metrics, transcripts, TensorBoard, checkpoints) is written by
     # open_cluster's step hook (rollart.launcher.rundir), as for a driver script.
+    folder = cluster.run_folder
     async with cluster:
         # Started: modules, config, clients and the controller exist; later collections need
         # not traverse them again (rollart.controller.loophealth).
         freeze_startup_objects()
         async for out in cluster.train(steps=planned - start_step):
             progress.step(out.step, out.metrics)
+            if stop is not None and stop.signum is not None and out.step < planned:
+                path = folder.last_checkpoint
+                if folder.last_checkpoint_step != out.step:  # not due by checkpoint_every
+                    path = await folder.checkpoint(cluster, out.step,
+                                                   out.metrics.policy_version)
+                raise Interrupted(stop.signum, out.step, path)
     return 0
 
 
@@ -144,13 +196,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rc = uvloop.run(_drive(scenario, run_dir, args.cache_dir, planned, start_step,
                                args.resume is not None, started,
-                               insecure=args.insecure, key_file=args.key_file))
+                               insecure=args.insecure, key_file=args.key_file,
+                               checkpoint_on_interrupt=args.checkpoint_on_interrupt))
     except ConfigError as exc:
         print(f"rollart run: config error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("rollart run: interrupted; every process was stopped", file=sys.stderr)
         rc = 130
+    except Interrupted as exc:
+        print(f"rollart run: {'interrupted' if exc.signum == signal.SIGINT else 'terminated'}"
+              f" after step {exc.step}; checkpoint saved: {exc.path}; continue with "
+              f"`rollart run {args.scenario} --resume {run_dir}`", file=sys.stderr)
+        rc = 128 + exc.signum
     except Terminated:
         print("rollart run: terminated (SIGTERM); every process was stopped", file=sys.stderr)
         rc = 143

@@ -130,6 +130,9 @@ class RunFolder:
         self.transcripts: Any = None
         #: called with a line of text when a checkpoint is saved
         self.on_note = lambda _text: None
+        #: the newest checkpoint this process saved, and its step
+        self.last_checkpoint: Path | None = None
+        self.last_checkpoint_step: int | None = None
 
     def transcript_recorder(self, tokenizer: Any) -> Any:
         """The run's ``TranscriptRecorder`` (``None`` when ``output.transcripts_per_step`` is
@@ -170,6 +173,7 @@ class RunFolder:
         (d / "controller.json").write_bytes(msgspec.json.encode(state))
         mark_complete(root, step)
         self.on_note(f"checkpoint saved: {d}")
+        self.last_checkpoint, self.last_checkpoint_step = d, step
         return d
 
     def close(self) -> None:

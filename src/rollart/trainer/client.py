@@ -36,6 +36,10 @@ class TrainerClient:
     def dead(self) -> bool:
         return self._rpc.dead
 
+    def mark_dead(self, reason: str) -> None:
+        """Declare the trainer dead (its process exited): pending calls fail now."""
+        self._rpc.mark_dead(reason)
+
     async def train(self, step: int, samples: Sequence[m.TrainSample]) -> m.TrainResult:
         """One optimizer step on ``samples``; returns once the new version exists (pushing)."""
         reply, _ = await self._rpc.call(m.TrainBatch(step=step, samples=list(samples)),
