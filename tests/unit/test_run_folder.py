@@ -128,6 +128,27 @@ def test_fresh_run_moves_an_earlier_run_aside_and_resume_truncates(tmp_path: Pat
     assert rundir.prepare(tmp_path / "new", None) is None
 
 
+def test_a_half_written_last_line_is_left_out_by_report_summary_and_resume(
+        finished_run: Path, tmp_path: Path, capsys) -> None:
+    # A running run (or one killed mid-write) ends with an incomplete line.
+    d = tmp_path / "run"
+    d.mkdir()
+    lines = (finished_run / "metrics.jsonl").read_text().splitlines()
+    (d / "metrics.jsonl").write_text("\n".join(lines) + "\n" + lines[-1][:40])
+    assert cli(["report", str(d)]) == 0
+    assert f"{len(lines)} steps" in capsys.readouterr().out
+    assert rundir.write_summary(d, make_scenario(redundancy=1), 0.0)["steps"] == len(lines)
+    (d / "transcripts.jsonl").write_text(
+        "".join(json.dumps({"step": i}) + "\n" for i in (1, 2, 3)) + '{"step": 4, "te')
+    rundir.prepare(d, 2)
+    assert [json.loads(x)["step"] for x in (d / "transcripts.jsonl").read_text().splitlines()] \
+        == [1, 2]
+    # a bad line elsewhere is named, not a traceback
+    (d / "metrics.jsonl").write_text(lines[0] + "\n{oops\n" + lines[1] + "\n")
+    assert cli(["report", str(d)]) == 2
+    assert "line 2 is not JSON" in capsys.readouterr().err
+
+
 def test_resume_point_needs_a_checkpoint(tmp_path: Path) -> None:
     with pytest.raises(rundir.ConfigError, match="no complete checkpoint"):
         rundir.resume_point(tmp_path)

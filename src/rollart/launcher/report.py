@@ -41,10 +41,10 @@ PLOTS = {
 
 
 def _rows(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    # A running run's last line may be half-written: read_jsonl leaves it out.
+    from rollart.launcher.rundir import read_jsonl
+
+    return read_jsonl(run_dir / "metrics.jsonl")
 
 
 def _figure(title: str, ylabel: str) -> tuple[Any, Any]:
@@ -169,7 +169,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("run_dir", type=Path, help="a run folder (holds metrics.jsonl)")
     p.add_argument("--out", type=Path, help="where to write (default RUN_DIR/report)")
     args = p.parse_args(argv)
-    rows = _rows(args.run_dir)
+    try:
+        rows = _rows(args.run_dir)
+    except ValueError as exc:
+        print(f"rollart report: {exc}", file=sys.stderr)
+        return 2
     if not rows:
         print(f"rollart report: {args.run_dir / 'metrics.jsonl'}: no step metrics to plot",
               file=sys.stderr)

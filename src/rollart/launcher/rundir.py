@@ -93,12 +93,42 @@ def prepare(run_dir: Path, resume_step: int | None) -> Path | None:
     return dest
 
 
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The records of a per-step JSONL file (``[]`` if it does not exist).
+
+    A run being written, or one killed mid-write, may end with a line not (yet) completed:
+    an undecodable last line without its newline is left out.
+
+    Raises:
+        ValueError: any other line is not JSON (names the file and the line number).
+    """
+    return [row for _, row in _jsonl_lines(path)]
+
+
+def _jsonl_lines(path: Path) -> list[tuple[str, dict[str, Any]]]:
+    # (line, record) pairs as read_jsonl reads them.
+    if not path.exists():
+        return []
+    lines = path.read_text().split("\n")
+    out = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            out.append((line, json.loads(line)))
+        except json.JSONDecodeError as exc:
+            if i == len(lines) - 1:  # no newline after it: cut short
+                break
+            raise ValueError(f"{path}: line {i + 1} is not JSON: {exc}") from None
+    return out
+
+
 def _truncate_jsonl(path: Path, last_step: int) -> None:
-    # Steps after the checkpoint were rolled back with the trainer: forget their records.
+    # Steps after the checkpoint were rolled back with the trainer: forget their records
+    # (and a last line a killed run left half-written).
     if not path.exists():
         return
-    keep = [line for line in path.read_text().splitlines()
-            if line.strip() and json.loads(line)["step"] <= last_step]
+    keep = [line for line, row in _jsonl_lines(path) if row["step"] <= last_step]
     path.write_text("".join(line + "\n" for line in keep))
 
 
@@ -230,8 +260,7 @@ def write_summary(run_dir: Path, scenario: Scenario, started: float) -> dict[str
     """Write ``run_dir/summary.json`` from ``metrics.jsonl`` and return it."""
     run_dir.mkdir(parents=True, exist_ok=True)  # a run that failed before it started
     path = run_dir / "metrics.jsonl"
-    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] \
-        if path.exists() else []
+    rows = read_jsonl(path)
     rewards = [r["reward_mean"] for r in rows]
     w = SUMMARY_WINDOW
     summary = {
