@@ -92,3 +92,19 @@ def test_non_loopback_host_needs_a_token_or_an_explicit_no_auth(tmp_path):
     assert _parse_args(["--host", "0.0.0.0", "--token-file", str(tmp_path / "t")]).token_file
     with pytest.raises(SystemExit):
         _parse_args(["--token-file", "t", "--no-auth"])
+
+
+def test_readme_multi_machine_reward_command_is_accepted() -> None:
+    # The README's "Running across several machines" serve-reward command, parsed as the
+    # service parses it: a non-loopback --host needs --token-file (or --no-auth).
+    import re
+    import shlex
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("## Running across several machines", 1)[1].split("\n## ", 1)[0]
+    commands = [" ".join(c.split()) for c in re.findall(r"`(rollart serve-reward[^`]*)`",
+                                                          section, re.S)]
+    assert commands
+    for cmd in commands:
+        _parse_args(shlex.split(cmd)[2:])  # exits 2 (SystemExit) if refused
