@@ -105,6 +105,10 @@ def _info_text(info: Any) -> str:
                       ("min_length", "min length"), ("max_length", "max length")):
         v = getattr(info, attr, None)
         if v is not None:
+            # Whole floats as ints: typing caches Annotated[float, Meta(gt=0)] under the equal
+            # Meta(gt=0.0) of a module imported earlier, so the spelling would follow import order.
+            if isinstance(v, float) and v.is_integer():
+                v = int(v)
             bounds.append(f"{sym} {v}")
     return f"{name} ({', '.join(bounds)})" if bounds else name
 

@@ -36,6 +36,19 @@ def test_readme_scenario_reference_is_generated_from_the_config() -> None:
         "`python -m rollart.configdoc`")
 
 
+def test_reference_does_not_depend_on_import_order() -> None:
+    # typing caches Annotated[float, Meta(gt=0, le=1)] under the equal Meta(gt=0.0, le=1.0)
+    # of rollart.transport.messages when that is imported first (as a full test run does).
+    import subprocess
+    import sys
+
+    code = ("import rollart.transport.messages, sys; from rollart.configdoc import "
+            "scenario_reference; sys.stdout.write(scenario_reference())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out == scenario_reference()
+
+
 def test_reference_covers_every_config_class_of_the_scenario() -> None:
     def structs(cls, seen):
         for f in msgspec.structs.fields(cls):
