@@ -12,6 +12,7 @@ import logging
 import threading
 from typing import Any
 
+import numpy as np
 import pytest
 from test_controller_fakes import TOK, FakeEnvHost, FakeReward, FakeTrainer, FakeWorker, _toml
 from test_controller_modes import run_steps
@@ -408,6 +409,25 @@ async def test_oversized_local_reward_details_fail_the_trajectory() -> None:
     check_batches(steps)
     assert failed(steps) == {"reward_too_large": 1}
     assert all(len(s.metadata["reward_details"]["blob"]) == 0 for st in steps for s in st.samples)
+
+
+@pytest.mark.parametrize("bad", [(1.0, {}, 3), (1.0, "details"), None])
+async def test_a_local_reward_returning_garbage_fails_the_trajectory_not_the_run(bad) -> None:
+    calls: list[int] = []
+
+    def reward(prompt, response, reference, metadata):
+        calls.append(1)
+        if len(calls) == 1:
+            return bad
+        # what the reward service accepts is accepted in-process too
+        return [np.float32(metadata["env_return"]), None]
+
+    cluster = Cluster.from_scenario(scenario(reward="r", reward_url="local"), backends=backends())
+    cluster.register_reward("r", reward)
+    async with cluster as c:
+        steps = await run_past_failure(c)
+    check_batches(steps)
+    assert failed(steps) == {"reward_error": 1}
 
 
 @pytest.mark.looptime

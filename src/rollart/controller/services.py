@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -23,6 +22,7 @@ import msgspec
 
 from rollart.controller.offloop import OffLoopCalls
 from rollart.controller.ports import EnvBackend, RewardBackend, RewardOutcome
+from rollart.reward.protocol import InvalidRewardError, validate_result
 from rollart.transport import messages as m
 from rollart.transport.errors import (
     ConfigError,
@@ -231,11 +231,13 @@ class RewardRouter:
                               f"{self.local_timeout_s} s") from exc
         except Exception as exc:
             raise RewardError(f"local reward {name!r} raised {type(exc).__name__}: {exc}") from exc
-        reward, details = out if isinstance(out, tuple) else (out, {})
-        if isinstance(reward, bool) or not isinstance(reward, (int, float)):
-            raise RewardError(f"local reward {name!r} returned {type(reward).__name__}, not a number")
-        if not math.isfinite(reward):
-            raise RewardError(f"local reward {name!r} returned non-finite {reward!r}")
+        # The reward service's own contract (a finite real, or (reward, details) with details a
+        # dict or None): a bad return value fails this trajectory (reward_error), never the run.
+        try:
+            checked = validate_result(name, out)
+        except InvalidRewardError as exc:
+            raise RewardError(f"local {exc}") from None
+        reward, details = checked.reward, checked.details
         if details:
             try:
                 size = len(_json.encode(details))
