@@ -430,6 +430,32 @@ async def test_a_local_reward_returning_garbage_fails_the_trajectory_not_the_run
     assert failed(steps) == {"reward_error": 1}
 
 
+@pytest.mark.parametrize("bad", [("obs", float("nan"), True, False, {}), ("obs", 1.0), "obs"])
+async def test_an_in_process_env_breaking_the_contract_fails_its_session_not_the_run(bad) -> None:
+    lock, done = threading.Lock(), []
+
+    def first(kind: str) -> bool:  # the first reset (bad reset) or step (bad step) only
+        with lock:
+            if done or kind != ("reset" if isinstance(bad, str) else "step"):
+                return False
+            done.append(kind)
+            return True
+
+    class BadOnce(CountEnv):
+        def reset(self, seed: int):
+            return bad if first("reset") else super().reset(seed)
+
+        def step(self, action: str):
+            return bad if first("step") else super().step(action)
+
+    cluster = Cluster.from_scenario(scenario(env="bad"), backends=backends())
+    cluster.register_env("bad", BadOnce)
+    async with cluster as c:
+        steps = await run_past_failure(c)
+    check_batches(steps)
+    assert failed(steps) == {"env_error": 1}
+
+
 @pytest.mark.looptime
 async def test_group_out_of_attempts_is_dropped_with_a_reason_and_a_warning(caplog) -> None:
     env = FailSeedEnv(turns=1, latency=lambda i, s: 1.0)

@@ -22,6 +22,7 @@ import msgspec
 
 from rollart.controller.offloop import OffLoopCalls
 from rollart.controller.ports import EnvBackend, RewardBackend, RewardOutcome
+from rollart.envhost.families import EnvContractError, check_reset, check_step
 from rollart.reward.protocol import InvalidRewardError, validate_result
 from rollart.transport import messages as m
 from rollart.transport.errors import (
@@ -78,27 +79,36 @@ class LocalEnvBackend:
         factory = self.factories[env_name]
         env = await self._call(f"{env_name} factory", timeout_s,
                                functools.partial(factory, **(options or {})))
-        obs, info = await self._call(f"{env_name}.reset", timeout_s, env.reset, seed)
+        out = await self._call(f"{env_name}.reset", timeout_s, env.reset, seed)
+        # The env host's contract checks: a malformed return fails this session (env_error),
+        # never the run.
+        obs, info = _contract(check_reset, out, env_name)
         sid = f"local-{next(self._ids)}"
         self._sessions[sid] = env
-        return m.EnvOpened(session_id=sid, observation=obs, info=dict(info or {}))
+        return m.EnvOpened(session_id=sid, observation=obs, info=info)
 
     async def step(self, session_id: str, action: str, *, timeout_s: float | None = None
                    ) -> m.EnvStepResult:
         env = self._sessions.get(session_id)
         if env is None:
             raise EnvError("not_found", f"no local session {session_id!r}")
-        obs, reward, terminated, truncated, info = await self._call(
-            f"{session_id}.step", timeout_s, env.step, action)
-        return m.EnvStepResult(session_id=session_id, observation=obs, reward=float(reward),
-                               terminated=bool(terminated), truncated=bool(truncated),
-                               info=dict(info or {}))
+        out = await self._call(f"{session_id}.step", timeout_s, env.step, action)
+        obs, reward, terminated, truncated, info = _contract(check_step, out, session_id)
+        return m.EnvStepResult(session_id=session_id, observation=obs, reward=reward,
+                               terminated=terminated, truncated=truncated, info=info)
 
     async def close_session(self, session_id: str) -> None:
         env = self._sessions.pop(session_id, None)
         close = getattr(env, "close", None)
         if close is not None:
             await self._call(f"{session_id}.close", None, close)
+
+
+def _contract(check: Callable[[Any, str], Any], out: Any, where: str) -> Any:
+    try:
+        return check(out, where)
+    except EnvContractError as exc:
+        raise EnvError("env_error", str(exc)) from None
 
 
 class EnvRouter:
