@@ -75,6 +75,8 @@ def test_keygen_refuses_to_replace_a_key_without_force(tmp_path, capsys):
     ("tcp://127.0.0.1:5555", True), ("tcp://localhost:1", True), ("tcp://[::1]:1", True),
     ("ipc:///tmp/x", True), ("tcp://0.0.0.0:1", False), ("tcp://*:1", False),
     ("tcp://10.0.0.2:1", False), ("tcp://gpu-node-3:1", False),
+    ("tcp://127.0.0.1.nip.io:1", False), ("tcp://127.example.com:1", False),
+    ("tcp://127.0.0.1:1;10.0.0.2:7", False),  # ZeroMQ's source;destination connect form
 ])
 def test_is_loopback(address, loopback):
     assert sec.is_loopback(address) is loopback

@@ -22,6 +22,7 @@ allowed: on loopback addresses with one opt-in, elsewhere only with two (see its
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import stat
 import sys
@@ -212,7 +213,12 @@ def is_loopback(address: str) -> bool:
     """True for endpoints only this machine can reach (``tcp://127.x``, ``localhost``, ``::1``,
     ``ipc://``, ``inproc://``); a wildcard (``*``, ``0.0.0.0``) or any other host is not."""
     host = _host(address)
-    return host in ("localhost", "::1") or host.startswith("127.")
+    if host == "localhost":
+        return True
+    try:  # an IP literal; a host name that merely starts with "127." is not loopback
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def check_insecure(addresses: Iterable[str], *, flag: bool, config: bool, flag_name: str,
