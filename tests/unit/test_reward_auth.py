@@ -108,3 +108,14 @@ def test_readme_multi_machine_reward_command_is_accepted() -> None:
     assert commands
     for cmd in commands:
         _parse_args(shlex.split(cmd)[2:])  # exits 2 (SystemExit) if refused
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1.nip.io", "127.example.com", "0.0.0.0", ""])
+def test_a_host_name_that_only_looks_like_loopback_needs_a_token(host) -> None:
+    with pytest.raises(SystemExit):
+        _parse_args(["--host", host, "--port", "0"])
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "localhost", "::1"])
+def test_loopback_hosts_serve_without_a_token(host) -> None:
+    assert _parse_args(["--host", host, "--port", "0"]).host == host

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import logging
 import os
 import signal
@@ -285,7 +286,13 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _is_loopback(host: str) -> bool:
-    return host in ("localhost", "::1") or host.startswith("127.")
+    # IP literals parsed; a host name merely starting with "127." may resolve anywhere.
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def _write_ready_file(path: Path, host: str, port: int) -> None:
