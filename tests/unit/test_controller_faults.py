@@ -95,7 +95,7 @@ class CountEnv:
     def step(self, action: str):
         CountEnv.threads.append(threading.current_thread().name)
         if self.hang is not None and not self.hang.is_set():
-            self.hang.wait(60)
+            self.hang.wait(300)
         self.steps += 1
         return f"obs {self.steps}", 1.0 if action == "ok" else 0.0, self.steps >= self.turns, \
             False, {}
@@ -157,7 +157,7 @@ async def test_hung_in_process_env_times_out_and_the_run_goes_on() -> None:
         first.append(True)
         return CountEnv(turns, hang if len(first) == 1 else None)
 
-    sc = scenario(env="local_count", reward="env_return", reward_url="local", env_timeout_s=0.5)
+    sc = scenario(env="local_count", reward="env_return", reward_url="local", env_timeout_s=10.0)
     cluster = Cluster.from_scenario(sc, backends=backends())
     cluster.register_env("local_count", factory)
     try:
@@ -176,10 +176,12 @@ async def test_hung_local_reward_times_out_and_the_run_goes_on() -> None:
     def reward(prompt, response, reference, metadata):
         calls.append(1)
         if len(calls) == 1:
-            hang.wait(60)
+            hang.wait(300)
         return float(metadata["env_return"])
 
-    sc = scenario(reward="r", reward_url="local", local_reward_timeout_s=0.5)
+    # Generous: only the hung call may reach the deadline, also on a loaded machine where
+    # a thread waits long for the GIL (0.5 s failed once beside the integration suite).
+    sc = scenario(reward="r", reward_url="local", local_reward_timeout_s=10.0)
     cluster = Cluster.from_scenario(sc, backends=backends())
     cluster.register_reward("r", reward)
     try:
