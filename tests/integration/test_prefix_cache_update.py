@@ -31,6 +31,7 @@ from rollart.inference.client import InferenceClient
 from rollart.trainer.client import TrainerClient
 from rollart.transport import messages as m
 from rollart.transport import tokenbytes as tb
+from rollart.transport.security import env_credentials
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -65,8 +66,9 @@ def services(tiny_model_dir, service_starter, tmp_path_factory):
 
 async def test_same_prompt_after_an_update_is_served_from_the_new_weights(services) -> None:
     worker_addr, trainer_addr = services
-    worker = InferenceClient(worker_addr, name="worker", liveness_timeout_s=60)
-    trainer = TrainerClient(trainer_addr)
+    worker = InferenceClient(worker_addr, name="worker", liveness_timeout_s=60,
+                             auth=env_credentials())
+    trainer = TrainerClient(trainer_addr, auth=env_credentials())
 
     async def generate(rid: str, seed: int) -> m.GenerateResult:
         return await worker.generate(m.Generate(
@@ -75,7 +77,7 @@ async def test_same_prompt_after_an_update_is_served_from_the_new_weights(servic
             timeout_s=300)
 
     try:
-        await trainer.set_workers([worker_addr])
+        await trainer.register_workers([worker_addr])
         before = [await generate(f"before-{i}", seed=i) for i in range(2)]
         status = await trainer.status()
         first = await trainer.train(status.step, [

@@ -29,6 +29,7 @@ from rollart.envhost.client import EnvClient
 from rollart.trainer.client import TrainerClient
 from rollart.transport import messages as m
 from rollart.transport.errors import EnvError, RemoteError
+from rollart.transport.security import env_credentials
 
 TESTS_DIR = Path(__file__).resolve().parents[1]
 ECHO = "py:envhost_user_envs:EchoEnv"
@@ -51,7 +52,8 @@ def _free_tcp_address() -> str:
 async def test_env_host_refuses_py_envs_off_its_allow_list(service_launcher, tmp_path):
     host = service_launcher("rollart.envhost.host", ["--allow-env", ECHO],
                             env=_env_with_tests())
-    client = EnvClient(host.address, name="envhost", default_timeout_s=60.0)
+    client = EnvClient(host.address, name="envhost", default_timeout_s=60.0,
+                       auth=env_credentials())
     ran = tmp_path / "ran"
     attempts = [
         ("py:os:system", {"command": f"id > {ran}"}),
@@ -99,7 +101,7 @@ async def test_trainer_sends_weights_only_to_registered_workers(tiny_model_dir, 
     attacker_port = attacker.bind_to_random_port("tcp://127.0.0.1")
     evil = f"tcp://127.0.0.1:{attacker_port}"
     dead = _free_tcp_address()
-    trainer = TrainerClient(trainer_proc.address)
+    trainer = TrainerClient(trainer_proc.address, auth=env_credentials())
     try:
         with pytest.raises(RemoteError, match="no workers are registered") as err:
             await trainer.publish_latest([evil])
@@ -136,7 +138,7 @@ async def test_trainer_checkpoints_only_under_its_checkpoint_dir(tiny_model_dir,
     trainer_proc = service_launcher(
         "rollart.trainer.service",
         ["--model", str(tiny_model_dir), "--checkpoint-dir", str(ckpts)], ready_timeout_s=300)
-    trainer = TrainerClient(trainer_proc.address)
+    trainer = TrainerClient(trainer_proc.address, auth=env_credentials())
     try:
         for name in (str(base / "abs"), "../escape", "step/../../escape2", "link/step_1"):
             with pytest.raises(RemoteError, match="refused") as err:
