@@ -16,48 +16,11 @@ import time
 from pathlib import Path
 
 import pytest
+from proctree import alive, descendants
 
 from rollart.launcher.procs import Supervisor, group_members, python_module
 
 DEADLINE_S = 60.0  # generous: the machine may be loaded
-
-
-def _children() -> dict[int, list[int]]:
-    out: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        out.setdefault(ppid, []).append(int(entry))
-    return out
-
-
-def descendants(pid: int) -> set[int]:
-    """Every live descendant of ``pid`` (not ``pid`` itself)."""
-    children, found, todo = _children(), set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            if child not in found:
-                found.add(child)
-                todo.append(child)
-    return alive(found)
-
-
-def alive(pids: set[int]) -> set[int]:
-    """The pids of ``pids`` that still run (zombies count as dead)."""
-    out = set()
-    for pid in pids:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state not in ("Z", "X"):
-            out.add(pid)
-    return out
 
 
 def _cmdline(pid: int) -> str:

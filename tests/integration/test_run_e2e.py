@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from proctree import alive, descendants
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -188,38 +189,6 @@ def test_short_run_with_two_fsdp_ranks_and_gloo_weight_transfer(tmp_path, cache_
     assert _processes_mentioning(str(out)) == []  # torchrun's ranks too
 
 
-def _descendants(pid: int) -> set[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry))
-    found, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            if child not in found:
-                found.add(child)
-                todo.append(child)
-    return found
-
-
-def _alive(pids: set[int]) -> set[int]:
-    alive = set()
-    for pid in pids:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != "Z":
-            alive.add(pid)
-    return alive
-
-
 def test_sigterm_during_start_up_stops_every_process(tmp_path, cache_dir):
     """SIGTERM while the vLLM engines start: the launcher stops every service's process group,
     so no engine-core process (a worker's child) outlives it."""
@@ -230,16 +199,16 @@ def test_sigterm_during_start_up_stops_every_process(tmp_path, cache_dir):
     deadline = time.monotonic() + 300
     # Wait until an engine core exists (a grandchild of the launcher), then stop the run.
     while not any(Path(f"/proc/{p}/cmdline").read_bytes().startswith(b"VLLM")
-                  for p in _alive(_descendants(launcher.pid))):
+                  for p in descendants(launcher.pid)):
         assert launcher.poll() is None, launcher.stdout.read()[-3000:]
         assert time.monotonic() < deadline, "no engine core started"
         time.sleep(0.2)
-    family = _descendants(launcher.pid)
+    family = descendants(launcher.pid)
     launcher.send_signal(signal.SIGTERM)
     output, _ = launcher.communicate(timeout=120)
     assert launcher.returncode == 143, output[-3000:]
     assert "terminated" in output
     deadline = time.monotonic() + 30
-    while _alive(family) and time.monotonic() < deadline:
+    while alive(family) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert _alive(family) == set()
+    assert alive(family) == set()

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_launcher_orphans import alive, descendants
+from proctree import alive, descendants
 
 # A run starts 4-5 processes (two vLLM engines); on a loaded 2-core machine start-up alone took
 # up to 7 minutes, and the interrupt test starts two runs.

@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import itertools
 import logging
-import threading
 from collections.abc import Callable
 from typing import Any
 
+from rollart.threadcalls import AbandonableThreads
 from rollart.transport.errors import RollartError
 
 log = logging.getLogger(__name__)
@@ -47,23 +46,6 @@ def requested_cancel() -> bool:
     return task is not None and task.cancelling() > 0
 
 
-class _Call:
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.fut: asyncio.Future[Any] = loop.create_future()
-        self.lock = threading.Lock()
-        self.finished = False
-        self.abandoned = False
-
-    def settle(self, ok: bool, value: Any) -> None:
-        if self.fut.done():
-            return
-        if ok:
-            self.fut.set_result(value)
-        else:
-            self.fut.set_exception(value)
-
-
 class OffLoopCalls:
     """Bounded daemon-thread calls with deadlines (see the module docstring).
 
@@ -82,13 +64,15 @@ class OffLoopCalls:
             raise ValueError(f"max_threads and max_hung must be >= 1, got {max_threads}, "
                              f"{max_hung}")
         self.max_threads, self.max_hung, self.what = max_threads, max_hung, what
-        #: calls abandoned after their deadline and still running (gauge)
-        self.num_hung = 0
         #: calls that ran past their deadline (cumulative)
         self.num_timeouts = 0
-        self._lock = threading.Lock()
-        self._ids = itertools.count()
+        self._threads = AbandonableThreads(THREAD_PREFIX, what)
         self._slots: asyncio.Semaphore | None = None
+
+    @property
+    def num_hung(self) -> int:
+        """Calls abandoned after their deadline and still running (gauge)."""
+        return self._threads.num_hung
 
     async def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None,
                   name: str = "") -> Any:
@@ -129,39 +113,4 @@ class OffLoopCalls:
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.max_threads)
         async with self._slots:
-            call = _Call(asyncio.get_running_loop())
-            threading.Thread(target=self._main, args=(call, fn, args, name),
-                             name=f"{THREAD_PREFIX}-{next(self._ids)}", daemon=True).start()
-            try:
-                return await call.fut
-            except asyncio.CancelledError:
-                with call.lock:
-                    if not call.finished:
-                        call.abandoned = True
-                        with self._lock:
-                            self.num_hung += 1
-                        log.warning("%s call %s abandoned past its deadline (%d hung)",
-                                    self.what, name, self.num_hung)
-                raise
-
-    def _main(self, call: _Call, fn: Callable[..., Any], args: tuple, name: str) -> None:
-        try:
-            ok, value = True, fn(*args)
-        except asyncio.CancelledError:
-            # On a thread no task was cancelled: this is the user code's own CancelledError.
-            ok, value = False, UnrequestedCancelError(
-                f"{self.what} {name} raised CancelledError although nobody cancelled it")
-        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting caller
-            ok, value = False, exc
-        with call.lock:
-            call.finished = True
-            if call.abandoned:
-                with self._lock:
-                    self.num_hung -= 1
-                log.warning("%s call %s returned after its deadline; result discarded",
-                            self.what, name)
-                return
-        try:
-            call.loop.call_soon_threadsafe(call.settle, ok, value)
-        except RuntimeError:  # the loop is closed: nobody waits any more
-            pass
+            return await self._threads.run(fn, args, name)

@@ -112,19 +112,23 @@ class ServiceProcess:
                 os.killpg(self.proc.pid, sig)
 
 
+def proc_stat(pid: int | str) -> list[str] | None:
+    """The fields of ``/proc/PID/stat`` after the command name (``[state, ppid, pgrp, ...]``),
+    or ``None`` when the process is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses
+    return stat[stat.rindex(")") + 2:].split()
+
+
 def group_members(pgid: int) -> list[int]:
     """Pids of the live (non-zombie) processes of process group ``pgid``, from ``/proc``."""
     out = []
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses
-        fields = stat[stat.rindex(")") + 2:].split()
-        if fields[0] not in ("Z", "X") and int(fields[2]) == pgid:
+        fields = proc_stat(entry) if entry.isdigit() else None
+        if fields is not None and fields[0] not in ("Z", "X") and int(fields[2]) == pgid:
             out.append(int(entry))
     return out
 

@@ -26,17 +26,15 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures as cf
 import functools
-import itertools
 import logging
 import multiprocessing
 import os
-import threading
-import time
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
 from rollart.reward.protocol import InvalidRewardError, RewardResponse, validate_result
 from rollart.reward.registry import RewardFunction, RewardInputError
+from rollart.threadcalls import AbandonableThreads
 
 log = logging.getLogger("rollart.reward.runner")
 
@@ -70,23 +68,6 @@ def _terminate(pool: cf.ProcessPoolExecutor) -> None:
     for proc in procs:
         if proc.is_alive():
             proc.terminate()
-
-
-class _ThreadCall:
-    """One sync call on its own daemon thread; its outcome is handed to the loop's future."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, fut: asyncio.Future[Any]) -> None:
-        self.loop, self.fut = loop, fut
-        self.lock = threading.Lock()
-        self.finished = False
-        self.abandoned = False
-
-    def settle(self, ok: bool, value: Any) -> None:
-        if not self.fut.done():
-            if ok:
-                self.fut.set_result(value)
-            else:
-                self.fut.set_exception(value)
 
 
 class RewardRunner:
@@ -129,20 +110,22 @@ class RewardRunner:
         self.max_hung_threads = max_hung_threads
         self.default_timeout_s = default_timeout_s
         self._warm_up = warm_up
-        #: thread calls abandoned after their timeout and still running (gauge)
-        self.num_hung_threads = 0
         #: worker processes killed because a call outlived its timeout (cumulative)
         self.num_killed_processes = 0
         #: worker processes replaced after dying on their own (cumulative)
         self.num_broken_processes = 0
-        self._hung_lock = threading.Lock()
-        self._thread_ids = itertools.count()
+        self._threads = AbandonableThreads(THREAD_PREFIX, "reward function")
         self._thread_slots: asyncio.Semaphore | None = None
         # Single-process executors: one hung call is killed without touching the others.
         self._procs: list[cf.ProcessPoolExecutor] = []
         self._idle: asyncio.Queue[cf.ProcessPoolExecutor] | None = None
         self._spawning: set[asyncio.Task[None]] = set()
         self._closed = False
+
+    @property
+    def num_hung_threads(self) -> int:
+        """Thread calls abandoned after their timeout and still running (gauge)."""
+        return self._threads.num_hung
 
     def stats(self) -> dict[str, int]:
         """Gauges ``hung_threads``, ``idle_processes`` (started, free); counters
@@ -251,24 +234,7 @@ class RewardRunner:
     # ------------------------------------------------------------------ thread calls
     async def _run_thread(self, spec: RewardFunction, args: tuple) -> Any:
         """Run on a fresh daemon thread (the caller holds a thread slot)."""
-        loop = asyncio.get_running_loop()
-        call = _ThreadCall(loop, loop.create_future())
-        thread = threading.Thread(
-            target=self._thread_main, args=(call, spec, args),
-            name=f"{THREAD_PREFIX}-{next(self._thread_ids)}", daemon=True,
-        )
-        thread.start()
-        try:
-            return await call.fut
-        except asyncio.CancelledError:
-            with call.lock:
-                if not call.finished:
-                    call.abandoned = True
-                    with self._hung_lock:
-                        self.num_hung_threads += 1
-                    log.warning("abandoning a call of reward function %r past its deadline "
-                                "(%d thread call(s) hung)", spec.name, self.num_hung_threads)
-            raise
+        return await self._threads.run(_call, (spec.fn, *args), repr(spec.name))
 
     async def _acquire(self, spec: RewardFunction, timeout_s: float
                        ) -> cf.ProcessPoolExecutor | None:
@@ -297,22 +263,6 @@ class RewardRunner:
                 "until one returns (use executor='process' for functions that may hang)",
             )
         return None
-
-    def _thread_main(self, call: _ThreadCall, spec: RewardFunction, args: tuple) -> None:
-        try:
-            ok, value = True, _call(spec.fn, *args)
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller, classified there
-            ok, value = False, exc
-        with call.lock:
-            call.finished = True
-            if call.abandoned:
-                with self._hung_lock:
-                    self.num_hung_threads -= 1
-                return
-        try:
-            call.loop.call_soon_threadsafe(call.settle, ok, value)
-        except RuntimeError:  # the loop is closed: the service stopped, nobody waits
-            pass
 
     # ------------------------------------------------------------------ scoring
     async def score(
@@ -395,11 +345,4 @@ class RewardRunner:
         Returns the number still running (calls that timed out and never returned; they are
         daemon threads and do not keep the interpreter alive).
         """
-        deadline = time.monotonic() + timeout_s
-        alive = []
-        for t in threading.enumerate():
-            if t.name.startswith(THREAD_PREFIX):
-                t.join(max(0.0, deadline - time.monotonic()))
-                if t.is_alive():
-                    alive.append(t)
-        return len(alive)
+        return self._threads.wait(timeout_s)
