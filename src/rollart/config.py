@@ -18,6 +18,7 @@ value raises :class:`ConfigError` naming the file, the field and the reason.
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -626,7 +627,13 @@ def _host(address: str) -> str:
 
 
 def _is_loopback(host: str) -> bool:
-    return host == "localhost" or host.startswith("127.") or host == "::1"
+    # An IP literal is parsed: a host name like "127.0.0.1.nip.io" only looks like loopback.
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _validation_message(exc: msgspec.ValidationError) -> str:

@@ -101,6 +101,11 @@ def test_minimal_defaults() -> None:
           'weight_transfer = "gloo"'),
          "trainer.weight_transfer_address: '127.0.0.1' is this machine only, but workers "
          "['tcp://10.0.0.5:5600'] are elsewhere"),
+        # a host name that only starts with "127." is not this machine
+        (('name = "cpu"', 'name = "cpu"\naddresses = ["tcp://127.0.0.1.nip.io:5600"]\n'
+          '[trainer]\nweight_transfer = "gloo"'),
+         "trainer.weight_transfer_address: '127.0.0.1' is this machine only, but workers "
+         "['tcp://127.0.0.1.nip.io:5600'] are elsewhere"),
         (("[run]", '[trainer]\nweight_transfer = "ucx"\n[run]'),
          "trainer.weight_transfer: Invalid enum value 'ucx'"),
         (("[run]", '[run]\nmode = "sync_plus"\nalpha = 0\nweight_apply = "eager"'),

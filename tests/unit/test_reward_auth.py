@@ -45,6 +45,14 @@ async def test_requests_without_or_with_a_wrong_token_get_401_and_the_service_ke
         ok = await client.post("/v1/reward/exact_match", json=body,
                                headers={"Authorization": f"Bearer {TOKEN}"})
         assert ok.status == 200 and (await ok.json())["reward"] == 1.0
+        # RFC 7235: the scheme is case-insensitive; the token is not.
+        for scheme in ("bearer", "BEARER"):
+            ok = await client.post("/v1/reward/exact_match", json=body,
+                                   headers={"Authorization": f"{scheme} {TOKEN}"})
+            assert ok.status == 200
+        bad = await client.post("/v1/reward/exact_match", json=body,
+                                headers={"Authorization": f"Bearer {TOKEN.upper()}x"})
+        assert bad.status == 401
 
 
 async def test_reward_client_sends_its_token(server):

@@ -87,7 +87,7 @@ def token_from(env_name: str | None, file: str | None, what: str) -> str | None:
 
 def bearer_middleware(token: str) -> Callable:
     """aiohttp middleware answering 401 unless ``Authorization: Bearer <token>`` is sent."""
-    expected = f"Bearer {token}".encode()
+    expected = token.encode()
 
     @web.middleware
     async def require_token(
@@ -98,10 +98,15 @@ def bearer_middleware(token: str) -> Callable:
         got = request.headers.get("Authorization")
         if got is None:
             reason = "no Authorization header: send 'Authorization: Bearer <token>'"
-        elif hmac.compare_digest(got.encode(errors="surrogateescape"), expected):
-            return await handler(request)
         else:
-            reason = "wrong bearer token"
+            # RFC 7235 section 2.1: the auth scheme is case-insensitive ("bearer" is "Bearer").
+            scheme, _, presented = got.partition(" ")
+            if scheme.lower() != "bearer":
+                reason = "wrong bearer token"
+            elif hmac.compare_digest(presented.strip().encode(errors="surrogateescape"), expected):
+                return await handler(request)
+            else:
+                reason = "wrong bearer token"
         return web.json_response({"error": f"unauthorized: {reason}"}, status=401,
                                  headers={"WWW-Authenticate": 'Bearer realm="rollart-reward"'})
 
