@@ -174,6 +174,23 @@ def test_validate_names_the_bad_field_and_exits_2(tmp_path: Path, capsys) -> Non
     assert "run2" in capsys.readouterr().err
 
 
+def test_validate_checks_the_run_key_as_rollart_run_would(tmp_path: Path, capsys) -> None:
+    from rollart.transport.security import create_key_file
+
+    key = create_key_file(tmp_path / "keys")
+    scenario = tmp_path / "keyed.toml"
+    scenario.write_text(MINIMAL.read_text().replace("[run]", f'[run]\nkey_file = "{key}"', 1))
+    assert cli(["validate", str(scenario), "--quiet"]) == 0
+    key.chmod(0o644)  # readable by other users: rollart run refuses it, so must validate
+    assert cli(["validate", str(scenario), "--quiet"]) == 2
+    assert str(key) in capsys.readouterr().err
+    missing = tmp_path / "missing.toml"
+    missing.write_text(MINIMAL.read_text().replace(
+        "[run]", f'[run]\nkey_file = "{tmp_path / "nope.key_secret"}"', 1))
+    assert cli(["validate", str(missing), "--quiet"]) == 2
+    assert "nope.key_secret" in capsys.readouterr().err
+
+
 def test_scenario_output_table_is_bounded() -> None:
     from rollart.config import parse_scenario
 

@@ -46,6 +46,33 @@ def remote_addresses(scenario: Scenario) -> list[tuple[str, str]]:
     return out
 
 
+def check_run_auth(scenario: Scenario, *, insecure: bool = False,
+                   key_file: str | Path | None = None) -> Path | None:
+    """The checks of ``run_auth`` without writing anything (``rollart validate`` runs them).
+
+    Returns:
+        None for an insecure run or a new per-launch key; else the given key file's path.
+    Raises:
+        ConfigError: as ``run_auth``.
+    """
+    remote = remote_addresses(scenario)
+    # Local services bind 127.0.0.1; only services elsewhere put the run on the network.
+    if check_insecure([a for _, a in remote], flag=insecure, config=scenario.run.insecure,
+                      flag_name="--insecure", config_name="run.insecure = true"):
+        return None
+    given = key_file or scenario.run.key_file
+    if given is None:
+        if remote:
+            field, address = remote[0]
+            raise ConfigError(
+                f"{field}: {address} was started by hand with its own key; set run.key_file "
+                "(or rollart run --key-file) to that key file (`rollart keygen DIR` makes one "
+                "to start every service with)")
+        return None
+    load_key_file(given)  # checks mode and content
+    return Path(given)
+
+
 def run_auth(scenario: Scenario, run_dir: Path, *, insecure: bool = False,
              key_file: str | Path | None = None) -> RunAuth:
     """Decide the run's authentication and prepare its key (see the module docstring).
@@ -57,23 +84,14 @@ def run_auth(scenario: Scenario, run_dir: Path, *, insecure: bool = False,
         ConfigError: insecure on a non-loopback address with one opt-in only; running services
             named but no key given for them; a bad key file.
     """
-    remote = remote_addresses(scenario)
-    # Local services bind 127.0.0.1; only services elsewhere put the run on the network.
-    if check_insecure([a for _, a in remote], flag=insecure, config=scenario.run.insecure,
-                      flag_name="--insecure", config_name="run.insecure = true"):
-        return RunAuth(INSECURE, ["--insecure"])
-    given = key_file or scenario.run.key_file
+    given = check_run_auth(scenario, insecure=insecure, key_file=key_file)
     keys = run_dir / "keys"
     if given is None:
-        if remote:
-            field, address = remote[0]
-            raise ConfigError(
-                f"{field}: {address} was started by hand with its own key; set run.key_file "
-                "(or rollart run --key-file) to that key file (`rollart keygen DIR` makes one "
-                "to start every service with)")
+        if insecure or scenario.run.insecure:
+            return RunAuth(INSECURE, ["--insecure"])
         path = create_key_file(keys)
     else:
-        key = load_key_file(given)  # checks mode and content before copying
+        key = load_key_file(given)
         keys.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(keys, 0o700)
         path = keys / f"{KEY_NAME}.key_secret"

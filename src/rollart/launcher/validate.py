@@ -6,6 +6,10 @@ would hold. What ``rollart run`` needs beyond a valid scenario (an env host for 
 envs, no local reward it cannot register: ``rollart.launcher.local.preflight``) is printed as a
 note: a driver script can register those in-process.
 
+It also checks the run's authentication as ``rollart run`` would (``runkeys.check_run_auth``):
+``run.key_file`` must exist and be readable by its owner only, and a scenario naming services
+started by hand needs a key.
+
 Exit codes: 0 valid; 2 invalid, with one line ``SCENARIO: field.path: reason`` on stderr
 (e.g. ``domains[1].weight: Expected `float` >= ...``).
 """
@@ -26,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quiet", action="store_true", help="print nothing when it is valid")
     args = p.parse_args(argv)
     from rollart.launcher.local import preflight
+    from rollart.launcher.runkeys import check_run_auth
 
     try:
         scenario = load_scenario(args.scenario)
@@ -36,6 +41,11 @@ def main(argv: list[str] | None = None) -> int:
         preflight(scenario, str(args.scenario), local_rewards=())
     except ConfigError as exc:
         print(f"rollart validate: note: `rollart run` would refuse it: {exc}", file=sys.stderr)
+    try:  # the run's key: a key file others can read, or services named without a key
+        check_run_auth(scenario)
+    except ConfigError as exc:
+        print(f"rollart validate: config error: {exc}", file=sys.stderr)
+        return 2
     if not args.quiet:
         sys.stdout.write(scenario_to_json(scenario).decode())
         print(f"rollart validate: {args.scenario}: valid ({len(scenario.domains)} domains, "
