@@ -349,3 +349,18 @@ def test_split_batch_drops_only_the_sample_over_the_budget() -> None:
                                   TrainStepConfig(max_tokens_per_microbatch=8))
     assert [s.sample_id for s in usable] == ["a", "c"]
     assert dropped == {"b": "12 tokens > max_tokens_per_microbatch 8"}
+
+
+def test_split_batch_drops_only_the_sample_with_a_token_outside_the_vocabulary() -> None:
+    from rollart.trainer.step import TrainStepConfig, split_batch
+
+    def ts(sid: str, top: int) -> m.TrainSample:
+        return m.TrainSample.from_lists(token_ids=[5, 6, top], loss_mask=[0, 1, 1],
+                                        behaviour_logprobs=[0.0, -1.0, -1.0],
+                                        advantage=1.0, sample_id=sid)
+
+    batch = [ts("a", 99), ts("b", 100), ts("c", 7)]
+    usable, dropped = split_batch(batch, TrainStepConfig(), vocab_size=100)
+    assert [s.sample_id for s in usable] == ["a", "c"]
+    assert dropped == {"b": "token id 100 outside the vocabulary [0, 100)"}
+    assert len(split_batch(batch, TrainStepConfig())[0]) == 3  # unchecked without a vocab size

@@ -153,7 +153,9 @@ class TrainerService:
             raise RemoteError("bad_request", "TrainBatch has no samples")
         from rollart.trainer.step import split_batch
 
-        usable, dropped = split_batch(msg.samples, self.step_cfg)
+        usable, dropped = split_batch(
+            msg.samples, self.step_cfg,
+            vocab_size=self.model.get_input_embeddings().num_embeddings)
         for sid, why in dropped.items():
             log.warning("step %d: dropped sample %s (%s)", msg.step, sid, why)
         if not usable:

@@ -386,16 +386,20 @@ def sample_agreement(
 
 
 def split_batch(
-    batch: Sequence[TrainSample], cfg: TrainStepConfig
+    batch: Sequence[TrainSample], cfg: TrainStepConfig, *, vocab_size: int | None = None
 ) -> tuple[list[TrainSample], dict[str, str]]:
     """The samples `train_step` can take, and the others (sample_id -> why: over the
-    micro-batch budget): the trainer drops such a sample, never the whole batch, and reports
-    it (``TrainResult.dropped``) so the controller counts it."""
+    micro-batch budget, or a token id outside the model's embedding table of ``vocab_size``
+    rows, which would fail the whole step's embedding lookup): the trainer drops such a sample,
+    never the whole batch, and reports it (``TrainResult.dropped``) so the controller counts
+    it."""
     usable, dropped = [], {}
     for s in batch:
         if s.num_tokens > cfg.max_tokens_per_microbatch:
             dropped[s.sample_id] = (f"{s.num_tokens} tokens > max_tokens_per_microbatch "
                                     f"{cfg.max_tokens_per_microbatch}")
+        elif vocab_size is not None and (top := int(tb.view_i32(s.token_ids).max())) >= vocab_size:
+            dropped[s.sample_id] = f"token id {top} outside the vocabulary [0, {vocab_size})"
         else:
             usable.append(s)
     return usable, dropped
