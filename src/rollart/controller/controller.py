@@ -527,7 +527,8 @@ class Controller:
         t_start = self.clock()
         try:
             body = self.agents.body_for(domain.name) if self.agents is not None else None
-            sample = await run_trajectory(self._ctx, tid, key, domain, seed, body)
+            sample = await (run_trajectory(self._ctx, tid, key, domain, seed) if body is None
+                            else run_trajectory(self._ctx, tid, key, domain, seed, body))
             problem = trainable_problem(sample)
             if problem is not None:  # caught here, it costs a retry, not a training step
                 raise TrajectoryFailed(INVALID_SAMPLE_REASON, problem, sample.num_generated)

@@ -15,7 +15,9 @@ One trajectory:
    (``max_retries=0``: a retried call would be a second turn);
 3. ends when the agent returns (a float is the reward; ``None``: the domain's reward function
    scores the last assistant message, with the env's ``reference``), or when the session ends the
-   trajectory first (restart, cancel, failure, budget: the agent task is cancelled).
+   trajectory first (restart, cancel, failure, budget): the agent gets ``ENDED_GRACE_S`` to
+   read the error its call got (later calls get 404), then its task is cancelled. A cancelled
+   trajectory (sibling, shutdown) cancels the agent task and its completion in flight at once.
 
 Failure reasons beyond the gym path's: ``agent_error`` (the agent raised, or returned something
 that is not a float / ``None``, or made no completion call) and ``history_rewritten``.
@@ -54,6 +56,8 @@ from rollart.transport.errors import (
 
 log = logging.getLogger(__name__)
 
+#: seconds an agent may still run after its trajectory ended (to read the error of its call)
+ENDED_GRACE_S = 5.0
 #: ``await agent(client, task) -> reward | None``; ``client`` is an ``openai.AsyncOpenAI``
 AgentFn = Callable[[Any, dict[str, Any]], Awaitable[float | None]]
 
@@ -123,6 +127,10 @@ class AgentRunner:
             await asyncio.wait({agent_task, session.ended}, return_when=asyncio.FIRST_COMPLETED)
             finish = "stop"
             if session.ended.done():
+                if not agent_task.done():
+                    # Let the agent read the error its call got (it usually raises at once);
+                    # past the grace it is cancelled.
+                    await asyncio.wait({agent_task}, timeout=ENDED_GRACE_S)
                 ending = session.ended.result()
                 if not isinstance(ending, Finished):
                     raise ending
