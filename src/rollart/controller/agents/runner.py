@@ -181,7 +181,8 @@ class AgentRunner:
                 turn_workers=session.turn_workers,
                 metadata={"seed": seed, "num_prompt_tokens": conv.num_prompt_tokens,
                           "t_start": t_start, "t_end": ctx.clock(), "reward_details": details,
-                          "agent": True, **ctx.extra_metadata},
+                          "agent": True, "messages": conv.messages, "tools": conv.tools,
+                          **ctx.extra_metadata},
             )
         finally:
             if ctx.barrier is not None:
