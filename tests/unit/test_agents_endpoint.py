@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import re
+from pathlib import Path
 
 import aiohttp
 import msgspec
@@ -245,3 +247,12 @@ async def test_a_stale_trajectory_is_restarted_and_the_agent_told() -> None:
     assert isinstance(session.ended.result(), TrajectoryStale)
     with pytest.raises(ApiError, match="ended"):
         await session.complete(req)
+
+
+def test_the_readme_shows_the_example_agent() -> None:
+    root = Path(__file__).resolve().parents[2]
+    section = (root / "README.md").read_text().split("## Agents written against the OpenAI API",
+                                                     1)[1].split("\n## ", 1)[0]
+    (code,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    assert code.startswith("async def solve(")
+    assert code in (root / "examples" / "agent_calculator.py").read_text()

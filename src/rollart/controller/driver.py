@@ -16,6 +16,10 @@
                 return -len(response) / 1000
 
             cluster.set_affinity("arith", "game")      # move a domain to another pool
+
+            @cluster.agent("swe")                      # an OpenAI-API agent runs this domain
+            async def solve(client, task):             # client: openai.AsyncOpenAI
+                ...                                    # -> reward, or None: the reward fn scores
             async for step in cluster.train(steps=20):
                 print(step.step, step.metrics.reward_mean_by_domain)
 

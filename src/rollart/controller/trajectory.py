@@ -8,8 +8,9 @@ one of three per-trajectory outcomes the controller turns into buffer calls:
   ``invalid_worker_output`` (the reply broke the ``GenerateResult`` contract, see
   ``rollart.controller.workercheck``), ``reward_error``, ``reward_too_large``,
   ``prompt_too_long``, ``trajectory_timeout`` (``run.trajectory_timeout_s``),
-  ``invalid_action`` (only under the domain's ``invalid_action = "fail"``)): never a reward of
-  0; the buffer may retry the slot;
+  ``invalid_action`` (only under the domain's ``invalid_action = "fail"``); agent trajectories
+  (``rollart.controller.agents``) add ``agent_error`` and ``history_rewritten``): never a
+  reward of 0; the buffer may retry the slot;
 - :class:`TrajectoryStale`: the per-turn staleness check said restart;
 - :class:`TrajectoryNotNeeded`: the buffer said the group no longer needs it.
 
