@@ -25,6 +25,9 @@ from rollart.controller.agents.params import parse_request
 from rollart.controller.agents.session import AgentSession, ApiError
 from rollart.controller.tokens import ChatTokens
 from rollart.controller.trajectory import Activity, TrajectoryContext, TrajectoryStale
+from rollart.transport.messages import ToolCall
+
+CALC = {"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}
 
 
 @pytest.fixture(autouse=True)
@@ -83,6 +86,52 @@ async def test_an_agent_trains_with_exact_tokens_and_its_domains_reward() -> Non
         assert s.metadata["agent"] and s.reward == 1.0
     scored = [c for c in reward.calls if c["metadata"].get("messages")]
     assert scored and all(c["response"] == "ok" and c["reference"] == "ok" for c in scored)
+
+
+class FakeToolWorker(FakeWorker):
+    """Answers "ok" and, where the request names a tool parser, reports one ``calc`` call on
+    a trajectory's first turn (what vLLM's parser would find in the text), none later."""
+
+    async def generate(self, request, *, timeout_s=None):
+        result = await super().generate(request, timeout_s=timeout_s)
+        if not request.tool_parser:
+            return result
+        first = request.request_id.endswith("/t0")
+        calls = [ToolCall(name="calc", arguments='{"expr": "1+2"}')] if first else []
+        return msgspec.structs.replace(result, tool_calls=calls,
+                                       content=None if first else "ok")
+
+
+async def test_tool_calls_reach_the_agent_and_tool_results_extend_the_sequence() -> None:
+    seen = []
+
+    async def solve(client: openai.AsyncOpenAI, task: dict) -> float:
+        messages, reasons = [{"role": "user", "content": task["prompt"]}], []
+        for _ in range(3):
+            reply = await client.chat.completions.create(model="m", messages=messages,
+                                                         tools=[CALC])
+            choice = reply.choices[0]
+            reasons.append(choice.finish_reason)
+            messages.append(echo(choice.message))
+            if not choice.message.tool_calls:
+                seen.append(reasons)
+                return 1.0
+            for call in choice.message.tool_calls:
+                assert (call.function.name, call.function.arguments) == (
+                    "calc", '{"expr": "1+2"}')
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": "3"})
+        return 0.0
+
+    cluster, _ = cluster_for(FakeToolWorker("w2"))
+    cluster.agent("math")(solve)
+    async with cluster:
+        (step,) = await run_steps(cluster, 1)
+    assert seen and all(r == ["tool_calls", "stop"] for r in seen)
+    for s in step.samples:
+        text = chatml(("user", f"start {s.metadata['seed']}"), ("assistant", "ok"),
+                      ("tool", "3"), ("assistant", "ok"))
+        assert s.token_ids.tolist() == TOK.encode(text)[:-1] and s.reward == 1.0
+        assert s.metadata["messages"][1]["tool_calls"][0]["function"]["name"] == "calc"
 
 
 async def test_failures_are_counted_by_reason_and_bad_requests_fail_only_the_call() -> None:

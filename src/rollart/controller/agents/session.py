@@ -193,6 +193,7 @@ class AgentSession:
         ctx.generated_tokens += n
         ctx.buffer.record_tokens(tid, new_versions)
         self.last_content = content
+        act.enter("agent running", ctx.clock())
         finish = ("tool_calls" if calls else
                   "length" if result.finish_reason == "length" else "stop")
         return {
