@@ -134,6 +134,32 @@ async def test_tool_calls_reach_the_agent_and_tool_results_extend_the_sequence()
         assert s.metadata["messages"][1]["tool_calls"][0]["function"]["name"] == "calc"
 
 
+async def test_a_worker_that_does_not_parse_tool_calls_fails_the_trajectory_by_name() -> None:
+    errors: list[tuple[int, str]] = []
+    retried = asyncio.Event()
+
+    async def solve(client: openai.AsyncOpenAI, task: dict) -> float:
+        try:
+            await client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "x"}], tools=[CALC])
+        except openai.APIStatusError as exc:
+            errors.append((exc.status_code, exc.code))
+            if len(errors) > 4:  # a retry ran: a first failure was counted (4 start at once)
+                retried.set()
+            raise
+        return 1.0
+
+    cluster, _ = cluster_for()  # plain fake workers: Generate.tool_parser is not honoured
+    cluster.agent("math")(solve)
+    await cluster.start()
+    try:
+        await retried.wait()
+    finally:
+        await cluster.close()
+    assert set(errors) == {(502, "generation_failed")}
+    assert cluster.controller.buffer.stats().failed.get("generation_error", 0) >= 1
+
+
 async def test_failures_are_counted_by_reason_and_bad_requests_fail_only_the_call() -> None:
     calls = {"n": 0}
     seen: dict[str, object] = {}

@@ -131,6 +131,8 @@ class AgentRunner:
                     # Let the agent read the error its call got (it usually raises at once);
                     # past the grace it is cancelled.
                     await asyncio.wait({agent_task}, timeout=ENDED_GRACE_S)
+                if agent_task.done() and not agent_task.cancelled():
+                    agent_task.exception()  # retrieved: the ending below is the outcome
                 ending = session.ended.result()
                 if not isinstance(ending, Finished):
                     raise ending

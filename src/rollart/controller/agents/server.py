@@ -59,7 +59,7 @@ class AgentServer:
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self._port)
         await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.port = self._runner.addresses[0][1]
         log.info("agent endpoint on http://%s:%d/t/<token>/v1", self.host, self.port)
 
     async def close(self) -> None:

@@ -176,6 +176,13 @@ class AgentSession:
                                               f"{conv.num_turns}", conv.num_generated + n),
                              ApiError(502, "generation_failed", "the worker aborted the turn",
                                       kind="server_error"))
+        if req.parse_tools and result.tool_calls is None:
+            raise self._fail(TrajectoryFailed(
+                "generation_error", f"worker {self.turn_workers[-1] or '?'} did not parse tool "
+                f"calls (Generate.tool_parser {self.tool_parser!r}): a backend without tool "
+                "parsing", conv.num_generated + n),
+                ApiError(502, "generation_failed", "the worker did not parse tool calls",
+                         kind="server_error"))
         if req.parse_tools:
             content = result.content or ""
             calls = [{"id": f"call_{secrets.token_hex(8)}", "type": "function",
