@@ -96,7 +96,7 @@ class FakeToolWorker(FakeWorker):
         result = await super().generate(request, timeout_s=timeout_s)
         if not request.tool_parser:
             return result
-        first = request.request_id.endswith("/t0")
+        first = "/t0c" in request.request_id
         calls = [ToolCall(name="calc", arguments='{"expr": "1+2"}')] if first else []
         return msgspec.structs.replace(result, tool_calls=calls,
                                        content=None if first else "ok")
@@ -223,7 +223,8 @@ async def test_a_hanging_agent_fails_with_trajectory_timeout() -> None:
             model="m", messages=[{"role": "user", "content": task["prompt"]}])
         return 1.0
 
-    cluster, _ = cluster_for(trajectory_timeout_s=1.0)
+    # 10 s: generous for the members that do not hang, on a loaded machine.
+    cluster, _ = cluster_for(trajectory_timeout_s=10.0)
     cluster.agent("math")(solve)
     async with cluster:
         await run_steps(cluster, 1)

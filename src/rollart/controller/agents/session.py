@@ -84,6 +84,7 @@ class AgentSession:
         self.turn_workers: list[str] = []
         self.last_content = ""
         self._busy = False
+        self._calls = 0
         self._inflight: asyncio.Task[dict[str, Any]] | None = None
 
     def end(self, exc: BaseException) -> None:
@@ -121,6 +122,9 @@ class AgentSession:
 
     async def _complete(self, req: ChatRequest) -> dict[str, Any]:
         ctx, run, conv, act, tid = self.ctx, self.ctx.run, self.conv, self.act, self.traj_id
+        if req.parse_tools and not self.tool_parser:
+            raise ApiError(400, "tools_unsupported", "this agent was registered without a tool "
+                           "parser (cluster.agent(..., tool_parser=...))", "tools")
         try:
             delta = conv.delta(req.messages, req.tools)
         except HistoryRewritten as exc:
@@ -215,15 +219,16 @@ class AgentSession:
     async def _generate(self, prompt: Any, params: m.SamplingParams,
                         req: ChatRequest) -> m.GenerateResult:
         ctx, tid, n0 = self.ctx, self.traj_id, self.conv.num_generated
-        if req.parse_tools and not self.tool_parser:
-            raise ApiError(400, "tools_unsupported", "this agent was registered without a tool "
-                           "parser (cluster.agent(..., tool_parser=...))", "tools")
+        self._calls += 1
         fail: Callable[[str, BaseException], ApiError] = lambda reason, exc: self._fail(  # noqa: E731
             TrajectoryFailed(reason, str(exc), n0),
             ApiError(502, "generation_failed", f"{reason}: {exc}", kind="server_error"))
         try:
             return await ctx.proxy.generate(
-                tid, self.domain.name, f"{tid}/t{self.conv.num_turns}", prompt, params,
+                # Unique per call: a call sent again after a disconnect must not collide with
+                # the aborted one's id while the worker still winds it down.
+                tid, self.domain.name, f"{tid}/t{self.conv.num_turns}c{self._calls}", prompt,
+                params,
                 timeout_s=ctx.run.generate_timeout_s,
                 tool_parser=self.tool_parser if req.parse_tools else "")
         except RemoteTimeoutError as exc:
