@@ -40,6 +40,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rollart.config import DomainConfig, Scenario
+from rollart.controller.agents.runner import AgentRunner
 from rollart.controller.agreement import (
     UNKNOWN_WORKER,
     WorkerAgreement,
@@ -116,6 +117,7 @@ class Controller:
             admission (``try_start_group`` / ``has_room``) or batch assembly (``batch_order``)
             while keeping its protocol (``rollart.controller.buffer``); built with the same
             keyword arguments and restored with its ``restore`` classmethod.
+        agents: trajectory bodies of agent domains (``cluster.agent``); ``None``: none.
         stall_watchdog: log what ``get_batch`` waits on every ``run.stall_log_s`` (simulators
             on a virtual clock turn it off: its timer would hide a deadlock from the clock's
             idle detection).
@@ -139,12 +141,16 @@ class Controller:
         transcripts: TranscriptRecorder | None = None,
         buffer_class: type[SampleBuffer] = SampleBuffer,
         stall_watchdog: bool = True,
+        agents: AgentRunner | None = None,
     ) -> None:
         run = scenario.run
         self._stall_watchdog_on = stall_watchdog
         self.scenario, self.run = scenario, run
         self.spec = mode_spec(run.mode)
         self.proxy, self.envs, self.rewards, self.trainer = proxy, envs, rewards, trainer
+        #: agent domains' trajectory bodies (``rollart.controller.agents``); the owner starts
+        #: and closes its endpoint
+        self.agents = agents
         if proxy.violations is None:  # the scenario's quarantine rule for bad worker output
             wc = run.worker_checks
             proxy.violations = ViolationWindow(wc.max_invalid_replies, wc.invalid_window)
@@ -520,7 +526,9 @@ class Controller:
         domain, seed = self._groups[key]
         t_start = self.clock()
         try:
-            sample = await run_trajectory(self._ctx, tid, key, domain, seed)
+            body = self.agents.body_for(domain.name) if self.agents is not None else None
+            sample = await (run_trajectory(self._ctx, tid, key, domain, seed) if body is None
+                            else run_trajectory(self._ctx, tid, key, domain, seed, body))
             problem = trainable_problem(sample)
             if problem is not None:  # caught here, it costs a retry, not a training step
                 raise TrajectoryFailed(INVALID_SAMPLE_REASON, problem, sample.num_generated)

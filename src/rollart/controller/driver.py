@@ -16,6 +16,10 @@
                 return -len(response) / 1000
 
             cluster.set_affinity("arith", "game")      # move a domain to another pool
+
+            @cluster.agent("swe")                      # an OpenAI-API agent runs this domain
+            async def solve(client, task):             # client: openai.AsyncOpenAI
+                ...                                    # -> reward, or None: the reward fn scores
             async for step in cluster.train(steps=20):
                 print(step.step, step.metrics.reward_mean_by_domain)
 
@@ -41,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from rollart.config import Scenario, load_scenario, validate_scenario
+from rollart.controller.agents.runner import AgentFn, AgentRunner, AgentSpec
 from rollart.controller.buffer import SampleBuffer
 from rollart.controller.controller import Controller
 from rollart.controller.loophealth import LoopLagMonitor
@@ -111,6 +116,8 @@ class Cluster:
         self._affinity = {d.name: d.pool for d in scenario.domains}
         self._local_rewards: dict[str, RewardFn] = {}
         self._local_envs: dict[str, Callable[[], Any]] = {}
+        self._agents: dict[str, AgentSpec] = {}
+        self._agent_runner: AgentRunner | None = None
         self.controller: Controller | None = None
 
     @classmethod
@@ -168,6 +175,31 @@ class Cluster:
             raise RuntimeError("register_env must be called before the cluster starts")
         self._local_envs[name] = factory
 
+    def register_agent(self, domain: str, fn: AgentFn, *, tool_parser: str = "hermes") -> None:
+        """Run ``domain``'s trajectories with agent ``fn``: ``await fn(client, task)`` where
+        ``client`` is an ``openai.AsyncOpenAI`` whose base URL is that trajectory's own
+        (``rollart.controller.agents``) and ``task`` is ``{"prompt", "system_prompt",
+        "observation", "info", "seed", "domain"}`` from the domain's env. Returning a float
+        makes it the reward; ``None`` lets the domain's reward function score the last
+        assistant message. ``tool_parser``: the vLLM tool parser for the model's tool-call
+        format (``""``: requests with ``tools`` are refused). Register before the cluster
+        starts. Raises ConfigError for an unknown domain, RuntimeError once started."""
+        if self.controller is not None:
+            raise RuntimeError("register_agent must be called before the cluster starts")
+        if domain not in self._affinity:
+            raise ConfigError(f"agent: unknown domain {domain!r}; "
+                              f"domains: {sorted(self._affinity)}")
+        self._agents[domain] = AgentSpec(fn, tool_parser)
+
+    def agent(self, domain: str, *, tool_parser: str = "hermes") -> Callable[[AgentFn], AgentFn]:
+        """Decorator form of :meth:`register_agent`."""
+
+        def deco(fn: AgentFn) -> AgentFn:
+            self.register_agent(domain, fn, tool_parser=tool_parser)
+            return fn
+
+        return deco
+
     def set_affinity(self, domain: str, pool: str) -> None:
         """Route ``domain``'s generations to ``pool`` (takes effect at the next turn).
         Raises ConfigError for an unknown domain or pool."""
@@ -200,6 +232,9 @@ class Cluster:
             version=b.trainer.version,
             vocab_size=b.vocab_size,
         )
+        if self._agents and self._agent_runner is None:
+            self._agent_runner = AgentRunner(self._agents)
+            await self._agent_runner.start()
         self.controller = Controller(
             sc,
             proxy=proxy,
@@ -217,6 +252,7 @@ class Cluster:
             loop_lag=b.loop_lag,
             transcripts=self.transcripts,
             buffer_class=self.buffer_class,
+            agents=self._agent_runner,
         )
         await self.controller.start()
 
@@ -224,6 +260,9 @@ class Cluster:
         """Stop every trajectory and the controller's background work (idempotent)."""
         if self.controller is not None:
             await self.controller.close()
+        if self._agent_runner is not None:  # after the trajectories that use it
+            await self._agent_runner.close()
+            self._agent_runner = None
 
     async def __aenter__(self) -> Cluster:
         await self.start()

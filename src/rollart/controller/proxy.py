@@ -264,11 +264,14 @@ class LLMProxy:
         sampling: m.SamplingParams,
         *,
         timeout_s: float | None = None,
+        tool_parser: str = "",
     ) -> m.GenerateResult:
         """Generate one turn of ``traj_id`` on a worker of ``domain``'s pool.
 
         ``prompt``: the whole prompt, an ``array.array('i')`` of token ids (the trajectory's
         sequence so far); only the tokens after what the worker holds are copied and sent.
+        ``tool_parser``: a vLLM tool parser name the worker runs on the generated text
+        (``Generate.tool_parser``); "" for none.
 
         Raises:
             InvalidWorkerOutput: the reply broke the contract (see the module docstring).
@@ -290,6 +293,7 @@ class LLMProxy:
             request = m.Generate(
                 request_id=request_id, new_token_ids=new, sampling=sampling,
                 trajectory_id=traj_id, prefix_len=held, release=release,
+                tool_parser=tool_parser,
             )
             self.num_prompt_tokens_sent += total - held
             self.num_prompt_tokens += total

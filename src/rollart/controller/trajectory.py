@@ -8,8 +8,9 @@ one of three per-trajectory outcomes the controller turns into buffer calls:
   ``invalid_worker_output`` (the reply broke the ``GenerateResult`` contract, see
   ``rollart.controller.workercheck``), ``reward_error``, ``reward_too_large``,
   ``prompt_too_long``, ``trajectory_timeout`` (``run.trajectory_timeout_s``),
-  ``invalid_action`` (only under the domain's ``invalid_action = "fail"``)): never a reward of
-  0; the buffer may retry the slot;
+  ``invalid_action`` (only under the domain's ``invalid_action = "fail"``); agent trajectories
+  (``rollart.controller.agents``) add ``agent_error`` and ``history_rewritten``): never a
+  reward of 0; the buffer may retry the slot;
 - :class:`TrajectoryStale`: the per-turn staleness check said restart;
 - :class:`TrajectoryNotNeeded`: the buffer said the group no longer needs it.
 
@@ -129,7 +130,7 @@ class TrajectoryContext:
     activity: dict[str, Activity] = field(default_factory=dict)
 
 
-def _env_failure(exc: BaseException, num_generated: int = 0) -> TrajectoryFailed:
+def env_failure(exc: BaseException, num_generated: int = 0) -> TrajectoryFailed:
     if isinstance(exc, RemoteTimeoutError):
         return TrajectoryFailed("env_timeout", str(exc), num_generated)
     if isinstance(exc, EnvError):
@@ -150,12 +151,20 @@ async def _close_session(envs: EnvRouter, session_id: str) -> None:
         log.warning("closing env session %s failed: %s: %s", session_id, type(exc).__name__, exc)
 
 
+#: a trajectory body: ``await body(ctx, traj_id, group_key, domain, seed, activity)``
+TrajectoryBody = Callable[
+    [TrajectoryContext, str, str, DomainConfig, int, Activity], Awaitable[Sample]]
+
+
 async def run_trajectory(
-    ctx: TrajectoryContext, traj_id: str, group_key: str, domain: DomainConfig, seed: int
+    ctx: TrajectoryContext, traj_id: str, group_key: str, domain: DomainConfig, seed: int,
+    body: TrajectoryBody | None = None,
 ) -> Sample:
     """Run trajectory ``traj_id`` of ``domain`` with env ``seed`` to a scored sample, within
     ``run.trajectory_timeout_s`` (wall clock) when set. While it runs, ``ctx.activity[traj_id]``
-    says what it is doing and since when (the stall watchdog reads it).
+    says what it is doing and since when (the stall watchdog reads it). ``body``: what runs the
+    trajectory (default: the gym loop below; agent domains pass
+    ``rollart.controller.agents.runner.AgentRunner``'s), under the same timeout and record.
 
     Raises:
         TrajectoryFailed, TrajectoryStale, TrajectoryNotNeeded: see the module docstring.
@@ -163,13 +172,14 @@ async def run_trajectory(
     """
     act = ctx.activity[traj_id] = Activity(group_key, "starting", ctx.clock())
     timeout_s = ctx.run.trajectory_timeout_s
+    body = body or _run_trajectory
     try:
         if timeout_s is None:
-            return await _run_trajectory(ctx, traj_id, group_key, domain, seed, act)
+            return await body(ctx, traj_id, group_key, domain, seed, act)
         deadline = asyncio.timeout(timeout_s)
         try:
             async with deadline:
-                return await _run_trajectory(ctx, traj_id, group_key, domain, seed, act)
+                return await body(ctx, traj_id, group_key, domain, seed, act)
         except TimeoutError:
             if not deadline.expired():
                 raise
@@ -208,7 +218,7 @@ async def _run_trajectory(
         except EnvHostsExhaustedError:
             raise
         except (RemoteError, PeerDeadError) as exc:
-            raise _env_failure(exc) from exc
+            raise env_failure(exc) from exc
         except InvalidActionError as exc:  # there is no action at reset: the env's fault
             raise TrajectoryFailed("env_error", f"reset raised {exc!r}") from exc
         session_id = opened.session_id
@@ -298,10 +308,10 @@ async def _run_trajectory(
                 invalid = exc.message
             except EnvError as exc:
                 if exc.code != "invalid_action":
-                    raise _env_failure(exc, num_generated) from exc
+                    raise env_failure(exc, num_generated) from exc
                 invalid = exc.message
             except (RemoteError, PeerDeadError) as exc:
-                raise _env_failure(exc, num_generated) from exc
+                raise env_failure(exc, num_generated) from exc
             ctx.env_steps += 1
             if invalid is not None:
                 # The model's action was malformed: its fault, not the env's. Train on it.

@@ -48,6 +48,7 @@ from rollart.inference.engine import (
     to_vllm_sampling,
 )
 from rollart.inference.prefixes import DEFAULT_MAX_PREFIX_TOKENS, PrefixStore
+from rollart.inference.toolcalls import parse_tool_calls
 from rollart.inference.weights import TIED_LM_HEAD, CheckpointLayout, WeightStager
 from rollart.transport import messages as m
 from rollart.transport import tokenbytes as tb
@@ -206,6 +207,10 @@ class InferenceWorker:
         token_bytes = tb.pack_i32(comp.token_ids)
         if comp.finish_reason != "abort":
             self.prefixes.keep(msg.trajectory_id, prompt_bytes, token_bytes)
+        content, tool_calls = None, None
+        if msg.tool_parser:
+            content, tool_calls = parse_tool_calls(
+                msg.tool_parser, self.engine.get_tokenizer(), comp.token_ids)
         return m.GenerateResult(
             request_id=rid,
             token_ids=token_bytes,
@@ -215,6 +220,8 @@ class InferenceWorker:
             num_prompt_tokens=len(prompt_ids),
             stats=self.stats(),
             prompt_logprobs=comp.prompt_logprobs,
+            tool_calls=tool_calls,
+            content=content,
         )
 
     async def abort(self, msg: m.Abort, _frames) -> m.Ack:

@@ -30,6 +30,7 @@ from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
 from rollart.models.sft import SFTConfig, sft_warmup
 from rollart.models.tokenizer import (
+    CHAT_TEMPLATE,
     EOS_TOKEN,
     IM_END_TOKEN,
     PAD_TOKEN,
@@ -178,6 +179,8 @@ def _cache_key(
     h.update(msgspec.json.encode(spec))
     # A tokenizer change (new ids for the same text) must never reuse an old checkpoint.
     h.update(json.dumps(VOCAB, sort_keys=True).encode())
+    # ... and a checkpoint saved with an older chat template (no tools) is not reused either.
+    h.update(CHAT_TEMPLATE.encode())
     if demos is not None:
         h.update(msgspec.json.encode(sft or SFTConfig()))
         # JSON of the pairs keeps prompt/completion boundaries unambiguous in the hash.

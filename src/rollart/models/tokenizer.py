@@ -57,11 +57,37 @@ def char_id(ch: str) -> int:
 
 
 # ChatML, as Qwen2 instruct models use it; `add_generation_prompt` opens the assistant turn.
+# With `tools=`, Qwen2.5's tool format (which vLLM's `hermes` tool parser reads): a system turn
+# listing the tools as JSON, an assistant turn's calls as `<tool_call>{"name": ...,
+# "arguments": {...}}</tool_call>`, and each `tool` message as a `tool` turn. Without tools the
+# text is exactly the plain ChatML above (older checkpoints and tests render the same).
 CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\n' }}"
+    "{%- if messages and messages[0]['role'] == 'system' %}"
+    "{{- messages[0]['content'] + '\n\n' }}{%- endif %}"
+    "{{- 'Call a tool with <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>.\n"
+    "<tools>' }}"
+    "{%- for tool in tools %}{{- '\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\n</tools><|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if tools and loop.first and message['role'] == 'system' %}"
+    "{%- elif message['role'] == 'assistant' and message.get('tool_calls') %}"
+    "{{- '<|im_start|>assistant\n' + (message['content'] or '') }}"
+    "{%- for tc in message['tool_calls'] %}"
+    "{%- set f = tc['function'] if tc.get('function') else tc %}"
+    "{{- '<tool_call>{\"name\": \"' + f['name'] + '\", \"arguments\": ' }}"
+    "{%- if f['arguments'] is string %}{{- f['arguments'] }}"
+    "{%- else %}{{- f['arguments'] | tojson }}{%- endif %}"
+    "{{- '}</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\n' + (message['content'] or '') + '<|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
 )
 
 def build_char_tokenizer() -> PreTrainedTokenizerFast:

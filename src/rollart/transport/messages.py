@@ -169,11 +169,22 @@ class Generate(Msg):
     trajectory_id: TrajectoryId = ""
     prefix_len: NonNegInt = 0
     release: list[TrajectoryId] = []
+    #: name of a vLLM tool parser (``hermes``, ...): the worker decodes the generated ids and
+    #: parses tool calls from the text (``GenerateResult.tool_calls``); "" = no parsing
+    tool_parser: Annotated[str, msgspec.Meta(max_length=64)] = ""
 
     @property
     def num_new_tokens(self) -> int:
         """Tokens in ``new_token_ids`` (its byte length / 4)."""
         return memoryview(self.new_token_ids).nbytes // 4
+
+
+class ToolCall(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, gc=False):
+    """One tool call a vLLM tool parser found in generated text: the function ``name`` and its
+    ``arguments`` as a JSON text (OpenAI's ``function.arguments``)."""
+
+    name: str
+    arguments: str
 
 
 class GenerateResult(Msg):
@@ -201,6 +212,10 @@ class GenerateResult(Msg):
     num_prompt_tokens: NonNegInt
     stats: WorkerStats
     prompt_logprobs: list[float | None] | None = None
+    #: only when ``Generate.tool_parser`` was set: the tool calls vLLM's parser found in the
+    #: generated text (empty: none) and the message content outside them (``None``: none)
+    tool_calls: list[ToolCall] | None = None
+    content: str | None = None
 
     def __post_init__(self) -> None:
         # Checked where the reply is decoded, so a broken worker fails that request only (the
