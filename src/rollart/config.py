@@ -53,6 +53,11 @@ NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 PosFloat = Annotated[float, msgspec.Meta(gt=0)]
 NonNegFloat = Annotated[float, msgspec.Meta(ge=0)]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
+#: A Ray custom resource name (``rollart run --cluster ray``: ``rollart.launcher.placement``);
+#: Ray's own ``CPU`` / ``GPU`` / ``memory`` are reserved per service already.
+RayResource = Annotated[str, msgspec.Meta(min_length=1, max_length=64,
+                                          pattern=r"^(?!(CPU|GPU|memory|object_store_memory)$)"
+                                                  r"[A-Za-z_][A-Za-z0-9_.\-]*$")]
 
 class _Cfg(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
     """Base: unknown fields are errors; instances are immutable."""
@@ -240,6 +245,10 @@ class PoolConfig(_Cfg):
     #: addresses of already running workers (``tcp://host:port``), one per worker; empty: the
     #: launcher starts ``num_workers`` workers locally.
     addresses: list[str] = msgspec.field(default_factory=list)
+    #: ``--cluster ray``: the Ray custom resource a node must carry to host these workers
+    #: (``tensor_parallel_size`` units per GPU worker, 1 per CPU worker); ``None``: the
+    #: ``hardware`` label for GPU pools, none (any node with a free CPU) for ``cpu`` pools.
+    ray_resource: RayResource | None = None
 
 
 class SamplingConfig(_Cfg):
@@ -328,6 +337,9 @@ class EnvHostConfig(_Cfg):
     #: injected latency / failures: env name, family (``game``, ``rg``, ``py``) or ``"*"``
     #: -> distribution (``rollart.envhost.latency.LatencyConfig``).
     latency: dict[str, LatencyConfig] = msgspec.field(default_factory=dict)
+    #: ``--cluster ray``: the Ray custom resource (1 unit) of the nodes that may host it, e.g.
+    #: ``cpu_env``; ``None``: any node with a free CPU.
+    ray_resource: RayResource | None = None
 
 
 class RewardServiceConfig(_Cfg):
@@ -355,6 +367,9 @@ class RewardServiceConfig(_Cfg):
     #: a file (mode 0600) holding it. A service the launcher starts gets a fresh token per run.
     token_env: Annotated[str, msgspec.Meta(min_length=1)] | None = None
     token_file: Annotated[str, msgspec.Meta(min_length=1)] | None = None
+    #: ``--cluster ray``: the Ray custom resource (1 unit) of the nodes that may host a
+    #: launched service; ``None``: any node with a free CPU.
+    ray_resource: RayResource | None = None
 
 
 class TrainerConfig(_Cfg):
@@ -390,6 +405,10 @@ class TrainerConfig(_Cfg):
     #: trainer ranks (data-parallel FSDP2 under torchrun, one node): one GPU each with ``cuda``,
     #: CPU processes over gloo with ``cpu``. 1: a single plain process.
     num_processes: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1
+    #: ``--cluster ray``: the Ray custom resource of the node that hosts the trainer (one
+    #: node: ``num_processes`` units with ``cuda``, 1 with ``cpu``), e.g. ``h800``; ``None``:
+    #: any node with the GPUs (``cuda``) or a free CPU.
+    ray_resource: RayResource | None = None
 
 
 class OutputConfig(_Cfg):
