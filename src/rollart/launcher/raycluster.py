@@ -116,7 +116,8 @@ class RaySupervisor:
                  placement_timeout_s: float = 120.0) -> None:
         self.run_dir = run_dir
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        self.plan: Plan = plan_placement(scenario, f"rollart-{run_dir.name}-{time.time_ns()}")
+        self.prefix = f"rollart-{run_dir.name}-{time.time_ns()}"
+        self.plan: Plan = plan_placement(scenario, self.prefix)
         self.placement_timeout_s = placement_timeout_s
         self.owns_connection = connect(address)
         self.services: dict[str, RayService] = {}
@@ -177,7 +178,7 @@ class RaySupervisor:
         files = self._file_ref(argv)
         svc.actor = _ServiceActor.options(
             num_cpus=res.pop("CPU", 0), num_gpus=res.pop("GPU", 0), resources=res,
-            max_restarts=0, max_concurrency=8,
+            max_restarts=0, max_concurrency=8, name=f"{self.prefix}/{name}",
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 pg, placement_group_bundle_index=slot.bundle),
         ).remote(name, files)
