@@ -2,7 +2,7 @@
 utility (``ray.cluster_utils.Cluster``: one raylet per node, each with its own custom resources:
 ``cpu_env`` on the head, ``h800`` and ``h20`` on two more nodes).
 
-One run of a CPU scenario (real vLLM CPU engines, tiny model) whose pools, env host, reward
+One run of a CPU scenario (a real vLLM CPU engine, tiny model) whose pool, env host, reward
 service and trainer are labelled: every service lands on the node its label names (Ray's state
 API), the run trains, then one placed worker is killed and the run stops naming it; afterwards no
 rollart actor, placement group or service process is left.
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -24,9 +25,9 @@ ray = pytest.importorskip("ray")
 
 SHORT_RUN = Path(__file__).parent / "scenarios" / "short_run.toml"
 #: node label -> (num_cpus, custom resources); small, so the machine stays light.
-NODES = {"cpu_env": (2, {"cpu_env": 2}), "h800": (2, {"h800": 2}), "h20": (1, {"h20": 1})}
-LABELS = {"reward": "cpu_env", "env-envhost": "cpu_env", "worker-game-0": "h800",
-          "trainer": "h800", "worker-reasoning-0": "h20"}
+NODES = {"cpu_env": (2, {"cpu_env": 2}), "h800": (1, {"h800": 1}), "h20": (1, {"h20": 1})}
+LABELS = {"reward": "cpu_env", "env-envhost": "cpu_env", "worker-game-0": "h20",
+          "trainer": "h800"}
 
 
 @pytest.fixture(scope="module")
@@ -54,11 +55,20 @@ def ray_cluster():
         os.environ.update(saved)
 
 
-def _scenario(tmp_path: Path) -> Path:
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("rollart-cache")
+
+
+def _scenario(tmp_path: Path, worker_label: str = "h20") -> Path:
+    """short_run.toml with both domains on one pool (one vLLM engine: the slow part on a
+    loaded machine), every service labelled."""
     text = SHORT_RUN.read_text().replace("checkpoint_every = 1", "checkpoint_every = 0")
-    for pool, label in (("game", "h800"), ("reasoning", "h20")):
-        text = text.replace(f'name = "{pool}"\n', f'name = "{pool}"\nray_resource = "{label}"\n',
-                            1)
+    text, n = re.subn(r'\[\[pools\]\]\nname = "reasoning"\n\[pools.engine\]\n(?:[a-z_]+ = .*\n)*',
+                      "", text)
+    assert n == 1
+    text = text.replace('pool = "reasoning"', 'pool = "game"')
+    text = text.replace('name = "game"\n', f'name = "game"\nray_resource = "{worker_label}"\n', 1)
     text = text.replace('name = "envhost"\n', 'name = "envhost"\nray_resource = "cpu_env"\n')
     text = text.replace("[trainer]\n", '[trainer]\nray_resource = "h800"\n')
     text += '\n[reward]\nray_resource = "cpu_env"\n'
@@ -79,6 +89,50 @@ def _ours(address: str, kind: str, prefix: str = "rollart-run-") -> list:
     return [g for g in rows if g.name.startswith(prefix) and g.state != "REMOVED"]
 
 
+def _wait_released(address: str, needle: str, timeout_s: float = 120.0) -> None:
+    """No rollart actor or placement group alive on the cluster, no process whose command line
+    names ``needle``; polled (Ray ends killed actors asynchronously), generous deadline."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = (_ours(address, "actors"), _ours(address, "placement_groups"), _cmdlines(needle))
+        if left == ([], [], []) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert left == ([], [], [])
+
+
+def _cmdlines(needle: str) -> list[str]:
+    out = []
+    for entry in os.listdir("/proc"):
+        try:
+            cmd = Path(f"/proc/{entry}/cmdline").read_bytes() if entry.isdigit() else b""
+        except OSError:
+            continue
+        if needle.encode() in cmd and entry != str(os.getpid()):
+            out.append(cmd.replace(b"\0", b" ").decode(errors="replace"))
+    return out
+
+
+def test_a_pool_no_node_can_hold_fails_at_once_and_releases_everything(ray_cluster, tmp_path,
+                                                                        cache_dir):
+    from rollart.launcher.local import open_cluster
+    from rollart.transport.errors import RollartError
+
+    cluster, _ = ray_cluster
+
+    async def run() -> None:
+        async with open_cluster(_scenario(tmp_path, worker_label="h100"),
+                                run_dir=tmp_path / "run", cache_dir=cache_dir,
+                                cluster=f"ray://{cluster.address}"):
+            raise AssertionError("the cluster has no h100 node")
+
+    with pytest.raises(RollartError, match=r"pool-game.*no node carries \['h100'\]"):
+        asyncio.run(run())
+    # the services started meanwhile (trainer, env host, reward) are stopped, actors killed
+    _wait_released(cluster.address, str(cache_dir))
+    assert not ray.is_initialized()
+
+
 def _service_pid(actor_pid: int) -> int:
     """The ``rollart serve-inference`` process under an actor's process."""
     found = [p for p in descendants(actor_pid)
@@ -95,7 +149,8 @@ def _wait_gone(pids: set[int], timeout_s: float = 120.0) -> None:
     assert alive(pids) == set()
 
 
-def test_services_placed_by_label_train_and_a_killed_worker_is_named(ray_cluster, tmp_path):
+def test_services_placed_by_label_train_and_a_killed_worker_is_named(ray_cluster, tmp_path,
+                                                                     cache_dir):
     from rollart.launcher.local import open_cluster
     from rollart.launcher.procs import ProcessFailedError
 
@@ -107,7 +162,7 @@ def test_services_placed_by_label_train_and_a_killed_worker_is_named(ray_cluster
 
     async def run() -> None:
         async with open_cluster(_scenario(tmp_path), run_dir=tmp_path / "run",
-                                cache_dir=tmp_path / "cache", cluster=f"ray://{address}") as cl:
+                                cache_dir=cache_dir, cluster=f"ray://{address}") as cl:
             async with cl:
                 async for out in cl.train(steps=2):
                     steps.append(out)
@@ -115,14 +170,14 @@ def test_services_placed_by_label_train_and_a_killed_worker_is_named(ray_cluster
                     placed[actor.name.rsplit("/", 1)[1]] = (actor.node_id, actor.pid)
                 for _, pid in placed.values():
                     pids.update(descendants(pid) | {pid})
-                os.kill(_service_pid(placed["worker-reasoning-0"][1]), signal.SIGKILL)
+                os.kill(_service_pid(placed["worker-game-0"][1]), signal.SIGKILL)
                 async for out in cl.train(steps=50):  # stopped by the watcher, naming it
                     steps.append(out)
 
     with pytest.raises(ProcessFailedError) as info:
         asyncio.run(run())
-    assert info.value.name == "worker-reasoning-0"
-    assert "last live worker of pool 'reasoning'" in str(info.value)
+    assert info.value.name == "worker-game-0"
+    assert "last live worker of pool 'game'" in str(info.value)
     assert [s.step for s in steps[:2]] == [1, 2]
     assert all(s.metrics.num_samples == 8 for s in steps[:2])
     # every service on the node its label names
@@ -131,8 +186,7 @@ def test_services_placed_by_label_train_and_a_killed_worker_is_named(ray_cluster
     # the engines (vLLM's EngineCore children) ran under the actors: all gone now
     assert len(pids) > 2 * len(LABELS)
     _wait_gone(pids)
-    assert _ours(address, "actors") == []
-    assert _ours(address, "placement_groups") == []
+    _wait_released(address, str(cache_dir))
     assert not ray.is_initialized()  # the launcher's own connection is closed
-    log = (tmp_path / "run" / "logs" / "worker-game-0.log").read_text()
-    assert log.strip()  # the node's log came back to the run folder
+    log = (tmp_path / "run" / "logs" / "trainer.log").read_text()
+    assert "trainer serving on tcp://" in log  # the node's log came back to the run folder

@@ -114,3 +114,23 @@ def test_local_launcher_does_not_import_ray():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=300)
     assert out.stdout.strip() == "[]"
+
+
+def test_run_rejects_an_unknown_cluster_before_anything_starts(tmp_path, capsys):
+    from rollart.launcher.run import main
+
+    rc = main([str(ROOT / "scenarios" / "quickstart.toml"), "--cluster", "slurm",
+               "--out", str(tmp_path / "run")])
+    assert rc == 2
+    assert "--cluster: 'slurm'" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+async def test_insecure_is_refused_on_a_ray_cluster(tmp_path):
+    from rollart.launcher.local import open_cluster
+
+    with pytest.raises(ConfigError, match="CURVE key is required"):
+        async with open_cluster(ROOT / "scenarios" / "quickstart.toml", run_dir=tmp_path / "r",
+                                insecure=True, cluster="ray"):
+            pass
+    assert not (tmp_path / "r").exists()

@@ -25,10 +25,12 @@ its parent-death signal and stops its own children, as when the local launcher i
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +61,7 @@ class ServiceHost:
                 f.write(data)
             self.paths[path] = str(local)
         self.sup = Supervisor(self.dir)
+        self._starting = False
 
     def node_argv(self, argv: list[str], bind: str, ip: str) -> list[str]:
         """``argv`` as this node runs it (see the module docstring)."""
@@ -78,11 +81,14 @@ class ServiceHost:
 
         ip = ray.util.get_node_ip_address()
         env = {k: v for k, v in env.items() if k != "CUDA_VISIBLE_DEVICES"}
+        self._starting = True
         try:
             address = await self.sup.start(self.name, self.node_argv(argv, bind, ip), env=env,
                                            ready_timeout_s=ready_timeout_s)
         except ProcessFailedError as exc:
             return {"error": exc.returncode, "tail": exc.tail, "log": str(exc.log_path)}
+        finally:
+            self._starting = False
         svc = self.sup.services[self.name]
         assert svc.proc is not None
         return {"address": address, "pid": svc.proc.pid, "node_ip": ip,
@@ -97,6 +103,14 @@ class ServiceHost:
     async def stop(self) -> bytes:
         """Stop the service and its process group; the last ``LOG_BYTES`` of its log. The
         node folder (files, log) is removed."""
+        # A stop that overtakes a start still spawning (the run failed elsewhere meanwhile)
+        # waits for the process to exist, so stop_all reaches its group.
+        deadline = time.monotonic() + 30.0
+        while self._starting and time.monotonic() < deadline:
+            svc = self.sup.services.get(self.name)
+            if svc is not None and svc.proc is not None:
+                break
+            await asyncio.sleep(0.05)
         await self.sup.stop_all()
         log = self.dir / "logs" / f"{self.name}.log"
         data = b""

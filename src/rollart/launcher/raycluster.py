@@ -122,6 +122,7 @@ class RaySupervisor:
         self.owns_connection = connect(address)
         self.services: dict[str, RayService] = {}
         self._groups: dict[str, asyncio.Future[Any]] = {}
+        self._pgs: dict[str, Any] = {}
         self._files: dict[tuple[str, ...], Any] = {}
 
     async def _group(self, name: str) -> Any:
@@ -129,20 +130,32 @@ class RaySupervisor:
             self._groups[name] = asyncio.ensure_future(self._create_group(name))
         return await asyncio.shield(self._groups[name])
 
+    def _check_fits(self, name: str) -> None:
+        """Fail at once when no live node could ever hold a bundle of group ``name`` (e.g. no
+        node carries its hardware label), rather than after ``placement_timeout_s``."""
+        nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+        for bundle in self.plan.groups[name].bundles:
+            if not any(all(total.get(k, 0) >= v for k, v in bundle.items()) for total in nodes):
+                missing = sorted(k for k in bundle if not any(k in total for total in nodes))
+                raise RollartError(
+                    f"the Ray cluster cannot place {name}: no node has {describe(bundle)}"
+                    f"{f' (no node carries {missing})' if missing else ''}. Label nodes with "
+                    "their hardware as custom resources, e.g. `ray start --num-gpus 8 "
+                    "--resources '{\"h20\": 8}'`, or set the service's ray_resource")
+
     async def _create_group(self, name: str) -> Any:
+        self._check_fits(name)
         spec = self.plan.groups[name]
-        pg = placement_group(spec.bundles, strategy=spec.strategy, name=name)
+        # Kept before waiting: stop_all removes it even if this start is abandoned.
+        pg = self._pgs[name] = placement_group(spec.bundles, strategy=spec.strategy, name=name)
         ready, _ = await asyncio.to_thread(ray.wait, [pg.ready()],
                                            timeout=self.placement_timeout_s)
         if not ready:
-            remove_placement_group(pg)
             need = {describe(b) for b in spec.bundles}
             raise RollartError(
                 f"the Ray cluster cannot place {name}: {len(spec.bundles)} bundle(s) of "
                 f"{' / '.join(sorted(need))} ({spec.strategy}) not free after "
-                f"{self.placement_timeout_s:.0f} s; free now: {ray.available_resources()}. "
-                "Label nodes with their hardware as custom resources, e.g. "
-                "`ray start --num-gpus 8 --resources '{\"h20\": 8}'`")
+                f"{self.placement_timeout_s:.0f} s; free now: {ray.available_resources()}")
         return pg
 
     def _file_ref(self, argv: Sequence[str]) -> Any:
@@ -183,8 +196,11 @@ class RaySupervisor:
                 pg, placement_group_bundle_index=slot.bundle),
         ).remote(name, files)
         try:
-            got = await asyncio.wrap_future(svc.actor.start.remote(
-                list(argv), dict(env or {}), slot.bind, ready_timeout_s).future())
+            # The actor's own ready timeout answers first; this bounds an actor that never
+            # runs (its worker process failing to start).
+            got = await asyncio.wait_for(asyncio.wrap_future(svc.actor.start.remote(
+                list(argv), dict(env or {}), slot.bind, ready_timeout_s).future()),
+                ready_timeout_s + 120.0)
         except ray.exceptions.RayTaskError as exc:
             cause = exc.cause if hasattr(exc, "cause") else exc
             if isinstance(cause, TimeoutError):
@@ -275,12 +291,12 @@ class RaySupervisor:
                 ray.kill(svc.actor, no_restart=True)
             svc.actor = None
         for fut in self._groups.values():
-            if not fut.done():
-                fut.cancel()
-                continue
+            fut.cancel()
+        for pg in self._pgs.values():
             with contextlib.suppress(Exception):
-                remove_placement_group(fut.result())
+                remove_placement_group(pg)
         self._groups.clear()
+        self._pgs.clear()
         self._files.clear()
         if self.owns_connection:
             self.owns_connection = False
