@@ -204,7 +204,9 @@ class RaySupervisor:
         except ray.exceptions.RayTaskError as exc:
             cause = exc.cause if hasattr(exc, "cause") else exc
             if isinstance(cause, TimeoutError):
-                raise TimeoutError(f"{name!r} not ready after {ready_timeout_s:.0f} s") from None
+                raise TimeoutError(f"{name!r} not ready after {ready_timeout_s:.0f} s (log: "
+                                   f"{svc.log_path}, copied from its node when the run "
+                                   "stops)") from None
             raise
         except ray.exceptions.RayActorError as exc:
             svc.proc = _Exit(None)
