@@ -238,7 +238,8 @@ class PoolConfig(_Cfg):
     """A pool of identical inference workers on one kind of hardware."""
 
     name: Name
-    #: hardware label, e.g. ``h800`` (compute-strong), ``h20`` (bandwidth), ``cpu``.
+    #: hardware label, e.g. ``h800`` (compute-strong), ``h20`` (bandwidth), ``cpu``; under
+    #: ``--cluster ray`` a GPU pool's workers go to nodes carrying it as a custom resource.
     hardware: Annotated[str, msgspec.Meta(min_length=1, max_length=32)] = "cpu"
     num_workers: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 1
     engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
