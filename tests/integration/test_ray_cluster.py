@@ -36,8 +36,11 @@ def ray_cluster():
 
     saved = dict(os.environ)
     # A loaded shared machine must not have Ray's memory monitor kill the services' actors;
-    # no usage reports from a test.
-    os.environ.update({"RAY_memory_monitor_refresh_ms": "0", "RAY_USAGE_STATS_ENABLED": "0"})
+    # no usage reports from a test. The nodes' processes inherit this environment: the one
+    # engine's default OpenMP binding ("auto") pins it to core 0, which every other lone engine
+    # on this shared 2-core machine pins too (measured: minutes to warm up); let it float.
+    os.environ.update({"RAY_memory_monitor_refresh_ms": "0", "RAY_USAGE_STATS_ENABLED": "0",
+                       "VLLM_CPU_OMP_THREADS_BIND": "nobind"})
     small = {"object_store_memory": 80 << 20}
     cpus, res = NODES["cpu_env"]
     cluster = Cluster(initialize_head=True, head_node_args={
