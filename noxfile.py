@@ -21,7 +21,7 @@ _MISMATCHED = ("torchvision", "torchaudio", "torchcodec")
 
 
 def _install_runtime(session: nox.Session) -> None:
-    session.install("-e", ".[cpu,dev]")
+    session.install("-e", ".[cpu,dev,ray]")
     session.run("python", "-m", "pip", "uninstall", "-y", *_MISMATCHED, silent=True)
 
 

@@ -54,6 +54,11 @@ NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 PosFloat = Annotated[float, msgspec.Meta(gt=0)]
 NonNegFloat = Annotated[float, msgspec.Meta(ge=0)]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
+#: A Ray custom resource name (``rollart run --cluster ray``: ``rollart.launcher.placement``);
+#: Ray's own ``CPU`` / ``GPU`` / ``memory`` are reserved per service already.
+RayResource = Annotated[str, msgspec.Meta(min_length=1, max_length=64,
+                                          pattern=r"^(?!(CPU|GPU|memory|object_store_memory)$)"
+                                                  r"[A-Za-z_][A-Za-z0-9_.\-]*$")]
 
 class _Cfg(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
     """Base: unknown fields are errors; instances are immutable."""
@@ -234,13 +239,18 @@ class PoolConfig(_Cfg):
     """A pool of identical inference workers on one kind of hardware."""
 
     name: Name
-    #: hardware label, e.g. ``h800`` (compute-strong), ``h20`` (bandwidth), ``cpu``.
+    #: hardware label, e.g. ``h800`` (compute-strong), ``h20`` (bandwidth), ``cpu``; under
+    #: ``--cluster ray`` a GPU pool's workers go to nodes carrying it as a custom resource.
     hardware: Annotated[str, msgspec.Meta(min_length=1, max_length=32)] = "cpu"
     num_workers: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 1
     engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
     #: addresses of already running workers (``tcp://host:port``), one per worker; empty: the
     #: launcher starts ``num_workers`` workers locally.
     addresses: list[str] = msgspec.field(default_factory=list)
+    #: ``--cluster ray``: the Ray custom resource a node must carry to host these workers
+    #: (``tensor_parallel_size`` units per GPU worker, 1 per CPU worker); ``None``: the
+    #: ``hardware`` label for GPU pools, none (any node with a free CPU) for ``cpu`` pools.
+    ray_resource: RayResource | None = None
 
 
 class SamplingConfig(_Cfg):
@@ -329,6 +339,9 @@ class EnvHostConfig(_Cfg):
     #: injected latency / failures: env name, family (``game``, ``rg``, ``py``) or ``"*"``
     #: -> distribution (``rollart.envhost.latency.LatencyConfig``).
     latency: dict[str, LatencyConfig] = msgspec.field(default_factory=dict)
+    #: ``--cluster ray``: the Ray custom resource (1 unit) of the nodes that may host it, e.g.
+    #: ``cpu_env``; ``None``: any node with a free CPU.
+    ray_resource: RayResource | None = None
 
 
 class RewardServiceConfig(_Cfg):
@@ -356,6 +369,9 @@ class RewardServiceConfig(_Cfg):
     #: a file (mode 0600) holding it. A service the launcher starts gets a fresh token per run.
     token_env: Annotated[str, msgspec.Meta(min_length=1)] | None = None
     token_file: Annotated[str, msgspec.Meta(min_length=1)] | None = None
+    #: ``--cluster ray``: the Ray custom resource (1 unit) of the nodes that may host a
+    #: launched service; ``None``: any node with a free CPU.
+    ray_resource: RayResource | None = None
 
 
 class TrainerConfig(_Cfg):
@@ -391,6 +407,10 @@ class TrainerConfig(_Cfg):
     #: trainer ranks (data-parallel FSDP2 under torchrun, one node): one GPU each with ``cuda``,
     #: CPU processes over gloo with ``cpu``. 1: a single plain process.
     num_processes: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1
+    #: ``--cluster ray``: the Ray custom resource of the node that hosts the trainer (one
+    #: node: ``num_processes`` units with ``cuda``, 1 with ``cpu``), e.g. ``h800``; ``None``:
+    #: any node with the GPUs (``cuda``) or a free CPU.
+    ray_resource: RayResource | None = None
 
 
 class OutputConfig(_Cfg):

@@ -34,6 +34,7 @@ from typing import Any
 
 from rollart.config import RewardServiceConfig, Scenario, load_scenario, scenario_to_json
 from rollart.launcher.peers import PeerLoss
+from rollart.launcher.placement import parse_cluster
 from rollart.launcher.procs import ProcessFailedError, Supervisor
 from rollart.transport.errors import ConfigError, RollartError
 
@@ -137,7 +138,8 @@ async def open_cluster(scenario: str | Path | Scenario, *, run_dir: str | Path |
                        buffer_class: Any = None,
                        on_note: Any = None, started: float | None = None,
                        insecure: bool = False,
-                       key_file: str | Path | None = None) -> AsyncIterator[Any]:
+                       key_file: str | Path | None = None,
+                       cluster: str | None = None) -> AsyncIterator[Any]:
     """Start ``scenario``'s local services and yield a (not yet started) ``Cluster`` whose
     steps are written to ``run_dir`` (``rollart.launcher.rundir``).
 
@@ -164,6 +166,9 @@ async def open_cluster(scenario: str | Path | Scenario, *, run_dir: str | Path |
             loads it; the yielded cluster's ``run_key`` is it).
         key_file: the run's key when the scenario names services started by hand (overrides
             ``run.key_file``).
+        cluster: where the services run: ``None`` / ``"local"`` (this machine), ``"ray"`` or
+            ``"ray://HOST:PORT"``: placed on a running Ray cluster by their hardware labels
+            (``rollart.launcher.raycluster``; needs ``rollart[ray]``); the controller stays here.
     Raises:
         ConfigError: bad scenario, or ``resume`` without a checkpoint (before any process
             starts).
@@ -188,6 +193,10 @@ async def open_cluster(scenario: str | Path | Scenario, *, run_dir: str | Path |
         source = str(scenario)
         scenario = load_scenario(scenario)
     preflight(scenario, source, local_envs=set(envs or ()))
+    ray_address = parse_cluster(cluster)
+    if ray_address is not None and (insecure or scenario.run.insecure):
+        raise ConfigError("--cluster ray: services bind their nodes' network addresses, so the "
+                          "run's CURVE key is required (drop --insecure / run.insecure)")
     started = time.time() if started is None else started
     run_dir = Path(run_dir) if run_dir else Path("runs") / f"driver-{time.strftime('%Y%m%d-%H%M%S')}"
     point = rundir.resume_point(run_dir) if resume else None
@@ -201,7 +210,12 @@ async def open_cluster(scenario: str | Path | Scenario, *, run_dir: str | Path |
     keyed = run_auth(scenario, run_dir, insecure=insecure, key_file=key_file)
     auth = keyed.auth
 
-    sup = Supervisor(run_dir)
+    if ray_address is None:
+        sup: Any = Supervisor(run_dir)
+    else:
+        from rollart.launcher.raycluster import RaySupervisor
+
+        sup = RaySupervisor(run_dir, scenario, ray_address)
     clients: list[Any] = []
     reward: RewardClient | None = None
     endpoints: dict[str, RewardClient] = {}

@@ -59,6 +59,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--key-file", type=Path,
                    help="the run's key (.key_secret) when the scenario names services started "
                         "by hand with it (overrides run.key_file)")
+    p.add_argument("--cluster", default="local", metavar="local|ray|ray://HOST:PORT",
+                   help="where the services run: this machine (default), or placed on a running "
+                        "Ray cluster by their hardware labels (needs rollart[ray]; the "
+                        "controller stays here)")
     p.add_argument("--checkpoint-on-interrupt", action="store_true",
                    help="on the first Ctrl-C / SIGTERM finish the current step, write a "
                         "checkpoint and stop (a second signal stops at once)")
@@ -87,7 +91,8 @@ class StopRequest:
 
 async def _drive(scenario: Scenario, run_dir: Path, cache_dir: Path | None, planned: int,
                  start_step: int, resume: bool, started: float, *, insecure: bool = False,
-                 key_file: Path | None = None, checkpoint_on_interrupt: bool = False) -> int:
+                 key_file: Path | None = None, checkpoint_on_interrupt: bool = False,
+                 cluster: str | None = None) -> int:
     from rollart.launcher.local import open_cluster
 
     progress = Progress(scenario, planned)
@@ -122,8 +127,9 @@ async def _drive(scenario: Scenario, run_dir: Path, cache_dir: Path | None, plan
         async with open_cluster(
             scenario, run_dir=run_dir, cache_dir=cache_dir, resume=resume, steps=planned,
             on_note=progress.note, started=started, insecure=insecure, key_file=key_file,
-        ) as cluster:
-            return await _train(cluster, start_step, planned, progress, stop)
+            cluster=cluster,
+        ) as opened:
+            return await _train(opened, start_step, planned, progress, stop)
     except asyncio.CancelledError:
         if terminated.is_set():
             raise Terminated from None
@@ -166,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
         from rollart.launcher.local import preflight
 
         preflight(scenario, str(args.scenario), local_rewards=())
+        from rollart.launcher.placement import parse_cluster
+
+        parse_cluster(args.cluster)
         if args.steps is not None and args.steps < 1:
             raise ConfigError(f"--steps: must be >= 1, got {args.steps}")
     except ConfigError as exc:
@@ -197,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         rc = uvloop.run(_drive(scenario, run_dir, args.cache_dir, planned, start_step,
                                args.resume is not None, started,
                                insecure=args.insecure, key_file=args.key_file,
-                               checkpoint_on_interrupt=args.checkpoint_on_interrupt))
+                               checkpoint_on_interrupt=args.checkpoint_on_interrupt,
+                               cluster=args.cluster))
     except ConfigError as exc:
         print(f"rollart run: config error: {exc}", file=sys.stderr)
         return 2
