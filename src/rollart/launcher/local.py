@@ -59,8 +59,8 @@ def preflight(scenario: Scenario, source: str = "<scenario>", *,
         remote = sorted({d.env for d in scenario.domains} - set(local_envs))
         if remote:
             raise ConfigError(f"{source}: env_hosts: at least one [[env_hosts]] is needed to "
-                              f"run the envs {remote} (or register them in-process with the "
-                              "driver API: open_cluster(envs=...))")
+                              f"run the envs {remote} (or serve them in-process: an ENVS dict in "
+                              "run.local_module, or open_cluster(envs=...))")
     if local_rewards is None:
         return
     known = {"env_return", *local_rewards}
@@ -68,10 +68,10 @@ def preflight(scenario: Scenario, source: str = "<scenario>", *,
         if dom.reward_url == "local" and dom.reward not in known:
             raise ConfigError(
                 f"{source}: domains[{i}].reward: local reward {dom.reward!r} is not built in "
-                "(only 'env_return' is) and `rollart run` cannot register one; serve it from "
-                "the reward service (reward_url = \"service\", loaded with reward.modules) or "
-                "run the scenario from a script: rollart.open_cluster(scenario, "
-                f"rewards={{{dom.reward!r}: fn}})")
+                "(only 'env_return' is) and nothing registers one: name your file in "
+                "run.local_module (with a REWARDS dict), serve it from the reward service "
+                "(reward_url = \"service\", loaded with reward.modules) or run the scenario "
+                f"from a script: rollart.open_cluster(scenario, rewards={{{dom.reward!r}: fn}})")
 
 
 def resolve_model(scenario: Scenario, cache_dir: Path) -> Path:
@@ -137,7 +137,8 @@ async def open_cluster(scenario: str | Path | Scenario, *, run_dir: str | Path |
                        buffer_class: Any = None,
                        on_note: Any = None, started: float | None = None,
                        insecure: bool = False,
-                       key_file: str | Path | None = None) -> AsyncIterator[Any]:
+                       key_file: str | Path | None = None,
+                       scenario_dir: str | Path | None = None) -> AsyncIterator[Any]:
     """Start ``scenario``'s local services and yield a (not yet started) ``Cluster`` whose
     steps are written to ``run_dir`` (``rollart.launcher.rundir``).
 
@@ -164,6 +165,10 @@ async def open_cluster(scenario: str | Path | Scenario, *, run_dir: str | Path |
             loads it; the yielded cluster's ``run_key`` is it).
         key_file: the run's key when the scenario names services started by hand (overrides
             ``run.key_file``).
+        scenario_dir: where a relative ``run.local_module`` is found when ``scenario`` is a
+            ``Scenario`` (a scenario file's own directory otherwise; default: the working
+            directory). Its ``REWARDS`` / ``ENVS`` are registered with ``rewards`` / ``envs``
+            (``rollart.launcher.localmodule``).
     Raises:
         ConfigError: bad scenario, or ``resume`` without a checkpoint (before any process
             starts).
@@ -183,11 +188,16 @@ async def open_cluster(scenario: str | Path | Scenario, *, run_dir: str | Path |
     from rollart.reward.client import RewardClient
     from rollart.trainer.client import TrainerClient
 
+    from rollart.launcher import localmodule
+
     source = "<scenario>"
     if not isinstance(scenario, Scenario):
         source = str(scenario)
+        scenario_dir = Path(scenario).parent
         scenario = load_scenario(scenario)
-    preflight(scenario, source, local_envs=set(envs or ()))
+    rewards, envs = localmodule.merge(localmodule.load(scenario, scenario_dir, source),
+                                      rewards, envs, source)
+    preflight(scenario, source, local_envs=set(envs))
     started = time.time() if started is None else started
     run_dir = Path(run_dir) if run_dir else Path("runs") / f"driver-{time.strftime('%Y%m%d-%H%M%S')}"
     point = rundir.resume_point(run_dir) if resume else None
