@@ -11,7 +11,14 @@ import re
 from pathlib import Path
 
 import pytest
-from test_controller_fakes import TOK, FakeEnvHost, FakeReward, FakeTrainer, FakeWorker, make_scenario
+from test_controller_fakes import (
+    TOK,
+    FakeEnvHost,
+    FakeReward,
+    FakeTrainer,
+    FakeWorker,
+    make_scenario,
+)
 
 from rollart.controller import Backends, Cluster
 from rollart.controller.buffer import BatchPlan, SampleBuffer, SampleBufferError

@@ -182,13 +182,11 @@ async def open_cluster(scenario: str | Path | Scenario, *, run_dir: str | Path |
     from rollart.controller.training import RemoteTrainer
     from rollart.envhost.client import EnvClient
     from rollart.inference.client import InferenceClient
-    from rollart.launcher import rundir
+    from rollart.launcher import localmodule, rundir
     from rollart.launcher.runkeys import run_auth
     from rollart.launcher.services import start_services
     from rollart.reward.client import RewardClient
     from rollart.trainer.client import TrainerClient
-
-    from rollart.launcher import localmodule
 
     source = "<scenario>"
     if not isinstance(scenario, Scenario):
