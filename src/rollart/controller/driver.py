@@ -15,7 +15,7 @@
             def length_penalty(prompt, response, reference, metadata):
                 return -len(response) / 1000
 
-            cluster.set_affinity("arith", "game")      # move a domain to another pool
+            cluster.set_affinity("letters", "game")    # move a domain to another pool
             async for step in cluster.train(steps=20):
                 print(step.step, step.metrics.reward_mean_by_domain)
 
