@@ -10,8 +10,10 @@ back a ``rollart.Cluster`` (the driver API) that is closed, with every process, 
 
 The run folder is written as ``rollart run`` writes it (``rollart.launcher.rundir``: metrics,
 TensorBoard, transcripts, checkpoints, summary); ``resume=True`` continues it from its newest
-checkpoint. Local rewards and envs come as ``rewards=`` / ``envs=`` or are registered on the
-yielded cluster before its first step (``register_reward`` / ``register_env``).
+checkpoint. Local rewards and envs come as ``rewards=`` / ``envs=``, from the scenario's
+``run.local_module`` file (its ``REWARDS`` / ``ENVS``, as under ``rollart run``:
+``rollart.launcher.localmodule``), or are registered on the yielded cluster before its first
+step (``register_reward`` / ``register_env``).
 
 If a service process dies while the block runs and the run cannot go on without it (see
 ``rollart.launcher.peers``: a worker whose pool has live workers left, or an env host with live
