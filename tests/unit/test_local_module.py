@@ -90,3 +90,24 @@ def test_a_name_registered_by_the_module_and_the_caller_is_refused(tmp_path: Pat
     assert set(rewards) == {"mine", "other"} and set(envs) == {"script:echo"}
     with pytest.raises(ConfigError, match=r"envs \['script:echo'\] are registered both by "):
         localmodule.merge(regs, None, {"script:echo": dict})
+
+
+def test_validate_counts_the_modules_names_and_names_a_broken_file(tmp_path: Path,
+                                                                    capsys) -> None:
+    from rollart.cli import main as cli
+
+    scenario = tmp_path / "s.toml"
+    scenario.write_text('[run]\nlocal_module = "task3.py"\n[[pools]]\nname = "cpu"\n'
+                        '[[domains]]\nname = "d"\nenv = "script:echo"\npool = "cpu"\n'
+                        'reward = "mine"\nreward_url = "local"\n')
+    (tmp_path / "task3.py").write_text(TASK)
+    assert cli(["validate", "--quiet", str(scenario)]) == 0
+    assert "would refuse" not in capsys.readouterr().err  # env and reward are served
+    (tmp_path / "task3.py").write_text(TASK.replace('"mine"', '"other"'))
+    localmodule._LOADED.clear()  # a new process would import the edited file
+    assert cli(["validate", "--quiet", str(scenario)]) == 0
+    assert "'mine' is not built in" in capsys.readouterr().err  # a note, as without a file
+    (tmp_path / "task3.py").unlink()
+    localmodule._LOADED.clear()
+    assert cli(["validate", "--quiet", str(scenario)]) == 2
+    assert "run.local_module: " in capsys.readouterr().err
