@@ -6,7 +6,7 @@ Two comparisons, each side by side in one run:
    (reward service, env host, one vLLM inference worker, trainer, controller) runs the same
    scenario twice, ``mode = "sync"`` (alpha 0: batch barrier per turn, no overlap) and
    ``mode = "rollart"`` (alpha 1: trajectory-level rollout overlapping training), same seed and
-   workload: the quickstart's two domains (GEM ``GuessTheNumber-v0-easy``, up to 4 turns, and
+   workload: two domains (GEM ``GuessTheNumber-v0-easy``, up to 4 turns, and
    reasoning-gym 1-digit arithmetic, single turn) with injected env-step latency on every env
    step (lognormal, mean 1 s, std 1 s by default, capped at 10 s). Reported: mean ``step_time_s`` per mode without
    the first step (warm-up), and ``sync / rollart`` (> 1: rollart is faster).
@@ -50,8 +50,10 @@ MAX_MODEL_LEN = 1024
 #: slower on the 2-core machine).
 WARMUP_ROUNDS = 2
 
-# The quickstart's two domains verbatim (scenarios/quickstart.toml): the warmed-up tiny model is
-# cached under a hash of these, so the benchmark and `nox -s quickstart` share one checkpoint.
+# The quickstart's first two domains (docs/quickstart/quickstart-arith.toml; the quickstart now
+# counts letters instead, README "What the quickstart learns"): a systems workload, its step
+# times do not depend on what the policy learns. The warmed-up tiny model is cached under a
+# hash of these domains.
 _SCENARIO = """
 [run]
 seed = {seed}

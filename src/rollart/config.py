@@ -199,6 +199,10 @@ class RunConfig(_Cfg):
     local_threads: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 16
     #: deadline of one in-process reward call, seconds.
     local_reward_timeout_s: PosFloat = 60.0
+    #: your own Python file (relative to the scenario file) whose module-level ``REWARDS``
+    #: (reward name -> function) and ``ENVS`` (env name -> factory) ``rollart run`` and
+    #: ``open_cluster`` register in-process (``rollart.launcher.localmodule``); ``None``: none.
+    local_module: Annotated[str, msgspec.Meta(min_length=1)] | None = None
     #: the training loop waiting this long for a batch logs what it waits on (groups,
     #: trajectories, what each is doing and since when), and again every as long, seconds.
     stall_log_s: PosFloat = 60.0

@@ -1,7 +1,8 @@
 """A driver script with its own env and reward runs under ``rollart.open_cluster`` end to end
-(real vLLM worker, reward service and trainer processes; the env and reward live in the script)
-and writes the same run folder as ``rollart run``: metrics, TensorBoard, transcripts,
-checkpoints honouring ``checkpoint_every``, summary; a second script resumes it."""
+(real vLLM worker, reward service and trainer processes; the env and reward live in the user's
+files) and writes the same run folder as ``rollart run``: metrics, TensorBoard, transcripts,
+checkpoints honouring ``checkpoint_every``, summary; ``rollart run --resume`` continues it with
+the same env and reward registered from the scenario's ``run.local_module``."""
 
 from __future__ import annotations
 
@@ -56,13 +57,19 @@ transcripts_per_step = 4
 transcript_rate = 1.0
 """
 
-SCRIPT = '''
-import asyncio, json, sys
-import rollart
+# The user's env and reward, in their own file: the driver script imports it, and the
+# scenario's run.local_module names it for `rollart run`.
+TASK = '''
+import os
+from pathlib import Path
+
+LOG = Path(__file__).parent / "task_calls.log"  # which process used this file's env
 
 class Echo:
     """Two turns: asks for a letter, then says which letter it wanted."""
     def reset(self, seed):
+        with LOG.open("a") as f:
+            f.write(f"reset {os.getpid()}\\n")
         self.letter = "abcdefgh"[seed % 8]
         self.turn = 0
         return f"say {self.letter}", {"reference": self.letter}
@@ -76,15 +83,24 @@ def contains_reference(prompt, response, reference, metadata):
     calls.append(len(metadata["responses"]))
     return float(reference in response), {"turns_seen": len(metadata["responses"])}
 
-async def main(scenario, run_dir, resume, steps):
-    async with rollart.open_cluster(scenario, run_dir=run_dir, resume=resume, steps=steps,
+REWARDS = {"contains_reference": contains_reference}
+ENVS = {"script:echo": Echo}
+'''
+
+SCRIPT = '''
+import asyncio, sys
+import rollart
+from task import Echo, calls, contains_reference
+
+async def main(scenario, run_dir, steps):
+    async with rollart.open_cluster(scenario, run_dir=run_dir, steps=steps,
                                     envs={"script:echo": Echo}) as cluster:
         cluster.register_reward("contains_reference", contains_reference)
-        async for step in cluster.train(steps=1 if resume else 3):
+        async for step in cluster.train(steps=3):
             print("step", step.step, step.metrics.reward_mean, flush=True)
     print("reward calls", len(calls), "max turns", max(calls, default=0))
 
-asyncio.run(main(sys.argv[1], sys.argv[2], sys.argv[3] == "resume", int(sys.argv[4])))
+asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3])))
 '''
 
 
@@ -92,20 +108,23 @@ def _jsonl(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
-def _run(tmp_path: Path, run_dir: Path, mode: str, steps: int) -> str:
+def _run(tmp_path: Path, argv: list[str]) -> str:
     env = dict(os.environ, ROLLART_CACHE_DIR=str(tmp_path / "cache"))
-    proc = subprocess.run([sys.executable, str(tmp_path / "driver.py"),
-                           str(tmp_path / "scenario.toml"), str(run_dir), mode, str(steps)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    # cwd elsewhere: `rollart run` finds run.local_module beside the scenario, not in cwd
+    proc = subprocess.run([sys.executable, *argv], cwd=tmp_path / "elsewhere", env=env,
+                          capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc.stdout
 
 
 def test_driver_script_with_its_own_env_and_reward_writes_the_run_folder(tmp_path):
     (tmp_path / "scenario.toml").write_text(SCENARIO)
+    (tmp_path / "task.py").write_text(TASK)
     (tmp_path / "driver.py").write_text(SCRIPT)
+    (tmp_path / "elsewhere").mkdir()
     run_dir = tmp_path / "run"
-    out = _run(tmp_path, run_dir, "fresh", 3)
+    out = _run(tmp_path, [str(tmp_path / "driver.py"), str(tmp_path / "scenario.toml"),
+                          str(run_dir), "3"])
     assert [x.split()[1] for x in out.splitlines() if x.startswith("step ")] == ["1", "2", "3"]
     # The untrained model rarely ends a turn within 8 tokens (a cut-off turn ends the
     # episode), so most trajectories have one turn; the two-turn split is unit-tested.
@@ -136,11 +155,20 @@ def test_driver_script_with_its_own_env_and_reward_writes_the_run_folder(tmp_pat
     kept = [t for t in transcripts if t["status"] == "kept"]
     assert kept and all(t["reward_details"]["turns_seen"] == len(t["turns"]) for t in kept)
 
-    # Resume: continues from step 3's checkpoint; old logs move aside, new ones start fresh.
+    # Resume with `rollart run`: the scenario names the user's file (run.local_module) for the
+    # same env and reward. It continues from step 3's checkpoint; old logs move aside, new ones
+    # start fresh.
+    (tmp_path / "with_module.toml").write_text(
+        SCENARIO.replace("[run]\n", '[run]\nlocal_module = "task.py"\n', 1))
     first_logs = {p.name: p.read_text() for p in (run_dir / "logs").iterdir()}
-    out = _run(tmp_path, run_dir, "resume", 4)
-    assert [x.split()[1] for x in out.splitlines() if x.startswith("step ")] == ["4"]
+    (tmp_path / "task_calls.log").unlink()
+    _run(tmp_path, ["-m", "rollart.cli", "run", str(tmp_path / "with_module.toml"),
+                    "--resume", str(run_dir), "--steps", "4"])
     assert [r["step"] for r in _jsonl(run_dir / "metrics.jsonl")] == [1, 2, 3, 4]
+    # The file's env served the resumed run's new trajectories in `rollart run`'s process
+    # (step 4 may train only samples restored from the checkpoint, which have no transcript).
+    pids = {line.split()[1] for line in (tmp_path / "task_calls.log").read_text().splitlines()}
+    assert len(pids) == 1 and pids != {str(os.getpid())}
     ids = [i for t in _jsonl(run_dir / "trained_samples.jsonl") for i in t["sample_ids"]]
     assert len(ids) == len(set(ids)) == 16
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_000004"

@@ -79,6 +79,9 @@ def test_summary_has_first_and_last_reward_and_trained_share_per_domain(
         assert got["reward_first10_mean"] == pytest.approx(sum(xs[:10]) / len(xs[:10]))
         assert got["reward_last10_mean"] == pytest.approx(sum(xs[-10:]) / len(xs[-10:]))
         assert got["steps_with_samples"] == len(xs)
+        groups = sum(r["groups_by_domain"].get(d, 0) for r in rows)
+        flat = sum(r["flat_groups_by_domain"].get(d, 0) for r in rows)
+        assert groups > 0 and got["flat_group_share"] == pytest.approx(flat / groups)
     shares = [summary["domains"][d]["trained_share"] for d in ("game", "math")]
     assert sum(shares) == pytest.approx(1.0) and all(s > 0 for s in shares)
 

@@ -62,7 +62,8 @@ In-flight bound and liveness
     fill are retired; consumed/retired groups leave as soon as their stragglers are cancelled.
     So if the caller runs every trajectory it is given to completion at the current version,
     ``max_groups >= batch_size / group_size`` groups fill with admissible samples and
-    ``take_batch`` succeeds.
+    ``take_batch`` succeeds (with the default batch assembly; a subclass's
+    ``assemble_batch`` that neither takes nor discards ready groups gives this up).
     ``has_capacity(serving_version)`` is a stricter, optional admission test (version-aware):
     a group whose first tokens would be of ``serving_version`` can only join the batches at
     versions ``next .. serving_version + alpha``; it is admitted only while fewer groups that
@@ -73,8 +74,9 @@ Waste and selection accounting
     exactly one of: trained (``take_batch``), wasted under one reason, or still in flight
     (running or held). Reasons: ``"stale"`` (restarted, or a held/completed sample dropped as
     stale), ``"redundancy"`` (a member the group no longer needs, cancelled), ``"failed"``,
-    ``"unselected"``, ``"retired"`` (its group could no longer fill), or the caller's reason
-    for ``cancel`` (``"shutdown"``). So ``generated_tokens == trained_tokens + sum(wasted_tokens)
+    ``"unselected"``, ``"retired"`` (its group could no longer fill), the caller's reason
+    for ``cancel`` (``"shutdown"``), or the batch policy's reason for a group it discards
+    (``assemble_batch``). So ``generated_tokens == trained_tokens + sum(wasted_tokens)
     + in_flight_tokens`` at all times (property-tested). The same is kept per task domain, with
     trajectories started / finished / trained and their turns and generated tokens, so the
     selection bias (trained vs finished) is visible per domain.
@@ -118,7 +120,8 @@ import msgspec
 from rollart.controller.sample import BufferStats, DomainCounts, Sample
 from rollart.transport.errors import ConfigError, RollartError
 
-__all__ = ["BufferStats", "DomainCounts", "Sample", "SampleBuffer", "SampleBufferError", "TurnVerdict"]
+__all__ = ["BatchPlan", "BufferStats", "DomainCounts", "ReadyGroup", "Sample", "SampleBuffer",
+           "SampleBufferError", "TurnVerdict"]
 
 TurnVerdict = Literal["continue", "restart", "drop", "wait", "cancel"]
 _SNAPSHOT_FORMAT = 1
@@ -126,6 +129,33 @@ _SNAPSHOT_FORMAT = 1
 
 class SampleBufferError(RollartError, RuntimeError):
     """The buffer protocol was misused (unknown id, wrong call order); names the id and rule."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReadyGroup:
+    """A complete group ``take_batch`` may train on, as ``assemble_batch`` sees it: ``key``,
+    ``domain``, ``seq`` (admission order), ``min_version`` (oldest generated-token version of
+    its samples), ``rewards`` (its ``group_size`` samples' rewards, completion order) and
+    ``num_generated`` (their generated tokens, summed). Every ready group is admissible at the
+    buffer's version (stale ones were swept before)."""
+
+    key: str
+    domain: str
+    seq: int
+    min_version: int
+    rewards: tuple[float, ...]
+    num_generated: int
+
+
+@dataclass(frozen=True, slots=True)
+class BatchPlan:
+    """What ``assemble_batch`` decides: ``take``, the keys of exactly ``batch_size /
+    group_size`` ready groups to train on, in batch order, or ``()`` for no batch yet;
+    ``discard``, ready groups to throw away, key -> reason (their samples are dropped and
+    their tokens counted wasted under that reason, the group in ``stats().groups_dropped``)."""
+
+    take: Sequence[str] = ()
+    discard: dict[str, str] = field(default_factory=dict)
 
 
 class _S(enum.Enum):
@@ -647,10 +677,12 @@ class SampleBuffer:
     # ------------------------------------------------------------------ trainer side
     def take_batch(self) -> list[Sample] | None:
         """Exactly ``batch_size`` samples of whole complete groups, each re-checked admissible
-        at ``version``, oldest groups first; marks them consumed. ``None`` if not enough.
+        at ``version``, chosen by :meth:`assemble_batch` (default: oldest groups first); marks
+        them consumed. ``None`` if not enough (or the policy takes none yet).
 
         Raises:
-            SampleBufferError: a batch is already outstanding for this version.
+            SampleBufferError: a batch is already outstanding for this version, or
+                ``assemble_batch`` returned a plan breaking its protocol.
         """
         if self._outstanding:
             raise SampleBufferError(
@@ -661,13 +693,12 @@ class SampleBuffer:
         ready = [g for g in self._ready.values() if self._complete(g)]
         self._ready = {g.key: g for g in ready}
         need = self.batch_size // self.group_size
-        if len(ready) < need:
+        chosen = self._plan(ready, need)
+        if chosen is None:
             return None
-        ready.sort(key=lambda g: self.batch_order(g.domain, min(self._mv(t) for t in g.kept),
-                                                  g.seq))
         out: list[Sample] = []
         self._last_staleness = []
-        for g in ready[:need]:
+        for g in chosen:
             d = self._dom(g.domain)
             for t in g.kept:
                 if not self._ok(t):  # unreachable after the sweep
@@ -689,13 +720,58 @@ class SampleBuffer:
         self._outstanding = True
         return out
 
+    def assemble_batch(self, ready: Sequence[ReadyGroup], need: int) -> BatchPlan:
+        """Batch assembly policy: which of the ``ready`` complete groups (each admissible now)
+        the next batch trains on, and which to throw away. ``take_batch`` calls it whenever a
+        batch may be ready (a sample was kept or the version advanced) with at least one
+        ready group. Default: no batch until ``need`` groups are ready, then the first
+        ``need`` by :meth:`batch_order`; nothing discarded. Override it in a subclass to
+        assemble batches otherwise (filter, balance domains, ...). A group neither taken nor
+        discarded stays ready until it is taken or goes stale, holding its place in the
+        in-flight bound: a policy that never takes nor discards a group can stall the run.
+
+        Returns:
+            a :class:`BatchPlan`; ``take_batch`` raises SampleBufferError if its ``take`` is
+            neither empty nor exactly ``need`` distinct ready keys, or ``discard`` names a key
+            that is not ready, is also taken, or has an empty reason.
+        """
+        if len(ready) < need:
+            return BatchPlan()
+        order = sorted(ready, key=lambda g: self.batch_order(g.domain, g.min_version, g.seq))
+        return BatchPlan(take=[g.key for g in order[:need]])
+
     def batch_order(self, domain: str, min_version: int, seq: int) -> Any:
-        """Batch assembly policy: sort key of a complete group (smallest first) among those
-        ``take_batch`` can choose; ``min_version`` is the oldest generated-token version of its
+        """Sort key of a complete group (smallest first) for the default
+        :meth:`assemble_batch`; ``min_version`` is the oldest generated-token version of its
         kept samples, ``seq`` its admission order. Default: oldest tokens first, then oldest
-        group (fewest samples go stale). Override it in a subclass to assemble batches
-        otherwise; whatever it picks is still admissible (stale groups were swept before)."""
+        group (fewest samples go stale). Override it to reorder batches without filtering."""
         return (min_version, seq)
+
+    def _plan(self, ready: list[_Group], need: int) -> list[_Group] | None:
+        """Ask ``assemble_batch``, check its plan, discard what it discards; the groups to
+        train on, or ``None``."""
+        if not ready:
+            return None
+        views = [ReadyGroup(g.key, g.domain, g.seq, min(self._mv(t) for t in g.kept),
+                            tuple(t.sample.reward for t in g.kept if t.sample is not None),
+                            sum(t.sample.num_generated for t in g.kept if t.sample is not None))
+                 for g in ready]
+        plan = self.assemble_batch(views, need)
+        by_key = {g.key: g for g in ready}
+        take = list(plan.take)
+        if take and (len(take) != need or len(set(take)) != need
+                     or not set(take) <= by_key.keys()):
+            raise SampleBufferError(
+                f"assemble_batch: take must be () or {need} distinct ready group keys, got "
+                f"{take!r} (ready: {sorted(by_key)})")
+        for key, reason in plan.discard.items():
+            if key not in by_key or key in take or not isinstance(reason, str) or not reason:
+                raise SampleBufferError(
+                    f"assemble_batch: discard {key!r}: {reason!r} must name a ready group not "
+                    f"taken, with a non-empty reason (ready: {sorted(by_key)})")
+        for key, reason in plan.discard.items():
+            self._discard(by_key[key], reason)
+        return [by_key[k] for k in take] if take else None
     def drop_consumed(self, sample_id: str, reason: str) -> None:
         """A sample of the outstanding batch that cannot be trained on after all (the train
         path's last check refused it): it counts as dropped and its tokens as wasted for
@@ -1009,6 +1085,18 @@ class SampleBuffer:
             elif self.selection == "unbiased" and not g.selected:
                 # Selection only fires here with no member left running, so nothing to cancel.
                 self._maybe_select(g, None)
+        self._maybe_forget(g)
+
+    def _discard(self, g: _Group, reason: str) -> None:
+        """A complete group the batch policy throws away: its samples are wasted for
+        ``reason``; counted in ``groups_dropped`` as the caller's ``drop_group`` is."""
+        self._groups_dropped[reason] = self._groups_dropped.get(reason, 0) + 1
+        self._ready.pop(g.key, None)
+        g.status = "retired"
+        self._admitted_groups -= 1
+        self._c["groups_retired"] += 1
+        for t in list(g.kept):
+            self._drop(t, reason)
         self._maybe_forget(g)
 
     def _retire(self, g: _Group) -> None:

@@ -114,7 +114,8 @@ class Controller:
         transcripts: told of every finished trajectory, discarded sample and batch
             (``rollart.controller.transcripts``); ``None``: no transcripts.
         buffer_class: the sample buffer's class: ``SampleBuffer`` or a subclass overriding its
-            admission (``try_start_group`` / ``has_room``) or batch assembly (``batch_order``)
+            admission (``try_start_group`` / ``has_room``) or batch assembly
+            (``assemble_batch`` / ``batch_order``)
             while keeping its protocol (``rollart.controller.buffer``); built with the same
             keyword arguments and restored with its ``restore`` classmethod.
         agents: trajectory bodies of agent domains (``cluster.agent``); ``None``: none.

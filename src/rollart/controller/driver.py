@@ -15,7 +15,7 @@
             def length_penalty(prompt, response, reference, metadata):
                 return -len(response) / 1000
 
-            cluster.set_affinity("arith", "game")      # move a domain to another pool
+            cluster.set_affinity("letters", "game")    # move a domain to another pool
 
             @cluster.agent("swe")                      # an OpenAI-API agent runs this domain
             async def solve(client, task):             # client: openai.AsyncOpenAI

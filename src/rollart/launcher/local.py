@@ -10,8 +10,10 @@ back a ``rollart.Cluster`` (the driver API) that is closed, with every process, 
 
 The run folder is written as ``rollart run`` writes it (``rollart.launcher.rundir``: metrics,
 TensorBoard, transcripts, checkpoints, summary); ``resume=True`` continues it from its newest
-checkpoint. Local rewards and envs come as ``rewards=`` / ``envs=`` or are registered on the
-yielded cluster before its first step (``register_reward`` / ``register_env``).
+checkpoint. Local rewards and envs come as ``rewards=`` / ``envs=``, from the scenario's
+``run.local_module`` file (its ``REWARDS`` / ``ENVS``, as under ``rollart run``:
+``rollart.launcher.localmodule``), or are registered on the yielded cluster before its first
+step (``register_reward`` / ``register_env``).
 
 If a service process dies while the block runs and the run cannot go on without it (see
 ``rollart.launcher.peers``: a worker whose pool has live workers left, or an env host with live
@@ -60,8 +62,8 @@ def preflight(scenario: Scenario, source: str = "<scenario>", *,
         remote = sorted({d.env for d in scenario.domains} - set(local_envs))
         if remote:
             raise ConfigError(f"{source}: env_hosts: at least one [[env_hosts]] is needed to "
-                              f"run the envs {remote} (or register them in-process with the "
-                              "driver API: open_cluster(envs=...))")
+                              f"run the envs {remote} (or serve them in-process: an ENVS dict in "
+                              "run.local_module, or open_cluster(envs=...))")
     if local_rewards is None:
         return
     known = {"env_return", *local_rewards}
@@ -69,10 +71,10 @@ def preflight(scenario: Scenario, source: str = "<scenario>", *,
         if dom.reward_url == "local" and dom.reward not in known:
             raise ConfigError(
                 f"{source}: domains[{i}].reward: local reward {dom.reward!r} is not built in "
-                "(only 'env_return' is) and `rollart run` cannot register one; serve it from "
-                "the reward service (reward_url = \"service\", loaded with reward.modules) or "
-                "run the scenario from a script: rollart.open_cluster(scenario, "
-                f"rewards={{{dom.reward!r}: fn}})")
+                "(only 'env_return' is) and nothing registers one: name your file in "
+                "run.local_module (with a REWARDS dict), serve it from the reward service "
+                "(reward_url = \"service\", loaded with reward.modules) or run the scenario "
+                f"from a script: rollart.open_cluster(scenario, rewards={{{dom.reward!r}: fn}})")
 
 
 def resolve_model(scenario: Scenario, cache_dir: Path) -> Path:
@@ -139,7 +141,8 @@ async def open_cluster(scenario: str | Path | Scenario, *, run_dir: str | Path |
                        on_note: Any = None, started: float | None = None,
                        insecure: bool = False,
                        key_file: str | Path | None = None,
-                       cluster: str | None = None) -> AsyncIterator[Any]:
+                       cluster: str | None = None,
+                       scenario_dir: str | Path | None = None) -> AsyncIterator[Any]:
     """Start ``scenario``'s local services and yield a (not yet started) ``Cluster`` whose
     steps are written to ``run_dir`` (``rollart.launcher.rundir``).
 
@@ -169,6 +172,10 @@ async def open_cluster(scenario: str | Path | Scenario, *, run_dir: str | Path |
         cluster: where the services run: ``None`` / ``"local"`` (this machine), ``"ray"`` or
             ``"ray://HOST:PORT"``: placed on a running Ray cluster by their hardware labels
             (``rollart.launcher.raycluster``; needs ``rollart[ray]``); the controller stays here.
+        scenario_dir: where a relative ``run.local_module`` is found when ``scenario`` is a
+            ``Scenario`` (a scenario file's own directory otherwise; default: the working
+            directory). Its ``REWARDS`` / ``ENVS`` are registered with ``rewards`` / ``envs``
+            (``rollart.launcher.localmodule``).
     Raises:
         ConfigError: bad scenario, or ``resume`` without a checkpoint (before any process
             starts).
@@ -182,7 +189,7 @@ async def open_cluster(scenario: str | Path | Scenario, *, run_dir: str | Path |
     from rollart.controller.training import RemoteTrainer
     from rollart.envhost.client import EnvClient
     from rollart.inference.client import InferenceClient
-    from rollart.launcher import rundir
+    from rollart.launcher import localmodule, rundir
     from rollart.launcher.runkeys import run_auth
     from rollart.launcher.services import start_services
     from rollart.reward.client import RewardClient
@@ -191,8 +198,11 @@ async def open_cluster(scenario: str | Path | Scenario, *, run_dir: str | Path |
     source = "<scenario>"
     if not isinstance(scenario, Scenario):
         source = str(scenario)
+        scenario_dir = Path(scenario).parent
         scenario = load_scenario(scenario)
-    preflight(scenario, source, local_envs=set(envs or ()))
+    rewards, envs = localmodule.merge(localmodule.load(scenario, scenario_dir, source),
+                                      rewards, envs, source)
+    preflight(scenario, source, local_envs=set(envs))
     ray_address = parse_cluster(cluster)
     if ray_address is not None and (insecure or scenario.run.insecure):
         raise ConfigError("--cluster ray: services bind their nodes' network addresses, so the "

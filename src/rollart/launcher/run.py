@@ -3,6 +3,8 @@
 Starts every process the scenario needs (reward service, env hosts, inference workers, trainer)
 with logs under ``DIR/logs``, drives them with the controller in this process, and stops them
 all at the end, on Ctrl-C, or as soon as one dies (naming it and showing its log tail).
+Rewards and envs of your own Python file (``run.local_module``: its ``REWARDS`` / ``ENVS``
+dicts, ``rollart.launcher.localmodule``) run in this process, as a driver script's would.
 
 Outputs: ``DIR/config.json`` (resolved scenario), ``DIR/metrics.jsonl`` (one object per step),
 ``DIR/trained_samples.jsonl`` (sample ids per step: exactly-once evidence across resumes),
@@ -90,7 +92,8 @@ class StopRequest:
 
 
 async def _drive(scenario: Scenario, run_dir: Path, cache_dir: Path | None, planned: int,
-                 start_step: int, resume: bool, started: float, *, insecure: bool = False,
+                 start_step: int, resume: bool, started: float, *,
+                 scenario_dir: Path | None = None, insecure: bool = False,
                  key_file: Path | None = None, checkpoint_on_interrupt: bool = False,
                  cluster: str | None = None) -> int:
     from rollart.launcher.local import open_cluster
@@ -127,6 +130,7 @@ async def _drive(scenario: Scenario, run_dir: Path, cache_dir: Path | None, plan
         async with open_cluster(
             scenario, run_dir=run_dir, cache_dir=cache_dir, resume=resume, steps=planned,
             on_note=progress.note, started=started, insecure=insecure, key_file=key_file,
+            scenario_dir=scenario_dir,
             cluster=cluster,
         ) as opened:
             return await _train(opened, start_step, planned, progress, stop)
@@ -169,9 +173,14 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     try:
         scenario = load_scenario(args.scenario)
+        from rollart.launcher import localmodule
         from rollart.launcher.local import preflight
 
-        preflight(scenario, str(args.scenario), local_rewards=())
+        # The scenario's own module registers local rewards / envs (imported once, here, so
+        # a missing name fails before any process starts; open_cluster reuses the import).
+        regs = localmodule.load(scenario, args.scenario.parent, str(args.scenario))
+        preflight(scenario, str(args.scenario), local_rewards=regs.rewards,
+                  local_envs=regs.envs)
         from rollart.launcher.placement import parse_cluster
 
         parse_cluster(args.cluster)
@@ -205,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rc = uvloop.run(_drive(scenario, run_dir, args.cache_dir, planned, start_step,
                                args.resume is not None, started,
+                               scenario_dir=args.scenario.parent,
                                insecure=args.insecure, key_file=args.key_file,
                                checkpoint_on_interrupt=args.checkpoint_on_interrupt,
                                cluster=args.cluster))

@@ -4,7 +4,9 @@ Decodes the file (unknown fields, types and bounds) and checks the cross-field r
 prints the resolved scenario (every default filled in) as JSON: what ``config.json`` of a run
 would hold. What ``rollart run`` needs beyond a valid scenario (an env host for the domains'
 envs, no local reward it cannot register: ``rollart.launcher.local.preflight``) is printed as a
-note: a driver script can register those in-process.
+note: a driver script can register those in-process. A ``run.local_module`` is imported (it is
+the operator's own file) and its ``REWARDS`` / ``ENVS`` count as registered; a missing file or
+one that fails to import makes the scenario invalid.
 
 It also checks the run's authentication as ``rollart run`` would (``runkeys.check_run_auth``):
 ``run.key_file`` must exist and be readable by its owner only, and a scenario naming services
@@ -29,16 +31,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("scenario", type=Path, help="scenario TOML file")
     p.add_argument("--quiet", action="store_true", help="print nothing when it is valid")
     args = p.parse_args(argv)
+    from rollart.launcher import localmodule
     from rollart.launcher.local import preflight
     from rollart.launcher.runkeys import check_run_auth
 
     try:
         scenario = load_scenario(args.scenario)
+        regs = localmodule.load(scenario, args.scenario.parent, str(args.scenario))
     except ConfigError as exc:
         print(f"rollart validate: config error: {exc}", file=sys.stderr)
         return 2
     try:
-        preflight(scenario, str(args.scenario), local_rewards=())
+        preflight(scenario, str(args.scenario), local_rewards=regs.rewards,
+                  local_envs=regs.envs)
     except ConfigError as exc:
         print(f"rollart validate: note: `rollart run` would refuse it: {exc}", file=sys.stderr)
     try:  # the run's key: a key file others can read, or services named without a key
