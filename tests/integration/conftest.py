@@ -1,7 +1,15 @@
 """Shared fixtures for integration tests: the tiny model and real service processes.
 
+- ``rollart_cache_dir`` (session): the one model cache (``--cache-dir`` / ``$ROLLART_CACHE_DIR``)
+  of every test that builds or runs the tiny model, so that every vLLM engine of the session
+  loads the tiny model from the same path. vLLM keys its compile cache
+  (``~/.cache/vllm/torch_compile_cache``) on the model path among the engine's settings: with one
+  path, an engine whose settings an earlier test already compiled loads that artifact instead of
+  compiling again (the compile dominated a tiny engine's start-up on the 2-core machine).
 - ``tiny_model_dir`` (session): the project's tiny Qwen2 checkpoint (``rollart.models.tiny``,
-  default spec: hidden 128, 2 layers, head_dim 64, character tokenizer), built once per session.
+  default spec: hidden 128, 2 layers, head_dim 64, character tokenizer), built once per session
+  in ``rollart_cache_dir`` (the same entry ``rollart run`` resolves for ``[model] path = "tiny"``
+  without warm-up).
 - ``start_service(module, args, log_dir=...)``: run ``python -m module *args --ready-file F`` in
   its own process group and wait until it writes its bound address to ``F``; returns a
   ``ServiceProcess`` (``address``, ``proc``, ``log()``, ``stop()``, ``kill()``). Any rollart
@@ -23,11 +31,17 @@ import pytest
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def rollart_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The session's model cache, shared by every test (see the module docstring)."""
+    return tmp_path_factory.mktemp("rollart-cache")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(rollart_cache_dir: Path) -> Path:
     """Directory of the tiny model (config.json, model.safetensors, tokenizer files)."""
     from rollart.models.tiny import ensure_tiny_model
 
-    return ensure_tiny_model(tmp_path_factory.mktemp("models"))
+    return ensure_tiny_model(rollart_cache_dir)
 
 
 class ServiceProcess:

@@ -61,10 +61,10 @@ def test_tax_ratios_per_round_and_pooled() -> None:
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_real_engine_quick_small(tmp_path: Path) -> None:
+def test_real_engine_quick_small(tmp_path: Path, rollart_cache_dir: Path) -> None:
     out = tmp_path / "real_engine.json"
     cmd = [sys.executable, "-m", "benchmarks.real_engine", "--quick", "--json", str(out),
-           "--model", "random", "--cache-dir", str(tmp_path / "cache"),
+           "--model", "random", "--cache-dir", str(rollart_cache_dir),
            "--run-dir", str(tmp_path / "run"), "--steps", "2", "--batch-size", "4",
            "--requests", "4", "--max-tokens", "16", "--rounds", "1",
            "--latency-mean-s", "0.2", "--latency-std-s", "0.2"]

@@ -92,8 +92,8 @@ def _jsonl(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
-def _run(tmp_path: Path, run_dir: Path, mode: str, steps: int) -> str:
-    env = dict(os.environ, ROLLART_CACHE_DIR=str(tmp_path / "cache"))
+def _run(tmp_path: Path, run_dir: Path, mode: str, steps: int, cache_dir: Path) -> str:
+    env = dict(os.environ, ROLLART_CACHE_DIR=str(cache_dir))
     proc = subprocess.run([sys.executable, str(tmp_path / "driver.py"),
                            str(tmp_path / "scenario.toml"), str(run_dir), mode, str(steps)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
@@ -101,11 +101,12 @@ def _run(tmp_path: Path, run_dir: Path, mode: str, steps: int) -> str:
     return proc.stdout
 
 
-def test_driver_script_with_its_own_env_and_reward_writes_the_run_folder(tmp_path):
+def test_driver_script_with_its_own_env_and_reward_writes_the_run_folder(tmp_path,
+                                                                        rollart_cache_dir):
     (tmp_path / "scenario.toml").write_text(SCENARIO)
     (tmp_path / "driver.py").write_text(SCRIPT)
     run_dir = tmp_path / "run"
-    out = _run(tmp_path, run_dir, "fresh", 3)
+    out = _run(tmp_path, run_dir, "fresh", 3, rollart_cache_dir)
     assert [x.split()[1] for x in out.splitlines() if x.startswith("step ")] == ["1", "2", "3"]
     # The untrained model rarely ends a turn within 8 tokens (a cut-off turn ends the
     # episode), so most trajectories have one turn; the two-turn split is unit-tested.
@@ -138,7 +139,7 @@ def test_driver_script_with_its_own_env_and_reward_writes_the_run_folder(tmp_pat
 
     # Resume: continues from step 3's checkpoint; old logs move aside, new ones start fresh.
     first_logs = {p.name: p.read_text() for p in (run_dir / "logs").iterdir()}
-    out = _run(tmp_path, run_dir, "resume", 4)
+    out = _run(tmp_path, run_dir, "resume", 4, rollart_cache_dir)
     assert [x.split()[1] for x in out.splitlines() if x.startswith("step ")] == ["4"]
     assert [r["step"] for r in _jsonl(run_dir / "metrics.jsonl")] == [1, 2, 3, 4]
     ids = [i for t in _jsonl(run_dir / "trained_samples.jsonl") for i in t["sample_ids"]]

@@ -30,8 +30,8 @@ WASTE_REASONS = {"stale", "redundancy", "failed", "unselected", "retired", "shut
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("rollart-cache")
+def cache_dir(rollart_cache_dir) -> Path:
+    return rollart_cache_dir  # the session's: one model path, vLLM compile cache hits
 
 
 def _rollart(*args: str) -> list[str]:
