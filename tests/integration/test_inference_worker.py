@@ -522,6 +522,14 @@ async def test_engine_core_death_exits_worker_nonzero(tiny_model_dir, service_la
         await c.close()
 
 
+async def test_collective_messages_to_a_zmq_worker_are_refused(client):
+    """A worker that receives weights over zmq (the default) refuses the collective
+    weight-transfer messages, and keeps serving."""
+    with pytest.raises(RemoteError, match="receives weights over zmq"):
+        await client.weight_transfer(m.WeightTransferStart(), timeout_s=30)
+    assert (await client.stats()).weight_transfer == "zmq"  # still serving
+
+
 async def test_killed_worker_raises_peer_dead_not_hang(client, worker):
     """Last test of the module: it kills the shared worker."""
     await client.pause("keep")  # the request stays pending until the worker dies
