@@ -134,10 +134,14 @@ def start_service(
     args: list[str],
     *,
     log_dir: Path,
-    ready_timeout_s: float = 180.0,
+    ready_timeout_s: float = 600.0,
     env: dict | None = None,
 ) -> ServiceProcess:
-    """Start ``python -m module *args --ready-file F`` and wait until it serves."""
+    """Start ``python -m module *args --ready-file F`` and wait until it serves.
+
+    ``ready_timeout_s`` is a deadline, not a wait: a vLLM worker's start-up took over 180 s on
+    the shared 2-core machine under load (three processes importing torch and vLLM, then the
+    compile), so the default is generous."""
     service = ServiceProcess(module, args, log_dir=log_dir, env=env)
     try:
         service.wait_ready(ready_timeout_s)
