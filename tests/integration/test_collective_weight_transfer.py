@@ -3,6 +3,8 @@
 The same protocol as the GPU path (vLLM's weight-transfer engine: init handshake, start,
 update concurrent with the trainer's broadcast, finish, layerwise reload), with a gloo
 communicator so it runs on CPU. The NCCL variant at the end runs only where CUDA exists.
+That a ``zmq`` worker refuses the collective messages is checked on the shared worker of
+``test_inference_worker``.
 """
 
 from __future__ import annotations
@@ -178,21 +180,6 @@ async def test_a_worker_refuses_to_generate_from_a_half_loaded_model(tiny_model_
         assert (await client.stats()).paused  # still paused, still serving RPCs
     finally:
         await client.close()
-
-
-async def test_collective_messages_to_a_zmq_worker_are_refused(tiny_model_dir, service_launcher):
-    worker = service_launcher("rollart.inference.worker",
-                              ["--model", str(tiny_model_dir), "--enforce-eager",
-                               "--kv-cache-bytes", str(32 << 20)], ready_timeout_s=300)
-    client = InferenceClient(worker.address, name="zmq-worker", liveness_timeout_s=60, auth=env_credentials())
-    try:
-        with pytest.raises(RemoteError, match="receives weights over zmq"):
-            await client.weight_transfer(m.WeightTransferStart(), timeout_s=30)
-        assert (await client.stats()).weight_transfer == "zmq"  # still serving
-    finally:
-        await client.close()
-
-
 
 
 async def test_two_fsdp_ranks_broadcast_through_rank_0(tiny_model_dir, service_launcher,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import stat
 import subprocess
@@ -27,10 +28,12 @@ def test_readme_shows_the_example_file():
     assert readme_driver_script() == (ROOT / "examples" / "driver.py").read_text()
 
 
-def test_readme_driver_script_trains_two_steps(tmp_path):
+def test_readme_driver_script_trains_two_steps(tmp_path, rollart_cache_dir):
     script = tmp_path / "driver.py"
     script.write_text(readme_driver_script())
+    # The session's model cache (not the user's): the same tiny-model path as the other runs.
     proc = subprocess.run([sys.executable, str(script), str(SCENARIO)], cwd=tmp_path,
+                          env=dict(os.environ, ROLLART_CACHE_DIR=str(rollart_cache_dir)),
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = [x for x in proc.stdout.splitlines() if x.startswith("step ")]

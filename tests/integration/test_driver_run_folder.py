@@ -36,6 +36,7 @@ dtype = "float32"
 [[pools]]
 name = "cpu"
 [pools.engine]
+enforce_eager = true
 kv_cache_bytes = 67108864
 max_model_len = 512
 max_num_seqs = 16
@@ -108,8 +109,8 @@ def _jsonl(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
-def _run(tmp_path: Path, argv: list[str]) -> str:
-    env = dict(os.environ, ROLLART_CACHE_DIR=str(tmp_path / "cache"))
+def _run(tmp_path: Path, argv: list[str], cache_dir: Path) -> str:
+    env = dict(os.environ, ROLLART_CACHE_DIR=str(cache_dir))
     # cwd elsewhere: `rollart run` finds run.local_module beside the scenario, not in cwd
     proc = subprocess.run([sys.executable, *argv], cwd=tmp_path / "elsewhere", env=env,
                           capture_output=True, text=True, timeout=900)
@@ -117,14 +118,15 @@ def _run(tmp_path: Path, argv: list[str]) -> str:
     return proc.stdout
 
 
-def test_driver_script_with_its_own_env_and_reward_writes_the_run_folder(tmp_path):
+def test_driver_script_with_its_own_env_and_reward_writes_the_run_folder(tmp_path,
+                                                                        rollart_cache_dir):
     (tmp_path / "scenario.toml").write_text(SCENARIO)
     (tmp_path / "task.py").write_text(TASK)
     (tmp_path / "driver.py").write_text(SCRIPT)
     (tmp_path / "elsewhere").mkdir()
     run_dir = tmp_path / "run"
     out = _run(tmp_path, [str(tmp_path / "driver.py"), str(tmp_path / "scenario.toml"),
-                          str(run_dir), "3"])
+                          str(run_dir), "3"], rollart_cache_dir)
     assert [x.split()[1] for x in out.splitlines() if x.startswith("step ")] == ["1", "2", "3"]
     # The untrained model rarely ends a turn within 8 tokens (a cut-off turn ends the
     # episode), so most trajectories have one turn; the two-turn split is unit-tested.
@@ -163,7 +165,7 @@ def test_driver_script_with_its_own_env_and_reward_writes_the_run_folder(tmp_pat
     first_logs = {p.name: p.read_text() for p in (run_dir / "logs").iterdir()}
     (tmp_path / "task_calls.log").unlink()
     _run(tmp_path, ["-m", "rollart.cli", "run", str(tmp_path / "with_module.toml"),
-                    "--resume", str(run_dir), "--steps", "4"])
+                    "--resume", str(run_dir), "--steps", "4"], rollart_cache_dir)
     assert [r["step"] for r in _jsonl(run_dir / "metrics.jsonl")] == [1, 2, 3, 4]
     # The file's env served the resumed run's new trajectories in `rollart run`'s process
     # (step 4 may train only samples restored from the checkpoint, which have no transcript).

@@ -496,7 +496,10 @@ async def test_engine_core_death_exits_worker_nonzero(tiny_model_dir, service_la
     import psutil
 
     service = service_launcher(
-        WORKER, ["--model", str(tiny_model_dir), "--name", "doomed", "--dtype", "float32"]
+        # Eager: this worker only has to start and lose its engine core; the compile would be
+        # most of its start-up.
+        WORKER, ["--model", str(tiny_model_dir), "--name", "doomed", "--dtype", "float32",
+                 "--enforce-eager"]
     )
     c = InferenceClient(
         service.address, name="doomed", heartbeat_interval_s=0.5, liveness_timeout_s=3,
@@ -517,6 +520,14 @@ async def test_engine_core_death_exits_worker_nonzero(tiny_model_dir, service_la
                 await asyncio.sleep(0.1)
     finally:
         await c.close()
+
+
+async def test_collective_messages_to_a_zmq_worker_are_refused(client):
+    """A worker that receives weights over zmq (the default) refuses the collective
+    weight-transfer messages, and keeps serving."""
+    with pytest.raises(RemoteError, match="receives weights over zmq"):
+        await client.weight_transfer(m.WeightTransferStart(), timeout_s=30)
+    assert (await client.stats()).weight_transfer == "zmq"  # still serving
 
 
 async def test_killed_worker_raises_peer_dead_not_hang(client, worker):

