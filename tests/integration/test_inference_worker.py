@@ -26,7 +26,7 @@ from rollart.transport import tokenbytes as tb
 from rollart.transport.errors import PeerDeadError, RemoteError
 from rollart.transport.rpc import RpcClient
 from rollart.transport.security import env_credentials
-from rollart.transport.tensors import crc32_hex, tensor_to_frame
+from rollart.weights.buckets import crc32_hex, tensor_to_frame
 
 pytestmark = pytest.mark.vllm
 

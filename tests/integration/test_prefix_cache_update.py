@@ -110,7 +110,7 @@ def engine(tiny_model_dir):
 
     llm = LLM(model=str(tiny_model_dir), dtype="float32", kv_cache_memory_bytes=256 * 2**20,
               max_model_len=512, seed=0, enforce_eager=True, enable_prefix_caching=True,
-              worker_extension_cls="rollart.inference.extension.WeightSyncExtension")
+              worker_extension_cls="rollart.weights.vllm_ext.WeightSyncExtension")
     yield llm
     llm.llm_engine.engine_core.shutdown()
 

@@ -13,7 +13,7 @@ from rollart.transport import tokenbytes as tb
 from rollart.transport.errors import PeerDeadError, RemoteError, RemoteTimeoutError
 from rollart.transport.rpc import RpcServer
 from rollart.transport.security import env_credentials
-from rollart.transport.tensors import decode_bucket
+from rollart.weights.buckets import decode_bucket
 
 
 class FakeWorker:

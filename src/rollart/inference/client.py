@@ -18,7 +18,7 @@ from rollart.transport import messages as m
 from rollart.transport.errors import PeerDeadError, RemoteError, RemoteTimeoutError
 from rollart.transport.rpc import RpcClient
 from rollart.transport.security import Auth
-from rollart.transport.tensors import crc32_hex, tensor_to_frame
+from rollart.weights.buckets import crc32_hex, tensor_to_frame
 
 if TYPE_CHECKING:
     import torch
@@ -241,7 +241,7 @@ class InferenceClient:
         *,
         timeout_s: float,
     ) -> m.Ack:
-        """One step of a collective weight update (see ``rollart.trainer.transfer``).
+        """One step of a collective weight update (see ``rollart.weights.collective``).
 
         Raises:
             RemoteError: the worker refused or failed that step (``engine_error`` after a

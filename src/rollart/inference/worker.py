@@ -8,9 +8,9 @@ Operations (messages in ``rollart.transport.messages``, inference section):
   that are new; ``prefix_unknown`` asks for the whole prompt.
 - ``Abort`` -> ``Ack``; the aborted ``Generate`` replies ``finish_reason="abort"`` with its tokens.
 - ``Pause(keep|abort)`` / ``Resume`` -> ``Ack``; ``GetStats`` -> ``WorkerStats``.
-- ``WeightBucket`` -> ``Ack`` (staged, checked; see ``weights.py``); ``ApplyWeights`` ->
+- ``WeightBucket`` -> ``Ack`` (staged, checked; see ``rollart.weights.staging``); ``ApplyWeights`` ->
   ``WeightsApplied`` once the engine serves the new version.
-- Collective weight transfer (``--weight-transfer nccl|gloo``, see ``transfer.py``):
+- Collective weight transfer (``--weight-transfer nccl|gloo``, see ``rollart.weights.vllm_engines``):
   ``WeightTransferInit`` / ``Start`` / ``Update`` / ``Finish`` / ``Shutdown`` -> ``Ack``; the
   trainer broadcasts a version straight into the paused engine's model, and ``ApplyWeights``
   for that version then only relabels tokens and resets the prefix cache.
@@ -48,12 +48,12 @@ from rollart.inference.engine import (
     to_vllm_sampling,
 )
 from rollart.inference.prefixes import DEFAULT_MAX_PREFIX_TOKENS, PrefixStore
-from rollart.inference.weights import TIED_LM_HEAD, CheckpointLayout, WeightStager
 from rollart.transport import messages as m
 from rollart.transport import tokenbytes as tb
 from rollart.transport.errors import ConfigError, RemoteError
 from rollart.transport.rpc import RpcServer
 from rollart.transport.security import Auth, add_auth_args, service_auth
+from rollart.weights.staging import TIED_LM_HEAD, CheckpointLayout, WeightStager
 
 log = logging.getLogger("rollart.inference.worker")
 
@@ -340,7 +340,7 @@ class InferenceWorker:
     async def transfer_init(self, msg: m.WeightTransferInit, _frames) -> m.Ack:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
-        from rollart.inference.transfer import init_info_dict
+        from rollart.weights.vllm_engines import init_info_dict
 
         self._require_collective("WeightTransferInit")
         info = init_info_dict(

@@ -74,10 +74,10 @@ class TrainerService:
 
         from rollart.inference.client import InferenceClient
         from rollart.trainer.access import WorkerRegistry
-        from rollart.trainer.broadcast import WeightPublisher
         from rollart.trainer.checkpoint import load_trainer
         from rollart.trainer.distributed import RankGroup, RankRunner, place_model
         from rollart.trainer.step import TrainStepConfig
+        from rollart.weights.push import WeightPublisher
 
         if opts.num_threads:
             torch.set_num_threads(opts.num_threads)
@@ -118,7 +118,7 @@ class TrainerService:
                                  ref_model=self.ref_model)
         self.collective = None
         if opts.weight_transfer != "zmq" and (self.ranks is None or self.ranks.rank == 0):
-            from rollart.trainer.transfer import CollectivePublisher
+            from rollart.weights.collective import CollectivePublisher
 
             self.collective = CollectivePublisher(
                 opts.weight_transfer, self.model, connect,

@@ -7,8 +7,8 @@ import asyncio
 import pytest
 import torch
 
-from rollart.trainer.broadcast import WeightPublisher, snapshot_parameters
 from rollart.transport.errors import PeerDeadError
+from rollart.weights.push import WeightPublisher, snapshot_parameters
 
 
 class FakeSink:
