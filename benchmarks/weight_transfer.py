@@ -45,8 +45,8 @@ def _samples(n: int) -> list[Any]:
             for i in range(n)]
 
 
-async def _round(kind: str, trainer: Any, worker: Any, step: int) -> dict[str, Any]:
-    result_ = await trainer.train(step, _samples(4))
+async def _round(kind: str, trainer: Any, worker: Any, base_version: int) -> dict[str, Any]:
+    result_ = await trainer.train(base_version, _samples(4))
     version = result_.version
     t0 = time.perf_counter()
     if kind == "zmq":
@@ -56,7 +56,7 @@ async def _round(kind: str, trainer: Any, worker: Any, step: int) -> dict[str, A
     else:
         t_exposed = t0
         await worker.pause("keep")
-        published = await trainer.wait_published(version)
+        published = await trainer.broadcast_version(version)
     await worker.apply_weights(version)
     await worker.resume()
     end = time.perf_counter()
@@ -103,7 +103,7 @@ async def _run(args: argparse.Namespace, run_dir: Path) -> list[dict[str, Any]]:
         rows = []
         for r in range(args.rounds + 1):  # round 0 warms up (group formation, first reload)
             for kind in ("zmq", "gloo"):
-                row = await _round(kind, *pairs[kind], step=r)
+                row = await _round(kind, *pairs[kind], base_version=r)
                 row["round"] = r
                 rows.append(row)
                 print(f"[{NAME}] round {r} {kind}: transfer {row['transfer_s']:.3f} s, "

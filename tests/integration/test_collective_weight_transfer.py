@@ -66,7 +66,7 @@ def _samples(n: int) -> list[m.TrainSample]:
 
 async def _train(trainer: TrainerClient) -> int:
     status = await trainer.status()
-    return (await trainer.train(status.step, _samples(4))).version
+    return (await trainer.train(status.version, _samples(4))).version
 
 
 async def _broadcast_rounds_match_the_trainer(worker_addr: str, trainer_addr: str, model_dir,
@@ -81,7 +81,7 @@ async def _broadcast_rounds_match_the_trainer(worker_addr: str, trainer_addr: st
         for _ in range(rounds):
             version = await _train(trainer)
             await client.pause("keep")
-            published = await trainer.wait_published(version)
+            published = await trainer.broadcast_version(version)
             assert published.version == version
             assert (await client.apply_weights(version)).version == version
             await client.resume()
@@ -110,14 +110,14 @@ async def test_broadcast_loads_the_trainers_version_into_every_paused_worker(
 
         # Broadcasting into a worker that is generating is refused, and nothing is loaded.
         with pytest.raises(RemoteError, match="are not paused"):
-            await trainer.wait_published(version)
+            await trainer.broadcast_version(version)
         assert await prompt_logprobs(workers[0]) == pytest.approx(before, abs=1e-6)
 
         for step in range(2):  # the second broadcast reuses the group formed by the first
             if step:
                 version = await _train(trainer)
             await asyncio.gather(*(w.pause("keep") for w in workers))
-            published = await trainer.wait_published(version)
+            published = await trainer.broadcast_version(version)
             assert published.version == version and published.failed == {}
             assert published.num_bytes > 0
             for w in workers:
@@ -150,14 +150,14 @@ async def test_a_changed_worker_set_re_forms_the_group(services):
         await trainer.set_workers(addrs[1:])  # w0 left the run
         version = await _train(trainer)
         await workers[1].pause("keep")
-        published = await trainer.wait_published(version)
+        published = await trainer.broadcast_version(version)
         assert published.version == version
         assert (await workers[1].apply_weights(version)).version == version
         await workers[1].resume()
         assert (await workers[0].stats()).version < version  # not part of the new group
         # A broadcast sends only the current version.
         with pytest.raises(RemoteError, match="not the trainer's current version"):
-            await trainer.wait_published(version - 1)
+            await trainer.broadcast_version(version - 1)
     finally:
         for w in workers:
             await w.close()

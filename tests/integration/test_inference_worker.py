@@ -20,13 +20,13 @@ import zmq.asyncio
 from polling import wait_for
 
 from rollart.controller.proxy import LLMProxy
-from rollart.inference.client import InferenceClient, plan_buckets
+from rollart.inference.client import InferenceClient
 from rollart.transport import messages as m
 from rollart.transport import tokenbytes as tb
 from rollart.transport.errors import PeerDeadError, RemoteError
 from rollart.transport.rpc import RpcClient
 from rollart.transport.security import env_credentials
-from rollart.transport.tensors import crc32_hex, tensor_to_frame
+from rollart.weights.buckets import crc32_hex, plan_buckets, tensor_to_frame
 
 pytestmark = pytest.mark.vllm
 

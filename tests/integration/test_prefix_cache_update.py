@@ -80,7 +80,7 @@ async def test_same_prompt_after_an_update_is_served_from_the_new_weights(servic
         await trainer.register_workers([worker_addr])
         before = [await generate(f"before-{i}", seed=i) for i in range(2)]
         status = await trainer.status()
-        first = await trainer.train(status.step, [
+        first = await trainer.train(status.version, [
             train_sample(PROMPT, before[0], "a", 1.0), train_sample(PROMPT, before[1], "b", -1.0)])
         # Before the update the engine and the trainer agree on these tokens.
         assert len(first.agreement) == 2
@@ -89,7 +89,7 @@ async def test_same_prompt_after_an_update_is_served_from_the_new_weights(servic
         await worker.apply_weights(first.version)
         after = await generate("after", seed=0)  # the same prompt: its blocks were cached
         assert set(tb.view_i32(after.versions).tolist()) == {first.version}
-        second = await trainer.train(first.step + 1, [
+        second = await trainer.train(first.version, [
             train_sample(PROMPT, after, "c", 1.0), train_sample(PROMPT, before[1], "d", -1.0)])
         # The trainer's recompute under the new weights agrees with the new behaviour logprobs
         # (the old sample "d", generated under the old weights, no longer does).
@@ -110,7 +110,7 @@ def engine(tiny_model_dir):
 
     llm = LLM(model=str(tiny_model_dir), dtype="float32", kv_cache_memory_bytes=256 * 2**20,
               max_model_len=512, seed=0, enforce_eager=True, enable_prefix_caching=True,
-              worker_extension_cls="rollart.inference.extension.WeightSyncExtension")
+              worker_extension_cls="rollart.weights.vllm_ext.WeightSyncExtension")
     yield llm
     llm.llm_engine.engine_core.shutdown()
 

@@ -201,7 +201,7 @@ async def test_serve_trainer_with_two_ranks_trains_saves_and_resumes(
         status = await client.status()
         assert (status.version, status.step) == (1, 1)
         again = Path((await client.save_checkpoint("again")).path)
-        result = await client.train(status.step, samples)
+        result = await client.train(status.version, samples)
         assert result.version == 2
     finally:
         await client.close()

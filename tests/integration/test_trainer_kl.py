@@ -21,8 +21,8 @@ def _samples() -> list[m.TrainSample]:
 async def test_kl_to_the_initial_policy_is_zero_then_grows(tiny_model_dir):
     service = TrainerService(tiny_model_dir, TrainerOptions(lr=0.05),
                              b'{"kl_coef": 0.5}', resume=None, auth=INSECURE)  # in-process: opens no socket
-    first = await service.train(m.TrainBatch(step=0, samples=_samples()), None)
-    second = await service.train(m.TrainBatch(step=1, samples=_samples()), None)
+    first = await service.train(m.TrainBatch(version=0, samples=_samples()), None)
+    second = await service.train(m.TrainBatch(version=1, samples=_samples()), None)
     assert first.metrics["kl"] == pytest.approx(0.0, abs=1e-6)  # policy == reference
     assert second.metrics["kl"] > 1e-4  # the policy moved away from the frozen reference
     assert all(not p.requires_grad for p in service.ref_model.parameters())

@@ -65,7 +65,7 @@ async def test_one_step_changes_weights_and_worker_serves_the_trainers_version(
         before = await prompt_logprobs(worker)
         await trainer.set_workers([worker_addr])
         start = await trainer.status()
-        result = await trainer.train(start.step, await _rollout_samples(worker, 4))
+        result = await trainer.train(start.version, await _rollout_samples(worker, 4))
         assert result.version == start.version + 1
         assert {"loss", "grad_norm", "clip_fraction", "logprob_mismatch"} <= set(result.metrics)
         # vLLM's behaviour logprobs and the trainer's proximal ones agree before the update.
@@ -99,7 +99,7 @@ async def test_a_worker_that_missed_versions_is_brought_to_the_latest(services, 
         samples = await _rollout_samples(worker, 2)
         for _ in range(2):
             status = await trainer.status()
-            result = await trainer.train(status.step, samples)
+            result = await trainer.train(status.version, samples)
         served = (await worker.stats()).version
         assert served < result.version - 1
         with pytest.raises(Exception, match="stale_version|incomplete_version|not_found"):

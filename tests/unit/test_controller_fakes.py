@@ -77,6 +77,7 @@ class FakeWorker:
                  latency_s: float = 0.0, add_eos: bool = True,
                  max_prefix_tokens: int = DEFAULT_MAX_PREFIX_TOKENS) -> None:
         self.name = name
+        self.address = f"fake://{name}"
         self.prefixes = PrefixStore(max_prefix_tokens)
         #: the whole prompt (token ids) of each request, resolved from its delta
         self.prompts: list[list[int]] = []
@@ -261,6 +262,8 @@ class FakeReward:
 class FakeTrainer:
     """Trainer double: ``train`` takes ``train_s`` seconds; records batches and the loop time
     at which each train started/ended; ``push_weights`` takes ``push_s`` seconds."""
+
+    push_needs_pause = False
 
     def __init__(self, *, train_s: float = 0.0, push_s: float = 0.0) -> None:
         self._version = 0

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+import random
+import subprocess
+import sys
 
 import msgspec
 import pytest
@@ -50,11 +53,14 @@ class FakeTrainerClient:
         self.workers: list[list[str]] = []
         self.batches: list[list[m.TrainSample]] = []
         self.failed = failed or {}
+        self.waited: list[tuple[int, list[str]]] = []
+        self.broadcast: list[int] = []
 
-    async def train(self, step, samples):
+    async def train(self, version, samples):
+        assert version == self.version, "the batch names the trainer's version"
         self.batches.append(list(samples))
         self.version += 1
-        return m.TrainResult(step=step, version=self.version, metrics={"loss": 0.5},
+        return m.TrainResult(step=version, version=self.version, metrics={"loss": 0.5},
                              train_time_s=1.5)
 
     async def register_workers(self, addresses):
@@ -65,12 +71,13 @@ class FakeTrainerClient:
         assert set(addresses) <= set(self.registered), "only registered workers"
         self.workers.append(list(addresses))
 
-    async def wait_published(self, version):
+    async def wait_published(self, version, addresses=()):
+        self.waited.append((version, list(addresses)))
         return m.Published(version=version, total_s=0.1, num_bytes=10, failed=self.failed)
 
-    async def publish_latest(self, addresses):
-        self.published_latest = list(addresses)
-        return m.Published(version=self.version, total_s=0.2, num_bytes=10, failed=self.failed)
+    async def broadcast_version(self, version):
+        self.broadcast.append(version)
+        return m.Published(version=version, total_s=0.2, num_bytes=10, failed=self.failed)
 
 
 def worker(name: str) -> FakeWorker:
@@ -109,16 +116,80 @@ async def test_remote_trainer_reports_failed_pushes_to_live_workers() -> None:
     await trainer.push_weights(1, [worker("w1"), worker("w2")])
 
 
-async def test_resumed_trainer_brings_fresh_workers_to_its_version() -> None:
+async def test_the_controller_asks_the_trainer_and_keeps_no_push_bookkeeping() -> None:
     client = FakeTrainerClient()
     client.version = 2  # restored from a checkpoint; workers start from the base weights
     trainer = RemoteTrainer(client, version=2)
     w1 = worker("w1")
+    # One question, with the workers: the trainer knows whom its pushes reached.
     await trainer.push_weights(2, [w1])
-    assert client.published_latest == ["tcp://w1"]
+    assert client.waited == [(2, ["tcp://w1"])] and client.broadcast == []
     assert trainer.last_published.version == 2
-    # After a step, the trainer pushed to the registered workers itself: just wait for it.
-    client.published_latest = None
     await trainer.train([sample("a", "g", 1.0), sample("b", "g", 0.0)])
     await trainer.push_weights(3, [w1])
-    assert client.published_latest is None
+    assert client.waited[-1] == (3, ["tcp://w1"])
+    assert not hasattr(trainer, "_pushed_to")
+
+
+async def test_a_collective_trainer_is_asked_to_broadcast_and_says_it_needs_a_pause() -> None:
+    client = FakeTrainerClient()
+    trainer = RemoteTrainer(client, push_needs_pause=True)
+    assert trainer.push_needs_pause and not RemoteTrainer(client).push_needs_pause
+    await trainer.set_workers([worker("w1")])
+    await trainer.train([sample("a", "g", 1.0), sample("b", "g", 0.0)])
+    await trainer.push_weights(1, [worker("w1")])
+    assert client.broadcast == [1] and client.waited == []
+
+
+async def test_a_published_version_other_than_asked_is_an_error() -> None:
+    client = FakeTrainerClient()
+    trainer = RemoteTrainer(client)
+
+    async def wrong(version, addresses=()):
+        return m.Published(version=version + 1, total_s=0.0, num_bytes=0)
+
+    client.wait_published = wrong  # type: ignore[method-assign]
+    with pytest.raises(RollartError, match="published version 1, the controller expected 0"):
+        await trainer.push_weights(0, [worker("w1")])
+
+
+def test_numpy_grpo_advantages_equal_the_trainers_torch_values() -> None:
+    torch = pytest.importorskip("torch")
+    from rollart.trainer.loss import grpo_advantages as torch_grpo
+
+    rng = random.Random(7)
+    for trial in range(50):
+        n_groups = rng.randint(1, 6)
+        batch = []
+        for g in range(n_groups):
+            size = rng.randint(1, 5)
+            # Binary, repeated and continuous rewards (all-equal groups included).
+            kind = trial % 3
+            for k in range(size):
+                r = (rng.random() < 0.5) * 1.0 if kind == 0 else (
+                    2.5 if kind == 1 and g % 2 else rng.gauss(0.0, 3.0))
+                batch.append(sample(f"{g}-{k}", f"g{g}", r))
+        rng.shuffle(batch)
+        ids = {}
+        group_ids = torch.tensor([ids.setdefault(s.group_key, len(ids)) for s in batch])
+        rewards = torch.tensor([s.reward for s in batch], dtype=torch.float64)
+        expected = torch_grpo(rewards, group_ids=group_ids).tolist()
+        got = grpo_advantages(batch)
+        assert got == pytest.approx(expected, rel=1e-12, abs=1e-12)
+        assert [g == 0.0 for g in got] == [e == 0.0 for e in expected]  # exact zeros agree
+    assert grpo_advantages([]) == []
+    with pytest.raises(ValueError, match="finite"):
+        grpo_advantages([sample("a", "g", float("nan")), sample("b", "g", 0.0)])
+
+
+def test_the_controller_does_not_import_torch() -> None:
+    # Importing the controller and computing a batch's advantages (torch's job until now).
+    code = ("import sys; from types import SimpleNamespace as S; "
+            "import rollart.controller.controller, rollart.controller.weightsync; "
+            "from rollart.controller.training import grpo_advantages; "
+            "assert grpo_advantages([S(group_key='g', reward=1.0), "
+            "S(group_key='g', reward=0.0)]) != [0.0, 0.0]; "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=300)
+    assert out.stdout.strip() == "False", out.stderr

@@ -7,13 +7,13 @@ import asyncio
 import pytest
 import torch
 
-from rollart.inference.client import InferenceClient, plan_buckets
+from rollart.inference.client import InferenceClient
 from rollart.transport import messages as m
 from rollart.transport import tokenbytes as tb
 from rollart.transport.errors import PeerDeadError, RemoteError, RemoteTimeoutError
 from rollart.transport.rpc import RpcServer
 from rollart.transport.security import env_credentials
-from rollart.transport.tensors import decode_bucket
+from rollart.weights.buckets import decode_bucket, plan_buckets
 
 
 class FakeWorker:

@@ -16,7 +16,7 @@ from rollart.transport import messages as m
 from rollart.transport.errors import PeerDeadError, RemoteError, RemoteTimeoutError
 from rollart.transport.rpc import RpcClient, RpcServer
 from rollart.transport.security import env_credentials
-from rollart.transport.tensors import crc32_hex, decode_bucket, iter_buckets
+from rollart.weights.buckets import crc32_hex, decode_bucket, iter_buckets
 
 
 async def _start(handlers, **kw):

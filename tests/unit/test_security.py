@@ -11,7 +11,6 @@ import pytest
 import zmq
 
 from rollart.config import parse_scenario
-from rollart.inference.weights import CheckpointLayout
 from rollart.inference.worker import frame_limit
 from rollart.launcher.runkeys import run_auth
 from rollart.trainer.service import trainer_message_bytes
@@ -20,6 +19,7 @@ from rollart.transport import security as sec
 from rollart.transport.errors import ConfigError, RemoteTimeoutError
 from rollart.transport.rpc import RpcClient, RpcServer
 from rollart.transport.zmqloop import MAX_BATCH_FRAME_BYTES
+from rollart.weights.staging import CheckpointLayout
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -26,10 +26,13 @@ class GenerationBackend(Protocol):
     """One inference worker (``InferenceClient`` or a simulated one).
 
     ``last_stats`` is the most recent ``WorkerStats`` seen (``None`` before any reply); ``dead``
-    turns true once the worker is known to be gone (calls then raise ``PeerDeadError``).
+    turns true once the worker is known to be gone (calls then raise ``PeerDeadError``);
+    ``address`` is where the trainer sends it weights (a ZeroMQ endpoint; an in-process worker's
+    unique name).
     """
 
     name: str
+    address: str
     last_stats: m.WorkerStats | None
 
     @property
@@ -120,13 +123,21 @@ class TrainerBackend(Protocol):
     ``version`` is the number of updates applied so far (0 = initial weights, already loaded by
     the inference workers). One step: the controller takes a batch, has the workers apply the
     newest published version (pause -> ``apply_weights`` -> resume), then calls ``train``.
-    ``push_weights`` stages the weights of ``version`` on every worker (buckets of
-    ``weight_bucket_bytes``; nothing is applied): the controller runs it in the background, so
-    the transfer overlaps rollout (§6.3).
+    The trainer owns its transfers (which workers got which version); the controller only asks
+    ``push_weights(v, workers)``: "return once v is ready on these workers". Whether that needs
+    the workers paused first is ``push_needs_pause``: false, the weights are staged (nothing is
+    applied) and the controller runs it in the background, so the transfer overlaps rollout
+    (§6.3); true, it writes into the serving models (collective broadcast) and the controller
+    calls it only with every worker paused, right before the apply.
     """
 
     @property
     def version(self) -> int: ...
+
+    @property
+    def push_needs_pause(self) -> bool:
+        """``push_weights`` writes into the serving models: pause every worker before it."""
+        ...
 
     async def train(self, samples: Sequence[Sample]) -> TrainResult:
         """One update on ``samples`` (whole GRPO groups; advantages are the trainer's job).
@@ -140,8 +151,10 @@ class TrainerBackend(Protocol):
         ...
 
     async def push_weights(self, version: int, workers: Sequence[GenerationBackend]) -> None:
-        """Stage version ``version`` (must be ``self.version``) on every worker in ``workers``
-        and return once it is staged (a trainer that pushes by itself just waits for that)."""
+        """Return once version ``version`` (must be ``self.version``) is ready on every live
+        worker in ``workers``: staged for ``apply_weights``, or (``push_needs_pause``) loaded.
+        A trainer that pushes by itself after each step only waits, bringing any worker its
+        push did not reach to ``version``. Raises when it failed on a live worker."""
         ...
 
 

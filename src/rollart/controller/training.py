@@ -1,11 +1,12 @@
 """The controller's side of training: GRPO advantages and the trainer-service adapter.
 
 :func:`grpo_advantages` turns a batch of scored samples (whole groups) into per-sample
-advantages, and :class:`RemoteTrainer` adapts ``rollart.trainer.client.TrainerClient`` (the
-``rollart serve-trainer`` process) to the controller's ``TrainerBackend`` port: ``train`` sends
-the samples as ``TrainSample`` with their advantages, ``push_weights`` waits until the trainer
-has staged the new version on every worker (the trainer pushes by itself after each step, so the
-transfer overlaps rollout, paper §6.3).
+advantages (numpy: the controller process never imports torch), and :class:`RemoteTrainer`
+adapts ``rollart.trainer.client.TrainerClient`` (the ``rollart serve-trainer`` process) to the
+controller's ``TrainerBackend`` port: ``train`` sends the samples as ``TrainSample`` with their
+advantages, ``push_weights`` returns once the trainer says the new version is ready on the workers
+(the trainer pushes by itself after each step, so the transfer overlaps rollout, paper §6.3, and
+it alone knows which workers each push reached).
 """
 
 from __future__ import annotations
@@ -13,27 +14,50 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+import numpy as np
+
 from rollart.controller.ports import GenerationBackend, TrainResult
 from rollart.controller.sample import Sample
 from rollart.transport import messages as m
 from rollart.transport.errors import RollartError
 
 
-def grpo_advantages(samples: Sequence[Sample]) -> list[float]:
+def grpo_advantages(samples: Sequence[Sample], eps: float = 1e-6) -> list[float]:
     """GRPO advantages of a batch of whole groups, one per sample, in ``samples`` order.
 
-    Delegates to :func:`rollart.trainer.loss.grpo_advantages` (Shao et al. 2024, DeepSeekMath
-    §4.1; all-equal groups get exactly 0): the batch holds only kept samples, so failed or
-    cancelled members never enter a group's baseline. Groups are keyed by ``sample.group_key``.
+    ``(r - mean_g) / (std_g + eps)`` per group (Shao et al. 2024, DeepSeekMath §4.1), with the
+    population std (divide by n) in float64; a group whose rewards are all equal (or of one
+    member) gets exactly 0. The same values as ``rollart.trainer.loss.grpo_advantages`` (the
+    trainer's torch version, which also handles invalid members); here every sample is valid:
+    the batch holds only kept samples, so failed or cancelled members never enter a group's
+    baseline. Groups are keyed by ``sample.group_key``.
+
+    Raises:
+        ValueError: a reward is NaN or infinite.
     """
-    import torch
-
-    from rollart.trainer.loss import grpo_advantages as _grpo
-
     keys: dict[str, int] = {}
-    group_ids = torch.tensor([keys.setdefault(s.group_key, len(keys)) for s in samples])
-    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
-    return _grpo(rewards, group_ids=group_ids).tolist()
+    n = len(samples)
+    inverse = np.fromiter((keys.setdefault(s.group_key, len(keys)) for s in samples),
+                          dtype=np.intp, count=n)
+    r = np.fromiter((s.reward for s in samples), dtype=np.float64, count=n)
+    if not np.isfinite(r).all():
+        raise ValueError("rewards of valid members must be finite")
+    num_groups = len(keys)
+    count = np.bincount(inverse, minlength=num_groups).astype(np.float64)
+    mean = np.bincount(inverse, weights=r, minlength=num_groups) / np.maximum(count, 1.0)
+    centered = r - mean[inverse]
+    var = np.bincount(inverse, weights=centered * centered, minlength=num_groups) \
+        / np.maximum(count, 1.0)
+    std = np.sqrt(var)
+    # "All equal" is decided exactly (max == min), as the trainer's version does: rounding of
+    # the mean could otherwise leave a tiny r - mean divided by a tiny std.
+    gmax = np.full(num_groups, -np.inf)
+    gmin = np.full(num_groups, np.inf)
+    np.maximum.at(gmax, inverse, r)
+    np.minimum.at(gmin, inverse, r)
+    informative = (count >= 2) & (gmax > gmin)
+    adv = np.where(informative[inverse], centered / (std[inverse] + eps), 0.0)
+    return [float(a) for a in adv]
 
 
 def to_train_samples(samples: Sequence[Sample]) -> list[m.TrainSample]:
@@ -72,15 +96,16 @@ def trainable_problem(sample: Sample) -> str | None:
 class TrainerClientLike(Protocol):
     """What :class:`RemoteTrainer` needs of ``TrainerClient``."""
 
-    async def train(self, step: int, samples: Sequence[m.TrainSample]) -> m.TrainResult: ...
+    async def train(self, version: int, samples: Sequence[m.TrainSample]) -> m.TrainResult: ...
 
     async def register_workers(self, addresses: Sequence[str]) -> None: ...
 
     async def set_workers(self, addresses: Sequence[str]) -> None: ...
 
-    async def wait_published(self, version: int) -> m.Published: ...
+    async def wait_published(self, version: int, addresses: Sequence[str] = ()) -> m.Published:
+        ...
 
-    async def publish_latest(self, addresses: Sequence[str]) -> m.Published: ...
+    async def broadcast_version(self, version: int) -> m.Published: ...
 
 
 class RemoteTrainer:
@@ -89,31 +114,26 @@ class RemoteTrainer:
     Args:
         client: a ``TrainerClient``.
         version: the trainer's version now (0 for a fresh run; the checkpoint's on resume).
+        push_needs_pause: the trainer's ``weight_transfer`` is ``nccl`` / ``gloo`` (it
+            broadcasts into the serving models): see ``TrainerBackend.push_needs_pause``.
 
-    ``set_workers`` registers the workers' addresses (``InferenceClient.address``) with the
-    trainer, which pushes every new version to them right after the step: the first call
-    registers the run's workers (``RegisterWorkers``, once: the trainer sends weights to no
-    other address); ``push_weights`` re-sends the set (``SetWorkers``, registered addresses
-    only) if it changed (a dead worker was removed) and waits until
-    ``version`` is staged. Workers the trainer did not push ``version`` to after its step (a
-    resumed run's workers, a worker registered later) get the trainer's latest weights pushed to
-    them directly. Raises ``RollartError`` naming live workers the push failed on.
-
-    ``push_needs_pause`` (the trainer's ``weight_transfer`` is ``nccl`` / ``gloo``): nothing is
-    pushed after a step; ``push_weights`` asks the trainer to broadcast ``version`` into the
-    workers' models, so the controller calls it only with the workers paused.
+    ``set_workers`` registers the workers' addresses with the trainer, which pushes every new
+    version to them right after the step: the first call registers the run's workers
+    (``RegisterWorkers``, once: the trainer sends weights to no other address), later calls
+    re-send the set (``SetWorkers``, registered addresses only) if it changed (a dead worker
+    was removed). ``push_weights`` asks the trainer ``WaitPublished(version, addresses)``: it
+    waits for that version's push and pushes it itself to any of the workers the push did not
+    reach (a resumed run's workers, a worker registered later); or, with ``push_needs_pause``,
+    ``BroadcastVersion`` (the workers are paused). Raises ``RollartError`` naming live workers
+    the transfer failed on.
     """
 
     def __init__(self, client: TrainerClientLike, *, version: int = 0,
                  push_needs_pause: bool = False) -> None:
         self.client = client
         self._version = version
-        #: the trainer broadcasts into the serving models (``nccl`` / ``gloo`` weight transfer):
-        #: ``push_weights`` only when the workers are paused, and it loads, not stages
-        self.push_needs_pause = push_needs_pause
+        self._push_needs_pause = push_needs_pause
         self._addresses: list[str] | None = None
-        #: version -> addresses registered when the trainer produced (and so pushed) it
-        self._pushed_to: dict[int, set[str]] = {}
         #: last ``Published`` reply (bytes and seconds of the transfer)
         self.last_published: m.Published | None = None
 
@@ -121,8 +141,12 @@ class RemoteTrainer:
     def version(self) -> int:
         return self._version
 
+    @property
+    def push_needs_pause(self) -> bool:
+        return self._push_needs_pause
+
     async def set_workers(self, workers: Sequence[GenerationBackend]) -> None:
-        addresses = [getattr(w, "address") for w in workers]  # noqa: B009 - not in the port
+        addresses = [w.address for w in workers]
         if self._addresses is None:
             await self.client.register_workers(addresses)
             self._addresses = addresses
@@ -131,9 +155,7 @@ class RemoteTrainer:
             self._addresses = addresses
 
     async def train(self, samples: Sequence[Sample]) -> TrainResult:
-        registered = set(self._addresses or [])
         reply = await self.client.train(self._version, to_train_samples(samples))
-        self._pushed_to = {reply.version: registered}
         if reply.version != self._version + 1:
             raise RollartError(
                 f"trainer answered version {reply.version} for a step at {self._version}"
@@ -145,21 +167,17 @@ class RemoteTrainer:
 
     async def push_weights(self, version: int, workers: Sequence[GenerationBackend]) -> None:
         await self.set_workers(workers)
-        missing = [a for a in self._addresses or [] if a not in self._pushed_to.get(version, ())]
-        if self.push_needs_pause:
-            published = await self.client.wait_published(version)
-        elif missing:
-            published = await self.client.publish_latest(missing)
-            if published.version != version:
-                raise RollartError(f"trainer's latest version is {published.version}, the "
-                                   f"controller expected {version}")
-            self._pushed_to.setdefault(version, set()).update(missing)
+        if self._push_needs_pause:
+            published = await self.client.broadcast_version(version)
         else:
-            published = await self.client.wait_published(version)
+            published = await self.client.wait_published(version, self._addresses or [])
+        if published.version != version:
+            raise RollartError(f"trainer published version {published.version}, the "
+                               f"controller expected {version}")
         self.last_published = published
         # A worker removed or found dead since may be among the failures; only live ones
         # matter (the controller re-routes the dead one's trajectories).
-        live = {getattr(w, "address") for w in workers if not w.dead}  # noqa: B009
+        live = {w.address for w in workers if not w.dead}
         failed = {a: why for a, why in published.failed.items()
                   if a in (self._addresses or []) and a in live}
         if failed:

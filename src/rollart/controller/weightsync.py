@@ -60,7 +60,7 @@ class WeightSync:
 
     @property
     def push_needs_pause(self) -> bool:
-        return bool(getattr(self.trainer, "push_needs_pause", False))
+        return self.trainer.push_needs_pause
 
     def start_push(self, version: int) -> None:
         """Stage ``version`` on the workers in the background (overlapping rollout); with

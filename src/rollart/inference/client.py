@@ -18,7 +18,7 @@ from rollart.transport import messages as m
 from rollart.transport.errors import PeerDeadError, RemoteError, RemoteTimeoutError
 from rollart.transport.rpc import RpcClient
 from rollart.transport.security import Auth
-from rollart.transport.tensors import crc32_hex, tensor_to_frame
+from rollart.weights.buckets import encode_bucket, plan_buckets
 
 if TYPE_CHECKING:
     import torch
@@ -26,33 +26,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 R = TypeVar("R", bound=m.Msg)
-
-
-def plan_buckets(
-    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
-) -> list[list[tuple[str, torch.Tensor]]]:
-    """Group tensors, in order, into buckets of at most ``bucket_bytes`` bytes (a tensor larger
-    than that gets a bucket of its own). Only sizes are read: nothing is copied, so a GPU model
-    is moved to host memory one bucket at a time when the buckets are sent.
-
-    Raises:
-        ValueError: ``bucket_bytes <= 0``.
-    """
-    if bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    buckets: list[list[tuple[str, torch.Tensor]]] = []
-    current: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, tensor in named_tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        if current and size + nbytes > bucket_bytes:
-            buckets.append(current)
-            current, size = [], 0
-        current.append((name, tensor))
-        size += nbytes
-    if current:
-        buckets.append(current)
-    return buckets
 
 
 class InferenceClient:
@@ -203,17 +176,13 @@ class InferenceClient:
         if not buckets:
             raise ValueError(f"push_weights(version={version}): no tensors")
         for index, bucket in enumerate(buckets):
-            metas, frames = [], []
-            for name, tensor in bucket:
-                meta, frame = tensor_to_frame(name, tensor)
-                metas.append(meta)
-                frames.append(frame)
+            metas, frames, checksum = encode_bucket(bucket)
             msg = m.WeightBucket(
                 version=version,
                 bucket_index=index,
                 num_buckets=len(buckets),
                 tensors=metas,
-                checksum=crc32_hex(frames),
+                checksum=checksum,
             )
             await self._call(msg, m.Ack, buffers=frames, timeout_s=timeout_s)
 
@@ -241,7 +210,7 @@ class InferenceClient:
         *,
         timeout_s: float,
     ) -> m.Ack:
-        """One step of a collective weight update (see ``rollart.trainer.transfer``).
+        """One step of a collective weight update (see ``rollart.weights.collective``).
 
         Raises:
             RemoteError: the worker refused or failed that step (``engine_error`` after a

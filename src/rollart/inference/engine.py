@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from vllm import RequestOutput
     from vllm.v1.engine.async_llm import AsyncLLM
 
-EXTENSION_CLS = "rollart.inference.extension.WeightSyncExtension"
+EXTENSION_CLS = "rollart.weights.vllm_ext.WeightSyncExtension"
 DEFAULT_KV_CACHE_BYTES = 256 << 20
 
 
@@ -44,7 +44,7 @@ class EngineOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     gpu_memory_utilization: float | None = None
     #: how new weights arrive: ``zmq`` (staged buckets, reloaded by the extension), or a
     #: collective group with the trainer through vLLM's weight-transfer engine: ``nccl`` (GPU)
-    #: or ``gloo`` (CPU); see ``rollart.inference.transfer``.
+    #: or ``gloo`` (CPU); see ``rollart.weights.vllm_engines``.
     weight_transfer: str = "zmq"
 
 
@@ -90,7 +90,7 @@ def build_engine(opts: EngineOptions, counts: SchedulerCounts) -> AsyncLLM:
     if opts.weight_transfer != "zmq":
         from vllm.config.weight_transfer import WeightTransferConfig
 
-        from rollart.inference.transfer import VLLM_BACKENDS, register_engines
+        from rollart.weights.vllm_engines import VLLM_BACKENDS, register_engines
 
         if opts.weight_transfer not in VLLM_BACKENDS:
             raise ValueError(f"EngineOptions.weight_transfer: unknown {opts.weight_transfer!r} "

@@ -118,6 +118,8 @@ class SimInferenceWorker:
         self.time_scale = time_scale
         self.prefixes = PrefixStore(max_prefix_tokens)
         self.name = name
+        #: where the trainer sends weights: in process, the unique worker name
+        self.address = name
         self.hardware, self.model, self.tp, self.eff = hardware, model, tp, eff
         self.domains, self.seed, self.max_batch = domains, seed, max_batch
         self.capacity = costs.kv_capacity_tokens(model, hardware, tp=tp,

@@ -40,9 +40,10 @@ class TrainerClient:
         """Declare the trainer dead (its process exited): pending calls fail now."""
         self._rpc.mark_dead(reason)
 
-    async def train(self, step: int, samples: Sequence[m.TrainSample]) -> m.TrainResult:
-        """One optimizer step on ``samples``; returns once the new version exists (pushing)."""
-        reply, _ = await self._rpc.call(m.TrainBatch(step=step, samples=list(samples)),
+    async def train(self, version: int, samples: Sequence[m.TrainSample]) -> m.TrainResult:
+        """One optimizer step on ``samples`` from the trainer's ``version`` (``stale_version``
+        if it holds another); returns once ``version + 1`` exists (being pushed)."""
+        reply, _ = await self._rpc.call(m.TrainBatch(version=version, samples=list(samples)),
                                         timeout_s=self.train_timeout_s)
         assert isinstance(reply, m.TrainResult)
         return reply
@@ -56,8 +57,18 @@ class TrainerClient:
         """Push to these registered workers from now on (``forbidden``: one is not)."""
         await self._rpc.call(m.SetWorkers(addresses=list(addresses)))
 
-    async def wait_published(self, version: int) -> m.Published:
-        reply, _ = await self._rpc.call(m.WaitPublished(version=version),
+    async def wait_published(self, version: int, addresses: Sequence[str] = ()) -> m.Published:
+        """ZeroMQ transfer: wait until ``version`` is staged where its push went and on
+        ``addresses`` (the trainer pushes it to those it did not reach)."""
+        reply, _ = await self._rpc.call(m.WaitPublished(version=version,
+                                                        addresses=list(addresses)),
+                                        timeout_s=self.publish_timeout_s)
+        assert isinstance(reply, m.Published)
+        return reply
+
+    async def broadcast_version(self, version: int) -> m.Published:
+        """Collective transfer: broadcast ``version`` into the (paused) workers' models now."""
+        reply, _ = await self._rpc.call(m.BroadcastVersion(version=version),
                                         timeout_s=self.publish_timeout_s)
         assert isinstance(reply, m.Published)
         return reply

@@ -378,9 +378,9 @@ class RankRunner:
 
     def execute(self, cmd: Command) -> Any:
         """Run ``cmd`` on this rank (collective under several ranks)."""
-        from rollart.trainer.broadcast import snapshot_parameters
         from rollart.trainer.checkpoint import save_trainer
         from rollart.trainer.step import train_step
+        from rollart.weights.push import snapshot_parameters
 
         if isinstance(cmd, TrainCommand):
             agreement: list[tuple[float, float, float]] = []
@@ -396,7 +396,7 @@ class RankRunner:
             return save_trainer(Path(cmd.path), self.model, self.optimizer,
                                 version=cmd.version, step=cmd.step)
         if isinstance(cmd, BroadcastCommand):
-            from rollart.trainer.transfer import non_sender_engine
+            from rollart.weights.collective import non_sender_engine
 
             if self._transfer is None:
                 self._transfer = non_sender_engine(cmd.kind, self.model)

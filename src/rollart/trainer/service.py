@@ -4,9 +4,10 @@ causal LM, versioned weight broadcast to inference workers, DCP checkpoints.
 Training runs in a worker thread so the RPC loop keeps answering heartbeats and weight pushes
 proceed while the next step computes. After each optimizer step the parameters are snapshotted
 as the new version and pushed in the background (``WeightPublisher``); the controller awaits
-``WaitPublished`` only when it wants to apply the version. With a collective ``weight_transfer``
-(``nccl`` / ``gloo``) nothing is pushed after the step: ``WaitPublished`` broadcasts the current
-weights into the (paused) workers' models (``CollectivePublisher``).
+``WaitPublished`` only when it wants to apply the version (the trainer knows which workers each
+push reached and brings the others to it). With a collective ``weight_transfer`` (``nccl`` /
+``gloo``) nothing is pushed after the step: ``BroadcastVersion`` broadcasts the current weights
+into the (paused) workers' models (``CollectivePublisher``). See ``rollart.weights``.
 
 Under torchrun (``WORLD_SIZE`` > 1) every rank runs this module: rank 0 serves RPC and hands each
 train / snapshot / save to the other ranks, which follow (``rollart.trainer.distributed``).
@@ -74,10 +75,10 @@ class TrainerService:
 
         from rollart.inference.client import InferenceClient
         from rollart.trainer.access import WorkerRegistry
-        from rollart.trainer.broadcast import WeightPublisher
         from rollart.trainer.checkpoint import load_trainer
         from rollart.trainer.distributed import RankGroup, RankRunner, place_model
         from rollart.trainer.step import TrainStepConfig
+        from rollart.weights.push import WeightPublisher
 
         if opts.num_threads:
             torch.set_num_threads(opts.num_threads)
@@ -118,7 +119,7 @@ class TrainerService:
                                  ref_model=self.ref_model)
         self.collective = None
         if opts.weight_transfer != "zmq" and (self.ranks is None or self.ranks.rank == 0):
-            from rollart.trainer.transfer import CollectivePublisher
+            from rollart.weights.collective import CollectivePublisher
 
             self.collective = CollectivePublisher(
                 opts.weight_transfer, self.model, connect,
@@ -142,7 +143,8 @@ class TrainerService:
         return {
             m.TrainBatch: self.train, m.SetWorkers: self.set_workers,
             m.RegisterWorkers: self.register_workers,
-            m.WaitPublished: self.wait_published, m.PublishLatest: self.publish_latest,
+            m.WaitPublished: self.wait_published, m.BroadcastVersion: self.broadcast_version,
+            m.PublishLatest: self.publish_latest,
             m.SaveCheckpoint: self.save, m.GetTrainerState: self.status,
         }
 
@@ -157,20 +159,24 @@ class TrainerService:
             msg.samples, self.step_cfg,
             vocab_size=self.model.get_input_embeddings().num_embeddings)
         for sid, why in dropped.items():
-            log.warning("step %d: dropped sample %s (%s)", msg.step, sid, why)
+            log.warning("version %d: dropped sample %s (%s)", msg.version, sid, why)
         if not usable:
             raise RemoteError("bad_request", f"no sample of the batch can be trained on: "
                               f"{dropped}")
         async with self._lock:
+            if msg.version != self.version:
+                raise RemoteError("stale_version", f"TrainBatch for version {msg.version}, but "
+                                  f"the trainer holds version {self.version}")
+            step = self.step
             start = time.perf_counter()
             metrics = await asyncio.to_thread(self.runner.train, usable)
             agreement = [m.SampleAgreement(*row) for row in self.runner.last_agreement]
             self.version += 1
-            self.step = msg.step + 1
+            self.step = step + 1
             if self.collective is None:
                 snapshot = await asyncio.to_thread(self.runner.snapshot)
                 self.publisher.publish(self.version, snapshot)
-            return m.TrainResult(step=msg.step, version=self.version, metrics=metrics,
+            return m.TrainResult(step=step, version=self.version, metrics=metrics,
                                  train_time_s=time.perf_counter() - start, agreement=agreement,
                                  dropped=dropped)
 
@@ -205,15 +211,27 @@ class TrainerService:
                            num_bytes=report.num_bytes, failed=report.failed)
 
     async def wait_published(self, msg: m.WaitPublished, _frames: object) -> m.Published:
+        """Wait for ``msg.version``'s background push; push it to ``msg.addresses`` it missed."""
         if self.collective is not None:
-            return await self._broadcast(msg.version)
+            raise RemoteError("bad_request", f"this trainer broadcasts over "
+                              f"{self.weight_transfer}: ask for BroadcastVersion, not "
+                              f"WaitPublished")
+        self.registry.check(msg.addresses, "WaitPublished")
         try:
-            report = await self.publisher.wait(msg.version)
+            report = await self.publisher.ensure_staged(msg.version, msg.addresses)
         except KeyError:
             raise RemoteError("not_found", f"version {msg.version} was not published "
                               f"(latest: {self.publisher.latest_version})") from None
+        except LookupError as exc:
+            raise RemoteError("not_found", str(exc)) from None
         return m.Published(version=report.version, total_s=report.total_s,
                            num_bytes=report.num_bytes, failed=report.failed)
+
+    async def broadcast_version(self, msg: m.BroadcastVersion, _frames: object) -> m.Published:
+        if self.collective is None:
+            raise RemoteError("bad_request", "this trainer pushes over zmq: ask for "
+                              "WaitPublished, not BroadcastVersion")
+        return await self._broadcast(msg.version)
 
     async def publish_latest(self, msg: m.PublishLatest, _frames: object) -> m.Published:
         self.registry.check(msg.addresses, "PublishLatest")

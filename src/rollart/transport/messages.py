@@ -488,9 +488,13 @@ class TrainSample(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, gc=F
 
 
 class TrainBatch(Msg):
-    """Train one step on ``samples`` (advantages already computed by the controller)."""
+    """Train one step on ``samples`` (advantages already computed by the controller).
 
-    step: NonNegInt
+    ``version``: the trainer's version the sender expects it to hold (the update makes
+    ``version + 1``); a batch for any other version is refused (``stale_version``), so a batch
+    sent twice or after a trainer restart is never trained on the wrong weights."""
+
+    version: NonNegInt
     samples: list[TrainSample]
 
 
@@ -513,7 +517,8 @@ class TrainResult(Msg):
 
     ``agreement``: one entry per sample trained on, in batch order (empty from a trainer that
     does not report it). ``dropped``: sample_id -> why, samples of the batch the trainer could
-    not train on (the others were trained)."""
+    not train on (the others were trained). ``step``: the trainer's index of this step
+    (0-based; equals ``version - 1`` unless a checkpoint says otherwise)."""
 
     step: NonNegInt
     version: NonNegInt
@@ -539,9 +544,21 @@ class SetWorkers(Msg):
 
 
 class WaitPublished(Msg):
-    """Reply (``Published``) once ``version`` is staged on every registered worker. With a
-    collective weight transfer (``nccl`` / ``gloo``) this *starts* the broadcast, which loads the
-    weights into the (paused) workers' models; the reply comes once it is done."""
+    """ZeroMQ weight transfer only: reply (``Published``) once ``version`` is staged on every
+    worker its background push went to and on each of ``addresses`` (registered workers; the
+    trainer pushes its latest version to those its step's push did not include: a worker
+    registered later, a resumed run's workers). ``version`` must then be the trainer's latest
+    (else ``not_found``). A collective trainer refuses it (``bad_request``: ``BroadcastVersion``)."""
+
+    version: PosInt
+    addresses: list[str] = []
+
+
+class BroadcastVersion(Msg):
+    """Collective weight transfer (``nccl`` / ``gloo``) only: broadcast the trainer's current
+    weights as ``version`` (must be its current version, else ``not_found``) into every
+    registered worker's model now; the workers must be paused. Reply ``Published`` once every
+    worker loaded it. A ZeroMQ trainer refuses it (``bad_request``: ``WaitPublished``)."""
 
     version: PosInt
 
@@ -580,7 +597,7 @@ class GetTrainerState(Msg):
 
 class TrainerStatus(Msg):
     """``weight_transfer``: ``zmq`` pushes each version in the background right after its step;
-    ``nccl`` / ``gloo`` broadcast it when asked (``WaitPublished``), with the workers paused."""
+    ``nccl`` / ``gloo`` broadcast it when asked (``BroadcastVersion``), with the workers paused."""
 
     version: NonNegInt
     step: NonNegInt
@@ -641,6 +658,7 @@ Request = (
     | RegisterWorkers
     | SetWorkers
     | WaitPublished
+    | BroadcastVersion
     | PublishLatest
     | SaveCheckpoint
     | GetTrainerState

@@ -129,6 +129,30 @@ class WeightPublisher:
         task = self._pushes[version]
         return await asyncio.wait_for(asyncio.shield(task), timeout_s)
 
+    async def ensure_staged(self, version: int, addresses: Iterable[str]) -> PushReport:
+        """Await the push of ``version``, then push it to those of ``addresses`` that push did
+        not include (registered after the step, or a resumed run's workers); one report of both,
+        ``total_s`` their sum. The publisher alone knows which workers got which version.
+
+        Raises:
+            KeyError: ``version`` was never published (or is long superseded).
+            LookupError: a worker needs ``version`` pushed but it is no longer the latest.
+        """
+        report = await self.wait(version)
+        missing = [a for a in dict.fromkeys(addresses) if a not in report.workers]
+        if not missing:
+            return report
+        if self.latest_version != version:
+            raise LookupError(f"version {version} is superseded by {self.latest_version}: it "
+                              f"cannot be pushed to {missing}")
+        extra = await self.push_latest(missing)
+        if extra.version != version:  # a newer step was published meanwhile
+            raise LookupError(f"version {version} was superseded by {extra.version} while "
+                              f"pushing it to {missing}")
+        return PushReport(version=version, total_s=report.total_s + extra.total_s,
+                          num_bytes=report.num_bytes, workers=[*report.workers, *missing],
+                          failed={**report.failed, **extra.failed})
+
     async def push_latest(self, addresses: Iterable[str]) -> PushReport:
         """Bring the given workers to the latest version (e.g. after they missed one).
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from rollart.inference.weights import CheckpointLayout, WeightStager
 from rollart.transport import messages as m
 from rollart.transport.errors import RemoteError
-from rollart.transport.tensors import crc32_hex, tensor_to_frame
+from rollart.weights.buckets import crc32_hex, tensor_to_frame
+from rollart.weights.staging import CheckpointLayout, WeightStager
 
 SHAPES = {"embed.weight": (8, 4), "norm.weight": (4,), "layer.weight": (4, 4)}
 

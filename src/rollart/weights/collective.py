@@ -7,7 +7,7 @@ buffers of ``bucket_bytes``) or ``GlooTrainerWeightTransferEngine`` below (same 
 tensors, one broadcast per tensor). vLLM drives the handshake through a ``VLLMWeightSyncClient``;
 ``WorkerGroupClient`` is that client over rollart's ZeroMQ RPC.
 
-Unlike the ZeroMQ push (``broadcast.py``), nothing can be staged: a broadcast writes into the
+Unlike the ZeroMQ push (``push.py``), nothing can be staged: a broadcast writes into the
 serving model, so the controller pauses the workers first and asks for the broadcast
 (``WaitPublished``) at its pause point. The group is formed lazily at the first broadcast and
 re-formed when the set of workers changes (a worker died or was added) or after a failed
@@ -33,9 +33,9 @@ from vllm.distributed.weight_transfer.nccl_engine import (
 )
 
 from rollart.inference.client import InferenceClient
-from rollart.inference.transfer import open_gloo_group
-from rollart.trainer.broadcast import PushReport
 from rollart.transport import messages as m
+from rollart.weights.push import PushReport
+from rollart.weights.vllm_engines import open_gloo_group
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ reload are vLLM's).
 
 Registration: vLLM creates the engine in its worker (the engine-core process) from a name in
 ``WeightTransferEngineFactory``. ``register_engines()`` adds ``rollart_gloo``; it runs when
-``rollart.inference.extension`` is imported, which vLLM does in the worker before it loads the
+``rollart.weights.vllm_ext`` is imported, which vLLM does in the worker before it loads the
 model (``worker_extension_cls``), and in the frontend before the engine is built.
 """
 

@@ -1,4 +1,4 @@
-"""Tensors as raw ZeroMQ frames: bucketing, (de)serialisation and checksums. No pickle.
+"""Weight buckets on the wire: tensors as raw ZeroMQ frames, bucketing, CRC32 checksums. No pickle.
 
 Torch is imported lazily so that processes which never touch tensors (the controller) do not
 pay for it.
@@ -74,25 +74,60 @@ def frame_to_tensor(meta: TensorMeta, buf: bytes | memoryview) -> torch.Tensor:
     return flat.view(dtype).reshape(meta.shape)
 
 
+def plan_buckets(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> list[list[tuple[str, torch.Tensor]]]:
+    """Group tensors, in order, into buckets of at most ``bucket_bytes`` bytes (a tensor larger
+    than that gets a bucket of its own). Only sizes are read: nothing is copied, so a GPU model
+    is moved to host memory one bucket at a time when the buckets are encoded.
+
+    The one bucketing rule of the ZeroMQ weight path (the collective path packs its buffers
+    inside vLLM's NCCL engine).
+
+    Raises:
+        ValueError: ``bucket_bytes <= 0``.
+    """
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    buckets: list[list[tuple[str, torch.Tensor]]] = []
+    current: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in named_tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if current and size + nbytes > bucket_bytes:
+            buckets.append(current)
+            current, size = [], 0
+        current.append((name, tensor))
+        size += nbytes
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def encode_bucket(
+    bucket: Sequence[tuple[str, torch.Tensor]],
+) -> tuple[list[TensorMeta], list[memoryview], str]:
+    """One bucket's wire form: ``(metas, frames, crc32_hex of the frames)``, frames in
+    ``metas`` order (tensors copied to contiguous host memory where needed)."""
+    metas: list[TensorMeta] = []
+    frames: list[memoryview] = []
+    for name, tensor in bucket:
+        meta, frame = tensor_to_frame(name, tensor)
+        metas.append(meta)
+        frames.append(frame)
+    return metas, frames, crc32_hex(frames)
+
+
 def iter_buckets(
     named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
 ) -> Iterator[tuple[list[TensorMeta], list[memoryview]]]:
-    """Group tensors into buckets of at most ``bucket_bytes`` (a larger tensor gets its own).
+    """``plan_buckets`` then encode each bucket lazily: yields ``(metas, frames)`` per bucket.
 
-    Yields ``(metas, frames)`` per bucket, frames in ``metas`` order.
+    Raises:
+        ValueError: ``bucket_bytes <= 0``.
     """
-    metas: list[TensorMeta] = []
-    frames: list[memoryview] = []
-    size = 0
-    for name, tensor in named_tensors:
-        meta, buf = tensor_to_frame(name, tensor)
-        if metas and size + meta.nbytes > bucket_bytes:
-            yield metas, frames
-            metas, frames, size = [], [], 0
-        metas.append(meta)
-        frames.append(buf)
-        size += meta.nbytes
-    if metas:
+    for bucket in plan_buckets(named_tensors, bucket_bytes):
+        metas, frames, _ = encode_bucket(bucket)
         yield metas, frames
 
 

@@ -7,8 +7,8 @@ import asyncio
 import pytest
 import torch
 
-from rollart.trainer.broadcast import WeightPublisher, snapshot_parameters
 from rollart.transport.errors import PeerDeadError
+from rollart.weights.push import WeightPublisher, snapshot_parameters
 
 
 class FakeSink:
@@ -65,6 +65,41 @@ async def test_publish_runs_in_background_and_reports_failures():
         pub.publish(1, tensors)
     await pub.close()
     assert sinks["a"].closed
+
+
+async def test_ensure_staged_pushes_only_to_workers_the_steps_push_missed():
+    sinks = {"a": FakeSink("a"), "late": FakeSink("late")}
+    pub = WeightPublisher(lambda addr: sinks[addr], bucket_bytes=1024)
+    await pub.set_workers(["a"])
+    pub.publish(1, [("w", torch.zeros(1))])
+    report = await pub.ensure_staged(1, ["a", "late"])
+    assert report.version == 1 and report.workers == ["a", "late"] and report.failed == {}
+    # "a" got version 1 once (from the step's push), "late" once (brought to it now).
+    assert sinks["a"].received == [(1, ["w"])] and sinks["late"].received == [(1, ["w"])]
+    # "late" is in the push set now: the next step's push reaches it and nothing is re-sent.
+    pub.publish(2, [("w", torch.ones(1))])
+    report = await pub.ensure_staged(2, ["a", "late"])
+    assert [v for v, _ in sinks["late"].received] == [1, 2] and sinks["late"].calls == 2
+    await pub.close()
+
+
+async def test_ensure_staged_refuses_a_superseded_version_for_a_missing_worker():
+    # A resumed trainer published version 2 before any worker was registered: its report
+    # lists no worker, so every worker asked for is brought to it; a superseded version cannot.
+    sinks = {"a": FakeSink("a")}
+    pub = WeightPublisher(lambda addr: sinks[addr], bucket_bytes=1024)
+    pub.publish(2, [("w", torch.zeros(1))])
+    report = await pub.ensure_staged(2, ["a"])
+    assert report.workers == ["a"] and sinks["a"].received == [(2, ["w"])]
+    pub.publish(3, [("w", torch.ones(1))])  # pushed to "a" (registered now)
+    await pub.wait(3)
+    sinks["b"] = FakeSink("b")
+    await pub.set_workers(["a"])
+    with pytest.raises(LookupError, match="superseded by 3"):
+        await pub.ensure_staged(2, ["b"])
+    with pytest.raises(KeyError):
+        await pub.ensure_staged(7, ["a"])
+    await pub.close()
 
 
 async def test_push_latest_brings_a_new_worker_to_the_newest_version():

@@ -1,7 +1,7 @@
 """vLLM worker extension that reloads a staged weight version inside the engine's worker.
 
 vLLM mixes this class into its worker when the engine is built with
-``worker_extension_cls="rollart.inference.extension.WeightSyncExtension"``; its methods then run in
+``worker_extension_cls="rollart.weights.vllm_ext.WeightSyncExtension"``; its methods then run in
 the worker (the engine-core process on CPU) and are called from the frontend with
 ``await engine.collective_rpc("rollart_reload_weights", args=(paths, skip))``. Only file paths
 cross the process boundary: the tensors are read lazily from safetensors files, so a large model
@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 try:
     # vLLM imports this module in its worker before loading the model: the place to make the
     # ``rollart_gloo`` weight-transfer engine known to the factory that builds it there.
-    from rollart.inference.transfer import register_engines
+    from rollart.weights.vllm_engines import register_engines
 except ImportError:  # vLLM absent: only iter_safetensors is usable
     pass
 else:

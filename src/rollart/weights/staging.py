@@ -24,7 +24,7 @@ from pathlib import Path
 
 from rollart.transport import messages as m
 from rollart.transport.errors import RemoteError
-from rollart.transport.tensors import decode_bucket
+from rollart.weights.buckets import decode_bucket
 
 log = logging.getLogger(__name__)
 
