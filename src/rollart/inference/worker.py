@@ -54,6 +54,7 @@ from rollart.transport import tokenbytes as tb
 from rollart.transport.errors import ConfigError, RemoteError
 from rollart.transport.rpc import RpcServer
 from rollart.transport.security import Auth, add_auth_args, service_auth
+from rollart.weights.basestate import WorkerBases
 
 log = logging.getLogger("rollart.inference.worker")
 
@@ -103,6 +104,7 @@ class InferenceWorker:
         self.name = name
         self.version = version
         self.stager = stager
+        self.bases = WorkerBases(stager)
         self.counts = counts
         self.paused = False
         self.generated_tokens = 0
@@ -120,6 +122,7 @@ class InferenceWorker:
             m.Resume: self.resume,
             m.GetStats: self.get_stats,
             m.WeightBucket: self.weight_bucket,
+            m.WeightDelta: self.weight_delta,
             m.ApplyWeights: self.apply_weights,
             m.WeightTransferInit: self.transfer_init,
             m.WeightTransferStart: self.transfer_start,
@@ -260,11 +263,16 @@ class InferenceWorker:
     # -- weights ---------------------------------------------------------------------------------
 
     async def weight_bucket(self, msg: m.WeightBucket, frames) -> m.Ack:
+        self.bases.note_full_bucket(msg)
         nbytes = await self.stager.stage(msg, frames, self.version)
         return m.Ack(
             detail=f"staged bucket {msg.bucket_index + 1}/{msg.num_buckets} of version "
             f"{msg.version} ({nbytes} bytes)"
         )
+
+    async def weight_delta(self, msg: m.WeightDelta, frames) -> m.Ack | m.NeedFullVersion:
+        """Rebuild a delta bucket on the exact base it names (``rollart.weights.basestate``)."""
+        return await self.bases.stage_delta(msg, frames, self.version)
 
     async def apply_weights(self, msg: m.ApplyWeights, _frames) -> m.WeightsApplied:
         """Pause (keep), reload in the engine, reset the prefix cache (``reprefill``: also
@@ -284,7 +292,7 @@ class InferenceWorker:
             await self.engine.update_weight_version(str(msg.version))
             self.version = msg.version
             self.received_version = None
-            self.stager.discard_up_to(msg.version)
+            self.bases.after_apply(msg.version)
             if not was_paused:
                 await self.engine.resume_generation()
             elapsed = time.perf_counter() - start
