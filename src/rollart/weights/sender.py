@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -31,6 +32,10 @@ if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger(__name__)
+
+#: buckets encoded at once on the trainer, and delta buckets in flight to one worker (rebuilt
+#: concurrently there): zstd and numpy release the GIL, so this many cores work per version
+CODEC_THREADS = 4
 
 DeltaMode = Literal["off", "xor", "sparse"]
 
@@ -62,8 +67,8 @@ def encode_version(base: Sequence[tuple[str, torch.Tensor]],
         ValueError: a tensor of ``new`` missing from ``base`` or of another dtype / shape.
     """
     base_by_name = dict(base)
-    out = []
-    for bucket in plan(new, bucket_bytes):
+
+    def one(bucket: list[tuple[str, torch.Tensor]]) -> EncodedBucket:
         metas, frames, olds = [], [], []
         for name, t in bucket:
             old = base_by_name.get(name)
@@ -75,8 +80,10 @@ def encode_version(base: Sequence[tuple[str, torch.Tensor]],
             olds.append(delta.tensor_bytes(old))
         itemsize = min(t.element_size() for _, t in bucket)
         payload = delta.encode(delta.concat(olds), delta.concat(frames), encoding, itemsize)
-        out.append(EncodedBucket(metas, crc32_hex(frames), payload))
-    return out
+        return EncodedBucket(metas, crc32_hex(frames), payload)
+
+    with ThreadPoolExecutor(CODEC_THREADS, thread_name_prefix="delta-encode") as pool:
+        return list(pool.map(one, plan(new, bucket_bytes)))
 
 
 class DeltaSender:
@@ -192,22 +199,30 @@ class DeltaSender:
             RemoteError / PeerDeadError: any other failure of a bucket.
         """
         buckets = await asyncio.shield(self._encode(version, base))
-        sent = 0
         name = getattr(sink, "name", sink)
-        for index, b in enumerate(buckets):
+        slots = asyncio.Semaphore(CODEC_THREADS)
+        refused: list[str] = []
+
+        async def one(index: int, b: EncodedBucket) -> int:
             msg = m.WeightDelta(version=version, base_version=base, bucket_index=index,
                                 num_buckets=len(buckets), tensors=b.metas, checksum=b.checksum,
                                 encoding=self.mode)  # type: ignore[arg-type]
-            sent += len(b.payload)
-            try:
-                reply = await sink.push_weight_delta(msg, b.payload)
-            except RemoteError as exc:
-                if exc.code != "checksum_mismatch":
-                    raise
-                log.warning("%s: delta of version %d against %d fails its checksum (%s); "
-                            "sending it in full", name, version, base, exc)
-                return sent, False
-            if isinstance(reply, m.NeedFullVersion):
-                log.info("%s needs version %d in full: %s", name, version, reply.reason)
-                return sent, False
-        return sent, True
+            async with slots:
+                if refused:  # the version goes in full anyway: stop sending deltas
+                    return 0
+                try:
+                    reply = await sink.push_weight_delta(msg, b.payload)
+                except RemoteError as exc:
+                    if exc.code != "checksum_mismatch":
+                        raise
+                    refused.append(f"bucket {index} fails its checksum ({exc})")
+                    return len(b.payload)
+                if isinstance(reply, m.NeedFullVersion):
+                    refused.append(reply.reason)
+            return len(b.payload)
+
+        sent = sum(await asyncio.gather(*(one(i, b) for i, b in enumerate(buckets))))
+        if refused:
+            log.warning("%s: delta of version %d against %d refused (%s); sending it in full",
+                        name, version, base, refused[0])
+        return sent, not refused
