@@ -372,3 +372,11 @@ def test_trainer_gets_the_delta_options_and_float32_masters_with_a_bf16_wire(tmp
     opts = json.loads(argv[argv.index("--options") + 1])
     assert opts["weight_delta"] == "sparse" and opts["weight_wire_dtype"] == "bf16"
     assert opts["weight_full_every"] == 7 and opts["dtype"] == "float32"
+
+
+def test_sparse_delta_naming_an_element_outside_the_base_is_refused():
+    head = np.array([1], dtype="<u4").tobytes()
+    payload = delta.zstandard.ZstdCompressor().compress(
+        head + np.array([40], dtype="<u4").tobytes() + b"\x01\x00")
+    with pytest.raises(delta.DeltaError, match="names element 40 of 8"):
+        delta.decode(np.zeros(16, dtype=np.uint8), payload, "sparse", 2)

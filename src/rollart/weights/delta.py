@@ -6,8 +6,9 @@ the base, concatenated in bucket order:
 
 - ``xor``: ``zstd(new_bytes XOR base_bytes)``. Unchanged elements are zero bytes, which zstd
   compresses to almost nothing; changed bf16 elements mostly differ in their low mantissa bits.
-- ``sparse``: ``zstd(u32 count | u32 index * count | value * count)`` over elements of the
-  bucket's element size: only the indices and new values of changed elements.
+- ``sparse``: ``zstd(u32 count | u32 index gap * count | value * count)`` over elements of the
+  bucket's element size: only the positions (as gaps from the previous changed element, which
+  compress better than absolute indices) and new values of changed elements.
 
 The decoder rebuilds the new bucket's bytes; the caller verifies them against the bucket's CRC32
 (``rollart.transport.tensors.decode_bucket``) before anything is staged, so a wrong base or a
@@ -111,7 +112,7 @@ def encode(base: np.ndarray, new: np.ndarray, encoding: Encoding, itemsize: int)
         raise ValueError(f"base has {base.size} bytes, new {new.size}")
     cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
     if encoding == "xor":
-        return cctx.compress(_xor(base, new).tobytes())
+        return cctx.compress(_xor(base, new))
     if encoding != "sparse":
         raise ValueError(f"unknown delta encoding {encoding!r}")
     if new.size % itemsize:
@@ -122,8 +123,9 @@ def encode(base: np.ndarray, new: np.ndarray, encoding: Encoding, itemsize: int)
     if new_e.size >= 1 << 32:
         raise ValueError(f"sparse delta of {new_e.size} elements: indices exceed 32 bits "
                          "(use smaller weight buckets)")
+    gaps = np.diff(idx, prepend=np.uint32(0)).astype("<u4")
     head = np.array([idx.size], dtype="<u4")
-    return cctx.compress(head.tobytes() + idx.tobytes() + new_e[idx].tobytes())
+    return cctx.compress(head.tobytes() + gaps.tobytes() + new_e[idx].tobytes())
 
 
 def decode(base: np.ndarray, payload: bytes | memoryview, encoding: Encoding,
@@ -157,7 +159,7 @@ def decode(base: np.ndarray, payload: bytes | memoryview, encoding: Encoding,
         raise DeltaError(f"sparse delta of {count} elements has {len(raw)} bytes, expected "
                          f"{4 + count * (4 + itemsize)}")
     w = _word(itemsize)
-    idx = np.frombuffer(raw, dtype="<u4", count=count, offset=4)
+    idx = np.cumsum(np.frombuffer(raw, dtype="<u4", count=count, offset=4), dtype=np.uint64)
     values = np.frombuffer(raw, dtype=w, count=count, offset=4 + 4 * count)
     if count and int(idx.max()) >= n_el:
         raise DeltaError(f"sparse delta names element {int(idx.max())} of {n_el}")

@@ -34,8 +34,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 #: buckets encoded at once on the trainer, and delta buckets in flight to one worker (rebuilt
-#: concurrently there): zstd and numpy release the GIL, so this many cores work per version
-CODEC_THREADS = 4
+#: concurrently there): zstd and numpy release the GIL, so this many cores work per version.
+#: Costs up to this many rebuilt buckets (``bucket_bytes`` each) of transient worker memory.
+CODEC_THREADS = 8
 
 DeltaMode = Literal["off", "xor", "sparse"]
 
