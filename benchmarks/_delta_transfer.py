@@ -112,7 +112,7 @@ async def run_delta(args: Any, run_dir: Path, model: Path, label: str, lr: float
                 trainer, worker = pairs[kind]
                 result = await trainer.train(rnd, samples)
                 row = await _move(kind, trainer, worker, result.version)
-                row.update(model=label, lr=lr, round=rnd, reward=reward,
+                row.update(model=label, lr=f"{lr:g}", round=rnd, reward=reward,
                            train_step_s=result.train_time_s)
                 rows.append(row)
             full_lp = await _prompt_logprobs(pairs["full"][1], PROMPT)

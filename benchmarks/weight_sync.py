@@ -21,7 +21,9 @@ model's bytes, after the trainer encoded it and before each worker rebuilt it. T
 **measured** by ``benchmarks.weight_transfer`` on a real GRPO run (see the constant); the codec
 rates are measured here, at run time, on this machine's CPU (thread CPU time of the real
 ``rollart.weights`` codec over a 64 MiB bf16 bucket, so other load does not bias them) and
-multiplied by the implementation's ``CODEC_THREADS``.
+multiplied by the implementation's ``CODEC_THREADS``. ``delta_link_only`` charges no codec
+time at all: a bound (what an encoder on the trainer's GPUs and a free rebuild would approach),
+not a measurement.
 """
 
 from __future__ import annotations
@@ -87,6 +89,9 @@ def run(quick: bool, seed: int) -> dict:
                 weight_delta_fraction=DELTA_BYTES_FRACTION,
                 delta_encode_bytes_per_s=encode_rate * CODEC_THREADS,
                 delta_rebuild_bytes_per_s=rebuild_rate * CODEC_THREADS), sd)
+            link_only = run_simulated(dataclasses.replace(
+                paper_cluster(model, quick=quick, mode="rollart", steps=3 if quick else None),
+                weight_delta_fraction=DELTA_BYTES_FRACTION), sd)
             row = {"model": model,
                    "push_s": statistics.fmean(over.push_times_s),
                    "naive_total_s": _mean(naive.steps, "weight_sync_total_s"),
@@ -96,12 +101,16 @@ def run(quick: bool, seed: int) -> dict:
                    "delta_push_s": statistics.fmean(delta.push_times_s[1:]),
                    "delta_total_s": _mean(delta.steps, "weight_sync_total_s"),
                    "delta_exposed_s": _mean(delta.steps, "weight_sync_exposed_s"),
+                   "delta_link_only_exposed_s": _mean(link_only.steps,
+                                                      "weight_sync_exposed_s"),
                    "paper_naive_s": paper_naive, "paper_exposed_s": paper_exposed}
             rows.append(row)
             samples.setdefault(f"{model}: naive exposed / rollart exposed", []).append(
                 row["naive_exposed_s"] / row["rollart_exposed_s"]
                 if row["rollart_exposed_s"] else float("inf"))
             samples.setdefault(f"{model}: delta exposed s", []).append(row["delta_exposed_s"])
+            samples.setdefault(f"{model}: delta (link only, bound) exposed s", []).append(
+                row["delta_link_only_exposed_s"])
             samples.setdefault(f"{model}: rollart exposed s", []).append(
                 row["rollart_exposed_s"])
     ratios, ci = summarize(samples)

@@ -135,7 +135,7 @@ def delta_ratios(rows: list[dict[str, Any]]) -> tuple[dict[str, float], dict[str
         mine = [r for r in rows if (r["model"], r["lr"]) == (model, lr)]
         full = {r["version"]: r for r in mine if r["path"] == "full"}
         deltas = [r for r in mine if r["path"] == "delta" and r["version"] > 1]
-        tag = f"{model} lr={lr:g}"
+        tag = f"{model} lr={lr}"
         series = {
             f"delta_bytes_fraction {tag}": [r["wire_bytes"] / r["num_bytes"] for r in deltas],
             f"delta / full transfer_s {tag}": [

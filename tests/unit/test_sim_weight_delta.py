@@ -43,8 +43,8 @@ def test_delta_versions_move_their_fraction_and_are_rebuilt_in_full() -> None:
                                          delta_encode_bytes_per_s=16.4e9,
                                          delta_rebuild_bytes_per_s=8.2e9)
     assert deltas == [2, 3]  # version 1 (no base) and 4 (full_every) go in full
-    # 0.05 x 0.656 s on the link + 1 s encode + 2 s rebuild, for the whole version.
-    assert secs == pytest.approx([0.656, 3.0328, 3.0328, 0.656])
+    # 1 s encode, then 0.05 x 0.656 s on the link overlapped with a 2 s rebuild.
+    assert secs == pytest.approx([0.656, 3.0, 3.0, 0.656])
     assert staged == staged_full  # the apply still loads every byte of each version
 
 
@@ -53,3 +53,8 @@ def test_delta_options_are_checked() -> None:
         SimTrainer(model=QWEN3_8B, hardware=H800, num_gpus=8, delta_bytes_fraction=0.0)
     with pytest.raises(ValueError, match="full_every"):
         SimTrainer(model=QWEN3_8B, hardware=H800, num_gpus=8, full_every=0)
+
+
+def test_a_free_codec_leaves_only_the_fraction_on_the_link() -> None:
+    secs, deltas, _ = _push_seconds(delta_bytes_fraction=0.05)
+    assert deltas == [2, 3, 4] and secs == pytest.approx([0.656] + [0.0328] * 3)

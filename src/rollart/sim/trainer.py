@@ -11,9 +11,10 @@ worker's pull, §6.3). No tensors exist.
 With ``delta_bytes_fraction`` (``[trainer] weight_delta``, ``rollart.weights``) a version after
 the first that is not a multiple of ``full_every`` moves only that fraction of the model's bytes
 (the fraction is an input: ``benchmarks.weight_transfer`` measures it on real training runs),
-after the trainer encoded it at ``delta_encode_bytes_per_s`` and before each worker rebuilt it
-at ``delta_rebuild_bytes_per_s`` (bytes of the whole version per second; XOR + zstd, rates
-measured by the caller); the apply still loads the whole version (host to device).
+after the trainer encoded it at ``delta_encode_bytes_per_s``, while each worker rebuilds it at
+``delta_rebuild_bytes_per_s`` (bytes of the whole version per second; XOR + zstd, rates
+measured by the caller; transfer and rebuild overlap, bucket by bucket); the apply still loads
+the whole version (host to device).
 """
 
 from __future__ import annotations
@@ -165,11 +166,13 @@ class SimTrainer:
             rate = min(rate, self.egress_bytes_per_s / concurrent)
         seconds = costs.transfer_s(nbytes, rate)
         if self._is_delta(version):
+            # As rollart.weights.sender does it: every bucket is encoded first, then buckets
+            # travel CODEC_THREADS at a time while the worker rebuilds those that arrived.
             assert self.delta_bytes_fraction is not None
-            seconds = costs.transfer_s(nbytes * self.delta_bytes_fraction, rate)
-            for rate_ in (self.delta_encode_bytes_per_s, self.delta_rebuild_bytes_per_s):
-                if rate_ is not None:
-                    seconds += nbytes / rate_
+            enc, dec = self.delta_encode_bytes_per_s, self.delta_rebuild_bytes_per_s
+            seconds = (nbytes / enc if enc else 0.0) + max(
+                costs.transfer_s(nbytes * self.delta_bytes_fraction, rate),
+                nbytes / dec if dec else 0.0)
         await asyncio.sleep(self.time_scale * seconds)
         if not worker.dead:
             worker.stage(version, nbytes)
