@@ -380,3 +380,16 @@ def test_sparse_delta_naming_an_element_outside_the_base_is_refused():
         head + np.array([40], dtype="<u4").tobytes() + b"\x01\x00")
     with pytest.raises(delta.DeltaError, match="names element 40 of 8"):
         delta.decode(np.zeros(16, dtype=np.uint8), payload, "sparse", 2)
+
+
+async def test_a_tensor_whose_shape_changed_goes_in_full(setup):
+    make, sinks = setup
+    pub = make()
+    await pub.set_workers(["a"])
+    await publish(pub, 1, bf16(weights()))
+    grown = [(n, torch.cat([t, t]) if n == "norm.weight" else t) for n, t in bf16(weights())]
+    r = await publish(pub, 2, grown)
+    assert r.delta_workers == [] and not r.failed
+    got = sinks["a"].apply(2)
+    assert got["norm.weight"].shape == (64,)
+    await pub.close()

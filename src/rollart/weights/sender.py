@@ -168,7 +168,12 @@ class DeltaSender:
             sent = 0
             base = self.base_for(addr, version)
             if base is not None:
-                n, complete = await self.send_delta(sink, version, base)
+                try:
+                    n, complete = await self.send_delta(sink, version, base)
+                except ValueError as exc:  # a tensor's dtype / shape changed since the base
+                    log.warning("version %d cannot be a delta against %d (%s): sending it in "
+                                "full", version, base, exc)
+                    n, complete = 0, False
                 sent += n
                 if complete:
                     self.done(addr, version)
