@@ -62,6 +62,8 @@ async def _move(kind: str, trainer: Any, worker: Any, version: int) -> dict[str,
     t0 = time.perf_counter()
     published = await trainer.wait_published(version)
     t1 = time.perf_counter()
+    if published.failed:
+        raise RuntimeError(f"{kind}: the push of version {version} failed: {published.failed}")
     await worker.pause("keep")
     await worker.apply_weights(version)
     await worker.resume()

@@ -34,7 +34,7 @@ def services(tiny_model_dir, service_starter, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("weight-delta-logs")
     worker = service_starter("rollart.inference.worker",
                              ["--model", str(tiny_model_dir), "--dtype", "float32",
-                              "--enforce-eager"], log_dir=log_dir, ready_timeout_s=300)
+                              "--enforce-eager"], log_dir=log_dir, ready_timeout_s=600)
     trainer = service_starter("rollart.trainer.service",
                               ["--model", str(tiny_model_dir), "--options",
                                '{"lr": 0.01, "bucket_bytes": 200000, "weight_delta": "xor", '
