@@ -408,6 +408,19 @@ class TrainerConfig(_Cfg):
     weight_transfer_address: Annotated[str, msgspec.Meta(min_length=1)] = "127.0.0.1"
     #: rendezvous and per-call limit of a collective broadcast, seconds.
     weight_transfer_timeout_s: PosFloat = 600.0
+    #: dtype of the weights sent to the workers: ``model`` (the trainer's parameter dtype, as
+    #: resolved from ``model.dtype``), ``bf16``, ``fp16`` or ``fp32``. With ``bf16`` / ``fp16``
+    #: the trainer keeps float32 master parameters (whatever ``model.dtype``) and rounds each
+    #: version to the wire dtype once, after the step: small updates accumulate in the masters
+    #: and only elements whose rounded value changed travel as a delta.
+    weight_wire_dtype: Literal["model", "bf16", "fp16", "fp32"] = "model"
+    #: ``off``: every version in full. ``xor``: zstd of (new XOR base) bit patterns; ``sparse``:
+    #: zstd of changed elements' indices and values; both against the exact version the worker
+    #: holds (``rollart.weights``), with a CRC32 of each rebuilt bucket. zmq transfer only.
+    weight_delta: Literal["off", "xor", "sparse"] = "off"
+    #: with ``weight_delta``: versions that are multiples of this go in full to every worker
+    #: (new, restarted or lagging workers always get a full version).
+    weight_full_every: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 10
     #: trainer ranks (data-parallel FSDP2 under torchrun, one node): one GPU each with ``cuda``,
     #: CPU processes over gloo with ``cpu``. 1: a single plain process.
     num_processes: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1
@@ -607,6 +620,10 @@ def validate_scenario(scenario: Scenario, source: str = "<scenario>") -> Scenari
                     f"{t.num_processes} ranks x trainer.num_minibatches {t.num_minibatches} "
                     f"exceeds run.batch_size {run.batch_size}: some rank would get no sample of "
                     "a minibatch and only run padding passes")
+    if t.weight_delta != "off" and t.weight_transfer != "zmq":
+        raise _fail(source, "trainer.weight_delta",
+                    f"{t.weight_delta!r} needs trainer.weight_transfer = \"zmq\": a {t.weight_transfer} "
+                    "broadcast loads full tensors into the engine (set weight_delta = \"off\")")
     if t.weight_transfer != "zmq" and _is_loopback(t.weight_transfer_address):
         remote = [a for p in scenario.pools for a in p.addresses if not _is_loopback(_host(a))]
         if remote:

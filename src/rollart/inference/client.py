@@ -160,12 +160,14 @@ class InferenceClient:
         *,
         bucket_bytes: int,
         timeout_s: float | None = None,
+        keep_as_base: bool = False,
     ) -> None:
         """Send weight version ``version`` in buckets of at most ``bucket_bytes`` bytes.
 
         Tensors use checkpoint (Hugging Face) names; any dtype, on any device (copied to host
         one bucket at a time). Each bucket carries a CRC32 of its bytes. Nothing is applied
-        until ``apply_weights(version)``.
+        until ``apply_weights(version)``. ``keep_as_base``: the worker keeps the version after
+        applying it, as the base of deltas (``rollart.weights``).
 
         Raises:
             RemoteError: ``stale_version`` (version not newer than the worker's),
@@ -183,8 +185,25 @@ class InferenceClient:
                 num_buckets=len(buckets),
                 tensors=metas,
                 checksum=checksum,
+                keep_as_base=keep_as_base,
             )
             await self._call(msg, m.Ack, buffers=frames, timeout_s=timeout_s)
+
+    async def push_weight_delta(self, msg: m.WeightDelta, payload: bytes, *,
+                                timeout_s: float | None = None) -> m.Ack | m.NeedFullVersion:
+        """Send one delta bucket (``rollart.weights.sender``); its payload is the one frame.
+
+        Returns ``Ack`` (rebuilt and staged) or ``NeedFullVersion`` (base not held).
+
+        Raises:
+            RemoteError: ``checksum_mismatch`` (rebuilt bytes differ: nothing staged),
+                ``stale_version``, ``bad_request``.
+        """
+        reply, _ = await self._rpc.call(msg, buffers=[payload], timeout_s=timeout_s)
+        if not isinstance(reply, m.Ack | m.NeedFullVersion):
+            raise RemoteError("bad_request", f"{self.name}: expected Ack or NeedFullVersion in "
+                              f"reply to WeightDelta, got {type(reply).__name__}")
+        return reply
 
     async def apply_weights(
         self, version: int, *, reprefill: bool = False, timeout_s: float | None = None

@@ -54,6 +54,7 @@ from rollart.transport import tokenbytes as tb
 from rollart.transport.errors import ConfigError, RemoteError
 from rollart.transport.rpc import RpcServer
 from rollart.transport.security import Auth, add_auth_args, service_auth
+from rollart.weights.basestate import WorkerBases
 from rollart.weights.receiver import WeightReceiver
 from rollart.weights.staging import CheckpointLayout, WeightStager
 
@@ -105,6 +106,7 @@ class InferenceWorker(WeightReceiver):
         self.name = name
         self.version = version
         self.stager = stager
+        self.bases = WorkerBases(stager)
         self.counts = counts
         self.paused = False
         self.generated_tokens = 0

@@ -164,11 +164,15 @@ def trainer_argv(sc: Scenario, model_dir: Path, resume: Path | None, *,
     # "auto" keeps the checkpoint's dtype on GPUs; CPU training stays in float32.
     dtype = sc.model.dtype if sc.model.dtype != "auto" else (
         "float32" if t.device == "cpu" else "bfloat16")
+    if t.weight_wire_dtype in ("bf16", "fp16"):
+        dtype = "float32"  # master parameters: the wire dtype only rounds what is sent
     options = {"lr": t.lr, "weight_decay": t.weight_decay, "bucket_bytes": t.weight_bucket_bytes,
                "seed": sc.run.seed, "device": t.device, "dtype": dtype,
                "weight_transfer": t.weight_transfer,
                "weight_transfer_address": t.weight_transfer_address,
-               "weight_transfer_timeout_s": t.weight_transfer_timeout_s}
+               "weight_transfer_timeout_s": t.weight_transfer_timeout_s,
+               "weight_wire_dtype": t.weight_wire_dtype, "weight_delta": t.weight_delta,
+               "weight_full_every": t.weight_full_every}
     temperatures = {d.sampling.temperature for d in sc.domains}
     step_cfg: dict[str, Any] = {
         "clip_eps": t.clip_eps, "kl_coef": t.kl_coef, "max_grad_norm": t.max_grad_norm,

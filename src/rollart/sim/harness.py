@@ -122,6 +122,13 @@ class SimScenario:
     #: the trainer's pushes share its nodes' NICs (ceil(trainer_gpus / gpus_per_node) x the
     #: trainer hardware's ``link_bytes_per_s``); False: every engine's own link alone
     shared_trainer_egress: bool = True
+    #: delta weight transfer (``SimTrainer``): delta bytes / full bytes per version (None:
+    #: full versions), a full version every ``weight_full_every``, the trainer's encode and a
+    #: worker's rebuild rate (bytes of the whole version per second)
+    weight_delta_fraction: float | None = None
+    weight_full_every: int = 10
+    delta_encode_bytes_per_s: float | None = None
+    delta_rebuild_bytes_per_s: float | None = None
     gpus_per_node: int = 8
     #: engines' chunked-prefill token budget (vLLM ``max_num_batched_tokens``)
     max_num_batched_tokens: int = 8192
@@ -240,7 +247,11 @@ class SimCluster:
         self.trainer: SimTrainer = SimTrainer(model=model, hardware=trainer_hw, num_gpus=sim.trainer_gpus,
                                   eff=sim.eff,
                                   egress_bytes_per_s=(nodes * trainer_hw.link_bytes_per_s
-                                                      if sim.shared_trainer_egress else None))
+                                                      if sim.shared_trainer_egress else None),
+                                  delta_bytes_fraction=sim.weight_delta_fraction,
+                                  full_every=sim.weight_full_every,
+                                  delta_encode_bytes_per_s=sim.delta_encode_bytes_per_s,
+                                  delta_rebuild_bytes_per_s=sim.delta_rebuild_bytes_per_s)
         self.proxy = LLMProxy(
             {p.name: (p.hardware, self.workers[p.name]) for p in sim.pools},
             {d.spec.name: d.pool for d in sim.domains})

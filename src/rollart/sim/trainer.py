@@ -7,6 +7,14 @@ charges ``bytes / link_bytes_per_s`` of its own link, in parallel). With ``egres
 instead: each of ``n`` concurrent pulls gets ``min(worker link, egress / n)``, so pushing to
 many engines takes longer than pushing to one (the paper's trainer-side CPU store serves every
 worker's pull, §6.3). No tensors exist.
+
+With ``delta_bytes_fraction`` (``[trainer] weight_delta``, ``rollart.weights``) a version after
+the first that is not a multiple of ``full_every`` moves only that fraction of the model's bytes
+(the fraction is an input: ``benchmarks.weight_transfer`` measures it on real training runs),
+after the trainer encoded it at ``delta_encode_bytes_per_s``, while each worker rebuilds it at
+``delta_rebuild_bytes_per_s`` (bytes of the whole version per second; XOR + zstd, rates
+measured by the caller; transfer and rebuild overlap, bucket by bucket); the apply still loads
+the whole version (host to device).
 """
 
 from __future__ import annotations
@@ -40,6 +48,11 @@ class SimTrainer:
         time_scale: multiplies the simulated step time (0: train instantly).
         egress_bytes_per_s: shared trainer egress in bytes/s (None: each worker's own link
             alone bounds its push).
+        delta_bytes_fraction: bytes of a delta version / bytes of a full one, in (0, 1]
+            (None: every version in full); ``full_every``: versions sent in full;
+            ``delta_encode_bytes_per_s`` / ``delta_rebuild_bytes_per_s``: the trainer's encode
+            and a worker's rebuild rate of a delta version (bytes of the full version per
+            second; None: free).
 
     Attributes: ``version`` (updates applied), ``step_times_s`` (each step's simulated time),
     ``push_times_s`` (each push's duration, seconds).
@@ -49,9 +62,24 @@ class SimTrainer:
                  bucket_bytes: int = 1 << 30, extra_forward: bool = True,
                  eff: costs.Efficiency = costs.DEFAULT_EFFICIENCY,
                  weights: Callable[[], Iterable[tuple[str, Any]]] | None = None,
-                 time_scale: float = 1.0, egress_bytes_per_s: float | None = None) -> None:
+                 time_scale: float = 1.0, egress_bytes_per_s: float | None = None,
+                 delta_bytes_fraction: float | None = None, full_every: int = 10,
+                 delta_encode_bytes_per_s: float | None = None,
+                 delta_rebuild_bytes_per_s: float | None = None) -> None:
         if egress_bytes_per_s is not None and egress_bytes_per_s <= 0:
             raise ValueError(f"egress_bytes_per_s must be > 0, got {egress_bytes_per_s}")
+        if delta_bytes_fraction is not None and not 0 < delta_bytes_fraction <= 1:
+            raise ValueError(f"delta_bytes_fraction must be in (0, 1], got "
+                             f"{delta_bytes_fraction}")
+        rates = (delta_encode_bytes_per_s, delta_rebuild_bytes_per_s)
+        if full_every < 1 or any(r is not None and r <= 0 for r in rates):
+            raise ValueError(f"full_every must be >= 1 and the delta codec rates > 0, got "
+                             f"{full_every}, {rates}")
+        self.delta_bytes_fraction, self.full_every = delta_bytes_fraction, full_every
+        self.delta_rebuild_bytes_per_s = delta_rebuild_bytes_per_s
+        self.delta_encode_bytes_per_s = delta_encode_bytes_per_s
+        #: versions pushed as deltas
+        self.delta_versions: list[int] = []
         self.egress_bytes_per_s = egress_bytes_per_s
         if num_gpus < 1 or bucket_bytes < 1:
             raise ValueError(f"num_gpus and bucket_bytes must be >= 1, got {num_gpus}, "
@@ -111,7 +139,10 @@ class SimTrainer:
         loop = asyncio.get_running_loop()
         start = loop.time()
         live = [w for w in workers if not w.dead]
-        if self.egress_bytes_per_s is not None and self._weights is None \
+        if self._is_delta(version) and all(hasattr(w, "stage") for w in live):
+            self.delta_versions.append(version)
+            await asyncio.gather(*(self._shared_push(version, w, len(live)) for w in live))
+        elif self.egress_bytes_per_s is not None and self._weights is None \
                 and all(hasattr(w, "stage") for w in live):
             await asyncio.gather(*(self._shared_push(version, w, len(live)) for w in live))
         else:
@@ -121,11 +152,27 @@ class SimTrainer:
                 for w in live))
         self.push_times_s.append(loop.time() - start)
 
+    def _is_delta(self, version: int) -> bool:
+        return (self.delta_bytes_fraction is not None and self._weights is None
+                and version > 1 and version % self.full_every != 0)
+
     async def _shared_push(self, version: int, worker: Any, concurrent: int) -> None:
-        """Equal-sized pulls that start together share the egress equally to the end."""
-        assert self.egress_bytes_per_s is not None
+        """Equal-sized pulls that start together share the egress equally to the end (each
+        worker's own link alone without ``egress_bytes_per_s``); a delta version moves its
+        fraction of the bytes, then the worker rebuilds the whole version."""
         nbytes = float(self.model.weight_bytes)
-        rate = min(worker.hardware.link_bytes_per_s, self.egress_bytes_per_s / concurrent)
-        await asyncio.sleep(self.time_scale * costs.transfer_s(nbytes, rate))
+        rate = worker.hardware.link_bytes_per_s
+        if self.egress_bytes_per_s is not None:
+            rate = min(rate, self.egress_bytes_per_s / concurrent)
+        seconds = costs.transfer_s(nbytes, rate)
+        if self._is_delta(version):
+            # As rollart.weights.sender does it: every bucket is encoded first, then buckets
+            # travel CODEC_THREADS at a time while the worker rebuilds those that arrived.
+            assert self.delta_bytes_fraction is not None
+            enc, dec = self.delta_encode_bytes_per_s, self.delta_rebuild_bytes_per_s
+            seconds = (nbytes / enc if enc else 0.0) + max(
+                costs.transfer_s(nbytes * self.delta_bytes_fraction, rate),
+                nbytes / dec if dec else 0.0)
+        await asyncio.sleep(self.time_scale * seconds)
         if not worker.dead:
             worker.stage(version, nbytes)

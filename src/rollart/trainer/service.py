@@ -61,6 +61,12 @@ class TrainerOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     #: limit of pushing one version to one worker (zmq), seconds; a worker over it, or one
     #: declared dead, is marked unreachable and skipped by later pushes.
     weight_push_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 600.0
+    #: zmq: dtype each version is rounded to before it is sent (``model``: ``dtype``) and
+    #: ``off`` / ``xor`` / ``sparse`` delta transfer, a full version every ``weight_full_every``
+    #: versions (``rollart.weights.sender``).
+    weight_wire_dtype: Literal["model", "bf16", "fp16", "fp32"] = "model"
+    weight_delta: Literal["off", "xor", "sparse"] = "off"
+    weight_full_every: Annotated[int, msgspec.Meta(ge=1)] = 10
 
 
 class TrainerService:
@@ -109,8 +115,13 @@ class TrainerService:
                                    default_timeout_s=600.0)
 
         self.weight_transfer = opts.weight_transfer
-        self.publisher = WeightPublisher(connect, bucket_bytes=opts.bucket_bytes,
-                                         push_timeout_s=opts.weight_push_timeout_s)
+        from rollart.weights.sender import DeltaSender
+
+        self.wire_dtype = opts.weight_wire_dtype
+        self.publisher = WeightPublisher(
+            connect, bucket_bytes=opts.bucket_bytes, push_timeout_s=opts.weight_push_timeout_s,
+            delta=DeltaSender(opts.weight_delta, full_every=opts.weight_full_every,
+                              bucket_bytes=opts.bucket_bytes))
         #: the only workers weights may go to; checkpoints only under checkpoint_dir
         self.registry = WorkerRegistry(workers)
         self.checkpoint_dir = checkpoint_dir
@@ -137,7 +148,13 @@ class TrainerService:
         """Make a resumed version the publisher's latest, so workers started from the base
         checkpoint can be brought to it (``PublishLatest``)."""
         if self._resumed and self.collective is None:
-            self.publisher.publish(self.version, self.runner.snapshot())
+            self.publisher.publish(self.version, self._wire_snapshot())
+
+    def _wire_snapshot(self) -> list:
+        """The parameters as sent: detached CPU copies in the wire dtype."""
+        from rollart.weights.delta import to_wire
+
+        return to_wire(self.runner.snapshot(), self.wire_dtype)
 
     def handlers(self) -> dict[type, object]:
         return {
@@ -174,7 +191,7 @@ class TrainerService:
             self.version += 1
             self.step = step + 1
             if self.collective is None:
-                snapshot = await asyncio.to_thread(self.runner.snapshot)
+                snapshot = await asyncio.to_thread(self._wire_snapshot)
                 self.publisher.publish(self.version, snapshot)
             return m.TrainResult(step=step, version=self.version, metrics=metrics,
                                  train_time_s=time.perf_counter() - start, agreement=agreement,
@@ -208,7 +225,8 @@ class TrainerService:
                 raise RemoteError("internal", f"{self.weight_transfer} broadcast of version "
                                   f"{version} failed: {exc!r}") from exc
         return m.Published(version=report.version, total_s=report.total_s,
-                           num_bytes=report.num_bytes, failed=report.failed)
+                           num_bytes=report.num_bytes, failed=report.failed,
+                           wire_bytes=report.wire_bytes, delta_workers=report.delta_workers)
 
     async def wait_published(self, msg: m.WaitPublished, _frames: object) -> m.Published:
         """Wait for ``msg.version``'s background push; push it to ``msg.addresses`` it missed."""
@@ -225,7 +243,8 @@ class TrainerService:
         except LookupError as exc:
             raise RemoteError("not_found", str(exc)) from None
         return m.Published(version=report.version, total_s=report.total_s,
-                           num_bytes=report.num_bytes, failed=report.failed)
+                           num_bytes=report.num_bytes, failed=report.failed,
+                           wire_bytes=report.wire_bytes, delta_workers=report.delta_workers)
 
     async def broadcast_version(self, msg: m.BroadcastVersion, _frames: object) -> m.Published:
         if self.collective is None:
@@ -243,7 +262,8 @@ class TrainerService:
             raise RemoteError("not_found", "no version published yet")
         report = await self.publisher.push_latest(msg.addresses)
         return m.Published(version=report.version, total_s=report.total_s,
-                           num_bytes=report.num_bytes, failed=report.failed)
+                           num_bytes=report.num_bytes, failed=report.failed,
+                           wire_bytes=report.wire_bytes, delta_workers=report.delta_workers)
 
     async def save(self, msg: m.SaveCheckpoint, _frames: object) -> m.CheckpointSaved:
         """Save under the checkpoint directory; a path outside it is ``forbidden``."""

@@ -273,6 +273,8 @@ class WeightBucket(Msg):
 
     ``checksum``: CRC32 (``zlib.crc32``) over the concatenated tensor frames, as 8 hex digits.
     Buckets are staged; nothing is applied until ``ApplyWeights`` for the same ``version``.
+    ``keep_as_base``: deltas (``WeightDelta``) will follow: keep this version after it is
+    applied, as the base they are rebuilt on.
     """
 
     version: PosInt
@@ -280,6 +282,7 @@ class WeightBucket(Msg):
     num_buckets: PosInt
     tensors: list[TensorMeta]
     checksum: str
+    keep_as_base: bool = False
 
 
 class ApplyWeights(Msg):
@@ -299,6 +302,35 @@ class WeightsApplied(Msg):
     version: NonNegInt
     apply_time_s: float
     stats: WorkerStats
+
+
+class WeightDelta(Msg):
+    """One bucket of ``version`` encoded against the worker's copy of ``base_version``
+    (``rollart.weights.delta``); one frame follows: the ``encoding``'s zstd payload.
+
+    ``tensors``: the rebuilt tensors (names, wire dtype, shapes, byte sizes), whose bytes the
+    base holds under the same names; ``checksum``: CRC32 of the *rebuilt* bucket, as
+    ``WeightBucket``'s. Bucket indices and tensor names match a full push of the version, so
+    full and delta buckets of one version can be mixed. The reply is ``Ack`` (staged as a full
+    bucket would be) or ``NeedFullVersion`` (the worker does not hold ``base_version``).
+    """
+
+    version: PosInt
+    base_version: NonNegInt
+    bucket_index: NonNegInt
+    num_buckets: PosInt
+    tensors: list[TensorMeta]
+    checksum: str
+    encoding: Literal["xor", "sparse"]
+
+
+class NeedFullVersion(Msg):
+    """Reply to ``WeightDelta``: this worker cannot rebuild ``version`` from ``base_version``
+    (it never held that base, or discarded it); send the version in full (``WeightBucket``)."""
+
+    version: NonNegInt
+    base_version: NonNegInt
+    reason: str
 
 
 class WeightTransferInit(Msg):
@@ -571,10 +603,17 @@ class PublishLatest(Msg):
 
 
 class Published(Msg):
+    """``num_bytes``: one full copy of the version in the wire dtype. ``wire_bytes``: tensor
+    and delta payload bytes actually sent, all workers together (``[trainer] weight_delta``).
+    ``delta_workers``: workers that received the version as a delta (the rest got it in full).
+    """
+
     version: NonNegInt
     total_s: float
     num_bytes: NonNegInt
     failed: dict[str, str] = {}
+    wire_bytes: NonNegInt = 0
+    delta_workers: list[str] = []
 
 
 class SaveCheckpoint(Msg):
@@ -644,6 +683,7 @@ Request = (
     | Resume
     | GetStats
     | WeightBucket
+    | WeightDelta
     | ApplyWeights
     | WeightTransferInit
     | WeightTransferStart
@@ -671,6 +711,7 @@ Reply = (
     | WorkerStats
     | GenerateResult
     | WeightsApplied
+    | NeedFullVersion
     | EnvOpened
     | EnvStepResult
     | EnvHostStats

@@ -42,7 +42,16 @@ transfer engines through ``WeightTransferInit`` / ``Start`` / ``Update`` / ``Fin
 (``vllm_engines``: vLLM's NCCL engine, or its gloo twin) that loads v into the serving model;
 ``ApplyWeights(v)`` then only relabels tokens and resets the prefix cache.
 
-Modules: ``buckets`` (frames, bucketing, CRC32), ``push`` (trainer: point-to-point push),
+Delta transfer (``[trainer] weight_delta = "xor" | "sparse"``, ZeroMQ path only): the trainer
+keeps fp32 masters and rounds each version to ``weight_wire_dtype`` once; per worker,
+``sender`` sends a version as ``WeightDelta`` buckets against the exact base version that worker
+holds (``delta``: XOR or sparse index/value, zstd, CRC32 of the rebuilt bucket), and a full
+version every ``weight_full_every`` versions and to new or lagging workers. On the worker,
+``basestate.WorkerBases`` rebuilds a delta only on the base it names (else ``NeedFullVersion``,
+and the trainer resends in full), then stages it like a full bucket.
+
+Modules: ``buckets`` (frames, bucketing, CRC32), ``delta`` (codec, wire dtype), ``sender``
+(trainer: per-worker full-or-delta choice), ``basestate`` (worker: delta bases), ``push`` (trainer: point-to-point push),
 ``collective`` (trainer: collective broadcast), ``staging`` and ``receiver`` (worker: staging and
 the request handlers), ``vllm_ext`` and ``vllm_engines`` (inside vLLM: reload and the gloo
 engine). The controller's side (``rollart.controller.weightsync`` and

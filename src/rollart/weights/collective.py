@@ -237,7 +237,8 @@ class CollectivePublisher:
         num_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.latest_version = version
         return PushReport(version=version, total_s=time.perf_counter() - start,
-                          num_bytes=num_bytes, workers=list(wanted))
+                          num_bytes=num_bytes, workers=list(wanted),
+                          wire_bytes=num_bytes * len(wanted))  # a broadcast: full to each
 
     async def _form_group(self, wanted: list[str], stats: list[m.WorkerStats]) -> None:
         await self._leave_group()

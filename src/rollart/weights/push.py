@@ -6,8 +6,10 @@ training of the next step is not blocked (paper §6.3: push overlaps rollout). W
 *stage* buckets; the controller applies a version at its pause/resume point (§6.2), which is the
 only part of the transfer exposed to rollout.
 
-Every push is the full parameter set, so a worker that missed versions is brought to the latest
-one by a single push (``push_latest``), never by replaying deltas.
+With ``[trainer] weight_delta`` off every push is the full parameter set; otherwise a worker
+holding the previous version gets only what changed (``rollart.weights.sender.DeltaSender``
+decides per worker; a worker that missed versions gets the latest in full, never a replay of
+deltas).
 
 Which workers may receive weights is decided by the trainer service (``rollart.trainer.access``);
 the publisher pushes to the addresses it is given. A worker whose push fails because it is dead
@@ -26,6 +28,8 @@ from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 import msgspec
+
+from rollart.weights.sender import DeltaSender
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +53,8 @@ class PushReport(msgspec.Struct, kw_only=True):
 
     ``total_s``: wall seconds from the snapshot to the last worker's last bucket staged.
     ``num_bytes``: bytes of one full copy of the weights. ``failed``: worker -> error text.
+    ``wire_bytes``: tensor / delta payload bytes sent, all workers together; ``delta_workers``:
+    the workers that got a delta.
     """
 
     version: int
@@ -56,6 +62,8 @@ class PushReport(msgspec.Struct, kw_only=True):
     num_bytes: int
     workers: list[str]
     failed: dict[str, str] = {}
+    wire_bytes: int = 0
+    delta_workers: list[str] = []
 
 
 def snapshot_parameters(model: Any) -> list[tuple[str, Any]]:
@@ -75,11 +83,13 @@ class WeightPublisher:
         bucket_bytes: target bucket size in bytes (the paper uses ~1 GB buckets).
         push_timeout_s: limit of pushing one version to one worker, seconds; a worker over it
             is marked unreachable.
+        delta: full / delta choice per worker (``None``: always full).
     """
 
     def __init__(self, connect: Callable[[str], WeightSink], *, bucket_bytes: int,
-                 push_timeout_s: float = 600.0) -> None:
+                 push_timeout_s: float = 600.0, delta: DeltaSender | None = None) -> None:
         self._connect = connect
+        self.delta = delta or DeltaSender("off", full_every=1, bucket_bytes=bucket_bytes)
         self.bucket_bytes = bucket_bytes
         self.push_timeout_s = push_timeout_s
         self._sinks: dict[str, WeightSink] = {}
@@ -97,6 +107,7 @@ class WeightPublisher:
         wanted = list(dict.fromkeys(addresses))
         for addr in list(self._sinks):
             if addr not in wanted:
+                self.delta.forget(addr)
                 await self._sinks.pop(addr).close()
                 self.unreachable.pop(addr, None)
         for addr in wanted:
@@ -112,6 +123,7 @@ class WeightPublisher:
         if self._latest is not None and version <= self._latest[0]:
             raise ValueError(f"version {version} is not newer than {self._latest[0]}")
         self._latest = (version, named_tensors)
+        self.delta.remember(version, named_tensors)
         self._pushes[version] = asyncio.create_task(
             self._push(version, named_tensors, list(self._sinks))
         )
@@ -170,14 +182,13 @@ class WeightPublisher:
         start = time.perf_counter()
         num_bytes = sum(t.numel() * t.element_size() for _, t in tensors)
 
-        async def one(addr: str) -> None:
+        async def one(addr: str) -> tuple[int, bool]:
             if addr in self.unreachable:
                 raise ConnectionError(f"skipped: {self.unreachable[addr]}")
             sink = self._sinks[addr]
             try:
-                await asyncio.wait_for(
-                    sink.push_weights(version, tensors, bucket_bytes=self.bucket_bytes),
-                    self.push_timeout_s)
+                return await asyncio.wait_for(
+                    self.delta.push(addr, sink, version, tensors), self.push_timeout_s)
             except TimeoutError:
                 self._mark(addr, version, f"push exceeded push_timeout_s={self.push_timeout_s:g}")
                 raise
@@ -191,8 +202,12 @@ class WeightPublisher:
                   if isinstance(r, BaseException)}
         for addr, err in failed.items():
             log.warning("weight push of version %d to %s failed: %s", version, addr, err)
+        sent = [r for r in results if isinstance(r, tuple)]
         return PushReport(version=version, total_s=time.perf_counter() - start,
-                          num_bytes=num_bytes, workers=addresses, failed=failed)
+                          num_bytes=num_bytes, workers=addresses, failed=failed,
+                          wire_bytes=sum(n for n, _ in sent),
+                          delta_workers=[a for a, r in zip(addresses, results, strict=True)
+                                         if isinstance(r, tuple) and r[1]])
 
     def _mark(self, addr: str, version: int, why: str) -> None:
         self.unreachable[addr] = f"worker {addr} unreachable since version {version} ({why})"

@@ -5,6 +5,8 @@ serves vLLM over ZeroMQ); it holds every request handler of the weight path on t
 
 - ``WeightBucket`` -> ``Ack``: CRC-checked and staged as a safetensors file
   (``rollart.weights.staging``), nothing applied;
+- ``WeightDelta`` -> ``Ack`` or ``NeedFullVersion``: a bucket rebuilt from the exact base
+  version it names (``rollart.weights.basestate``), CRC-checked, then staged like a full one;
 - ``ApplyWeights`` -> ``WeightsApplied``: pause (keep), reload the staged version in the engine
   (``rollart.weights.vllm_ext``), reset the prefix cache, label new tokens with the version,
   resume;
@@ -26,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from rollart.transport import messages as m
 from rollart.transport.errors import RemoteError
+from rollart.weights.basestate import WorkerBases
 from rollart.weights.staging import TIED_LM_HEAD, WeightStager
 
 # The handlers run in the worker process: their lines belong to the worker's log.
@@ -47,6 +50,7 @@ class WeightReceiver:
     received_version: int | None
     paused: bool
     stager: WeightStager
+    bases: WorkerBases
     weight_transfer: str
     num_ranks: int
     _updating: bool
@@ -62,6 +66,7 @@ class WeightReceiver:
     def weight_handlers(self) -> dict[type, object]:
         return {
             m.WeightBucket: self.weight_bucket,
+            m.WeightDelta: self.weight_delta,
             m.ApplyWeights: self.apply_weights,
             m.WeightTransferInit: self.transfer_init,
             m.WeightTransferStart: self.transfer_start,
@@ -73,11 +78,16 @@ class WeightReceiver:
     # -- weights ---------------------------------------------------------------------------------
 
     async def weight_bucket(self, msg: m.WeightBucket, frames) -> m.Ack:
+        self.bases.note_full_bucket(msg)
         nbytes = await self.stager.stage(msg, frames, self.version)
         return m.Ack(
             detail=f"staged bucket {msg.bucket_index + 1}/{msg.num_buckets} of version "
             f"{msg.version} ({nbytes} bytes)"
         )
+
+    async def weight_delta(self, msg: m.WeightDelta, frames) -> m.Ack | m.NeedFullVersion:
+        """Rebuild a delta bucket on the exact base it names (``rollart.weights.basestate``)."""
+        return await self.bases.stage_delta(msg, frames, self.version)
 
     async def apply_weights(self, msg: m.ApplyWeights, _frames) -> m.WeightsApplied:
         """Pause (keep), reload in the engine, reset the prefix cache (``reprefill``: also
@@ -97,7 +107,7 @@ class WeightReceiver:
             await self.engine.update_weight_version(str(msg.version))
             self.version = msg.version
             self.received_version = None
-            self.stager.discard_up_to(msg.version)
+            self.bases.after_apply(msg.version)
             if not was_paused:
                 await self.engine.resume_generation()
             elapsed = time.perf_counter() - start
