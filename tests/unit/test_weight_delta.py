@@ -392,3 +392,58 @@ async def test_a_tensor_whose_shape_changed_goes_in_full(setup):
     got = sinks["a"].apply(2)
     assert got["norm.weight"].shape == (64,)
     await pub.close()
+
+
+def _rle_zeros_frame(total: int) -> bytes:
+    """A tiny hand-built zstd frame that declares and expands to ``total`` zero bytes (RLE
+    blocks of 128 KiB): the shape of a decompression bomb."""
+    import struct
+
+    out = bytearray(struct.pack("<I", 0xFD2FB528) + bytes([0xE0]) + struct.pack("<Q", total))
+    block, n = 128 * 1024, total // (128 * 1024)
+    for i in range(n):
+        out += ((1 if i == n - 1 else 0) | (1 << 1) | (block << 3)).to_bytes(3, "little") + b"\0"
+    return bytes(out)
+
+
+@pytest.mark.parametrize("encoding", ENCODINGS)
+def test_codec_refuses_a_frame_declaring_more_than_the_base_before_decompressing(encoding):
+    import resource
+
+    base = np.zeros(1000, dtype=np.uint8)
+    bomb = _rle_zeros_frame(256 << 20)  # 256 MiB declared, ~8 KiB on the wire
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(delta.DeltaError, match="declares 268435456 bytes"):
+        delta.decode(base, bomb, encoding, 2)
+    # nothing near the declared size was allocated (ru_maxrss is in KiB on Linux)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 64 << 10
+    good = delta.encode(base, base + 1, encoding, 2)
+    with pytest.raises(delta.DeltaError, match="trailing data"):
+        delta.decode(base, good + good, encoding, 2)
+
+
+@pytest.mark.parametrize("encoding", ENCODINGS)
+async def test_a_bucket_mixing_dtypes_goes_as_a_delta_both_ways(setup, encoding):
+    # to_wire leaves non-float tensors alone, so a bucket can hold bf16 beside int64 / fp32:
+    # trainer and worker must agree on the element size the delta compares in.
+    make, sinks = setup
+    pub = make(encoding)
+    await pub.set_workers(["a"])
+    v1 = [("w", torch.zeros(64, dtype=torch.bfloat16)), ("n", torch.zeros(16, dtype=torch.float32)),
+          ("i", torch.zeros(8, dtype=torch.int64))]
+    v2 = [("w", torch.ones(64, dtype=torch.bfloat16)), ("n", torch.zeros(16, dtype=torch.float32)),
+          ("i", torch.arange(8))]
+    await publish(pub, 1, v1)
+    sinks["a"].apply(1)
+    r2 = await publish(pub, 2, v2)
+    assert r2.delta_workers == ["a"] and not r2.failed
+    got = sinks["a"].apply(2)
+    assert all(torch.equal(got[n], t) for n, t in v2)
+    await pub.close()
+
+
+def test_bucket_itemsize_is_the_common_size_or_bytes():
+    assert delta.bucket_itemsize(["bfloat16", "float16"]) == 2
+    assert delta.bucket_itemsize(["float32"]) == 4
+    assert delta.bucket_itemsize(["bfloat16", "float32"]) == 1
+    assert delta.bucket_itemsize(["uint16"]) == 1  # unknown size: bytes, on both sides

@@ -102,7 +102,7 @@ class WorkerBases:
                 raise RemoteError("bad_request", f"tensor {meta.name!r}: {meta.nbytes} bytes in "
                                   f"version {msg.version}, {buf.size} in base {msg.base_version}"
                                   " (dtype or shape changed: send it in full)")
-        itemsize = _itemsize(msg.tensors)
+        itemsize = delta.bucket_itemsize([t.dtype for t in msg.tensors])
         try:
             rebuilt = await asyncio.to_thread(delta.decode, delta.concat(base), frames[0],
                                               msg.encoding, itemsize)
@@ -119,13 +119,3 @@ class WorkerBases:
         await self.stager.stage(bucket, views, current)
         return m.Ack(detail=f"rebuilt bucket {msg.bucket_index + 1}/{msg.num_buckets} of "
                      f"version {msg.version} from base {msg.base_version}")
-
-
-def _itemsize(tensors: Sequence[m.TensorMeta]) -> int:
-    """Element size shared by a bucket's tensors (1 when they differ: bytes always divide)."""
-    sizes = {_DTYPE_SIZES.get(t.dtype, 1) for t in tensors}
-    return sizes.pop() if len(sizes) == 1 else 1
-
-
-_DTYPE_SIZES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "int64": 8,
-                "int32": 4, "int16": 2, "uint8": 1, "int8": 1, "bool": 1}

@@ -95,6 +95,37 @@ def _xor(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return out
 
 
+#: bytes per element of the dtypes a bucket can carry (``TensorMeta.dtype`` names).
+DTYPE_SIZES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "int64": 8, "int32": 4,
+               "int16": 2, "uint8": 1, "int8": 1, "bool": 1}
+
+
+def bucket_itemsize(dtypes: Sequence[str]) -> int:
+    """The element size ``sparse`` compares in, for a bucket of tensors of ``dtypes``: their
+    common size, or 1 (bytes) when they differ or one is not in ``DTYPE_SIZES``. Trainer and
+    worker both call this, so they always agree."""
+    sizes = {DTYPE_SIZES.get(d, 0) for d in dtypes}
+    return sizes.pop() if len(sizes) == 1 and 0 not in sizes else 1
+
+
+def _inflate(payload: bytes | memoryview, limit: int) -> bytes:
+    """One zstd frame's bytes, refusing a frame that declares more than ``limit`` bytes (checked
+    before any allocation: python-zstandard ignores ``max_output_size`` when the frame states
+    its size), one that states no size, and trailing data after the frame."""
+    size = zstandard.frame_content_size(payload)
+    if size < 0:
+        raise DeltaError("delta payload does not state its decoded size")
+    if size > limit:
+        raise DeltaError(f"delta payload declares {size} bytes, more than the {limit} a delta "
+                         "of this base can have")
+    dobj = zstandard.ZstdDecompressor().decompressobj()
+    raw = dobj.decompress(payload)
+    if dobj.unused_data:
+        raise DeltaError(f"{len(dobj.unused_data)} bytes of trailing data after the delta's "
+                         "zstd frame")
+    return raw
+
+
 def _word(itemsize: int) -> np.dtype:
     return {1: np.dtype(np.uint8), 2: np.dtype("<u2"), 4: np.dtype("<u4"),
             8: np.dtype("<u8")}[itemsize]
@@ -135,13 +166,13 @@ def decode(base: np.ndarray, payload: bytes | memoryview, encoding: Encoding,
     Returns a new ``uint8`` array of ``base.size`` bytes (``base`` is not modified).
 
     Raises:
-        DeltaError: the payload is not a zstd frame, decodes to the wrong size, or names an
-            element outside the base.
+        DeltaError: the payload is not one zstd frame stating its size, declares or decodes
+            to more than a delta of ``base`` can hold (checked before decompressing), or
+            names an element outside the base.
     """
-    dctx = zstandard.ZstdDecompressor()
     try:
         if encoding == "xor":
-            raw = dctx.decompress(payload, max_output_size=max(base.size, 1))
+            raw = _inflate(payload, base.size)
             if len(raw) != base.size:
                 raise DeltaError(f"xor delta decodes to {len(raw)} bytes, base has {base.size}")
             return _xor(base, np.frombuffer(raw, dtype=np.uint8))
@@ -149,7 +180,7 @@ def decode(base: np.ndarray, payload: bytes | memoryview, encoding: Encoding,
             raise DeltaError(f"unknown delta encoding {encoding!r}")
         n_el = base.size // itemsize
         # count + every element's index and value: the largest payload a valid delta has
-        raw = dctx.decompress(payload, max_output_size=4 + n_el * (4 + itemsize))
+        raw = _inflate(payload, 4 + n_el * (4 + itemsize))
     except zstandard.ZstdError as exc:
         raise DeltaError(f"delta payload is not a valid zstd frame: {exc}") from None
     if len(raw) < 4:

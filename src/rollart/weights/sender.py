@@ -79,7 +79,7 @@ def encode_version(base: Sequence[tuple[str, torch.Tensor]],
             metas.append(meta)
             frames.append(frame)
             olds.append(delta.tensor_bytes(old))
-        itemsize = min(t.element_size() for _, t in bucket)
+        itemsize = delta.bucket_itemsize([meta.dtype for meta in metas])
         payload = delta.encode(delta.concat(olds), delta.concat(frames), encoding, itemsize)
         return EncodedBucket(metas, crc32_hex(frames), payload)
 
