@@ -151,3 +151,26 @@ def test_neutral_parameters_are_accepted() -> None:
                           "tool_choice": "none"}, temperature=1.0)
     assert not none.parse_tools
     assert json.dumps(none.tools)  # kept: the template still lists them
+
+
+def test_a_template_that_refuses_the_messages_is_a_named_error_and_captures_nothing() -> None:
+    from rollart.controller.agents.capture import TemplateRefused
+
+    conv = Conversation(ChatTokens(TOK))
+    refusing = ChatTokens(TOK)
+
+    def refuse(*_a, **_k):  # as Llama / Mistral templates do for roles that do not alternate
+        raise ValueError("Conversation roles must alternate user/assistant/user/assistant")
+
+    object.__setattr__(refusing, "tokenizer", type("FakeRefusingTokenizer", (), {
+        "apply_chat_template": staticmethod(refuse)})())
+    conv.chat = refusing
+    with pytest.raises(TemplateRefused, match="roles must alternate"):
+        conv.delta([{"role": "user", "content": "x"}], None)
+    assert len(conv.token_ids) == 0 and conv.num_turns == 0
+
+
+def test_a_null_max_completion_tokens_falls_back_to_max_tokens() -> None:
+    req = parse_request({"messages": [{"role": "user", "content": "x"}],
+                         "max_completion_tokens": None, "max_tokens": 7}, temperature=1.0)
+    assert req.max_tokens == 7

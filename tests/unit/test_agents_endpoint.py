@@ -211,6 +211,27 @@ async def test_failures_are_counted_by_reason_and_bad_requests_fail_only_the_cal
                            for s in samples)
 
 
+async def test_malformed_bodies_get_openai_shaped_errors_and_the_trajectory_goes_on() -> None:
+    seen: dict[str, object] = {}
+
+    async def solve(client: openai.AsyncOpenAI, task: dict) -> float:
+        url = str(client.base_url).rstrip("/") + "/chat/completions"
+        async with aiohttp.ClientSession() as http:
+            for name, body in (("deep", b"[" * 200_000), ("notjson", b"{nope")):
+                async with http.post(url, data=body,
+                                     headers={"Content-Type": "application/json"}) as resp:
+                    seen[name] = (resp.status, (await resp.json())["error"]["code"])
+        await two_turns(client, task)
+        return 0.5
+
+    cluster, _ = cluster_for()
+    cluster.agent("math")(solve)
+    async with cluster:
+        steps = await run_steps(cluster, 1)
+    assert seen == {"deep": (400, "invalid_json"), "notjson": (400, "invalid_json")}
+    assert steps[0].samples and not cluster.controller.buffer.stats().failed
+
+
 async def test_a_hanging_agent_fails_with_trajectory_timeout() -> None:
     hung: set[int] = set()
 

@@ -53,6 +53,11 @@ class BadMessages(ValueError):
         self.param = param
 
 
+class TemplateRefused(ValueError):
+    """The model's chat template raised on the request's messages (e.g. roles that do not
+    alternate); nothing was captured."""
+
+
 class HistoryRewritten(Exception):
     """The request does not extend the conversation captured so far (see the module docstring)."""
 
@@ -160,8 +165,12 @@ class Conversation:
         kwargs = dict(self.chat.template_kwargs)
         if tools:
             kwargs["tools"] = tools
-        text = self.chat.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=gen, **kwargs)
+        try:
+            text = self.chat.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=gen, **kwargs)
+        except Exception as exc:  # jinja raises from inside user-facing templates
+            raise TemplateRefused(f"the model's chat template refused these messages: "
+                                  f"{type(exc).__name__}: {exc}") from None
         if not isinstance(text, str):
             raise TypeError(f"apply_chat_template(tokenize=False) returned {type(text).__name__}")
         return text

@@ -101,7 +101,10 @@ def parse_request(body: Any, temperature: float) -> ChatRequest:
         raise BadParam("tool_choice", f"tool_choice {choice!r}: only 'auto' and 'none' (forcing "
                        "a call needs guided decoding, which the trainer cannot reproduce)",
                        "unsupported_value")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    # an explicit null max_completion_tokens must not hide max_tokens (a per-turn limit)
+    max_tokens = body.get("max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = body.get("max_tokens")
     if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)
                                    or max_tokens < 1):
         raise BadParam("max_tokens", f"max_tokens must be a positive integer, not {max_tokens!r}")

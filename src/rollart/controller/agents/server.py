@@ -98,6 +98,11 @@ class AgentServer:
                 body: Any = await request.json()
             except (json.JSONDecodeError, UnicodeDecodeError) as exc:
                 raise ApiError(400, "invalid_json", f"the body is not JSON: {exc}") from None
+            except RecursionError:
+                raise ApiError(400, "invalid_json", "the body nests too deeply") from None
+            except web.HTTPRequestEntityTooLarge:
+                raise ApiError(413, "request_too_large", f"the body is over {MAX_BODY_BYTES} "
+                               "bytes") from None
             try:
                 req = parse_request(body, session.domain.sampling.temperature)
             except BadParam as exc:
@@ -105,3 +110,7 @@ class AgentServer:
             return web.json_response(await session.complete(req))
         except ApiError as exc:
             return _error(exc)
+        except Exception:  # a bug of ours: still an OpenAI-shaped reply, and logged
+            log.exception("agent endpoint: %s %s failed", request.method, request.path)
+            return _error(ApiError(500, "internal_error", "the endpoint failed on this request "
+                                   "(see the controller's log)", kind="server_error"))

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rollart.config import DomainConfig
-from rollart.controller.agents.capture import Conversation, HistoryRewritten
+from rollart.controller.agents.capture import Conversation, HistoryRewritten, TemplateRefused
 from rollart.controller.agents.params import ChatRequest
 from rollart.controller.trajectory import (
     Activity,
@@ -127,6 +127,8 @@ class AgentSession:
                            "parser (cluster.agent(..., tool_parser=...))", "tools")
         try:
             delta = conv.delta(req.messages, req.tools)
+        except TemplateRefused as exc:  # the conversation is unchanged: the agent may retry
+            raise ApiError(400, "template_error", str(exc), "messages") from None
         except HistoryRewritten as exc:
             raise self._fail(TrajectoryFailed("history_rewritten", str(exc), conv.num_generated),
                              ApiError(400, "history_rewritten", f"{exc} (rollart trains one "
