@@ -70,6 +70,7 @@ def test_no_module_registers_nothing_and_rollart_run_names_the_field() -> None:
 @pytest.mark.parametrize(("body", "error"), [
     (None, r"missing\.py is not a file"),
     ("raise RuntimeError('boom')", r"importing .*failed: RuntimeError: boom"),
+    ("import sys\nsys.exit(3)", r"importing .*failed: SystemExit: 3"),
     ("X = 1", r"defines no REWARDS or ENVS"),
     ("REWARDS = [1]", r"REWARDS must be a dict .*got list"),
     ("REWARDS = {'r': 3}", r"REWARDS\['r'\] is not callable \(int\)"),

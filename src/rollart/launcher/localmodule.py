@@ -84,7 +84,7 @@ def _import(path: Path, source: str) -> ModuleType:
     sys.modules[name] = module
     try:
         spec.loader.exec_module(module)
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:  # sys.exit() in the module: a named error too
         del sys.modules[name]
         raise ConfigError(f"{source}: {FIELD}: importing {path} failed: "
                           f"{type(exc).__name__}: {exc}") from exc
