@@ -3,6 +3,7 @@ stager rebuilding deltas (base checks, checksums, exactly-once apply)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from pathlib import Path
@@ -447,3 +448,53 @@ def test_bucket_itemsize_is_the_common_size_or_bytes():
     assert delta.bucket_itemsize(["float32"]) == 4
     assert delta.bucket_itemsize(["bfloat16", "float32"]) == 1
     assert delta.bucket_itemsize(["uint16"]) == 1  # unknown size: bytes, on both sides
+
+
+async def test_a_worker_rebuilds_at_most_rebuild_slots_delta_buckets_at_once(setup, monkeypatch):
+    import threading
+
+    make, sinks = setup
+    pub = make()
+    await pub.set_workers(["a"])
+    g = torch.Generator().manual_seed(0)
+    six = [(f"t{i}", torch.randn(32, 32, generator=g)) for i in range(6)]  # 3 buckets of 4 KiB
+    v1, v2 = bf16(six), bf16(step(six, 0.01, 1))
+    await publish(pub, 1, v1)
+    sinks["a"].apply(1)
+    sent = []
+    real_push = sinks["a"].push_weight_delta
+
+    async def recording_push(msg, payload, **kw):
+        sent.append((msg, bytes(payload)))
+        return await real_push(msg, payload, **kw)
+
+    sinks["a"].push_weight_delta = recording_push
+    await publish(pub, 2, v2)
+    assert len(sent) >= 3
+    # The same buckets again, all at once, to a worker holding base 1 (as a trainer with
+    # several buckets in flight sends them).
+    real, cond = delta.decode, threading.Condition()
+    state = {"active": 0, "peak": 0}
+
+    def counting_decode(*args):
+        with cond:
+            state["active"] += 1
+            state["peak"] = max(state["peak"], state["active"])
+            cond.notify_all()
+            # Hold the slot until every bucket is inside, or 2 s pass: without the bound all
+            # of them get in; with it, never more than REBUILD_SLOTS.
+            cond.wait_for(lambda: state["active"] >= len(sent), timeout=2.0)
+        try:
+            return real(*args)
+        finally:
+            with cond:
+                state["active"] -= 1
+
+    monkeypatch.setattr(delta, "decode", counting_decode)
+    bases = sinks["a"].bases
+    replies = await asyncio.gather(*(
+        bases.stage_delta(wire(msgspec.structs.replace(msg, version=3)), [memoryview(p)], 1)
+        for msg, p in sent), return_exceptions=True)
+    assert state["peak"] == 2 == WorkerBases.REBUILD_SLOTS, (state, len(sent))
+    assert all(isinstance(r, m.Ack) for r in replies), replies
+    await pub.close()

@@ -37,8 +37,14 @@ class WorkerBases:
         stager: the worker's ``WeightStager``; staged versions are bases as they arrive.
     """
 
+    #: delta buckets rebuilt at once: each holds ~4 copies of a bucket in memory (base read,
+    #: decompressed delta, rebuilt bytes, staged tensors), so a trainer sending several buckets
+    #: concurrently must not multiply that by its codec threads on the worker.
+    REBUILD_SLOTS = 2
+
     def __init__(self, stager: WeightStager) -> None:
         self.stager = stager
+        self._slots = asyncio.Semaphore(self.REBUILD_SLOTS)
         #: keep the applied version as a base (set by a ``WeightBucket.keep_as_base`` or the
         #: first ``WeightDelta`` received)
         self.keep_applied = False
@@ -75,14 +81,23 @@ class WorkerBases:
 
     async def stage_delta(self, msg: m.WeightDelta, frames: Sequence[memoryview],
                           current: int) -> m.Ack | m.NeedFullVersion:
+        """Rebuild one delta bucket against ``msg.base_version`` and stage it (at most
+        ``REBUILD_SLOTS`` at once; see ``_stage_delta``)."""
+        async with self._slots:
+            return await self._stage_delta(msg, frames, current)
+
+    async def _stage_delta(self, msg: m.WeightDelta, frames: Sequence[memoryview],
+                           current: int) -> m.Ack | m.NeedFullVersion:
         """Rebuild one delta bucket against ``msg.base_version`` and stage it.
 
         Returns ``Ack`` once staged, or ``NeedFullVersion`` when the base is not held.
 
         Raises:
             RemoteError(code="stale_version"): ``msg.version <= current``.
-            RemoteError(code="bad_request"): not exactly one frame, a tensor whose dtype or size
-                differs from the base's, or a payload that does not decode.
+            RemoteError(code="bad_request"): not exactly one frame, a tensor whose byte size
+                differs from the base's (a changed dtype of another size or shape; the stager
+                then checks names and shapes against the checkpoint), or a payload that does
+                not decode.
             RemoteError(code="checksum_mismatch"): the rebuilt bytes do not match
                 ``msg.checksum``; nothing is staged.
         """
@@ -106,7 +121,7 @@ class WorkerBases:
         try:
             rebuilt = await asyncio.to_thread(delta.decode, delta.concat(base), frames[0],
                                               msg.encoding, itemsize)
-        except delta.DeltaError as exc:
+        except (delta.DeltaError, ValueError) as exc:  # ValueError: sizes not whole elements
             raise RemoteError("bad_request", f"bucket {msg.bucket_index} of version "
                               f"{msg.version}: {exc}") from None
         views, offset = [], 0
