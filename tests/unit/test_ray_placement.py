@@ -134,3 +134,18 @@ async def test_insecure_is_refused_on_a_ray_cluster(tmp_path):
                                 insecure=True, cluster="ray"):
             pass
     assert not (tmp_path / "r").exists()
+
+
+def test_validate_notes_a_scenario_that_ray_could_not_place(tmp_path, capsys):
+    from rollart.cli import main as cli
+
+    text = (ROOT / "scenarios" / "qwen3-8b-h800-h20.toml").read_text()
+    ok = tmp_path / "ok.toml"
+    ok.write_text(text)
+    assert cli(["validate", str(ok), "--quiet"]) == 0
+    assert "--cluster ray" not in capsys.readouterr().err
+    bad = tmp_path / "bad.toml"
+    bad.write_text(text.replace('hardware = "h800"', 'hardware = "H800 SXM"', 1))
+    assert cli(["validate", str(bad), "--quiet"]) == 0  # valid for the local launcher
+    err = capsys.readouterr().err
+    assert "`rollart run --cluster ray` would refuse it" in err and "hardware" in err

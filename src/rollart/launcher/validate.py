@@ -8,7 +8,8 @@ note: a driver script can register those in-process. A ``run.local_module`` is i
 the operator's own file) and its ``REWARDS`` / ``ENVS`` count as registered; a missing file or
 one that fails to import makes the scenario invalid.
 
-It also checks the run's authentication as ``rollart run`` would (``runkeys.check_run_auth``):
+It also places the scenario as ``--cluster ray`` would (``placement.plan_placement``, no Ray
+needed) and prints a note when that would fail, and checks the run's authentication as ``rollart run`` would (``runkeys.check_run_auth``):
 ``run.key_file`` must exist and be readable by its owner only, and a scenario naming services
 started by hand needs a key.
 
@@ -46,6 +47,13 @@ def main(argv: list[str] | None = None) -> int:
                   local_envs=regs.envs)
     except ConfigError as exc:
         print(f"rollart validate: note: `rollart run` would refuse it: {exc}", file=sys.stderr)
+    try:  # only pure checks: nothing connects to Ray, nothing imports it
+        from rollart.launcher.placement import plan_placement
+
+        plan_placement(scenario)
+    except ConfigError as exc:
+        print(f"rollart validate: note: `rollart run --cluster ray` would refuse it: {exc}",
+              file=sys.stderr)
     try:  # the run's key: a key file others can read, or services named without a key
         check_run_auth(scenario)
     except ConfigError as exc:
