@@ -181,6 +181,11 @@ class RunConfig(_Cfg):
     generate_timeout_s: PosFloat = 600.0
     #: timeout of one env open / step call, seconds (env hosts and in-process envs).
     env_timeout_s: PosFloat = 120.0
+    #: an inference worker or env host that answers no heartbeat (sent every 2 s) for this
+    #: long is declared dead: its trajectories are re-routed, and the last worker of a pool or
+    #: the only env host stops the run. Raise it on a heavily shared machine, where a live
+    #: worker's event loop can stall for seconds.
+    liveness_timeout_s: Annotated[float, msgspec.Meta(ge=4.0, le=3600.0)] = 10.0
     retry: RetryConfig = msgspec.field(default_factory=RetryConfig)
     #: run every ZeroMQ service without authentication (no CURVE key). Alone (or ``rollart run
     #: --insecure`` alone) it is allowed only when every service is on this machine's loopback;

@@ -176,3 +176,29 @@ async def test_a_fatal_loss_is_reported_once_and_the_dead_host_is_not_called(cap
     assert host.closed_when_dead == []  # the dead host was never asked to close a session
     # The launcher reports the exit; the controller does not add an error of its own.
     assert not [r for r in caplog.records if "fatal error" in r.getMessage()]
+
+
+MINIMAL_TEXT = (Path(__file__).resolve().parents[1] / "minimal_scenario.toml").read_text()
+
+
+async def test_worker_and_env_host_liveness_comes_from_the_scenario() -> None:
+    import msgspec
+
+    from rollart.config import parse_scenario
+    from rollart.envhost.client import EnvClient
+    from rollart.launcher.local import peer_liveness
+    from rollart.transport.errors import ConfigError
+    from rollart.transport.security import INSECURE
+
+    text = MINIMAL_TEXT
+    sc = parse_scenario(text.replace("[run]", "[run]\nliveness_timeout_s = 45.0", 1))
+    assert peer_liveness(sc) == {"liveness_timeout_s": 45.0}
+    client = EnvClient("tcp://127.0.0.1:1", auth=INSECURE, name="h", **peer_liveness(sc))
+    try:
+        assert client._rpc._liveness == 45.0
+    finally:
+        await client.close()
+    assert peer_liveness(parse_scenario(text))["liveness_timeout_s"] == 10.0
+    with pytest.raises(ConfigError, match="run.liveness_timeout_s"):
+        parse_scenario(text.replace("[run]", "[run]\nliveness_timeout_s = 1.0", 1))
+    assert msgspec.json.encode(sc)

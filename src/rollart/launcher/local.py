@@ -77,6 +77,12 @@ def preflight(scenario: Scenario, source: str = "<scenario>", *,
                 f"from a script: rollart.open_cluster(scenario, rewards={{{dom.reward!r}: fn}})")
 
 
+def peer_liveness(scenario: Scenario) -> dict[str, float]:
+    """Heartbeat keyword arguments of the run's worker and env-host clients (``run.
+    liveness_timeout_s``)."""
+    return {"liveness_timeout_s": scenario.run.liveness_timeout_s}
+
+
 def resolve_model(scenario: Scenario, cache_dir: Path) -> Path:
     """The policy checkpoint dir: a local HF dir, or the embedded tiny model (built + cached).
 
@@ -257,13 +263,14 @@ async def open_cluster(scenario: str | Path | Scenario, *, run_dir: str | Path |
                                     **_reward_limits(rc))
             await endpoint.__aenter__()
             endpoints[url] = endpoint
-        pools = {name: [InferenceClient(a, auth=auth, name=f"{name}-{i}")
+        liveness = peer_liveness(scenario)
+        pools = {name: [InferenceClient(a, auth=auth, name=f"{name}-{i}", **liveness)
                         for i, a in enumerate(addrs_)]
                  for name, addrs_ in addrs.workers.items()}
         workers = [w for ws in pools.values() for w in ws]
         clients += workers
         await _check_weight_transfer(scenario, workers)
-        env_clients = [EnvClient(a, auth=auth, name=h.name)
+        env_clients = [EnvClient(a, auth=auth, name=h.name, **liveness)
                 for a, h in zip(addrs.env_hosts, scenario.env_hosts, strict=True)]
         # A collective broadcast is a rendezvous plus start / update / finish on every worker,
         # each bounded by weight_transfer_timeout_s on the trainer: never give up before it.
