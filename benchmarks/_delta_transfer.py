@@ -73,38 +73,52 @@ async def _move(kind: str, trainer: Any, worker: Any, version: int) -> dict[str,
             "exposed_s": time.perf_counter() - t1}
 
 
+async def start_pair(sup: Any, kind: str, model: Path, key_file: Path, auth: Any,
+                     worker_flags: list[str], options: dict[str, Any]) -> tuple[Any, Any]:
+    """Start one vLLM CPU worker (eager, float32, 256 MiB KV) and one trainer named ``kind``
+    under ``sup``; returns ``(TrainerClient, InferenceClient)`` with the worker registered."""
+    from rollart.inference.client import InferenceClient
+    from rollart.launcher.procs import python_module
+    from rollart.trainer.client import TrainerClient
+
+    keyed = ["--key-file", str(key_file)]
+    worker = await sup.start(f"worker-{kind}", python_module(
+        "rollart.inference.worker", "--model", str(model), "--name", kind,
+        "--dtype", "float32", "--enforce-eager", "--kv-cache-bytes", str(256 << 20),
+        "--max-model-len", "256", *worker_flags, *keyed),
+        env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"}, ready_timeout_s=600)
+    trainer = await sup.start(f"trainer-{kind}", python_module(
+        "rollart.trainer.service", "--model", str(model), "--options", json.dumps(options),
+        *keyed), ready_timeout_s=600)
+    w = InferenceClient(worker, auth=auth, name=kind, liveness_timeout_s=120)
+    t = TrainerClient(trainer, auth=auth)
+    try:
+        await t.register_workers([worker])
+    except BaseException:
+        await w.close()
+        await t.close()
+        raise
+    return t, w
+
+
 async def run_delta(args: Any, run_dir: Path, model: Path, label: str, lr: float,
                     rounds: int) -> list[dict[str, Any]]:
     """Rows of one (model, lr): per path and version, bytes and seconds."""
-    from rollart.inference.client import InferenceClient
-    from rollart.launcher.procs import Supervisor, python_module
+    from rollart.launcher.procs import Supervisor
     from rollart.models.tiny import VOCAB_SIZE
-    from rollart.trainer.client import TrainerClient
     from rollart.transport.security import create_key_file, load_key_file
 
     key_file = create_key_file(run_dir / "keys")
-    keyed = ["--key-file", str(key_file)]
     auth = load_key_file(key_file)
     sup = Supervisor(run_dir)
     clients: list[Any] = []
     try:
         pairs = {}
         for kind, delta in (("full", "off"), ("delta", "xor")):
-            worker = await sup.start(f"worker-{kind}", python_module(
-                "rollart.inference.worker", "--model", str(model), "--name", kind,
-                "--dtype", "float32", "--enforce-eager", "--kv-cache-bytes", str(256 << 20),
-                "--max-model-len", "256", *keyed),
-                env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"}, ready_timeout_s=600)
-            options = json.dumps({"lr": lr, "bucket_bytes": args.bucket_bytes,
-                                  "weight_wire_dtype": "bf16", "weight_delta": delta,
-                                  "weight_full_every": 1000})
-            trainer = await sup.start(f"trainer-{kind}", python_module(
-                "rollart.trainer.service", "--model", str(model), "--options", options, *keyed),
-                ready_timeout_s=600)
-            w = InferenceClient(worker, auth=auth, name=kind, liveness_timeout_s=120)
-            t = TrainerClient(trainer, auth=auth)
+            t, w = await start_pair(sup, kind, model, key_file, auth, [], {
+                "lr": lr, "bucket_bytes": args.bucket_bytes, "weight_wire_dtype": "bf16",
+                "weight_delta": delta, "weight_full_every": 1000})
             clients += [w, t]
-            await t.register_workers([worker])
             pairs[kind] = (t, w)
         rows = []
         for rnd in range(rounds):

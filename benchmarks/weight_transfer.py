@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import sys
 import tempfile
@@ -37,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks._delta_transfer import run_delta
+from benchmarks._delta_transfer import run_delta, start_pair
 from benchmarks.common import ci95, emit, result
 
 NAME = "weight_transfer"
@@ -75,15 +74,12 @@ async def _round(kind: str, trainer: Any, worker: Any, base_version: int) -> dic
 
 
 async def _run(args: argparse.Namespace, run_dir: Path) -> list[dict[str, Any]]:
-    from rollart.inference.client import InferenceClient
-    from rollart.launcher.procs import Supervisor, python_module
+    from rollart.launcher.procs import Supervisor
     from rollart.models.tiny import build_tiny_model
-    from rollart.trainer.client import TrainerClient
     from rollart.transport.security import create_key_file, load_key_file
 
     # Authenticated, as in rollart run: CURVE encrypts the zmq path's buckets (gloo's are not).
     key_file = create_key_file(run_dir / "keys")
-    keyed = ["--key-file", str(key_file)]
     auth = load_key_file(key_file)
     model = build_tiny_model(run_dir / "model", hidden_size=args.hidden_size,
                              num_layers=args.num_layers, num_heads=args.hidden_size // 64,
@@ -93,21 +89,10 @@ async def _run(args: argparse.Namespace, run_dir: Path) -> list[dict[str, Any]]:
     try:
         pairs = {}
         for kind in ("zmq", "gloo"):
-            worker = await sup.start(f"worker-{kind}", python_module(
-                "rollart.inference.worker", "--model", str(model), "--name", kind,
-                "--dtype", "float32", "--enforce-eager", "--kv-cache-bytes", str(256 << 20),
-                "--max-model-len", "256",
-                "--weight-transfer", kind, *keyed), env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"},
-                ready_timeout_s=600)
-            options = json.dumps({"lr": 1e-4, "bucket_bytes": args.bucket_bytes,
-                                  "weight_transfer": kind})
-            trainer = await sup.start(f"trainer-{kind}", python_module(
-                "rollart.trainer.service", "--model", str(model), "--options", options, *keyed),
-                ready_timeout_s=600)
-            w = InferenceClient(worker, auth=auth, name=kind, liveness_timeout_s=120)
-            t = TrainerClient(trainer, auth=auth)
+            t, w = await start_pair(sup, kind, model, key_file, auth, ["--weight-transfer", kind],
+                                    {"lr": 1e-4, "bucket_bytes": args.bucket_bytes,
+                                     "weight_transfer": kind})
             clients += [w, t]
-            await t.register_workers([worker])
             pairs[kind] = (t, w)
         rows = []
         for r in range(args.rounds + 1):  # round 0 warms up (group formation, first reload)

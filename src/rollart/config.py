@@ -18,7 +18,6 @@ value raises :class:`ConfigError` naming the file, the field and the reason.
 
 from __future__ import annotations
 
-import ipaddress
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -629,8 +628,12 @@ def validate_scenario(scenario: Scenario, source: str = "<scenario>") -> Scenari
         raise _fail(source, "trainer.weight_delta",
                     f"{t.weight_delta!r} needs trainer.weight_transfer = \"zmq\": a {t.weight_transfer} "
                     "broadcast loads full tensors into the engine (set weight_delta = \"off\")")
-    if t.weight_transfer != "zmq" and _is_loopback(t.weight_transfer_address):
-        remote = [a for p in scenario.pools for a in p.addresses if not _is_loopback(_host(a))]
+    # The one loopback rule of the project (IP literals parsed); imported here, not at module
+    # level, so reading a config does not load ZeroMQ.
+    from rollart.transport.security import is_loopback
+
+    if t.weight_transfer != "zmq" and is_loopback(t.weight_transfer_address):
+        remote = [a for p in scenario.pools for a in p.addresses if not is_loopback(a)]
         if remote:
             raise _fail(source, "trainer.weight_transfer_address",
                         f"{t.weight_transfer_address!r} is this machine only, but workers "
@@ -665,21 +668,6 @@ def _check_reward_tokens(scenario: Scenario, source: str) -> None:
         if by_url.setdefault(dom.reward_url, tokens) != tokens:
             raise _fail(source, f"domains[{i}].reward_token_env",
                         f"domains calling {dom.reward_url} must use the same token source")
-
-
-def _host(address: str) -> str:
-    # "tcp://host:port" -> "host"
-    return address.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
-
-
-def _is_loopback(host: str) -> bool:
-    # An IP literal is parsed: a host name like "127.0.0.1.nip.io" only looks like loopback.
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _validation_message(exc: msgspec.ValidationError) -> str:
