@@ -54,10 +54,12 @@ PosFloat = Annotated[float, msgspec.Meta(gt=0)]
 NonNegFloat = Annotated[float, msgspec.Meta(ge=0)]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
 #: A Ray custom resource name (``rollart run --cluster ray``: ``rollart.launcher.placement``);
-#: Ray's own ``CPU`` / ``GPU`` / ``memory`` are reserved per service already.
+#: Ray's own ``CPU`` / ``GPU`` / ``memory`` are reserved per service already. One ``:`` is
+#: allowed so Ray's automatic accelerator resources (``accelerator_type:H100``) can be named.
 RayResource = Annotated[str, msgspec.Meta(min_length=1, max_length=64,
                                           pattern=r"^(?!(CPU|GPU|memory|object_store_memory)$)"
-                                                  r"[A-Za-z_][A-Za-z0-9_.\-]*$")]
+                                                  r"[A-Za-z_][A-Za-z0-9_.\-]*"
+                                                  r"(:[A-Za-z0-9_.\-]+)?$")]
 
 class _Cfg(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
     """Base: unknown fields are errors; instances are immutable."""

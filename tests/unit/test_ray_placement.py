@@ -85,12 +85,21 @@ def test_hardware_label_that_is_no_resource_name_is_a_config_error():
         plan_placement(_scenario(pools=[bad, sc.pools[1]]), "r")
 
 
-@pytest.mark.parametrize("name", ["GPU", "CPU", "memory", "h 20", ""])
+@pytest.mark.parametrize("name", ["GPU", "CPU", "memory", "h 20", "", "a:b:c", ":H100",
+                                  "accelerator_type:"])
 def test_ray_resource_field_rejects_reserved_and_bad_names(name):
     text = (ROOT / "scenarios" / "qwen3-8b-h800-h20.toml").read_text()
     text = text.replace('ray_resource = "h800"', f'ray_resource = "{name}"')
     with pytest.raises(ConfigError, match="ray_resource"):
         parse_scenario(text.encode(), "x.toml")
+
+
+def test_ray_resource_may_name_an_accelerator_type():
+    text = (ROOT / "scenarios" / "qwen3-8b-h800-h20.toml").read_text()
+    text = text.replace('ray_resource = "h800"', 'ray_resource = "accelerator_type:H800"')
+    sc = parse_scenario(text.encode(), "x.toml")
+    assert sc.trainer.ray_resource == "accelerator_type:H800"
+    plan_placement(sc, "r")
 
 
 @pytest.mark.parametrize(("spec", "address"), [(None, None), ("local", None), ("ray", "auto"),

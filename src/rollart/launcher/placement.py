@@ -32,7 +32,7 @@ from rollart.config import Scenario
 from rollart.transport.errors import ConfigError
 
 #: Ray's custom resource names: no reserved ones (see ``rollart.config.RayResource``).
-_RESOURCE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]*$")
+_RESOURCE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]*(:[A-Za-z0-9_.\-]+)?$")
 _RESERVED = {"CPU", "GPU", "memory", "object_store_memory"}
 
 
