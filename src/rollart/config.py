@@ -85,8 +85,9 @@ class WorkerChecksConfig(_Cfg):
 
     Every ``GenerateResult`` is checked where it arrives (``rollart.controller.workercheck``);
     a violation fails that trajectory (reason ``invalid_worker_output``, retried, never scored).
-    A worker with ``max_invalid_replies`` violations among its last ``invalid_window`` replies
-    is quarantined: taken out of its pool (its trajectories go to the pool's other workers; the
+    A request the worker's engine failed (``engine_error``; not one refused as bad input) fails
+    its trajectory (``generation_error``) and counts as a violation too. A worker with
+    ``max_invalid_replies`` violations among its last ``invalid_window`` replies is quarantined: taken out of its pool (its trajectories go to the pool's other workers; the
     run stops when that would empty the pool).
 
     Engine/trainer agreement, checked per batch from the trainer's recompute: for each serving

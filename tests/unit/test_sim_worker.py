@@ -286,11 +286,12 @@ def test_preemption_under_small_kv_cache_still_completes() -> None:
     assert [len(ids_of(r)) for r in results] == [1000] * 3
 
 
-def test_prompt_over_capacity_is_an_engine_error() -> None:
+def test_prompt_over_capacity_is_a_bad_request() -> None:
     async def main():
         w = _worker(memory_utilization=0.2125)
-        with pytest.raises(RemoteError, match="exceeds the KV cache"):
+        with pytest.raises(RemoteError, match="exceeds the KV cache") as info:
             await w.generate(_req("big", prompt=10_000))
+        assert info.value.code == "bad_request"  # the input's fault: no quarantine count
 
     run_virtual(main)
 

@@ -239,6 +239,51 @@ async def test_a_run_with_a_garbage_worker_continues_and_counts_it() -> None:
     assert_accounting(ctl.buffer, trainer)
 
 
+def failing(worker: FakeWorker, code: str) -> FakeWorker:
+    """Make ``worker`` fail every request with ``RemoteError(code)``, at once."""
+
+    async def generate(request, *, timeout_s=None):
+        raise RemoteError(code, f"request {request.request_id!r} failed (injected)")
+
+    worker.generate = generate  # type: ignore[method-assign]
+    return worker
+
+
+async def test_a_worker_whose_engine_fails_every_request_is_quarantined() -> None:
+    # Failing at once, it is always the least loaded: without the count it would take every
+    # trajectory of its pool and the run would stop at max_failures_in_a_row.
+    bad = failing(FakeWorker("m-fail"), "engine_error")
+    ctl, trainer, reward = make_controller([bad, FakeWorker("m-ok")], seed=3, batch_size=4,
+                                           group_size=2)
+    try:
+        steps = [await ctl.step() for _ in range(3)]
+    finally:
+        await ctl.close()
+    assert ctl.proxy.quarantined == ["m-fail"] and ctl.proxy.num_engine_errors == 3
+    assert sum(s.num_failed_by_reason.get("generation_error", 0) for s in steps) == 3
+    assert all("m-fail" not in s.turn_workers for b in trainer.batches for s in b)
+    assert_accounting(ctl.buffer, trainer)
+
+
+async def test_requests_refused_as_bad_input_do_not_quarantine_a_worker() -> None:
+    a = failing(FakeWorker("a"), "bad_request")
+    proxy = LLMProxy({"p": ("cpu", [a, FakeWorker("b")])}, {"d": "p"},
+                     violations=ViolationWindow(3, 100))
+    for i in range(5):
+        with pytest.raises(RemoteError, match="injected"):
+            await proxy.generate(f"t{i}", "d", f"r{i}", prompt(), m.SamplingParams(max_tokens=8))
+    assert proxy.quarantined == [] and proxy.num_engine_errors == 0
+    e = failing(FakeWorker("e"), "engine_error")
+    proxy = LLMProxy({"p": ("cpu", [e, FakeWorker("b")])}, {"d": "p"},
+                     violations=ViolationWindow(3, 100))
+    for i in range(3):
+        with pytest.raises(RemoteError, match="injected"):
+            await proxy.generate(f"t{i}", "d", f"r{i}", prompt(), m.SamplingParams(max_tokens=8))
+    assert proxy.quarantined == ["e"]
+    r = await proxy.generate("t9", "d", "r9", prompt(), m.SamplingParams(max_tokens=8))
+    assert r.stats.worker == "b" or proxy.served_by("t9") == "b"
+
+
 async def test_a_sample_the_trainer_would_refuse_fails_its_trajectory(monkeypatch) -> None:
     import rollart.controller.controller as controller_mod
 

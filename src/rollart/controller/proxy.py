@@ -25,7 +25,10 @@ call raises :class:`PoolExhaustedError`, a fatal error for the run (distinct fro
 Every reply is checked where it arrives (``rollart.controller.workercheck``): a reply that breaks
 the ``GenerateResult`` contract (or did not decode: code ``bad_reply``) raises
 :class:`~rollart.controller.workercheck.InvalidWorkerOutput` for that turn only, and a worker
-that keeps doing it (``violations``) is quarantined: :meth:`quarantine` takes it out of its pool
+that keeps doing it (``violations``) is quarantined. A request the worker's engine failed (code
+``engine_error``) fails its turn with that ``RemoteError`` and counts in the same window: a worker
+failing every request answers fastest, so least-loaded routing would send it everything. It is
+quarantined: :meth:`quarantine` takes it out of its pool
 (one warning line naming it), exactly as :meth:`remove_worker` does for a dead one; a pool left
 without workers makes it raise ``PoolExhaustedError``.
 
@@ -46,6 +49,7 @@ from typing import Literal
 from rollart.controller.ports import GenerationBackend
 from rollart.controller.workercheck import (
     BAD_REPLY,
+    ENGINE_ERROR,
     InvalidWorkerOutput,
     ViolationWindow,
     check_generate_result,
@@ -129,6 +133,8 @@ class LLMProxy:
         self.quarantined: list[str] = []
         #: replies that broke the contract (a count, for metrics)
         self.num_invalid_replies = 0
+        #: requests failed by a worker's engine (``engine_error``), counted towards quarantine
+        self.num_engine_errors = 0
         #: requests re-sent after their worker died (a count, for metrics)
         self.num_rerouted = 0
         #: whole prompts re-sent because a worker answered ``prefix_unknown``
@@ -234,6 +240,19 @@ class LLMProxy:
             self.num_invalid_replies += 1
             raise InvalidWorkerOutput(worker.name, problem)
 
+    def _count_failure(self, worker: GenerationBackend, message: str) -> None:
+        """Count a request ``worker``'s engine failed (``engine_error``) towards its quarantine,
+        as a violation; the caller re-raises the error for that trajectory only."""
+        if self.violations is None or worker.name in self.quarantined:
+            return
+        self.num_engine_errors += 1
+        if self.violations.record(worker.name, False):
+            self.quarantine(
+                worker.name,
+                f"{self.violations.count(worker.name)} failed or invalid replies among its last "
+                f"{self.violations.window} (run.worker_checks); last: engine_error: {message}",
+            )
+
     def route(self, traj_id: str, domain: str) -> GenerationBackend:
         """Pick the worker for ``traj_id``'s next turn (sticky, else least-loaded).
 
@@ -308,6 +327,10 @@ class LLMProxy:
             except RemoteError as exc:
                 if exc.code == BAD_REPLY:  # the reply did not even decode
                     self._judge(worker, exc.message)
+                elif exc.code == ENGINE_ERROR:
+                    # Counted like a bad reply: a worker that fails every request answers
+                    # fastest, so least-loaded routing would otherwise send it everything.
+                    self._count_failure(worker, exc.message)
                 if exc.code != "prefix_unknown" or held == 0:
                     raise
                 self.num_prefix_resends += 1  # next pass: held_by is gone, so prefix_len 0

@@ -25,6 +25,9 @@ from rollart.transport.errors import RemoteError
 
 #: ``RemoteError.code`` of a reply that failed these checks, or failed to decode at all
 BAD_REPLY = "bad_reply"
+#: ``RemoteError.code`` of a request the worker's engine failed (not one it refused as bad
+#: input: that is ``bad_request``); counted towards quarantine like a bad reply
+ENGINE_ERROR = "engine_error"
 #: the ``TrajectoryFailed.reason`` / buffer failure reason of such a turn
 INVALID_OUTPUT_REASON = "invalid_worker_output"
 _FINISH = ("stop", "length", "abort")

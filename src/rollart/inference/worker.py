@@ -188,7 +188,9 @@ class InferenceWorker(WeightReceiver):
             self.die(f"the vLLM engine died during request {rid!r}: {exc}")
             raise RemoteError("engine_error", f"engine dead: {exc}") from exc
         except (VLLMClientError, ValueError, TypeError) as exc:
-            raise RemoteError("engine_error", f"request {rid!r} rejected: {exc}") from exc
+            # The input's fault (too long, id out of vocabulary), not the engine's: bad_request
+            # does not count towards this worker's quarantine, engine_error does.
+            raise RemoteError("bad_request", f"request {rid!r} rejected: {exc}") from exc
         except EngineGenerateError as exc:
             cause = exc.__cause__ or exc
             raise RemoteError(

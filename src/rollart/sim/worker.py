@@ -155,8 +155,9 @@ class SimInferenceWorker:
                        timeout_s: float | None = None) -> m.GenerateResult:
         """Generate (simulated) tokens for ``request``; see ``m.GenerateResult``.
 
-        Raises ``PeerDeadError`` when the worker was killed, ``RemoteError("engine_error")``
-        when the prompt alone exceeds the KV cache, ``RemoteTimeoutError`` after ``timeout_s``
+        Raises ``PeerDeadError`` when the worker was killed, ``RemoteError("bad_request")``
+        when the prompt alone exceeds the KV cache (the input's fault, as vLLM refuses it),
+        ``RemoteTimeoutError`` after ``timeout_s``
         (the request is aborted). Cancelling the caller aborts the request.
         """
         self._check_alive()
@@ -168,7 +169,7 @@ class SimInferenceWorker:
         tb.view_i32(prompt_bytes)  # raises ValueError on a ragged length
         prompt = memoryview(prompt_bytes).cast("i")  # native int32: the wire is little-endian
         if len(prompt) + 1 > self.capacity:
-            raise RemoteError("engine_error", f"prompt of {len(prompt)} tokens "
+            raise RemoteError("bad_request", f"prompt of {len(prompt)} tokens "
                               f"exceeds the KV cache ({self.capacity} tokens) of {self.name}")
         spec = self.domains.for_prompt(prompt)
         dist = spec.response_tokens if spec is not None else self.default_response
