@@ -11,7 +11,7 @@ from test_controller_fakes import FakeWorker
 from rollart.controller.proxy import LLMProxy, PoolExhaustedError
 from rollart.transport import messages as m
 from rollart.transport import tokenbytes as tb
-from rollart.transport.errors import ConfigError
+from rollart.transport.errors import ConfigError, RemoteError
 
 
 def req(rid: str) -> tuple[str, array.array, m.SamplingParams]:
@@ -152,3 +152,21 @@ async def test_weight_sync_drops_dead_workers_but_fails_on_an_empty_pool() -> No
     b1.kill()
     with pytest.raises(PoolExhaustedError):
         await proxy.apply_weights(2)
+
+
+async def test_releases_of_a_failed_request_are_sent_again() -> None:
+    w = FakeWorker("w")
+    proxy = LLMProxy({"P": ("cpu", [w])}, {"d": "P"})
+    await proxy.generate("t1", "d", *req("r1"))
+    proxy.release("t1")  # rides on the next request to w
+    inner = w.generate
+
+    async def refuse(request, *, timeout_s=None):
+        raise RemoteError("bad_request", "refused before its prompt was read")
+
+    w.generate = refuse  # type: ignore[method-assign]
+    with pytest.raises(RemoteError, match="refused"):
+        await proxy.generate("t2", "d", *req("r2"))
+    w.generate = inner  # type: ignore[method-assign]
+    await proxy.generate("t3", "d", *req("r3"))
+    assert sorted(w.requests[-1].release) == ["t1", "t2"]

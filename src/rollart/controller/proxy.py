@@ -338,7 +338,10 @@ class LLMProxy:
             finally:
                 self._in_flight[worker.name] -= 1
                 if result is None and not worker.dead:
-                    # failed, cancelled or timed out: the worker may still hold the old prefix
+                    # Failed, cancelled or timed out: the worker may still hold the old prefix,
+                    # and may never have read this request's releases (a request refused before
+                    # its prompt, or lost with its peer's restart): send them again (idempotent).
+                    pending.extend(release)
                     pending.append(traj_id)
             if result.finish_reason != "abort":
                 self._held[traj_id] = (worker, total + result.num_tokens)
