@@ -19,11 +19,16 @@ Per N it reports:
   ZeroMQ's I/O thread included) / generate calls started, over the window; percentile-bootstrap
   ci95 over 5 s sub-windows. Trajectory completions and training steps in the window are
   included (and the in-process SIMULATED trainer and reward, which cost next to nothing).
+  ``loop_thread_cpu_us_per_turn``: the event-loop thread's share of it (the rest is ZeroMQ's
+  I/O thread, CURVE encryption included, and helper threads).
 - ``added_latency_p50/p99_ms``: a backend's reply leaving its handler -> the same trajectory's
   next request entering the other backend's handler (env step reply -> next generate; generate
   reply -> env step), ``time.monotonic`` of one host in both processes; it contains both RPC
   legs' encode / transport / decode and the controller's work. ci95 of the p99: distribution-
-  free order-statistic interval.
+  free order-statistic interval. A turn the staleness check told to ``wait`` for new weights
+  waits by design, not for the controller: the time it spent in ``wait_for_weights`` is taken
+  out of its gap and reported apart (``weight_wait_turns``, ``weight_wait_share`` of the env ->
+  generate gaps, ``weight_wait_p50_ms``).
 - ``lost_replies``: calls that ended in ``RemoteTimeoutError`` (generate 20 s, env 90 s) until
   the generate calls open at the window's end have ended (they get their timeout + 15 s),
   plus those still open then.
@@ -130,7 +135,24 @@ class Calls:
         self.timeouts = 0
         self.open: dict[int, tuple[str, float]] = {}
         self.session_traj: dict[str, str] = {}
+        #: trajectory id -> (start, end) of each wait for new weights (a ``wait`` verdict)
+        self.weight_waits: dict[str, list[tuple[float, float]]] = {}
         self.ended = asyncio.Event()  # set whenever a call ends
+
+    def record_weight_waits(self, wait: Any) -> Any:
+        """``wait`` (the trajectories' ``wait_for_weights``), recording each wait's span."""
+
+        async def recorded(version: int) -> None:
+            task = asyncio.current_task()
+            t0 = time.monotonic()
+            try:
+                await wait(version)
+            finally:
+                if task is not None and task.get_name().startswith("traj-"):
+                    self.weight_waits.setdefault(task.get_name()[len("traj-"):], []).append(
+                        (t0, time.monotonic()))
+
+        return recorded
 
     async def timed(self, kind: str, coro: Any) -> Any:
         key = id(coro)
@@ -312,6 +334,11 @@ async def _drive(size: Size, args: Namespace, worker_addr: str, env_addr: str, s
         g0, g1, g2 = (int(x) for x in gc_policy.split(","))
         tune_gc((g0, g1, g2))
     await controller.start()
+    # Turns told to wait for weights (the staleness bound) wait by design: that wait is
+    # taken out of the gaps below and reported on its own.
+    ctx = controller._ctx
+    assert ctx is not None
+    ctx.wait_for_weights = calls.record_weight_waits(ctx.wait_for_weights)
     if gc_policy != "default":
         freeze_startup_objects()
     lag.start()
@@ -322,6 +349,7 @@ async def _drive(size: Size, args: Namespace, worker_addr: str, env_addr: str, s
         await asyncio.sleep(size.warmup_s)
         t0, cpu0, gen0, steps0 = time.monotonic(), time.process_time(), len(calls.gen_starts), \
             steps
+        loop_cpu0 = time.thread_time()
         profiler = _profiler()
         pauses.reset()
         lag.take()
@@ -342,6 +370,7 @@ async def _drive(size: Size, args: Namespace, worker_addr: str, env_addr: str, s
             sub_turns.append(gens - gen_prev)
             cpu_prev, gen_prev = cpu, gens
         t1, cpu1, gen1 = time.monotonic(), time.process_time(), len(calls.gen_starts)
+        loop_cpu1 = time.thread_time()
         if profiler is not None:
             profiler.disable()
             profiler.dump_stats(f"{os.environ[PROFILE_ENV]}.{n}")
@@ -374,6 +403,7 @@ async def _drive(size: Size, args: Namespace, worker_addr: str, env_addr: str, s
     rss_delta = peak - rss0
     return {
         "window": (t0, t1), "session_traj": calls.session_traj,
+        "weight_waits": calls.weight_waits,
         "row": {
             "n": n, "context_tokens": size.context_tokens, "turns_per_traj": size.turns,
             "gc": gc_policy,
@@ -384,6 +414,7 @@ async def _drive(size: Size, args: Namespace, worker_addr: str, env_addr: str, s
             "cpu_us_per_turn": 1e6 * (cpu1 - cpu0) / max(1, turns),
             "cpu_us_per_turn_ci95": _ratio_ci95(sub_cpu, sub_turns, seed),
             "cpu_share_of_core": (cpu1 - cpu0) / (t1 - t0),
+            "loop_thread_cpu_us_per_turn": 1e6 * (loop_cpu1 - loop_cpu0) / max(1, turns),
             "lost_replies": calls.timeouts + stuck, "timeouts": calls.timeouts,
             "stuck_calls": stuck, "failed": dict(stats.failed),
             "rss_mb": peak / 2**20,
@@ -399,24 +430,34 @@ async def _drive(size: Size, args: Namespace, worker_addr: str, env_addr: str, s
     }
 
 
+def _overlap(spans: list[tuple[float, float]], a: float, b: float) -> float:
+    """Seconds of ``[a, b]`` covered by the (disjoint) ``spans``."""
+    return sum(max(0.0, min(b, e) - max(a, s)) for s, e in spans)
+
+
 def _gaps(worker: srv.Records, env: srv.Records, session_traj: dict[str, str],
-          window: tuple[float, float]) -> tuple[list[float], list[float]]:
-    """(env reply -> next generate, generate reply -> env step) gaps in the window, ms."""
+          window: tuple[float, float], weight_waits: dict[str, list[tuple[float, float]]]
+          ) -> tuple[list[float], list[float], list[float]]:
+    """(env reply -> next generate, generate reply -> env step) gaps in the window, ms, the
+    first less the time the turn waited for new weights; and those waits, ms."""
     t0, t1 = window
     gen = {rid: (t_in, t_out) for rid, _, t_in, t_out in worker.calls}
     steps: dict[tuple[str, int], tuple[float, float]] = {
         (sid, turn): (t_in, t_out) for sid, turn, t_in, t_out in env.calls}
-    after_env, after_gen = [], []
+    after_env, after_gen, waits = [], [], []
     for (sid, turn), (_, t_out) in steps.items():
         tid = session_traj.get(sid)
         nxt = gen.get(f"{tid}/t{turn + 1}") if tid is not None else None
         if nxt is not None and t0 <= nxt[0] <= t1:
-            after_env.append(1e3 * (nxt[0] - t_out))
+            waited = _overlap(weight_waits.get(tid, []), t_out, nxt[0]) if tid else 0.0
+            if waited > 0:
+                waits.append(1e3 * waited)
+            after_env.append(1e3 * (nxt[0] - t_out - waited))
         g = gen.get(f"{tid}/t{turn}") if tid is not None and turn >= 0 else None
         t_step_in = steps[(sid, turn)][0]
         if g is not None and t0 <= t_step_in <= t1:
             after_gen.append(1e3 * (t_step_in - g[1]))
-    return after_env, after_gen
+    return after_env, after_gen, waits
 
 
 def _one_size(size: Size, seed: int, gc_policy: str) -> dict[str, Any]:
@@ -446,15 +487,18 @@ def _one_size(size: Size, seed: int, gc_policy: str) -> dict[str, Any]:
                 for k, p in dumps.items() if p.exists()}
     row = out["row"]
     if len(recs) == 2:
-        after_env, after_gen = _gaps(recs["worker"], recs["env"], out["session_traj"],
-                                     out["window"])
+        after_env, after_gen, waits = _gaps(recs["worker"], recs["env"], out["session_traj"],
+                                            out["window"], out["weight_waits"])
         both = sorted(after_env + after_gen)
         after_env.sort()
         after_gen.sort()
         row.update(
             added_latency_p50_ms=_pct(both, 0.5), added_latency_p99_ms=_pct(both, 0.99),
             added_latency_p99_ci95=_pct_ci95(both, 0.99), added_latency_samples=len(both),
-            env_to_gen_p99_ms=_pct(after_env, 0.99), gen_to_env_p99_ms=_pct(after_gen, 0.99))
+            env_to_gen_p99_ms=_pct(after_env, 0.99), gen_to_env_p99_ms=_pct(after_gen, 0.99),
+            weight_wait_turns=len(waits),
+            weight_wait_share=len(waits) / max(1, len(after_env)),
+            weight_wait_p50_ms=_pct(sorted(waits), 0.5))
     return row
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from benchmarks import controller_overhead as co
+from benchmarks import overhead_serve as srv
 from benchmarks.common import main_for
 
 
@@ -22,10 +23,25 @@ def test_one_small_size_reports_every_figure() -> None:
     lo, hi = row["added_latency_p99_ci95"]
     assert lo <= row["added_latency_p99_ms"] <= hi
     assert row["loop_lag_p99_ms"] >= 0 and row["rss_bytes_per_traj"] > 0
+    assert 0 < row["loop_thread_cpu_us_per_turn"] <= row["cpu_us_per_turn"]
+    assert row["weight_wait_turns"] >= 0 and 0 <= row["weight_wait_share"] <= 1
     ratios = co.ratios_of([row], {"floor_cpu_us_per_rpc": 10.0})
     for key in ("lost_replies at 64", "cpu_us_per_turn at 64", "added_latency_p99_ms at 64",
                 "loop_lag_p99_ms at 64"):
         assert not math.isnan(ratios[key])
+
+
+def test_a_turn_that_waited_for_weights_counts_only_the_controllers_part() -> None:
+    # Session s1 of trajectory t1: open [0, 1], generate t0 [1.001, 1.002], step 0
+    # [1.004, 10], a wait for weights [10.003, 14.999], generate t1 at 15.0.
+    worker = srv.Records(calls=[("t1/t0", -1, 1.001, 1.002), ("t1/t1", -1, 15.0, 15.1)])
+    env = srv.Records(calls=[("s1", -1, 0.0, 1.0), ("s1", 0, 1.004, 10.0)])
+    after_env, after_gen, waits = co._gaps(worker, env, {"s1": "t1"}, (0.0, 100.0),
+                                           {"t1": [(10.003, 14.999)]})
+    assert waits == pytest.approx([4996.0])
+    # env reply -> generate: 1 ms after the open; 5000 ms after step 0, of which 4996 waited
+    assert sorted(after_env) == pytest.approx([1.0, 4.0])
+    assert after_gen == pytest.approx([2.0])  # generate t0's reply -> step 0
 
 
 # The ``--quick`` sizes at their documented N (README: 1000 and 10000 trajectories) but with short

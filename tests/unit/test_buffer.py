@@ -644,11 +644,13 @@ def test_take_batch_checks_only_candidate_groups_while_nothing_is_stale() -> Non
     buf._ok = counting("ok", buf._ok)
     buf._complete = counting("complete", buf._complete)
     # What a completion's take_batch and a stats() call cost does not grow with the 40 groups
-    # and 41 held samples in flight: no staleness re-check (nothing can be stale), only the
-    # complete group looked at.
+    # and 41 held samples in flight: no staleness re-check (nothing can be stale); take_batch
+    # looks at no group while fewer complete groups than a batch needs are listed (default
+    # policy), ready_samples at the complete one only.
     assert buf.take_batch() is None
+    assert checked == {"ok": 0, "complete": 0}
     assert buf.ready_samples() == 2
-    assert checked == {"ok": 0, "complete": 2}
+    assert checked == {"ok": 0, "complete": 1}
     run(buf, second[1], [0])
     assert [s.group_key for s in buf.take_batch()] == ["g0", "g0", "g1", "g1"]
 

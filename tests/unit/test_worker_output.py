@@ -317,8 +317,11 @@ async def test_the_last_check_drops_one_sample_never_the_batch(monkeypatch) -> N
     def take_batch():
         batch = real()
         if batch is not None and not dropped:  # e.g. restored from an old checkpoint
+            # A restored sample is a new object that skipped the completion check.
+            lps = array.array("f", batch[1].behaviour_logprobs)
             gen = [t for t, flag in enumerate(batch[1].loss_mask) if flag]
-            batch[1].behaviour_logprobs[gen[-1]] = float("nan")
+            lps[gen[-1]] = float("nan")
+            batch[1] = msgspec.structs.replace(batch[1], behaviour_logprobs=lps)
             dropped.append(batch[1].sample_id)
         return batch
 
@@ -409,3 +412,53 @@ def test_split_batch_drops_only_the_sample_with_a_token_outside_the_vocabulary()
     assert [s.sample_id for s in usable] == ["a", "c"]
     assert dropped == {"b": "token id 100 outside the vocabulary [0, 100)"}
     assert len(split_batch(batch, TrainStepConfig())[0]) == 3  # unchecked without a vocab size
+
+
+@pytest.mark.parametrize(
+    ("ids", "lps", "versions"),
+    [
+        ((5, -3, -1), None, None),
+        ((5, 100, 6), None, None),
+        (None, (-0.1, float("nan"), 0.5), None),
+        (None, (-0.1, 0.5, float("nan")), None),
+        (None, (-0.1, float("-inf"), -0.2), None),
+        (None, (-0.1, float("inf"), -0.2), None),
+        (None, None, (1, 3, 0)),
+        (None, None, (0, 1, 1)),
+        (None, None, (1, 2, 1)),
+        (None, None, (1, 2, 2)),
+        (None, None, None),
+    ],
+)
+def test_short_and_long_turns_get_the_same_verdict(ids, lps, versions) -> None:
+    # Turns of at most tokenbytes.SMALL_BYTES per field are checked in plain Python, longer
+    # ones with numpy: padding a turn past that (with valid items after its problem, so the
+    # first problem stays the same) must not change the verdict or its wording.
+    pad = tb.SMALL_BYTES // 4
+    ids, lps, versions = ids or (5, 6, 7), lps or (-0.5,) * 3, versions or (1, 1, 1)
+    short = check(result(ids=ids, lps=lps, versions=versions), max_tokens=1000)
+    long = check(result(ids=(*ids, *(7,) * pad), lps=(*lps, *(-0.5,) * pad),
+                        versions=(*versions, *(versions[-1],) * pad)), max_tokens=1000)
+    assert short == long
+
+
+@pytest.mark.parametrize("n", [3, 300])
+@pytest.mark.parametrize(
+    ("field", "values", "message"),
+    [
+        ("token_ids", (5, -2, -1), "negative token id -2"),
+        ("versions", (1, -4, 0), "negative version -4"),
+        ("logprobs", (-0.5, 0.25, float("nan")), "logprob 0.25 of a generated token"),
+        ("logprobs", (-0.5, float("nan"), 0.25), "logprob nan of a generated token"),
+        ("logprobs", (-0.5, float("-inf")), "logprob -inf of a generated token"),
+    ],
+)
+def test_a_decoded_reply_names_its_first_bad_item(n, field, values, message) -> None:
+    # Short replies are validated in plain Python, long ones (n = 300) with numpy: one wording.
+    good = {"token_ids": (5,) * n, "versions": (1,) * n, "logprobs": (-0.5,) * n}
+    r = result(ids=good["token_ids"], lps=good["logprobs"], versions=good["versions"])
+    pack = tb.pack_f32 if field == "logprobs" else tb.pack_i32
+    setattr(r, field, pack((*values, *good[field][len(values):])))
+    body = msgspec.msgpack.encode(r)
+    with pytest.raises(msgspec.ValidationError, match=message):
+        msgspec.msgpack.decode(body, type=m.GenerateResult)

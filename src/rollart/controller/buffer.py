@@ -690,9 +690,18 @@ class SampleBuffer:
             )
         self._batch_members.clear()
         self._sweep_stale()
-        ready = [g for g in self._ready.values() if self._complete(g)]
-        self._ready = {g.key: g for g in ready}
         need = self.batch_size // self.group_size
+        default_policy = type(self).assemble_batch is SampleBuffer.assemble_batch
+        if default_policy and len(self._ready) < need:
+            # The default policy takes nothing below ``need`` complete groups and discards
+            # nothing: skip the scan (O(ready groups) per kept sample otherwise). A group
+            # that stopped being complete stays listed until the next scan drops it.
+            return None
+        ready = [g for g in self._ready.values() if self._complete(g)]
+        if len(ready) != len(self._ready):
+            self._ready = {g.key: g for g in ready}
+        if default_policy and len(ready) < need:
+            return None
         chosen = self._plan(ready, need)
         if chosen is None:
             return None

@@ -16,7 +16,6 @@ import numpy as np
 
 #: ``array.array`` typecode of each per-token field (int32, int8 0/1, float32, int32)
 TYPECODES = {"token_ids": "i", "loss_mask": "b", "behaviour_logprobs": "f", "versions": "i"}
-_INT32_MAX = np.iinfo(np.int32).max
 
 
 def _typed_view(sample_id: str, name: str, value: Any) -> memoryview:
@@ -96,12 +95,13 @@ class Sample(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, dict=True
         if n and mask.max() > 1:
             raise ValueError(f"sample {sid!r}: loss_mask values must be 0 or 1")
         versions = np.frombuffer(self.versions, dtype=np.int32)
-        # versions of generated tokens; INT32_MAX elsewhere so min() skips them
-        gen_versions = np.where(mask.view(np.bool_), versions, _INT32_MAX)
         self._num_generated = int(np.count_nonzero(mask))
+        generated = mask.view(np.bool_)
+        # versions of generated tokens only (a few per turn: a small copy, one pass)
+        gen_versions = versions[generated] if self._num_generated else versions[:0]
         self._min_version = int(gen_versions.min()) if self._num_generated else None
         if self._min_version is not None and self._min_version < 0:
-            t = int(np.argmax(gen_versions < 0))
+            t = int(np.flatnonzero(generated)[np.argmax(gen_versions < 0)])
             raise ValueError(
                 f"sample {sid!r}: generated token {t} has version {int(versions[t])} (< 0)"
             )

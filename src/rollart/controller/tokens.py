@@ -66,7 +66,8 @@ class ChatTokens:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``, no special tokens added (those in the text are kept)."""
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        return ids if type(ids) is list else list(ids)  # a long prompt's copy costs
 
     def prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of the opening ``messages`` plus the assistant generation prompt."""

@@ -73,6 +73,8 @@ def to_train_samples(samples: Sequence[Sample]) -> list[m.TrainSample]:
 
 #: buffer reason of a sample the train path's last check refused
 INVALID_SAMPLE_REASON = "invalid_sample"
+#: key in a ``Sample``'s ``__dict__`` marking that it passed :func:`trainable_problem`
+_CHECKED = "_rollart_trainable"
 
 
 def trainable_problem(sample: Sample) -> str | None:
@@ -82,14 +84,19 @@ def trainable_problem(sample: Sample) -> str | None:
     The controller checks each sample when its trajectory completes (a refused one fails the
     trajectory, reason ``invalid_sample``, and its slot is retried) and again for every batch
     (samples restored from a checkpoint skipped the first check): one bad sample is dropped,
-    never the batch. Costs one vectorised pass over the sample's arrays, no copy.
+    never the batch. Costs one vectorised pass over the sample's arrays, no copy; a sample
+    that passed is remembered (its arrays never change: see ``Sample``), so the batch's check
+    of a sample checked at completion costs nothing.
     """
+    if sample.__dict__.get(_CHECKED):
+        return None
     try:
         m.TrainSample(token_ids=sample.token_ids, loss_mask=sample.loss_mask,
                       behaviour_logprobs=sample.behaviour_logprobs, advantage=0.0,
                       sample_id=sample.sample_id)
     except ValueError as exc:
         return str(exc)
+    sample.__dict__[_CHECKED] = True
     return None
 
 

@@ -21,6 +21,7 @@ from collections import deque
 import numpy as np
 
 from rollart.transport import messages as m
+from rollart.transport import tokenbytes as tb
 from rollart.transport.errors import RemoteError
 
 #: ``RemoteError.code`` of a reply that failed these checks, or failed to decode at all
@@ -31,6 +32,7 @@ ENGINE_ERROR = "engine_error"
 #: the ``TrajectoryFailed.reason`` / buffer failure reason of such a turn
 INVALID_OUTPUT_REASON = "invalid_worker_output"
 _FINISH = ("stop", "length", "abort")
+_NEG_INF = float("-inf")
 
 
 class InvalidWorkerOutput(RemoteError):
@@ -75,6 +77,8 @@ def check_generate_result(
         return None
     if n > max_tokens:
         return f"request {rid!r}: {n} tokens for max_tokens {max_tokens}"
+    if nt <= tb.SMALL_BYTES:
+        return _check_small(result, rid, min_version, max_version, vocab_size)
     ids = np.frombuffer(result.token_ids, dtype="<i4")
     lo, hi = int(ids.min()), int(ids.max())
     if lo < 0 or (vocab_size is not None and hi >= vocab_size):
@@ -94,6 +98,32 @@ def check_generate_result(
         k = int(np.argmax(down))
         return (f"request {rid!r}: versions go backwards within the turn ({int(vs[k])} then "
                 f"{int(vs[k + 1])} at token {k + 1})")
+    return None
+
+
+def _check_small(result: m.GenerateResult, rid: str, min_version: int, max_version: int,
+                 vocab_size: int | None) -> str | None:
+    """:func:`check_generate_result`'s per-token checks for a short turn (at most
+    ``tokenbytes.SMALL_BYTES`` per field), in plain Python: same verdicts, same messages."""
+    ids = memoryview(result.token_ids).cast("i")
+    lo, hi = min(ids), max(ids)
+    if lo < 0 or (vocab_size is not None and hi >= vocab_size):
+        bad = lo if lo < 0 else hi
+        return f"request {rid!r}: token id {bad} outside the vocabulary [0, {vocab_size})"
+    for x in memoryview(result.logprobs).cast("f"):
+        if not _NEG_INF < x <= 0.0:  # NaN fails both comparisons
+            return f"request {rid!r}: logprob {x} must be finite and <= 0"
+    vs = memoryview(result.versions).cast("i")
+    vlo, vhi = min(vs), max(vs)
+    if vlo < min_version or vhi > max_version:
+        bad_v = vlo if vlo < min_version else vhi
+        return (f"request {rid!r}: token version {bad_v} outside [{min_version}, "
+                f"{max_version}] (served when sent .. newest applied)")
+    if vlo != vhi:
+        for k in range(len(vs) - 1):
+            if vs[k + 1] < vs[k]:
+                return (f"request {rid!r}: versions go backwards within the turn ({vs[k]} "
+                        f"then {vs[k + 1]} at token {k + 1})")
     return None
 
 

@@ -226,7 +226,12 @@ class GenerateResult(Msg):
         if nt % 4 or nl != nt or nv != nt:
             raise ValueError(f"request {self.request_id!r}: {nt} bytes of token_ids, {nl} of "
                              f"logprobs, {nv} of versions (4 per token each)")
-        if nt:
+        if 0 < nt <= tb.SMALL_BYTES:
+            # A short turn: plain Python over the items beats numpy's per-call overhead.
+            problem = tb.small_turn_problem(self.token_ids, self.logprobs, self.versions)
+            if problem is not None:
+                raise ValueError(f"request {self.request_id!r}: {problem}")
+        elif nt:
             # Token ids and versions are never negative: a negative id would fail the
             # controller's detokenizer (and every later use), a negative version the sample.
             ints = np.frombuffer(self.token_ids + self.versions, dtype=tb.I32)

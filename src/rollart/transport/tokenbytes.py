@@ -18,6 +18,8 @@ module refuses to load on a big-endian host rather than silently mis-read the wi
 from __future__ import annotations
 
 import array
+import contextlib
+import struct
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -66,6 +68,11 @@ def pack_i32(values: Sequence[int] | Any) -> bytes:
             raise OverflowError(f"pack_i32: values in [{values.min()}, {values.max()}] are "
                                 "outside int32")
         return values.astype(I32, copy=False).tobytes()
+    if type(values) is list:
+        # A tokenizer's output: struct converts a list's ints 2-4x faster than array does
+        # (measured at 32k tokens), which matters for 32k-token prompts.
+        with contextlib.suppress(struct.error):  # array below raises the proper error
+            return struct.pack(f"<{len(values)}i", *values)
     return array.array("i", values).tobytes()
 
 
@@ -108,6 +115,29 @@ def to_array(buf: Any, typecode: str) -> array.array:
     ``typecode``: ``"i"`` (int32), ``"f"`` (float32) or ``"b"`` (int8, for 0/1 masks).
     Raises ValueError on a ragged length."""
     out = array.array(typecode)
-    count(buf, out.itemsize, f"array('{typecode}') data")
+    if _nbytes(buf) % out.itemsize:  # the message is only formatted when it is needed
+        count(buf, out.itemsize, f"array('{typecode}') data")
     out.frombytes(buf)
     return out
+
+
+#: Per-token data up to this many bytes (64 tokens of 4 bytes) are checked item by item in
+#: Python: below it numpy's fixed cost per call (~1-3 us for ``frombuffer`` / ``min``) is more
+#: than the whole loop (a turn's reply usually holds a few to a few hundred tokens).
+SMALL_BYTES = 256
+_NEG_INF = float("-inf")
+
+
+def small_turn_problem(token_ids: bytes, logprobs: bytes, versions: bytes) -> str | None:
+    """What is wrong with one generated turn's per-token data (equal lengths, a multiple of 4
+    bytes, at most ``SMALL_BYTES`` each: the caller checked), worded as ``GenerateResult``'s
+    numpy check words it: the first negative token id, else the first negative version, else
+    the first logprob that is NaN, infinite or > 0; ``None`` if nothing is."""
+    for what, buf in (("token id", token_ids), ("version", versions)):
+        ints = memoryview(buf).cast("i")
+        if min(ints) < 0:
+            return f"negative {what} {next(x for x in ints if x < 0)}"
+    for x in memoryview(logprobs).cast("f"):
+        if not _NEG_INF < x <= 0.0:  # NaN fails both comparisons
+            return f"logprob {x} of a generated token must be finite and <= 0"
+    return None
