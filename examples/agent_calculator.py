@@ -1,6 +1,11 @@
 """Train an agent written against the OpenAI API, with one tool (a calculator), on
 reasoning-gym arithmetic: every trajectory of domain ``arith`` runs ``solve`` below with an
-``openai.AsyncOpenAI`` client on that trajectory's own endpoint; rollart records the tokens."""
+``openai.AsyncOpenAI`` client on that trajectory's own endpoint; rollart records the tokens.
+
+The tool's schema and the system message come from ``rollart.models.tooldemos``: with
+``model.tiny_warmup_tool_calls`` the tiny model's warm-up demonstrates this very conversation
+(call the calculator, read its result, answer in ``\\boxed{}``); see README "Agents" for how
+far that gets the 2-layer model."""
 
 import ast
 import asyncio
@@ -11,12 +16,8 @@ import sys
 import openai
 
 import rollart
+from rollart.models.tooldemos import CALCULATOR, SYSTEM_PROMPT
 
-CALCULATOR = {"type": "function", "function": {
-    "name": "calculator",
-    "description": "Evaluate an arithmetic expression with + - * / and parentheses.",
-    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
-                   "required": ["expression"]}}}
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
         ast.Div: operator.truediv, ast.USub: operator.neg, ast.UAdd: operator.pos}
 
@@ -39,25 +40,21 @@ def calculate(arguments: str) -> str:
 
 
 async def solve(client: openai.AsyncOpenAI, task: dict) -> float | None:
-    """One trajectory: answer, using the calculator when the model calls it; asked once to
-    check an answer given without it. Returns None: the domain's reward function scores the
-    last answer."""
-    messages = [{"role": "system", "content": "Answer with the number only."},
+    """One trajectory: the model calls the calculator as often as it likes (each call's result
+    goes back as a ``tool`` message), until it replies without a call. Returns None: the
+    domain's reward function scores that last answer."""
+    messages = [{"role": "system", "content": SYSTEM_PROMPT},
                 {"role": "user", "content": task["prompt"]}]
-    checked = False
     for _ in range(4):
         reply = await client.chat.completions.create(
-            model="rollart-policy", messages=messages, tools=[CALCULATOR], max_tokens=16)
+            model="rollart-policy", messages=messages, tools=[CALCULATOR], max_tokens=96)
         message = reply.choices[0].message
         messages.append(message.model_dump(exclude_none=True))
-        for call in message.tool_calls or []:
+        if not message.tool_calls:
+            break
+        for call in message.tool_calls:
             messages.append({"role": "tool", "tool_call_id": call.id,
                              "content": calculate(call.function.arguments)})
-        if not message.tool_calls:
-            if checked:
-                break
-            checked = True
-            messages.append({"role": "user", "content": "Check it with the calculator."})
     return None
 
 

@@ -224,6 +224,11 @@ class ModelConfig(_Cfg):
     tiny_seed: NonNegInt = 0
     #: run the tiny model's supervised warm-up on env demonstrations before RL.
     tiny_warmup: bool = True
+    #: warm up ``rg:basic_arithmetic`` domains on the calculator agent's conversation instead
+    #: of gym turns: a hermes ``<tool_call>`` of the ``calculator`` tool, its result, then the
+    #: ``\\boxed{}`` answer (``rollart.models.tooldemos``; ``examples/agent_calculator.py``).
+    #: Experimental: its recipe does not yet make the tiny model call the tool (README "Agents").
+    tiny_warmup_tool_calls: bool = False
     #: data type of the weights in trainer and engine.
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
 

@@ -2,8 +2,14 @@
 tiny model, with the real ``openai`` client:
 
 - the README's example (``examples/agent_calculator.py``: a multi-turn agent with a calculator
-  tool on reasoning-gym arithmetic) trains two steps; its first request of each trajectory is a
-  bad one (``top_p``), refused with a 400 naming the parameter, the trajectory going on;
+  tool on reasoning-gym arithmetic) trains two steps on the (cold) tiny model; a tool call it
+  happens to emit (parsed by vLLM's hermes parser in the worker) is run by the agent and its
+  result sent back as a ``tool`` message (the warm-up that makes it call the tool,
+  ``model.tiny_warmup_tool_calls``, is not used here: it does not yet fit a test's time);
+- each documented behaviour, in the same run: bad requests (``top_p``, ``n``, ``stream``) get a
+  400 naming the parameter, the trajectory going on; a history rewrite fails the trajectory
+  (``history_rewritten``, counted, retried, never a sample); a client disconnect aborts the
+  vLLM request; a cancelled trajectory (redundancy) cancels its agent task;
 - each trained sequence is the chat template applied to the whole conversation (tools, tool
   results, follow-ups, generation prompts) with the assistant turns being the generated ids
   verbatim, the documented difference (``rollart.controller.agents.capture``);
@@ -16,13 +22,17 @@ Tolerance: float32 on both sides, as the weight-sync tests (1e-3 nats per token)
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import importlib.util
 import re
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
+import rollart
 from rollart.models.tokenizer import build_char_tokenizer
 
 pytestmark = [pytest.mark.vllm]
@@ -84,32 +94,167 @@ def expected_ids(sample) -> list[int]:
     return out[:-tail]
 
 
-async def test_the_calculator_agent_trains_token_exact_and_agrees_after_an_update(tmp_path):
+def tool_turns(sample) -> list[tuple[str, str]]:
+    """(decoded generated span, the template's rendering of the returned assistant message)
+    of each assistant turn that called a tool, both as ``<|im_start|>assistant\\n...<|im_end|>``."""
+    ids, mask = sample.token_ids.tolist(), sample.loss_mask.tolist()
+    spans, cur = [], None
+    for t, k in zip(ids, mask, strict=True):
+        if k and cur is None:
+            cur = []
+            spans.append(cur)
+        if k:
+            cur.append(t)
+        elif cur is not None:
+            cur = None
+    replies = [msg for msg in sample.metadata["messages"] if msg["role"] == "assistant"]
+    out = []
+    for span, msg in zip(spans, replies, strict=True):
+        if msg.get("tool_calls"):
+            rendered = TOK.apply_chat_template([msg], tokenize=False).rstrip("\n")
+            out.append(("<|im_start|>assistant\n" + TOK.decode(span, skip_special_tokens=False),
+                        rendered))
+    return out
+
+
+async def worker_aborts(cluster) -> int:
+    """Requests the cluster's vLLM workers ended aborted so far."""
+    stats = await asyncio.gather(*(w.stats() for w in cluster.controller.proxy.workers()))
+    return sum(s.num_aborted for s in stats)
+
+
+async def test_the_calculator_agent_trains_token_exact_and_each_behaviour_holds(
+        tmp_path, monkeypatch):
+    """One run (two steps, redundancy 1: groups of 3 launched, the slowest cancelled). Every
+    trajectory first sends three bad requests; the first group's members each do one more thing
+    before (or instead of) the example's loop: the first rewrites its history after one
+    completion, the second hangs until its trajectory is cancelled, the third disconnects
+    during a completion. The first group can only complete with the third member and the
+    rewriting one's retry, so every behaviour happens, whatever the timing."""
     example = load_example()
-    refused = []
+    clusters: list = []
+    real_open = rollart.open_cluster
+
+    @contextlib.asynccontextmanager
+    async def capture_open(*args, **kwargs):
+        async with real_open(*args, **kwargs) as cluster:
+            clusters.append(cluster)
+            yield cluster
+
+    monkeypatch.setattr(example.rollart, "open_cluster", capture_open)
+    refused: list = []
+    seen: dict = {}
+    roles = ["rewrite", "hang", "disconnect"]
+    events: dict = {"rewrite": [], "after_rewrite": [], "hung_cancelled": 0, "disconnects": 0,
+                    "aborted": 0}
+    example_solve = example.solve
 
     async def solve(client: openai.AsyncOpenAI, task: dict) -> float | None:
-        try:
+        for bad in ({"top_p": 0.5}, {"n": 2}, {"stream": True}):
+            try:
+                await client.chat.completions.create(
+                    model="rollart-policy", messages=[{"role": "user", "content": "x"}], **bad)
+            except openai.BadRequestError as exc:
+                refused.append((exc.status_code, exc.code, exc.param))
+        first = seen.setdefault("seed", task["seed"])
+        role = roles.pop(0) if task["seed"] == first and roles else "normal"
+        messages = [{"role": "system", "content": example.SYSTEM_PROMPT},
+                    {"role": "user", "content": task["prompt"]}]
+        if role == "rewrite":
+            reply = await client.chat.completions.create(
+                model="rollart-policy", messages=messages, tools=[example.CALCULATOR])
+            edited = [messages[0], {"role": "user", "content": task["prompt"] + " Quickly."},
+                      reply.choices[0].message.model_dump(exclude_none=True),
+                      {"role": "user", "content": "Go on."}]
+            for attempt in ("rewrite", "after_rewrite"):
+                try:
+                    await client.chat.completions.create(
+                        model="rollart-policy", messages=edited, tools=[example.CALCULATOR])
+                except openai.APIStatusError as exc:
+                    events[attempt].append((exc.status_code, exc.code, exc.param))
+            return None
+        if role == "hang":
             await client.chat.completions.create(
-                model="rollart-policy", messages=[{"role": "user", "content": "x"}], top_p=0.5)
-        except openai.BadRequestError as exc:
-            refused.append((exc.status_code, exc.code, exc.param))
+                model="rollart-policy", messages=messages, tools=[example.CALCULATOR])
+            try:
+                await asyncio.Event().wait()  # until the trajectory is cancelled
+            except asyncio.CancelledError:
+                events["hung_cancelled"] += 1
+                raise
+        if role == "disconnect":
+            # The client gives up 50 ms into the completion and closes the connection while
+            # the engine generates (a tool call is ~75 tokens); tried again, bounded, if the
+            # request had not reached the worker yet.
+            short = client.with_options(timeout=httpx.Timeout(60.0, read=0.05))
+            for _ in range(5):
+                before = await worker_aborts(clusters[0])
+                with pytest.raises(openai.APITimeoutError):
+                    await short.chat.completions.create(
+                        model="rollart-policy", messages=messages, tools=[example.CALCULATOR])
+                events["disconnects"] += 1
+                # The abort is sent in the background: poll the worker's count, up to ~20 s.
+                for _ in range(400):
+                    if await worker_aborts(clusters[0]) > before:
+                        break
+                    await asyncio.sleep(0.05)
+                if await worker_aborts(clusters[0]) > before:
+                    events["aborted"] += 1
+                    break
         return await example_solve(client, task)
 
-    example_solve, example.solve = example.solve, solve
+    monkeypatch.setattr(example, "solve", solve)
     steps = await example.main(str(SCENARIO), run_dir=str(tmp_path / "run"), steps=2)
     assert [s.step for s in steps] == [1, 2]
-    assert refused and set(refused) == {(400, "unsupported_value", "top_p")}
     samples = [s for step in steps for s in step.samples]
     assert len(samples) == 8
-    assert any(s.num_turns >= 2 for s in samples)  # multi-turn: the check-it follow-up
+    with_calls = [s for s in samples if any(m.get("tool_calls") for m in s.metadata["messages"])]
+    print(f"{len(with_calls)} of {len(samples)} trained conversations hold a tool call; events "
+          f"{events}; failed {[s.metrics.num_failed_by_reason for s in steps]}")
+
+    # (b) bad requests: 400 naming the parameter, the trajectory going on.
+    assert set(refused) == {(400, "unsupported_value", p) for p in ("top_p", "n", "stream")}
+    # (a) history rewrite: 400 history_rewritten, later calls 404, the trajectory failed with
+    # that reason (counted, retried), never a sample.
+    assert events["rewrite"] == [(400, "history_rewritten", "messages")]
+    assert events["after_rewrite"] == [(404, "session_not_found", None)]
+    failed: dict = {}
+    for step in steps:
+        for reason, n in step.metrics.num_failed_by_reason.items():
+            failed[reason] = failed.get(reason, 0) + n
+    assert failed == {"history_rewritten": 1}
+    assert sum(step.metrics.num_retries for step in steps) == 1
+    assert not any(" Quickly." in m["content"] for s in samples for m in s.metadata["messages"])
+    # (d) cancellation: the hung member was cancelled with its trajectory (redundancy).
+    assert events["hung_cancelled"] == 1
+    assert sum(step.metrics.num_aborted for step in steps) >= 1
+    # (c) disconnect: the worker aborted the request; nothing of it was recorded (every
+    # sample below is the template of its conversation, the disconnected one's included).
+    assert events["disconnects"] >= 1 and events["aborted"] == 1
+
+    # Real tool calls: parsed by vLLM's hermes parser in the worker, run by the agent, sent
+    # back as tool messages; the trained tokens hold them as the template renders them.
+    exact = total = 0
+    for s in with_calls:
+        msgs = s.metadata["messages"]
+        for i, m in enumerate(msgs[:-1]):  # the last reply's calls end the trajectory
+            for call in m.get("tool_calls", []):
+                result = next(r for r in msgs[i + 1:] if r["role"] == "tool"
+                              and r["tool_call_id"] == call["id"])
+                assert result["content"] == example.calculate(call["function"]["arguments"])
+        turns = tool_turns(s)
+        assert turns
+        exact += sum(generated == rendered for generated, rendered in turns)
+        total += len(turns)
+    # A call the model spelled otherwise (JSON spacing, text after it) is trained as generated
+    # (the documented difference); the warm-up's format is the template's, so most are exact.
+    assert exact * 2 >= total, (exact, total)
     for s in samples:
         assert s.metadata["agent"] and s.metadata["tools"] == [example.CALCULATOR]
         assert s.token_ids.tolist() == expected_ids(s)
         lps = [lp for lp, k in zip(s.behaviour_logprobs.tolist(), s.loss_mask.tolist(),
                                    strict=True) if k]
         assert all(lp <= 0.0 for lp in lps) and len(lps) == s.num_generated
-    # Step 2's tokens come from the updated weights, and the trainer agrees with them.
+    # (e) Step 2's tokens come from the updated weights, and the trainer agrees with them.
     assert {v for s in steps[1].samples for v, k in zip(s.versions.tolist(),
                                                         s.loss_mask.tolist(), strict=True)
             if k} == {1}

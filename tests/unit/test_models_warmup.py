@@ -15,6 +15,7 @@ from rollart.controller.tokens import ChatTokens
 from rollart.models.sft import SFTConfig
 from rollart.models.tiny import TinyModelSpec, build_tiny_model
 from rollart.models.tokenizer import build_char_tokenizer
+from rollart.models.tooldemos import CALCULATOR, play_tool_episode, tool_call_text
 from rollart.models.warmup import (
     DEFAULT_RECIPE,
     WarmupRecipe,
@@ -136,3 +137,29 @@ def test_warm_up_changes_the_model_and_is_cached(tmp_path):
         tmp_path / "cache", [GUESS, ARITH], model_seed=3, max_turns=4, recipe=recipe
     )
     assert again == path
+
+
+def test_tool_call_demonstrations_are_the_calculator_conversation_token_exact():
+    """The first completion is the hermes call of the task's expression; the second prompt is
+    the first prompt + that completion + the engine's end-of-turn token + the tool turn, i.e.
+    what the controller's agent capture holds when the agent sends the tool result back."""
+    tok = build_char_tokenizer()
+    (p1, c1), (p2, c2) = play_tool_episode(ARITH, 7, tok)
+    assert p1.startswith("<|im_start|>system\n") and '"name": "calculator"' in p1
+    assert c1 == tool_call_text(re.search(r"Calculate (.*)\.", p1).group(1))
+    assert p2.startswith(p1 + c1 + "<|im_end|>\n<|im_start|>tool\n")
+    assert p2.endswith("<|im_end|>\n<|im_start|>assistant\n") and BOXED.match(c2)
+    answer = c2[len("\\boxed{"):-1]
+    assert p2[len(p1 + c1):].count(answer) == 1  # the tool's result is the reference answer
+    assert CALCULATOR["function"]["name"] == "calculator"
+    with pytest.raises(ValueError, match="rg:basic_arithmetic"):
+        play_tool_episode(GUESS, 0, tok)
+
+
+def test_tool_calls_replace_the_arithmetic_demonstrations_only():
+    plain = build_demonstrations([GUESS, ARITH], 2, seed=0, max_turns=4)
+    tools = build_demonstrations([GUESS, ARITH], 2, seed=0, max_turns=4, tool_calls=True)
+    assert [p for p in tools if "<tool_call>" not in p[0] + p[1]] == [
+        p for p in plain if "Calculate" not in p[0]]
+    calls = [c for _, c in tools if c.startswith("<tool_call>")]
+    assert len(calls) == 2 and len(tools) - len(plain) == 2  # two pairs per arith episode

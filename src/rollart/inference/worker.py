@@ -110,6 +110,8 @@ class InferenceWorker(WeightReceiver):
         self.counts = counts
         self.paused = False
         self.generated_tokens = 0
+        #: requests that ended aborted (``Abort``, ``Pause(abort)``) since start
+        self.aborted_requests = 0
         self.fatal = asyncio.Event()
         self.fatal_reason = ""
         self._active: dict[str, _Active] = {}
@@ -137,6 +139,7 @@ class InferenceWorker(WeightReceiver):
             version=self.version,
             paused=self.paused,
             num_generated_tokens=self.generated_tokens,
+            num_aborted=self.aborted_requests,
             num_ranks=self.num_ranks,
             weight_transfer=self.weight_transfer,  # type: ignore[arg-type]
         )
@@ -206,6 +209,8 @@ class InferenceWorker(WeightReceiver):
         token_bytes = tb.pack_i32(comp.token_ids)
         if comp.finish_reason != "abort":
             self.prefixes.keep(msg.trajectory_id, prompt_bytes, token_bytes)
+        else:
+            self.aborted_requests += 1
         content, tool_calls = None, None
         if msg.tool_parser:
             content, tool_calls = parse_tool_calls(

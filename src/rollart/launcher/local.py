@@ -126,6 +126,8 @@ def warmup_set_change(cache_dir: Path, scenario: Scenario) -> str | None:
         return None
     now = sorted({f"{d.env} {json.dumps(d.env_options, sort_keys=True)}"
                   for d in scenario.domains})
+    if model.tiny_warmup_tool_calls:  # another demonstration set of the same envs
+        now.append("calculator tool calls")
     marker = Path(cache_dir) / f"warmup-set-seed{model.tiny_seed}.json"
     before = json.loads(marker.read_text()) if marker.exists() else None
     marker.parent.mkdir(parents=True, exist_ok=True)

@@ -30,6 +30,7 @@ from rollart.envhost.solvers import has_solver, next_action
 from rollart.models.sft import SFTConfig
 from rollart.models.tiny import TinyModelSpec, ensure_tiny_model
 from rollart.models.tokenizer import build_char_tokenizer
+from rollart.models.tooldemos import CALCULATOR_ENV, play_tool_episode
 
 #: env seeds of demonstration episodes are drawn from [0, MAX_ENV_SEED).
 MAX_ENV_SEED = 2**31 - 1
@@ -54,6 +55,17 @@ class WarmupRecipe(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_o
 # and is near 0 on arithmetic: sampled game return ~0.35 vs ~0.7 greedy, i.e. room for RL.
 # Three epochs already reach ~0.6 sampled on the game, leaving little room.
 DEFAULT_RECIPE = WarmupRecipe()
+
+# The recipe with tool-call demonstrations (``model.tiny_warmup_tool_calls``). The calculator
+# conversation's prompts are ~600-700 tokens (the tools block) and its call a ~75-token string:
+# fewer episodes (60 pairs), trained longer at a higher rate (60 steps of 4). NOT ENOUGH, as
+# measured (sampled at temperature 1 from the first prompt of held-out tasks): the default
+# recipe (13 steps of 16 at 3e-3) left the completion loss at ~2.8 nats/token and 0/16
+# parseable calls; 40 steps of 8 at 1e-2: ~2.35, 0/8; this one (60 steps of 4 at 2e-2, with
+# an example call in the system message to copy): ~2.4-2.9 (noisy), 0/8, in 330 s on the busy
+# 2-core machine. The 2-layer model needs far more steps on these ~600-token prompts.
+TOOL_CALL_RECIPE = WarmupRecipe(episodes_per_domain=30,
+                                sft=SFTConfig(epochs=4, lr=2e-2, batch_size=4))
 
 
 def warmup_spec(model_seed: int = 0, recipe: WarmupRecipe = DEFAULT_RECIPE) -> WarmupRecipe:
@@ -134,6 +146,7 @@ def build_demonstrations(
     *,
     max_turns: int = 8,
     tokenizer: Any = None,
+    tool_calls: bool = False,
 ) -> list[tuple[str, str]]:
     """Solver demonstrations for every domain that has a scripted solver.
 
@@ -143,6 +156,9 @@ def build_demonstrations(
         seed: draws the env seeds (distinct per episode within a domain) with `random.Random`.
         max_turns: cap on turns per episode when a domain sets none (the run's ``max_turns``).
         tokenizer: renders the chat template; default: the tiny model's character tokenizer.
+        tool_calls: ``rg:basic_arithmetic`` domains play the calculator agent's conversation
+            (`rollart.models.tooldemos.play_tool_episode`: two pairs per episode) instead of
+            the gym loop.
 
     Returns:
         (prompt_text, completion_text) pairs, domains in the given order, episodes in seed
@@ -164,7 +180,10 @@ def build_demonstrations(
     for domain in solvable:
         turns = domain.max_turns or max_turns
         for env_seed in rng.sample(range(MAX_ENV_SEED), num_examples):
-            pairs.extend(play_episode(domain, env_seed, tokenizer, max_turns=turns))
+            if tool_calls and domain.env == CALCULATOR_ENV:
+                pairs.extend(play_tool_episode(domain, env_seed, tokenizer))
+            else:
+                pairs.extend(play_episode(domain, env_seed, tokenizer, max_turns=turns))
     return pairs
 
 
@@ -175,24 +194,27 @@ def ensure_warm_tiny_model(
     model_seed: int = 0,
     max_turns: int = 8,
     recipe: WarmupRecipe = DEFAULT_RECIPE,
+    tool_calls: bool = False,
 ) -> Path:
     """The cached embedded-default checkpoint: tiny model from `model_seed`, warmed up on solver
-    demonstrations of `domains` with `recipe` (built on first use; see `ensure_tiny_model`).
+    demonstrations of `domains` with `recipe` (built on first use; see `ensure_tiny_model`;
+    `tool_calls`: see `build_demonstrations`; the demonstrations key the cache entry).
 
     Raises:
         ValueError: no domain has a solver. msgspec.ValidationError: a bad recipe / seed.
     """
     recipe = warmup_spec(model_seed, recipe)
     demos = build_demonstrations(
-        domains, recipe.episodes_per_domain, recipe.demo_seed, max_turns=max_turns
-    )
+        domains, recipe.episodes_per_domain, recipe.demo_seed, max_turns=max_turns,
+        tool_calls=tool_calls)
     return ensure_tiny_model(cache_dir, recipe.spec, demonstrations=demos, sft=recipe.sft)
 
 
 def ensure_quickstart_model(cache_dir: str | Path, scenario: Scenario) -> Path:
     """The checkpoint for a scenario whose ``model.path`` is ``"tiny"``: the tiny model from
     ``model.tiny_seed``, warmed up on the scenario's domains when ``model.tiny_warmup`` (cached
-    under ``cache_dir``; rebuilt when missing).
+    under ``cache_dir``; rebuilt when missing); with ``model.tiny_warmup_tool_calls`` on
+    calculator conversations (`TOOL_CALL_RECIPE`).
 
     Raises:
         ValueError: warm-up requested but no domain has a solver.
@@ -200,5 +222,7 @@ def ensure_quickstart_model(cache_dir: str | Path, scenario: Scenario) -> Path:
     model = scenario.model
     if not model.tiny_warmup:
         return ensure_tiny_model(cache_dir, TinyModelSpec(seed=model.tiny_seed))
-    return ensure_warm_tiny_model(cache_dir, scenario.domains, model_seed=model.tiny_seed,
-                                  max_turns=scenario.run.max_turns)
+    return ensure_warm_tiny_model(
+        cache_dir, scenario.domains, model_seed=model.tiny_seed,
+        max_turns=scenario.run.max_turns, tool_calls=model.tiny_warmup_tool_calls,
+        recipe=TOOL_CALL_RECIPE if model.tiny_warmup_tool_calls else DEFAULT_RECIPE)

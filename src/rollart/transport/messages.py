@@ -142,6 +142,8 @@ class WorkerStats(Msg):
     version: NonNegInt
     paused: bool = False
     num_generated_tokens: NonNegInt = 0
+    #: requests that ended aborted (``Abort`` or ``Pause(abort)``) since the worker started.
+    num_aborted: NonNegInt = 0
     #: engine ranks (tensor x pipeline parallel) that join a collective weight transfer.
     num_ranks: PosInt = 1
     #: how this worker receives weights: ``zmq`` (staged buckets), ``nccl`` or ``gloo``.

@@ -17,7 +17,9 @@ One trajectory:
    scores the last assistant message, with the env's ``reference``), or when the session ends the
    trajectory first (restart, cancel, failure, budget): the agent gets ``ENDED_GRACE_S`` to
    read the error its call got (later calls get 404), then its task is cancelled. A cancelled
-   trajectory (sibling, shutdown) cancels the agent task and its completion in flight at once.
+   trajectory task (a redundant member, ``run.trajectory_timeout_s``, a staleness restart,
+   shutdown) cancels the agent task (``CancelledError`` where the agent awaits) and its
+   completion in flight at once, which aborts that vLLM request on the worker.
 
 Failure reasons beyond the gym path's: ``agent_error`` (the agent raised, or returned something
 that is not a float / ``None``, or made no completion call) and ``history_rewritten``.

@@ -10,8 +10,10 @@ its own base URL ``http://HOST:PORT/t/<token>/v1``):
 An unknown token (never issued, or its trajectory ended) gets a 404 ``session_not_found`` error
 in OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``; so does any other path.
 A body that is not JSON is a 400. A client that disconnects while its completion is generating
-cancels the handler (``handler_cancellation``), which cancels the generate call: the worker aborts
-the request and nothing of that call is recorded (the agent may send it again).
+(e.g. its own read timeout) cancels the handler (``handler_cancellation``), which cancels the
+generate call: the inference client sends ``Abort``, so the vLLM request is aborted on the worker
+(counted in ``WorkerStats.num_aborted``), not left to finish; nothing of that call is recorded,
+the trajectory goes on, and the agent may send the same request again.
 """
 
 from __future__ import annotations

@@ -7,8 +7,10 @@ waits for newer weights, ``restart`` / ``cancel`` end the trajectory), the token
 sync-mode turn barrier, the proxy's generate (affinity by domain, sticky worker, delta prompts),
 and the token record (``record_tokens``). What the agent sees:
 
-- 400 ``invalid_request_error`` for a bad request (this call only; the trajectory goes on), and
-  for ``history_rewritten`` (the trajectory fails with that reason and is retried);
+- 400 ``invalid_request_error`` for a bad request (``unsupported_value`` /
+  ``unsupported_parameter`` naming ``param``: this call only, nothing recorded, the trajectory
+  goes on), and for ``history_rewritten`` (the trajectory fails with that reason, counted and
+  retried per ``run.retry``, never a sample; later calls get 404 ``session_not_found``);
 - 409 ``trajectory_restarted`` / ``trajectory_cancelled`` when the staleness check restarts the
   trajectory (it is retried from the start) or its group no longer needs it;
 - 400 ``context_length_exceeded`` / ``max_turns_exceeded`` when a budget ends the trajectory: it
