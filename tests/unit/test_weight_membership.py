@@ -152,3 +152,59 @@ def test_a_rank_with_another_key_is_refused_by_every_other_rank(keys):
         assert isinstance(results[rank], MembershipError)
         assert str(results[rank]) == (f"rank 1 of the weight-transfer group did not prove the "
                                       f"run key: rank {rank} refuses")
+
+
+class FakeTransferEngine:
+    """Records the init requests ``InferenceWorker.transfer_init`` hands to vLLM."""
+
+    def __init__(self) -> None:
+        self.inits: list[dict] = []
+
+    async def init_weight_transfer_engine(self, request) -> None:
+        self.inits.append(request.init_info)
+
+
+def _worker(key: bytes | None, num_ranks: int = 1):
+    from rollart.inference.engine import SchedulerCounts
+    from rollart.inference.worker import InferenceWorker
+
+    return InferenceWorker(FakeTransferEngine(), name="w0", version=0, stager=None,
+                           counts=SchedulerCounts(), weight_transfer="gloo",
+                           num_ranks=num_ranks, membership_key=key)
+
+
+def _init(nonce: bytes, rank_offset: int = 1, world_size: int = 3):
+    from rollart.transport import messages as m
+
+    return m.WeightTransferInit(master_address="127.0.0.1", master_port=1234, nonce=nonce,
+                                rank_offset=rank_offset, world_size=world_size)
+
+
+async def test_the_worker_hands_its_engine_the_proofs_of_its_key_and_the_nonce(keys):
+    worker = _worker(keys[0])
+    nonce = new_nonce()
+    await worker.transfer_init(_init(nonce), ())
+    (info,) = worker.engine.inits
+    assert info["membership_proofs"] == [p.hex() for p in expected_proofs(keys[0], nonce, 3)]
+    assert info["rank_offset"] == 1 and info["world_size"] == 3
+
+
+async def test_a_worker_without_a_key_or_with_ranks_outside_the_group_joins_nothing(keys):
+    from rollart.transport.errors import RemoteError
+
+    with pytest.raises(RemoteError, match="no run key") as info:
+        await _worker(None).transfer_init(_init(new_nonce()), ())
+    assert info.value.code == "bad_request"
+    worker = _worker(keys[0], num_ranks=2)
+    with pytest.raises(RemoteError, match=r"ranks 2..3 do not fit a group of 3"):
+        await worker.transfer_init(_init(new_nonce(), rank_offset=2), ())
+    assert worker.engine.inits == []
+
+
+def test_a_nonce_of_the_wrong_length_is_refused_on_the_wire():
+    import msgspec
+
+    from rollart.transport import messages as m
+
+    with pytest.raises(msgspec.ValidationError, match="nonce"):
+        msgspec.msgpack.decode(msgspec.msgpack.encode(_init(b"short")), type=m.WeightTransferInit)
