@@ -134,9 +134,13 @@ def _all_gather(group: Any, mine: bytes, world_size: int) -> list[bytes]:
         group.allgather([out], [cpu]).wait()
         return [bytes(t.tolist()) for t in out]
     # PyNcclCommunicator: a disabled one gathers nothing, so the zeros fail the check (closed).
+    # One explicit stream: the input copy, the gather and the wait are ordered on it (vLLM's
+    # own default stream differs from torch's on ROCm).
+    stream = torch.cuda.current_stream(group.device)
     flat = torch.zeros(world_size * PROOF_BYTES, dtype=torch.uint8, device=group.device)
-    group.all_gather(flat, cpu.to(group.device))
-    rows = flat.cpu().view(world_size, PROOF_BYTES)  # .cpu() waits for the stream
+    group.all_gather(flat, cpu.to(group.device), stream=stream)
+    stream.synchronize()
+    rows = flat.cpu().view(world_size, PROOF_BYTES)
     return [bytes(row.tolist()) for row in rows]
 
 
