@@ -7,8 +7,8 @@ and broadcasts each new version straight into the engines' models (vLLM's
 protocol over a torch gloo group of CPU tensors, for CPU clusters and for exercising the whole
 collective path where no GPU exists: ``GlooWeightTransferEngine`` below subclasses vLLM's NCCL
 engine and replaces only the communicator (the handshake, the update metadata and the layerwise
-reload are vLLM's). vLLM's NCCL engine itself is used through ``RollartNCCLWeightTransferEngine``,
-which adds only the membership proof.
+reload are vLLM's). vLLM's NCCL engine itself is used through
+``RollartNCCLWeightTransferEngine``, which adds only the membership proof.
 
 Membership: right after joining the group, before receiving anything, every engine rank takes
 part in the proof of ``rollart.weights.membership`` (the init info carries the expected proofs
@@ -16,9 +16,10 @@ for this group's nonce, computed by the worker's RPC process, which holds the ru
 in which any rank fails it is dropped and the init fails, so no weights are ever loaded from it.
 
 Registration: vLLM creates the engine in its worker (the engine-core process) from a name in
-``WeightTransferEngineFactory``. ``register_engines()`` adds ``rollart_gloo`` and ``rollart_nccl``; it runs when
-``rollart.weights.vllm_ext`` is imported, which vLLM does in the worker before it loads the
-model (``worker_extension_cls``), and in the frontend before the engine is built.
+``WeightTransferEngineFactory``. ``register_engines()`` adds ``rollart_gloo`` and
+``rollart_nccl``; it runs when ``rollart.weights.vllm_ext`` is imported, which vLLM does in the
+worker before it loads the model (``worker_extension_cls``), and in the frontend before the
+engine is built.
 """
 
 from __future__ import annotations
