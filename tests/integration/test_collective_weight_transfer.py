@@ -164,6 +164,99 @@ async def test_a_changed_worker_set_re_forms_the_group(services):
         await trainer.close()
 
 
+# An intruder on the rendezvous: it took a rank of the group (the port is reachable, the
+# nonce went to the workers over CURVE), contributes a proof under its own key, then waits for
+# the trainer's first tensor. Prints GOT_WEIGHTS or NO_WEIGHTS.
+INTRUDER = """
+import sys, tempfile
+import torch
+from rollart.transport.security import create_key_file, load_key_file
+from rollart.weights.membership import membership_key, new_nonce, proof
+from rollart.weights.vllm_engines import open_gloo_group
+
+addr, port, rank, world = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+group = open_gloo_group(addr, port, rank, world, 30.0)
+key = membership_key(load_key_file(create_key_file(tempfile.mkdtemp())))
+mine = torch.frombuffer(bytearray(proof(key, new_nonce(), rank, world)), dtype=torch.uint8)
+group.allgather([[torch.zeros(32, dtype=torch.uint8) for _ in range(world)]], [mine]).wait()
+buf = torch.empty(4, 4)
+try:
+    group.broadcast(buf, 0).wait()
+except Exception as exc:
+    print("NO_WEIGHTS", type(exc).__name__, flush=True)
+else:
+    print("GOT_WEIGHTS", buf.sum().item(), flush=True)
+"""
+
+
+async def test_an_intruder_in_the_rendezvous_is_refused_and_gets_no_weights(services):
+    """A group of 3 ranks: the trainer (0), worker w0 (1) and a rank the intruder takes (2).
+    The trainer refuses to broadcast naming rank 2, w0 refuses the group too, and the intruder
+    receives nothing. (w0 is out of the trainer service's group after the test above.)"""
+    import subprocess
+    import sys
+
+    from vllm.distributed.weight_transfer.base import ModuleSource
+
+    from rollart.weights.collective import (
+        GlooTrainerInitInfo,
+        GlooTrainerWeightTransferEngine,
+        WorkerGroupClient,
+        _listen_socket,
+    )
+    from rollart.weights.membership import (
+        MembershipError,
+        expected_proofs,
+        membership_key,
+        new_nonce,
+    )
+
+    class RecordingGroupClient(WorkerGroupClient):
+        """The real client; keeps what the workers' init answered (the trainer's own error
+        is what trainer_init raises)."""
+
+        worker_error: BaseException | None = None
+
+        def init_weight_transfer_engine(self, init_info):
+            try:
+                super().init_weight_transfer_engine(init_info)
+            except BaseException as exc:
+                self.worker_error = exc
+                raise
+
+    addrs, _trainer = services
+    w0 = InferenceClient(addrs[0], name="w0", liveness_timeout_s=60, auth=env_credentials())
+    sock = _listen_socket("127.0.0.1")
+    port = sock.getsockname()[1]
+    intruder = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", INTRUDER, "127.0.0.1", str(port), "2", "3",
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        nonce = new_nonce()
+        client = RecordingGroupClient(asyncio.get_running_loop(), [w0], [1], timeout_s=120,
+                                      nonce=nonce)
+        info = GlooTrainerInitInfo(
+            master_address="127.0.0.1", master_port=port, world_size=3, timeout_s=120, rank=0,
+            membership_proofs=expected_proofs(membership_key(env_credentials()), nonce, 3))
+        with pytest.raises(MembershipError, match=r"^rank 2 of the weight-transfer group did "
+                                                  r"not prove the run key: refusing to "
+                                                  r"broadcast$"):
+            await asyncio.to_thread(GlooTrainerWeightTransferEngine.trainer_init, info,
+                                    client=client, source=ModuleSource(torch.nn.Linear(4, 4)),
+                                    listen_socket=sock)
+        assert isinstance(client.worker_error, RemoteError)
+        assert ("rank 2 of the weight-transfer group did not prove the run key: refusing to "
+                "load weights from this group") in str(client.worker_error)
+        out, err = await asyncio.wait_for(intruder.communicate(), 120)
+        assert out.decode().startswith("NO_WEIGHTS"), (out, err[-2000:])
+        assert not (await w0.stats()).paused  # the worker serves on
+    finally:
+        if intruder.returncode is None:
+            intruder.kill()
+            await intruder.wait()
+        await w0.close()
+
+
 async def test_a_worker_refuses_to_generate_from_a_half_loaded_model(tiny_model_dir,
                                                                       service_launcher):
     worker = service_launcher("rollart.inference.worker",

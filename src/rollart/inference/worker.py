@@ -55,6 +55,7 @@ from rollart.transport.errors import ConfigError, RemoteError
 from rollart.transport.rpc import RpcServer
 from rollart.transport.security import Auth, add_auth_args, service_auth
 from rollart.weights.basestate import WorkerBases
+from rollart.weights.membership import membership_key
 from rollart.weights.receiver import WeightReceiver
 from rollart.weights.staging import CheckpointLayout, WeightStager
 
@@ -82,6 +83,9 @@ class InferenceWorker(WeightReceiver):
         stager: where weight buckets are staged.
         counts: scheduler counts fed by the engine's stat logger.
         max_prefix_tokens: bound on the trajectory prefix tokens kept (``PrefixStore``).
+        membership_key: the run's weight-transfer membership key
+            (``rollart.weights.membership.membership_key(auth)``); None joins no collective
+            weight-transfer group.
     """
 
     def __init__(
@@ -95,8 +99,10 @@ class InferenceWorker(WeightReceiver):
         weight_transfer: str = "zmq",
         num_ranks: int = 1,
         max_prefix_tokens: int = DEFAULT_MAX_PREFIX_TOKENS,
+        membership_key: bytes | None = None,
     ) -> None:
         self.engine = engine
+        self.membership_key = membership_key
         self.prefixes = PrefixStore(max_prefix_tokens)
         self.weight_transfer = weight_transfer
         self.num_ranks = num_ranks
@@ -383,7 +389,7 @@ async def serve(args: argparse.Namespace, auth: Auth) -> int:
         worker = InferenceWorker(
             engine, name=args.name, version=args.version, stager=stager, counts=counts,
             weight_transfer=args.weight_transfer, num_ranks=args.tensor_parallel_size,
-            max_prefix_tokens=args.max_prefix_tokens,
+            max_prefix_tokens=args.max_prefix_tokens, membership_key=membership_key(auth),
         )
         frame_bytes = frame_limit(stager.layout, args.max_message_bytes)
         server = RpcServer(args.address, worker.handlers(), name=args.name, auth=auth,

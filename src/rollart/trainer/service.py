@@ -131,11 +131,12 @@ class TrainerService:
         self.collective = None
         if opts.weight_transfer != "zmq" and (self.ranks is None or self.ranks.rank == 0):
             from rollart.weights.collective import CollectivePublisher
+            from rollart.weights.membership import membership_key
 
             self.collective = CollectivePublisher(
                 opts.weight_transfer, self.model, connect,
                 address=opts.weight_transfer_address, bucket_bytes=opts.bucket_bytes,
-                timeout_s=opts.weight_transfer_timeout_s,
+                timeout_s=opts.weight_transfer_timeout_s, membership_key=membership_key(auth),
                 run_send=lambda send: self.runner.broadcast_weights(opts.weight_transfer, send))
         if resume is not None:  # collective under several ranks: all load at construction
             state = load_trainer(resume, self.model, self.optimizer)

@@ -348,9 +348,12 @@ class WeightTransferInit(Msg):
     ``rank_offset``: group rank of this worker's first engine rank (the trainer is rank 0).
     ``world_size``: trainer + every engine rank of every worker. ``timeout_s``: rendezvous and
     per-broadcast limit (gloo). ``packed*``: vLLM's NCCL packing (buffer bytes, buffers in flight).
+    ``nonce``: the group's fresh 32-byte nonce; every rank proves the run key with it before
+    any weight is sent (``rollart.weights.membership``).
     """
 
     master_address: Annotated[str, msgspec.Meta(min_length=1)]
+    nonce: Annotated[bytes, msgspec.Meta(min_length=32, max_length=32)]
     master_port: Annotated[int, msgspec.Meta(ge=1, le=65535)]
     rank_offset: PosInt
     world_size: Annotated[int, msgspec.Meta(ge=2)]

@@ -40,7 +40,10 @@ Step 1 makes v without pushing; with the workers paused, the controller sends
 transfer engines through ``WeightTransferInit`` / ``Start`` / ``Update`` / ``Finish`` messages
 (``collective.WorkerGroupClient``), which ``WeightReceiver.transfer_*`` hand to the engine
 (``vllm_engines``: vLLM's NCCL engine, or its gloo twin) that loads v into the serving model;
-``ApplyWeights(v)`` then only relabels tokens and resets the prefix cache.
+``ApplyWeights(v)`` then only relabels tokens and resets the prefix cache. Each new group first
+proves that every rank holds the run key (``membership``: HMAC of a per-group nonce sent over
+the CURVE RPC, all-gathered over the group); a group failing it is dropped before any weight
+crosses it.
 
 Delta transfer (``[trainer] weight_delta = "xor" | "sparse"``, ZeroMQ path only): the trainer
 keeps fp32 masters and rounds each version to ``weight_wire_dtype`` once; per worker,
@@ -52,7 +55,8 @@ and the trainer resends in full), then stages it like a full bucket.
 
 Modules: ``buckets`` (frames, bucketing, CRC32), ``delta`` (codec, wire dtype), ``sender``
 (trainer: per-worker full-or-delta choice), ``basestate`` (worker: delta bases), ``push`` (trainer: point-to-point push),
-``collective`` (trainer: collective broadcast), ``staging`` and ``receiver`` (worker: staging and
+``collective`` (trainer: collective broadcast), ``membership`` (the group's proof of the run
+key), ``staging`` and ``receiver`` (worker: staging and
 the request handlers), ``vllm_ext`` and ``vllm_engines`` (inside vLLM: reload and the gloo
 engine). The controller's side (``rollart.controller.weightsync`` and
 ``rollart.controller.training.RemoteTrainer``) stays in the controller: no component imports it.

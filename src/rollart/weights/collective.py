@@ -13,6 +13,15 @@ serving model, so the controller pauses the workers first and asks for the broad
 re-formed when the set of workers changes (a worker died or was added) or after a failed
 broadcast; a worker that dies mid-broadcast fails that broadcast, and the controller stops the
 run (a failed push is fatal there).
+
+The rendezvous authenticates nobody, so each new group proves its membership before its first
+broadcast (``rollart.weights.membership``): the publisher draws a fresh nonce, sends it to each
+worker inside ``WeightTransferInit`` (over the CURVE-authenticated RPC), and trainer and worker
+ranks all-gather their HMAC proofs over the new group. A rank that fails it makes the trainer
+drop the group and raise ``MembershipError`` ("rank 3 of the weight-transfer group did not
+prove the run key: refusing to broadcast"); no weights are sent. Both trainer engines
+(``GlooTrainerWeightTransferEngine``, ``RollartNCCLTrainerWeightTransferEngine``) join through
+``_join_as_sender``, which runs the proof.
 """
 
 from __future__ import annotations
@@ -23,7 +32,7 @@ import socket
 import time
 from collections.abc import Callable, Coroutine, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Self
 
 from vllm.distributed.weight_transfer.base import ModuleSource, TrainerInitInfo
@@ -34,6 +43,12 @@ from vllm.distributed.weight_transfer.nccl_engine import (
 
 from rollart.inference.client import InferenceClient
 from rollart.transport import messages as m
+from rollart.weights.membership import (
+    MembershipError,
+    expected_proofs,
+    new_nonce,
+    prove_membership,
+)
 from rollart.weights.push import PushReport
 from rollart.weights.vllm_engines import open_gloo_group
 
@@ -49,12 +64,13 @@ class WorkerGroupClient:
 
     ``rank_offsets[i]``: group rank of worker ``i``'s first engine rank (the trainer is 0).
     ``version``: the version ``finish_weight_update`` announces (set before each broadcast).
+    ``nonce``: the group's membership nonce (``membership``), sent in ``WeightTransferInit``.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, workers: list[InferenceClient],
-                 rank_offsets: list[int], *, timeout_s: float) -> None:
+                 rank_offsets: list[int], *, timeout_s: float, nonce: bytes) -> None:
         self.loop, self.workers, self.rank_offsets = loop, workers, rank_offsets
-        self.timeout_s = timeout_s
+        self.timeout_s, self.nonce = timeout_s, nonce
         self.version = 0
 
     def _each(self, make: Callable[[int], m.Msg]) -> None:
@@ -71,7 +87,7 @@ class WorkerGroupClient:
         base = {k: init_info[k] for k in ("master_address", "master_port", "world_size")}
         extra = {k: init_info[k] for k in ("timeout_s", "packed", "packed_buffer_size_bytes",
                                            "packed_num_buffers") if k in init_info}
-        self._each(lambda i: m.WeightTransferInit(**base, **extra,
+        self._each(lambda i: m.WeightTransferInit(**base, **extra, nonce=self.nonce,
                                                   rank_offset=self.rank_offsets[i]))
 
     def start_weight_update(self) -> None:
@@ -89,10 +105,38 @@ class WorkerGroupClient:
         self._each(lambda _i: m.WeightTransferShutdown())
 
 
+#: what the trainer refuses when a rank of its group fails the membership proof
+REFUSING = "refusing to broadcast"
+
+
+def _join_as_sender(client: Any, worker_info: dict[str, Any], open_group: Callable[[], Any],
+                    drop: Callable[[Any], None], proofs: list[bytes]) -> Any:
+    """Open group rank 0 while the workers join (they block in the rendezvous until it opens),
+    then prove the group's membership before anything is sent; return the group.
+
+    Raises:
+        MembershipError: a rank failed the proof, or ``proofs`` is empty; the group is dropped.
+        RemoteError / TimeoutError: a worker failed to join.
+    """
+    if not proofs:
+        raise MembershipError(f"no membership proofs for the weight-transfer group: {REFUSING}")
+    with ThreadPoolExecutor(max_workers=1) as exe:
+        joined = exe.submit(client.init_weight_transfer_engine, worker_info)
+        group = open_group()
+        try:
+            prove_membership(group, 0, proofs, refusing=REFUSING)
+        except BaseException:
+            drop(group)
+            raise
+        joined.result()
+    return group
+
+
 @dataclass
 class GlooTrainerInitInfo(TrainerInitInfo):
     """Trainer side of ``rollart_gloo``: rendezvous at ``master_address:master_port`` with
-    ``world_size`` ranks; ``timeout_s`` bounds the rendezvous and each broadcast."""
+    ``world_size`` ranks; ``timeout_s`` bounds the rendezvous and each broadcast;
+    ``membership_proofs``: every rank's expected proof (``membership.expected_proofs``)."""
 
     backend: ClassVar[str] = "rollart_gloo"
 
@@ -100,6 +144,48 @@ class GlooTrainerInitInfo(TrainerInitInfo):
     master_port: int
     world_size: int
     timeout_s: float = 600.0
+    membership_proofs: list[bytes] = field(default_factory=list, repr=False)
+
+
+@dataclass
+class RollartNCCLTrainerInitInfo(NCCLTrainerInitInfo):
+    """vLLM's NCCL trainer init info plus ``membership_proofs`` (as ``GlooTrainerInitInfo``)."""
+
+    membership_proofs: list[bytes] = field(default_factory=list, repr=False)
+
+
+class RollartNCCLTrainerWeightTransferEngine(NCCLTrainerWeightTransferEngine):
+    """vLLM's NCCL trainer engine whose ``trainer_init`` proves the group's membership (vLLM's
+    joins the same way, without the proof); ``send_weights`` is vLLM's."""
+
+    init_info_cls = RollartNCCLTrainerInitInfo  # type: ignore[assignment]
+
+    @classmethod
+    def trainer_init(cls, init_info: RollartNCCLTrainerInitInfo, *, client: Any,  # type: ignore[override]
+                     source: Any = None) -> Self:
+        from vllm.distributed.weight_transfer.nccl_common import (
+            NCCLWeightTransferInitInfo,
+            worker_init_payload,
+        )
+        from vllm.distributed.weight_transfer.nccl_common import trainer_init as open_endpoint
+
+        if source is None:
+            raise ValueError("NCCL trainer weight transfer requires a WeightSource")
+        engine = cls(client=client, source=source, is_sender=init_info.is_sender,
+                     packed=init_info.packed,
+                     packed_buffer_size_bytes=init_info.packed_buffer_size_bytes,
+                     packed_num_buffers=init_info.packed_num_buffers)
+        if not engine.is_sender:
+            return engine
+        worker_info = worker_init_payload(NCCLWeightTransferInitInfo(
+            master_address=init_info.master_address, master_port=init_info.master_port,
+            rank_offset=1, world_size=init_info.world_size, packed=init_info.packed,
+            packed_buffer_size_bytes=init_info.packed_buffer_size_bytes,
+            packed_num_buffers=init_info.packed_num_buffers))
+        engine.model_update_group = _join_as_sender(
+            client, worker_info, lambda: open_endpoint(init_info), lambda g: g.destroy(),
+            init_info.membership_proofs)
+        return engine
 
 
 class GlooTrainerWeightTransferEngine(NCCLTrainerWeightTransferEngine):
@@ -119,13 +205,12 @@ class GlooTrainerWeightTransferEngine(NCCLTrainerWeightTransferEngine):
         worker_info = {"master_address": init_info.master_address,
                        "master_port": init_info.master_port, "rank_offset": 1,
                        "world_size": init_info.world_size, "timeout_s": init_info.timeout_s}
-        # Workers block in the rendezvous until rank 0 opens it: join from both sides at once.
-        with ThreadPoolExecutor(max_workers=1) as exe:
-            joined = exe.submit(client.init_weight_transfer_engine, worker_info)
-            engine.model_update_group = open_gloo_group(
-                init_info.master_address, init_info.master_port, 0, init_info.world_size,
-                init_info.timeout_s, listen_socket=listen_socket)
-            joined.result()
+        engine.model_update_group = _join_as_sender(
+            client, worker_info,
+            lambda: open_gloo_group(init_info.master_address, init_info.master_port, 0,
+                                    init_info.world_size, init_info.timeout_s,
+                                    listen_socket=listen_socket),
+            lambda _g: None, init_info.membership_proofs)
         return engine
 
     def _broadcast(self, source: Any, meta: Any) -> None:
@@ -147,7 +232,8 @@ class GlooTrainerWeightTransferEngine(NCCLTrainerWeightTransferEngine):
 def non_sender_engine(kind: str, model: Any) -> Any:
     """The engine of a trainer rank > 0 (FSDP2 data parallel): its ``send_weights`` only joins
     the ``full_tensor()`` gathers of rank 0's broadcast, in the same parameter order."""
-    cls = GlooTrainerWeightTransferEngine if kind == "gloo" else NCCLTrainerWeightTransferEngine
+    cls = (GlooTrainerWeightTransferEngine if kind == "gloo"
+           else RollartNCCLTrainerWeightTransferEngine)
     return cls(client=None, source=ModuleSource(model), is_sender=False)  # type: ignore[arg-type]
 
 
@@ -173,15 +259,18 @@ class CollectivePublisher:
             (vLLM's NCCL rendezvous and broadcast take no timeout from here).
         run_send: ``run_send(send)`` runs the sender's ``send_weights`` (blocking, in a worker
             thread); with several trainer ranks it makes the others join the gathers first.
+        membership_key: the run's membership key (``membership.membership_key(auth)``): every
+            new group's ranks must prove it before the first broadcast.
     """
 
     def __init__(self, kind: str, model: Any, connect: Callable[[str], InferenceClient], *,
-                 address: str, bucket_bytes: int, timeout_s: float,
+                 address: str, bucket_bytes: int, timeout_s: float, membership_key: bytes,
                  run_send: Callable[[Callable[[], None]], None] | None = None) -> None:
         if kind not in ("nccl", "gloo"):
             raise ValueError(f"collective weight transfer must be nccl or gloo, got {kind!r}")
         self.kind, self.model, self._connect = kind, model, connect
         self.address, self.bucket_bytes, self.timeout_s = address, bucket_bytes, timeout_s
+        self._membership_key = membership_key
         self._workers: dict[str, InferenceClient] = {}
         self._engine: Any = None
         self._group_addresses: list[str] = []
@@ -211,6 +300,7 @@ class CollectivePublisher:
 
         Raises:
             RuntimeError: no workers registered, or a worker is not set up for ``kind``.
+            MembershipError: a rank of the new group did not prove the run key (nothing sent).
             RemoteError / TimeoutError: a worker refused or the group broke mid-transfer.
         """
         wanted = self._wanted
@@ -254,13 +344,16 @@ class CollectivePublisher:
             offsets.append(rank)
             rank += s.num_ranks
         loop = asyncio.get_running_loop()
-        self._client = WorkerGroupClient(loop, workers, offsets, timeout_s=self.timeout_s)
+        nonce = new_nonce()  # per group: a proof never carries over to another group
+        proofs = expected_proofs(self._membership_key, nonce, rank)
+        self._client = WorkerGroupClient(loop, workers, offsets, timeout_s=self.timeout_s,
+                                         nonce=nonce)
         source = ModuleSource(self.model)
         if self.kind == "gloo":
             sock = _listen_socket(self.address)
             info: Any = GlooTrainerInitInfo(
                 master_address=self.address, master_port=sock.getsockname()[1],
-                world_size=rank, timeout_s=self.timeout_s, rank=0)
+                world_size=rank, timeout_s=self.timeout_s, rank=0, membership_proofs=proofs)
             self._engine = await asyncio.to_thread(
                 GlooTrainerWeightTransferEngine.trainer_init, info, client=self._client,
                 source=source, listen_socket=sock)
@@ -268,11 +361,12 @@ class CollectivePublisher:
             sock = _listen_socket(self.address)
             port = sock.getsockname()[1]
             sock.close()  # vLLM's NCCL rendezvous binds the port itself
-            info = NCCLTrainerInitInfo(
+            info = RollartNCCLTrainerInitInfo(
                 master_address=self.address, master_port=port, world_size=rank, rank=0,
-                packed=True, packed_buffer_size_bytes=self.bucket_bytes)
+                packed=True, packed_buffer_size_bytes=self.bucket_bytes,
+                membership_proofs=proofs)
             self._engine = await asyncio.to_thread(
-                NCCLTrainerWeightTransferEngine.trainer_init, info, client=self._client,
+                RollartNCCLTrainerWeightTransferEngine.trainer_init, info, client=self._client,
                 source=source)
         self._group_addresses = list(wanted)
         for addr in [a for a in self._workers if a not in wanted]:

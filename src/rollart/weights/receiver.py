@@ -13,7 +13,9 @@ serves vLLM over ZeroMQ); it holds every request handler of the weight path on t
 - ``WeightTransferInit`` / ``Start`` / ``Update`` / ``Finish`` / ``Shutdown`` -> ``Ack``: the
   collective path (``rollart.weights.vllm_engines``): the trainer broadcasts a version straight
   into the paused engine's model, and ``ApplyWeights`` of that version then only relabels tokens
-  and resets the prefix cache.
+  and resets the prefix cache. ``WeightTransferInit`` carries the group's nonce: the worker
+  computes every rank's expected membership proof with the run key (``membership``) and its
+  engine ranks refuse the group unless every rank proves it.
 
 A reload or broadcast that fails part-way leaves a model holding no one version: the worker
 ``die``s (exits with status 1) rather than serve it.
@@ -41,7 +43,9 @@ class WeightReceiver:
     ``engine``: the vLLM ``AsyncLLM`` (built with ``rollart.weights.vllm_ext``); ``version``:
     the version it serves; ``received_version``: the version a collective update loaded, not yet
     applied; ``paused``: paused by a client; ``_control``: the lock over pause state;
-    ``_active``: in-flight requests; ``die(reason)``: make the process exit.
+    ``_active``: in-flight requests; ``die(reason)``: make the process exit;
+    ``membership_key``: the run's membership key (``membership.membership_key``), None when
+    the worker was given none (then it joins no weight-transfer group).
     """
 
     engine: Any
@@ -53,6 +57,7 @@ class WeightReceiver:
     bases: WorkerBases
     weight_transfer: str
     num_ranks: int
+    membership_key: bytes | None
     _updating: bool
     _control: asyncio.Lock
     _active: dict[str, Any]
@@ -163,15 +168,24 @@ class WeightReceiver:
     async def transfer_init(self, msg: m.WeightTransferInit, _frames) -> m.Ack:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
+        from rollart.weights.membership import expected_proofs
         from rollart.weights.vllm_engines import init_info_dict
 
         self._require_collective("WeightTransferInit")
+        if self.membership_key is None:
+            raise RemoteError("bad_request", "WeightTransferInit: this worker has no run key "
+                              "to prove its weight-transfer group with")
+        if msg.rank_offset + self.num_ranks > msg.world_size:
+            raise RemoteError("bad_request", f"WeightTransferInit: ranks {msg.rank_offset}.."
+                              f"{msg.rank_offset + self.num_ranks - 1} do not fit a group of "
+                              f"{msg.world_size}")
         info = init_info_dict(
             self.weight_transfer, master_address=msg.master_address,
             master_port=msg.master_port, rank_offset=msg.rank_offset,
             world_size=msg.world_size, timeout_s=msg.timeout_s, packed=msg.packed,
             packed_buffer_size_bytes=msg.packed_buffer_size_bytes,
-            packed_num_buffers=msg.packed_num_buffers)
+            packed_num_buffers=msg.packed_num_buffers,
+            membership_proofs=expected_proofs(self.membership_key, msg.nonce, msg.world_size))
         try:
             await self.engine.init_weight_transfer_engine(WeightTransferInitRequest(info))
         except Exception as exc:
