@@ -34,13 +34,12 @@ def _worker_args(model_dir) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def services(tiny_model_dir, service_starter, tmp_path_factory):
+def services(tiny_model_dir, service_starter, services_starter, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("gloo-transfer-logs")
-    workers = [service_starter("rollart.inference.worker",
-                               [*_worker_args(tiny_model_dir), "--name", f"w{i}"],
-                               log_dir=log_dir, ready_timeout_s=300,
-                               env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"})
-               for i in range(2)]
+    workers = services_starter(  # started together: their start-ups overlap
+        [("rollart.inference.worker", [*_worker_args(tiny_model_dir), "--name", f"w{i}"])
+         for i in range(2)],
+        log_dir=log_dir, ready_timeout_s=300, env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"})
     trainer = service_starter(
         "rollart.trainer.service",
         ["--model", str(tiny_model_dir), "--options",
