@@ -39,7 +39,8 @@ def services(tiny_model_dir, service_starter, services_starter, tmp_path_factory
     workers = services_starter(  # started together: their start-ups overlap
         [("rollart.inference.worker", [*_worker_args(tiny_model_dir), "--name", f"w{i}"])
          for i in range(2)],
-        log_dir=log_dir, ready_timeout_s=300, env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"})
+        # one deadline for both (they share the cores): the two 300 s deadlines they had apart
+        log_dir=log_dir, ready_timeout_s=540, env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"})
     trainer = service_starter(
         "rollart.trainer.service",
         ["--model", str(tiny_model_dir), "--options",

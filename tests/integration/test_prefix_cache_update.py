@@ -56,7 +56,7 @@ def services(tiny_model_dir, services_starter, tmp_path_factory):
                                       "--enforce-eager"]),
         ("rollart.trainer.service", ["--model", str(tiny_model_dir), "--options",
                                      '{"lr": 0.01, "bucket_bytes": 200000}']),
-    ], log_dir=tmp_path_factory.mktemp("prefix-cache-logs"), ready_timeout_s=300)
+    ], log_dir=tmp_path_factory.mktemp("prefix-cache-logs"), ready_timeout_s=540)  # both
     yield worker.address, trainer.address
     worker.stop()
     trainer.stop()
