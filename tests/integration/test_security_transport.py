@@ -13,7 +13,8 @@ mark) started with ``--key-file``:
   ``RSS_BOUND``, not by the message.
 
 Also: a service refuses to start without a key, and ``--insecure`` on a non-loopback address
-without its second opt-in.
+without its second opt-in. The inference worker's test then also checks, on the same worker,
+that it exits non-zero when its vLLM engine core dies (one engine start-up fewer in the suite).
 """
 
 from __future__ import annotations
