@@ -3,7 +3,7 @@
 - ``tests``: the whole suite, installing everything it needs (CPU build of vLLM included).
 - ``lint``: ruff.
 - ``quickstart``: the README's main job on the embedded tiny model.
-- ``bench``: every benchmark with ``--quick``.
+- ``bench``: every benchmark with ``--quick``, then the tests marked ``bench``.
 """
 
 from __future__ import annotations
@@ -50,3 +50,5 @@ def bench(session: nox.Session) -> None:
     _install_runtime(session)
     session.run("python", "-m", "benchmarks.run_all", "--quick", "--out", "runs/bench",
                 *session.posargs)
+    # The benchmarks' end-to-end tests that the tests session leaves out (marked bench).
+    session.run("python", "-m", "pytest", "-q", "-ra", "--bench", "-m", "bench", "tests")

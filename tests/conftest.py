@@ -1,4 +1,8 @@
-"""Fixtures for every test: the session's run key.
+"""Fixtures for every test: the session's run key; the ``bench`` mark.
+
+Tests marked ``bench`` (a benchmark end to end at its ``--quick``-like size, where a smaller
+check of the same code path runs in the tests session) run only with ``pytest --bench``, which
+``nox -s bench`` passes; without it they are skipped, saying so.
 
 ``run_key`` (session, autouse): a CURVE key pair made once per test session
 (``rollart.transport.security.create_key_file``), also exported as ``$ROLLART_KEY_FILE`` so
@@ -15,6 +19,20 @@ from collections.abc import Iterator
 import pytest
 
 from rollart.transport.security import KEY_FILE_ENV, RunKey, create_key_file, load_key_file
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--bench", action="store_true", default=False,
+                     help="also run the tests marked bench (nox -s bench)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--bench"):
+        return
+    skip = pytest.mark.skip(reason="marked bench: runs in nox -s bench (pytest --bench)")
+    for item in items:
+        if item.get_closest_marker("bench") is not None:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session", autouse=True)

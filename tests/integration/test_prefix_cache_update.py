@@ -50,15 +50,13 @@ def train_sample(prompt: list[int], r: m.GenerateResult, sid: str, adv: float) -
 
 
 @pytest.fixture(scope="module")
-def services(tiny_model_dir, service_starter, tmp_path_factory):
-    log_dir = tmp_path_factory.mktemp("prefix-cache-logs")
-    worker = service_starter("rollart.inference.worker",
-                             ["--model", str(tiny_model_dir), "--dtype", "float32",
-                              "--enforce-eager"], log_dir=log_dir, ready_timeout_s=300)
-    trainer = service_starter("rollart.trainer.service",
-                              ["--model", str(tiny_model_dir), "--options",
-                               '{"lr": 0.01, "bucket_bytes": 200000}'],
-                              log_dir=log_dir, ready_timeout_s=300)
+def services(tiny_model_dir, services_starter, tmp_path_factory):
+    worker, trainer = services_starter([  # started together: their start-ups overlap
+        ("rollart.inference.worker", ["--model", str(tiny_model_dir), "--dtype", "float32",
+                                      "--enforce-eager"]),
+        ("rollart.trainer.service", ["--model", str(tiny_model_dir), "--options",
+                                     '{"lr": 0.01, "bucket_bytes": 200000}']),
+    ], log_dir=tmp_path_factory.mktemp("prefix-cache-logs"), ready_timeout_s=540)  # both
     yield worker.address, trainer.address
     worker.stop()
     trainer.stop()

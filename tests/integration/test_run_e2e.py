@@ -15,12 +15,13 @@ from pathlib import Path
 
 import pytest
 from proctree import alive, descendants
+from short_run import SHORT_RUN, eager, one_pool
 
 # A run starts 5 processes (two vLLM engines): on the loaded 2-core machine their start-up alone
 # took 8 minutes once, past the suite's 600 s default; the kill / resume test starts two runs.
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800)]
 
-SCENARIO = Path(__file__).parent / "scenarios" / "short_run.toml"
+SCENARIO = SHORT_RUN  # the compiled engines: test_short_run_writes_metrics_and_stops_every_process
 METRIC_KEYS = {
     "step", "policy_version", "reward_mean", "reward_mean_by_domain", "num_samples",
     "step_time_s", "rollout_time_s", "train_time_s", "weight_sync_total_s",
@@ -38,17 +39,6 @@ def cache_dir(rollart_cache_dir) -> Path:
 
 def _rollart(*args: str, scenario: Path = SCENARIO) -> list[str]:
     return [sys.executable, "-m", "rollart.cli", "run", str(scenario), *args]
-
-
-def _eager(text: str) -> str:
-    """The scenario with engines that skip torch.compile (``enforce_eager``): for the runs that
-    check resume and transfer rather than the engine; the compile was the largest part of an
-    engine's start-up (vLLM's CPU build recompiles at every start: it fails to load its own
-    compile cache). ``test_short_run_writes_metrics_and_stops_every_process`` keeps the
-    default, compiled engines."""
-    out = text.replace("[pools.engine]\n", "[pools.engine]\nenforce_eager = true\n")
-    assert out.count("enforce_eager = true") == 2
-    return out
 
 
 def _processes_mentioning(text: str) -> list[str]:
@@ -130,10 +120,11 @@ def test_config_error_names_file_and_field_before_any_process(tmp_path):
 
 def test_kill_and_resume_trains_every_sample_exactly_once(tmp_path, cache_dir):
     out = tmp_path / "run"
-    eager = tmp_path / "eager.toml"
-    eager.write_text(_eager(SCENARIO.read_text()))
+    # One pool: what is checked is the resume, not the pools (one engine fewer per run).
+    eager_toml = tmp_path / "eager.toml"
+    eager_toml.write_text(one_pool(eager(SCENARIO.read_text())))
     launcher = subprocess.Popen(_rollart("--out", str(out), "--steps", "4", "--cache-dir",
-                                         str(cache_dir), scenario=eager),
+                                         str(cache_dir), scenario=eager_toml),
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     marker = out / "checkpoints" / "latest"
     deadline = time.monotonic() + 900
@@ -155,7 +146,7 @@ def test_kill_and_resume_trains_every_sample_exactly_once(tmp_path, cache_dir):
         for slot in g["slots"] if slot and slot["state"] == "held"
     }
     proc = subprocess.run(_rollart("--resume", str(out), "--steps", "4", "--cache-dir",
-                                   str(cache_dir), scenario=eager),
+                                   str(cache_dir), scenario=eager_toml),
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     trained = _jsonl(out / "trained_samples.jsonl")
@@ -175,7 +166,7 @@ def test_kill_and_resume_trains_every_sample_exactly_once(tmp_path, cache_dir):
         assert sample_id in ids or sample_id in still_held or min_version < 3 - 1, sample_id
     assert [r["step"] for r in _jsonl(out / "metrics.jsonl")] == [1, 2, 3, 4]
     # A resume at the end of the planned steps runs nothing and says so.
-    again = subprocess.run(_rollart("--resume", str(out), "--steps", "4", scenario=eager),
+    again = subprocess.run(_rollart("--resume", str(out), "--steps", "4", scenario=eager_toml),
                            capture_output=True,
                            text=True, timeout=120)
     assert again.returncode == 0 and "nothing to run" in again.stdout
@@ -185,7 +176,7 @@ def test_short_run_with_two_fsdp_ranks_and_gloo_weight_transfer(tmp_path, cache_
     """The collective (vLLM weight-transfer engine) path under `rollart run`, on CPU, with the
     trainer as two FSDP2 ranks under torchrun."""
     scenario = tmp_path / "gloo.toml"
-    scenario.write_text(_eager(SCENARIO.read_text())
+    scenario.write_text(eager(SCENARIO.read_text())
                         + '\nweight_transfer = "gloo"\nnum_processes = 2\n')
     out = tmp_path / "run"
     proc = subprocess.run(

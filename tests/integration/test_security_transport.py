@@ -13,7 +13,8 @@ mark) started with ``--key-file``:
   ``RSS_BOUND``, not by the message.
 
 Also: a service refuses to start without a key, and ``--insecure`` on a non-loopback address
-without its second opt-in.
+without its second opt-in. The inference worker's test then also checks, on the same worker,
+that it exits non-zero when its vLLM engine core dies (one engine start-up fewer in the suite).
 """
 
 from __future__ import annotations
@@ -194,8 +195,18 @@ async def test_oversized_message_is_refused_without_growing_memory(keyed_service
 
 
 @pytest.mark.vllm
-async def test_inference_worker_refuses_unauthenticated_and_oversized(
+async def test_inference_worker_refuses_unauthenticated_and_oversized_then_dies_with_its_engine(
         tiny_model_dir, service_launcher, run_key, other_key, tmp_path):
+    """Also, on the same worker (one engine start-up fewer, ~40-80 s on the loaded machine):
+    when its vLLM engine core dies, the worker exits non-zero with a FATAL line naming the
+    engine, and a client then gets PeerDeadError (the worker's own behaviour; the rest of it
+    is ``test_inference_worker``'s)."""
+    import psutil
+
+    from rollart.inference.client import InferenceClient
+    from rollart.transport import tokenbytes as tb
+    from rollart.transport.errors import PeerDeadError
+
     svc = service_launcher(
         "rollart.inference.worker",
         ["--model", str(tiny_model_dir), "--name", "sec", "--dtype", "float32",
@@ -207,6 +218,27 @@ async def test_inference_worker_refuses_unauthenticated_and_oversized(
     # The tiny model's largest tensor is far below 64 MiB: its frame limit is 64 MiB.
     await check_oversized_costs_no_memory(svc.proc.pid, svc.address, run_key, m.GetStats(),
                                           m.WorkerStats)
+
+    # Engine-core death.
+    c = InferenceClient(svc.address, name="sec", heartbeat_interval_s=0.5, liveness_timeout_s=3,
+                        auth=run_key)
+    try:
+        prompt = tb.pack_i32([2, 60, 79, 72, 72, 75, 3])
+        await c.generate(m.Generate(request_id="warm", new_token_ids=prompt,
+                                    sampling=m.SamplingParams(max_tokens=2)))
+        children = psutil.Process(svc.proc.pid).children(recursive=True)
+        core = [p for p in children if "EngineCore" in " ".join(p.cmdline()) + p.name()]
+        assert core, f"no engine core among {[p.name() for p in children]}"
+        core[0].kill()
+        rc = await asyncio.to_thread(svc.wait_exit, 60)
+        assert rc != 0
+        assert "FATAL" in svc.log() and "engine" in svc.log()
+        with pytest.raises(PeerDeadError):
+            for _ in range(100):
+                await c.stats()
+                await asyncio.sleep(0.1)
+    finally:
+        await c.close()
 
 
 def _start_env_host(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
