@@ -4,7 +4,7 @@ task mix (SIMULATED GPUs, REAL controller and LLM proxy, rollart mode).
 Budget 72 H800 units (H20 = 1/3 H800, from the paper's own equal-cost pools: 64 H800 + 24 H20
 = 72 H800); ``--quick`` uses an eighth (9 units). Every split ``h800 + 3 x (budget - h800)``
 H20 is run (full size: every 8 H800; ``--quick``: 6 and 4 of 9, to stay within the CI time
-budget): the two homogeneous ends (``h800_only``, ``h20_only``: both domains on the one
+budget; ``--reduced``: 8, 6, 4, 2 of 9): the two homogeneous ends (``h800_only``, ``h20_only``: both domains on the one
 pool) and mixed splits with affinity (prefill-heavy agentic domain -> H800, decode-heavy
 reasoning domain -> H20; 50/50 domain mix). The paper's 64:24 split is one of them at full
 size. Ratios are step-time ratios on the same seed; the best mixed split is the one with the
@@ -36,7 +36,7 @@ from typing import Any
 
 import msgspec
 
-from benchmarks.common import main_for, mean_rows, result, seeds_for, summarize
+from benchmarks.common import main_for, mean_rows, result, seeds_for, small, summarize
 from benchmarks.on_scenario import mean_after_first, scenario_main, steps_for, train
 from benchmarks.workloads import agentic, reasoning
 from rollart.sim.harness import SimDomain, SimPool, SimScenario, run_simulated
@@ -45,6 +45,8 @@ NAME = "affinity"
 #: H800 counts of the mixed splits at full size (budget 72); quick divides by 8
 FULL_SPLITS = (64, 56, 48, 40, 32, 24, 16, 8)
 QUICK_SPLITS = (6, 4)
+#: ``--reduced`` (full-size steps on the quick budget of 9 units): every second split
+REDUCED_SPLITS = (8, 6, 4, 2)
 
 
 def scenario(h800: int, h20: int, quick: bool) -> SimScenario:
@@ -56,17 +58,17 @@ def scenario(h800: int, h20: int, quick: bool) -> SimScenario:
     else:
         only = pools[0].name
         domains = (SimDomain(pre, only), SimDomain(dec, only))
-    scale = 8 if quick else 1
+    scale = 8 if small(quick) else 1
     return SimScenario(pools=pools, domains=domains, model="qwen3-8b", mode="rollart",
-                       steps=3 if quick else 6, batch_size=512 // scale, group_size=8,
+                       steps=3 if quick else 11, batch_size=512 // scale, group_size=8,
                        trainer_gpus=32 // scale, max_tokens_per_turn=16384,
                        max_tokens_per_trajectory=32768)
 
 
 def layouts(quick: bool) -> dict[str, tuple[int, int]]:
-    budget = 9 if quick else 72
+    budget = 9 if small(quick) else 72
     out = {"h800_only": (budget, 0), "h20_only": (0, 3 * budget)}
-    for h800 in QUICK_SPLITS if quick else FULL_SPLITS:
+    for h800 in QUICK_SPLITS if quick else REDUCED_SPLITS if small(quick) else FULL_SPLITS:
         out[f"{h800}xh800+{3 * (budget - h800)}xh20"] = (h800, 3 * (budget - h800))
     return out
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import msgspec
 
-from benchmarks.common import main_for, mean_rows, result, seeds_for, summarize
+from benchmarks.common import SIZE, main_for, mean_rows, result, seeds_for, small, summarize
 from benchmarks.on_scenario import mean_after_first, scenario_main, steps_for, train
 from benchmarks.workloads import paper_cluster
 from rollart.sim.harness import MODE_ALPHA, run_simulated
@@ -42,7 +42,7 @@ def run(quick: bool, seed: int) -> dict:
     started = time.perf_counter()
     seeds = seeds_for(quick, seed)
     rows, samples = [], {}
-    models = ("qwen3-32b",) if quick else ("qwen3-8b", "qwen3-14b", "qwen3-32b")
+    models = SIZE.models or (("qwen3-32b",) if quick else ("qwen3-8b", "qwen3-14b", "qwen3-32b"))
     for model in models:
         for sd in seeds:
             times = {}
@@ -50,7 +50,7 @@ def run(quick: bool, seed: int) -> dict:
                 # AReaL as the paper ran it: no hardware affinity (one homogeneous pool),
                 # interrupt + re-prefill of running requests on every weight update.
                 areal = mode == "areal"
-                res = run_simulated(paper_cluster(model, quick=quick, mode=mode,
+                res = run_simulated(paper_cluster(model, quick=small(quick), mode=mode,
                                                   steps=3 if quick else 11,
                                                   affinity=not areal, reprefill=areal), sd)
                 times[mode] = res.step_time_s
