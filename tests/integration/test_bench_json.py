@@ -200,3 +200,40 @@ def test_env_tail_injects_latency_into_the_local_env_hosts_of_a_real_scenario() 
     with pytest.raises(ValueError, match="no env host"):
         env_tail.with_env_latency(msgspec.structs.replace(base, env_hosts=[remote]),
                                   mode="sync", std_s=1.0, mean_s=10.0, seed=0, steps=2)
+
+
+def test_scenario_runs_of_run_all_parse_and_bad_sizes_fail_before_any_cluster() -> None:
+    from benchmarks import affinity, env_tail, on_scenario
+
+    root = Path(__file__).resolve().parents[2]
+    for name, (module, args) in run_all.SCENARIO_RUNS.items():
+        assert name == f"{module}-scenario" and (root / args[args.index("--scenario") + 1]
+                                                 ).is_file()
+    cpu = str(root / "benchmarks/scenarios/cpu_two_pools.toml")
+    with pytest.raises(SystemExit):  # one step leaves nothing after the warm-up
+        env_tail.main(["--scenario", cpu, "--steps", "1"])
+    with pytest.raises(ValueError, match="no mixed split"):
+        affinity.main(["--scenario", cpu, "--splits", "2"])
+    with pytest.raises(ValueError, match="at least 2 steps"):
+        on_scenario.mean_after_first([{"step_time_s": 1.0}], "step_time_s")
+    assert on_scenario.mean_after_first([{"t": 9.0}, {"t": 1.0}, {"t": 3.0}], "t") == 2.0
+
+
+def test_reduced_size_is_full_steps_on_the_quick_cluster() -> None:
+    from benchmarks import affinity, common, weight_sync  # noqa: F401
+    from benchmarks.common import SIZE, parse_args, seeds_for, small
+
+    try:
+        parse_args("x", "", ["--reduced"])
+        assert small(False) and not SIZE.models and seeds_for(False, 4) == [4, 5, 6]
+        # The quick cluster's budget, with the reduced split sweep and full-size steps.
+        assert affinity.layouts(False)["2xh800+21xh20"] == (2, 21)
+        assert affinity.scenario(2, 21, quick=False).steps == 11
+        assert affinity.scenario(2, 21, quick=False).batch_size == 64
+        parse_args("x", "", ["--seeds", "2", "--models", "qwen3-8b"])
+        assert not small(False) and seeds_for(False, 0) == [0, 1] and SIZE.models == ("qwen3-8b",)
+        with pytest.raises(SystemExit):
+            parse_args("x", "", ["--quick", "--reduced"])
+    finally:
+        parse_args("x", "", [])
+    assert not small(False) and seeds_for(False, 0) == [0, 1, 2, 3, 4]
