@@ -28,7 +28,7 @@ from typing import Any
 
 import msgspec
 
-from benchmarks.common import main_for, mean_rows, result, seeds_for, summarize
+from benchmarks.common import main_for, mean_rows, result, seeds_for, small, summarize
 from benchmarks.on_scenario import mean_after_first, scenario_main, steps_for, train
 from rollart.sim.harness import SimDomain, SimPool, SimScenario, run_simulated
 from rollart.sim.workload import Dist, DomainSpec, const
@@ -41,9 +41,9 @@ def scenario(std: float, quick: bool, mode: str) -> SimScenario:
     spec = DomainSpec("env", prompt_tokens=const(1024), obs_tokens=const(256),
                       response_tokens=Dist("lognormal", 256, 128, 8, 1e9),
                       num_turns=const(5), step_latency_s=Dist("normal", 10.0, std, 0.0, 1e9))
-    return SimScenario(pools=(SimPool("h800", "h800", 4 if quick else 16, max_batch=256),),
+    return SimScenario(pools=(SimPool("h800", "h800", 4 if small(quick) else 16, max_batch=256),),
                        domains=(SimDomain(spec, "h800"),), model="qwen3-8b", mode=mode,
-                       steps=3 if quick else 5, batch_size=64 if quick else 256, group_size=8,
+                       steps=3 if quick else 5, batch_size=64 if small(quick) else 256, group_size=8,
                        trainer_gpus=8, max_tokens_per_turn=4096,
                        max_tokens_per_trajectory=16384)
 
