@@ -35,7 +35,7 @@ import functools
 import statistics
 import time
 
-from benchmarks.common import main_for, mean_rows, result, seeds_for, summarize
+from benchmarks.common import main_for, mean_rows, result, seeds_for, small, summarize
 from benchmarks.workloads import paper_cluster
 from rollart.sim.env import SERVERLESS_REWARD_LATENCY
 from rollart.sim.harness import SimDomain, SimScenario, run_simulated
@@ -56,7 +56,7 @@ KNOBS = ("full", "no_affinity", "no_per_turn", "no_redundancy", "dedicated_rewar
 def scenario(knob: str, quick: bool, workload: str = "paper") -> SimScenario:
     """The ``modes`` rollart scenario with ``knob`` switched off (``"full"``: none);
     ``workload="long_horizon"``: 30-turn agentic trajectories (module docstring)."""
-    base = paper_cluster(MODEL, quick=quick, mode="rollart", steps=3 if quick else 11,
+    base = paper_cluster(MODEL, quick=small(quick), mode="rollart", steps=3 if quick else 11,
                          affinity=knob != "no_affinity")
     long = {"num_turns": Dist("uniform", 30, 7.5, 1, 1e9), "obs_tokens": const(500)}
     domains = tuple(SimDomain(dataclasses.replace(
@@ -100,6 +100,10 @@ def run(quick: bool, seed: int, workloads: tuple[str, ...] | None = None) -> dic
                          / max(1, res.buffer["generated_tokens"]),
                          "restarted_stale": res.buffer["restarted_stale"],
                          "reward_gpu_util": res.reward_utilisation,
+                         # utilisation = calls/s x GPU s per call / reward GPUs
+                         "reward_calls_per_s": res.reward_calls / res.total_time_s,
+                         "reward_gpu_s_per_call": res.reward_busy_s / max(1, res.reward_calls),
+                         "reward_gpus": scenario(knob, quick, workload).reward_gpus,
                          "wall_s": res.wall_s})
         for workload, knob in runs:
             if knob != "full":

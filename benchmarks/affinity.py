@@ -4,20 +4,40 @@ task mix (SIMULATED GPUs, REAL controller and LLM proxy, rollart mode).
 Budget 72 H800 units (H20 = 1/3 H800, from the paper's own equal-cost pools: 64 H800 + 24 H20
 = 72 H800); ``--quick`` uses an eighth (9 units). Every split ``h800 + 3 x (budget - h800)``
 H20 is run (full size: every 8 H800; ``--quick``: 6 and 4 of 9, to stay within the CI time
-budget): the two homogeneous ends (``h800_only``, ``h20_only``: both domains on the one
+budget; ``--reduced``: 8, 6, 4, 2 of 9): the two homogeneous ends (``h800_only``, ``h20_only``: both domains on the one
 pool) and mixed splits with affinity (prefill-heavy agentic domain -> H800, decode-heavy
 reasoning domain -> H20; 50/50 domain mix). The paper's 64:24 split is one of them at full
 size. Ratios are step-time ratios on the same seed; the best mixed split is the one with the
 lowest mean step time over seeds (a max over splits, so slightly optimistic), compared with the
 homogeneous layouts. Paper Fig. 11a: affinity 1.30-1.68x vs H20-only, 1.12-1.37x vs H800-only.
+
+Real nodes: ``--scenario FILE`` (``benchmarks.on_scenario``) sweeps pool layouts of that
+scenario instead (rollart mode, its own alpha and domains). The scenario has exactly two pools
+of local workers (a pool given by worker addresses has a fixed size: refused); each pool costs
+``--cost LABEL=UNITS`` per worker by its hardware label (default h800 1, h20 1/3 as above,
+anything else 1). The budget is the scenario's own layout's cost; the layouts are both
+homogeneous ends (``<pool>_only``: that pool alone with as many workers as the budget buys, every
+domain on it) and every mixed split ``<a>x<pool A>+<b>x<pool B>`` with at least one worker per
+pool that spends the budget (domains on their declared pools: affinity), or only the splits
+named by ``--splits A B ...`` (workers of pool A). Same rows, ratios (``best mixed vs best
+<pool>_only``) and ci95 with ``--seeds`` >= 2. On one machine whose pools share the same CPUs
+(hardware ``cpu``) a layout changes only how many engines serve which domain, not the hardware,
+so it measures routing and isolation, not hardware affinity.
 """
 
 from __future__ import annotations
 
+import argparse
+import math
 import statistics
 import time
+from pathlib import Path
+from typing import Any
 
-from benchmarks.common import main_for, mean_rows, result, seeds_for, summarize
+import msgspec
+
+from benchmarks.common import main_for, mean_rows, result, seeds_for, small, summarize
+from benchmarks.on_scenario import mean_after_first, scenario_main, steps_for, train
 from benchmarks.workloads import agentic, reasoning
 from rollart.sim.harness import SimDomain, SimPool, SimScenario, run_simulated
 
@@ -25,6 +45,8 @@ NAME = "affinity"
 #: H800 counts of the mixed splits at full size (budget 72); quick divides by 8
 FULL_SPLITS = (64, 56, 48, 40, 32, 24, 16, 8)
 QUICK_SPLITS = (6, 4)
+#: ``--reduced`` (full-size steps on the quick budget of 9 units): every second split
+REDUCED_SPLITS = (8, 6, 4, 2)
 
 
 def scenario(h800: int, h20: int, quick: bool) -> SimScenario:
@@ -36,17 +58,17 @@ def scenario(h800: int, h20: int, quick: bool) -> SimScenario:
     else:
         only = pools[0].name
         domains = (SimDomain(pre, only), SimDomain(dec, only))
-    scale = 8 if quick else 1
+    scale = 8 if small(quick) else 1
     return SimScenario(pools=pools, domains=domains, model="qwen3-8b", mode="rollart",
-                       steps=3 if quick else 6, batch_size=512 // scale, group_size=8,
+                       steps=3 if quick else 11, batch_size=512 // scale, group_size=8,
                        trainer_gpus=32 // scale, max_tokens_per_turn=16384,
                        max_tokens_per_trajectory=32768)
 
 
 def layouts(quick: bool) -> dict[str, tuple[int, int]]:
-    budget = 9 if quick else 72
+    budget = 9 if small(quick) else 72
     out = {"h800_only": (budget, 0), "h20_only": (0, 3 * budget)}
-    for h800 in QUICK_SPLITS if quick else FULL_SPLITS:
+    for h800 in QUICK_SPLITS if quick else REDUCED_SPLITS if small(quick) else FULL_SPLITS:
         out[f"{h800}xh800+{3 * (budget - h800)}xh20"] = (h800, 3 * (budget - h800))
     return out
 
@@ -68,15 +90,7 @@ def run(quick: bool, seed: int) -> dict:
                                                             for s in res.steps[1:]),
                          "mean_engine_busy": statistics.fmean(busy),
                          "prefix_hit_share": hits / (hits + prefill) if hits + prefill else 0.0})
-    mixed = [k for k in times if k not in ("h800_only", "h20_only")]
-    best = min(mixed, key=lambda k: statistics.fmean(times[k]))
-    samples = {
-        f"best mixed vs best {base}": [b / m for b, m in zip(times[base], times[best],
-                                                             strict=True)]
-        for base in ("h20_only", "h800_only")}
-    for k in mixed:
-        samples[f"{k} vs h20_only"] = [b / m for b, m in zip(times["h20_only"], times[k],
-                                                             strict=True)]
+    best, samples = _best_mixed(times, ("h20_only", "h800_only"))
     ratios, ci = summarize(samples)
     return result(NAME, simulated=True, rows=mean_rows(rows, ("layout",)), ratios=ratios,
                   ci95=ci, seeds=seeds, quick=quick, seed=seed, started=started,
@@ -84,5 +98,126 @@ def run(quick: bool, seed: int) -> dict:
                   "1.12-1.37x vs H800-only (Fig. 11a)")
 
 
+def _best_mixed(times: dict[str, list[float]], ends: tuple[str, str]
+                ) -> tuple[str, dict[str, list[float]]]:
+    """The mixed layout with the lowest mean step time and the per-seed ratios: ``best mixed
+    vs best <end>`` for both homogeneous ``ends`` and ``<layout> vs <ends[0]>`` per mixed
+    layout. Raises ValueError when no mixed layout was run."""
+    mixed = [k for k in times if k not in ends]
+    if not mixed:
+        raise ValueError(f"no mixed layout among {sorted(times)}")
+    best = min(mixed, key=lambda k: statistics.fmean(times[k]))
+    samples = {f"best mixed vs best {end}": [b / m for b, m in zip(times[end], times[best],
+                                                                   strict=True)]
+               for end in ends}
+    for k in mixed:
+        samples[f"{k} vs {ends[0]}"] = [b / m for b, m in zip(times[ends[0]], times[k],
+                                                              strict=True)]
+    return best, samples
+
+
+#: cost of one worker per hardware label, in H800 units (H20 = 1/3: the paper's equal-cost
+#: pools, 64 H800 + 24 H20 = 72 H800 units, §7); labels not listed cost 1
+DEFAULT_COSTS = {"h800": 1.0, "h20": 1.0 / 3.0}
+
+
+def scenario_layouts(base: Any, costs: dict[str, float], splits: list[int] | None
+                     ) -> dict[str, Any]:
+    """Equal-cost layouts of ``base``'s two pools (see the module docstring): name ->
+    unvalidated ``Scenario``. Raises ValueError if ``base`` has not exactly two pools, a pool
+    is given by addresses, or no mixed split fits the budget."""
+    if len(base.pools) != 2:
+        raise ValueError(f"affinity --scenario needs exactly two pools, got "
+                         f"{[p.name for p in base.pools]}")
+    fixed = [p.name for p in base.pools if p.addresses]
+    if fixed:
+        raise ValueError(f"pools {fixed} are given by worker addresses: a layout changes a "
+                         "pool's worker count, which only local pools allow")
+    a, b = base.pools
+    cost = [costs.get(p.hardware, 1.0) for p in (a, b)]
+    budget = a.num_workers * cost[0] + b.num_workers * cost[1]
+
+    def fits(units: float, unit_cost: float) -> int:
+        return math.floor(units / unit_cost + 1e-9)
+
+    out: dict[str, Any] = {}
+    for pool, unit_cost in ((a, cost[0]), (b, cost[1])):
+        n = fits(budget, unit_cost)
+        doms = [msgspec.structs.replace(d, pool=pool.name) for d in base.domains]
+        out[f"{pool.name}_only"] = msgspec.structs.replace(
+            base, pools=[msgspec.structs.replace(pool, num_workers=n)], domains=doms)
+    wanted = splits if splits is not None else range(1, fits(budget, cost[0]) + 1)
+    for na in wanted:
+        nb = fits(budget - na * cost[0], cost[1])
+        if na < 1 or nb < 1:
+            continue
+        out[f"{na}x{a.name}+{nb}x{b.name}"] = msgspec.structs.replace(
+            base, pools=[msgspec.structs.replace(a, num_workers=na),
+                         msgspec.structs.replace(b, num_workers=nb)])
+    if len(out) == 2:
+        raise ValueError(f"no mixed split of {a.name}:{b.name} fits the budget {budget:g} "
+                         f"(splits {list(wanted)})")
+    return out
+
+
+def run_on_scenario(path: Path, quick: bool, seed: int, *, num_seeds: int, cache_dir: Path,
+                    run_dir: Path, args: argparse.Namespace) -> dict:
+    """Step time of every equal-cost layout of the REAL scenario at ``path`` (rollart mode);
+    raises ValueError for a scenario without two local pools, else what ``open_cluster``
+    raises (ConfigError, ProcessFailedError, ...)."""
+    from benchmarks.modes import scenario_for_mode
+    from rollart.config import load_scenario
+
+    started = time.perf_counter()
+    base = load_scenario(path)
+    costs = {**DEFAULT_COSTS, **dict(args.cost or [])}
+    layouts_ = scenario_layouts(base, costs, args.splits)
+    ends = tuple(f"{p.name}_only" for p in base.pools)
+    seeds = [seed + i for i in range(num_seeds)]
+    rows, times = [], {}
+    for layout, sc in layouts_.items():
+        for sd in seeds:
+            variant = scenario_for_mode(sc, "rollart", seed=sd,
+                                        steps=steps_for(quick, base, args))
+            steps = train(variant, run_dir / f"{layout}-{sd}", cache_dir)
+            times.setdefault(layout, []).append(mean_after_first(steps, "step_time_s"))
+            rows.append({"layout": layout,
+                         **{f"workers_{p.name}": p.num_workers for p in sc.pools},
+                         "cost_units": sum(p.num_workers * costs.get(p.hardware, 1.0)
+                                           for p in sc.pools),
+                         "step_time_s": times[layout][-1],
+                         "rollout_time_s": mean_after_first(steps, "rollout_time_s")})
+    best, samples = _best_mixed(times, ends)  # type: ignore[arg-type]
+    ratios, ci = summarize(samples)
+    return result(NAME, simulated=False, rows=mean_rows(rows, ("layout",)), ratios=ratios,
+                  ci95=ci, seeds=seeds, quick=quick, seed=seed, started=started,
+                  notes=f"measured wall clock, real services of {path}; best mixed split: "
+                  f"{best}; worker costs {costs}")
+
+
+def _cost(text: str) -> tuple[str, float]:
+    label, sep, units = text.partition("=")
+    try:
+        value = float(units)
+    except ValueError:
+        value = math.nan
+    if not sep or not label or not value > 0:
+        raise argparse.ArgumentTypeError(f"takes LABEL=UNITS with UNITS > 0, got {text!r}")
+    return label, value
+
+
+def _scenario_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cost", nargs="+", type=_cost, default=None, metavar="LABEL=UNITS",
+                        help="cost of one worker per hardware label (default h800=1 h20=0.333, "
+                        "others 1)")
+    parser.add_argument("--splits", type=int, nargs="+", default=None,
+                        help="workers of the first pool in the mixed layouts (default: all)")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    return scenario_main(NAME, argv, lambda rest: main_for(NAME, __doc__ or "", run, rest),
+                         run_on_scenario, _scenario_args)
+
+
 if __name__ == "__main__":
-    main_for(NAME, __doc__ or "", run)
+    main()

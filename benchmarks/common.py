@@ -19,6 +19,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,9 +36,33 @@ QUICK_SEEDS = 3
 FULL_SEEDS = 5
 
 
+@dataclass
+class Size:
+    """What ``parse_args`` read besides ``--quick``. ``reduced``: the benchmark's full-size
+    steps (>= 10 measured) on its ``--quick`` cluster (an eighth of the paper's) with
+    ``QUICK_SEEDS`` seeds, for machines where the whole cluster takes hours; ``seeds``: number
+    of seeds (None: the size's default); ``models``: the model profiles a benchmark that runs
+    several (``modes``, ``weight_sync``) runs (None: its default)."""
+
+    reduced: bool = False
+    seeds: int | None = None
+    models: tuple[str, ...] | None = None
+
+
+#: the current process's ``Size`` (set by ``parse_args``; defaults when called directly)
+SIZE = Size()
+
+
+def small(quick: bool) -> bool:
+    """Whether to build the small (``--quick``) cluster: with ``--quick`` or ``--reduced``."""
+    return quick or SIZE.reduced
+
+
 def seeds_for(quick: bool, base: int) -> list[int]:
-    """The seeds a benchmark runs: ``base``, ``base + 1``, ..."""
-    return [base + i for i in range(QUICK_SEEDS if quick else FULL_SEEDS)]
+    """The seeds a benchmark runs: ``base``, ``base + 1``, ... (``--seeds`` of them, else 3 with
+    ``--quick`` / ``--reduced``, else 5)."""
+    n = SIZE.seeds or (QUICK_SEEDS if small(quick) else FULL_SEEDS)
+    return [base + i for i in range(n)]
 
 
 def t975(df: int) -> float:
@@ -93,7 +118,21 @@ def parse_args(name: str, description: str, argv: list[str] | None = None) -> ar
     parser.add_argument("--quick", action="store_true", help="smaller workload (CI / nox bench)")
     parser.add_argument("--json", type=Path, default=None, help="write the result JSON here")
     parser.add_argument("--seed", type=int, default=0, help="base seed of the simulation")
-    return parser.parse_args(argv)
+    parser.add_argument("--reduced", action="store_true",
+                        help="full-size steps on the --quick cluster, 3 seeds (see common.Size)")
+    parser.add_argument("--seeds", type=int, default=None, help="number of seeds (>= 2 for "
+                        "an interval; default 3 with --quick / --reduced, else 5)")
+    parser.add_argument("--models", nargs="+", default=None,
+                        choices=("qwen3-8b", "qwen3-14b", "qwen3-32b"),
+                        help="model profiles (modes, weight_sync; default: the size's)")
+    args = parser.parse_args(argv)
+    if args.quick and args.reduced:
+        parser.error("--quick and --reduced exclude each other")
+    if args.seeds is not None and args.seeds < 1:
+        parser.error(f"--seeds must be >= 1, got {args.seeds}")
+    SIZE.reduced, SIZE.seeds = args.reduced, args.seeds
+    SIZE.models = tuple(args.models) if args.models else None
+    return args
 
 
 def _round(v: Any) -> Any:
@@ -119,6 +158,8 @@ def result(name: str, *, simulated: bool, rows: list[dict[str, Any]], ratios: di
         "meta": {
             "seeds": seeds if seeds is not None else [seed],
             "quick": quick,
+            "reduced": SIZE.reduced,
+            "models": list(SIZE.models) if SIZE.models else None,
             "seed": seed,
             "notes": notes,
             "wall_s": round(time.perf_counter() - started, 3) if started else None,

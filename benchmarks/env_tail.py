@@ -8,14 +8,28 @@ modes and would dilute it. Each ratio is measured on 3 (quick) / 5 seeds. The *i
 uses the same latency samples the run drew: per batch of ``batch_size`` sessions (in open order), a barrier rollout
 waits sum_t max_i L[i][t], a trajectory-level one max_i sum_t L[i][t]; ideal = the ratio of the
 sums over batches (generation time ignored). Latencies are clipped at 0.
+
+Real nodes: ``--scenario FILE`` (``benchmarks.on_scenario``) runs ``sync`` and ``sync_plus`` on
+that scenario instead, with every env host the launcher starts injecting normal(``--env-mean-s``,
+std) latency on every env step (``[env_hosts.latency."*"]``, seeded by the run's seed; hosts
+named by address keep their own injection, listed in ``meta.notes``). ``--stds``
+picks the stds (default all four; ``--quick``: 1 and 10 s). Same rows, ratios and ci95 (with
+``--seeds`` >= 2), except the ideal speedup: it needs every session's drawn latencies, which only
+the simulator records.
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
+from pathlib import Path
+from typing import Any
 
-from benchmarks.common import main_for, mean_rows, result, seeds_for, summarize
+import msgspec
+
+from benchmarks.common import main_for, mean_rows, result, seeds_for, small, summarize
+from benchmarks.on_scenario import mean_after_first, scenario_main, steps_for, train
 from rollart.sim.harness import SimDomain, SimPool, SimScenario, run_simulated
 from rollart.sim.workload import Dist, DomainSpec, const
 
@@ -27,9 +41,9 @@ def scenario(std: float, quick: bool, mode: str) -> SimScenario:
     spec = DomainSpec("env", prompt_tokens=const(1024), obs_tokens=const(256),
                       response_tokens=Dist("lognormal", 256, 128, 8, 1e9),
                       num_turns=const(5), step_latency_s=Dist("normal", 10.0, std, 0.0, 1e9))
-    return SimScenario(pools=(SimPool("h800", "h800", 4 if quick else 16, max_batch=256),),
+    return SimScenario(pools=(SimPool("h800", "h800", 4 if small(quick) else 16, max_batch=256),),
                        domains=(SimDomain(spec, "h800"),), model="qwen3-8b", mode=mode,
-                       steps=3 if quick else 5, batch_size=64 if quick else 256, group_size=8,
+                       steps=3 if quick else 5, batch_size=64 if small(quick) else 256, group_size=8,
                        trainer_gpus=8, max_tokens_per_turn=4096,
                        max_tokens_per_trajectory=16384)
 
@@ -72,5 +86,74 @@ def run(quick: bool, seed: int) -> dict:
                   "mean over steps after the first")
 
 
+def with_env_latency(base: Any, *, mode: str, std_s: float, mean_s: float, seed: int,
+                     steps: int) -> tuple[Any, list[str]]:
+    """``base`` (a ``rollart.config.Scenario``) in ``mode`` (``sync`` / ``sync_plus``), every
+    local env host injecting normal(``mean_s``, ``std_s``) seconds (clipped at 0) on every env
+    step; returns it validated and the names of hosts given by address (not injected).
+    Raises ValueError if no env host is started locally."""
+    from benchmarks.modes import scenario_for_mode
+    from rollart.envhost.latency import LatencyConfig
+
+    latency = LatencyConfig(distribution="normal", mean_s=mean_s, std_s=std_s, seed=seed)
+    local = [h for h in base.env_hosts if h.address is None]
+    if not local:
+        raise ValueError("the scenario starts no env host (every [[env_hosts]] has an address "
+                         "or there is none): nothing to inject env latency into")
+    hosts = [h if h.address is not None else
+             msgspec.structs.replace(h, latency={"*": latency}) for h in base.env_hosts]
+    changed = msgspec.structs.replace(base, env_hosts=hosts)
+    return (scenario_for_mode(changed, mode, seed=seed, steps=steps),
+            [h.name for h in base.env_hosts if h.address is not None])
+
+
+def run_on_scenario(path: Path, quick: bool, seed: int, *, num_seeds: int, cache_dir: Path,
+                    run_dir: Path, args: argparse.Namespace) -> dict:
+    """``sync`` vs ``sync_plus`` rollout time on the REAL scenario at ``path`` under injected
+    env latency; raises what ``open_cluster`` raises (ConfigError, ProcessFailedError, ...)."""
+    from rollart.config import load_scenario
+
+    started = time.perf_counter()
+    base = load_scenario(path)
+    stds = args.stds or ((1.0, 10.0) if quick else STDS)
+    seeds = [seed + i for i in range(num_seeds)]
+    rows, samples, remote = [], {}, []
+    for std in stds:
+        for sd in seeds:
+            got = {}
+            for mode in ("sync", "sync_plus"):
+                sc, remote = with_env_latency(base, mode=mode, std_s=std, mean_s=args.env_mean_s,
+                                              seed=sd, steps=steps_for(quick, base, args))
+                got[mode] = train(sc, run_dir / f"{mode}-std{std:g}-{sd}", cache_dir)
+            sync, plus = got["sync"], got["sync_plus"]
+            speedup = (mean_after_first(sync, "rollout_time_s")
+                       / mean_after_first(plus, "rollout_time_s"))
+            rows.append({"env_std_s": std,
+                         "batch_rollout_s": mean_after_first(sync, "rollout_time_s"),
+                         "traj_level_rollout_s": mean_after_first(plus, "rollout_time_s"),
+                         "batch_step_s": mean_after_first(sync, "step_time_s"),
+                         "traj_level_step_s": mean_after_first(plus, "step_time_s"),
+                         "speedup": speedup})
+            samples.setdefault(f"std {std:g}s: trajectory-level vs batch", []).append(speedup)
+    ratios, ci = summarize(samples)
+    return result(NAME, simulated=False, rows=mean_rows(rows, ("env_std_s",)), ratios=ratios,
+                  ci95=ci, seeds=seeds, quick=quick, seed=seed, started=started,
+                  notes=f"measured wall clock, real services of {path}; env latency "
+                  f"normal({args.env_mean_s:g} s, std) on every step of local env hosts"
+                  + (f"; hosts at addresses, not injected: {remote}" if remote else ""))
+
+
+def _scenario_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--stds", type=float, nargs="+", default=None,
+                        help="env-latency stds, seconds (default 1 2 5 10; --quick: 1 10)")
+    parser.add_argument("--env-mean-s", type=float, default=10.0,
+                        help="mean injected env-step latency, seconds (the paper's 10)")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    return scenario_main(NAME, argv, lambda rest: main_for(NAME, __doc__ or "", run, rest),
+                         run_on_scenario, _scenario_args)
+
+
 if __name__ == "__main__":
-    main_for(NAME, __doc__ or "", run)
+    main()

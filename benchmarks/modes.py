@@ -23,16 +23,14 @@ trains 3 steps per mode (the first is a warm-up), otherwise the scenario's own s
 
 from __future__ import annotations
 
-import argparse
-import asyncio
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from benchmarks.common import emit, main_for, mean_rows, result, seeds_for, summarize
+from benchmarks.common import SIZE, main_for, mean_rows, result, seeds_for, small, summarize
+from benchmarks.on_scenario import mean_after_first, scenario_main, steps_for, train
 from benchmarks.workloads import paper_cluster
 from rollart.sim.harness import MODE_ALPHA, run_simulated
 
@@ -44,7 +42,7 @@ def run(quick: bool, seed: int) -> dict:
     started = time.perf_counter()
     seeds = seeds_for(quick, seed)
     rows, samples = [], {}
-    models = ("qwen3-32b",) if quick else ("qwen3-8b", "qwen3-14b", "qwen3-32b")
+    models = SIZE.models or (("qwen3-32b",) if quick else ("qwen3-8b", "qwen3-14b", "qwen3-32b"))
     for model in models:
         for sd in seeds:
             times = {}
@@ -52,7 +50,7 @@ def run(quick: bool, seed: int) -> dict:
                 # AReaL as the paper ran it: no hardware affinity (one homogeneous pool),
                 # interrupt + re-prefill of running requests on every weight update.
                 areal = mode == "areal"
-                res = run_simulated(paper_cluster(model, quick=quick, mode=mode,
+                res = run_simulated(paper_cluster(model, quick=small(quick), mode=mode,
                                                   steps=3 if quick else 11,
                                                   affinity=not areal, reprefill=areal), sd)
                 times[mode] = res.step_time_s
@@ -108,10 +106,9 @@ def scenario_for_mode(base: Any, mode: str, *, seed: int, steps: int | None) -> 
 
 
 def run_on_scenario(path: Path, quick: bool, seed: int, *, num_seeds: int, cache_dir: Path,
-                    run_dir: Path) -> dict:
+                    run_dir: Path, args: Any = None) -> dict:
     """Every mode on the REAL scenario at ``path``; step time = mean over steps after the
     first. Raises what ``open_cluster`` raises (ConfigError, ProcessFailedError, ...)."""
-    from benchmarks.real_engine import mean_step_time, run_mode
     from rollart.config import load_scenario
 
     started = time.perf_counter()
@@ -121,12 +118,11 @@ def run_on_scenario(path: Path, quick: bool, seed: int, *, num_seeds: int, cache
     for sd in seeds:
         times = {}
         for mode in MODES:
-            sc = scenario_for_mode(base, mode, seed=sd, steps=3 if quick else None)
-            steps = asyncio.run(run_mode(sc, run_dir / f"{mode}-{sd}", cache_dir))
-            times[mode] = mean_step_time(steps, mode)
+            sc = scenario_for_mode(base, mode, seed=sd, steps=steps_for(quick, base, args))
+            steps = train(sc, run_dir / f"{mode}-{sd}", cache_dir)
+            times[mode] = mean_after_first(steps, "step_time_s")
             rows.append({"scenario": path.name, "mode": mode, "step_time_s": times[mode],
-                         "rollout_time_s": sum(r["rollout_time_s"] for r in steps[1:])
-                         / max(1, len(steps) - 1)})
+                         "rollout_time_s": mean_after_first(steps, "rollout_time_s")})
         _add_ratios(samples, path.stem, times)
     ratios, ci = summarize(samples)
     return result(NAME, simulated=False, rows=mean_rows(rows, ("scenario", "mode")),
@@ -135,25 +131,8 @@ def run_on_scenario(path: Path, quick: bool, seed: int, *, num_seeds: int, cache
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--scenario", type=Path, default=None)
-    parser.add_argument("--seeds", type=int, default=1)
-    parser.add_argument("--cache-dir", type=Path, default=Path(".cache/rollart"))
-    known, rest = parser.parse_known_args(argv)
-    if known.scenario is None:
-        return main_for(NAME, __doc__ or "", run, rest)
-    if known.seeds < 1:
-        parser.error(f"--seeds must be >= 1, got {known.seeds}")
-    common = argparse.ArgumentParser(prog=f"python -m benchmarks.{NAME}")
-    common.add_argument("--quick", action="store_true")
-    common.add_argument("--json", type=Path, default=None)
-    common.add_argument("--seed", type=int, default=0)
-    args = common.parse_args(rest)
-    with tempfile.TemporaryDirectory(prefix="rollart-modes-") as tmp:
-        res = run_on_scenario(known.scenario, args.quick, args.seed, num_seeds=known.seeds,
-                              cache_dir=known.cache_dir, run_dir=Path(tmp))
-    emit(res, args.json)
-    return res
+    return scenario_main(NAME, argv, lambda rest: main_for(NAME, __doc__ or "", run, rest),
+                         run_on_scenario)
 
 
 if __name__ == "__main__":

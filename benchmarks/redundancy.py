@@ -17,7 +17,7 @@ from __future__ import annotations
 import statistics
 import time
 
-from benchmarks.common import main_for, mean_rows, result, seeds_for, summarize
+from benchmarks.common import main_for, mean_rows, result, seeds_for, small, summarize
 from rollart.sim.harness import SimDomain, SimPool, SimScenario, run_simulated
 from rollart.sim.workload import Dist, DomainSpec, const
 
@@ -36,9 +36,9 @@ def scenario(quick: bool, k: int, selection: str, failure: float) -> SimScenario
                       num_turns=Dist("uniform", 6, 1.5, 1, 1e9),
                       step_latency_s=Dist("normal", 10.0, 10.0, 0.0, 1e9),
                       reset_latency_s=const(0.5), step_failure_prob=failure)
-    return SimScenario(pools=(SimPool("h800", "h800", 4 if quick else 16, max_batch=256),),
+    return SimScenario(pools=(SimPool("h800", "h800", 4 if small(quick) else 16, max_batch=256),),
                        domains=(SimDomain(spec, "h800"),), model="qwen3-8b", mode="sync_plus",
-                       steps=3 if quick else 11, batch_size=64 if quick else 256, group_size=8,
+                       steps=3 if quick else 11, batch_size=64 if small(quick) else 256, group_size=8,
                        redundancy=k, selection=selection, selection_deadline_s=30.0,
                        trainer_gpus=8, max_tokens_per_turn=4096,
                        max_tokens_per_trajectory=16384, max_attempts=5)

@@ -2,6 +2,12 @@
 
 Each benchmark runs in its own process and writes ``DIR/NAME.json``; a summary of every ratio
 is printed and written to ``DIR/summary.json``. Exit status 1 if any benchmark failed.
+
+``SCENARIO_RUNS`` (``NAME-scenario``) run ``modes`` / ``env_tail`` / ``affinity`` on the REAL
+services of the small CPU scenario ``benchmarks/scenarios/cpu_two_pools.toml`` (vLLM CPU engine,
+tiny model) at the smallest size that gives a ratio: one seed, 2 steps per variant (a warm-up
+and one measured step), so they prove the path rather than measure the modes; each variant
+starts its own cluster (2 for env_tail, 3 for affinity, 5 for modes).
 """
 
 from __future__ import annotations
@@ -20,6 +26,13 @@ from rich.table import Table
 BENCHMARKS = ("env_tail", "modes", "ablations", "affinity", "redundancy", "staleness", "staleness_waste",
               "weight_sync", "pd", "controller_overhead", "rpc_floor", "real_engine",
               "weight_transfer", "token_path")
+_CPU_SCENARIO = ["--scenario", "benchmarks/scenarios/cpu_two_pools.toml", "--steps", "2"]
+#: run name -> (benchmark module, its arguments): real-service runs (module docstring)
+SCENARIO_RUNS = {
+    "env_tail-scenario": ("env_tail", [*_CPU_SCENARIO, "--stds", "2", "--env-mean-s", "0.5"]),
+    "affinity-scenario": ("affinity", [*_CPU_SCENARIO, "--splits", "1"]),
+    "modes-scenario": ("modes", _CPU_SCENARIO),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,32 +40,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", type=Path, required=True, help="directory for NAME.json files")
     parser.add_argument("--only", nargs="*", default=None, help="subset of benchmark names")
-    parser.add_argument("--timeout-s", type=float, default=900.0, help="per benchmark")
+    parser.add_argument("--timeout-s", type=float, default=900.0,
+                        help="per benchmark; a scenario run (one cluster start per variant, "
+                        "minutes each on a loaded 2-core machine) gets 3x")
     args = parser.parse_args(argv)
-    names = args.only or list(BENCHMARKS)
-    unknown = sorted(set(names) - set(BENCHMARKS))
+    known = [*BENCHMARKS, *SCENARIO_RUNS]
+    names = args.only or known
+    unknown = sorted(set(names) - set(known))
     if unknown:
-        parser.error(f"unknown benchmarks {unknown}; known: {list(BENCHMARKS)}")
+        parser.error(f"unknown benchmarks {unknown}; known: {known}")
     args.out.mkdir(parents=True, exist_ok=True)
     console = Console()
     summary: dict[str, dict] = {}
     failed = []
     for name in names:
-        if importlib.util.find_spec(f"benchmarks.{name}") is None:
+        module, extra = SCENARIO_RUNS.get(name, (name, []))
+        if importlib.util.find_spec(f"benchmarks.{module}") is None:
             summary[name] = {"status": "missing"}
             failed.append(name)
             continue
         out = args.out / f"{name}.json"
-        cmd = [sys.executable, "-m", f"benchmarks.{name}", "--json", str(out)]
+        cmd = [sys.executable, "-m", f"benchmarks.{module}", *extra, "--json", str(out)]
         if args.quick:
             cmd.append("--quick")
         console.rule(f"benchmarks.{name}")
         t0 = time.perf_counter()
         try:
-            proc = subprocess.run(cmd, timeout=args.timeout_s, check=False)
+            limit = args.timeout_s * (3 if name in SCENARIO_RUNS else 1)
+            proc = subprocess.run(cmd, timeout=limit, check=False)
             status = "ok" if proc.returncode == 0 else f"exit {proc.returncode}"
         except subprocess.TimeoutExpired:
-            status = f"timeout after {args.timeout_s:.0f} s"
+            status = f"timeout after {limit:.0f} s"
         wall = time.perf_counter() - t0
         entry: dict = {"status": status, "wall_s": round(wall, 1), "command": " ".join(cmd[1:])}
         if status == "ok" and out.exists():

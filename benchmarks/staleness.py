@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from benchmarks.common import main_for, mean_rows, result, seeds_for, summarize
+from benchmarks.common import main_for, mean_rows, result, seeds_for, small, summarize
 from benchmarks.workloads import paper_cluster
 from rollart.sim.harness import run_simulated
 
@@ -27,7 +27,7 @@ def run(quick: bool, seed: int) -> dict:
     for alpha in alphas:
         mode = "sync_plus" if alpha == 0 else "rollart"
         for sd in seeds:
-            sim = paper_cluster("qwen3-8b", quick=quick, mode=mode, alpha=max(alpha, 1),
+            sim = paper_cluster("qwen3-8b", quick=small(quick), mode=mode, alpha=max(alpha, 1),
                                 steps=5 if quick else 12)
             res = run_simulated(sim, sd, warmup=2)
             times.setdefault(alpha, []).append(res.step_time_s)

@@ -32,7 +32,7 @@ import dataclasses
 import statistics
 import time
 
-from benchmarks.common import main_for, mean_rows, result, seeds_for, summarize
+from benchmarks.common import SIZE, main_for, mean_rows, result, seeds_for, small, summarize
 from benchmarks.workloads import paper_cluster
 from rollart.sim.harness import run_simulated
 
@@ -78,19 +78,22 @@ def run(quick: bool, seed: int) -> dict:
     seeds = seeds_for(quick, seed)
     encode_rate, rebuild_rate = codec_rates()
     rows, samples = [], {}
+    steps = 3 if quick else 11
     for model, (paper_naive, paper_exposed) in PAPER.items():
+        if SIZE.models and model not in SIZE.models:
+            continue
         for sd in seeds:
-            naive = run_simulated(paper_cluster(model, quick=quick, mode="sync_plus",
-                                                steps=3 if quick else None), sd)
-            over = run_simulated(paper_cluster(model, quick=quick, mode="rollart",
-                                               steps=3 if quick else None), sd)
+            naive = run_simulated(paper_cluster(model, quick=small(quick), mode="sync_plus",
+                                                steps=steps), sd)
+            over = run_simulated(paper_cluster(model, quick=small(quick), mode="rollart",
+                                               steps=steps), sd)
             delta = run_simulated(dataclasses.replace(
-                paper_cluster(model, quick=quick, mode="rollart", steps=3 if quick else None),
+                paper_cluster(model, quick=small(quick), mode="rollart", steps=steps),
                 weight_delta_fraction=DELTA_BYTES_FRACTION,
                 delta_encode_bytes_per_s=encode_rate * CODEC_THREADS,
                 delta_rebuild_bytes_per_s=rebuild_rate * CODEC_THREADS), sd)
             link_only = run_simulated(dataclasses.replace(
-                paper_cluster(model, quick=quick, mode="rollart", steps=3 if quick else None),
+                paper_cluster(model, quick=small(quick), mode="rollart", steps=steps),
                 weight_delta_fraction=DELTA_BYTES_FRACTION), sd)
             row = {"model": model,
                    "push_s": statistics.fmean(over.push_times_s),

@@ -139,3 +139,101 @@ def test_ablations_switch_off_exactly_one_feature_each() -> None:
     long = ablations.scenario("full", quick=True, workload="long_horizon")
     agentic = next(d.spec for d in long.domains if d.spec.name == "agentic")
     assert agentic.num_turns.mean == 30 and long.max_turns >= 30
+
+
+def test_affinity_layouts_of_a_real_scenario_spend_its_own_budget() -> None:
+    import msgspec
+    from benchmarks import affinity
+
+    from rollart.config import load_scenario, validate_scenario
+
+    root = Path(__file__).resolve().parents[2]
+    base = load_scenario(root / "scenarios/qwen3-8b-h800-h20.toml")  # 8 H800 + 8 H20
+    got = affinity.scenario_layouts(base, affinity.DEFAULT_COSTS, None)
+    workers = {k: {p.name: p.num_workers for p in s.pools} for k, s in got.items()}
+    # Budget 8 + 8/3 H800 units: 10 H800 alone, 32 H20 alone; the scenario's own split is one.
+    assert workers["h800_only"] == {"h800": 10} and workers["h20_only"] == {"h20": 32}
+    assert workers["8xh800+8xh20"] == {"h800": 8, "h20": 8}
+    assert workers["1xh800+29xh20"] == {"h800": 1, "h20": 29} and len(got) == 12
+    for name, sc in got.items():
+        validate_scenario(sc, name)
+        pools = {p.name for p in sc.pools}
+        assert {d.pool for d in sc.domains} <= pools
+        if len(pools) == 2:  # mixed: every domain keeps its declared pool (affinity)
+            assert [d.pool for d in sc.domains] == [d.pool for d in base.domains]
+    # A CPU scenario: both pools cost 1; --splits picks the mixed layouts.
+    cpu = load_scenario(root / "benchmarks/scenarios/cpu_two_pools.toml")
+    got = affinity.scenario_layouts(cpu, affinity.DEFAULT_COSTS, [1])
+    assert sorted(got) == ["1xgame+1xreasoning", "game_only", "reasoning_only"]
+    assert [(p.name, p.num_workers) for p in got["game_only"].pools] == [("game", 2)]
+    assert {d.pool for d in got["game_only"].domains} == {"game"}
+    with pytest.raises(ValueError, match="no mixed split"):
+        affinity.scenario_layouts(cpu, affinity.DEFAULT_COSTS, [2])
+    fixed = msgspec.structs.replace(cpu, pools=[msgspec.structs.replace(
+        cpu.pools[0], addresses=["tcp://10.0.0.1:5555"]), cpu.pools[1]])
+    with pytest.raises(ValueError, match="addresses"):
+        affinity.scenario_layouts(fixed, affinity.DEFAULT_COSTS, None)
+    with pytest.raises(ValueError, match="exactly two pools"):
+        affinity.scenario_layouts(got["game_only"], affinity.DEFAULT_COSTS, None)
+    with pytest.raises(SystemExit):  # a bad --cost is refused before any cluster starts
+        affinity.main(["--scenario", str(root / "benchmarks/scenarios/cpu_two_pools.toml"),
+                       "--cost", "cpu=0"])
+
+
+def test_env_tail_injects_latency_into_the_local_env_hosts_of_a_real_scenario() -> None:
+    import msgspec
+    from benchmarks import env_tail
+
+    from rollart.config import load_scenario
+
+    root = Path(__file__).resolve().parents[2]
+    base = load_scenario(root / "benchmarks/scenarios/cpu_two_pools.toml")
+    remote = msgspec.structs.replace(base.env_hosts[0], name="far", address="tcp://10.0.0.2:7")
+    two = msgspec.structs.replace(base, env_hosts=[base.env_hosts[0], remote])
+    for mode in ("sync", "sync_plus"):
+        sc, skipped = env_tail.with_env_latency(two, mode=mode, std_s=5.0, mean_s=10.0,
+                                                seed=4, steps=2)
+        assert (sc.run.mode, sc.run.alpha, sc.run.seed, sc.run.steps) == (mode, 0, 4, 2)
+        (lat,) = sc.env_hosts[0].latency.values()
+        assert (lat.distribution, lat.mean_s, lat.std_s, lat.seed) == ("normal", 10.0, 5.0, 4)
+        assert sc.env_hosts[1].latency == {} and skipped == ["far"]
+    with pytest.raises(ValueError, match="no env host"):
+        env_tail.with_env_latency(msgspec.structs.replace(base, env_hosts=[remote]),
+                                  mode="sync", std_s=1.0, mean_s=10.0, seed=0, steps=2)
+
+
+def test_scenario_runs_of_run_all_parse_and_bad_sizes_fail_before_any_cluster() -> None:
+    from benchmarks import affinity, env_tail, on_scenario
+
+    root = Path(__file__).resolve().parents[2]
+    for name, (module, args) in run_all.SCENARIO_RUNS.items():
+        assert name == f"{module}-scenario" and (root / args[args.index("--scenario") + 1]
+                                                 ).is_file()
+    cpu = str(root / "benchmarks/scenarios/cpu_two_pools.toml")
+    with pytest.raises(SystemExit):  # one step leaves nothing after the warm-up
+        env_tail.main(["--scenario", cpu, "--steps", "1"])
+    with pytest.raises(ValueError, match="no mixed split"):
+        affinity.main(["--scenario", cpu, "--splits", "2"])
+    with pytest.raises(ValueError, match="at least 2 steps"):
+        on_scenario.mean_after_first([{"step_time_s": 1.0}], "step_time_s")
+    assert on_scenario.mean_after_first([{"t": 9.0}, {"t": 1.0}, {"t": 3.0}], "t") == 2.0
+
+
+def test_reduced_size_is_full_steps_on_the_quick_cluster() -> None:
+    from benchmarks import affinity, common, weight_sync  # noqa: F401
+    from benchmarks.common import SIZE, parse_args, seeds_for, small
+
+    try:
+        parse_args("x", "", ["--reduced"])
+        assert small(False) and not SIZE.models and seeds_for(False, 4) == [4, 5, 6]
+        # The quick cluster's budget, with the reduced split sweep and full-size steps.
+        assert affinity.layouts(False)["2xh800+21xh20"] == (2, 21)
+        assert affinity.scenario(2, 21, quick=False).steps == 11
+        assert affinity.scenario(2, 21, quick=False).batch_size == 64
+        parse_args("x", "", ["--seeds", "2", "--models", "qwen3-8b"])
+        assert not small(False) and seeds_for(False, 0) == [0, 1] and SIZE.models == ("qwen3-8b",)
+        with pytest.raises(SystemExit):
+            parse_args("x", "", ["--quick", "--reduced"])
+    finally:
+        parse_args("x", "", [])
+    assert not small(False) and seeds_for(False, 0) == [0, 1, 2, 3, 4]

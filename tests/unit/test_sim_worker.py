@@ -416,3 +416,19 @@ def test_a_request_holds_its_prompt_as_the_wire_bytes_not_a_list() -> None:
     # No per-token Python objects for a 5000-token prompt: a view of the received bytes.
     assert isinstance(prompt, memoryview) and prompt.obj is raw and len(prompt) == 5001
     assert res.num_prompt_tokens == 5001 and res.finish_reason == "stop"
+
+
+def test_prefix_cache_takes_int32_bytes_and_lists_alike() -> None:
+    from rollart.sim.prefix_cache import PrefixCache
+    from rollart.transport import tokenbytes as tb
+
+    cache = PrefixCache()
+    seq = list(range(40, 140))
+    cache.add(tb.pack_i32(seq))
+    cache.add(seq)  # the same sequence: one entry
+    assert len(cache) == 1 and cache.tokens == 100
+    hit = cache.lookup(tb.pack_i32([*seq, 1, 2]))
+    assert hit is not None and hit == cache.lookup([*seq, 1, 2]) and cache.length(hit) == 100
+    # A prompt sharing only the head is no hit; a shorter prompt cannot hold the entry.
+    assert cache.lookup(tb.pack_i32([*seq[:50], 7, *seq[51:], 1])) is None
+    assert cache.lookup(tb.pack_i32(seq[:99])) is None

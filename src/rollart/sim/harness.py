@@ -179,6 +179,10 @@ class SimResult:
     push_times_s: list[float] = field(default_factory=list)
     #: dedicated reward GPUs' busy share of the run (0 when serverless)
     reward_utilisation: float = 0.0
+    #: reward calls scored, and the GPU seconds they took (0 when serverless): utilisation =
+    #: ``reward_busy_s / (total_time_s * reward_gpus)``
+    reward_calls: int = 0
+    reward_busy_s: float = 0.0
     simulated: bool = True
 
 
@@ -336,4 +340,5 @@ def run_simulated(sim: SimScenario, seed: int = 0, *, virtual: bool = True,
         push_times_s=list(cluster.trainer.push_times_s),
         reward_utilisation=(cluster.reward.busy_s / (times[0] * sim.reward_gpus)
                             if sim.reward_gpus and times[0] > 0 else 0.0),
+        reward_calls=cluster.reward.num_calls, reward_busy_s=cluster.reward.busy_s,
     )

@@ -2,17 +2,25 @@
 pool until running requests need the room (vLLM's automatic prefix caching keeps freed blocks
 as cache and evicts them least-recently-used).
 
-Only token counts are kept. Entries are keyed by ``(head, length, digest)``: ``head`` hashes
-the first ``HEAD`` tokens, so a lookup hashes whole prefixes only for the few entries that start
-like the prompt. Capacity is the caller's: ``evict_for`` frees entries until the running
+Only token counts are kept. Sequences are int32 token bytes (``rollart.transport.tokenbytes``;
+a list of ints is packed first). Entries are keyed by ``(head, length, digest)``: ``head``
+hashes the first ``HEAD`` tokens' bytes, so a lookup hashes whole prefixes only for the few
+entries that start like the prompt; hashing bytes, not tuples of ints, keeps a 32k-token
+prefix's digest at tens of microseconds. Which entry a lookup returns (the longest cached
+prefix) and the eviction order (LRU) do not depend on the hash values, barring a 64-bit
+collision. Capacity is the caller's: ``evict_for`` frees entries until the running
 requests' tokens plus the cache fit a pool of ``capacity`` tokens.
 """
 
 from __future__ import annotations
 
 import collections
+from typing import Any
+
+from rollart.transport import tokenbytes as tb
 
 HEAD = 16
+_HEAD_BYTES = 4 * HEAD
 
 Key = tuple[int, int, int]
 
@@ -41,16 +49,19 @@ class PrefixCache:
         self._heads.clear()
         self.tokens = 0
 
-    def add(self, seq: list[int]) -> None:
-        """Cache ``seq`` (or mark it recently used if it is cached already)."""
-        head = hash(tuple(seq[:HEAD]))
-        key = (head, len(seq), hash(tuple(seq)))
+    def add(self, seq: bytes | list[int]) -> None:
+        """Cache ``seq`` (int32 token bytes or a list of ids; or mark it recently used if it
+        is cached already)."""
+        raw = _as_bytes(seq)
+        head = hash(raw[:_HEAD_BYTES])
+        n = len(raw) // 4
+        key = (head, n, hash(raw))
         if key in self._entries:
             self._entries.move_to_end(key)
             return
-        self._entries[key] = len(seq)
+        self._entries[key] = n
         self._heads.setdefault(head, set()).add(key)
-        self.tokens += len(seq)
+        self.tokens += n
 
     def drop(self, key: Key) -> None:
         """Remove ``key`` (its blocks now belong to a running request, or are freed)."""
@@ -72,14 +83,22 @@ class PrefixCache:
             self.drop(key)
         return running_tokens + self.tokens <= capacity
 
-    def lookup(self, prompt: list[int]) -> Key | None:
-        """The longest cached sequence that is a prefix of ``prompt`` (marked recently used)."""
+    def lookup(self, prompt: bytes | list[int]) -> Key | None:
+        """The longest cached sequence that is a prefix of ``prompt`` (int32 token bytes or a
+        list of ids; marked recently used)."""
+        raw = _as_bytes(prompt)
+        view = memoryview(raw)
         best = None
-        for key in self._heads.get(hash(tuple(prompt[:HEAD])), ()):
+        for key in self._heads.get(hash(raw[:_HEAD_BYTES]), ()):
             _, length, digest = key
-            if (best is None or length > best[1]) and length <= len(prompt) \
-                    and hash(tuple(prompt[:length])) == digest:
+            # A read-only byte memoryview hashes as the bytes it shows, without a copy.
+            if (best is None or length > best[1]) and 4 * length <= len(raw) \
+                    and hash(view[:4 * length]) == digest:
                 best = key
         if best is not None:
             self._entries.move_to_end(best)
         return best
+
+
+def _as_bytes(seq: Any) -> bytes:
+    return seq if isinstance(seq, bytes) else tb.pack_i32(seq)

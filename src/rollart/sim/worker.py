@@ -53,6 +53,9 @@ from rollart.transport import messages as m
 from rollart.transport import tokenbytes as tb
 from rollart.transport.errors import PeerDeadError, RemoteError, RemoteTimeoutError
 
+_GEN_I32 = tb.pack_i32([GEN_TOKEN_ID])
+_EOS_I32 = tb.pack_i32([EOS_TOKEN_ID])
+
 _EPS = 1e-9
 
 
@@ -432,7 +435,7 @@ class SimInferenceWorker:
         while self._waiting and len(self._running) < self.max_batch:
             req = self._waiting[0]
             fresh = req.generated == 0 and req.to_prefill == len(req.prompt)
-            hit_key = self._cache.lookup(req.prompt) if fresh and self.prefix_cache else None
+            hit_key = self._cache.lookup(req.prompt_bytes) if fresh and self.prefix_cache else None
             hit = self._cache.length(hit_key) if hit_key is not None else 0
             # The hit's blocks move from the cache to the request, so they count once.
             need = req.kv_tokens + 1 - hit
@@ -478,19 +481,17 @@ class SimInferenceWorker:
         if req.fut.done():
             return
         n = req.generated
-        ids = [GEN_TOKEN_ID] * n
-        if reason == "stop" and n:
-            ids[-1] = EOS_TOKEN_ID
-        versions: list[int] = []
-        for version, count in req.segments:
-            versions.extend([version] * count)
+        # Repeated int32 / float32 items packed as bytes directly: the same bytes as packing
+        # the lists, without n Python ints per request.
+        token_bytes = (_GEN_I32 * (n - 1) + _EOS_I32 if reason == "stop" and n
+                       else _GEN_I32 * n)
+        versions = b"".join(tb.pack_i32([version]) * count for version, count in req.segments)
         if self.prefix_cache and reason != "abort":
-            self._cache.add([*req.prompt, *ids])
+            self._cache.add(req.prompt_bytes + token_bytes)
             self._cache.evict_for(self._kv_used(), self.capacity)
-        token_bytes = tb.pack_i32(ids)
         if reason != "abort":
             self.prefixes.keep(req.trajectory_id, req.prompt_bytes, token_bytes)
         req.fut.set_result(m.GenerateResult(
-            request_id=req.rid, token_ids=token_bytes, logprobs=tb.pack_f32([req.logprob] * n),
-            versions=tb.pack_i32(versions),
+            request_id=req.rid, token_ids=token_bytes,
+            logprobs=tb.pack_f32([req.logprob]) * n, versions=versions,
             finish_reason=reason, num_prompt_tokens=len(req.prompt), stats=self._stats()))
