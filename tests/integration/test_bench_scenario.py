@@ -2,7 +2,12 @@
 the tiny model, env host, reward service and trainer processes of
 ``benchmarks/scenarios/cpu_two_pools.toml``, at the smallest size that yields a ratio (one
 seed, 2 steps per variant: a warm-up and one measured step). They check the path and the
-JSON, not the values: on one loaded CPU machine a single step's ratio is noise."""
+JSON, not the values: on one loaded CPU machine a single step's ratio is noise.
+
+Marked ``bench`` (``nox -s bench`` runs them): each starts about ten clusters (13-15 minutes at
+load 15-20). The tests session keeps the smaller checks of the same code path
+(``benchmarks.on_scenario`` through ``modes --scenario``, the layouts and latency injection in
+``test_bench_json.py``)."""
 
 from __future__ import annotations
 
@@ -11,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.bench, pytest.mark.timeout(1800)]
 
 SCENARIO = Path(__file__).resolve().parents[2] / "benchmarks/scenarios/cpu_two_pools.toml"
 
