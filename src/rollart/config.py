@@ -227,7 +227,8 @@ class ModelConfig(_Cfg):
     #: warm up ``rg:basic_arithmetic`` domains on the calculator agent's conversation instead
     #: of gym turns: a hermes ``<tool_call>`` of the ``calculator`` tool, its result, then the
     #: ``\\boxed{}`` answer (``rollart.models.tooldemos``; ``examples/agent_calculator.py``).
-    #: Experimental: its recipe does not yet make the tiny model call the tool (README "Agents").
+    #: Measured: 10 of 16 sampled first replies parse as a call; ~6.5 min of warm-up on a busy
+    #: 2-core machine (README "Agents").
     tiny_warmup_tool_calls: bool = False
     #: data type of the weights in trainer and engine.
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"

@@ -5,7 +5,7 @@ tiny model, with the real ``openai`` client:
   tool on reasoning-gym arithmetic) trains two steps on the (cold) tiny model; a tool call it
   happens to emit (parsed by vLLM's hermes parser in the worker) is run by the agent and its
   result sent back as a ``tool`` message (the warm-up that makes it call the tool,
-  ``model.tiny_warmup_tool_calls``, is not used here: it does not yet fit a test's time);
+  ``model.tiny_warmup_tool_calls``, is not used here: ~6.5 min does not fit a test's time);
 - each documented behaviour, in the same run: bad requests (``top_p``, ``n``, ``stream``) get a
   400 naming the parameter, the trajectory going on; a history rewrite fails the trajectory
   (``history_rewritten``, counted, retried, never a sample); a client disconnect aborts the

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import msgspec
 import pytest
@@ -10,7 +11,14 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import rollart.models.tiny as tiny
-from rollart.models.sft import SFTConfig, collate_sft, encode_pairs, sft_warmup
+from rollart.models.sft import (
+    SFTConfig,
+    cache_fields,
+    collate_sft,
+    encode_pairs,
+    lr_factor,
+    sft_warmup,
+)
 from rollart.models.tiny import (
     TinyModelSpec,
     build_tiny_model,
@@ -165,3 +173,39 @@ def test_ensure_with_demonstrations_runs_the_warm_up(tmp_path):
     assert (warmed / "model.safetensors").read_bytes() != (plain / "model.safetensors").read_bytes()
     with pytest.raises(ValueError, match="empty"):
         ensure_tiny_model(tmp_path, spec, demonstrations=[])
+
+
+def test_cosine_schedule_warms_up_then_decays_to_zero():
+    cos = SFTConfig(lr_schedule="cosine")
+    total = 100  # warm-up: ceil(5% of 100) = 5 steps
+    assert [lr_factor(cos, s, total) for s in range(5)] == pytest.approx([0.2, 0.4, 0.6, 0.8, 1.0])
+    assert lr_factor(cos, 5, total) == pytest.approx(1.0)
+    assert lr_factor(cos, 5 + 95 // 2, total) == pytest.approx(0.5 * (1 + math.cos(math.pi * 47 / 95)))
+    assert lr_factor(cos, 99, total) == pytest.approx(0.5 * (1 + math.cos(math.pi * 94 / 95)))
+    assert all(lr_factor(SFTConfig(), s, total) == 1.0 for s in range(total))
+
+
+def test_sft_warmup_applies_the_schedule_and_restores_the_thread_count():
+    tok = build_char_tokenizer()
+    finals = []
+    threads = torch.get_num_threads()
+    for schedule in ("constant", "cosine"):
+        torch.manual_seed(0)
+        model = init_tiny_model(TinyModelSpec(seed=0, **SMALL))
+        sft_warmup(model, tok, DEMOS, SFTConfig(epochs=3, batch_size=8, lr=1e-2,
+                                                lr_schedule=schedule, num_threads=1))
+        assert torch.get_num_threads() == threads
+        finals.append([p.detach().clone() for p in model.parameters()])
+    assert any(not torch.equal(a, b) for a, b in zip(*finals, strict=True))
+
+
+def test_new_sft_fields_at_their_defaults_leave_cache_keys_unchanged():
+    # The quickstart's cached checkpoints were keyed on these fields only.
+    old = ["epochs", "lr", "weight_decay", "batch_size", "max_grad_norm", "seed", "append_eos",
+           "max_length"]
+    assert list(cache_fields(SFTConfig(epochs=1, lr=3e-3))) == old
+    assert list(cache_fields(SFTConfig(lr_schedule="cosine", num_threads=1))) == [
+        *old, "lr_schedule", "num_threads"]
+    spec, demos = TinyModelSpec(**SMALL), [("a", "b")]
+    assert tiny._cache_key(spec, SFTConfig(), demos) != tiny._cache_key(
+        spec, SFTConfig(lr_schedule="cosine"), demos)

@@ -7,8 +7,9 @@ never targets), token-level mean over each batch.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 import torch
@@ -27,6 +28,38 @@ class SFTConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only
     # Append the tokenizer's eos id to each completion so the model learns to stop.
     append_eos: bool = True
     max_length: Annotated[int, msgspec.Meta(ge=2)] | None = None
+    #: "cosine": linear warm-up over the first 5% of steps, then cosine decay to 0
+    #: (Loshchilov & Hutter 2017, SGDR, without restarts); "constant": `lr` throughout.
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    #: torch intra-op threads while training (restored after); None leaves torch's setting.
+    #: 1 matters on a shared machine: with 2 threads on 2 busy cores a step of 8 x ~600 tokens
+    #: of the tiny model took ~6 s instead of ~0.7 s (threads waiting on each other).
+    num_threads: Annotated[int, msgspec.Meta(ge=1, le=256)] | None = None
+
+
+#: fields added after checkpoints were cached: left out of `cache_fields` at their defaults, so
+#: the cache key of a recipe that does not set them stays what it was.
+LATER_FIELDS = {"lr_schedule": "constant", "num_threads": None}
+
+
+def cache_fields(cfg: SFTConfig) -> dict:
+    """`cfg` as a dict for cache keys: `LATER_FIELDS` at their defaults omitted."""
+    out = msgspec.structs.asdict(cfg)
+    for name, default in LATER_FIELDS.items():
+        if out[name] == default:
+            del out[name]
+    return out
+
+
+def lr_factor(cfg: SFTConfig, step: int, total_steps: int) -> float:
+    """Multiplier of `cfg.lr` at optimizer step `step` (0-based) of `total_steps`."""
+    if cfg.lr_schedule == "constant":
+        return 1.0
+    warm = max(1, math.ceil(0.05 * total_steps))
+    if step < warm:
+        return (step + 1) / warm
+    progress = (step - warm) / max(1, total_steps - warm)
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def encode_pairs(
@@ -122,6 +155,10 @@ def sft_warmup(
     gen = torch.Generator().manual_seed(cfg.seed)
     history: list[float] = []
     was_training = model.training
+    threads = torch.get_num_threads()
+    if cfg.num_threads is not None:
+        torch.set_num_threads(cfg.num_threads)
+    total = math.ceil(len(data) / cfg.batch_size) * cfg.epochs
     model.train()
     try:
         for _ in range(cfg.epochs):
@@ -135,6 +172,8 @@ def sft_warmup(
                 loss = nll / count.clamp(min=1)
                 if not torch.isfinite(loss):
                     raise ValueError(f"non-finite SFT loss at step {len(history)}")
+                for group in opt.param_groups:
+                    group["lr"] = cfg.lr * lr_factor(cfg, len(history), total)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
@@ -142,4 +181,5 @@ def sft_warmup(
                 history.append(float(loss.detach()))
     finally:
         model.train(was_training)
+        torch.set_num_threads(threads)
     return history

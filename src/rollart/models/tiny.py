@@ -28,7 +28,7 @@ import msgspec
 import torch
 from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
-from rollart.models.sft import SFTConfig, sft_warmup
+from rollart.models.sft import SFTConfig, cache_fields, sft_warmup
 from rollart.models.tokenizer import (
     CHAT_TEMPLATE,
     EOS_TOKEN,
@@ -182,7 +182,7 @@ def _cache_key(
     # ... and a checkpoint saved with an older chat template (no tools) is not reused either.
     h.update(CHAT_TEMPLATE.encode())
     if demos is not None:
-        h.update(msgspec.json.encode(sft or SFTConfig()))
+        h.update(msgspec.json.encode(cache_fields(sft or SFTConfig())))
         # JSON of the pairs keeps prompt/completion boundaries unambiguous in the hash.
         h.update(json.dumps(demos, ensure_ascii=True).encode())
     return h.hexdigest()[:16]

@@ -32,7 +32,7 @@ from rollart.envhost.solvers import next_action
 #: the env whose tasks come with an arithmetic expression (``info.entry.metadata.expression``)
 CALCULATOR_ENV = "rg:basic_arithmetic"
 #: the example agent's system message: it shows a call for the model to copy (as the tiny model
-#: copies ``\\boxed{}`` from the task's instructions; not yet enough, see warmup.TOOL_CALL_RECIPE)
+#: copies ``\\boxed{}`` from the task's instructions; see warmup.TOOL_CALL_RECIPE)
 SYSTEM_PROMPT = ('Call <tool_call>{"name": "calculator", "arguments": {"expression": "1 + 2"}}'
                  '</tool_call> with the expression, then answer.')
 #: the example agent's one tool, in OpenAI's ``tools`` format
