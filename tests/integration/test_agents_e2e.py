@@ -2,10 +2,9 @@
 tiny model, with the real ``openai`` client:
 
 - the README's example (``examples/agent_calculator.py``: a multi-turn agent with a calculator
-  tool on reasoning-gym arithmetic) trains two steps on the (cold) tiny model; a tool call it
-  happens to emit (parsed by vLLM's hermes parser in the worker) is run by the agent and its
-  result sent back as a ``tool`` message (the warm-up that makes it call the tool,
-  ``model.tiny_warmup_tool_calls``, is not used here: ~6.5 min does not fit a test's time);
+  tool on reasoning-gym arithmetic) trains two steps on the tiny model warmed up with tool-call
+  demonstrations (``model.tiny_warmup_tool_calls``); its tool calls, parsed by vLLM's hermes
+  parser in the worker, are run by the agent and their results sent back as ``tool`` messages;
 - each documented behaviour, in the same run: bad requests (``top_p``, ``n``, ``stream``) get a
   400 naming the parameter, the trajectory going on; a history rewrite fails the trajectory
   (``history_rewritten``, counted, retried, never a sample); a client disconnect aborts the
@@ -35,7 +34,8 @@ import pytest
 import rollart
 from rollart.models.tokenizer import build_char_tokenizer
 
-pytestmark = [pytest.mark.vllm]
+# the tool-call warm-up (400 SFT steps) runs once per model cache: minutes on a loaded machine
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
 
 ROOT = Path(__file__).resolve().parents[2]
 SCENARIO = Path(__file__).parent / "scenarios" / "agent_run.toml"
@@ -210,6 +210,9 @@ async def test_the_calculator_agent_trains_token_exact_and_each_behaviour_holds(
     with_calls = [s for s in samples if any(m.get("tool_calls") for m in s.metadata["messages"])]
     print(f"{len(with_calls)} of {len(samples)} trained conversations hold a tool call; events "
           f"{events}; failed {[s.metrics.num_failed_by_reason for s in steps]}")
+    # The warmed model calls its tool in most first replies (10 of 16 sampled, measured when
+    # the recipe was chosen): with 8 conversations, none is vanishingly unlikely.
+    assert with_calls, "no trained conversation holds a tool call"
 
     # (b) bad requests: 400 naming the parameter, the trajectory going on.
     assert set(refused) == {(400, "unsupported_value", p) for p in ("top_p", "n", "stream")}
