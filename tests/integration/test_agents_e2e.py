@@ -51,20 +51,26 @@ def load_example():
     return module
 
 
+def generated_spans(sample) -> list[list[int]]:
+    """The token ids of each generated (loss-masked) run of ``sample``, in order."""
+    spans: list[list[int]] = []
+    cur = None
+    for t, k in zip(sample.token_ids.tolist(), sample.loss_mask.tolist(), strict=True):
+        if not k:
+            cur = None
+            continue
+        if cur is None:
+            cur = []
+            spans.append(cur)
+        cur.append(t)
+    return spans
+
+
 def expected_ids(sample) -> list[int]:
     """The chat template of the sample's conversation with each assistant turn replaced by the
     ids generated for it (the template's own end-of-turn token after a turn the engine closed
     is the generated one), less the template's final "\\n"."""
-    ids, mask = sample.token_ids.tolist(), sample.loss_mask.tolist()
-    spans, cur = [], None
-    for t, k in zip(ids, mask, strict=True):
-        if k and cur is None:
-            cur = []
-            spans.append(cur)
-        if k:
-            cur.append(t)
-        elif cur is not None:
-            cur = None
+    spans = generated_spans(sample)
     marked, k = [], 0
     for msg in sample.metadata["messages"]:
         if msg["role"] == "assistant":
@@ -97,16 +103,7 @@ def expected_ids(sample) -> list[int]:
 def tool_turns(sample) -> list[tuple[str, str]]:
     """(decoded generated span, the template's rendering of the returned assistant message)
     of each assistant turn that called a tool, both as ``<|im_start|>assistant\\n...<|im_end|>``."""
-    ids, mask = sample.token_ids.tolist(), sample.loss_mask.tolist()
-    spans, cur = [], None
-    for t, k in zip(ids, mask, strict=True):
-        if k and cur is None:
-            cur = []
-            spans.append(cur)
-        if k:
-            cur.append(t)
-        elif cur is not None:
-            cur = None
+    spans = generated_spans(sample)
     replies = [msg for msg in sample.metadata["messages"] if msg["role"] == "assistant"]
     out = []
     for span, msg in zip(spans, replies, strict=True):

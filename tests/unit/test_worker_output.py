@@ -220,14 +220,19 @@ def assert_accounting(buffer: SampleBuffer, trainer: FakeTrainer) -> None:
     assert len(ids) == len(set(ids))  # nothing trained twice
 
 
-async def test_a_run_with_a_garbage_worker_continues_and_counts_it() -> None:
-    bad = zero_tokens(FakeWorker("m-bad"))
-    ctl, trainer, reward = make_controller([bad, FakeWorker("m-ok")], seed=3, batch_size=4,
-                                           group_size=2)
+async def three_steps(workers_p2):
+    """Three steps of :func:`make_controller`'s run (seed 3, batches of 4, groups of 2)."""
+    ctl, trainer, reward = make_controller(workers_p2, seed=3, batch_size=4, group_size=2)
     try:
         steps = [await ctl.step() for _ in range(3)]
     finally:
         await ctl.close()
+    return ctl, trainer, reward, steps
+
+
+async def test_a_run_with_a_garbage_worker_continues_and_counts_it() -> None:
+    bad = zero_tokens(FakeWorker("m-bad"))
+    ctl, trainer, reward, steps = await three_steps([bad, FakeWorker("m-ok")])
     failed = sum(s.num_failed_by_reason.get("invalid_worker_output", 0) for s in steps)
     assert failed == sum(s.num_invalid_replies for s in steps) == 3  # default: 3 in 100
     assert [w for s in steps for w in s.quarantined_workers] == ["m-bad"]
@@ -253,12 +258,7 @@ async def test_a_worker_whose_engine_fails_every_request_is_quarantined() -> Non
     # Failing at once, it is always the least loaded: without the count it would take every
     # trajectory of its pool and the run would stop at max_failures_in_a_row.
     bad = failing(FakeWorker("m-fail"), "engine_error")
-    ctl, trainer, reward = make_controller([bad, FakeWorker("m-ok")], seed=3, batch_size=4,
-                                           group_size=2)
-    try:
-        steps = [await ctl.step() for _ in range(3)]
-    finally:
-        await ctl.close()
+    ctl, trainer, reward, steps = await three_steps([bad, FakeWorker("m-ok")])
     assert ctl.proxy.quarantined == ["m-fail"] and ctl.proxy.num_engine_errors == 3
     assert sum(s.num_failed_by_reason.get("generation_error", 0) for s in steps) == 3
     assert all("m-fail" not in s.turn_workers for b in trainer.batches for s in b)

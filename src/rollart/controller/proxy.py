@@ -225,9 +225,9 @@ class LLMProxy:
                 f"quarantined ({why}); removed: {pool.removed}"
             )
 
-    def _judge(self, worker: GenerationBackend, problem: str | None) -> None:
-        """Count one reply of ``worker`` (``problem``: its violation, or ``None``); quarantine
-        the worker at the threshold; raise ``InvalidWorkerOutput`` for a violation."""
+    def _record(self, worker: GenerationBackend, problem: str | None) -> None:
+        """Count one reply of ``worker`` in its violation window (``problem``: its violation,
+        or ``None``); quarantine the worker at the threshold."""
         hit = self.violations is not None and self.violations.record(worker.name, problem is None)
         if hit and problem is not None and worker.name not in self.quarantined:
             assert self.violations is not None
@@ -236,22 +236,13 @@ class LLMProxy:
                 f"{self.violations.count(worker.name)} invalid replies among its last "
                 f"{self.violations.window} (run.worker_checks); last: {problem}",
             )
+
+    def _judge(self, worker: GenerationBackend, problem: str | None) -> None:
+        """:meth:`_record` the reply; raise ``InvalidWorkerOutput`` for a violation."""
+        self._record(worker, problem)
         if problem is not None:
             self.num_invalid_replies += 1
             raise InvalidWorkerOutput(worker.name, problem)
-
-    def _count_failure(self, worker: GenerationBackend, message: str) -> None:
-        """Count a request ``worker``'s engine failed (``engine_error``) towards its quarantine,
-        as a violation; the caller re-raises the error for that trajectory only."""
-        if self.violations is None or worker.name in self.quarantined:
-            return
-        self.num_engine_errors += 1
-        if self.violations.record(worker.name, False):
-            self.quarantine(
-                worker.name,
-                f"{self.violations.count(worker.name)} failed or invalid replies among its last "
-                f"{self.violations.window} (run.worker_checks); last: engine_error: {message}",
-            )
 
     def route(self, traj_id: str, domain: str) -> GenerationBackend:
         """Pick the worker for ``traj_id``'s next turn (sticky, else least-loaded).
@@ -330,7 +321,8 @@ class LLMProxy:
                 elif exc.code == ENGINE_ERROR:
                     # Counted like a bad reply: a worker that fails every request answers
                     # fastest, so least-loaded routing would otherwise send it everything.
-                    self._count_failure(worker, exc.message)
+                    self.num_engine_errors += 1
+                    self._record(worker, f"{ENGINE_ERROR}: {exc.message}")
                 if exc.code != "prefix_unknown" or held == 0:
                     raise
                 self.num_prefix_resends += 1  # next pass: held_by is gone, so prefix_len 0
