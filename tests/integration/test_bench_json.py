@@ -237,3 +237,19 @@ def test_reduced_size_is_full_steps_on_the_quick_cluster() -> None:
     finally:
         parse_args("x", "", [])
     assert not small(False) and seeds_for(False, 0) == [0, 1, 2, 3, 4]
+
+
+def test_modes_reports_rollart_with_and_without_the_issue12_policy() -> None:
+    from benchmarks.modes import ROLLART_NEW_POLICY, _add_ratios, sim_for
+    from benchmarks.staleness_waste import POLICIES
+
+    default, new = sim_for("qwen3-32b", "rollart", True), sim_for("qwen3-32b", ROLLART_NEW_POLICY, True)
+    assert (default.mode, default.weight_apply, default.admission) == ("rollart", "at_batch", "greedy")
+    assert new.mode == "rollart"
+    assert {k: getattr(new, k) for k in POLICIES["new"]} == POLICIES["new"]
+    assert new.replace(**{k: getattr(default, k) for k in POLICIES["new"]}) == default
+    samples: dict[str, list[float]] = {}
+    _add_ratios(samples, "m", {"sync": 4.0, "sync_plus": 3.0, "one_off": 2.0, "areal": 2.0,
+                               "rollart": 2.0, ROLLART_NEW_POLICY: 1.0})
+    assert samples["m: rollart vs sync_plus"] == [1.5]
+    assert samples[f"m: {ROLLART_NEW_POLICY} vs sync_plus"] == [3.0]
