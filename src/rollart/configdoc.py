@@ -133,7 +133,7 @@ def attach_field_docs(module: ModuleType) -> None:
 
 def scenario_reference() -> str:
     """The Markdown scenario reference: one table per scenario table (README.md)."""
-    from rollart import config
+    from rollart.config import schema as config
 
     comments = field_comments(config)
     out = []

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from rollart.config import Scenario
 from rollart.transport.errors import ConfigError
 
-#: Ray's custom resource names: no reserved ones (see ``rollart.config.RayResource``).
+#: Ray's custom resource names: no reserved ones (see ``rollart.config.schema.RayResource``).
 _RESOURCE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]*(:[A-Za-z0-9_.\-]+)?$")
 _RESERVED = {"CPU", "GPU", "memory", "object_store_memory"}
 

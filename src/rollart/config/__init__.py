@@ -1,0 +1,115 @@
+"""The scenario: one TOML file describing a rollart run, decoded into msgspec Structs.
+
+Layout (tables of ``scenarios/*.toml``)::
+
+    [run]          seed, steps, mode, alpha, batch/group sizes, redundancy, limits, retries
+    [model]        path ("tiny" = the project's own tiny model, else a local HF checkpoint dir)
+    [[pools]]      inference worker pools: name, hardware label, num_workers, engine options
+    [[domains]]    task domains: env name, pool affinity, reward function, mix weight, sampling
+    [[env_hosts]]  environment host processes (and optional latency injection)
+    [reward]       the HTTP reward service (launched locally or an existing URL)
+    [trainer]      optimisation and checkpoint settings
+    [output]       what the run folder gets: transcripts, TensorBoard, W&B
+
+Every Struct rejects unknown fields, bounds are ``msgspec.Meta`` constraints, and cross-field
+rules are checked by :func:`validate_scenario`. Nothing is ever rewritten after loading: a bad
+value raises :class:`ConfigError` naming the file, the field and the reason.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+
+from rollart.config.schema import (
+    DomainConfig,
+    EngineConfig,
+    EnvHostConfig,
+    ModelConfig,
+    OutputConfig,
+    PoolConfig,
+    RetryConfig,
+    RewardServiceConfig,
+    RunConfig,
+    SamplingConfig,
+    Scenario,
+    TrainerConfig,
+    WorkerChecksConfig,
+)
+from rollart.config.validate import validate_scenario
+from rollart.transport.errors import ConfigError
+
+__all__ = [
+    "ConfigError",
+    "DomainConfig",
+    "EngineConfig",
+    "EnvHostConfig",
+    "ModelConfig",
+    "OutputConfig",
+    "PoolConfig",
+    "RetryConfig",
+    "RewardServiceConfig",
+    "RunConfig",
+    "SamplingConfig",
+    "Scenario",
+    "TrainerConfig",
+    "WorkerChecksConfig",
+    "load_scenario",
+    "parse_scenario",
+    "scenario_to_json",
+    "validate_scenario",
+]
+
+
+def _validation_message(exc: msgspec.ValidationError) -> str:
+    # msgspec says "... - at `$.run.batch_size`"; name the field first, as the other errors do.
+    text = str(exc)
+    if " - at `$." in text:
+        reason, _, where = text.rpartition(" - at `$.")
+        return f"{where.rstrip('`')}: {reason}"
+    return text
+
+
+def parse_scenario(data: bytes | str, source: str = "<scenario>") -> Scenario:
+    """Decode and validate a scenario from TOML text.
+
+    Raises:
+        ConfigError: invalid TOML, an unknown field, a value out of bounds or a cross-field rule
+            broken; the message starts with ``source`` and names the field.
+    """
+    try:
+        scenario = msgspec.toml.decode(data, type=Scenario)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"{source}: {_validation_message(exc)}") from None
+    except msgspec.DecodeError as exc:
+        raise ConfigError(f"{source}: invalid TOML: {exc}") from None
+    return validate_scenario(scenario, source)
+
+
+def load_scenario(path: str | Path) -> Scenario:
+    """Read, decode and validate the scenario file at ``path``.
+
+    Raises:
+        ConfigError: the file is missing / unreadable, or anything :func:`parse_scenario` rejects.
+    """
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read scenario: {exc.strerror or exc}") from None
+    return parse_scenario(data, str(path))
+
+
+def scenario_to_json(scenario: Scenario) -> bytes:
+    """The resolved scenario (defaults filled in) as indented JSON, for ``DIR/config.json``."""
+    return msgspec.json.format(msgspec.json.encode(scenario), indent=2) + b"\n"
+
+
+def scenario_from_json(data: bytes | str, source: str = "<config.json>") -> Scenario:
+    """Inverse of :func:`scenario_to_json` (resume reads a run dir's config.json). ConfigError."""
+    try:
+        scenario = msgspec.json.decode(data, type=Scenario)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+    return validate_scenario(scenario, source)
