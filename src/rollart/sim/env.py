@@ -21,7 +21,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollart.reward.client import RewardResult
-from rollart.sim.workload import Dist, DomainSpec, DomainTable, const, observation, seeded_rng
+from rollart.sim.workload import (
+    Dist,
+    DomainSpec,
+    DomainTable,
+    const,
+    counter_rng,
+    observation,
+    seeded_rng,
+)
 from rollart.transport import messages as m
 from rollart.transport.errors import EnvError, PeerDeadError, RewardError
 
@@ -172,7 +180,7 @@ SERVERLESS_REWARD_LATENCY = Dist("lognormal", 0.015, 0.03, 0.0, 2.1)
 
 class SimReward:
     """A SIMULATED reward service (``RewardBackend``): sleeps ``latency_s`` per call, returns a
-    reward in {0.0, 1.0} seeded by ``(seed, prompt, response)``.
+    reward in {0.0, 1.0} seeded by ``(seed, prompt, response)`` (``CounterRng``: cheap per call).
 
     Two shapes (paper §3 / §7.5, "reward offload"): *serverless* (``max_concurrency=None``,
     elastic: every call only pays its remote I/O ``latency_s``, e.g.
@@ -206,7 +214,7 @@ class SimReward:
 
     async def score(self, name: str, prompt: str, response: str, reference: Any = None,
                     metadata: dict[str, Any] | None = None) -> RewardResult:
-        rng = seeded_rng(self.seed, name, prompt, response, next(self._calls))
+        rng = counter_rng(self.seed, name, prompt, response, next(self._calls))
         latency = self.latency_s.sample(rng)
         work = self._service_s(prompt, response) if self._service_s is not None else 0.0
         await asyncio.sleep(latency)
@@ -219,5 +227,5 @@ class SimReward:
         self.num_calls += 1
         if rng.random() < self.failure_prob:
             raise RewardError(f"simulated reward {name!r}: injected failure")
-        reward = float(seeded_rng(self.seed, prompt, response).random() < 0.5)
+        reward = float(counter_rng(self.seed, prompt, response).random() < 0.5)
         return RewardResult(reward=reward, details={"simulated": True})
