@@ -237,3 +237,23 @@ def test_reduced_size_is_full_steps_on_the_quick_cluster() -> None:
     finally:
         parse_args("x", "", [])
     assert not small(False) and seeds_for(False, 0) == [0, 1, 2, 3, 4]
+
+
+def test_a_wide_rows_table_prints_one_line_per_figure() -> None:
+    import io
+
+    from benchmarks.common import TRANSPOSE_ABOVE_COLUMNS, emit
+    from rich.console import Console
+
+    figures = {f"figure_{i}_with_a_long_name": float(i) for i in range(TRANSPOSE_ABOVE_COLUMNS + 8)}
+    res = {"benchmark": "wide", "simulated": False, "ratios": {}, "meta": {},
+           "rows": [{"n": 1000, **figures}, {"n": 10000, **figures, "only_here": 7}]}
+    out = io.StringIO()
+    emit(res, None, Console(file=out, width=80))  # not a terminal: 80 columns
+    lines = out.getvalue().splitlines()
+    assert any("n=1000" in line and "n=10000" in line for line in lines)
+    for i in range(TRANSPOSE_ABOVE_COLUMNS + 8):  # every figure whole on its own line
+        (line,) = [ln for ln in lines if f"figure_{i}_with_a_long_name " in ln]
+        assert line.count(f"{float(i):.4g}") >= 2
+    (only,) = [ln for ln in lines if "only_here" in ln]
+    assert "7" in only
