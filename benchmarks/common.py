@@ -173,6 +173,8 @@ def result(name: str, *, simulated: bool, rows: list[dict[str, Any]], ratios: di
 def _fmt(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
+    if isinstance(value, (list, tuple)) and all(isinstance(v, (int, float)) for v in value):
+        return "[" + ", ".join(_fmt(v) for v in value) + "]"  # e.g. a ci95 interval
     return str(value)
 
 

@@ -247,7 +247,8 @@ def test_a_wide_rows_table_prints_one_line_per_figure() -> None:
 
     figures = {f"figure_{i}_with_a_long_name": float(i) for i in range(TRANSPOSE_ABOVE_COLUMNS + 8)}
     res = {"benchmark": "wide", "simulated": False, "ratios": {}, "meta": {},
-           "rows": [{"n": 1000, **figures}, {"n": 10000, **figures, "only_here": 7}]}
+           "rows": [{"n": 1000, **figures, "ci95": [1441.3388621013132, 2661.1667062023957]},
+                    {"n": 10000, **figures, "only_here": 7}]}
     out = io.StringIO()
     emit(res, None, Console(file=out, width=80))  # not a terminal: 80 columns
     lines = out.getvalue().splitlines()
@@ -257,3 +258,5 @@ def test_a_wide_rows_table_prints_one_line_per_figure() -> None:
         assert line.count(f"{float(i):.4g}") >= 2
     (only,) = [ln for ln in lines if "only_here" in ln]
     assert "7" in only
+    (ci,) = [ln for ln in lines if "ci95" in ln]
+    assert "[1441, 2661]" in ci  # an interval's numbers at 4 significant digits
