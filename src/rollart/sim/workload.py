@@ -7,7 +7,9 @@ without any side channel through the controller.
 
 Randomness: every draw comes from ``random.Random`` seeded with a string (``seeded_rng``), which
 Python hashes with SHA-512, so runs are reproducible across processes regardless of
-``PYTHONHASHSEED`` and independent of the order in which requests arrive.
+``PYTHONHASHSEED`` and independent of the order in which requests arrive. Draws made once per
+call on a hot path (the simulated reward) use ``counter_rng`` instead: the same string seeding
+through BLAKE2b, SplitMix64 draws, no Mersenne Twister state to initialise.
 """
 
 from __future__ import annotations
