@@ -173,7 +173,19 @@ def result(name: str, *, simulated: bool, rows: list[dict[str, Any]], ratios: di
 def _fmt(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
+    if isinstance(value, (list, tuple)) and all(isinstance(v, (int, float)) for v in value):
+        return "[" + ", ".join(_fmt(v) for v in value) + "]"  # e.g. a ci95 interval
     return str(value)
+
+
+#: rows tables with more columns than this print transposed (one line per figure)
+TRANSPOSE_ABOVE_COLUMNS = 12
+
+
+def _row_label(row: dict[str, Any], i: int) -> str:
+    """A transposed table's column header: the row's size or name keys, else its index."""
+    keys = [k for k in ("n", "name", "mode", "size", "context_tokens") if k in row]
+    return ", ".join(f"{k}={_fmt(row[k])}" for k in keys[:2]) or f"row {i}"
 
 
 def emit(res: dict[str, Any], json_path: Path | None, console: Console | None = None) -> None:
@@ -184,10 +196,19 @@ def emit(res: dict[str, Any], json_path: Path | None, console: Console | None = 
     if rows:
         table = Table(title=f"{res['benchmark']} ({label})")
         columns = list(dict.fromkeys(k for row in rows for k in row))
-        for col in columns:
-            table.add_column(col)
-        for row in rows:
-            table.add_row(*(_fmt(row.get(c, "")) for c in columns))
+        if len(columns) > TRANSPOSE_ABOVE_COLUMNS:
+            # Many figures, few rows: one line per figure, one column per row (rich would
+            # squeeze 40 columns into an 80-character non-terminal output, one letter wide).
+            table.add_column("figure")
+            for i, row in enumerate(rows):
+                table.add_column(_row_label(row, i))
+            for col in columns:
+                table.add_row(col, *(_fmt(row.get(col, "")) for row in rows))
+        else:
+            for col in columns:
+                table.add_column(col)
+            for row in rows:
+                table.add_row(*(_fmt(row.get(c, "")) for c in columns))
         console.print(table)
     if res["ratios"]:
         seeds = res["meta"].get("seeds") or [res["meta"].get("seed")]

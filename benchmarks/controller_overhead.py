@@ -97,7 +97,7 @@ from rollart.sim.hardware import H800
 from rollart.sim.harness import SimDomain, SimPool, SimScenario, scenario_of
 from rollart.sim.models import QWEN3_8B
 from rollart.sim.trainer import SimTrainer
-from rollart.sim.workload import DomainTable, SimTokenizer
+from rollart.sim.workload import DomainTable, SimTokenizer, counter_rng
 from rollart.transport import messages as m
 from rollart.transport.errors import RemoteTimeoutError
 from rollart.transport.security import create_key_file, load_key_file
@@ -131,13 +131,15 @@ class Calls:
     """Controller-side record of the backends' calls: start times, timeouts, open calls."""
 
     def __init__(self) -> None:
-        self.gen_starts: list[float] = []
+        #: generate calls started (the turn count)
+        self.num_gens = 0
         self.timeouts = 0
-        self.open: dict[int, tuple[str, float]] = {}
+        self.open: dict[int, str] = {}  # id of the call's coroutine -> "gen" / "env"
         self.session_traj: dict[str, str] = {}
         #: trajectory id -> (start, end) of each wait for new weights (a ``wait`` verdict)
         self.weight_waits: dict[str, list[tuple[float, float]]] = {}
-        self.ended = asyncio.Event()  # set whenever a call ends
+        self.ended = asyncio.Event()  # set whenever a call ends, once draining is set
+        self.draining = False
 
     def record_weight_waits(self, wait: Any) -> Any:
         """``wait`` (the trajectories' ``wait_for_weights``), recording each wait's span."""
@@ -155,8 +157,10 @@ class Calls:
         return recorded
 
     async def timed(self, kind: str, coro: Any) -> Any:
+        # Instrumentation inside the measured process: kept to a dict insert and delete per
+        # call (no clock read; the Event only while the drain waits on it).
         key = id(coro)
-        self.open[key] = (kind, time.monotonic())
+        self.open[key] = kind
         try:
             return await coro
         except RemoteTimeoutError:
@@ -164,7 +168,8 @@ class Calls:
             raise
         finally:
             del self.open[key]
-            self.ended.set()
+            if self.draining:
+                self.ended.set()
 
 
 class TimedWorker:
@@ -184,7 +189,7 @@ class TimedWorker:
 
     async def generate(self, request: m.Generate, *, timeout_s: float | None = None
                        ) -> m.GenerateResult:
-        self._calls.gen_starts.append(time.monotonic())
+        self._calls.num_gens += 1
         return await self._calls.timed("gen", self._client.generate(request, timeout_s=timeout_s))
 
     def __getattr__(self, name: str) -> Any:
@@ -315,7 +320,7 @@ async def _drive(size: Size, args: Namespace, worker_addr: str, env_addr: str, s
     controller = Controller(
         scenario_of(sim, seed),
         proxy=LLMProxy({"sim": ("h800", [TimedWorker(client, calls)])}, {"zero": "sim"}),
-        envs=EnvRouter([TimedEnv(env, calls)]), rewards=RewardRouter(service=SimReward()),
+        envs=EnvRouter([TimedEnv(env, calls)]), rewards=RewardRouter(service=SimReward(rng=counter_rng)),
         trainer=trainer, tokenizer=SimTokenizer(table))
     lag = LoopLagMonitor()
     gc_before = gc.get_threshold()
@@ -347,8 +352,7 @@ async def _drive(size: Size, args: Namespace, worker_addr: str, env_addr: str, s
     trainer_task = asyncio.create_task(train())
     try:
         await asyncio.sleep(size.warmup_s)
-        t0, cpu0, gen0, steps0 = time.monotonic(), time.process_time(), len(calls.gen_starts), \
-            steps
+        t0, cpu0, gen0, steps0 = time.monotonic(), time.process_time(), calls.num_gens, steps
         loop_cpu0 = time.thread_time()
         profiler = _profiler()
         pauses.reset()
@@ -364,12 +368,12 @@ async def _drive(size: Size, args: Namespace, worker_addr: str, env_addr: str, s
             await asyncio.sleep(SUBWINDOW_S)
             peak = max(peak, _rss())
             worker_peak = max(worker_peak, worker_proc.memory_info().rss)
-            cpu, gens = time.process_time(), len(calls.gen_starts)
+            cpu, gens = time.process_time(), calls.num_gens
             running.append(controller.num_running)
             sub_cpu.append(1e6 * (cpu - cpu_prev))
             sub_turns.append(gens - gen_prev)
             cpu_prev, gen_prev = cpu, gens
-        t1, cpu1, gen1 = time.monotonic(), time.process_time(), len(calls.gen_starts)
+        t1, cpu1, gen1 = time.monotonic(), time.process_time(), calls.num_gens
         loop_cpu1 = time.thread_time()
         if profiler is not None:
             profiler.disable()
@@ -380,7 +384,8 @@ async def _drive(size: Size, args: Namespace, worker_addr: str, env_addr: str, s
         stats = controller.buffer.stats()
         # Drain: every generate call open now ends within its timeout, by a reply or by
         # RemoteTimeoutError (counted); one still open well after that never will.
-        pending = {k for k, (kind, _) in calls.open.items() if kind == "gen"}
+        pending = {k for k, kind in calls.open.items() if kind == "gen"}
+        calls.draining = True
         deadline = time.monotonic() + GENERATE_TIMEOUT_S + 15.0
         while pending & calls.open.keys() and time.monotonic() < deadline:
             calls.ended.clear()

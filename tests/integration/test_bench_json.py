@@ -253,3 +253,26 @@ def test_modes_reports_rollart_with_and_without_the_issue12_policy() -> None:
                                "rollart": 2.0, ROLLART_NEW_POLICY: 1.0})
     assert samples["m: rollart vs sync_plus"] == [1.5]
     assert samples[f"m: {ROLLART_NEW_POLICY} vs sync_plus"] == [3.0]
+
+
+def test_a_wide_rows_table_prints_one_line_per_figure() -> None:
+    import io
+
+    from benchmarks.common import TRANSPOSE_ABOVE_COLUMNS, emit
+    from rich.console import Console
+
+    figures = {f"figure_{i}_with_a_long_name": float(i) for i in range(TRANSPOSE_ABOVE_COLUMNS + 8)}
+    res = {"benchmark": "wide", "simulated": False, "ratios": {}, "meta": {},
+           "rows": [{"n": 1000, **figures, "ci95": [1441.3388621013132, 2661.1667062023957]},
+                    {"n": 10000, **figures, "only_here": 7}]}
+    out = io.StringIO()
+    emit(res, None, Console(file=out, width=80))  # not a terminal: 80 columns
+    lines = out.getvalue().splitlines()
+    assert any("n=1000" in line and "n=10000" in line for line in lines)
+    for i in range(TRANSPOSE_ABOVE_COLUMNS + 8):  # every figure whole on its own line
+        (line,) = [ln for ln in lines if f"figure_{i}_with_a_long_name " in ln]
+        assert line.count(f"{float(i):.4g}") >= 2
+    (only,) = [ln for ln in lines if "only_here" in ln]
+    assert "7" in only
+    (ci,) = [ln for ln in lines if "ci95" in ln]
+    assert "[1441, 2661]" in ci  # an interval's numbers at 4 significant digits

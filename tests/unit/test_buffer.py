@@ -691,3 +691,19 @@ def test_drop_group_retires_it_counts_the_reason_and_returns_live_members() -> N
     buf.try_start_group("g1")
     with pytest.raises(SampleBufferError, match="needs a reason"):
         buf.drop_group("g1", "")
+
+
+def test_stats_gauges_count_running_and_held_members_once() -> None:
+    buf = SampleBuffer(alpha=0, batch_size=8, group_size=4)
+    done, slow, idle, other = buf.try_start_group("a")
+    run(buf, done, [0, 0, 0])
+    for tid, versions in ((slow, [0, 0]), (other, [0])):
+        assert buf.begin_turn(tid, 0) == "continue"
+        buf.record_tokens(tid, versions)
+    st = buf.stats()
+    assert (st.running, st.held, st.in_flight) == (3, 1, 4)
+    # Every member's tokens counted once, as the per-member definition gives them.
+    groups = buf._groups.values()
+    want = sum(t.num_tokens for g in groups for t in (*g.live(), *g.kept, *g.finished))
+    assert st.in_flight_tokens == want and want >= 3 + 2 + 1
+    assert idle in buf._groups["a"].all_tids

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from test_controller_fakes import TOK, FakeTokenizer
 
 from rollart.controller.tokens import ChatTokens
+from rollart.transport import tokenbytes as tb
 
 
 def test_delta_with_the_projects_char_tokenizer_matches_the_full_render() -> None:
@@ -82,3 +84,21 @@ def test_template_kwargs_are_passed_and_bad_tokenizers_rejected() -> None:
 
     with pytest.raises(ValueError, match="does not close an assistant turn"):
         ChatTokens(OtherEnd())
+
+
+class FakeArrayTokenizer(FakeTokenizer):
+    """Answers ``encode`` with an int64 ndarray (as a tokenizer asked for arrays does)."""
+
+    def encode(self, text: str, *, add_special_tokens: bool = False):
+        return np.array(super().encode(text), dtype=np.int64)
+
+
+def test_int32_prompt_path_takes_lists_and_arrays_alike() -> None:
+    msgs = [{"role": "user", "content": "Guess 1-10"}]
+    by_list, by_array = ChatTokens(FakeTokenizer()), ChatTokens(FakeArrayTokenizer())
+    want = tb.pack_i32(by_list.prompt_ids(msgs))
+    assert by_list.prompt_i32(msgs) == want and by_array.prompt_i32(msgs) == want
+    assert by_array.prompt_ids(msgs) == by_list.prompt_ids(msgs)  # list API still a list
+    gen = [40, TOK.eos_token_id]
+    assert by_array.observation_i32("Higher", gen) == tb.pack_i32(
+        by_list.observation_ids("Higher", gen))

@@ -193,3 +193,26 @@ def test_the_controller_does_not_import_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=300)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_batch_reuses_the_completion_check_and_still_checks_the_advantage(monkeypatch) -> None:
+    from rollart.controller.training import trainable_problem
+
+    checked, unchecked = sample("a", "g", 1.0), sample("b", "g", 0.0)
+    assert trainable_problem(checked) is None
+    validations = []
+
+    class CountingTrainSample(m.TrainSample):
+        def __post_init__(self) -> None:
+            validations.append(self.sample_id)
+            super().__post_init__()
+
+    monkeypatch.setattr(m, "TrainSample", CountingTrainSample)
+    a, b = to_train_samples([checked, unchecked])
+    assert validations == ["b"]  # the sample checked at completion is not validated again
+    assert a.advantage == pytest.approx(1.0, abs=1e-5) and b.advantage < 0
+    assert tb.view_u8(a.loss_mask).tolist() == [0, 0, 0, 1, 1] and a.sample_id == "a"
+    monkeypatch.setattr("rollart.controller.training.grpo_advantages",
+                        lambda samples: [float("nan")] * len(samples))
+    with pytest.raises(ValueError, match="advantage nan not finite"):
+        to_train_samples([checked])  # a non-finite advantage still fails the checked sample

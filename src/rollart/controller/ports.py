@@ -161,7 +161,11 @@ class TrainerBackend(Protocol):
 @runtime_checkable
 class Tokenizer(Protocol):
     """The subset of a Hugging Face tokenizer the controller uses (``PreTrainedTokenizerFast``
-    fits): chat template rendering to text, encode without added specials, decode."""
+    fits): chat template rendering to text, encode without added specials, decode.
+
+    ``encode`` may return a list or an integer ndarray. Optional: ``encode_i32(text) -> bytes``
+    (the same ids as little-endian int32 bytes), which ``ChatTokens`` prefers when present (it
+    skips one Python int per token: ``SimTokenizer`` has it)."""
 
     eos_token: str | None
     eos_token_id: int | None

@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rollart.controller.ports import Tokenizer
+from rollart.transport import tokenbytes as tb
 
 _SENTINEL = "<<rollart-assistant-turn>>"
 
@@ -51,6 +52,8 @@ class ChatTokens:
         self.eos_token: str = tokenizer.eos_token
         self.eos_token_id: int = tokenizer.eos_token_id
         self.template_kwargs = dict(template_kwargs or {})
+        fast = getattr(tokenizer, "encode_i32", None)
+        self._encode_i32 = fast if callable(fast) else None
         self.observation_text("probe")  # fail at construction, not in the first trajectory
 
     def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
@@ -69,9 +72,23 @@ class ChatTokens:
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         return ids if type(ids) is list else list(ids)  # a long prompt's copy costs
 
+    def encode_i32(self, text: str) -> bytes:
+        """Token ids of ``text`` (as :meth:`encode`) as little-endian int32 bytes: what the
+        trajectory's arrays and the wire hold. A tokenizer with an ``encode_i32(text)`` method
+        (``SimTokenizer``) answers in bytes directly; otherwise ``encode``'s list (or integer
+        ndarray) is packed without a Python-list round trip. Raises OverflowError for an id
+        outside int32."""
+        if self._encode_i32 is not None:
+            return self._encode_i32(text)
+        return tb.pack_i32(self.tokenizer.encode(text, add_special_tokens=False))
+
     def prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of the opening ``messages`` plus the assistant generation prompt."""
         return self.encode(self._render(messages, add_generation_prompt=True))
+
+    def prompt_i32(self, messages: list[dict[str, str]]) -> bytes:
+        """:meth:`prompt_ids` as int32 bytes (see :meth:`encode_i32`)."""
+        return self.encode_i32(self._render(messages, add_generation_prompt=True))
 
     def observation_text(self, content: str, *, turn_closed: bool = True) -> str:
         """Template text that follows an assistant turn when user message ``content`` arrives.
@@ -100,6 +117,11 @@ class ChatTokens:
         ``content`` (the turn is closed iff ``generated`` ends with the eos id)."""
         closed = bool(generated) and generated[-1] == self.eos_token_id
         return self.encode(self.observation_text(content, turn_closed=closed))
+
+    def observation_i32(self, content: str, generated: Sequence[int]) -> bytes:
+        """:meth:`observation_ids` as int32 bytes (see :meth:`encode_i32`)."""
+        closed = bool(generated) and generated[-1] == self.eos_token_id
+        return self.encode_i32(self.observation_text(content, turn_closed=closed))
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """The action text of generated ids (special tokens such as eos removed)."""

@@ -11,9 +11,11 @@ it alone knows which workers each push reached).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Protocol
 
+import msgspec
 import numpy as np
 
 from rollart.controller.ports import GenerationBackend, TrainResult
@@ -64,16 +66,25 @@ def to_train_samples(samples: Sequence[Sample]) -> list[m.TrainSample]:
     """The wire form of a batch, with GRPO advantages. Raises ValueError (from
     ``TrainSample``) for a sample the trainer cannot use (e.g. no generated token)."""
     advantages = grpo_advantages(samples)
-    return [
-        m.TrainSample(token_ids=s.token_ids, loss_mask=s.loss_mask,
-                      behaviour_logprobs=s.behaviour_logprobs, advantage=a, sample_id=s.sample_id)
-        for s, a in zip(samples, advantages, strict=True)
-    ]
+    out = []
+    for s, a in zip(samples, advantages, strict=True):
+        checked = s.__dict__.get(_CHECKED)
+        if checked is not None and math.isfinite(a):
+            # The arrays passed TrainSample's validation at completion and never change;
+            # ``replace`` does not run it again (one pass over 32k tokens saved per sample,
+            # on the event loop, while the batch is assembled).
+            out.append(msgspec.structs.replace(checked, advantage=a))
+        else:
+            out.append(m.TrainSample(token_ids=s.token_ids, loss_mask=s.loss_mask,
+                                     behaviour_logprobs=s.behaviour_logprobs, advantage=a,
+                                     sample_id=s.sample_id))
+    return out
 
 
 #: buffer reason of a sample the train path's last check refused
 INVALID_SAMPLE_REASON = "invalid_sample"
-#: key in a ``Sample``'s ``__dict__`` marking that it passed :func:`trainable_problem`
+#: key in a ``Sample``'s ``__dict__``: its ``TrainSample`` (advantage 0) once it passed
+#: :func:`trainable_problem`
 _CHECKED = "_rollart_trainable"
 
 
@@ -88,15 +99,15 @@ def trainable_problem(sample: Sample) -> str | None:
     that passed is remembered (its arrays never change: see ``Sample``), so the batch's check
     of a sample checked at completion costs nothing.
     """
-    if sample.__dict__.get(_CHECKED):
+    if sample.__dict__.get(_CHECKED) is not None:
         return None
     try:
-        m.TrainSample(token_ids=sample.token_ids, loss_mask=sample.loss_mask,
-                      behaviour_logprobs=sample.behaviour_logprobs, advantage=0.0,
-                      sample_id=sample.sample_id)
+        checked = m.TrainSample(token_ids=sample.token_ids, loss_mask=sample.loss_mask,
+                                behaviour_logprobs=sample.behaviour_logprobs, advantage=0.0,
+                                sample_id=sample.sample_id)
     except ValueError as exc:
         return str(exc)
-    sample.__dict__[_CHECKED] = True
+    sample.__dict__[_CHECKED] = checked  # views of the sample's arrays, no copy
     return None
 
 

@@ -227,7 +227,7 @@ async def _run_trajectory(
             messages.append({"role": "system", "content": domain.system_prompt})
         prompt_text = domain.prompt_template.format(observation=opened.observation)
         messages.append({"role": "user", "content": prompt_text})
-        token_ids.frombytes(tb.pack_i32(chat.prompt_ids(messages)))
+        token_ids.frombytes(chat.prompt_i32(messages))
         num_prompt = len(token_ids)
         loss_mask.frombytes(bytes(num_prompt))
         logprobs.frombytes(bytes(4 * num_prompt))
@@ -335,12 +335,12 @@ async def _run_trajectory(
             if turn >= max_turns:
                 break
             content = domain.turn_template.format(observation=step.observation)
-            obs_ids = chat.observation_ids(content, new_ids)
-            k = len(obs_ids)
+            obs_bytes = chat.observation_i32(content, new_ids)
+            k = len(obs_bytes) >> 2
             if len(token_ids) + k >= run.max_tokens_per_trajectory:
                 finish = "max_tokens"
                 break
-            token_ids.frombytes(tb.pack_i32(obs_ids))
+            token_ids.frombytes(obs_bytes)
             loss_mask.frombytes(bytes(k))
             logprobs.frombytes(bytes(4 * k))
             versions.frombytes(_NO_VERSION * k)

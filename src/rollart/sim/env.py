@@ -16,12 +16,20 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from rollart.reward.client import RewardResult
-from rollart.sim.workload import Dist, DomainSpec, DomainTable, const, observation, seeded_rng
+from rollart.sim.workload import (
+    Dist,
+    DomainSpec,
+    DomainTable,
+    const,
+    observation,
+    seeded_rng,
+)
 from rollart.transport import messages as m
 from rollart.transport.errors import EnvError, PeerDeadError, RewardError
 
@@ -185,6 +193,10 @@ class SimReward:
         failure_prob: probability that a call raises ``RewardError``.
         max_concurrency: calls served at once (reward GPUs / workers); ``None`` = elastic.
         service_s: GPU seconds a call occupies its slot (``None``: 0).
+        rng: the seeded generator factory of its draws: ``seeded_rng`` (default: the draws every
+            simulated benchmark's published results were made with) or ``counter_rng`` (same
+            distributions, other draws, ~20 us cheaper per call: for a benchmark where this
+            in-process reward's own CPU is counted, ``controller_overhead``).
 
     Attributes: ``num_calls``; ``busy_s`` (GPU seconds spent scoring, all slots together:
     utilisation = ``busy_s / (elapsed * max_concurrency)``).
@@ -192,7 +204,8 @@ class SimReward:
 
     def __init__(self, *, latency_s: Dist | None = None, seed: int = 0,
                  failure_prob: float = 0.0, max_concurrency: int | None = None,
-                 service_s: Callable[[str, str], float] | None = None) -> None:
+                 service_s: Callable[[str, str], float] | None = None,
+                 rng: Callable[..., random.Random] = seeded_rng) -> None:
         if not 0.0 <= failure_prob <= 1.0:
             raise ValueError(f"failure_prob must be in [0, 1], got {failure_prob}")
         self.latency_s = latency_s or const(0.0)
@@ -200,13 +213,14 @@ class SimReward:
         self.max_concurrency = max_concurrency
         self._slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
         self._service_s = service_s
+        self._rng = rng
         self._calls = itertools.count()
         self.num_calls = 0
         self.busy_s = 0.0
 
     async def score(self, name: str, prompt: str, response: str, reference: Any = None,
                     metadata: dict[str, Any] | None = None) -> RewardResult:
-        rng = seeded_rng(self.seed, name, prompt, response, next(self._calls))
+        rng = self._rng(self.seed, name, prompt, response, next(self._calls))
         latency = self.latency_s.sample(rng)
         work = self._service_s(prompt, response) if self._service_s is not None else 0.0
         await asyncio.sleep(latency)
@@ -219,5 +233,5 @@ class SimReward:
         self.num_calls += 1
         if rng.random() < self.failure_prob:
             raise RewardError(f"simulated reward {name!r}: injected failure")
-        reward = float(seeded_rng(self.seed, prompt, response).random() < 0.5)
+        reward = float(self._rng(self.seed, prompt, response).random() < 0.5)
         return RewardResult(reward=reward, details={"simulated": True})
