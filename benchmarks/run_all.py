@@ -136,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
                       str(entry.get("wall_s", "")), str(entry.get("cpu_s", "")),
                       f"{entry.get('load1_before', '')}-{entry.get('load1_after', '')}"
                       if "wall_s" in entry else "", ratios)
+    timed = [e for e in summary.values() if "wall_s" in e]
+    table.add_row("total", "", "", f"{sum(e['wall_s'] for e in timed):.1f}",
+                  f"{sum(e['cpu_s'] for e in timed):.1f}", "", "")
     console.print(table)
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return 1 if failed else 0

@@ -76,7 +76,8 @@ def test_bad_selection_fails_before_running_anything(tmp_path: Path, argv: list[
     assert not (tmp_path / "summary.json").exists()
 
 
-def test_summary_records_wall_cpu_and_load(tmp_path: Path) -> None:
+def test_summary_records_wall_cpu_and_load(tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
     # pd is analytic (well under a second of its own work): a real child process, cheap.
     assert run_all.main(["--quick", "--out", str(tmp_path), "--only", "pd"]) == 0
     entry = json.loads((tmp_path / "summary.json").read_text())["pd"]
@@ -84,3 +85,5 @@ def test_summary_records_wall_cpu_and_load(tmp_path: Path) -> None:
     # The child at least imported Python and numpy: some CPU time, never more than 2 cores' worth.
     assert 0.0 < entry["cpu_s"] <= 2 * entry["wall_s"] + 1.0
     assert entry["load1_before"] >= 0.0 and entry["load1_after"] >= 0.0
+    (total,) = [line for line in capsys.readouterr().out.splitlines() if "total" in line]
+    assert f"{entry['wall_s']:.1f}" in total and f"{entry['cpu_s']:.1f}" in total
