@@ -3,7 +3,12 @@
 - ``tests``: the whole suite, installing everything it needs (CPU build of vLLM included).
 - ``lint``: ruff.
 - ``quickstart``: the README's main job on the embedded tiny model.
-- ``bench``: every benchmark with ``--quick``, then the tests marked ``bench``.
+- ``bench``: the paper-comparison benchmarks with ``--quick`` (``run_all``'s ``paper`` set: the
+  simulated ones, two cheap measured ones and one small real-service ``--scenario`` proof);
+  about 15 minutes on a 2-core machine (benchmarks/README.md, "`nox -s bench` wall time").
+- ``bench_measured``: the heavier measured benchmarks with ``--quick`` (``run_all``'s
+  ``measured`` set: real engines, trainers, the other scenario runs), then the tests marked
+  ``bench``; about an hour on a 2-core machine.
 """
 
 from __future__ import annotations
@@ -48,7 +53,14 @@ def quickstart(session: nox.Session) -> None:
 @nox.session(python="3.11")
 def bench(session: nox.Session) -> None:
     _install_runtime(session)
-    session.run("python", "-m", "benchmarks.run_all", "--quick", "--out", "runs/bench",
-                *session.posargs)
+    session.run("python", "-m", "benchmarks.run_all", "--set", "paper", "--quick", "--out",
+                "runs/bench", *session.posargs)
+
+
+@nox.session(python="3.11")
+def bench_measured(session: nox.Session) -> None:
+    _install_runtime(session)
+    session.run("python", "-m", "benchmarks.run_all", "--set", "measured", "--quick", "--out",
+                "runs/bench_measured", *session.posargs)
     # The benchmarks' end-to-end tests that the tests session leaves out (marked bench).
     session.run("python", "-m", "pytest", "-q", "-ra", "--bench", "-m", "bench", "tests")

@@ -1,7 +1,22 @@
-"""Run every benchmark (``nox -s bench`` calls ``python -m benchmarks.run_all --quick --out DIR``).
+"""Run a set of benchmarks: ``python -m benchmarks.run_all [--set NAME | --only NAME...]
+--quick --out DIR``.
 
 Each benchmark runs in its own process and writes ``DIR/NAME.json``; a summary of every ratio
-is printed and written to ``DIR/summary.json``. Exit status 1 if any benchmark failed.
+is printed and written to ``DIR/summary.json`` with, per benchmark, its wall seconds, the CPU
+seconds (user + system) of its process tree and the 1-minute load average before and after, so
+that a time measured on a shared machine can be read against what else ran. Exit status 1 if
+any benchmark failed.
+
+Sets (``SETS``; ``--only`` picks any names instead):
+
+- ``paper`` (default; ``nox -s bench``): the benchmarks that compare with the paper's figures
+  and tables, simulated (``env_tail`` ... ``pd``), the two cheap measured ones (``rpc_floor``,
+  ``token_path``) and ONE real-service proof, ``env_tail-scenario`` (2 cluster starts). With
+  ``--quick`` it fits 15 minutes on the 2-core dev machine (benchmarks/README.md, "`nox -s
+  bench` wall time").
+- ``measured`` (``nox -s bench_measured``): what needs real engines or many cluster starts:
+  ``controller_overhead``, ``real_engine``, ``weight_transfer`` and the other scenario runs.
+- ``all``: both.
 
 ``SCENARIO_RUNS`` (``NAME-scenario``) run ``modes`` / ``env_tail`` / ``affinity`` on the REAL
 services of the small CPU scenario ``benchmarks/scenarios/cpu_two_pools.toml`` (vLLM CPU engine,
@@ -15,6 +30,8 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
+import resource
 import subprocess
 import sys
 import time
@@ -33,19 +50,46 @@ SCENARIO_RUNS = {
     "affinity-scenario": ("affinity", [*_CPU_SCENARIO, "--splits", "1"]),
     "modes-scenario": ("modes", _CPU_SCENARIO),
 }
+#: the one real-service proof in the default set: fewest cluster starts (2) that give a ratio
+PROOF_RUN = "env_tail-scenario"
+#: measured benchmarks that need real engines or trainers (minutes each): not in ``paper``
+MEASURED = ("controller_overhead", "real_engine", "weight_transfer")
+_PAPER = tuple(b for b in BENCHMARKS if b not in MEASURED) + (PROOF_RUN,)
+#: set name -> benchmark / scenario-run names, in run order (module docstring)
+SETS: dict[str, tuple[str, ...]] = {
+    "paper": _PAPER,
+    "measured": MEASURED + tuple(r for r in SCENARIO_RUNS if r != PROOF_RUN),
+    "all": (*BENCHMARKS, *SCENARIO_RUNS),
+}
+DEFAULT_SET = "paper"
+
+
+def _child_cpu_s() -> float:
+    """User + system CPU seconds of every waited-for child process tree so far."""
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
+def _load1() -> float:
+    return round(os.getloadavg()[0], 2)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.run_all")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", type=Path, required=True, help="directory for NAME.json files")
-    parser.add_argument("--only", nargs="*", default=None, help="subset of benchmark names")
+    group = parser.add_mutually_exclusive_group()
+    # default None, not DEFAULT_SET: argparse's exclusion check skips a value that is the default
+    group.add_argument("--set", choices=sorted(SETS), default=None,
+                       help=f"named set (default {DEFAULT_SET}; module docstring)")
+    group.add_argument("--only", nargs="+", default=None,
+                       help="these benchmark / scenario-run names instead of a set")
     parser.add_argument("--timeout-s", type=float, default=900.0,
                         help="per benchmark; a scenario run (one cluster start per variant, "
                         "minutes each on a loaded 2-core machine) gets 3x")
     args = parser.parse_args(argv)
     known = [*BENCHMARKS, *SCENARIO_RUNS]
-    names = args.only or known
+    names = args.only or list(SETS[args.set or DEFAULT_SET])
     unknown = sorted(set(names) - set(known))
     if unknown:
         parser.error(f"unknown benchmarks {unknown}; known: {known}")
@@ -64,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.quick:
             cmd.append("--quick")
         console.rule(f"benchmarks.{name}")
-        t0 = time.perf_counter()
+        t0, cpu0, load0 = time.perf_counter(), _child_cpu_s(), _load1()
         try:
             limit = args.timeout_s * (3 if name in SCENARIO_RUNS else 1)
             proc = subprocess.run(cmd, timeout=limit, check=False)
@@ -72,7 +116,10 @@ def main(argv: list[str] | None = None) -> int:
         except subprocess.TimeoutExpired:
             status = f"timeout after {limit:.0f} s"
         wall = time.perf_counter() - t0
-        entry: dict = {"status": status, "wall_s": round(wall, 1), "command": " ".join(cmd[1:])}
+        # A timed-out child is killed but still waited for by subprocess.run, so its CPU counts.
+        entry: dict = {"status": status, "wall_s": round(wall, 1),
+                       "cpu_s": round(_child_cpu_s() - cpu0, 1), "load1_before": load0,
+                       "load1_after": _load1(), "command": " ".join(cmd[1:])}
         if status == "ok" and out.exists():
             res = json.loads(out.read_text())
             entry.update(simulated=res["simulated"], ratios=res["ratios"])
@@ -80,13 +127,18 @@ def main(argv: list[str] | None = None) -> int:
             failed.append(name)
         summary[name] = entry
     table = Table(title="rollart benchmarks")
-    for col in ("benchmark", "status", "simulated", "wall_s", "ratios"):
+    for col in ("benchmark", "status", "simulated", "wall_s", "cpu_s", "load", "ratios"):
         table.add_column(col)
     for name, entry in summary.items():
         ratios = "\n".join(f"{k}: {v:.3g}" if isinstance(v, float) else f"{k}: {v}"
                            for k, v in entry.get("ratios", {}).items())
         table.add_row(name, entry["status"], str(entry.get("simulated", "")),
-                      str(entry.get("wall_s", "")), ratios)
+                      str(entry.get("wall_s", "")), str(entry.get("cpu_s", "")),
+                      f"{entry.get('load1_before', '')}-{entry.get('load1_after', '')}"
+                      if "wall_s" in entry else "", ratios)
+    timed = [e for e in summary.values() if "wall_s" in e]
+    table.add_row("total", "", "", f"{sum(e['wall_s'] for e in timed):.1f}",
+                  f"{sum(e['cpu_s'] for e in timed):.1f}", "", "")
     console.print(table)
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return 1 if failed else 0

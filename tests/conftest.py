@@ -2,7 +2,7 @@
 
 Tests marked ``bench`` (a benchmark end to end at its ``--quick``-like size, where a smaller
 check of the same code path runs in the tests session) run only with ``pytest --bench``, which
-``nox -s bench`` passes; without it they are skipped, saying so.
+``nox -s bench_measured`` passes; without it they are skipped, saying so.
 
 ``run_key`` (session, autouse): a CURVE key pair made once per test session
 (``rollart.transport.security.create_key_file``), also exported as ``$ROLLART_KEY_FILE`` so
@@ -23,13 +23,13 @@ from rollart.transport.security import KEY_FILE_ENV, RunKey, create_key_file, lo
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--bench", action="store_true", default=False,
-                     help="also run the tests marked bench (nox -s bench)")
+                     help="also run the tests marked bench (nox -s bench_measured)")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if config.getoption("--bench"):
         return
-    skip = pytest.mark.skip(reason="marked bench: runs in nox -s bench (pytest --bench)")
+    skip = pytest.mark.skip(reason="marked bench: runs in nox -s bench_measured (pytest --bench)")
     for item in items:
         if item.get_closest_marker("bench") is not None:
             item.add_marker(skip)

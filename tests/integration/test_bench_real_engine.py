@@ -6,7 +6,7 @@ the orchestration-tax part end to end (``--skip step_time``: JSON shape, tax row
 ratio a finite number), and ``run_mode``, the step-time part's loop, for mode ``sync`` (the
 mode no other test runs on real services; mode ``rollart`` under ``open_cluster`` is what
 ``test_run_e2e`` / ``test_driver_*`` run). The whole benchmark end to end (both modes, both
-parts, every ratio) is ``test_real_engine_quick_small``, marked ``bench``: ``nox -s bench``
+parts, every ratio) is ``test_real_engine_quick_small``, marked ``bench``: ``nox -s bench_measured``
 runs it (``pytest --bench``), the tests session skips it (four engine start-ups, a third of
 them the rollart-mode cluster checked elsewhere). Timings on the shared 2-core machine vary
 with its load, so no threshold on them is asserted.

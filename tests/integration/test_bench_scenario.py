@@ -4,8 +4,8 @@ the tiny model, env host, reward service and trainer processes of
 seed, 2 steps per variant: a warm-up and one measured step). They check the path and the
 JSON, not the values: on one loaded CPU machine a single step's ratio is noise.
 
-Marked ``bench`` (``nox -s bench`` runs them): each starts about ten clusters (13-15 minutes at
-load 15-20). The tests session keeps the smaller checks of the same code path
+Marked ``bench`` (``nox -s bench_measured`` runs them): each starts about ten clusters
+(13-15 minutes at load 15-20). The tests session keeps the smaller checks of the same code path
 (``benchmarks.on_scenario`` through ``modes --scenario``, the layouts and latency injection in
 ``test_bench_json.py``)."""
 
