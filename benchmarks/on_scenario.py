@@ -63,7 +63,11 @@ def scenario_main(name: str, argv: list[str] | None, simulated: Callable[[list[s
     """Entry point of a benchmark with ``--scenario``: without it, ``simulated(rest_argv)``;
     with it, ``on_scenario(path, quick, seed, num_seeds=, cache_dir=, run_dir=, args=)`` in a
     temporary run directory, its result emitted. ``add_args`` adds the benchmark's own
-    scenario options (parsed into ``args``). Exits with status 2 on bad arguments."""
+    scenario options (parsed into ``args``). Exits with status 2 on bad arguments and on a
+    ``ConfigError`` (an unreadable or invalid scenario, a model path that is not a local
+    checkpoint), with its message and no traceback."""
+    from rollart.config import ConfigError
+
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--scenario", type=Path, default=None)
     parser.add_argument("--seeds", type=int, default=1)
@@ -85,8 +89,11 @@ def scenario_main(name: str, argv: list[str] | None, simulated: Callable[[list[s
     args = common.parse_args(rest)
     if args.steps is not None and args.steps < 2:
         common.error(f"--steps must be >= 2 (the first is a warm-up), got {args.steps}")
-    with tempfile.TemporaryDirectory(prefix=f"rollart-{name}-") as tmp:
-        res = on_scenario(known.scenario, args.quick, args.seed, num_seeds=known.seeds,
-                          cache_dir=known.cache_dir, run_dir=Path(tmp), args=args)
+    try:
+        with tempfile.TemporaryDirectory(prefix=f"rollart-{name}-") as tmp:
+            res = on_scenario(known.scenario, args.quick, args.seed, num_seeds=known.seeds,
+                              cache_dir=known.cache_dir, run_dir=Path(tmp), args=args)
+    except ConfigError as exc:
+        common.error(str(exc))
     emit(res, args.json)
     return res

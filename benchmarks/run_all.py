@@ -19,7 +19,7 @@ Sets (``SETS``; ``--only`` picks any names instead):
 - ``all``: both.
 
 ``SCENARIO_RUNS`` (``NAME-scenario``) run ``modes`` / ``env_tail`` / ``affinity`` on the REAL
-services of the small CPU scenario ``benchmarks/scenarios/cpu_two_pools.toml`` (vLLM CPU engine,
+services of the small CPU scenario ``scenarios/cpu-two-pools.toml`` (vLLM CPU engine,
 tiny model) at the smallest size that gives a ratio: one seed, 2 steps per variant (a warm-up
 and one measured step), so they prove the path rather than measure the modes; each variant
 starts its own cluster (2 for env_tail, 3 for affinity, 5 for modes).
@@ -43,7 +43,7 @@ from rich.table import Table
 BENCHMARKS = ("env_tail", "modes", "ablations", "affinity", "redundancy", "staleness", "staleness_waste",
               "weight_sync", "pd", "controller_overhead", "rpc_floor", "real_engine",
               "weight_transfer", "token_path")
-_CPU_SCENARIO = ["--scenario", "benchmarks/scenarios/cpu_two_pools.toml", "--steps", "2"]
+_CPU_SCENARIO = ["--scenario", "scenarios/cpu-two-pools.toml", "--steps", "2"]
 #: run name -> (benchmark module, its arguments): real-service runs (module docstring)
 SCENARIO_RUNS = {
     "env_tail-scenario": ("env_tail", [*_CPU_SCENARIO, "--stds", "2", "--env-mean-s", "0.5"]),

@@ -162,7 +162,7 @@ def test_affinity_layouts_of_a_real_scenario_spend_its_own_budget() -> None:
         if len(pools) == 2:  # mixed: every domain keeps its declared pool (affinity)
             assert [d.pool for d in sc.domains] == [d.pool for d in base.domains]
     # A CPU scenario: both pools cost 1; --splits picks the mixed layouts.
-    cpu = load_scenario(root / "benchmarks/scenarios/cpu_two_pools.toml")
+    cpu = load_scenario(root / "scenarios/cpu-two-pools.toml")
     got = affinity.scenario_layouts(cpu, affinity.DEFAULT_COSTS, [1])
     assert sorted(got) == ["1xgame+1xreasoning", "game_only", "reasoning_only"]
     assert [(p.name, p.num_workers) for p in got["game_only"].pools] == [("game", 2)]
@@ -176,7 +176,7 @@ def test_affinity_layouts_of_a_real_scenario_spend_its_own_budget() -> None:
     with pytest.raises(ValueError, match="exactly two pools"):
         affinity.scenario_layouts(got["game_only"], affinity.DEFAULT_COSTS, None)
     with pytest.raises(SystemExit):  # a bad --cost is refused before any cluster starts
-        affinity.main(["--scenario", str(root / "benchmarks/scenarios/cpu_two_pools.toml"),
+        affinity.main(["--scenario", str(root / "scenarios/cpu-two-pools.toml"),
                        "--cost", "cpu=0"])
 
 
@@ -187,7 +187,7 @@ def test_env_tail_injects_latency_into_the_local_env_hosts_of_a_real_scenario() 
     from rollart.config import load_scenario
 
     root = Path(__file__).resolve().parents[2]
-    base = load_scenario(root / "benchmarks/scenarios/cpu_two_pools.toml")
+    base = load_scenario(root / "scenarios/cpu-two-pools.toml")
     remote = msgspec.structs.replace(base.env_hosts[0], name="far", address="tcp://10.0.0.2:7")
     two = msgspec.structs.replace(base, env_hosts=[base.env_hosts[0], remote])
     for mode in ("sync", "sync_plus"):
@@ -209,7 +209,7 @@ def test_scenario_runs_of_run_all_parse_and_bad_sizes_fail_before_any_cluster() 
     for name, (module, args) in run_all.SCENARIO_RUNS.items():
         assert name == f"{module}-scenario" and (root / args[args.index("--scenario") + 1]
                                                  ).is_file()
-    cpu = str(root / "benchmarks/scenarios/cpu_two_pools.toml")
+    cpu = str(root / "scenarios/cpu-two-pools.toml")
     with pytest.raises(SystemExit):  # one step leaves nothing after the warm-up
         env_tail.main(["--scenario", cpu, "--steps", "1"])
     with pytest.raises(ValueError, match="no mixed split"):
@@ -276,3 +276,19 @@ def test_a_wide_rows_table_prints_one_line_per_figure() -> None:
     assert "7" in only
     (ci,) = [ln for ln in lines if "ci95" in ln]
     assert "[1441, 2661]" in ci  # an interval's numbers at 4 significant digits
+
+
+def test_a_bad_scenario_file_exits_2_with_its_message_and_no_traceback(tmp_path: Path,
+                                                                        capsys) -> None:
+    from benchmarks import modes
+
+    with pytest.raises(SystemExit) as missing:
+        modes.main(["--scenario", str(tmp_path / "nope.toml"), "--quick"])
+    assert missing.value.code == 2
+    assert "nope.toml: cannot read scenario" in capsys.readouterr().err
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[run]\nbatch_size = 0\n")
+    with pytest.raises(SystemExit) as invalid:
+        modes.main(["--scenario", str(bad), "--quick"])
+    assert invalid.value.code == 2
+    assert "run.batch_size" in capsys.readouterr().err

@@ -1,6 +1,6 @@
 """``env_tail --scenario`` and ``affinity --scenario`` on REAL services: the vLLM CPU engine,
 the tiny model, env host, reward service and trainer processes of
-``benchmarks/scenarios/cpu_two_pools.toml``, at the smallest size that yields a ratio (one
+``scenarios/cpu-two-pools.toml``, at the smallest size that yields a ratio (one
 seed, 2 steps per variant: a warm-up and one measured step). They check the path and the
 JSON, not the values: on one loaded CPU machine a single step's ratio is noise.
 
@@ -18,7 +18,7 @@ import pytest
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.bench, pytest.mark.timeout(1800)]
 
-SCENARIO = Path(__file__).resolve().parents[2] / "benchmarks/scenarios/cpu_two_pools.toml"
+SCENARIO = Path(__file__).resolve().parents[2] / "scenarios/cpu-two-pools.toml"
 
 
 def _common(tmp_path: Path, cache_dir: Path) -> list[str]:
