@@ -65,8 +65,14 @@ DEFAULT_RECIPE = WarmupRecipe()
 # recipe, 400 such steps: call loss ~0.1 (last 25 steps' mean 0.12); 10 of 16 sampled and 10
 # of 16 greedy first replies of held-out tasks parse with vLLM's hermes parser; 391 s on the
 # busy 2-core machine (one thread: with two, steps took ~6 s, threads waiting on each other).
+#
+# Packed (`SFTConfig.pack_turns`): an episode's two pairs share their prefix (the second prompt
+# begins with the first pair's whole text), so each episode is one ~700-token sequence with both
+# completions as targets. 4 episodes per step are the same 8 demonstrations and 400 steps the
+# same updates as 8 unpacked pairs per step, at ~0.55x the time per step (measured, one thread:
+# 1.87 vs 3.39 s/step at load 7; the packed losses equal the unpacked ones, tests/unit).
 TOOL_CALL_RECIPE = WarmupRecipe(episodes_per_domain=100, sft=SFTConfig(
-    epochs=16, lr=1e-2, batch_size=8, lr_schedule="cosine", num_threads=1))
+    epochs=16, lr=1e-2, batch_size=4, lr_schedule="cosine", num_threads=1, pack_turns=True))
 
 
 def warmup_spec(model_seed: int = 0, recipe: WarmupRecipe = DEFAULT_RECIPE) -> WarmupRecipe:
