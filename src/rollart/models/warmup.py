@@ -70,7 +70,9 @@ DEFAULT_RECIPE = WarmupRecipe()
 # begins with the first pair's whole text), so each episode is one ~700-token sequence with both
 # completions as targets. 4 episodes per step are the same 8 demonstrations and 400 steps the
 # same updates as 8 unpacked pairs per step, at ~0.55x the time per step (measured, one thread:
-# 1.87 vs 3.39 s/step at load 7; the packed losses equal the unpacked ones, tests/unit).
+# 1.87 vs 3.39 s/step at load 7; the packed losses equal the unpacked ones, tests/unit). A
+# second probe of first replies (transformers' sampler, temperature 1, 16 other held-out tasks):
+# unpacked 5 of 16 sampled (9 greedy) parse, packed 4 of 16 sampled: the same within noise.
 TOOL_CALL_RECIPE = WarmupRecipe(episodes_per_domain=100, sft=SFTConfig(
     epochs=16, lr=1e-2, batch_size=4, lr_schedule="cosine", num_threads=1, pack_turns=True))
 
