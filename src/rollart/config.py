@@ -227,7 +227,7 @@ class ModelConfig(_Cfg):
     #: warm up ``rg:basic_arithmetic`` domains on the calculator agent's conversation instead
     #: of gym turns: a hermes ``<tool_call>`` of the ``calculator`` tool, its result, then the
     #: ``\\boxed{}`` answer (``rollart.models.tooldemos``; ``examples/agent_calculator.py``).
-    #: Measured: 4-10 of 16 sampled first replies parse as a call; ~1 min of warm-up on a quiet
+    #: Measured: 10 of 16 sampled first replies parse as a call; ~6.5 min of warm-up on a busy
     #: 2-core machine (README "Agents").
     tiny_warmup_tool_calls: bool = False
     #: data type of the weights in trainer and engine.
