@@ -72,7 +72,7 @@ DEFAULT_RECIPE = WarmupRecipe()
 # model's agent e2e run held 1, 3 and 0 tool calls in 8 conversations at run seeds 5, 6, 7
 # (the test fails on 0); a probe of first replies (transformers' sampler, temperature 1, 16
 # other held-out tasks) gave 4 of 16 packed vs 5 of 16 (9 greedy) for this recipe, whose e2e
-# runs held 4, 3, 4 tool calls in 8 at run seeds 5, 6, 7 (enforce_eager engine).
+# runs held 4, 3, 4 tool calls in 8 at run seeds 5 (compiled engine), 6, 7 (enforce_eager).
 TOOL_CALL_RECIPE = WarmupRecipe(episodes_per_domain=100, sft=SFTConfig(
     epochs=16, lr=1e-2, batch_size=8, lr_schedule="cosine", num_threads=1))
 
