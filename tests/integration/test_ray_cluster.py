@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from proctree import alive, descendants
+from short_run import eager
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1500)]
 ray = pytest.importorskip("ray")
@@ -65,8 +66,9 @@ def cache_dir(tmp_path_factory) -> Path:
 
 def _scenario(tmp_path: Path, worker_label: str = "h20") -> Path:
     """short_run.toml with both domains on one pool (one vLLM engine: the slow part on a
-    loaded machine), every service labelled."""
-    text = SHORT_RUN.read_text().replace("checkpoint_every = 1", "checkpoint_every = 0")
+    loaded machine) without torch.compile (``short_run.eager``: placement is checked here,
+    not the engine), every service labelled."""
+    text = eager(SHORT_RUN.read_text()).replace("checkpoint_every = 1", "checkpoint_every = 0")
     text, n = re.subn(r'\[\[pools\]\]\nname = "reasoning"\n\[pools.engine\]\n(?:[a-z_]+ = .*\n)*',
                       "", text)
     assert n == 1

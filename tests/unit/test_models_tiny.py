@@ -15,8 +15,10 @@ from rollart.models.sft import (
     SFTConfig,
     cache_fields,
     collate_sft,
+    completion_nll,
     encode_pairs,
     lr_factor,
+    pack_turns,
     sft_warmup,
 )
 from rollart.models.tiny import (
@@ -206,6 +208,53 @@ def test_new_sft_fields_at_their_defaults_leave_cache_keys_unchanged():
     assert list(cache_fields(SFTConfig(epochs=1, lr=3e-3))) == old
     assert list(cache_fields(SFTConfig(lr_schedule="cosine", num_threads=1))) == [
         *old, "lr_schedule", "num_threads"]
+    assert list(cache_fields(SFTConfig(pack_turns=True))) == [*old, "pack_turns"]
     spec, demos = TinyModelSpec(**SMALL), [("a", "b")]
     assert tiny._cache_key(spec, SFTConfig(), demos) != tiny._cache_key(
         spec, SFTConfig(lr_schedule="cosine"), demos)
+
+
+def _conversation(turns: int, tag: str) -> list[tuple[str, str]]:
+    """The (prompt, completion) pairs of one multi-turn chat: each prompt holds every earlier
+    pair's whole text (with the eos the engine ends a turn with)."""
+    pairs, text = [], f"<|im_start|>user\n{tag}<|im_end|>\n<|im_start|>assistant\n"
+    for k in range(turns):
+        completion = f"{tag}{k}" * (k + 1)
+        pairs.append((text, completion))
+        text += f"{completion}<|im_end|>\n<|im_start|>user\nmore<|im_end|>\n<|im_start|>assistant\n"
+    return pairs
+
+
+def test_pack_turns_merges_only_a_pair_that_begins_the_next_prompt():
+    tok = build_char_tokenizer()
+    pairs = [*_conversation(3, "a"), ("x", "y"), *_conversation(2, "b")]
+    enc = encode_pairs(tok, pairs, SFTConfig())
+    packed = pack_turns(enc)
+    assert [ids for ids, _ in packed] == [enc[2][0], enc[3][0], enc[5][0]]
+    assert packed[0][1] == [(n, len(ids)) for ids, n in enc[:3]]
+    assert packed[1][1] == [(1, 3)] and packed[2][1] == [(n, len(ids)) for ids, n in enc[4:]]
+    # a next prompt holding another reply than the pair's completion does not continue it
+    (first, reply), (second, later) = _conversation(2, "a")
+    other = encode_pairs(tok, [(first, reply + "!"), (second, later)], SFTConfig())
+    assert len(pack_turns(other)) == 2
+
+
+def test_packed_turns_have_the_same_targets_and_losses_as_separate_pairs():
+    torch.manual_seed(0)
+    model = init_tiny_model(TinyModelSpec(seed=0, **SMALL)).eval()
+    tok = build_char_tokenizer()
+    enc = encode_pairs(tok, [*_conversation(3, "a"), *_conversation(2, "bc")], SFTConfig())
+    packed = pack_turns(enc)
+    assert len(packed) == 2
+    sums = []
+    for data in (enc, packed):
+        ids, attn, target = collate_sft(data, pad_token_id=0)
+        nll, count = completion_nll(model, ids, target, attn)
+        sums.append((float(nll), int(count)))
+    (nll_a, count_a), (nll_b, count_b) = sums
+    assert count_a == count_b == sum(len(ids) - n for ids, n in enc)
+    assert nll_b == pytest.approx(nll_a, rel=1e-5)
+    # sft_warmup with pack_turns trains one step per packed batch
+    history = sft_warmup(model, tok, [*_conversation(3, "a"), *_conversation(2, "bc")],
+                         SFTConfig(epochs=2, batch_size=1, pack_turns=True))
+    assert len(history) == 2 * 2

@@ -35,11 +35,21 @@ class SFTConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only
     #: 1 matters on a shared machine: with 2 threads on 2 busy cores a step of 8 x ~600 tokens
     #: of the tiny model took ~6 s instead of ~0.7 s (threads waiting on each other).
     num_threads: Annotated[int, msgspec.Meta(ge=1, le=256)] | None = None
+    #: Train each pair whose whole text (prompt, completion, eos) begins the next pair's prompt
+    #: inside that next pair's sequence (`pack_turns`): a conversation's turns then cost one
+    #: forward/backward pass over the conversation instead of one per turn, with the same
+    #: targets and the same per-target losses (causal attention: a prefix's logits do not depend
+    #: on what follows it). `batch_size` then counts packed sequences.
+    pack_turns: bool = False
 
 
 #: fields added after checkpoints were cached: left out of `cache_fields` at their defaults, so
 #: the cache key of a recipe that does not set them stays what it was.
-LATER_FIELDS = {"lr_schedule": "constant", "num_threads": None}
+LATER_FIELDS = {"lr_schedule": "constant", "num_threads": None, "pack_turns": False}
+
+#: an encoded training sequence: token ids and its target spans ``[start, end)`` (completion
+#: tokens), or, as `encode_pairs` returns it, the number of prompt tokens (one span to the end)
+Encoded = tuple[list[int], int | list[tuple[int, int]]]
 
 
 def cache_fields(cfg: SFTConfig) -> dict:
@@ -86,20 +96,44 @@ def encode_pairs(
     return out
 
 
+def pack_turns(data: list[tuple[list[int], int]]) -> list[tuple[list[int], list[tuple[int, int]]]]:
+    """Merge each encoded pair whose ids are a prefix of the next pair's prompt into that next
+    pair's sequence (see `SFTConfig.pack_turns`), in order.
+
+    Args:
+        data: `encode_pairs` output, (ids, number of prompt tokens) per pair.
+
+    Returns:
+        (ids, target spans ``[start, end)``) per packed sequence: every pair's completion
+        tokens are targets exactly once, at the same positions after the same prefix.
+    """
+    out: list[tuple[list[int], list[tuple[int, int]]]] = []
+    for ids, n_prompt in data:
+        span = (n_prompt, len(ids))
+        if out:
+            prev_ids, prev_spans = out[-1]
+            if len(prev_ids) <= n_prompt and ids[: len(prev_ids)] == prev_ids:
+                out[-1] = (ids, [*prev_spans, span])
+                continue
+        out.append((ids, [span]))
+    return out
+
+
 def collate_sft(
-    batch: list[tuple[list[int], int]], pad_token_id: int
+    batch: list[Encoded], pad_token_id: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-pad encoded pairs (ids, num_prompt_tokens) into `input_ids` [B, T] int64,
-    `attention_mask` [B, T] int64 and `target_mask` [B, T] bool (True on completion tokens only;
-    position 0 never, since it has no prefix to be predicted from)."""
+    """Right-pad encoded sequences (ids, num_prompt_tokens or target spans; see `Encoded`) into
+    `input_ids` [B, T] int64, `attention_mask` [B, T] int64 and `target_mask` [B, T] bool (True
+    on completion tokens only; position 0 never, since it has no prefix to be predicted from)."""
     width = max(len(ids) for ids, _ in batch)
     input_ids = torch.full((len(batch), width), pad_token_id, dtype=torch.long)
     attn = torch.zeros((len(batch), width), dtype=torch.long)
     target = torch.zeros((len(batch), width), dtype=torch.bool)
-    for row, (ids, n_prompt) in enumerate(batch):
+    for row, (ids, spans) in enumerate(batch):
         input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
         attn[row, : len(ids)] = 1
-        target[row, max(n_prompt, 1) : len(ids)] = True
+        for start, end in [(spans, len(ids))] if isinstance(spans, int) else spans:
+            target[row, max(start, 1) : end] = True
     return input_ids, attn, target
 
 
@@ -139,14 +173,16 @@ def sft_warmup(
 
     Returns:
         Per optimizer step, the mean NLL in nats per completion token, in training order
-        (`ceil(len(pairs) / batch_size) * epochs` entries).
+        (`ceil(n / batch_size) * epochs` entries; n: the number of pairs, or of packed
+        sequences with `pack_turns`).
 
     Raises:
         ValueError: no pairs, an empty completion, a pair longer than `max_length`, or a
             non-finite loss.
     """
     cfg = cfg or SFTConfig()
-    data = encode_pairs(tokenizer, list(pairs), cfg)
+    encoded = encode_pairs(tokenizer, list(pairs), cfg)
+    data: list[Encoded] = list(pack_turns(encoded) if cfg.pack_turns else encoded)
     if not data:
         raise ValueError("sft_warmup needs at least one (prompt, completion) pair")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0

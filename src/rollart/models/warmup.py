@@ -65,6 +65,14 @@ DEFAULT_RECIPE = WarmupRecipe()
 # recipe, 400 such steps: call loss ~0.1 (last 25 steps' mean 0.12); 10 of 16 sampled and 10
 # of 16 greedy first replies of held-out tasks parse with vLLM's hermes parser; 391 s on the
 # busy 2-core machine (one thread: with two, steps took ~6 s, threads waiting on each other).
+#
+# Packed (`SFTConfig.pack_turns`: an episode's two pairs as one ~700-token sequence, 4 episodes
+# per step = the same 8 demonstrations and 400 updates) costs ~0.55x the time per step
+# (measured side by side, one thread: 1.87 vs 3.39 s/step at load 7) but is NOT used: its
+# model's agent e2e run held 1, 3 and 0 tool calls in 8 conversations at run seeds 5, 6, 7
+# (the test fails on 0); a probe of first replies (transformers' sampler, temperature 1, 16
+# other held-out tasks) gave 4 of 16 packed vs 5 of 16 (9 greedy) for this recipe, whose e2e
+# runs held 4, 3, 4 tool calls in 8 at run seeds 5 (compiled engine), 6, 7 (enforce_eager).
 TOOL_CALL_RECIPE = WarmupRecipe(episodes_per_domain=100, sft=SFTConfig(
     epochs=16, lr=1e-2, batch_size=8, lr_schedule="cosine", num_threads=1))
 
