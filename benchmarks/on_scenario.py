@@ -70,11 +70,14 @@ def scenario_main(name: str, argv: list[str] | None, simulated: Callable[[list[s
 
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--scenario", type=Path, default=None)
-    parser.add_argument("--seeds", type=int, default=1)
+    parser.add_argument("--seeds", type=int, default=None)
     parser.add_argument("--cache-dir", type=Path, default=Path(".cache/rollart"))
     known, rest = parser.parse_known_args(argv)
     if known.scenario is None:
-        return simulated(rest)
+        # --seeds belongs to the simulated run too (benchmarks.common.parse_args)
+        return simulated(rest if known.seeds is None else [*rest, "--seeds", str(known.seeds)])
+    if known.seeds is None:
+        known.seeds = 1
     if known.seeds < 1:
         parser.error(f"--seeds must be >= 1, got {known.seeds}")
     common = argparse.ArgumentParser(prog=f"python -m benchmarks.{name} --scenario FILE")

@@ -292,3 +292,15 @@ def test_a_bad_scenario_file_exits_2_with_its_message_and_no_traceback(tmp_path:
         modes.main(["--scenario", str(bad), "--quick"])
     assert invalid.value.code == 2
     assert "run.batch_size" in capsys.readouterr().err
+
+
+def test_seeds_reach_the_simulated_run_of_a_benchmark_with_scenario_support() -> None:
+    # --seeds was parsed (and dropped) by the --scenario front end: simulated runs used 5
+    from benchmarks import on_scenario
+
+    got: list[list[str]] = []
+    on_scenario.scenario_main("x", ["--quick", "--seeds", "4"], lambda rest: got.append(rest)
+                              or {}, lambda *a, **k: {})
+    on_scenario.scenario_main("x", ["--quick"], lambda rest: got.append(rest) or {},
+                              lambda *a, **k: {})
+    assert got == [["--quick", "--seeds", "4"], ["--quick"]]
