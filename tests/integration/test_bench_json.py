@@ -304,3 +304,28 @@ def test_seeds_reach_the_simulated_run_of_a_benchmark_with_scenario_support() ->
     on_scenario.scenario_main("x", ["--quick"], lambda rest: got.append(rest) or {},
                               lambda *a, **k: {})
     assert got == [["--quick", "--seeds", "4"], ["--quick"]]
+
+
+def test_staleness_runs_alpha_1_and_6_again_with_the_new_policy(monkeypatch) -> None:
+    from types import SimpleNamespace
+
+    from benchmarks import staleness
+    from benchmarks.staleness_waste import POLICIES
+
+    seen = []
+
+    def fake_run_simulated(sim, seed, warmup=0):  # FakeRun: step time from alpha and policy
+        new = sim.weight_apply == POLICIES["new"]["weight_apply"]
+        seen.append((sim.mode, sim.alpha, new))
+        step = 100.0 / sim.alpha / (2.0 if new else 1.0)
+        return SimpleNamespace(step_time_s=step, steps=[{"staleness_max": sim.alpha}],
+                               buffer={"restarted_stale": 0, "wasted_tokens": {}})
+
+    monkeypatch.setattr(staleness, "run_simulated", fake_run_simulated)
+    res = staleness.run(True, 0)
+    assert sorted(set(seen)) == [("rollart", 1, False), ("rollart", 1, True),
+                                 ("rollart", 2, False), ("rollart", 6, False),
+                                 ("rollart", 6, True), ("sync_plus", 1, False)]
+    assert res["ratios"]["alpha 6 vs alpha 1 (new policy)"] == pytest.approx(6.0)
+    assert res["ratios"]["alpha 1: new policy vs default"] == pytest.approx(2.0)
+    assert set(res["ci95"]) == set(res["ratios"])
