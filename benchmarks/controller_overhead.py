@@ -543,31 +543,39 @@ def run(quick: bool, seed: int) -> dict:
             per_token = max(per_token / 4, row["rss_bytes_per_token"])
         # The worker's RSS includes its start-up (~0.1 GiB), so small sizes overstate it.
         worker_per_token = max(worker_per_token / 4, row["worker_rss_bytes_per_token"])
-    return result(NAME, simulated=False, rows=rows, ratios=ratios_of(rows, floor), quick=quick,
+    ratios, ci95 = ratios_of(rows, floor)
+    return result(NAME, simulated=False, rows=rows, ratios=ratios, ci95=ci95, quick=quick,
                   seed=seed, started=started, notes=f"measured; gc policy {gc_policy}; backends "
                   "are SIMULATED processes (zero-latency worker, env lognormal mean 10 s) over "
                   "real ZeroMQ; all processes share the machine's cores")
 
 
-def ratios_of(rows: list[dict[str, Any]], floor: dict[str, float]) -> dict[str, Any]:
-    """The JSON ``ratios``: per size N run, the issue's figures, then the floor."""
+def ratios_of(rows: list[dict[str, Any]], floor: dict[str, float]
+              ) -> tuple[dict[str, Any], dict[str, list[float]]]:
+    """The JSON ``ratios`` (per size N run, the issue's figures, then the floor) and their
+    ``ci95`` ([low, high] where the benchmark has one: CPU per turn, added latency p99, the
+    floor's CPU per RPC)."""
     ratios: dict[str, Any] = {}
+    ci95: dict[str, list[float]] = {}
     for r in rows:
         if "skipped" in r:
             continue
         n = r["n"]
         ratios[f"lost_replies at {n}"] = r["lost_replies"]
         ratios[f"cpu_us_per_turn at {n}"] = r["cpu_us_per_turn"]
-        ratios[f"cpu_us_per_turn at {n} ci95"] = [round(x, 1) for x in r["cpu_us_per_turn_ci95"]]
+        ci95[f"cpu_us_per_turn at {n}"] = list(r["cpu_us_per_turn_ci95"])
         ratios[f"added_latency_p99_ms at {n}"] = r.get("added_latency_p99_ms", float("nan"))
-        ratios[f"added_latency_p99_ms at {n} ci95"] = [
-            round(x, 3) for x in r.get("added_latency_p99_ci95", [float("nan")] * 2)]
+        ci95[f"added_latency_p99_ms at {n}"] = list(
+            r.get("added_latency_p99_ci95", [float("nan")] * 2))
         ratios[f"loop_lag_p99_ms at {n}"] = r["loop_lag_p99_ms"]
         ratios[f"rss_bytes_per_token at {n}"] = r["rss_bytes_per_token"]
         ratios[f"cpu_us_per_turn / floor (2 RPCs) at {n}"] = (
             r["cpu_us_per_turn"] / (2 * floor["floor_cpu_us_per_rpc"]))
-    ratios.update(floor)
-    return ratios
+    ratios.update({k: v for k, v in floor.items() if k != "floor_cpu_us_per_rpc_ci95"})
+    if "floor_cpu_us_per_rpc_ci95" in floor:  # a half-width
+        mid, half = floor["floor_cpu_us_per_rpc"], floor["floor_cpu_us_per_rpc_ci95"]
+        ci95["floor_cpu_us_per_rpc"] = [mid - half, mid + half]
+    return ratios, ci95
 
 
 if __name__ == "__main__":

@@ -143,10 +143,21 @@ def run_on_scenario(path: Path, quick: bool, seed: int, *, num_seeds: int, cache
                   + (f"; hosts at addresses, not injected: {remote}" if remote else ""))
 
 
+def _seconds(text: str) -> float:
+    """An argparse type: seconds, finite and within the env hosts' latency bounds [0, 3600]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0.0 <= value <= 3600.0:  # also rejects nan
+        raise argparse.ArgumentTypeError(f"{text} s is outside [0, 3600]")
+    return value
+
+
 def _scenario_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--stds", type=float, nargs="+", default=None,
+    parser.add_argument("--stds", type=_seconds, nargs="+", default=None,
                         help="env-latency stds, seconds (default 1 2 5 10; --quick: 1 10)")
-    parser.add_argument("--env-mean-s", type=float, default=10.0,
+    parser.add_argument("--env-mean-s", type=_seconds, default=10.0,
                         help="mean injected env-step latency, seconds (the paper's 10)")
 
 

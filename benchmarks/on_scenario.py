@@ -7,7 +7,7 @@ workers or the addresses of running ones, its env hosts and reward service as re
 processes), one cluster per variant and seed, never two at once. Step and rollout times are
 seconds of wall clock, the mean over the steps after the first (a warm-up: engine compile,
 first weight version). Same table and JSON as the simulated run (``"simulated": false``); with
-``--seeds`` >= 2 every ratio gets a 95% interval (one seed: the interval is the value itself).
+``--seeds`` >= 2 every ratio gets a 95% interval (one seed: none, ``[null, null]``).
 
     python -m benchmarks.NAME --scenario FILE [--seeds N] [--cache-dir DIR] [--quick]
         [--json OUT] [--seed S] [benchmark's own options]
@@ -64,8 +64,9 @@ def scenario_main(name: str, argv: list[str] | None, simulated: Callable[[list[s
     with it, ``on_scenario(path, quick, seed, num_seeds=, cache_dir=, run_dir=, args=)`` in a
     temporary run directory, its result emitted. ``add_args`` adds the benchmark's own
     scenario options (parsed into ``args``). Exits with status 2 on bad arguments and on a
-    ``ConfigError`` (an unreadable or invalid scenario, a model path that is not a local
-    checkpoint), with its message and no traceback."""
+    ``ConfigError`` or ``ValueError`` the benchmark raises about the scenario or its options
+    (an unreadable or invalid scenario, a model path that is not a local checkpoint, a layout
+    the scenario cannot give), with its message and no traceback."""
     from rollart.config import ConfigError
 
     parser = argparse.ArgumentParser(add_help=False)
@@ -96,7 +97,7 @@ def scenario_main(name: str, argv: list[str] | None, simulated: Callable[[list[s
         with tempfile.TemporaryDirectory(prefix=f"rollart-{name}-") as tmp:
             res = on_scenario(known.scenario, args.quick, args.seed, num_seeds=known.seeds,
                               cache_dir=known.cache_dir, run_dir=Path(tmp), args=args)
-    except ConfigError as exc:
+    except (ConfigError, ValueError) as exc:
         common.error(str(exc))
     emit(res, args.json)
     return res

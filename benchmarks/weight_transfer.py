@@ -180,7 +180,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.num_layers < 1 or args.rounds < 1 or args.delta_rounds < 3:
         p.error("--num-layers and --rounds must be >= 1, --delta-rounds >= 3")
     args.parts = args.parts.split(",")
-    args.lrs = [float(x) for x in args.lrs.split(",")]
+    try:
+        args.lrs = [float(x) for x in args.lrs.split(",")]
+    except ValueError:
+        p.error(f"--lrs must be comma-separated numbers, got {args.lrs!r}")
+    if not all(0 < lr < float("inf") for lr in args.lrs):
+        p.error(f"--lrs must be positive and finite, got {args.lrs}")
     args.delta_models = args.delta_models.split(",")
     if set(args.parts) - {"collective", "delta"} or set(args.delta_models) - {"tiny", "large"}:
         p.error(f"unknown --parts {args.parts} or --delta-models {args.delta_models}")

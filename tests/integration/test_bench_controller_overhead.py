@@ -25,10 +25,16 @@ def test_one_small_size_reports_every_figure() -> None:
     assert row["loop_lag_p99_ms"] >= 0 and row["rss_bytes_per_traj"] > 0
     assert 0 < row["loop_thread_cpu_us_per_turn"] <= row["cpu_us_per_turn"]
     assert row["weight_wait_turns"] >= 0 and 0 <= row["weight_wait_share"] <= 1
-    ratios = co.ratios_of([row], {"floor_cpu_us_per_rpc": 10.0})
+    ratios, ci95 = co.ratios_of([row], {"floor_cpu_us_per_rpc": 10.0,
+                                        "floor_cpu_us_per_rpc_ci95": 1.5})
     for key in ("lost_replies at 64", "cpu_us_per_turn at 64", "added_latency_p99_ms at 64",
                 "loop_lag_p99_ms at 64"):
         assert not math.isnan(ratios[key])
+    # intervals live in ci95 as [low, high] beside their ratio, never as ratios of their own
+    assert not any("ci95" in key for key in ratios)
+    assert ci95["cpu_us_per_turn at 64"] == row["cpu_us_per_turn_ci95"]
+    assert ci95["added_latency_p99_ms at 64"] == [lo, hi]
+    assert ci95["floor_cpu_us_per_rpc"] == [8.5, 11.5]
 
 
 def test_a_turn_that_waited_for_weights_counts_only_the_controllers_part() -> None:

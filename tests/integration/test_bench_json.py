@@ -25,8 +25,15 @@ def test_env_tail_quick_json_schema(tmp_path: Path) -> None:
     # More env-latency spread -> larger trajectory-level speedup (the paper's trend).
     speedups = [row["speedup"] for row in data["rows"]]
     assert speedups[0] < speedups[-1] and speedups[-1] > 1.2
-    table = report.render(tmp_path)
+    table = report.main([str(tmp_path)])
     assert "| env_tail | True | std 1s: trajectory-level vs batch |" in table
+    # every benchmark run_all knows has a row, run or not
+    assert "| ablations | | (not run) |" in table and "| env_tail-scenario | |" in table
+    with pytest.raises(SystemExit):
+        report.main([str(tmp_path / "missing")])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit):  # a directory without benchmark JSON
+        report.main([str(tmp_path / "empty")])
     # Rows are means over the seeds; the speedup compares rollout time, not step time.
     assert all(row["seeds"] == 3 for row in data["rows"])
     assert all(row["speedup"] == pytest.approx(row["batch_rollout_s"]
@@ -212,8 +219,13 @@ def test_scenario_runs_of_run_all_parse_and_bad_sizes_fail_before_any_cluster() 
     cpu = str(root / "scenarios/cpu-two-pools.toml")
     with pytest.raises(SystemExit):  # one step leaves nothing after the warm-up
         env_tail.main(["--scenario", cpu, "--steps", "1"])
-    with pytest.raises(ValueError, match="no mixed split"):
+    with pytest.raises(SystemExit) as no_split:  # exit 2 with the message, no traceback
         affinity.main(["--scenario", cpu, "--splits", "2"])
+    assert no_split.value.code == 2
+    for bad in (["--stds", "1", "-1"], ["--stds", "nan"], ["--env-mean-s", "-3"]):
+        with pytest.raises(SystemExit) as bad_latency:  # before any cluster starts
+            env_tail.main(["--scenario", cpu, *bad])
+        assert bad_latency.value.code == 2
     with pytest.raises(ValueError, match="at least 2 steps"):
         on_scenario.mean_after_first([{"step_time_s": 1.0}], "step_time_s")
     assert on_scenario.mean_after_first([{"t": 9.0}, {"t": 1.0}, {"t": 3.0}], "t") == 2.0
@@ -329,3 +341,15 @@ def test_staleness_runs_alpha_1_and_6_again_with_the_new_policy(monkeypatch) -> 
     assert res["ratios"]["alpha 6 vs alpha 1 (new policy)"] == pytest.approx(6.0)
     assert res["ratios"]["alpha 1: new policy vs default"] == pytest.approx(2.0)
     assert set(res["ci95"]) == set(res["ratios"])
+
+
+def test_token_path_keeps_intervals_in_ci95_not_among_its_ratios() -> None:
+    from benchmarks import token_path
+
+    res = token_path.run(True, 0)
+    assert not any("ci95" in key for key in res["ratios"])
+    before_after = [k for k in res["ratios"] if k.endswith("before/after")]
+    assert before_after
+    for key in before_after:
+        lo, hi = res["ci95"][key]
+        assert lo <= res["ratios"][key] <= hi, key
