@@ -28,7 +28,7 @@ from rollart.transport.errors import ConfigError
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="rollart validate", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="rollart validate", description=__doc__.split("\n\n")[0])
     p.add_argument("scenario", type=Path, help="scenario TOML file")
     p.add_argument("--quiet", action="store_true", help="print nothing when it is valid")
     args = p.parse_args(argv)

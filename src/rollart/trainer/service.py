@@ -287,7 +287,7 @@ class TrainerService:
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="rollart serve-trainer", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="rollart serve-trainer", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, type=Path, help="local Hugging Face checkpoint dir")
     p.add_argument("--address", default="tcp://127.0.0.1:0", help="ZMQ endpoint to bind")
     p.add_argument("--ready-file", type=Path, help="write the bound address here once serving")
