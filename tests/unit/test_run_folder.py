@@ -177,6 +177,16 @@ def test_validate_names_the_bad_field_and_exits_2(tmp_path: Path, capsys) -> Non
     assert "run2" in capsys.readouterr().err
 
 
+def test_validate_notes_a_model_path_that_is_no_local_checkpoint(tmp_path: Path, capsys) -> None:
+    sc = tmp_path / "remote_model.toml"
+    sc.write_text(MINIMAL.read_text() + '\n[model]\npath = "/nonexistent/model"\n')
+    assert cli(["validate", str(sc), "--quiet"]) == 0  # it may run on another machine
+    err = capsys.readouterr().err
+    assert "remote_model.toml: model.path: /nonexistent/model is not a local" in err
+    assert cli(["validate", str(MINIMAL), "--quiet"]) == 0  # the tiny model: no note
+    assert "model.path" not in capsys.readouterr().err
+
+
 def test_validate_checks_the_run_key_as_rollart_run_would(tmp_path: Path, capsys) -> None:
     from rollart.transport.security import create_key_file
 

@@ -8,6 +8,9 @@ note: a driver script can register those in-process. A ``run.local_module`` is i
 the operator's own file) and its ``REWARDS`` / ``ENVS`` count as registered; a missing file or
 one that fails to import makes the scenario invalid.
 
+A ``model.path`` other than ``tiny`` that is not a local checkpoint directory here gets a note
+(the scenario may be checked on another machine than the one it runs on).
+
 It also places the scenario as ``--cluster ray`` would (``placement.plan_placement``, no Ray
 needed) and prints a note when that would fail, and checks the run's authentication as ``rollart run`` would (``runkeys.check_run_auth``):
 ``run.key_file`` must exist and be readable by its owner only, and a scenario naming services
@@ -47,6 +50,12 @@ def main(argv: list[str] | None = None) -> int:
                   local_envs=regs.envs)
     except ConfigError as exc:
         print(f"rollart validate: note: `rollart run` would refuse it: {exc}", file=sys.stderr)
+    model = Path(scenario.model.path)
+    if scenario.model.path != "tiny" and not (model / "config.json").exists():
+        # a note, not an error: the scenario may be checked away from the machine it runs on
+        print(f"rollart validate: note: `rollart run` would refuse it on this machine: "
+              f"{args.scenario}: model.path: {model} is not a local Hugging Face checkpoint "
+              "directory (no config.json)", file=sys.stderr)
     try:  # only pure checks: nothing connects to Ray, nothing imports it
         from rollart.launcher.placement import plan_placement
 
