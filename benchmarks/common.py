@@ -113,6 +113,14 @@ def mean_rows(rows: list[dict[str, Any]], keys: tuple[str, ...]) -> list[dict[st
     return out
 
 
+#: which benchmarks use each size option (any other benchmark refuses the option rather than
+#: ignoring it and recording it in its JSON's meta)
+USES_MODELS = frozenset({"modes", "weight_sync"})
+USES_REDUCED = frozenset({"ablations", "affinity", "env_tail", "modes", "redundancy",
+                          "staleness", "weight_sync"})
+USES_SEEDS = USES_REDUCED | {"pd"}
+
+
 def parse_args(name: str, description: str, argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog=f"python -m benchmarks.{name}", description=description)
     parser.add_argument("--quick", action="store_true", help="smaller workload (CI / nox bench)")
@@ -130,6 +138,11 @@ def parse_args(name: str, description: str, argv: list[str] | None = None) -> ar
         parser.error("--quick and --reduced exclude each other")
     if args.seeds is not None and args.seeds < 1:
         parser.error(f"--seeds must be >= 1, got {args.seeds}")
+    for option, given, users in (("--models", args.models, USES_MODELS),
+                                 ("--reduced", args.reduced, USES_REDUCED),
+                                 ("--seeds", args.seeds is not None, USES_SEEDS)):
+        if given and name not in users:
+            parser.error(f"{name} has no {option} (used by {', '.join(sorted(users))})")
     SIZE.reduced, SIZE.seeds = args.reduced, args.seeds
     SIZE.models = tuple(args.models) if args.models else None
     return args

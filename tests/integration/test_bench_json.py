@@ -236,16 +236,16 @@ def test_reduced_size_is_full_steps_on_the_quick_cluster() -> None:
     from benchmarks.common import SIZE, parse_args, seeds_for, small
 
     try:
-        parse_args("x", "", ["--reduced"])
+        parse_args("affinity", "", ["--reduced"])
         assert small(False) and not SIZE.models and seeds_for(False, 4) == [4, 5, 6]
         # The quick cluster's budget, with the reduced split sweep and full-size steps.
         assert affinity.layouts(False)["2xh800+21xh20"] == (2, 21)
         assert affinity.scenario(2, 21, quick=False).steps == 11
         assert affinity.scenario(2, 21, quick=False).batch_size == 64
-        parse_args("x", "", ["--seeds", "2", "--models", "qwen3-8b"])
+        parse_args("modes", "", ["--seeds", "2", "--models", "qwen3-8b"])
         assert not small(False) and seeds_for(False, 0) == [0, 1] and SIZE.models == ("qwen3-8b",)
         with pytest.raises(SystemExit):
-            parse_args("x", "", ["--quick", "--reduced"])
+            parse_args("modes", "", ["--quick", "--reduced"])
     finally:
         parse_args("x", "", [])
     assert not small(False) and seeds_for(False, 0) == [0, 1, 2, 3, 4]
@@ -376,3 +376,15 @@ def test_sigterm_stops_a_scenario_run_through_its_cleanup() -> None:
     assert stopped.value.code == 143 and cleaned == ["services stopped"]
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # handler removed again
     assert run_stopping_on_sigterm(asyncio.sleep(0, result=7)) == 7
+
+
+def test_a_size_option_a_benchmark_does_not_use_is_refused() -> None:
+    from benchmarks import common
+
+    for name, argv in (("pd", ["--models", "qwen3-8b"]), ("token_path", ["--seeds", "3"]),
+                       ("pd", ["--reduced"]), ("staleness_waste", ["--models", "qwen3-8b"])):
+        with pytest.raises(SystemExit):
+            common.parse_args(name, "", argv)
+    assert common.parse_args("modes", "", ["--models", "qwen3-8b", "--seeds", "3"]).seeds == 3
+    assert common.parse_args("pd", "", ["--seeds", "4"]).seeds == 4
+    common.parse_args("pd", "", [])  # leave SIZE as the other tests expect it
