@@ -98,6 +98,9 @@ def scenario_main(name: str, argv: list[str] | None, simulated: Callable[[list[s
     parser.add_argument("--cache-dir", type=Path, default=Path(".cache/rollart"))
     known, rest = parser.parse_known_args(argv)
     if known.scenario is None:
+        if "-h" in rest or "--help" in rest:
+            print(f"(real services: `python -m benchmarks.{name} --scenario FILE --help` lists "
+                  "--scenario, --seeds, --cache-dir, --steps and this benchmark's own options)")
         # --seeds belongs to the simulated run too (benchmarks.common.parse_args)
         return simulated(rest if known.seeds is None else [*rest, "--seeds", str(known.seeds)])
     if known.seeds is None:
@@ -105,6 +108,12 @@ def scenario_main(name: str, argv: list[str] | None, simulated: Callable[[list[s
     if known.seeds < 1:
         parser.error(f"--seeds must be >= 1, got {known.seeds}")
     common = argparse.ArgumentParser(prog=f"python -m benchmarks.{name} --scenario FILE")
+    # parsed above; declared again so that --help lists them
+    common.add_argument("--scenario", metavar="FILE", help="scenario TOML: pools of local "
+                        "workers or addresses of running ones, envs, rewards")
+    common.add_argument("--seeds", type=int, metavar="N", help="seeds per variant (default "
+                        "1: no interval; each costs one cluster start per variant)")
+    common.add_argument("--cache-dir", metavar="DIR", help="model cache (default .cache/rollart)")
     common.add_argument("--quick", action="store_true")
     common.add_argument("--json", type=Path, default=None)
     common.add_argument("--seed", type=int, default=0)
