@@ -49,7 +49,11 @@ Sizes: ``--quick`` N = 1000 at 32k and N = 10000 at 16k contexts, 3 turns, 70 s 
 24 GiB machine has free); default N = 1000, 10000, 50000 at 32k, 8 turns. A size whose estimated memory (controller and SIMULATED worker, per token as measured at
 the previous size) exceeds 60% of available memory is skipped and its row says what it needs. Every process shares the machine's cores: the controller gets what
 the scheduler leaves it (``cpu_share_of_core``), and once the offered load needs more than that
-the latency and lag are queueing. ``CONTROLLER_OVERHEAD_GC=default`` runs with CPython's default
+the latency and lag are queueing. Each row therefore also says what else used the machine in
+the window: ``worker_cpu_share_of_core`` / ``env_cpu_share_of_core`` (the SIMULATED backends'
+processes, all threads) and, from ``/proc/stat``, ``machine_busy_share``, ``machine_idle_share``
+and ``machine_steal_share`` (on a VM, the share of CPU time the hypervisor gave to others: the
+wall-clock figures, latency, lag and GC pauses, stretch with it while CPU-time figures do not). ``CONTROLLER_OVERHEAD_GC=default`` runs with CPython's default
 collector policy instead (to measure before/after), ``=G0,G1,G2`` given thresholds.
 """
 
@@ -296,8 +300,43 @@ def _rss() -> int:
     return psutil.Process().memory_info().rss
 
 
+def _proc_stat() -> list[int] | None:
+    """The machine's cumulative CPU jiffies from ``/proc/stat``'s ``cpu`` line (user, nice,
+    system, idle, iowait, irq, softirq, steal), or None where there is none (not Linux)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    return [int(x) for x in fields[1:9]] if fields[:1] == ["cpu"] else None
+
+
+def _machine_shares(before: list[int] | None, after: list[int] | None) -> dict[str, float]:
+    """Shares of the machine's CPU time over a window: ``machine_busy_share`` (user + nice +
+    system + irq + softirq), ``machine_idle_share`` (idle + iowait) and ``machine_steal_share``
+    (time a hypervisor gave this VM's virtual CPUs to others: on a VM, wall-clock figures such
+    as latencies and pauses stretch with it). Empty where ``/proc/stat`` is missing."""
+    if before is None or after is None:
+        return {}
+    d = [a - b for a, b in zip(after, before, strict=True)]
+    total = sum(d) or 1
+    return {"machine_busy_share": (d[0] + d[1] + d[2] + d[5] + d[6]) / total,
+            "machine_idle_share": (d[3] + d[4]) / total,
+            "machine_steal_share": d[7] / total}
+
+
+def _cpu_s(proc: psutil.Process) -> float:
+    """User + system CPU seconds of ``proc`` (all its threads), 0.0 once it is gone."""
+    try:
+        t = proc.cpu_times()
+    except psutil.Error:
+        return 0.0
+    return t.user + t.system
+
+
 async def _drive(size: Size, args: Namespace, worker_addr: str, env_addr: str, seed: int,
-                 gc_policy: str, worker_pid: int, auth: Any) -> dict[str, Any]:
+                 gc_policy: str, worker_pid: int, auth: Any, env_pid: int = 0
+                 ) -> dict[str, Any]:
     table = DomainTable([srv.domain_spec(args)])
     spec = table.domains[0]
     n, group = size.n, 8
@@ -360,6 +399,9 @@ async def _drive(size: Size, args: Namespace, worker_addr: str, env_addr: str, s
         peak = _rss()
         worker_proc = psutil.Process(worker_pid)
         worker_peak = worker_proc.memory_info().rss
+        backends = {"worker": worker_proc, **({"env": psutil.Process(env_pid)} if env_pid else {})}
+        backend_cpu0 = {k: _cpu_s(p) for k, p in backends.items()}
+        stat0 = _proc_stat()
         sub_cpu: list[float] = []
         sub_turns: list[float] = []
         running: list[int] = []
@@ -375,6 +417,9 @@ async def _drive(size: Size, args: Namespace, worker_addr: str, env_addr: str, s
             cpu_prev, gen_prev = cpu, gens
         t1, cpu1, gen1 = time.monotonic(), time.process_time(), calls.num_gens
         loop_cpu1 = time.thread_time()
+        machine = _machine_shares(stat0, _proc_stat())
+        backend_share = {f"{k}_cpu_share_of_core": (_cpu_s(p) - backend_cpu0[k]) / (t1 - t0)
+                         for k, p in backends.items()}
         if profiler is not None:
             profiler.disable()
             profiler.dump_stats(f"{os.environ[PROFILE_ENV]}.{n}")
@@ -431,6 +476,7 @@ async def _drive(size: Size, args: Namespace, worker_addr: str, env_addr: str, s
             "gc_s": [round(s, 3) for s in pauses.seconds], "gc_count": pauses.count,
             "gc_max_pause_ms": 1e3 * pauses.max_s,
             "gc_share_of_window": pauses.total_s / (t1 - t0),
+            **backend_share, **machine,
         },
     }
 
@@ -485,7 +531,7 @@ def _one_size(size: Size, seed: int, gc_policy: str) -> dict[str, Any]:
                                 *keyed])
             procs.append(ep)
             out = uvloop.run(_drive(size, args, waddr, eaddr, seed, gc_policy, wp.pid,
-                                    load_key_file(key_file)))
+                                    load_key_file(key_file), env_pid=ep.pid))
         finally:
             _stop(procs)
         recs = {k: msgspec.msgpack.decode(p.read_bytes(), type=srv.Records)

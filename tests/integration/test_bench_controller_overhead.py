@@ -25,6 +25,11 @@ def test_one_small_size_reports_every_figure() -> None:
     assert row["loop_lag_p99_ms"] >= 0 and row["rss_bytes_per_traj"] > 0
     assert 0 < row["loop_thread_cpu_us_per_turn"] <= row["cpu_us_per_turn"]
     assert row["weight_wait_turns"] >= 0 and 0 <= row["weight_wait_share"] <= 1
+    # what else used the machine: both backends worked, and the machine shares add up
+    assert row["worker_cpu_share_of_core"] > 0 and row["env_cpu_share_of_core"] > 0
+    shares = [row[k] for k in ("machine_busy_share", "machine_idle_share",
+                               "machine_steal_share")]
+    assert all(0 <= x <= 1 for x in shares) and 0.99 <= sum(shares) <= 1.0
     ratios, ci95 = co.ratios_of([row], {"floor_cpu_us_per_rpc": 10.0,
                                         "floor_cpu_us_per_rpc_ci95": 1.5})
     for key in ("lost_replies at 64", "cpu_us_per_turn at 64", "added_latency_p99_ms at 64",
@@ -35,6 +40,17 @@ def test_one_small_size_reports_every_figure() -> None:
     assert ci95["cpu_us_per_turn at 64"] == row["cpu_us_per_turn_ci95"]
     assert ci95["added_latency_p99_ms at 64"] == [lo, hi]
     assert ci95["floor_cpu_us_per_rpc"] == [8.5, 11.5]
+
+
+def test_machine_shares_split_proc_stat_jiffies() -> None:
+    # user nice system idle iowait irq softirq steal
+    before = [100, 0, 50, 1000, 10, 0, 5, 200]
+    after = [160, 0, 70, 1080, 10, 0, 15, 400]  # +60 +0 +20 +80 +0 +0 +10 +200 = 370
+    shares = co._machine_shares(before, after)
+    assert shares["machine_busy_share"] == pytest.approx(90 / 370)
+    assert shares["machine_idle_share"] == pytest.approx(80 / 370)
+    assert shares["machine_steal_share"] == pytest.approx(200 / 370)
+    assert co._machine_shares(None, after) == {}
 
 
 def test_a_turn_that_waited_for_weights_counts_only_the_controllers_part() -> None:
