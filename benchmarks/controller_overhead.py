@@ -53,7 +53,9 @@ the latency and lag are queueing. Each row therefore also says what else used th
 the window: ``worker_cpu_share_of_core`` / ``env_cpu_share_of_core`` (the SIMULATED backends'
 processes, all threads) and, from ``/proc/stat``, ``machine_busy_share``, ``machine_idle_share``
 and ``machine_steal_share`` (on a VM, the share of CPU time the hypervisor gave to others: the
-wall-clock figures, latency, lag and GC pauses, stretch with it while CPU-time figures do not). ``CONTROLLER_OVERHEAD_GC=default`` runs with CPython's default
+wall-clock figures, latency, lag and GC pauses, stretch with it while CPU-time figures do not;
+``gc_cpu_s`` is the collector's own CPU time per generation beside the pauses ``gc_s``).
+``CONTROLLER_OVERHEAD_GC=default`` runs with CPython's default
 collector policy instead (to measure before/after), ``=G0,G1,G2`` given thresholds.
 """
 
@@ -474,6 +476,7 @@ async def _drive(size: Size, args: Namespace, worker_addr: str, env_addr: str, s
             "loop_lag_p50_ms": lag_stats.p50_ms, "loop_lag_p99_ms": lag_stats.p99_ms,
             "loop_lag_max_ms": lag_stats.max_ms,
             "gc_s": [round(s, 3) for s in pauses.seconds], "gc_count": pauses.count,
+            "gc_cpu_s": [round(s, 3) for s in pauses.cpu_seconds],
             "gc_max_pause_ms": 1e3 * pauses.max_s,
             "gc_share_of_window": pauses.total_s / (t1 - t0),
             **backend_share, **machine,

@@ -74,8 +74,12 @@ def test_gc_pauses_time_each_collection_and_gc_policy_applies() -> None:
             gc.collect(0)
         assert pauses.count[2] >= 1 and pauses.count[0] >= 1
         assert pauses.total_s >= pauses.max_s > 0.0
+        # the collector's own CPU time is recorded per generation beside the wall-clock pause
+        assert pauses.cpu_seconds[2] > 0.0 and len(pauses.cpu_seconds) == 3
         gc.collect()
         assert pauses.count[2] >= 1  # removed: later collections are not counted
+        pauses.reset()
+        assert pauses.cpu_seconds == [0.0, 0.0, 0.0] and pauses.count == [0, 0, 0]
         freeze_startup_objects()
         assert gc.get_freeze_count() > 0
     finally:

@@ -131,29 +131,33 @@ def freeze_startup_objects() -> None:
 class GcPauses:
     """Times every garbage collection through ``gc.callbacks`` while installed.
 
-    ``seconds[g]`` / ``count[g]``: total pause seconds / collections of generation ``g``
-    (0-2); ``max_s``: longest single pause. Use as a context manager or ``install`` /
-    ``remove``.
+    ``seconds[g]`` / ``count[g]``: total pause seconds (wall clock, ``time.perf_counter``) /
+    collections of generation ``g`` (0-2); ``max_s``: longest single pause (wall);
+    ``cpu_seconds[g]``: the collecting thread's CPU seconds (``time.thread_time``) in those
+    pauses: the collector's own work, which, unlike the wall-clock pause, does not stretch
+    when the thread is descheduled (a loaded machine, a VM's CPU steal). Use as a context
+    manager or ``install`` / ``remove``.
     """
 
     def __init__(self) -> None:
-        self.seconds = [0.0, 0.0, 0.0]
-        self.count = [0, 0, 0]
-        self.max_s = 0.0
-        self._t0 = 0.0
+        self.reset()
+        self._t0 = self._cpu0 = 0.0
 
     def _cb(self, phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
             self._t0 = time.perf_counter()
+            self._cpu0 = time.thread_time()
             return
         dt = time.perf_counter() - self._t0
         g = info["generation"]
         self.seconds[g] += dt
+        self.cpu_seconds[g] += time.thread_time() - self._cpu0
         self.count[g] += 1
         self.max_s = max(self.max_s, dt)
 
     def reset(self) -> None:
         self.seconds, self.count, self.max_s = [0.0, 0.0, 0.0], [0, 0, 0], 0.0
+        self.cpu_seconds = [0.0, 0.0, 0.0]
 
     @property
     def total_s(self) -> float:
