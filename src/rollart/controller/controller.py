@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import random
 from collections import Counter
@@ -493,11 +494,16 @@ class Controller:
             self._ctx.barrier.join(tid)
         task = asyncio.create_task(self._run_one(tid, group_key), name=f"traj-{tid}")
         self._tasks[tid] = task
-        task.add_done_callback(lambda t, tid=tid: self._tasks.pop(tid, None))
+        # One done callback, not three: each add_done_callback copies the context and keeps
+        # a closure, GC-tracked objects every running trajectory would hold.
+        task.add_done_callback(functools.partial(self._traj_done, tid))
+
+    def _traj_done(self, tid: str, task: asyncio.Task[Any]) -> None:
+        self._tasks.pop(tid, None)
         if self._ctx is not None and self._ctx.barrier is not None:
             # Also when cancelled before its first step (its finally blocks never run).
-            task.add_done_callback(lambda t, b=self._ctx.barrier, tid=tid: b.leave(tid))
-        task.add_done_callback(self._on_done)
+            self._ctx.barrier.leave(tid)
+        self._on_done(task)
 
     def _launch_restarts(self) -> None:
         for tid in self.buffer.drain_aborts():

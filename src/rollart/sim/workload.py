@@ -102,9 +102,17 @@ class Dist:
         if self.kind == "lognormal" and self.mean <= 0:
             raise ValueError(f"lognormal Dist needs mean > 0, got {self.mean}")
 
-    def sample(self, rng: random.Random) -> float:
-        if self.kind == "const" or self.std == 0:
+    @property
+    def draws(self) -> bool:
+        """Whether :meth:`sample` consumes randomness (not for ``const`` or ``std == 0``)."""
+        return not (self.kind == "const" or self.std == 0)
+
+    def sample(self, rng: random.Random | None) -> float:
+        """One draw, clipped to ``[low, high]``; ``rng`` may be ``None`` when not ``draws``."""
+        if not self.draws:
             x = self.mean
+        elif rng is None:
+            raise ValueError(f"{self} draws: sample() needs a random generator")
         elif self.kind == "normal":
             x = rng.gauss(self.mean, self.std)
         elif self.kind == "uniform":
