@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import functools
 import logging
 import random
@@ -74,6 +75,8 @@ from rollart.controller.workercheck import ViolationWindow
 from rollart.transport.errors import RollartError
 
 log = logging.getLogger(__name__)
+#: the context trajectory tasks' done callbacks run in (they read no context variable)
+_DONE_CONTEXT = contextvars.Context()
 
 
 #: scenario field of each ``SampleBuffer`` setting whose name differs (for resume errors)
@@ -494,9 +497,10 @@ class Controller:
             self._ctx.barrier.join(tid)
         task = asyncio.create_task(self._run_one(tid, group_key), name=f"traj-{tid}")
         self._tasks[tid] = task
-        # One done callback, not three: each add_done_callback copies the context and keeps
-        # a closure, GC-tracked objects every running trajectory would hold.
-        task.add_done_callback(functools.partial(self._traj_done, tid))
+        # One done callback, not three, run in one shared empty context (it reads no context
+        # variable): each add_done_callback would otherwise copy the context and keep a
+        # closure, GC-tracked objects every running trajectory holds.
+        task.add_done_callback(functools.partial(self._traj_done, tid), context=_DONE_CONTEXT)
 
     def _traj_done(self, tid: str, task: asyncio.Task[Any]) -> None:
         self._tasks.pop(tid, None)
