@@ -91,16 +91,21 @@ def _stand_ins(hold: asyncio.Event | None) -> tuple[Any, Any, Any, list[int], An
 
         def __init__(self) -> None:
             self.version = 0
+            self._reply = self._replies(0)
+
+        def _replies(self, version: int) -> tuple[bytes, bytes, bytes, m.WorkerStats]:
+            # built once per version: the stand-in's own cost stays out of the figures
+            return (tb.pack_i32([7] * RESPONSE), tb.pack_f32([-0.5] * RESPONSE),
+                    tb.pack_i32([version] * RESPONSE), self._stats())
 
         async def generate(self, request: m.Generate, *, timeout_s: float | None = None
                            ) -> m.GenerateResult:
             counts[0] += 1
-            n = min(RESPONSE, request.sampling.max_tokens)
+            ids, lps, versions, stats = self._reply
             return m.GenerateResult(
-                request_id=request.request_id, token_ids=tb.pack_i32([7] * n),
-                logprobs=tb.pack_f32([-0.5] * n), versions=tb.pack_i32([self.version] * n),
+                request_id=request.request_id, token_ids=ids, logprobs=lps, versions=versions,
                 finish_reason="stop", num_prompt_tokens=request.prefix_len
-                + len(request.new_token_ids) // 4, stats=self._stats())
+                + len(request.new_token_ids) // 4, stats=stats)
 
         async def abort(self, request_id: str) -> None:
             return None
@@ -117,6 +122,7 @@ def _stand_ins(hold: asyncio.Event | None) -> tuple[Any, Any, Any, list[int], An
         async def apply_weights(self, version: int, *, reprefill: bool = False
                                 ) -> m.WeightsApplied:
             self.version = version
+            self._reply = self._replies(version)
             return m.WeightsApplied(version=version, apply_time_s=0.0, stats=self._stats())
 
         async def stats(self) -> m.WorkerStats:

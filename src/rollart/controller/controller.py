@@ -244,7 +244,9 @@ class Controller:
         self._changed, self._weights_changed = _Signal(), _Signal()
         self._ctx = TrajectoryContext(
             run=self.run, proxy=self.proxy, envs=self.envs, rewards=self.rewards,
-            chat=self._chats, buffer=self.buffer, clock=self.clock,
+            chat=self._chats, buffer=self.buffer,
+            # the loop's own clock, bound once (what ``clock`` reads, minus two calls per read)
+            clock=self._clock or asyncio.get_running_loop().time,
             wait_for_weights=self._wait_for_weights,
             barrier=TurnBarrier() if self.spec.turn_barrier else None,
         )

@@ -14,6 +14,9 @@ from typing import Any
 import msgspec
 import numpy as np
 
+#: generated tokens up to this many are reduced in plain Python (numpy's call overhead
+#: exceeds a loop over a few items)
+_SMALL = 64
 #: ``array.array`` typecode of each per-token field (int32, int8 0/1, float32, int32)
 TYPECODES = {"token_ids": "i", "loss_mask": "b", "behaviour_logprobs": "f", "versions": "i"}
 
@@ -105,7 +108,9 @@ class Sample(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, dict=True
             generated = mask[first:].view(np.bool_)
             # versions of generated tokens only (a small copy of the tail, one pass)
             gen_versions = np.frombuffer(self.versions, dtype=np.int32)[first:][generated]
-            self._min_version = int(gen_versions.min())
+            # a few turns' tokens: Python's min beats numpy's per-call overhead
+            self._min_version = (min(gen_versions.tolist()) if gen_versions.size <= _SMALL
+                                 else int(gen_versions.min()))
             if self._min_version < 0:
                 k = int(np.argmax(gen_versions < 0))
                 t = first + int(np.flatnonzero(generated)[k])

@@ -196,6 +196,16 @@ async def run_trajectory(
         ctx.activity.pop(traj_id, None)
 
 
+def _filled(item: array.array, n: int) -> array.array:
+    """``n`` copies of the one-item array ``item``, with room for ``n / 16`` more items: a
+    repeat of one item needs no temporary bytes of the prompt's size to copy from, and the
+    headroom (what ``frombytes`` would leave) keeps the turns' appends from reallocating, and
+    so copying, the whole prompt's array."""
+    out = item * (n + (n >> 4) + 16)
+    del out[n:]  # shrinks in place to n + n / 16 + 7 items allocated (CPython's array_resize)
+    return out
+
+
 def _as_i32(buf: Any) -> memoryview:
     """A reply's int32 field (bytes or any contiguous buffer) as an int32 memoryview, no copy."""
     return memoryview(buf).cast("B").cast("i")
@@ -240,10 +250,9 @@ async def _run_trajectory(
         prompt_text = domain.prompt_template.format(observation=opened.observation)
         token_ids.frombytes(_prompt_i32(chat, domain.system_prompt, prompt_text))
         num_prompt = len(token_ids)
-        # Repeats of one item: no temporary bytes of the prompt's size to copy from.
-        loss_mask = _ZERO_MASK * num_prompt
-        logprobs = _ZERO_LOGPROB * num_prompt
-        versions = _NO_VERSIONS * num_prompt
+        loss_mask = _filled(_ZERO_MASK, num_prompt)
+        logprobs = _filled(_ZERO_LOGPROB, num_prompt)
+        versions = _filled(_NO_VERSIONS, num_prompt)
         sampling = domain.sampling
         max_turns = domain.max_turns or run.max_turns
         env_return = 0.0
