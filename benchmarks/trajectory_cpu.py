@@ -23,8 +23,8 @@ in both), alternating which goes first. Each child measures:
   includes completions and batch assembly, amortised over the turns);
 - ``loop_cpu_us_per_traj``: the same CPU divided by the trajectories completed in the window;
 - ``completion_us``: one completion's own work on a ``CONTEXT + 3 x 8``-token sequence
-  (``Sample`` construction and validation, ``trainable_problem``, ``to_train_samples`` of it),
-  median of ``COMPLETION_ITERS`` calls;
+  (``Sample`` construction and validation, ``trainable_problem``, and its share of
+  ``to_train_samples`` of its group of ``GROUP``), median over ``COMPLETION_ITERS`` groups;
 - ``gc_objects_per_traj``: GC-tracked objects (``len(gc.get_objects())`` after
   ``gc.collect()``) held per running trajectory: every admitted trajectory parked in its first
   env step (where a real trajectory spends its time, the env's latency), measured at two
@@ -59,6 +59,8 @@ TURNS = 3
 RESPONSE = 4
 OBSERVATION = 4
 COMPLETION_ITERS = 30
+#: samples per GRPO group (the batch's share of ``to_train_samples`` is per group)
+GROUP = 8
 _ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -256,14 +258,16 @@ def _completion_us(seed: int) -> float:
     times = []
     for i in range(COMPLETION_ITERS):
         # fresh arrays per sample (a sample remembers its check), built outside the timing
-        fields = {"token_ids": array.array("i", ids), "loss_mask": array.array("b", mask),
-                  "behaviour_logprobs": array.array("f", lps),
-                  "versions": array.array("i", versions)}
+        fields = [{"token_ids": array.array("i", ids), "loss_mask": array.array("b", mask),
+                   "behaviour_logprobs": array.array("f", lps),
+                   "versions": array.array("i", versions)} for _ in range(GROUP)]
         t0 = time.thread_time()
-        s = Sample(sample_id=f"g/{i}", group_key="g", reward=1.0, **fields)
-        trainable_problem(s)
-        to_train_samples([s])
-        times.append(time.thread_time() - t0)
+        group = [Sample(sample_id=f"g{i}/{k}", group_key=f"g{i}", reward=float(k % 2), **f)
+                 for k, f in enumerate(fields)]
+        for s in group:
+            trainable_problem(s)
+        to_train_samples(group)
+        times.append((time.thread_time() - t0) / GROUP)
     return 1e6 * statistics.median(times)
 
 
