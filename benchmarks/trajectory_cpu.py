@@ -22,6 +22,9 @@ in both), alternating which goes first. Each child measures:
   training steps after one warm-up step, divided by the generate calls in that window (so it
   includes completions and batch assembly, amortised over the turns);
 - ``loop_cpu_us_per_traj``: the same CPU divided by the trajectories completed in the window;
+  the controller runs under the collector policy ``rollart run`` gives it (``tune_gc``, start-up
+  objects frozen), and ``gc_pause_us_per_traj`` is the collection time in the window
+  (``GcPauses``, wall clock) per completed trajectory;
 - ``completion_us``: one completion's own work on a ``CONTEXT + 3 x 8``-token sequence
   (``Sample`` construction and validation, ``trainable_problem``, and its share of
   ``to_train_samples`` of its group of ``GROUP``), median over ``COMPLETION_ITERS`` groups;
@@ -201,22 +204,33 @@ def _controller(batch: int, alpha: int, steps: int, seed: int, hold: asyncio.Eve
 
 
 async def _cpu(n_inflight: int, steps: int, seed: int) -> dict[str, float]:
+    from rollart.controller.loophealth import GcPauses, freeze_startup_objects, tune_gc
+
     batch = max(8, n_inflight // 2)
     controller, counts = _controller(batch, 1, steps + 1, seed, None)
-    await controller.start()
+    thresholds = gc.get_threshold()
+    tune_gc()  # the collector policy `rollart run` gives the controller (launcher/run.py)
+    pauses = GcPauses().install()
     try:
+        await controller.start()
+        freeze_startup_objects()
         await controller.step()  # warm-up: the first batch
         done0 = controller.buffer.stats().completed
+        pauses.reset()
         gens0, cpu0 = counts[0], time.thread_time()
         for _ in range(steps):
             await controller.step()
         cpu = time.thread_time() - cpu0
+        gc_s = pauses.total_s
         gens, done = counts[0] - gens0, controller.buffer.stats().completed - done0
     finally:
         await controller.close()
+        pauses.remove()
+        gc.unfreeze()
+        gc.set_threshold(*thresholds)
     return {"loop_cpu_us_per_turn": 1e6 * cpu / max(1, gens),
             "loop_cpu_us_per_traj": 1e6 * cpu / max(1, done), "turns": gens,
-            "completed": done}
+            "completed": done, "gc_pause_us_per_traj": 1e6 * gc_s / max(1, done)}
 
 
 async def _parked_objects(n: int, seed: int) -> tuple[int, int]:
@@ -303,7 +317,7 @@ def _run_child(src: Path, n: int, steps: int, seed: int) -> dict[str, Any]:
 
 
 FIGURES = ("loop_cpu_us_per_turn", "loop_cpu_us_per_traj", "completion_us",
-           "gc_objects_per_traj")
+           "gc_objects_per_traj", "gc_pause_us_per_traj")
 
 
 def run(quick: bool, seed: int, baseline: str, repeats: int) -> dict[str, Any]:
