@@ -51,6 +51,7 @@ from rollart.controller.services import EnvHostsExhaustedError, EnvRouter, Rewar
 from rollart.controller.tokens import ChatTokens
 from rollart.controller.workercheck import INVALID_OUTPUT_REASON, InvalidWorkerOutput
 from rollart.transport import messages as m
+from rollart.transport import tokenbytes as tb
 from rollart.transport.errors import (
     EnvError,
     InvalidActionError,
@@ -315,7 +316,7 @@ async def _run_trajectory(
             num_generated += n
             act.num_generated = num_generated
             ctx.generated_tokens += n
-            ctx.buffer.record_tokens(traj_id, _as_i32(result.versions))
+            ctx.buffer.record_tokens(traj_id, tb.to_array(result.versions, "i"))  # transient
             if result.finish_reason == "abort":
                 raise TrajectoryFailed(
                     "generation_aborted", f"worker aborted turn {turn}", num_generated
