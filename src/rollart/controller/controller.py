@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
+import functools
 import logging
 import random
 from collections import Counter
@@ -73,6 +75,8 @@ from rollart.controller.workercheck import ViolationWindow
 from rollart.transport.errors import RollartError
 
 log = logging.getLogger(__name__)
+#: the context trajectory tasks' done callbacks run in (they read no context variable)
+_DONE_CONTEXT = contextvars.Context()
 
 
 #: scenario field of each ``SampleBuffer`` setting whose name differs (for resume errors)
@@ -240,7 +244,9 @@ class Controller:
         self._changed, self._weights_changed = _Signal(), _Signal()
         self._ctx = TrajectoryContext(
             run=self.run, proxy=self.proxy, envs=self.envs, rewards=self.rewards,
-            chat=self._chats, buffer=self.buffer, clock=self.clock,
+            chat=self._chats, buffer=self.buffer,
+            # the loop's own clock, bound once (what ``clock`` reads, minus two calls per read)
+            clock=self._clock or asyncio.get_running_loop().time,
             wait_for_weights=self._wait_for_weights,
             barrier=TurnBarrier() if self.spec.turn_barrier else None,
         )
@@ -493,11 +499,17 @@ class Controller:
             self._ctx.barrier.join(tid)
         task = asyncio.create_task(self._run_one(tid, group_key), name=f"traj-{tid}")
         self._tasks[tid] = task
-        task.add_done_callback(lambda t, tid=tid: self._tasks.pop(tid, None))
+        # One done callback, not three, run in one shared empty context (it reads no context
+        # variable): each add_done_callback would otherwise copy the context and keep a
+        # closure, GC-tracked objects every running trajectory holds.
+        task.add_done_callback(functools.partial(self._traj_done, tid), context=_DONE_CONTEXT)
+
+    def _traj_done(self, tid: str, task: asyncio.Task[Any]) -> None:
+        self._tasks.pop(tid, None)
         if self._ctx is not None and self._ctx.barrier is not None:
             # Also when cancelled before its first step (its finally blocks never run).
-            task.add_done_callback(lambda t, b=self._ctx.barrier, tid=tid: b.leave(tid))
-        task.add_done_callback(self._on_done)
+            self._ctx.barrier.leave(tid)
+        self._on_done(task)
 
     def _launch_restarts(self) -> None:
         for tid in self.buffer.drain_aborts():

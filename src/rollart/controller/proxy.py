@@ -251,8 +251,11 @@ class LLMProxy:
             PoolExhaustedError: no live worker in the domain's pool.
         """
         pool = self.pool_of(domain)
-        for w in [w for w in pool.workers if w.dead]:
-            self._remove(pool, w, "reported dead")
+        for w in pool.workers:
+            if w.dead:  # rare: only then is a list of the dead ones built
+                for dead in [w for w in pool.workers if w.dead]:
+                    self._remove(pool, dead, "reported dead")
+                break
         sticky = self._sticky.get(traj_id)
         if sticky is not None and sticky in pool.workers:
             return sticky

@@ -14,6 +14,9 @@ from typing import Any
 import msgspec
 import numpy as np
 
+#: generated tokens up to this many are reduced in plain Python (numpy's call overhead
+#: exceeds a loop over a few items)
+_SMALL = 64
 #: ``array.array`` typecode of each per-token field (int32, int8 0/1, float32, int32)
 TYPECODES = {"token_ids": "i", "loss_mask": "b", "behaviour_logprobs": "f", "versions": "i"}
 
@@ -92,19 +95,29 @@ class Sample(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, dict=True
                 f"lengths {n}/{lens[0]}/{lens[1]}/{lens[2]} differ"
             )
         mask = np.frombuffer(self.loss_mask, dtype=np.uint8)
-        if n and mask.max() > 1:
+        # One pass finds the largest mask value and its first position: 0 means nothing was
+        # generated; 1 is the first generated token, so every later check only looks from
+        # there on (the prompt, most of a long context, is skipped); more than 1 is invalid.
+        first = int(mask.argmax()) if n else 0
+        top = int(mask[first]) if n else 0
+        if top > 1:
             raise ValueError(f"sample {sid!r}: loss_mask values must be 0 or 1")
-        versions = np.frombuffer(self.versions, dtype=np.int32)
-        self._num_generated = int(np.count_nonzero(mask))
-        generated = mask.view(np.bool_)
-        # versions of generated tokens only (a few per turn: a small copy, one pass)
-        gen_versions = versions[generated] if self._num_generated else versions[:0]
-        self._min_version = int(gen_versions.min()) if self._num_generated else None
-        if self._min_version is not None and self._min_version < 0:
-            t = int(np.flatnonzero(generated)[np.argmax(gen_versions < 0)])
-            raise ValueError(
-                f"sample {sid!r}: generated token {t} has version {int(versions[t])} (< 0)"
-            )
+        self._num_generated = int(np.count_nonzero(mask)) if top else 0
+        self._min_version = None
+        if top:
+            generated = mask[first:].view(np.bool_)
+            # versions of generated tokens only (a small copy of the tail, one pass)
+            gen_versions = np.frombuffer(self.versions, dtype=np.int32)[first:][generated]
+            # a few turns' tokens: Python's min beats numpy's per-call overhead
+            self._min_version = (min(gen_versions.tolist()) if gen_versions.size <= _SMALL
+                                 else int(gen_versions.min()))
+            if self._min_version < 0:
+                k = int(np.argmax(gen_versions < 0))
+                t = first + int(np.flatnonzero(generated)[k])
+                raise ValueError(
+                    f"sample {sid!r}: generated token {t} has version {int(gen_versions[k])} "
+                    "(< 0)"
+                )
         if not math.isfinite(self.reward):
             raise ValueError(f"sample {sid!r}: reward {self.reward} is not finite")
         if self.num_turns < 0:

@@ -123,6 +123,8 @@ class EnvRouter:
     def _pick(self, env_name: str) -> EnvBackend:
         if env_name in self.local.factories:
             return self.local
+        if len(self.hosts) == 1 and not self.hosts[0].dead:  # one host: nothing to compare
+            return self.hosts[0]
         live = [h for h in self.hosts if not h.dead]
         if not live:
             raise EnvHostsExhaustedError(

@@ -68,6 +68,10 @@ log = logging.getLogger(__name__)
 CLOSE_TIMEOUT_S = 10.0
 #: int32 -1 (the version of a token the policy did not generate), little-endian
 _NO_VERSION = b"\xff\xff\xff\xff"
+#: one prompt token's loss mask, logprob and version (repeated for a whole prompt)
+_ZERO_MASK = array.array("b", [0])
+_ZERO_LOGPROB = array.array("f", [0.0])
+_NO_VERSIONS = array.array("i", [-1])
 
 
 class TrajectoryFailed(Exception):
@@ -193,6 +197,31 @@ async def run_trajectory(
         ctx.activity.pop(traj_id, None)
 
 
+def _filled(item: array.array, n: int) -> array.array:
+    """``n`` copies of the one-item array ``item``, with room for ``n / 16`` more items: a
+    repeat of one item needs no temporary bytes of the prompt's size to copy from, and the
+    headroom (what ``frombytes`` would leave) keeps the turns' appends from reallocating, and
+    so copying, the whole prompt's array."""
+    out = item * (n + (n >> 4) + 16)
+    del out[n:]  # shrinks in place to n + n / 16 + 7 items allocated (CPython's array_resize)
+    return out
+
+
+def _as_i32(buf: Any) -> memoryview:
+    """A reply's int32 field (bytes or any contiguous buffer) as an int32 memoryview, no copy."""
+    return memoryview(buf).cast("B").cast("i")
+
+
+def _prompt_i32(chat: ChatTokens, system_prompt: str | None, prompt_text: str) -> bytes:
+    """The opening messages' chat-template tokens (int32 bytes); the message list is not kept
+    alive for the trajectory's lifetime."""
+    messages = []
+    if system_prompt:
+        messages.append({"role": "system", "content": system_prompt})
+    messages.append({"role": "user", "content": prompt_text})
+    return chat.prompt_i32(messages)
+
+
 async def _run_trajectory(
     ctx: TrajectoryContext, traj_id: str, group_key: str, domain: DomainConfig, seed: int,
     act: Activity,
@@ -203,9 +232,6 @@ async def _run_trajectory(
     # The training sequence grows in place, turn by turn, as compact arrays (13 bytes per
     # token); a turn's tokens are appended from the reply's bytes with one memcpy each.
     token_ids = array.array("i")
-    loss_mask = array.array("b")
-    logprobs = array.array("f")
-    versions = array.array("i")
     turn_workers: list[str] = []  # the worker that served each turn (engine/trainer checks)
     num_generated = 0
     if ctx.barrier is not None:
@@ -222,16 +248,12 @@ async def _run_trajectory(
         except InvalidActionError as exc:  # there is no action at reset: the env's fault
             raise TrajectoryFailed("env_error", f"reset raised {exc!r}") from exc
         session_id = opened.session_id
-        messages = []
-        if domain.system_prompt:
-            messages.append({"role": "system", "content": domain.system_prompt})
         prompt_text = domain.prompt_template.format(observation=opened.observation)
-        messages.append({"role": "user", "content": prompt_text})
-        token_ids.frombytes(chat.prompt_i32(messages))
+        token_ids.frombytes(_prompt_i32(chat, domain.system_prompt, prompt_text))
         num_prompt = len(token_ids)
-        loss_mask.frombytes(bytes(num_prompt))
-        logprobs.frombytes(bytes(4 * num_prompt))
-        versions.frombytes(_NO_VERSION * num_prompt)
+        loss_mask = _filled(_ZERO_MASK, num_prompt)
+        logprobs = _filled(_ZERO_LOGPROB, num_prompt)
+        versions = _filled(_NO_VERSIONS, num_prompt)
         sampling = domain.sampling
         max_turns = domain.max_turns or run.max_turns
         env_return = 0.0
@@ -239,6 +261,7 @@ async def _run_trajectory(
         responses: list[str] = []
         finish = "max_turns"
         turn = 0
+        params: m.SamplingParams | None = None
         while turn < max_turns:
             verdict = ctx.buffer.begin_turn(traj_id, ctx.proxy.version)
             if verdict == "restart":
@@ -262,12 +285,13 @@ async def _run_trajectory(
             max_new = min(run.max_tokens_per_turn, budget)
             if ctx.barrier is not None:
                 await ctx.barrier.wait(traj_id)
-            params = m.SamplingParams(
-                max_tokens=max_new,
-                temperature=sampling.temperature,
-                top_p=sampling.top_p,
-                top_k=sampling.top_k,
-            )
+            if params is None or params.max_tokens != max_new:  # the same on most turns
+                params = m.SamplingParams(
+                    max_tokens=max_new,
+                    temperature=sampling.temperature,
+                    top_p=sampling.top_p,
+                    top_k=sampling.top_k,
+                )
             act.enter(f"generating turn {turn}", ctx.clock())
             try:
                 result = await ctx.proxy.generate(
@@ -283,21 +307,21 @@ async def _run_trajectory(
             # The proxy checked the reply (lengths, versions, logprobs, token ids).
             n = result.num_tokens
             turn_workers.append(ctx.proxy.served_by(traj_id) or "")
-            new_ids = tb.to_array(result.token_ids, "i")
-            new_versions = tb.to_array(result.versions, "i")
-            token_ids.extend(new_ids)
+            # Straight from the reply's bytes (whole int32 / float32 items: the proxy checked
+            # the lengths); no per-turn array copies are kept across the env step below.
+            token_ids.frombytes(result.token_ids)
             loss_mask.frombytes(b"\x01" * n)
             logprobs.frombytes(result.logprobs)
-            versions.extend(new_versions)
+            versions.frombytes(result.versions)
             num_generated += n
             act.num_generated = num_generated
             ctx.generated_tokens += n
-            ctx.buffer.record_tokens(traj_id, new_versions)
+            ctx.buffer.record_tokens(traj_id, tb.to_array(result.versions, "i"))  # transient
             if result.finish_reason == "abort":
                 raise TrajectoryFailed(
                     "generation_aborted", f"worker aborted turn {turn}", num_generated
                 )
-            action = chat.decode(new_ids)
+            action = chat.decode(_as_i32(result.token_ids))
             responses.append(action)
             turn += 1
             act.enter(f"env step {turn - 1}", ctx.clock())  # turn counts the action just taken
@@ -335,7 +359,7 @@ async def _run_trajectory(
             if turn >= max_turns:
                 break
             content = domain.turn_template.format(observation=step.observation)
-            obs_bytes = chat.observation_i32(content, new_ids)
+            obs_bytes = chat.observation_i32(content, _as_i32(result.token_ids))
             k = len(obs_bytes) >> 2
             if len(token_ids) + k >= run.max_tokens_per_trajectory:
                 finish = "max_tokens"

@@ -220,7 +220,11 @@ class SimReward:
 
     async def score(self, name: str, prompt: str, response: str, reference: Any = None,
                     metadata: dict[str, Any] | None = None) -> RewardResult:
-        rng = self._rng(self.seed, name, prompt, response, next(self._calls))
+        call = next(self._calls)
+        # The call's own generator is only built when a draw needs it (a constant latency and
+        # no failures draw nothing): the same results, one seeding less per call.
+        draws = self.failure_prob > 0.0 or self.latency_s.draws
+        rng = self._rng(self.seed, name, prompt, response, call) if draws else None
         latency = self.latency_s.sample(rng)
         work = self._service_s(prompt, response) if self._service_s is not None else 0.0
         await asyncio.sleep(latency)
@@ -231,7 +235,7 @@ class SimReward:
             await asyncio.sleep(work)
         self.busy_s += work
         self.num_calls += 1
-        if rng.random() < self.failure_prob:
+        if rng is not None and rng.random() < self.failure_prob:
             raise RewardError(f"simulated reward {name!r}: injected failure")
         reward = float(self._rng(self.seed, prompt, response).random() < 0.5)
         return RewardResult(reward=reward, details={"simulated": True})

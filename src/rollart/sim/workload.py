@@ -102,9 +102,17 @@ class Dist:
         if self.kind == "lognormal" and self.mean <= 0:
             raise ValueError(f"lognormal Dist needs mean > 0, got {self.mean}")
 
-    def sample(self, rng: random.Random) -> float:
-        if self.kind == "const" or self.std == 0:
+    @property
+    def draws(self) -> bool:
+        """Whether :meth:`sample` consumes randomness (not for ``const`` or ``std == 0``)."""
+        return not (self.kind == "const" or self.std == 0)
+
+    def sample(self, rng: random.Random | None) -> float:
+        """One draw, clipped to ``[low, high]``; ``rng`` may be ``None`` when not ``draws``."""
+        if not self.draws:
             x = self.mean
+        elif rng is None:
+            raise ValueError(f"{self} draws: sample() needs a random generator")
         elif self.kind == "normal":
             x = rng.gauss(self.mean, self.std)
         elif self.kind == "uniform":
@@ -202,6 +210,8 @@ class SimTokenizer:
 
     def __init__(self, table: DomainTable) -> None:
         self.table = table
+        #: domain name -> its token id as int32 bytes
+        self._packed: dict[str, bytes] = {}
 
     def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
         ids: list[int] = []
@@ -219,16 +229,23 @@ class SimTokenizer:
         parts: list[bytes] = []
         pos = 0
         for match in _MARKER.finditer(text):
-            words = _words(text[pos:match.start()])
+            start = match.start()
+            if start > pos:
+                words = _words(text[pos:start])
+                if words:
+                    parts.append(struct.pack(f"<{len(words)}i", *words))
+            name, count = match.groups()
+            packed = self._packed.get(name)
+            if packed is None:  # one pack per domain, not one per marker
+                packed = self._packed[name] = struct.pack("<i", self.table.token_id(name))
+            parts.append(packed * int(count))
+            pos = match.end()
+        if pos < len(text):
+            words = _words(text[pos:])
             if words:
                 parts.append(struct.pack(f"<{len(words)}i", *words))
-            parts.append(struct.pack("<i", self.table.token_id(match.group(1)))
-                         * int(match.group(2)))
-            pos = match.end()
-        words = _words(text[pos:])
-        if words:
-            parts.append(struct.pack(f"<{len(words)}i", *words))
-        return b"".join(parts)
+        # one part (a bare observation, most prompts' bulk): no copy through join
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         return f"<gen:{len(token_ids)}>"

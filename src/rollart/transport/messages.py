@@ -501,21 +501,29 @@ class TrainSample(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, gc=F
                 f"sample {sid!r}: token_ids/loss_mask/behaviour_logprobs lengths "
                 f"{n}/{mask.size}/{lps.size} differ"
             )
-        if mask.max() > 1:
+        # One pass: the largest mask value and where it first occurs (0: nothing generated;
+        # 1: the first generated token, so the logprob check skips the prompt before it).
+        first = int(mask.argmax())
+        top = int(mask[first])
+        if top > 1:
             raise ValueError(f"sample {sid!r}: loss_mask values must be 0 or 1")
         if mask[0]:
             raise ValueError(f"sample {sid!r}: loss_mask[0] must be 0 (no prefix)")
-        if not mask.any():
+        if not top:
             raise ValueError(f"sample {sid!r}: no generated token in loss_mask")
         if ids.min() < 0:
             raise ValueError(f"sample {sid!r}: negative token id")
         if not math.isfinite(self.advantage):
             raise ValueError(f"sample {sid!r}: advantage {self.advantage} not finite")
-        gen = lps[mask.view(np.bool_)]
-        bad = ~(np.isfinite(gen) & (gen <= 0.0))
-        if bad.any():
+        gen = lps[first:][mask[first:].view(np.bool_)]
+        if gen.size <= tb.SMALL_BYTES // 4:  # a few tokens: plain Python beats three ufunc calls
+            bad_lp = next((x for x in gen.tolist() if not -math.inf < x <= 0.0), None)
+        else:
+            bad = ~(np.isfinite(gen) & (gen <= 0.0))
+            bad_lp = float(gen[bad][0]) if bad.any() else None
+        if bad_lp is not None:  # NaN fails both comparisons above
             raise ValueError(
-                f"sample {sid!r}: behaviour logprob {float(gen[bad][0])} of a generated token "
+                f"sample {sid!r}: behaviour logprob {bad_lp} of a generated token "
                 "must be finite and <= 0"
             )
 

@@ -1,0 +1,33 @@
+"""``benchmarks.trajectory_cpu``: one child measurement runs the real controller path against
+its stand-ins, and a trajectory parked in its env step holds a bounded number of GC-tracked
+objects (an object count, deterministic: no timing)."""
+
+from __future__ import annotations
+
+import math
+
+import uvloop
+from benchmarks import trajectory_cpu as bench
+
+#: GC-tracked objects per running trajectory parked in an env step: 33.75 before issue 11's
+#: cuts (a copied context per done callback, per-turn arrays and the message list kept across
+#: the env step), 26 after; a little headroom for the interpreter's own bookkeeping
+MAX_OBJECTS_PER_TRAJ = 28
+
+
+def test_one_child_measurement() -> None:
+    out = bench._child(32, 2, 0)  # the window after the warm-up step
+    assert out["turns"] == bench.TURNS * out["completed"] > 0
+    for key in ("loop_cpu_us_per_turn", "loop_cpu_us_per_traj", "completion_us"):
+        assert math.isfinite(out[key]) and out[key] > 0
+    assert 0 < out["gc_objects_per_traj"] <= MAX_OBJECTS_PER_TRAJ
+
+
+def test_parked_trajectories_hold_few_gc_objects() -> None:
+    async def slope() -> float:
+        a, pa = await bench._parked_objects(32, 0)
+        b, pb = await bench._parked_objects(64, 0)
+        assert (pa, pb) == (32, 64)  # every admitted trajectory reached its env step
+        return (b - a) / (pb - pa)
+
+    assert uvloop.run(slope()) <= MAX_OBJECTS_PER_TRAJ

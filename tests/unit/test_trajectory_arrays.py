@@ -1,0 +1,28 @@
+"""A trajectory's per-token arrays start from the prompt with headroom, so the turns' appends
+do not reallocate (and copy) the prompt's array; reply fields are read as int32 in place."""
+
+from __future__ import annotations
+
+import array
+
+from rollart.controller.trajectory import _as_i32, _filled
+
+
+def test_filled_holds_n_copies_and_room_for_the_turns() -> None:
+    n = 16_384
+    for item in (array.array("b", [0]), array.array("f", [0.0]), array.array("i", [-1])):
+        out = _filled(item, n)
+        assert len(out) == n and out.typecode == item.typecode
+        assert set(out) == {item[0]}
+        address = out.buffer_info()[0]
+        for _ in range(n // 16 // 8):  # the turns' appends, 8 items at a time
+            out.frombytes(bytes(8 * out.itemsize))
+        assert out.buffer_info()[0] == address  # appended in place: no copy of the prompt
+    assert len(_filled(array.array("i", [3]), 0)) == 0
+
+
+def test_as_i32_reads_bytes_and_typed_buffers_in_place() -> None:
+    raw = array.array("i", [5, -1, 7]).tobytes()
+    assert _as_i32(raw).tolist() == [5, -1, 7]
+    assert _as_i32(memoryview(array.array("i", [1, 2]))).tolist() == [1, 2]
+    assert _as_i32(b"").tolist() == []
