@@ -48,7 +48,6 @@ HandlerResult = m.Msg | tuple[m.Msg, Buffers]
 Handler = Callable[[Any, list[memoryview]], Awaitable[HandlerResult]]
 
 _CALL_ID = struct.Struct(">Q")
-_monotonic = time.monotonic
 _NO_CALL_ID = _CALL_ID.pack(0)
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(m.Request)
@@ -300,7 +299,6 @@ class RpcClient:
         self._ids = itertools.count(1)
         self._deadlines = DeadlineWheel(self._loop, self._expire)
         self._dead: PeerDeadError | None = None
-        self._last_heard = time.monotonic()
         self._hb_interval = heartbeat_interval_s
         self._liveness = liveness_timeout_s
         self._pump = SocketPump(self._sock, self._on_reply, copy_parts=2, name=self.name)
@@ -368,7 +366,6 @@ class RpcClient:
                 f"{self.name}: no reply to {kind} within {timeout:.3g} s"))
 
     def _on_reply(self, parts: list[Part]) -> None:
-        self._last_heard = _monotonic()
         # Call ids are the 8 wire bytes themselves: no unpacking to match a reply.
         fut = self._pending.pop(parts[0], None)
         if fut is None:
@@ -406,9 +403,10 @@ class RpcClient:
         while self._dead is None:
             await asyncio.sleep(self._hb_interval)
             with contextlib.suppress(RemoteError, PeerDeadError):
-                # Any reply refreshes _last_heard; the ping only guarantees there is traffic.
+                # Any reply refreshes the pump's last_received; the ping only guarantees
+                # there is traffic.
                 await self.call(m.Ping(), timeout_s=self._liveness)
-            silent_s = time.monotonic() - self._last_heard
+            silent_s = time.monotonic() - self._pump.last_received
             if silent_s > self._liveness and self._dead is None:
                 self._fail_all(
                     PeerDeadError(f"{self.name} ({self.address}) silent for {silent_s:.1f} s")

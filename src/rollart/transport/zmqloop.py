@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import struct
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
@@ -116,6 +117,9 @@ class SocketPump:
         self._scheduled = False
         self._closed = False
         self.receiving = True
+        #: ``time.monotonic()`` when a message was last received (read once per wake-up that
+        #: received any, not per message); the pump's creation time before the first.
+        self.last_received = time.monotonic()
         self._is_router = sock.socket_type == zmq.ROUTER
         self._fd = sock.getsockopt(zmq.FD)
         # The socket's EVENTS are read with a zero-timeout ``zmq_poll`` on it (which reads
@@ -252,6 +256,8 @@ class SocketPump:
                     handle(parts)
             except Exception:  # one bad message must not stop the pump
                 log.exception("%s: handling a received message failed", self.name)
+        if n:
+            self.last_received = time.monotonic()
         return n, events
 
     def _unbatch(self, parts: list[Part]) -> None:
