@@ -6,6 +6,12 @@ request it cannot decode, of an unknown kind, or over ``max_message_bytes`` gets
 a timeout, and a heartbeat task turns a silent peer into ``PeerDeadError`` for every pending and
 later call instead of a hang.
 
+What an in-flight call keeps alive is one future (``RpcClient.submit``): its deadline sits in
+the client's deadline wheel (``rollart.transport.deadlines``: 8 bytes, one loop timer per
+client), its entry in the pending table is keyed by the call id's wire bytes, and an error reply
+is raised through the future as the client's ``error_type``; at 10k+ calls in flight, each
+further object per call is one more for the garbage collector to traverse (issue 11).
+
 No message is dropped for load: sockets have no high-water mark (see ``_HWM``), a send that
 finds a pipe full anyway stays queued (``SocketPump``), and the server's ROUTER is
 ``ROUTER_MANDATORY`` so the one reply that cannot be delivered, to a peer that is gone, is
@@ -271,7 +277,9 @@ class RpcClient:
             a client wrapping this one needs no coroutine of its own to map errors.
 
     Must be created on a running event loop. Requests are never dropped: they queue (in the
-    client, then in ZeroMQ) until the server takes them, however many are outstanding.
+    client, then in ZeroMQ) until the server takes them, however many are outstanding. A
+    call's timeout fires no earlier than ``timeout_s`` and at most ``EXPIRY_GRANULARITY_S``
+    (0.1 s) later (one deadline wheel per client instead of a loop timer per call).
     """
 
     def __init__(

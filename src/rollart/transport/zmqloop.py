@@ -60,8 +60,8 @@ BATCH_BYTES = 1 << 20
 #: (``benchmarks.rpc_overhead``, part ``send``, dev machine 2026-12-01): a zero-copy send's
 #: ``Frame`` is released through pyzmq's garbage-collector thread (an inproc message and the
 #: GIL per send), yet from 64 KiB up it costs the loop thread and the whole process no more
-#: CPU per MB than copying the part into ZeroMQ (0.67x / 0.97x at 64 KiB, 0.06x / 0.59x at
-#: 1 MiB: a batch envelope, already joined once, is not worth a second copy).
+#: CPU per MB than copying the part into ZeroMQ (zero-copy / copy: 0.55x / 0.81x at 64 KiB,
+#: 0.03x / 0.43x at 1 MiB: a batch envelope, already joined once, is not worth a second copy).
 _ZERO_COPY_BYTES = 64 * 1024
 
 _LEN = struct.Struct(">I")
