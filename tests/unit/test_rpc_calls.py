@@ -79,13 +79,13 @@ async def test_in_flight_calls_arm_no_timer_each_and_keep_no_more_than_a_future_
         del futures, parked, f
         gc.collect()
         base = len(gc.get_objects())
-        timers0 = sum(isinstance(o, asyncio.TimerHandle) for o in gc.get_objects())
+        timers0 = sum(type(o) is asyncio.TimerHandle for o in gc.get_objects())
         held = [loop.create_task(client.step("s", str(i))) for i in range(n)]
         await peer.requests(n)  # every request has left the client
         gc.collect()
         objects = gc.get_objects()
         in_flight = len(objects) - base
-        timers = sum(isinstance(o, asyncio.TimerHandle) for o in objects) - timers0
+        timers = sum(type(o) is asyncio.TimerHandle for o in objects) - timers0
         del objects
         # One timer for the whole client (the deadline wheel), not one per call.
         assert timers <= 1
