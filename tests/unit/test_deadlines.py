@@ -99,3 +99,15 @@ def test_an_earlier_deadline_rearms_the_one_timer_and_close_disarms_it():
 def test_granularity_must_be_positive():
     with pytest.raises(ValueError, match="granularity_s"):
         DeadlineWheel(FakeLoop(), lambda *a: None, granularity_s=0.0)
+
+
+def test_an_infinite_timeout_never_expires_and_nan_is_refused():
+    loop = FakeLoop()
+    expired: list[bytes] = []
+    wheel = DeadlineWheel(loop, lambda cid, kind, t: expired.append(cid), granularity_s=0.1)
+    wheel.add(_id(1), "Generate", float("inf"))
+    assert len(wheel) == 0 and not loop.armed()
+    with pytest.raises(ValueError, match="NaN"):
+        wheel.add(_id(2), "Generate", float("nan"))
+    loop.advance(1e9)
+    assert expired == []

@@ -60,7 +60,16 @@ class DeadlineWheel:
         return sum(len(ids) for ids in self._buckets.values()) // 8
 
     def add(self, call_id: bytes, kind: str, timeout_s: float) -> None:
-        """File ``call_id`` (8 bytes) to expire ``timeout_s`` seconds from now (``loop.time()``)."""
+        """File ``call_id`` (8 bytes) to expire ``timeout_s`` seconds from now (``loop.time()``);
+        an infinite ``timeout_s`` never expires (nothing is filed).
+
+        Raises:
+            ValueError: ``timeout_s`` is NaN.
+        """
+        if timeout_s == math.inf:
+            return
+        if timeout_s != timeout_s:
+            raise ValueError(f"timeout_s of a {kind} call is NaN")
         tick = math.ceil((self._loop.time() + timeout_s) / self.granularity_s)
         key = (tick, kind, timeout_s)
         ids = self._buckets.get(key)

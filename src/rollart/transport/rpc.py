@@ -335,6 +335,7 @@ class RpcClient:
         Raises:
             PeerDeadError: at once, if the peer is already dead or the client closed.
             TypeError, msgspec.EncodeError: ``msg`` cannot be encoded (nothing was sent).
+            ValueError: ``timeout_s`` is NaN (nothing was sent; ``inf`` never times out).
         The future raises:
             RemoteError (of the client's ``error_type``): the server replied ``ErrorReply``
                 (its ``code``), or the reply could not be decoded (``bad_reply``).
@@ -345,10 +346,10 @@ class RpcClient:
             raise self._dead
         body = _encoder.encode(msg)
         call_id = _CALL_ID.pack(next(self._ids))
-        fut: asyncio.Future = self._loop.create_future()
-        self._pending[call_id] = fut
         self._deadlines.add(call_id, type(msg).__name__,
                             self.default_timeout_s if timeout_s is None else timeout_s)
+        fut: asyncio.Future = self._loop.create_future()
+        self._pending[call_id] = fut
         self._pump.send([call_id, body, *buffers] if buffers else [call_id, body])
         return fut
 
