@@ -15,7 +15,8 @@ Sets (``SETS``; ``--only`` picks any names instead):
   ``--quick`` it fits 15 minutes on the 2-core dev machine (benchmarks/README.md, "`nox -s
   bench` wall time").
 - ``measured`` (``nox -s bench_measured``): what needs real engines or many cluster starts:
-  ``controller_overhead``, ``real_engine``, ``weight_transfer`` and the other scenario runs.
+  ``controller_overhead``, ``real_engine``, ``weight_transfer``, ``rpc_overhead`` and the
+  other scenario runs.
 - ``all``: both.
 
 ``SCENARIO_RUNS`` (``NAME-scenario``) run ``modes`` / ``env_tail`` / ``affinity`` on the REAL
@@ -42,7 +43,7 @@ from rich.table import Table
 
 BENCHMARKS = ("env_tail", "modes", "ablations", "affinity", "redundancy", "staleness", "staleness_waste",
               "weight_sync", "pd", "controller_overhead", "rpc_floor", "real_engine",
-              "weight_transfer", "token_path")
+              "weight_transfer", "token_path", "rpc_overhead")
 _CPU_SCENARIO = ["--scenario", "scenarios/cpu-two-pools.toml", "--steps", "2"]
 #: run name -> (benchmark module, its arguments): real-service runs (module docstring)
 SCENARIO_RUNS = {
@@ -53,7 +54,7 @@ SCENARIO_RUNS = {
 #: the one real-service proof in the default set: fewest cluster starts (2) that give a ratio
 PROOF_RUN = "env_tail-scenario"
 #: measured benchmarks that need real engines or trainers (minutes each): not in ``paper``
-MEASURED = ("controller_overhead", "real_engine", "weight_transfer")
+MEASURED = ("controller_overhead", "real_engine", "weight_transfer", "rpc_overhead")
 _PAPER = tuple(b for b in BENCHMARKS if b not in MEASURED) + (PROOF_RUN,)
 #: set name -> benchmark / scenario-run names, in run order (module docstring)
 SETS: dict[str, tuple[str, ...]] = {

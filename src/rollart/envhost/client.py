@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 from rollart.transport import messages as m
-from rollart.transport.errors import EnvError, RemoteError, RemoteTimeoutError
+from rollart.transport.errors import EnvError
 from rollart.transport.rpc import RpcClient
 from rollart.transport.security import Auth
+
+R = TypeVar("R", bound=m.Msg)
 
 
 class EnvClient:
@@ -51,6 +53,7 @@ class EnvClient:
             default_timeout_s=default_timeout_s,
             heartbeat_interval_s=heartbeat_interval_s,
             liveness_timeout_s=liveness_timeout_s,
+            error_type=EnvError,
         )
 
     @property
@@ -62,14 +65,7 @@ class EnvClient:
         """Declare the host dead (e.g. its process exited): pending calls fail now."""
         self._rpc.mark_dead(reason)
 
-    async def _call(self, msg: m.Msg, timeout_s: float | None, expect: type[m.Msg] = m.Ack) -> Any:
-        try:
-            reply, _frames = await self._rpc.call(msg, timeout_s=timeout_s)
-        except RemoteTimeoutError:
-            raise
-        except RemoteError as exc:
-            # The message already names the host (RpcClient prefixes it).
-            raise EnvError(exc.code, exc.message) from None
+    def _expect(self, msg: m.Msg, reply: m.Msg, expect: type[R]) -> R:
         if not isinstance(reply, expect):
             raise EnvError(
                 "internal",
@@ -77,6 +73,10 @@ class EnvClient:
                 f"got {type(reply).__name__}",
             )
         return reply
+
+    # Each method awaits the RPC future itself (no helper coroutine per call: every
+    # coroutine layer is one more GC-tracked object alive for the whole call, issue 11);
+    # ``error_type=EnvError`` makes the RPC client raise the typed error directly.
 
     async def open(
         self,
@@ -89,29 +89,31 @@ class EnvClient:
         """Open a session of ``env_name`` reset with ``seed``; returns its id and first
         observation. ``options`` are the env's construction options (e.g. a reasoning-gym
         dataset config); unknown keys are a ``bad_request``."""
-        return await self._call(
-            m.EnvOpen(env_name=env_name, seed=seed, options=dict(options or {})),
-            timeout_s,
-            m.EnvOpened,
-        )
+        msg = m.EnvOpen(env_name=env_name, seed=seed, options=dict(options or {}))
+        reply, _ = await self._rpc.submit(msg, timeout_s=timeout_s)
+        return self._expect(msg, reply, m.EnvOpened)
 
     async def step(
         self, session_id: str, action: str, *, timeout_s: float | None = None
     ) -> m.EnvStepResult:
         """Apply ``action`` (text) to a session. Raises ``EnvError`` (see the class docstring);
         after ``env_error`` / ``env_timeout`` the session is gone."""
-        return await self._call(
-            m.EnvStep(session_id=session_id, action=action), timeout_s, m.EnvStepResult
-        )
+        msg = m.EnvStep(session_id=session_id, action=action)
+        reply, _ = await self._rpc.submit(msg, timeout_s=timeout_s)
+        return self._expect(msg, reply, m.EnvStepResult)
 
     async def close_session(self, session_id: str, *, timeout_s: float | None = None) -> None:
         """Close a session and release its env. Closing a session that already failed or was
         closed is a no-op; an id the host never issued raises ``EnvError(not_found)``."""
-        await self._call(m.EnvClose(session_id=session_id), timeout_s)
+        msg = m.EnvClose(session_id=session_id)
+        reply, _ = await self._rpc.submit(msg, timeout_s=timeout_s)
+        self._expect(msg, reply, m.Ack)
 
     async def stats(self, *, timeout_s: float | None = None) -> m.EnvHostStats:
         """The host's open sessions, steps and env failures."""
-        return await self._call(m.GetEnvStats(), timeout_s, m.EnvHostStats)
+        msg = m.GetEnvStats()
+        reply, _ = await self._rpc.submit(msg, timeout_s=timeout_s)
+        return self._expect(msg, reply, m.EnvHostStats)
 
     async def close(self) -> None:
         """Close the connection (not the host); later calls raise ``PeerDeadError``."""

@@ -81,15 +81,7 @@ class InferenceClient:
         ``PeerDeadError`` at once instead of after the liveness timeout."""
         self._rpc.mark_dead(reason)
 
-    async def _call(
-        self,
-        msg: m.Msg,
-        expect: type[R],
-        *,
-        buffers=(),
-        timeout_s: float | None = None,
-    ) -> R:
-        reply, _ = await self._rpc.call(msg, buffers=buffers, timeout_s=timeout_s)
+    def _expect(self, msg: m.Msg, reply: m.Msg, expect: type[R]) -> R:
         if not isinstance(reply, expect):
             raise RemoteError(
                 "bad_request",
@@ -100,6 +92,17 @@ class InferenceClient:
         if isinstance(stats, m.WorkerStats):
             self.last_stats = stats
         return reply
+
+    async def _call(
+        self,
+        msg: m.Msg,
+        expect: type[R],
+        *,
+        buffers=(),
+        timeout_s: float | None = None,
+    ) -> R:
+        reply, _ = await self._rpc.submit(msg, buffers=buffers, timeout_s=timeout_s)
+        return self._expect(msg, reply, expect)
 
     async def generate(
         self, request: m.Generate, *, timeout_s: float | None = None
@@ -116,11 +119,14 @@ class InferenceClient:
             asyncio.CancelledError: the awaiting task was cancelled (an ``Abort`` is sent in the
                 background before it propagates).
         """
+        # The RPC future is awaited here, not through ``_call``: a coroutine layer per call
+        # is one more GC-tracked object alive for the whole generation (issue 11).
         try:
-            return await self._call(request, m.GenerateResult, timeout_s=timeout_s)
+            reply, _ = await self._rpc.submit(request, timeout_s=timeout_s)
         except (asyncio.CancelledError, RemoteTimeoutError):
             self._abort_in_background(request.request_id)
             raise
+        return self._expect(request, reply, m.GenerateResult)
 
     def _abort_in_background(self, request_id: str) -> None:
         if self.dead:

@@ -6,6 +6,12 @@ request it cannot decode, of an unknown kind, or over ``max_message_bytes`` gets
 a timeout, and a heartbeat task turns a silent peer into ``PeerDeadError`` for every pending and
 later call instead of a hang.
 
+What an in-flight call keeps alive is one future (``RpcClient.submit``): its deadline sits in
+the client's deadline wheel (``rollart.transport.deadlines``: 8 bytes, one loop timer per
+client), its entry in the pending table is keyed by the call id's wire bytes, and an error reply
+is raised through the future as the client's ``error_type``; at 10k+ calls in flight, each
+further object per call is one more for the garbage collector to traverse (issue 11).
+
 No message is dropped for load: sockets have no high-water mark (see ``_HWM``), a send that
 finds a pipe full anyway stays queued (``SocketPump``), and the server's ROUTER is
 ``ROUTER_MANDATORY`` so the one reply that cannot be delivered, to a peer that is gone, is
@@ -36,6 +42,7 @@ import msgspec
 import zmq
 
 from rollart.transport import messages as m
+from rollart.transport.deadlines import DeadlineWheel
 from rollart.transport.errors import PeerDeadError, RemoteError, RemoteTimeoutError
 from rollart.transport.security import Auth
 from rollart.transport.zmqloop import MAX_BATCH_FRAME_BYTES, Part, SocketPump
@@ -265,9 +272,14 @@ class RpcClient:
         heartbeat_interval_s: seconds between ``Ping`` probes; ``0`` disables heartbeats.
         liveness_timeout_s: a peer silent for this long (no reply of any kind, pings included)
             is declared dead: pending and later calls raise ``PeerDeadError``.
+        error_type: the ``RemoteError`` subclass raised for an ``ErrorReply`` or an
+            undecodable reply, built as ``error_type(code, message)`` (e.g. ``EnvError``), so
+            a client wrapping this one needs no coroutine of its own to map errors.
 
     Must be created on a running event loop. Requests are never dropped: they queue (in the
-    client, then in ZeroMQ) until the server takes them, however many are outstanding.
+    client, then in ZeroMQ) until the server takes them, however many are outstanding. A
+    call's timeout fires no earlier than ``timeout_s`` and at most ``EXPIRY_GRANULARITY_S``
+    (0.1 s) later (one deadline wheel per client instead of a loop timer per call).
     """
 
     def __init__(
@@ -279,6 +291,7 @@ class RpcClient:
         default_timeout_s: float = 60.0,
         heartbeat_interval_s: float = 2.0,
         liveness_timeout_s: float = 10.0,
+        error_type: type[RemoteError] = RemoteError,
     ) -> None:
         self.address = address
         self.name = name or address
@@ -287,10 +300,13 @@ class RpcClient:
         self._sock = _socket(zmq.DEALER)
         auth.secure_client(self._sock)
         self._sock.connect(address)
-        self._pending: dict[int, asyncio.Future] = {}
+        self._error_type = error_type
+        # Keyed by the call id's 8 wire bytes; an entry leaves on its reply, its deadline,
+        # or death of the peer.
+        self._pending: dict[bytes, asyncio.Future] = {}
         self._ids = itertools.count(1)
+        self._deadlines = DeadlineWheel(self._loop, self._expire)
         self._dead: PeerDeadError | None = None
-        self._last_heard = time.monotonic()
         self._hb_interval = heartbeat_interval_s
         self._liveness = liveness_timeout_s
         self._pump = SocketPump(self._sock, self._on_reply, copy_parts=2, name=self.name)
@@ -302,65 +318,104 @@ class RpcClient:
     def dead(self) -> bool:
         return self._dead is not None
 
+    def submit(
+        self, msg: m.Msg, *, buffers: Buffers = (), timeout_s: float | None = None
+    ) -> asyncio.Future[tuple[m.Msg, list[memoryview]]]:
+        """Send ``msg`` (plus raw ``buffers``) and return the future of its reply.
+
+        The cheap form of ``call`` for hot paths: no coroutine and no timer per call (a
+        caller awaiting it keeps only this future alive). The timeout is kept by a deadline
+        wheel (``rollart.transport.deadlines``): the future fails no earlier than
+        ``timeout_s`` seconds from now and at most ``EXPIRY_GRANULARITY_S`` (0.1 s) later.
+        Cancelling the future (or the task awaiting it) forgets the call; its late reply is
+        dropped.
+
+        Returns:
+            a future of ``(reply, frames)``: the decoded reply Struct and its extra frames.
+        Raises:
+            PeerDeadError: at once, if the peer is already dead or the client closed.
+            TypeError, msgspec.EncodeError: ``msg`` cannot be encoded (nothing was sent).
+            ValueError: ``timeout_s`` is NaN (nothing was sent; ``inf`` never times out).
+        The future raises:
+            RemoteError (of the client's ``error_type``): the server replied ``ErrorReply``
+                (its ``code``), or the reply could not be decoded (``bad_reply``).
+            RemoteTimeoutError: no reply within ``timeout_s`` (the request is forgotten).
+            PeerDeadError: the peer died (missed heartbeats) or the client was closed.
+        """
+        if self._dead is not None:
+            raise self._dead
+        body = _encoder.encode(msg)
+        call_id = _CALL_ID.pack(next(self._ids))
+        self._deadlines.add(call_id, type(msg).__name__,
+                            self.default_timeout_s if timeout_s is None else timeout_s)
+        fut: asyncio.Future = self._loop.create_future()
+        self._pending[call_id] = fut
+        self._pump.send([call_id, body, *buffers] if buffers else [call_id, body])
+        return fut
+
     async def call(
         self, msg: m.Msg, *, buffers: Buffers = (), timeout_s: float | None = None
     ) -> tuple[m.Msg, list[memoryview]]:
-        """Send ``msg`` (plus raw ``buffers``) and await the reply.
+        """Send ``msg`` (plus raw ``buffers``) and await the reply (``submit`` as a coroutine).
 
         Returns:
             ``(reply, frames)``: the decoded reply Struct and its extra frames.
         Raises:
             RemoteError: the server replied ``ErrorReply`` (per item; the server keeps serving).
-            RemoteTimeoutError: no reply within ``timeout_s`` (the request is forgotten).
+            RemoteTimeoutError: no reply within ``timeout_s`` (at most
+                ``EXPIRY_GRANULARITY_S`` later; the request is forgotten).
             PeerDeadError: the peer is dead (missed heartbeats) or the client was closed.
         """
-        if self._dead is not None:
-            raise self._dead
-        call_id = next(self._ids)
-        fut: asyncio.Future = self._loop.create_future()
-        self._pending[call_id] = fut
-        timeout = self.default_timeout_s if timeout_s is None else timeout_s
-        # A timer handle, not asyncio.wait_for: wait_for costs a task per call on Python 3.11.
-        timer = self._loop.call_later(timeout, self._expire, fut, msg, timeout)
-        try:
-            self._pump.send([_CALL_ID.pack(call_id), _encoder.encode(msg), *buffers])
-            reply, frames = await fut
-        finally:
-            timer.cancel()
-            self._pending.pop(call_id, None)
-        if isinstance(reply, m.ErrorReply):
-            raise RemoteError(reply.code, f"{self.name}: {reply.message}")
-        return reply, frames
+        return await self.submit(msg, buffers=buffers, timeout_s=timeout_s)
 
-    def _expire(self, fut: asyncio.Future, msg: m.Msg, timeout: float) -> None:
-        if not fut.done():
+    def _expire(self, call_id: bytes, kind: str, timeout: float) -> None:
+        fut = self._pending.pop(call_id, None)
+        if fut is not None and not fut.done():
             fut.set_exception(RemoteTimeoutError(
-                f"{self.name}: no reply to {type(msg).__name__} within {timeout:.3g} s"))
+                f"{self.name}: no reply to {kind} within {timeout:.3g} s"))
 
     def _on_reply(self, parts: list[Part]) -> None:
-        self._last_heard = time.monotonic()
-        if len(parts) < 2 or len(parts[0]) != _CALL_ID.size:
-            log.warning("%s: dropped a malformed reply (%d frames)", self.name, len(parts))
+        # Call ids are the 8 wire bytes themselves: no unpacking to match a reply.
+        fut = self._pending.pop(parts[0], None)
+        if fut is None:
+            self._unmatched(parts)
             return
-        (call_id,) = _CALL_ID.unpack(parts[0])
+        if fut.done():  # cancelled by its caller
+            return
+        if len(parts) < 2:
+            fut.set_exception(self._error_type(
+                "bad_reply", f"{self.name}: reply without a body (1 frame)"))
+            return
         try:
             reply = _reply_decoder.decode(parts[1])
         except msgspec.MsgspecError as exc:
             # ``bad_reply``, not ``bad_request``: the peer's answer is wrong, not our request
-            reply = m.ErrorReply(code="bad_reply", message=f"undecodable reply: {exc}")
-        if call_id == 0 and isinstance(reply, m.ErrorReply):
-            log.warning("%s: unmatched error reply: %s", self.name, reply.message)
-        fut = self._pending.get(call_id)
-        if fut is not None and not fut.done():
+            fut.set_exception(self._error_type("bad_reply",
+                                               f"{self.name}: undecodable reply: {exc}"))
+            return
+        if type(reply) is m.ErrorReply:
+            fut.set_exception(self._error_type(reply.code, f"{self.name}: {reply.message}"))
+        else:
             fut.set_result((reply, parts[2:]))
+
+    def _unmatched(self, parts: list[Part]) -> None:
+        """A reply no pending call waits for: late (timed out, cancelled), or malformed."""
+        if len(parts) < 2 or len(parts[0]) != _CALL_ID.size:
+            log.warning("%s: dropped a malformed reply (%d frames)", self.name, len(parts))
+        elif parts[0] == _NO_CALL_ID:
+            with contextlib.suppress(msgspec.MsgspecError):
+                reply = _reply_decoder.decode(parts[1])
+                if isinstance(reply, m.ErrorReply):
+                    log.warning("%s: unmatched error reply: %s", self.name, reply.message)
 
     async def _heartbeat_loop(self) -> None:
         while self._dead is None:
             await asyncio.sleep(self._hb_interval)
             with contextlib.suppress(RemoteError, PeerDeadError):
-                # Any reply refreshes _last_heard; the ping only guarantees there is traffic.
+                # Any reply refreshes the pump's last_received; the ping only guarantees
+                # there is traffic.
                 await self.call(m.Ping(), timeout_s=self._liveness)
-            silent_s = time.monotonic() - self._last_heard
+            silent_s = time.monotonic() - self._pump.last_received
             if silent_s > self._liveness and self._dead is None:
                 self._fail_all(
                     PeerDeadError(f"{self.name} ({self.address}) silent for {silent_s:.1f} s")
@@ -368,7 +423,9 @@ class RpcClient:
 
     def _fail_all(self, exc: PeerDeadError) -> None:
         self._dead = exc
-        for fut in self._pending.values():
+        self._deadlines.close()
+        pending, self._pending = self._pending, {}
+        for fut in pending.values():
             if not fut.done():
                 fut.set_exception(exc)
 

@@ -28,10 +28,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import struct
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
 import zmq
+from zmq.backend import zmq_poll
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +56,12 @@ BATCH_BODY_BYTES = 64 * 1024
 BATCH_BYTES = 1 << 20
 
 #: Parts at least this large are sent zero-copy (pyzmq's own copy_threshold default); smaller
-#: ones are copied, which is cheaper than the Frame object zero-copy needs.
+#: ones are copied, which is cheaper than the Frame object zero-copy needs. Kept by measurement
+#: (``benchmarks.rpc_overhead``, part ``send``, dev machine 2026-12-01): a zero-copy send's
+#: ``Frame`` is released through pyzmq's garbage-collector thread (an inproc message and the
+#: GIL per send), yet from 64 KiB up it costs the loop thread and the whole process no more
+#: CPU per MB than copying the part into ZeroMQ (zero-copy / copy: 0.55x / 0.81x at 64 KiB,
+#: 0.03x / 0.43x at 1 MiB: a batch envelope, already joined once, is not worth a second copy).
 _ZERO_COPY_BYTES = 64 * 1024
 
 _LEN = struct.Struct(">I")
@@ -68,9 +75,9 @@ MAX_BATCH_FRAME_BYTES = BATCH_BYTES + _ENTRY_HEAD + BATCH_BODY_BYTES
 _NOBLOCK = int(zmq.NOBLOCK)
 _SNDMORE = int(zmq.SNDMORE)
 _MORE_NOBLOCK = _NOBLOCK | _SNDMORE
-_EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
 _POLLOUT = int(zmq.POLLOUT)
+_POLLINOUT = _POLLIN | _POLLOUT
 
 
 class SocketPump:
@@ -115,8 +122,16 @@ class SocketPump:
         self._scheduled = False
         self._closed = False
         self.receiving = True
+        #: ``time.monotonic()`` when a message was last received (read once per wake-up that
+        #: received any, not per message); the pump's creation time before the first.
+        self.last_received = time.monotonic()
         self._is_router = sock.socket_type == zmq.ROUTER
         self._fd = sock.getsockopt(zmq.FD)
+        # The socket's EVENTS are read with a zero-timeout ``zmq_poll`` on it (which reads
+        # ZMQ_EVENTS inside libzmq, re-arming the descriptor the same way): pyzmq's
+        # ``getsockopt`` converts the option to its enum on every call, which cost ~1.5 us
+        # more per read on the dev machine (``benchmarks.rpc_overhead``'s ``events`` rows).
+        self._poll_items = [(sock, _POLLINOUT)]
         self._loop.add_reader(self._fd, self._pump)
         # Messages may have arrived before the reader was registered: look once.
         self._schedule()
@@ -175,7 +190,6 @@ class SocketPump:
         self._scheduled = False
         if self._closed:
             return
-        sock = self._sock
         try:
             while True:
                 if self._batches:
@@ -194,7 +208,8 @@ class SocketPump:
                 # after this read wakes the reader; anything already pending is handled here.
                 # The drain's last read is one (nothing touched the socket since).
                 if events < 0:
-                    events = sock.getsockopt(_EVENTS)
+                    ready = zmq_poll(self._poll_items, 0)
+                    events = ready[0][1] if ready else 0
                 if events & _POLLIN and self.receiving:
                     continue
                 if events & _POLLOUT and self._out:
@@ -216,11 +231,13 @@ class SocketPump:
         sock = self._sock
         handle = self._on_message
         ncopy = self._copy_parts
+        items = self._poll_items
         n = 0
         events = -1
         while n < RECV_BUDGET:
             # Asking first costs less than the zmq.Again exception an empty recv raises.
-            events = sock.getsockopt(_EVENTS)
+            ready = zmq_poll(items, 0)
+            events = ready[0][1] if ready else 0
             if not events & _POLLIN:
                 break
             try:
@@ -244,6 +261,8 @@ class SocketPump:
                     handle(parts)
             except Exception:  # one bad message must not stop the pump
                 log.exception("%s: handling a received message failed", self.name)
+        if n:
+            self.last_received = time.monotonic()
         return n, events
 
     def _unbatch(self, parts: list[Part]) -> None:

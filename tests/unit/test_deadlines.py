@@ -1,0 +1,113 @@
+"""``rollart.transport.deadlines``: a call expires no earlier than its timeout and at most one
+granularity later, with one armed timer however many calls are filed (fake clock, no sleeps)."""
+
+from __future__ import annotations
+
+import random
+import struct
+
+import pytest
+
+from rollart.transport.deadlines import DeadlineWheel
+
+
+class FakeTimer:
+    def __init__(self, loop: FakeLoop, when: float, callback) -> None:
+        self.loop, self.when, self.callback, self.cancelled = loop, when, callback, False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class FakeLoop:
+    """A clock advanced by hand; ``early_s`` runs timers that much before their time, as a real
+    loop may within its clock resolution."""
+
+    def __init__(self, early_s: float = 0.0) -> None:
+        self.now = 1000.0
+        self.early_s = early_s
+        self.timers: list[FakeTimer] = []
+
+    def time(self) -> float:
+        return self.now
+
+    def call_at(self, when: float, callback) -> FakeTimer:
+        timer = FakeTimer(self, when, callback)
+        self.timers.append(timer)
+        return timer
+
+    def armed(self) -> list[FakeTimer]:
+        return [t for t in self.timers if not t.cancelled]
+
+    def advance(self, dt: float) -> None:
+        self.now += dt
+        due = [t for t in self.armed() if t.when - self.early_s <= self.now]
+        for timer in due:
+            timer.cancelled = True  # a fired handle is spent
+            timer.callback()
+
+
+def _id(n: int) -> bytes:
+    return struct.pack(">Q", n)
+
+
+@pytest.mark.parametrize("early_s", [0.0, 0.004])
+def test_calls_expire_no_earlier_than_their_timeout_and_at_most_a_granularity_later(early_s):
+    loop = FakeLoop(early_s)
+    expired: dict[bytes, tuple[float, str, float]] = {}
+    wheel = DeadlineWheel(loop, lambda cid, kind, t: expired.setdefault(cid, (loop.now, kind, t)),
+                          granularity_s=0.1)
+    rng = random.Random(0)
+    filed: dict[bytes, tuple[float, float]] = {}
+    step = 0.003  # the largest clock step of this test
+    for n in range(1, 2001):
+        timeout = rng.choice([0.05, 0.3, 1.0, 2.5]) + rng.random() * 0.01
+        wheel.add(_id(n), "EnvStep", timeout)
+        filed[_id(n)] = (loop.now, timeout)
+        loop.advance(rng.random() * step)
+        assert len(loop.armed()) <= 1
+    while len(expired) < len(filed):
+        loop.advance(step)
+        assert len(loop.armed()) <= 1
+    for cid, (issued, timeout) in filed.items():
+        at, kind, given = expired[cid]
+        assert kind == "EnvStep" and given == timeout
+        late = at - issued - timeout
+        # The fake clock moves in steps of `step`: the bound holds up to one step.
+        assert 0 <= late <= wheel.granularity_s + step + 1e-9, (issued, timeout, at)
+    assert len(wheel) == 0 and not loop.armed()
+
+
+def test_an_earlier_deadline_rearms_the_one_timer_and_close_disarms_it():
+    loop = FakeLoop()
+    expired: list[bytes] = []
+    wheel = DeadlineWheel(loop, lambda cid, kind, t: expired.append(cid), granularity_s=0.1)
+    wheel.add(_id(1), "Generate", 600.0)
+    first = loop.armed()
+    assert len(first) == 1 and first[0].when >= loop.now + 600.0
+    wheel.add(_id(2), "Ping", 10.0)
+    (timer,) = loop.armed()
+    assert loop.now + 10.0 <= timer.when <= loop.now + 10.1
+    loop.advance(10.2)
+    assert expired == [_id(2)] and len(loop.armed()) == 1  # re-armed for the 600 s call
+    wheel.close()
+    assert not loop.armed() and len(wheel) == 0
+    loop.advance(1000.0)
+    assert expired == [_id(2)]
+
+
+def test_granularity_must_be_positive():
+    with pytest.raises(ValueError, match="granularity_s"):
+        DeadlineWheel(FakeLoop(), lambda *a: None, granularity_s=0.0)
+
+
+def test_an_infinite_timeout_never_expires_and_nan_is_refused():
+    loop = FakeLoop()
+    expired: list[bytes] = []
+    wheel = DeadlineWheel(loop, lambda cid, kind, t: expired.append(cid), granularity_s=0.1)
+    wheel.add(_id(1), "Generate", float("inf"))
+    assert len(wheel) == 0 and not loop.armed()
+    with pytest.raises(ValueError, match="NaN"):
+        wheel.add(_id(2), "Generate", float("nan"))
+    loop.advance(1e9)
+    assert expired == []

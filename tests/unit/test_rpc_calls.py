@@ -1,0 +1,156 @@
+"""What one in-flight RPC keeps alive and how it ends: no loop timer per call, no more
+GC-tracked objects than a Task awaiting a future, the same timeout error, a reply without a
+body failing its call only, and a cancelled call forgotten when its late reply comes."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import struct
+
+import msgspec
+import pytest
+import zmq
+
+from rollart.envhost.client import EnvClient
+from rollart.transport import messages as m
+from rollart.transport.errors import EnvError, RemoteError, RemoteTimeoutError
+from rollart.transport.rpc import RpcClient
+from rollart.transport.security import env_credentials
+
+
+class SilentPeer:
+    """A ROUTER that takes requests and answers only when told (no Python object per request:
+    what is counted in this process is the client's alone)."""
+
+    def __init__(self) -> None:
+        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        env_credentials().secure_server(self.sock)
+        self.sock.bind("tcp://127.0.0.1:*")
+        self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    async def requests(self, n: int) -> list[list[bytes]]:
+        """The first ``n`` requests, as ``[identity, call id, body]`` (batches unpacked)."""
+        out: list[list[bytes]] = []
+        while len(out) < n:
+            for _ in range(600):
+                try:
+                    frames = self.sock.recv_multipart(zmq.NOBLOCK)
+                    break
+                except zmq.Again:
+                    await asyncio.sleep(0.05)
+            else:
+                raise AssertionError(f"only {len(out)} of {n} requests arrived in 30 s")
+            if frames[1] != b"":
+                out.append(frames[:3])
+                continue
+            blob, pos = frames[2], 0
+            while pos < len(blob):
+                (length,) = struct.unpack_from(">I", blob, pos)
+                out.append([frames[0], blob[pos + 4:pos + 12], blob[pos + 12:pos + 12 + length]])
+                pos += 12 + length
+        return out
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+async def _park(fut: asyncio.Future) -> None:
+    await fut
+
+
+async def test_in_flight_calls_arm_no_timer_each_and_keep_no_more_than_a_future_await():
+    peer = SilentPeer()
+    client = EnvClient(peer.address, auth=env_credentials(), heartbeat_interval_s=0)
+    loop = asyncio.get_running_loop()
+    n = 500
+    try:
+        gc.collect()
+        base = len(gc.get_objects())
+        futures = [loop.create_future() for _ in range(n)]
+        parked = [loop.create_task(_park(f)) for f in futures]
+        await asyncio.sleep(0)
+        gc.collect()
+        floor = len(gc.get_objects()) - base
+        for f in futures:
+            f.set_result(None)
+        await asyncio.gather(*parked)
+        del futures, parked, f
+        gc.collect()
+        base = len(gc.get_objects())
+        timers0 = sum(type(o) is asyncio.TimerHandle for o in gc.get_objects())
+        held = [loop.create_task(client.step("s", str(i))) for i in range(n)]
+        await peer.requests(n)  # every request has left the client
+        gc.collect()
+        objects = gc.get_objects()
+        in_flight = len(objects) - base
+        timers = sum(type(o) is asyncio.TimerHandle for o in objects) - timers0
+        del objects
+        # One timer for the whole client (the deadline wheel), not one per call.
+        assert timers <= 1
+        # What a call keeps: its Task, coroutine, future and wake-up; nothing per call more.
+        assert in_flight <= floor + n // 10, (in_flight, floor)
+        for task in held:
+            task.cancel()
+        await asyncio.gather(*held, return_exceptions=True)
+    finally:
+        await client.close()
+        peer.close()
+
+
+async def test_a_timeout_raises_remote_timeout_error_with_the_same_message():
+    peer = SilentPeer()
+    client = RpcClient(peer.address, name="w0", auth=env_credentials(), heartbeat_interval_s=0)
+    try:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        with pytest.raises(RemoteTimeoutError) as err:
+            await client.call(m.EnvStep(session_id="s", action="a"), timeout_s=0.2)
+        assert loop.time() - t0 >= 0.2
+        assert str(err.value) == "[timeout] w0: no reply to EnvStep within 0.2 s"
+        assert err.value.code == "timeout"
+        assert not client._pending  # the expired call is forgotten
+    finally:
+        await client.close()
+        peer.close()
+
+
+async def test_a_reply_without_a_body_fails_that_call_only_and_late_replies_are_dropped():
+    peer = SilentPeer()
+    client = RpcClient(peer.address, name="w0", auth=env_credentials(), heartbeat_interval_s=0)
+    enc = msgspec.msgpack.encode
+    try:
+        bad = asyncio.ensure_future(client.submit(m.EnvClose(session_id="a"), timeout_s=60))
+        good = asyncio.ensure_future(client.submit(m.EnvClose(session_id="b"), timeout_s=60))
+        cancelled = client.submit(m.EnvClose(session_id="c"), timeout_s=60)
+        (ident, id_a, _), (_, id_b, _), (_, id_c, _) = await peer.requests(3)
+        cancelled.cancel()
+        peer.sock.send_multipart([ident, id_a])  # no body
+        peer.sock.send_multipart([ident, id_c, enc(m.Ack(detail="late"))])
+        peer.sock.send_multipart([ident, id_b, enc(m.Ack(detail="b"))])
+        with pytest.raises(RemoteError) as err:
+            await asyncio.wait_for(bad, 30)
+        assert err.value.code == "bad_reply" and "without a body" in err.value.message
+        reply, frames = await asyncio.wait_for(good, 30)
+        assert reply == m.Ack(detail="b") and frames == []
+        assert not client._pending and not client.dead
+    finally:
+        await client.close()
+        peer.close()
+
+
+async def test_env_client_raises_env_error_from_the_rpc_client_directly():
+    peer = SilentPeer()
+    client = EnvClient(peer.address, name="h0", auth=env_credentials(), heartbeat_interval_s=0)
+    try:
+        step = asyncio.ensure_future(client.step("s", "a", timeout_s=60))
+        ((ident, call_id, _),) = await peer.requests(1)
+        peer.sock.send_multipart([ident, call_id, msgspec.msgpack.encode(
+            m.ErrorReply(code="not_found", message="no session s"))])
+        with pytest.raises(EnvError) as err:
+            await asyncio.wait_for(step, 30)
+        assert err.value.code == "not_found" and err.value.message == "h0: no session s"
+    finally:
+        await client.close()
+        peer.close()
