@@ -29,9 +29,12 @@ Per N it reports:
   waits by design, not for the controller: the time it spent in ``wait_for_weights`` is taken
   out of its gap and reported apart (``weight_wait_turns``, ``weight_wait_share`` of the env ->
   generate gaps, ``weight_wait_p50_ms``).
-- ``lost_replies``: calls that ended in ``RemoteTimeoutError`` (generate 20 s, env 90 s) until
-  the generate calls open at the window's end have ended (they get their timeout + 15 s),
-  plus those still open then.
+- ``lost_replies``: calls whose reply never came: calls of the controller's two RPC clients
+  that ended in ``RemoteTimeoutError`` (generate 20 s, env 90 s, heartbeats included) less
+  those whose reply arrived after the timeout (``late_replies``: slow, e.g. read by a starved
+  loop, not lost; ``RpcClient.num_late_replies``), counted once the generate calls open at
+  the window's end have ended (they get their timeout + 15 s), plus those still open then.
+  ``timeouts``: all the calls that timed out, late replies included.
 - ``rss_bytes_per_traj`` / ``rss_bytes_per_token``: controller RSS growth (peak in the window
   minus before start) per trajectory / per context token of N trajectories;
   ``worker_rss_bytes_per_token``: the SIMULATED worker process's peak RSS per context token
@@ -105,7 +108,6 @@ from rollart.sim.models import QWEN3_8B
 from rollart.sim.trainer import SimTrainer
 from rollart.sim.workload import DomainTable, SimTokenizer, counter_rng
 from rollart.transport import messages as m
-from rollart.transport.errors import RemoteTimeoutError
 from rollart.transport.security import create_key_file, load_key_file
 
 NAME = "controller_overhead"
@@ -134,12 +136,11 @@ FULL = (Size(1000, 32768, 8, 150.0, 30.0), Size(10_000, 32768, 8, 180.0, 40.0),
 
 
 class Calls:
-    """Controller-side record of the backends' calls: start times, timeouts, open calls."""
+    """Controller-side record of the backends' calls: turns started, open calls, sessions."""
 
     def __init__(self) -> None:
         #: generate calls started (the turn count)
         self.num_gens = 0
-        self.timeouts = 0
         self.open: dict[int, str] = {}  # id of the call's coroutine -> "gen" / "env"
         self.session_traj: dict[str, str] = {}
         #: trajectory id -> (start, end) of each wait for new weights (a ``wait`` verdict)
@@ -169,9 +170,6 @@ class Calls:
         self.open[key] = kind
         try:
             return await coro
-        except RemoteTimeoutError:
-            self.timeouts += 1
-            raise
         finally:
             del self.open[key]
             if self.draining:
@@ -439,6 +437,9 @@ async def _drive(size: Size, args: Namespace, worker_addr: str, env_addr: str, s
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(calls.ended.wait(), deadline - time.monotonic())
         stuck = len(pending & calls.open.keys())
+        rpcs = (client._rpc, env._rpc)
+        timeouts = sum(c.num_timeouts for c in rpcs)
+        late = sum(c.num_late_replies for c in rpcs)
     finally:
         trainer_task.cancel()
         await asyncio.gather(trainer_task, return_exceptions=True)
@@ -467,7 +468,8 @@ async def _drive(size: Size, args: Namespace, worker_addr: str, env_addr: str, s
             "cpu_us_per_turn_ci95": _ratio_ci95(sub_cpu, sub_turns, seed),
             "cpu_share_of_core": (cpu1 - cpu0) / (t1 - t0),
             "loop_thread_cpu_us_per_turn": 1e6 * (loop_cpu1 - loop_cpu0) / max(1, turns),
-            "lost_replies": calls.timeouts + stuck, "timeouts": calls.timeouts,
+            "lost_replies": timeouts - late + stuck, "timeouts": timeouts,
+            "late_replies": late,
             "stuck_calls": stuck, "failed": dict(stats.failed),
             "rss_mb": peak / 2**20,
             "rss_bytes_per_traj": rss_delta / n,

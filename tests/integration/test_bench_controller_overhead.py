@@ -17,6 +17,7 @@ def test_one_small_size_reports_every_figure() -> None:
     row = co._one_size(co.Size(64, 1024, 2, 25.0, 5.0), seed=0, gc_policy="tuned")
     assert row["turns"] > 0 and row["cpu_us_per_turn"] > 0
     assert row["lost_replies"] == 0 and row["failed"] == {}
+    assert row["timeouts"] >= row["late_replies"] >= 0
     # Both kinds of backend reply -> next request gap were matched across the processes.
     assert row["added_latency_samples"] > 0
     assert 0 <= row["added_latency_p50_ms"] <= row["added_latency_p99_ms"]

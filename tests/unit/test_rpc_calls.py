@@ -140,6 +140,63 @@ async def test_a_reply_without_a_body_fails_that_call_only_and_late_replies_are_
         peer.close()
 
 
+async def test_timed_out_calls_are_counted_and_a_late_reply_is_told_from_a_lost_one():
+    peer = SilentPeer()
+    client = RpcClient(peer.address, name="w0", auth=env_credentials(), heartbeat_interval_s=0)
+    enc = msgspec.msgpack.encode
+    try:
+        slow = client.submit(m.EnvClose(session_id="slow"), timeout_s=0.2)
+        lost = client.submit(m.EnvClose(session_id="lost"), timeout_s=0.2)
+        cancelled = client.submit(m.EnvClose(session_id="c"), timeout_s=60)
+        (ident, id_slow, _), (_, _id_lost, _), (_, id_c, _) = await peer.requests(3)
+        for fut in (slow, lost):
+            with pytest.raises(RemoteTimeoutError):
+                await fut
+        cancelled.cancel()
+        assert (client.num_timeouts, client.num_late_replies) == (2, 0)
+        # the slow call's reply comes after its timeout; a cancelled call's reply is no
+        # timed-out call's; the lost call's reply never comes
+        peer.sock.send_multipart([ident, id_c, enc(m.Ack(detail="cancelled"))])
+        peer.sock.send_multipart([ident, id_slow, enc(m.Ack(detail="late"))])
+        peer.sock.send_multipart([ident, id_slow, enc(m.Ack(detail="twice"))])  # not again
+        ping = client.submit(m.Ping(), timeout_s=60)
+        (_, id_ping, _), = await peer.requests(1)
+        peer.sock.send_multipart([ident, id_ping, enc(m.Ack(detail="after"))])
+        await asyncio.wait_for(ping, 30)  # replies arrive in order: the late ones are read
+        assert (client.num_timeouts, client.num_late_replies) == (2, 1)
+        assert client.num_timeouts - client.num_late_replies == 1  # the lost reply
+    finally:
+        await client.close()
+        peer.close()
+
+
+async def test_late_reply_memory_is_bounded_oldest_first(monkeypatch):
+    from rollart.transport import rpc
+
+    monkeypatch.setattr(rpc, "LATE_REPLY_MEMORY", 2)
+    peer = SilentPeer()
+    client = RpcClient(peer.address, name="w0", auth=env_credentials(), heartbeat_interval_s=0)
+    enc = msgspec.msgpack.encode
+    try:
+        futs = [client.submit(m.EnvClose(session_id=str(i)), timeout_s=0.2) for i in range(3)]
+        reqs = await peer.requests(3)
+        for fut in futs:
+            with pytest.raises(RemoteTimeoutError):
+                await fut
+        assert len(client._expired) == 2  # the first id was forgotten
+        ident = reqs[0][0]
+        for _, call_id, _ in reqs:
+            peer.sock.send_multipart([ident, call_id, enc(m.Ack(detail="late"))])
+        ping = client.submit(m.Ping(), timeout_s=60)
+        (_, id_ping, _), = await peer.requests(1)
+        peer.sock.send_multipart([ident, id_ping, enc(m.Ack(detail="after"))])
+        await asyncio.wait_for(ping, 30)
+        assert (client.num_timeouts, client.num_late_replies) == (3, 2)
+    finally:
+        await client.close()
+        peer.close()
+
+
 async def test_env_client_raises_env_error_from_the_rpc_client_directly():
     peer = SilentPeer()
     client = EnvClient(peer.address, name="h0", auth=env_credentials(), heartbeat_interval_s=0)

@@ -55,6 +55,9 @@ Handler = Callable[[Any, list[memoryview]], Awaitable[HandlerResult]]
 
 _CALL_ID = struct.Struct(">Q")
 _NO_CALL_ID = _CALL_ID.pack(0)
+#: Timed-out calls an ``RpcClient`` remembers to count their late replies (8-byte ids: at
+#: most ~1.5 MiB with the dict's overhead); older ones are forgotten first.
+LATE_REPLY_MEMORY = 16_384
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(m.Request)
 _reply_decoder = msgspec.msgpack.Decoder(m.Reply)
@@ -280,6 +283,13 @@ class RpcClient:
     client, then in ZeroMQ) until the server takes them, however many are outstanding. A
     call's timeout fires no earlier than ``timeout_s`` and at most ``EXPIRY_GRANULARITY_S``
     (0.1 s) later (one deadline wheel per client instead of a loop timer per call).
+
+    Counters (since creation): ``num_timeouts``, calls that ended in ``RemoteTimeoutError``;
+    ``num_late_replies``, replies that arrived for one of those after its timeout (the reply
+    was slow, not lost: e.g. a starved event loop read it too late). A timed-out call whose
+    reply never comes is a lost reply: ``num_timeouts - num_late_replies`` once every late
+    reply had time to arrive. The ids of the last ``LATE_REPLY_MEMORY`` timed-out calls are
+    remembered to recognise their replies.
     """
 
     def __init__(
@@ -306,6 +316,10 @@ class RpcClient:
         self._pending: dict[bytes, asyncio.Future] = {}
         self._ids = itertools.count(1)
         self._deadlines = DeadlineWheel(self._loop, self._expire)
+        self.num_timeouts = 0
+        self.num_late_replies = 0
+        # call id -> None, oldest first: the timed-out calls whose replies may still come
+        self._expired: dict[bytes, None] = {}
         self._dead: PeerDeadError | None = None
         self._hb_interval = heartbeat_interval_s
         self._liveness = liveness_timeout_s
@@ -371,6 +385,11 @@ class RpcClient:
     def _expire(self, call_id: bytes, kind: str, timeout: float) -> None:
         fut = self._pending.pop(call_id, None)
         if fut is not None and not fut.done():
+            self.num_timeouts += 1
+            expired = self._expired
+            if len(expired) >= LATE_REPLY_MEMORY:
+                del expired[next(iter(expired))]
+            expired[call_id] = None
             fut.set_exception(RemoteTimeoutError(
                 f"{self.name}: no reply to {kind} within {timeout:.3g} s"))
 
@@ -402,6 +421,8 @@ class RpcClient:
         """A reply no pending call waits for: late (timed out, cancelled), or malformed."""
         if len(parts) < 2 or len(parts[0]) != _CALL_ID.size:
             log.warning("%s: dropped a malformed reply (%d frames)", self.name, len(parts))
+        elif self._expired.pop(parts[0], False) is None:
+            self.num_late_replies += 1
         elif parts[0] == _NO_CALL_ID:
             with contextlib.suppress(msgspec.MsgspecError):
                 reply = _reply_decoder.decode(parts[1])
