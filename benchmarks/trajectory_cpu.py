@@ -31,7 +31,12 @@ in both), alternating which goes first. Each child measures:
 - ``gc_objects_per_traj``: GC-tracked objects (``len(gc.get_objects())`` after
   ``gc.collect()``) held per running trajectory: every admitted trajectory parked in its first
   env step (where a real trajectory spends its time, the env's latency), measured at two
-  in-flight counts; the slope cancels what does not grow with trajectories.
+  in-flight counts; the slope cancels what does not grow with trajectories;
+- ``held_bytes_per_prompt_token``: memory the same parked trajectories hold, per trajectory and
+  per prompt token (``tracemalloc`` of everything allocated from before the controller starts
+  to the parked state, slope over the two in-flight counts, divided by ``CONTEXT``): the
+  per-token arrays of a running trajectory (issue 11's <= 16 bytes per held token), the
+  prompt's other copies (the worker stand-in keeps none) included.
 
 Ratios (before / after, per repeat, paired) are the mean over repeats with a Student-t 95%
 interval (``benchmarks.common.ci95``). The machine is a noisy shared VM: thread CPU, not wall
@@ -254,6 +259,34 @@ async def _parked_objects(n: int, seed: int) -> tuple[int, int]:
         await controller.close()
 
 
+async def _parked_bytes(n: int, seed: int) -> tuple[int, int]:
+    """(bytes traced by ``tracemalloc`` and still held, trajectories parked) with ``n``
+    admitted trajectories parked in their first env step."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        hold = asyncio.Event()
+        controller, counts = _controller(n // 2, 1, 2, seed, hold)
+        await controller.start()
+        stepping = asyncio.create_task(controller.step())
+        try:
+            for _ in range(100_000):
+                await asyncio.sleep(0)
+                if counts[1] >= n and controller.num_running >= n:
+                    break
+            gc.collect()
+            return tracemalloc.get_traced_memory()[0] - base, counts[1]
+        finally:
+            stepping.cancel()
+            await asyncio.gather(stepping, return_exceptions=True)
+            hold.set()
+            await controller.close()
+    finally:
+        tracemalloc.stop()
+
+
 def _completion_us(seed: int) -> float:
     import array
 
@@ -291,6 +324,10 @@ async def _measure(n_inflight: int, steps: int, seed: int) -> dict[str, Any]:
     a, pa = await _parked_objects(half, seed)
     b, pb = await _parked_objects(n_inflight, seed)
     out["gc_objects_per_traj"] = (b - a) / max(1, pb - pa)
+    await _parked_bytes(half, seed)  # one-time allocations (caches, lazy imports) not counted
+    a, pa = await _parked_bytes(half, seed)
+    b, pb = await _parked_bytes(n_inflight, seed)
+    out["held_bytes_per_prompt_token"] = (b - a) / max(1, pb - pa) / CONTEXT
     out["completion_us"] = _completion_us(seed)
     return out
 
@@ -317,7 +354,7 @@ def _run_child(src: Path, n: int, steps: int, seed: int) -> dict[str, Any]:
 
 
 FIGURES = ("loop_cpu_us_per_turn", "loop_cpu_us_per_traj", "completion_us",
-           "gc_objects_per_traj", "gc_pause_us_per_traj")
+           "gc_objects_per_traj", "gc_pause_us_per_traj", "held_bytes_per_prompt_token")
 
 
 def run(quick: bool, seed: int, baseline: str, repeats: int) -> dict[str, Any]:

@@ -31,3 +31,22 @@ def test_parked_trajectories_hold_few_gc_objects() -> None:
         return (b - a) / (pb - pa)
 
     assert uvloop.run(slope()) <= MAX_OBJECTS_PER_TRAJ
+
+
+#: a parked trajectory's memory per prompt token: 4 bytes of token id + 1 of loss mask (its
+#: logprobs and versions are kept for generated tokens only), plus the arrays' headroom
+#: (1/16) and what does not scale with the prompt (a few KiB over 16k tokens); it was 13+
+#: with full-length logprob and version arrays
+MAX_BYTES_PER_PROMPT_TOKEN = 6.0
+
+
+def test_parked_trajectories_hold_five_bytes_per_prompt_token() -> None:
+    async def slope() -> float:
+        await bench._parked_bytes(16, 0)  # one-time allocations (caches, lazy imports)
+        a, pa = await bench._parked_bytes(16, 0)
+        b, pb = await bench._parked_bytes(32, 0)
+        assert (pa, pb) == (16, 32)
+        return (b - a) / (pb - pa) / bench.CONTEXT
+
+    per_token = uvloop.run(slope())
+    assert 5.0 <= per_token <= MAX_BYTES_PER_PROMPT_TOKEN, per_token

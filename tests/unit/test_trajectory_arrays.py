@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import array
 
-from rollart.controller.trajectory import _as_i32, _filled
+import pytest
+
+from rollart.controller.trajectory import _as_i32, _filled, spread_generated
 
 
 def test_filled_holds_n_copies_and_room_for_the_turns() -> None:
@@ -26,3 +28,15 @@ def test_as_i32_reads_bytes_and_typed_buffers_in_place() -> None:
     assert _as_i32(raw).tolist() == [5, -1, 7]
     assert _as_i32(memoryview(array.array("i", [1, 2]))).tolist() == [1, 2]
     assert _as_i32(b"").tolist() == []
+
+
+def test_spread_generated_puts_the_generated_tokens_values_in_place() -> None:
+    mask = array.array("b", [0, 0, 1, 1, 0, 0, 1])
+    lps = array.array("f", [-0.5, -0.25, -1.0]).tobytes()
+    versions = bytearray(array.array("i", [3, 3, 4]).tobytes())
+    full_lps, full_versions = spread_generated(mask, lps, versions)
+    assert full_lps.typecode == "f" and full_versions.typecode == "i"
+    assert full_lps.tolist() == [0.0, 0.0, -0.5, -0.25, 0.0, 0.0, -1.0]
+    assert full_versions.tolist() == [-1, -1, 3, 3, -1, -1, 4]
+    with pytest.raises(ValueError, match="3 generated tokens in the loss mask but 2 logprobs"):
+        spread_generated(mask, lps[:8], versions)
