@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rollart.config import Scenario, load_scenario
+from rollart.config import Scenario, in_file, load_scenario
 from rollart.controller.loophealth import freeze_startup_objects, tune_gc
 from rollart.launcher.procs import ProcessFailedError
 from rollart.launcher.progress import Progress
@@ -95,7 +95,7 @@ async def _drive(scenario: Scenario, run_dir: Path, cache_dir: Path | None, plan
                  start_step: int, resume: bool, started: float, *,
                  scenario_dir: Path | None = None, insecure: bool = False,
                  key_file: Path | None = None, checkpoint_on_interrupt: bool = False,
-                 cluster: str | None = None) -> int:
+                 cluster: str | None = None, source: str = "<scenario>") -> int:
     from rollart.launcher.local import open_cluster
 
     progress = Progress(scenario, planned)
@@ -130,7 +130,7 @@ async def _drive(scenario: Scenario, run_dir: Path, cache_dir: Path | None, plan
         async with open_cluster(
             scenario, run_dir=run_dir, cache_dir=cache_dir, resume=resume, steps=planned,
             on_note=progress.note, started=started, insecure=insecure, key_file=key_file,
-            scenario_dir=scenario_dir,
+            scenario_dir=scenario_dir, source=source,
             cluster=cluster,
         ) as opened:
             return await _train(opened, start_step, planned, progress, stop)
@@ -217,9 +217,9 @@ def main(argv: list[str] | None = None) -> int:
                                scenario_dir=args.scenario.parent,
                                insecure=args.insecure, key_file=args.key_file,
                                checkpoint_on_interrupt=args.checkpoint_on_interrupt,
-                               cluster=args.cluster))
-    except ConfigError as exc:
-        print(f"rollart run: config error: {exc}", file=sys.stderr)
+                               cluster=args.cluster, source=str(args.scenario)))
+    except ConfigError as exc:  # found once the run starts: still about the scenario's fields
+        print(f"rollart run: config error: {in_file(str(args.scenario), exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("rollart run: interrupted; every process was stopped", file=sys.stderr)
