@@ -31,16 +31,18 @@ from benchmarks.common import emit
 QUICK_STEPS = 3
 
 
-def train(scenario: Any, run_dir: Path, cache_dir: Path) -> list[dict[str, Any]]:
+def train(scenario: Any, run_dir: Path, cache_dir: Path,
+          source: str | None = None) -> list[dict[str, Any]]:
     """Train ``scenario.run.steps`` steps of a validated ``rollart.config.Scenario`` on real
     services; one dict per step (``benchmarks.real_engine.run_mode``'s rows: seconds of wall
-    clock, token counts). Raises what ``open_cluster`` raises (ConfigError,
-    ProcessFailedError, ...), and SystemExit(143) after stopping the cluster on SIGTERM
-    (``rollart.launcher.sigterm``)."""
+    clock, token counts). ``source``: the scenario file a ConfigError about the scenario's
+    fields names (e.g. a ``model.path`` that is no checkpoint). Raises what ``open_cluster``
+    raises (ConfigError, ProcessFailedError, ...), and SystemExit(143) after stopping the
+    cluster on SIGTERM (``rollart.launcher.sigterm``)."""
     from benchmarks.real_engine import run_mode
     from rollart.launcher.sigterm import run_stopping_on_sigterm
 
-    return run_stopping_on_sigterm(run_mode(scenario, run_dir, cache_dir))
+    return run_stopping_on_sigterm(run_mode(scenario, run_dir, cache_dir, source))
 
 
 def mean_after_first(steps: list[dict[str, Any]], key: str) -> float:

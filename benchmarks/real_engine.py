@@ -164,13 +164,16 @@ def ensure_model(kind: str, cache_dir: Path) -> Path:
 # ------------------------------------------------------------------ 1. rollart vs sync
 
 
-async def run_mode(scenario: Any, run_dir: Path, cache_dir: Path) -> list[dict[str, Any]]:
+async def run_mode(scenario: Any, run_dir: Path, cache_dir: Path,
+                   source: str | None = None) -> list[dict[str, Any]]:
     """Train ``scenario.run.steps`` steps through ``open_cluster``; one row per step (seconds
-    of wall clock, token counts). Raises whatever the cluster raises (ProcessFailedError, ...)."""
+    of wall clock, token counts). ``source``: the scenario file a ConfigError names. Raises
+    whatever the cluster raises (ConfigError, ProcessFailedError, ...)."""
     from rollart.launcher.local import open_cluster
 
     rows = []
-    async with open_cluster(scenario, run_dir=run_dir, cache_dir=cache_dir) as cluster:
+    async with open_cluster(scenario, run_dir=run_dir, cache_dir=cache_dir,
+                            source=source) as cluster:
         async for step in cluster.train(steps=scenario.run.steps):
             m = step.metrics
             rows.append({

@@ -273,3 +273,14 @@ def test_in_file_prefixes_the_file_once() -> None:
     assert str(in_file("a.toml", ConfigError("model.path: x"))) == "a.toml: model.path: x"
     named = ConfigError("a.toml: run.steps: y")
     assert in_file("a.toml", named) is named
+
+
+def test_a_scenario_benchmark_names_the_file_of_a_bad_model_path(tmp_path: Path, capsys) -> None:
+    from benchmarks import modes
+
+    sc = tmp_path / "remote_model.toml"
+    sc.write_text(_runnable(MINIMAL.read_text()) + '\n[model]\npath = "/nonexistent/model"\n')
+    with pytest.raises(SystemExit) as exited:
+        modes.main(["--scenario", str(sc), "--quick", "--cache-dir", str(tmp_path / "cache")])
+    assert exited.value.code == 2
+    assert f"{sc}: model.path: /nonexistent/model is not a local" in capsys.readouterr().err
