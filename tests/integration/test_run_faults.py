@@ -156,11 +156,12 @@ def test_interrupt_kill_resume_and_worker_loss_train_every_sample_once(tmp_path,
 
     1. ``--checkpoint-on-interrupt``: Ctrl-C finishes the step, checkpoints it (only the
        interrupt checkpoints: ``checkpoint_every = 0``) and exits 130;
-    2. ``--resume``, then kill -9 of the launcher a step past that checkpoint: no clean-up of
-       its own, and still no process outlives it; that step's records are forgotten below;
-    3. ``--resume`` to the end; after its first step one of the two workers dies: it is taken
-       out of its pool, its turns re-routed, its vLLM children die with it, and the run finishes
-       every step (as a fresh run losing it after step 1 would).
+    2. ``--resume`` from it with a checkpoint every step, then kill -9 of the launcher once it
+       has written its first checkpoint: no clean-up of its own, and still no process
+       outlives it;
+    3. ``--resume`` from that checkpoint to the end; after its first step one of the two
+       workers dies: it is taken out of its pool, its turns re-routed, its vLLM children die
+       with it, and the run finishes every step (as a fresh run losing it after step 1 would).
 
     Across the three: every step recorded once, every sample trained once (none lost, none
     twice), the checkpoint's completed-but-untrained samples restored, no failed trajectory,
@@ -168,6 +169,7 @@ def test_interrupt_kill_resume_and_worker_loss_train_every_sample_once(tmp_path,
     update, the resumed runs' included."""
     out = tmp_path / "run"
     scenario = _scenario(tmp_path, single_pool=True, workers=2, checkpoint_every=0)
+    latest = out / "checkpoints" / "latest"
 
     # 1. Ctrl-C with --checkpoint-on-interrupt.
     launcher = _start_and_wait_for_step(
@@ -178,31 +180,42 @@ def test_interrupt_kill_resume_and_worker_loss_train_every_sample_once(tmp_path,
     assert launcher.returncode == 130, output[-3000:]
     done = len(_jsonl(out / "metrics.jsonl"))
     assert 1 <= done < 6
-    checkpoint = out / "checkpoints" / f"step_{done:06d}"
-    assert (out / "checkpoints" / "latest").read_text().strip() == checkpoint.name
-    assert f"checkpoint saved: {checkpoint}" in output
-    held_at_ckpt = _held(checkpoint)
-    last = done + 3
-    resume = _rollart(scenario, "--resume", str(out), "--steps", str(last), "--cache-dir",
+    assert latest.read_text().strip() == f"step_{done:06d}"
+    assert f"checkpoint saved: {out / 'checkpoints' / f'step_{done:06d}'}" in output
+    last = done + 4
+    every_step = tmp_path / "every_step" / "scenario.toml"  # the same run, checkpoint_every 1
+    every_step.parent.mkdir()
+    every_step.write_text(scenario.read_text().replace("checkpoint_every = 0",
+                                                       "checkpoint_every = 1"))
+    resume = _rollart(every_step, "--resume", str(out), "--steps", str(last), "--cache-dir",
                       str(cache_dir))
 
-    # 2. kill -9 of the launcher one step past the checkpoint.
-    launcher = _start_and_wait_for_step(resume, out, done + 1)
+    # 2. kill -9 of the launcher at its first checkpoint.
+    launcher = subprocess.Popen(resume, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+    deadline = time.monotonic() + 900
+    while latest.read_text().strip() != f"step_{done + 1:06d}":
+        assert launcher.poll() is None, launcher.stdout.read()[-3000:]
+        assert time.monotonic() < deadline, f"no checkpoint at step {done + 1}"
+        time.sleep(0.2)
     launcher.send_signal(signal.SIGKILL)  # no clean-up of its own: children die with it
     launcher.communicate(timeout=900)
     assert_no_process_mentions(out)
-    assert (out / "checkpoints" / "latest").read_text().strip() == checkpoint.name
+    checkpoint = out / "checkpoints" / latest.read_text().strip()
+    resumed = int(checkpoint.name.removeprefix("step_"))
+    assert done < resumed <= last - 2  # a step to run before the worker dies, one after
+    held_at_ckpt = _held(checkpoint)
 
     # 3. Resume to the end; one of the two workers dies after the first step.
     launcher = subprocess.Popen(resume, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True)
     _wait_for_services(launcher)
-    # The killed run's step past the checkpoint is forgotten.
-    assert [r["step"] for r in _jsonl(out / "metrics.jsonl")] == list(range(1, done + 1))
+    # Records of the killed run past its checkpoint (if any) are forgotten.
+    assert [r["step"] for r in _jsonl(out / "metrics.jsonl")] == list(range(1, resumed + 1))
     deadline = time.monotonic() + 900
-    while len(_jsonl(out / "metrics.jsonl")) < done + 1:
+    while len(_jsonl(out / "metrics.jsonl")) < resumed + 1:
         assert launcher.poll() is None, launcher.stdout.read()[-3000:]
-        assert time.monotonic() < deadline, f"no step {done + 1}"
+        assert time.monotonic() < deadline, f"no step {resumed + 1}"
         time.sleep(0.2)
     pid = _service_pid(out, "worker-reasoning-0")
     assert pid in descendants(launcher.pid)  # the resumed run's worker, not a leftover
