@@ -179,7 +179,7 @@ def run_on_scenario(path: Path, quick: bool, seed: int, *, num_seeds: int, cache
         for sd in seeds:
             variant = scenario_for_mode(sc, "rollart", seed=sd,
                                         steps=steps_for(quick, base, args))
-            steps = train(variant, run_dir / f"{layout}-{sd}", cache_dir)
+            steps = train(variant, run_dir / f"{layout}-{sd}", cache_dir, str(path))
             times.setdefault(layout, []).append(mean_after_first(steps, "step_time_s"))
             rows.append({"layout": layout,
                          **{f"workers_{p.name}": p.num_workers for p in sc.pools},

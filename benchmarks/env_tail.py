@@ -124,7 +124,8 @@ def run_on_scenario(path: Path, quick: bool, seed: int, *, num_seeds: int, cache
             for mode in ("sync", "sync_plus"):
                 sc, remote = with_env_latency(base, mode=mode, std_s=std, mean_s=args.env_mean_s,
                                               seed=sd, steps=steps_for(quick, base, args))
-                got[mode] = train(sc, run_dir / f"{mode}-std{std:g}-{sd}", cache_dir)
+                got[mode] = train(sc, run_dir / f"{mode}-std{std:g}-{sd}", cache_dir,
+                                  str(path))
             sync, plus = got["sync"], got["sync_plus"]
             speedup = (mean_after_first(sync, "rollout_time_s")
                        / mean_after_first(plus, "rollout_time_s"))

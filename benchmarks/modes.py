@@ -139,7 +139,7 @@ def run_on_scenario(path: Path, quick: bool, seed: int, *, num_seeds: int, cache
         times = {}
         for mode in MODES:
             sc = scenario_for_mode(base, mode, seed=sd, steps=steps_for(quick, base, args))
-            steps = train(sc, run_dir / f"{mode}-{sd}", cache_dir)
+            steps = train(sc, run_dir / f"{mode}-{sd}", cache_dir, str(path))
             times[mode] = mean_after_first(steps, "step_time_s")
             rows.append({"scenario": path.name, "mode": mode, "step_time_s": times[mode],
                          "rollout_time_s": mean_after_first(steps, "rollout_time_s")})

@@ -19,11 +19,9 @@ first weight version). Same table and JSON as the simulated run (``"simulated": 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import signal
 import statistics
 import tempfile
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,36 +31,18 @@ from benchmarks.common import emit
 QUICK_STEPS = 3
 
 
-def train(scenario: Any, run_dir: Path, cache_dir: Path) -> list[dict[str, Any]]:
+def train(scenario: Any, run_dir: Path, cache_dir: Path,
+          source: str | None = None) -> list[dict[str, Any]]:
     """Train ``scenario.run.steps`` steps of a validated ``rollart.config.Scenario`` on real
     services; one dict per step (``benchmarks.real_engine.run_mode``'s rows: seconds of wall
-    clock, token counts). Raises what ``open_cluster`` raises (ConfigError,
-    ProcessFailedError, ...), and SystemExit(143) after stopping the cluster on SIGTERM."""
+    clock, token counts). ``source``: the scenario file a ConfigError about the scenario's
+    fields names (e.g. a ``model.path`` that is no checkpoint). Raises what ``open_cluster``
+    raises (ConfigError, ProcessFailedError, ...), and SystemExit(143) after stopping the
+    cluster on SIGTERM (``rollart.launcher.sigterm``)."""
     from benchmarks.real_engine import run_mode
+    from rollart.launcher.sigterm import run_stopping_on_sigterm
 
-    return run_stopping_on_sigterm(run_mode(scenario, run_dir, cache_dir))
-
-
-def run_stopping_on_sigterm(coro: Coroutine[Any, Any, Any]) -> Any:
-    """``asyncio.run(coro)``, but SIGTERM (``timeout``, a scheduler) cancels ``coro`` so its
-    ``async with open_cluster(...)`` stops every service it started, as Ctrl-C does, then
-    raises SystemExit(143); without this the process dies at once and its services outlive
-    it. Must run in the main thread."""
-
-    async def main() -> Any:
-        loop = asyncio.get_running_loop()
-        task = asyncio.current_task()
-        assert task is not None
-        loop.add_signal_handler(signal.SIGTERM, task.cancel)
-        try:
-            return await coro
-        finally:
-            loop.remove_signal_handler(signal.SIGTERM)
-
-    try:
-        return asyncio.run(main())
-    except asyncio.CancelledError:
-        raise SystemExit(128 + signal.SIGTERM) from None
+    return run_stopping_on_sigterm(run_mode(scenario, run_dir, cache_dir, source))
 
 
 def mean_after_first(steps: list[dict[str, Any]], key: str) -> float:

@@ -25,6 +25,8 @@ checkpoint (``--model warm``; SFT on solver demonstrations, ~40 s to build on 2 
 time, then cached in ``--cache-dir``), so that games last several turns; ``--model random`` uses
 the randomly initialised one (no build cost, but its games end at the first, malformed, turn).
 All processes share this machine's cores: the numbers are wall-clock and depend on its load.
+SIGTERM (e.g. from ``timeout``) stops every engine and process it started, then exits with
+status 143 (``rollart.launcher.sigterm``).
 """
 
 from __future__ import annotations
@@ -162,13 +164,16 @@ def ensure_model(kind: str, cache_dir: Path) -> Path:
 # ------------------------------------------------------------------ 1. rollart vs sync
 
 
-async def run_mode(scenario: Any, run_dir: Path, cache_dir: Path) -> list[dict[str, Any]]:
+async def run_mode(scenario: Any, run_dir: Path, cache_dir: Path,
+                   source: str | None = None) -> list[dict[str, Any]]:
     """Train ``scenario.run.steps`` steps through ``open_cluster``; one row per step (seconds
-    of wall clock, token counts). Raises whatever the cluster raises (ProcessFailedError, ...)."""
+    of wall clock, token counts). ``source``: the scenario file a ConfigError names. Raises
+    whatever the cluster raises (ConfigError, ProcessFailedError, ...)."""
     from rollart.launcher.local import open_cluster
 
     rows = []
-    async with open_cluster(scenario, run_dir=run_dir, cache_dir=cache_dir) as cluster:
+    async with open_cluster(scenario, run_dir=run_dir, cache_dir=cache_dir,
+                            source=source) as cluster:
         async for step in cluster.train(steps=scenario.run.steps):
             m = step.metrics
             rows.append({
@@ -428,11 +433,14 @@ async def _run(args: argparse.Namespace, run_dir: Path) -> tuple[list[dict], dic
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    from rollart.launcher.sigterm import run_stopping_on_sigterm
+
     args = parse_args(argv)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="rollart-real-engine-") as tmp:
         run_dir = args.run_dir or Path(tmp)
-        rows, ratios = asyncio.run(_run(args, run_dir))
+        # SIGTERM (`timeout`, a scheduler) stops every engine and worker before exiting 143.
+        rows, ratios = run_stopping_on_sigterm(_run(args, run_dir))
     notes = (f"measured wall clock on {os.cpu_count()} cores; model={args.model}; "
              f"step_time: steps={args.steps} (first skipped), batch={args.batch_size}, "
              f"env latency lognormal mean {args.latency_mean_s} s std {args.latency_std_s} s; "

@@ -4,8 +4,11 @@
 Each benchmark runs in its own process and writes ``DIR/NAME.json``; a summary of every ratio
 is printed and written to ``DIR/summary.json`` with, per benchmark, its wall seconds, the CPU
 seconds (user + system) of its process tree and the 1-minute load average before and after, so
-that a time measured on a shared machine can be read against what else ran. Exit status 1 if
-any benchmark failed.
+that a time measured on a shared machine can be read against what else ran, and each ratio's
+95% interval where the benchmark's JSON has one (``ci95``). On a terminal the summary is a
+table; written to a file or pipe (a log, CI) it is one line per figure
+(``NAME  FIGURE = VALUE  95% CI [LOW, HIGH]``), never wrapped. Exit status 1 if any benchmark
+failed.
 
 Sets (``SETS``; ``--only`` picks any names instead):
 
@@ -123,26 +126,71 @@ def main(argv: list[str] | None = None) -> int:
                        "load1_after": _load1(), "command": " ".join(cmd[1:])}
         if status == "ok" and out.exists():
             res = json.loads(out.read_text())
-            entry.update(simulated=res["simulated"], ratios=res["ratios"])
+            entry.update(simulated=res["simulated"], ratios=res["ratios"],
+                         ci95=intervals(res))
         else:
             failed.append(name)
         summary[name] = entry
+    if sys.stdout.isatty():
+        console.print(summary_table(summary))
+    else:
+        print("\n".join(summary_lines(summary)), flush=True)
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return 1 if failed else 0
+
+
+def intervals(res: dict) -> dict[str, list[float]]:
+    """A benchmark result's 95% intervals by ratio name, those it has (one measurement gives
+    ``[null, null]``: left out)."""
+    return {k: ci for k, ci in (res.get("ci95") or {}).items()
+            if isinstance(ci, list) and len(ci) == 2 and None not in ci}
+
+
+def _ratio_text(key: str, value: object, ci: list[float] | None) -> str:
+    text = f"{key} = {value:.3g}" if isinstance(value, float) else f"{key} = {value}"
+    return text + (f"  95% CI [{ci[0]:.3g}, {ci[1]:.3g}]" if ci else "")
+
+
+def _totals(summary: dict[str, dict]) -> tuple[str, str]:
+    timed = [e for e in summary.values() if "wall_s" in e]
+    return (f"{sum(e['wall_s'] for e in timed):.1f}", f"{sum(e['cpu_s'] for e in timed):.1f}")
+
+
+def summary_lines(summary: dict[str, dict]) -> list[str]:
+    """The summary one figure per line (for a log): per benchmark its status and costs, then
+    each ratio with its 95% interval when it has one; then the totals."""
+    lines = []
+    for name, entry in summary.items():
+        head = f"{name}  status = {entry['status']}"
+        if "wall_s" in entry:
+            head += (f"  wall_s = {entry['wall_s']}  cpu_s = {entry['cpu_s']}  load1 = "
+                     f"{entry['load1_before']}-{entry['load1_after']}")
+        if "simulated" in entry:
+            head += f"  simulated = {entry['simulated']}"
+        lines.append(head)
+        cis = entry.get("ci95", {})
+        lines += [f"{name}  {_ratio_text(k, v, cis.get(k))}"
+                  for k, v in entry.get("ratios", {}).items()]
+    wall, cpu = _totals(summary)
+    lines.append(f"total  wall_s = {wall}  cpu_s = {cpu}")
+    return lines
+
+
+def summary_table(summary: dict[str, dict]) -> Table:
+    """The summary as a rich table (for a terminal); ratios with their 95% intervals."""
     table = Table(title="rollart benchmarks")
     for col in ("benchmark", "status", "simulated", "wall_s", "cpu_s", "load", "ratios"):
         table.add_column(col)
     for name, entry in summary.items():
-        ratios = "\n".join(f"{k}: {v:.3g}" if isinstance(v, float) else f"{k}: {v}"
+        cis = entry.get("ci95", {})
+        ratios = "\n".join(_ratio_text(k, v, cis.get(k))
                            for k, v in entry.get("ratios", {}).items())
         table.add_row(name, entry["status"], str(entry.get("simulated", "")),
                       str(entry.get("wall_s", "")), str(entry.get("cpu_s", "")),
                       f"{entry.get('load1_before', '')}-{entry.get('load1_after', '')}"
                       if "wall_s" in entry else "", ratios)
-    timed = [e for e in summary.values() if "wall_s" in e]
-    table.add_row("total", "", "", f"{sum(e['wall_s'] for e in timed):.1f}",
-                  f"{sum(e['cpu_s'] for e in timed):.1f}", "", "")
-    console.print(table)
-    (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    return 1 if failed else 0
+    table.add_row("total", "", "", *_totals(summary), "", "")
+    return table
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import time
+from pathlib import Path
 
 from rollart.launcher.procs import proc_stat
 
@@ -31,3 +33,26 @@ def descendants(pid: int) -> set[int]:
                 found.add(child)
                 todo.append(child)
     return alive(found)
+
+
+def processes_mentioning(text: str) -> list[str]:
+    """``"pid: cmdline"`` of every other process whose command line contains ``text``."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if text in cmd:
+            found.append(f"{pid}: {cmd[:200]}")
+    return found
+
+
+def assert_no_process_mentions(out: Path, timeout_s: float = 30.0) -> None:
+    """No process names `out` (a run's children exit as the launcher returns: polled)."""
+    deadline = time.monotonic() + timeout_s
+    while processes_mentioning(str(out)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert processes_mentioning(str(out)) == []

@@ -355,29 +355,6 @@ def test_token_path_keeps_intervals_in_ci95_not_among_its_ratios() -> None:
         assert lo <= res["ratios"][key] <= hi, key
 
 
-def test_sigterm_stops_a_scenario_run_through_its_cleanup() -> None:
-    import asyncio
-    import os
-    import signal
-
-    from benchmarks.on_scenario import run_stopping_on_sigterm
-
-    cleaned: list[str] = []
-
-    async def fake_cluster_run() -> None:  # FakeClusterRun: what open_cluster's exit would do
-        try:
-            os.kill(os.getpid(), signal.SIGTERM)
-            await asyncio.sleep(60)
-        finally:
-            cleaned.append("services stopped")
-
-    with pytest.raises(SystemExit) as stopped:
-        run_stopping_on_sigterm(fake_cluster_run())
-    assert stopped.value.code == 143 and cleaned == ["services stopped"]
-    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # handler removed again
-    assert run_stopping_on_sigterm(asyncio.sleep(0, result=7)) == 7
-
-
 def test_a_size_option_a_benchmark_does_not_use_is_refused() -> None:
     from benchmarks import common
 

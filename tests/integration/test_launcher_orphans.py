@@ -137,3 +137,74 @@ def test_stop_all_kills_children_left_by_a_dead_service(tmp_path: Path):
         await _wait_gone({child})
 
     asyncio.run(main())
+
+
+#: A service that starts a child ignoring SIGTERM in its own process group, then idles: only a
+#: stop of the whole group (``Supervisor.stop_all``) ends that child; the service's
+#: parent-death signal does not reach it.
+SERVICE_WITH_CHILD = (
+    "import signal, subprocess, sys, time\n"
+    "subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+    "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)'])\n"
+    "ready = sys.argv[sys.argv.index('--ready-file') + 1]\n"
+    "open(ready, 'w').write('here')\n"
+    "time.sleep(600)\n")
+
+#: ``benchmarks.real_engine``'s own ``main`` in a process of its own, its workload (engines
+#: and workers under a ``Supervisor``) replaced by one real service tree so no engine starts.
+REAL_ENGINE_MAIN = """
+import asyncio, sys
+from pathlib import Path
+
+from benchmarks import real_engine
+from rollart.launcher.procs import Supervisor
+
+
+async def service_tree(args, run_dir):
+    sup = Supervisor(run_dir)
+    try:
+        await sup.start("svc", [sys.executable, sys.argv[2]])
+        print("started", flush=True)
+        await asyncio.sleep(3600)
+    finally:
+        await sup.stop_all(timeout_s=60.0, grace_s=1.0)
+    return [], {}
+
+
+if __name__ == "__main__":
+    real_engine._run = service_tree
+    real_engine.main(["--run-dir", sys.argv[1]])
+"""
+
+
+def test_sigterm_to_real_engine_stops_every_process_it_started(tmp_path: Path):
+    """``timeout`` / a scheduler SIGTERMs the benchmark: it stops its services' whole process
+    groups (``rollart.launcher.sigterm``) and exits 143, leaving no process behind."""
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[2]
+    (tmp_path / "svc.py").write_text(SERVICE_WITH_CHILD)
+    (tmp_path / "bench.py").write_text(REAL_ENGINE_MAIN)
+    path = os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])  # for `benchmarks`
+    bench = subprocess.Popen(
+        [sys.executable, str(tmp_path / "bench.py"), str(tmp_path / "run"),
+         str(tmp_path / "svc.py")], cwd=repo, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONPATH": path})
+    family: set[int] = set()
+    try:
+        assert bench.stdout is not None
+        output = bench.stdout.readline()  # "started" once the service is ready (EOF: it died)
+        assert output.strip() == "started", output + bench.stdout.read()[-3000:]
+        family = descendants(bench.pid)
+        assert len(family) >= 2, [_cmdline(p) for p in family]  # the service and its child
+        bench.send_signal(signal.SIGTERM)
+        output += bench.communicate(timeout=300)[0]
+        asyncio.run(_wait_gone(family))
+        assert bench.returncode == 143, output[-3000:]
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait()
+        for pid in alive(family):  # a failed check leaves no process behind either
+            os.kill(pid, signal.SIGKILL)

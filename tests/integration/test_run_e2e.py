@@ -1,11 +1,10 @@
 """`rollart run` end to end on the tiny model: every process real (vLLM workers, env host,
-reward service, trainer, controller); outputs, clean shutdown, and exactly-once across a kill
-and resume."""
+reward service, trainer, controller); outputs, clean shutdown, SIGTERM. Exactly-once across a
+kill -9 of the launcher and a resume: ``test_run_faults`` (its runs share one run folder)."""
 
 from __future__ import annotations
 
 import json
-import os
 import signal
 import stat
 import subprocess
@@ -14,11 +13,11 @@ import time
 from pathlib import Path
 
 import pytest
-from proctree import alive, descendants
-from short_run import SHORT_RUN, eager, one_pool
+from proctree import alive, assert_no_process_mentions, descendants
+from short_run import SHORT_RUN
 
 # A run starts 5 processes (two vLLM engines): on the loaded 2-core machine their start-up alone
-# took 8 minutes once, past the suite's 600 s default; the kill / resume test starts two runs.
+# took 8 minutes once, past the suite's 600 s default.
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800)]
 
 SCENARIO = SHORT_RUN  # the compiled engines: test_short_run_writes_metrics_and_stops_every_process
@@ -41,28 +40,6 @@ def _rollart(*args: str, scenario: Path = SCENARIO) -> list[str]:
     return [sys.executable, "-m", "rollart.cli", "run", str(scenario), *args]
 
 
-def _processes_mentioning(text: str) -> list[str]:
-    found = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if text in cmd:
-            found.append(f"{pid}: {cmd[:200]}")
-    return found
-
-
-def _assert_no_process_mentions(out: Path, timeout_s: float = 30.0) -> None:
-    """No process names `out` (a run's children exit as the launcher returns: polled)."""
-    deadline = time.monotonic() + timeout_s
-    while _processes_mentioning(str(out)) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert _processes_mentioning(str(out)) == []
-
-
 def _jsonl(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
@@ -72,7 +49,7 @@ def test_short_run_writes_metrics_and_stops_every_process(tmp_path, cache_dir):
     torchrun and the collective (vLLM weight-transfer engine, gloo) path on CPU: one run for
     what the outputs, the pools, the transfer and the ranks each need (a cluster start-up is
     most of a run). The default transfer (zmq) with a one-process trainer under `rollart run`:
-    `test_kill_and_resume_trains_every_sample_exactly_once`."""
+    `test_run_faults.test_interrupt_kill_resume_and_worker_loss_train_every_sample_once`."""
     scenario = tmp_path / "gloo.toml"
     scenario.write_text(SCENARIO.read_text() + '\nweight_transfer = "gloo"\nnum_processes = 2\n')
     out = tmp_path / "run"
@@ -126,7 +103,7 @@ def test_short_run_writes_metrics_and_stops_every_process(tmp_path, cache_dir):
     key = out / "keys" / "run.key_secret"
     assert stat.S_IMODE(key.stat().st_mode) == 0o600
     assert stat.S_IMODE(key.parent.stat().st_mode) == 0o700
-    _assert_no_process_mentions(out)  # no orphans, torchrun's ranks included
+    assert_no_process_mentions(out)  # no orphans, torchrun's ranks included
 
 
 def test_config_error_names_file_and_field_before_any_process(tmp_path):
@@ -137,63 +114,6 @@ def test_config_error_names_file_and_field_before_any_process(tmp_path):
     assert proc.returncode == 2
     assert "bad.toml" in proc.stderr and "run.batch_size" in proc.stderr
     assert not (tmp_path / "run" / "logs").exists()
-
-
-def test_kill_and_resume_trains_every_sample_exactly_once(tmp_path, cache_dir):
-    out = tmp_path / "run"
-    # One pool: what is checked is the resume, not the pools (one engine fewer per run).
-    eager_toml = tmp_path / "eager.toml"
-    eager_toml.write_text(one_pool(eager(SCENARIO.read_text())))
-    launcher = subprocess.Popen(_rollart("--out", str(out), "--steps", "4", "--cache-dir",
-                                         str(cache_dir), scenario=eager_toml),
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    marker = out / "checkpoints" / "latest"
-    deadline = time.monotonic() + 900
-    while not (marker.exists() and marker.read_text().strip() == "step_000002"):
-        assert launcher.poll() is None, launcher.stdout.read()[-3000:]
-        assert time.monotonic() < deadline, "no checkpoint at step 2"
-        time.sleep(0.2)
-    launcher.send_signal(signal.SIGKILL)  # no clean-up of its own: children die with it
-    launcher.wait()
-    _assert_no_process_mentions(out)
-
-    held_at_ckpt = {
-        slot["sample"]["sample_id"]: slot["min_version"]
-        for g in json.loads((out / "checkpoints" / "step_000002" / "controller.json")
-                            .read_text())["controller"]["buffer"]["groups"]
-        for slot in g["slots"] if slot and slot["state"] == "held"
-    }
-    proc = subprocess.run(_rollart("--resume", str(out), "--steps", "4", "--cache-dir",
-                                   str(cache_dir), scenario=eager_toml),
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    trained = _jsonl(out / "trained_samples.jsonl")
-    assert [t["step"] for t in trained] == [1, 2, 3, 4]
-    ids = [i for t in trained for i in t["sample_ids"]]
-    assert len(ids) == len(set(ids)) == 32  # no sample trained twice
-    final = json.loads((out / "checkpoints" / "step_000004" / "controller.json").read_text())
-    still_held = {
-        slot["sample"]["sample_id"]
-        for g in final["controller"]["buffer"]["groups"]
-        for slot in g["slots"] if slot and slot["state"] == "held"
-    }
-    # Completed-but-untrained samples at the checkpoint were restored, not lost: each one was
-    # trained after the resume, is still held, or became too stale to train (alpha = 1; the
-    # last batch trained at version 3) and was dropped as stale, which the buffer counts.
-    for sample_id, min_version in held_at_ckpt.items():
-        assert sample_id in ids or sample_id in still_held or min_version < 3 - 1, sample_id
-    rows = _jsonl(out / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    # The default transfer (zmq) and a one-process trainer: the engine agrees with the trainer
-    # after every update, the resumed run's included.
-    for r in rows:
-        assert r["logprob_mismatch_by_worker"] and r["disagreeing_workers"] == []
-        assert max(r["logprob_mismatch_by_worker"].values()) < 1e-2, r
-    # A resume at the end of the planned steps runs nothing and says so.
-    again = subprocess.run(_rollart("--resume", str(out), "--steps", "4", scenario=eager_toml),
-                           capture_output=True,
-                           text=True, timeout=120)
-    assert again.returncode == 0 and "nothing to run" in again.stdout
 
 
 def test_sigterm_during_start_up_stops_every_process(tmp_path, cache_dir):

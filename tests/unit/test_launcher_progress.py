@@ -34,7 +34,7 @@ def scenario():
 
 def test_progress_rows_show_the_lag_p99() -> None:
     progress = Progress(scenario(), 2)
-    progress.console = Console(record=True, width=200)
+    progress.console, progress.tty = Console(record=True, width=200), True  # the table
     progress.step(1, metrics(1, 12.345))
     progress.step(2, metrics(2, None))
     text = progress.console.export_text()
@@ -56,5 +56,27 @@ def test_progress_redirected_to_a_file_keeps_every_column(capsys) -> None:
     progress = Progress(scenario(), 2)
     progress.step(1, metrics(1, 7.0))
     out = capsys.readouterr().out
-    for col in ("abort", "fail", "waste", "lag p99 ms"):
+    for col in ("abort=0", "fail=0", "waste=-", "lag_p99_ms=7.0"):
         assert col in out
+
+
+def test_progress_in_a_log_is_key_value_words_under_100_columns(capsys) -> None:
+    long_names = [f"domain_with_a_long_name_{i}" for i in range(6)]
+    sc = parse_scenario(SCENARIO.read_text(), str(SCENARIO))
+    progress = Progress(sc, 12)
+    progress.domains = long_names
+    m = msgspec.structs.replace(
+        metrics(3, None), reward_mean_by_domain={n: 0.25 for n in long_names[:5]},
+        num_generated_tokens=100, buffer_generated_tokens=100, wasted_tokens=41,
+        wasted_tokens_by_reason={"stale": 38, "redundancy": 3}, num_aborted=2, num_failed=1)
+    progress.step(3, m)
+    lines = capsys.readouterr().out.splitlines()
+    step_lines = lines[lines.index(next(x for x in lines if x.startswith("step=3/12"))):]
+    assert len(step_lines) > 1 and all(len(x) < 100 for x in step_lines)
+    assert all(x.startswith("    ") for x in step_lines[1:])  # continuation lines indented
+    words = " ".join(step_lines).split()
+    assert {"step=3/12", "ver=3", "reward=0.500", "rollout_s=1.0", "train_s=0.5",
+            "sync_s=0.00", "stale=1", "abort=2", "fail=1", "waste=41%(stale:38,red:3)",
+            "lag_p99_ms=-"} <= set(words)
+    assert {f"reward.{n}=0.250" for n in long_names[:5]} | {f"reward.{long_names[5]}=-"} \
+        <= set(words)

@@ -87,3 +87,48 @@ def test_summary_records_wall_cpu_and_load(tmp_path: Path,
     assert entry["load1_before"] >= 0.0 and entry["load1_after"] >= 0.0
     (total,) = [line for line in capsys.readouterr().out.splitlines() if "total" in line]
     assert f"{entry['wall_s']:.1f}" in total and f"{entry['cpu_s']:.1f}" in total
+
+
+LONG = "rollart vs sync_plus, step time, env latency long tail (std 4 s), Qwen3-8B, 5 seeds"
+
+
+class FakeBenchmarkRun:
+    """Stands in for a benchmark's process: writes its JSON (two ratios, one with a 95%
+    interval, one a single measurement) where ``--json`` says."""
+
+    returncode = 0
+
+    def __call__(self, cmd: list[str], **_: object) -> FakeBenchmarkRun:
+        out = Path(cmd[cmd.index("--json") + 1])
+        out.write_text(json.dumps({
+            "benchmark": out.stem, "simulated": True, "rows": [],
+            "ratios": {LONG: 1.2345, "one measurement": 0.5},
+            "ci95": {LONG: [1.1, 1.4], "one measurement": [None, None]}}))
+        return self
+
+
+def test_summary_in_a_log_is_one_line_per_figure_with_its_interval(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(run_all.subprocess, "run", FakeBenchmarkRun())
+    assert run_all.main(["--out", str(tmp_path), "--only", "pd", "modes"]) == 0
+    lines = capsys.readouterr().out.splitlines()  # captured: not a terminal
+    for name in ("pd", "modes"):
+        assert f"{name}  {LONG} = 1.23  95% CI [1.1, 1.4]" in lines
+        assert f"{name}  one measurement = 0.5" in lines  # no interval: none printed
+        (head,) = [x for x in lines if x.startswith(f"{name}  status = ok")]
+        assert "wall_s = " in head and "cpu_s = " in head and "simulated = True" in head
+    assert [x for x in lines if x.startswith("total  wall_s = ")]
+    entry = json.loads((tmp_path / "summary.json").read_text())["pd"]
+    assert entry["ci95"] == {LONG: [1.1, 1.4]}
+
+
+def test_summary_table_on_a_terminal_shows_the_intervals() -> None:
+    from rich.console import Console
+
+    summary = {"pd": {"status": "ok", "wall_s": 1.0, "cpu_s": 0.5, "load1_before": 1.0,
+                      "load1_after": 1.2, "simulated": True, "ratios": {"x": 2.0},
+                      "ci95": {"x": [1.5, 2.5]}}}
+    console = Console(record=True, width=200)
+    console.print(run_all.summary_table(summary))
+    assert "x = 2  95% CI [1.5, 2.5]" in console.export_text()

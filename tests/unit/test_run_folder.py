@@ -222,3 +222,65 @@ def test_wandb_requested_but_not_installed_is_a_config_error(tmp_path: Path, mon
     sc = parse_scenario(MINIMAL.read_text() + "\n[output]\nwandb = true\ntensorboard = false\n")
     with pytest.raises(rundir.ConfigError, match="output.wandb"):
         rundir.RunFolder(tmp_path, sc)
+
+
+def _runnable(text: str) -> str:
+    """MINIMAL plus an env host: what ``rollart run``'s preflight asks for."""
+    return text + '\n[[env_hosts]]\nname = "envs"\n'
+
+
+def _run_cli(argv: list[str], monkeypatch) -> int:
+    from rollart.launcher import run
+
+    monkeypatch.setattr(run, "tune_gc", lambda: None)  # leave this process's GC as it is
+    monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    return cli(["run", *argv])
+
+
+def test_run_names_file_field_and_value_of_a_model_path_that_is_no_checkpoint(
+        tmp_path: Path, capsys, monkeypatch) -> None:
+    sc = tmp_path / "remote_model.toml"
+    sc.write_text(_runnable(MINIMAL.read_text()) + '\n[model]\npath = "/nonexistent/model"\n')
+    assert _run_cli([str(sc), "--out", str(tmp_path / "run")], monkeypatch) == 2
+    err = capsys.readouterr().err
+    assert f"{sc}: model.path: /nonexistent/model is not a local" in err, err
+    assert not (tmp_path / "run" / "logs").exists()  # nothing started
+
+
+def test_run_and_validate_name_the_file_of_a_key_others_can_read(
+        tmp_path: Path, capsys, monkeypatch) -> None:
+    from rollart.transport.security import create_key_file
+
+    key = create_key_file(tmp_path / "keys")
+    key.chmod(0o644)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")  # resolve_model checks no more; nothing loads it
+    sc = tmp_path / "keyed.toml"
+    sc.write_text(_runnable(MINIMAL.read_text()).replace("[run]", f'[run]\nkey_file = "{key}"', 1)
+                  + f'\n[model]\npath = "{model}"\n')
+    assert cli(["validate", str(sc), "--quiet"]) == 2
+    assert f"{sc}: key file {key}" in capsys.readouterr().err
+    assert _run_cli([str(sc), "--out", str(tmp_path / "run")], monkeypatch) == 2
+    err = capsys.readouterr().err
+    assert f"{sc}: key file {key}" in err, err
+    assert not (tmp_path / "run" / "logs").exists()
+
+
+def test_in_file_prefixes_the_file_once() -> None:
+    from rollart.config import ConfigError, in_file
+
+    assert str(in_file("a.toml", ConfigError("model.path: x"))) == "a.toml: model.path: x"
+    named = ConfigError("a.toml: run.steps: y")
+    assert in_file("a.toml", named) is named
+
+
+def test_a_scenario_benchmark_names_the_file_of_a_bad_model_path(tmp_path: Path, capsys) -> None:
+    from benchmarks import modes
+
+    sc = tmp_path / "remote_model.toml"
+    sc.write_text(_runnable(MINIMAL.read_text()) + '\n[model]\npath = "/nonexistent/model"\n')
+    with pytest.raises(SystemExit) as exited:
+        modes.main(["--scenario", str(sc), "--quick", "--cache-dir", str(tmp_path / "cache")])
+    assert exited.value.code == 2
+    assert f"{sc}: model.path: /nonexistent/model is not a local" in capsys.readouterr().err

@@ -55,6 +55,7 @@ __all__ = [
     "Scenario",
     "TrainerConfig",
     "WorkerChecksConfig",
+    "in_file",
     "load_scenario",
     "parse_scenario",
     "scenario_to_json",
@@ -99,6 +100,14 @@ def load_scenario(path: str | Path) -> Scenario:
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read scenario: {exc.strerror or exc}") from None
     return parse_scenario(data, str(path))
+
+
+def in_file(source: str, exc: ConfigError) -> ConfigError:
+    """``exc`` as an error naming the scenario file ``source``: its message prefixed with
+    ``"source: "`` unless it already starts so (errors found after loading, e.g. a
+    ``model.path`` that is not a local checkpoint, name only the field)."""
+    text = str(exc)
+    return exc if text.startswith(f"{source}:") else ConfigError(f"{source}: {text}")
 
 
 def scenario_to_json(scenario: Scenario) -> bytes:

@@ -34,7 +34,13 @@ from collections.abc import AsyncIterator, Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
-from rollart.config import RewardServiceConfig, Scenario, load_scenario, scenario_to_json
+from rollart.config import (
+    RewardServiceConfig,
+    Scenario,
+    in_file,
+    load_scenario,
+    scenario_to_json,
+)
 from rollart.launcher.peers import PeerLoss
 from rollart.launcher.placement import parse_cluster
 from rollart.launcher.procs import ProcessFailedError, Supervisor
@@ -150,7 +156,8 @@ async def open_cluster(scenario: str | Path | Scenario, *, run_dir: str | Path |
                        insecure: bool = False,
                        key_file: str | Path | None = None,
                        cluster: str | None = None,
-                       scenario_dir: str | Path | None = None) -> AsyncIterator[Any]:
+                       scenario_dir: str | Path | None = None,
+                       source: str | None = None) -> AsyncIterator[Any]:
     """Start ``scenario``'s local services and yield a (not yet started) ``Cluster`` whose
     steps are written to ``run_dir`` (``rollart.launcher.rundir``).
 
@@ -184,9 +191,12 @@ async def open_cluster(scenario: str | Path | Scenario, *, run_dir: str | Path |
             ``Scenario`` (a scenario file's own directory otherwise; default: the working
             directory). Its ``REWARDS`` / ``ENVS`` are registered with ``rewards`` / ``envs``
             (``rollart.launcher.localmodule``).
+        source: the scenario's file name for error messages when ``scenario`` is a
+            ``Scenario`` read from a file (``rollart run`` passes it); default: the file given
+            as ``scenario``, else ``"<scenario>"``.
     Raises:
         ConfigError: bad scenario, or ``resume`` without a checkpoint (before any process
-            starts).
+            starts); an error about the scenario names ``source`` first.
         ProcessFailedError: a service failed to start or died during the block.
     """
     from transformers import AutoConfig, AutoTokenizer
@@ -203,7 +213,7 @@ async def open_cluster(scenario: str | Path | Scenario, *, run_dir: str | Path |
     from rollart.reward.client import RewardClient
     from rollart.trainer.client import TrainerClient
 
-    source = "<scenario>"
+    source = source or "<scenario>"
     if not isinstance(scenario, Scenario):
         source = str(scenario)
         scenario_dir = Path(scenario).parent
@@ -213,19 +223,28 @@ async def open_cluster(scenario: str | Path | Scenario, *, run_dir: str | Path |
     preflight(scenario, source, local_envs=set(envs))
     ray_address = parse_cluster(cluster)
     if ray_address is not None and (insecure or scenario.run.insecure):
-        raise ConfigError("--cluster ray: services bind their nodes' network addresses, so the "
-                          "run's CURVE key is required (drop --insecure / run.insecure)")
+        raise ConfigError(f"{source}: --cluster ray: services bind their nodes' network "
+                          "addresses, so the run's CURVE key is required (drop --insecure / "
+                          "run.insecure)")
     started = time.time() if started is None else started
     run_dir = Path(run_dir) if run_dir else Path("runs") / f"driver-{time.strftime('%Y%m%d-%H%M%S')}"
     point = rundir.resume_point(run_dir) if resume else None
-    model_dir = resolve_model(scenario, Path(cache_dir) if cache_dir else default_cache_dir())
+    # Errors below are about the scenario's fields (model.path, output.wandb, run.key_file,
+    # services started by hand): the message names its file.
+    try:
+        model_dir = resolve_model(scenario, Path(cache_dir) if cache_dir else default_cache_dir())
+    except ConfigError as exc:
+        raise in_file(source, exc) from None
     rundir.prepare(run_dir, point[1].step if point else None)
     (run_dir / "config.json").write_bytes(scenario_to_json(scenario))
     note = on_note or (lambda _text: None)
-    folder = rundir.RunFolder(run_dir, scenario, final_step=steps or scenario.run.steps,
-                              started=started)
+    try:
+        folder = rundir.RunFolder(run_dir, scenario, final_step=steps or scenario.run.steps,
+                                  started=started)
+        keyed = run_auth(scenario, run_dir, insecure=insecure, key_file=key_file)
+    except ConfigError as exc:
+        raise in_file(source, exc) from None
     folder.on_note = note
-    keyed = run_auth(scenario, run_dir, insecure=insecure, key_file=key_file)
     auth = keyed.auth
 
     if ray_address is None:
@@ -245,7 +264,10 @@ async def open_cluster(scenario: str | Path | Scenario, *, run_dir: str | Path |
         note(f"starting services (logs: {run_dir / 'logs'})")
         rc = scenario.reward
         # Tokens first: a missing token variable / file fails before any process starts.
-        service_token, token_file, endpoint_tokens = _reward_tokens(scenario, run_dir)
+        try:
+            service_token, token_file, endpoint_tokens = _reward_tokens(scenario, run_dir)
+        except ConfigError as exc:
+            raise in_file(source, exc) from None
         addrs = await start_services(sup, scenario, model_dir,
                                      trainer_resume=point[0] if point else None,
                                      auth_argv=keyed.argv,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import textwrap
 from typing import Any
 
 from rich.console import Console
@@ -18,13 +19,16 @@ class Progress:
     (exposed) seconds, max staleness, aborted and failed trajectories, the share of the
     step's generated tokens wasted, by reason (``stale``, ``redundancy``, ...), and the
     controller's event-loop lag p99 (ms; ``-`` when not monitored).
+
+    On a terminal a row is a table row; written to a file or pipe (a log) it is the same
+    numbers as ``key=value`` words wrapped under ``LOG_WIDTH`` columns (:func:`log_lines`):
+    a table as wide as every column would not fit a log viewer, and rich at its assumed 80
+    columns would drop the last columns.
     """
 
     def __init__(self, scenario: Scenario, planned_steps: int) -> None:
-        # Redirected to a file or pipe, rich assumes 80 columns and drops the table's last
-        # columns (waste, lag); a log has no width to respect.
-        tty = sys.stdout.isatty()
-        self.console = Console(highlight=False, width=None if tty else _LOG_WIDTH)
+        self.tty = sys.stdout.isatty()
+        self.console = Console(highlight=False, width=None if self.tty else LOG_WIDTH)
         self.domains = [d.name for d in scenario.domains]
         self.planned = planned_steps
         run = scenario.run
@@ -37,6 +41,10 @@ class Progress:
         self.console.print(f"[dim]{text}[/dim]")
 
     def step(self, step: int, metrics: Any) -> None:
+        if not self.tty:
+            for line in log_lines(step, self.planned, self.domains, metrics):
+                self.console.print(line, markup=False, soft_wrap=True)
+            return
         table = Table(show_header=not self._header_printed, box=None, pad_edge=False)
         for col in ["step", "ver", "reward", *self.domains, "rollout s", "train s", "sync s",
                     "stale", "abort", "fail", "waste", "lag p99 ms"]:
@@ -57,8 +65,27 @@ class Progress:
         self.console.rule()
 
 
-#: Columns of a progress row written to a file or pipe (enough for every column and ~6 domains).
-_LOG_WIDTH = 240
+#: Columns of the output written to a file or pipe (a log).
+LOG_WIDTH = 100
+
+
+def log_lines(step: int, planned: int, domains: list[str], metrics: Any) -> list[str]:
+    """One step's progress as ``key=value`` words (the table row's numbers, a domain's reward
+    as ``reward.NAME``), wrapped at spaces under :data:`LOG_WIDTH` columns, continuation lines
+    indented; a word longer than a line (a long domain name) is kept whole."""
+    by_domain = metrics.reward_mean_by_domain
+    lag = metrics.loop_lag_p99_ms
+    words = [f"step={step}/{planned}", f"ver={metrics.policy_version}",
+             f"reward={metrics.reward_mean:.3f}",
+             *[f"reward.{d}={by_domain[d]:.3f}" if d in by_domain else f"reward.{d}=-"
+               for d in domains],
+             f"rollout_s={metrics.rollout_time_s:.1f}", f"train_s={metrics.train_time_s:.1f}",
+             f"sync_s={metrics.weight_sync_exposed_s:.2f}", f"stale={metrics.staleness_max}",
+             f"abort={metrics.num_aborted}", f"fail={metrics.num_failed}",
+             f"waste={_waste_word(metrics)}",
+             f"lag_p99_ms={'-' if lag is None else f'{lag:.1f}'}"]
+    return textwrap.wrap(" ".join(words), width=LOG_WIDTH - 1, subsequent_indent="    ",
+                         break_long_words=False, break_on_hyphens=False)
 
 
 def waste_text(metrics: Any) -> str:
@@ -72,6 +99,13 @@ def waste_text(metrics: Any) -> str:
     parts += [f"{_SHORT.get(k, k)} {100 * v / generated:.0f}"
               for k, v in sorted(by_reason.items(), key=lambda kv: -kv[1])]
     return " ".join(parts)
+
+
+def _waste_word(metrics: Any) -> str:
+    """:func:`waste_text` as one word: ``"41%(stale:38,red:3)"``."""
+    head, *rest = waste_text(metrics).split(" ")
+    pairs = [f"{k}:{v}" for k, v in zip(rest[::2], rest[1::2], strict=True)]
+    return head + (f"({','.join(pairs)})" if pairs else "")
 
 
 _SHORT = {"redundancy": "red", "unselected": "unsel", "shutdown": "shut"}

@@ -34,11 +34,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rollart.config import Scenario, load_scenario
+from rollart.config import Scenario, in_file, load_scenario
 from rollart.controller.loophealth import freeze_startup_objects, tune_gc
 from rollart.launcher.procs import ProcessFailedError
 from rollart.launcher.progress import Progress
 from rollart.launcher.rundir import resume_point, write_summary
+from rollart.launcher.sigterm import Terminated, sigterm_cancels
 from rollart.transport.errors import ConfigError, RollartError
 
 log = logging.getLogger("rollart.run")
@@ -71,10 +72,6 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-class Terminated(Exception):
-    """The launcher got SIGTERM; every process was stopped."""
-
-
 class Interrupted(Exception):
     """``--checkpoint-on-interrupt``: a signal stopped the run after a checkpoint of step
     ``step`` at ``path`` (``signum``: the signal)."""
@@ -95,48 +92,42 @@ async def _drive(scenario: Scenario, run_dir: Path, cache_dir: Path | None, plan
                  start_step: int, resume: bool, started: float, *,
                  scenario_dir: Path | None = None, insecure: bool = False,
                  key_file: Path | None = None, checkpoint_on_interrupt: bool = False,
-                 cluster: str | None = None) -> int:
+                 cluster: str | None = None, source: str = "<scenario>") -> int:
     from rollart.launcher.local import open_cluster
 
     progress = Progress(scenario, planned)
     stop = StopRequest()
-    # SIGTERM (e.g. `timeout`, a scheduler) stops the run as Ctrl-C does: every service's whole
-    # process group is stopped, vLLM's engine-core children included. Without this the default
-    # action kills the launcher at once and the children only get their parent-death signal.
     main_task = asyncio.current_task()
     assert main_task is not None
-    terminated = asyncio.Event()
 
-    def on_sigterm() -> None:
-        if checkpoint_on_interrupt and stop.signum is None:
-            stop.signum = signal.SIGTERM
-            progress.note("SIGTERM: finishing this step, then a checkpoint (again: stop now)")
-            return
-        terminated.set()
-        main_task.cancel()
+    def checkpoint_first(signum: int, name: str) -> bool:
+        """Under --checkpoint-on-interrupt the first signal finishes the step (True: handled)."""
+        if stop.signum is not None:
+            return False
+        stop.signum = signum
+        progress.note(f"{name}: finishing this step, then a checkpoint (again: stop now)")
+        return True
 
     def on_sigint() -> None:
-        if stop.signum is None:
-            stop.signum = signal.SIGINT
-            progress.note("Ctrl-C: finishing this step, then a checkpoint (again: stop now)")
-            return
-        main_task.cancel()
+        if not checkpoint_first(signal.SIGINT, "Ctrl-C"):
+            main_task.cancel()
 
     loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGTERM, on_sigterm)
     if checkpoint_on_interrupt:
         loop.add_signal_handler(signal.SIGINT, on_sigint)
+    # SIGTERM (e.g. `timeout`, a scheduler) stops the run as Ctrl-C does: every service's whole
+    # process group is stopped, vLLM's engine-core children included (rollart.launcher.sigterm).
+    intercept = ((lambda: checkpoint_first(signal.SIGTERM, "SIGTERM"))
+                 if checkpoint_on_interrupt else None)
     try:
-        async with open_cluster(
-            scenario, run_dir=run_dir, cache_dir=cache_dir, resume=resume, steps=planned,
-            on_note=progress.note, started=started, insecure=insecure, key_file=key_file,
-            scenario_dir=scenario_dir,
-            cluster=cluster,
-        ) as opened:
-            return await _train(opened, start_step, planned, progress, stop)
+        with sigterm_cancels(intercept):
+            async with open_cluster(
+                scenario, run_dir=run_dir, cache_dir=cache_dir, resume=resume, steps=planned,
+                on_note=progress.note, started=started, insecure=insecure, key_file=key_file,
+                scenario_dir=scenario_dir, source=source, cluster=cluster,
+            ) as opened:
+                return await _train(opened, start_step, planned, progress, stop)
     except asyncio.CancelledError:
-        if terminated.is_set():
-            raise Terminated from None
         if stop.signum == signal.SIGINT:  # the second Ctrl-C
             raise KeyboardInterrupt from None
         raise
@@ -217,9 +208,9 @@ def main(argv: list[str] | None = None) -> int:
                                scenario_dir=args.scenario.parent,
                                insecure=args.insecure, key_file=args.key_file,
                                checkpoint_on_interrupt=args.checkpoint_on_interrupt,
-                               cluster=args.cluster))
-    except ConfigError as exc:
-        print(f"rollart run: config error: {exc}", file=sys.stderr)
+                               cluster=args.cluster, source=str(args.scenario)))
+    except ConfigError as exc:  # found once the run starts: still about the scenario's fields
+        print(f"rollart run: config error: {in_file(str(args.scenario), exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("rollart run: interrupted; every process was stopped", file=sys.stderr)

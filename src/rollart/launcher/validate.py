@@ -26,7 +26,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from rollart.config import load_scenario, scenario_to_json
+from rollart.config import in_file, load_scenario, scenario_to_json
 from rollart.transport.errors import ConfigError
 
 
@@ -61,12 +61,13 @@ def main(argv: list[str] | None = None) -> int:
 
         plan_placement(scenario)
     except ConfigError as exc:
-        print(f"rollart validate: note: `rollart run --cluster ray` would refuse it: {exc}",
-              file=sys.stderr)
+        print(f"rollart validate: note: `rollart run --cluster ray` would refuse it: "
+              f"{in_file(str(args.scenario), exc)}", file=sys.stderr)
     try:  # the run's key: a key file others can read, or services named without a key
         check_run_auth(scenario)
     except ConfigError as exc:
-        print(f"rollart validate: config error: {exc}", file=sys.stderr)
+        print(f"rollart validate: config error: {in_file(str(args.scenario), exc)}",
+              file=sys.stderr)
         return 2
     if not args.quiet:
         sys.stdout.write(scenario_to_json(scenario).decode())
