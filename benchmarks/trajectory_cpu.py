@@ -405,6 +405,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     repeats = args.repeats or (3 if args.quick else 5)
     if repeats < 2:
         p.error("--repeats must be >= 2 (an interval needs two)")
+    check = subprocess.run(["git", "-C", str(_ROOT), "rev-parse", "--verify", "--quiet",
+                            f"{args.baseline}^{{commit}}"], capture_output=True, check=False)
+    if check.returncode != 0:
+        p.error(f"--baseline {args.baseline!r} is not a commit of the git repository at "
+                f"{_ROOT} (the 'before' side is that commit's src/)")
     res = run(args.quick, args.seed, args.baseline, repeats)
     emit(res, args.json)
     return res

@@ -50,3 +50,12 @@ def test_parked_trajectories_hold_five_bytes_per_prompt_token() -> None:
 
     per_token = uvloop.run(slope())
     assert 5.0 <= per_token <= MAX_BYTES_PER_PROMPT_TOKEN, per_token
+
+
+def test_a_baseline_that_is_no_commit_is_a_usage_error(capsys) -> None:
+    import pytest
+
+    with pytest.raises(SystemExit) as exit_:
+        bench.main(["--quick", "--baseline", "no-such-ref-xyz"])
+    assert exit_.value.code == 2
+    assert "--baseline 'no-such-ref-xyz' is not a commit" in capsys.readouterr().err
