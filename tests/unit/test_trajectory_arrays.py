@@ -40,3 +40,9 @@ def test_spread_generated_puts_the_generated_tokens_values_in_place() -> None:
     assert full_versions.tolist() == [-1, -1, 3, 3, -1, -1, 4]
     with pytest.raises(ValueError, match="3 generated tokens in the loss mask but 2 logprobs"):
         spread_generated(mask, lps[:8], versions)
+    # no generated token (the trajectory refuses such a sample, but the helper is total)
+    assert spread_generated(array.array("b", [0, 0]), b"", b"") == (
+        array.array("f", [0.0, 0.0]), array.array("i", [-1, -1]))
+    assert spread_generated(array.array("b"), b"", b"") == (array.array("f"), array.array("i"))
+    with pytest.raises(ValueError, match="0 generated tokens"):
+        spread_generated(array.array("b", [0]), b"\0\0\0\0", b"\0\0\0\0")

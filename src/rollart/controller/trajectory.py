@@ -230,7 +230,11 @@ def spread_generated(loss_mask: array.array, gen_logprobs: bytes | bytearray,
             were checked by the proxy).
     """
     n = len(loss_mask)
-    at = np.flatnonzero(np.frombuffer(loss_mask, dtype=np.int8))
+    mask = np.frombuffer(loss_mask, dtype=np.int8)
+    # The prompt, the bulk of the sequence, precedes the first generated token: find that
+    # with argmax (a few us at 32k) and scan only from there (flatnonzero of all 32k: ~100 us).
+    first = int(mask.argmax()) if n else 0
+    at = first + np.flatnonzero(mask[first:]) if n and mask[first] else np.zeros(0, np.intp)
     if 4 * at.size != len(gen_logprobs) or 4 * at.size != len(gen_versions):
         raise ValueError(f"{at.size} generated tokens in the loss mask but "
                          f"{len(gen_logprobs) // 4} logprobs / {len(gen_versions) // 4} versions")
