@@ -65,7 +65,6 @@ collector policy instead (to measure before/after), ``=G0,G1,G2`` given threshol
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import logging
 import math
@@ -79,6 +78,7 @@ import sys
 import tempfile
 import time
 from argparse import Namespace
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -136,17 +136,17 @@ FULL = (Size(1000, 32768, 8, 150.0, 30.0), Size(10_000, 32768, 8, 180.0, 40.0),
 
 
 class Calls:
-    """Controller-side record of the backends' calls: turns started, open calls, sessions."""
+    """Controller-side record of the backends' calls: turns started, sessions' trajectories,
+    waits for weights. Timeouts, late replies and open calls are the RPC clients' own
+    (``RpcClient.num_timeouts`` / ``num_late_replies`` / its pending calls): the measured
+    process carries no coroutine or dict entry per call for the benchmark."""
 
     def __init__(self) -> None:
         #: generate calls started (the turn count)
         self.num_gens = 0
-        self.open: dict[int, str] = {}  # id of the call's coroutine -> "gen" / "env"
         self.session_traj: dict[str, str] = {}
         #: trajectory id -> (start, end) of each wait for new weights (a ``wait`` verdict)
         self.weight_waits: dict[str, list[tuple[float, float]]] = {}
-        self.ended = asyncio.Event()  # set whenever a call ends, once draining is set
-        self.draining = False
 
     def record_weight_waits(self, wait: Any) -> Any:
         """``wait`` (the trajectories' ``wait_for_weights``), recording each wait's span."""
@@ -162,18 +162,6 @@ class Calls:
                         (t0, time.monotonic()))
 
         return recorded
-
-    async def timed(self, kind: str, coro: Any) -> Any:
-        # Instrumentation inside the measured process: kept to a dict insert and delete per
-        # call (no clock read; the Event only while the drain waits on it).
-        key = id(coro)
-        self.open[key] = kind
-        try:
-            return await coro
-        finally:
-            del self.open[key]
-            if self.draining:
-                self.ended.set()
 
 
 class TimedWorker:
@@ -191,10 +179,12 @@ class TimedWorker:
     def last_stats(self) -> m.WorkerStats | None:
         return self._client.last_stats
 
-    async def generate(self, request: m.Generate, *, timeout_s: float | None = None
-                       ) -> m.GenerateResult:
+    def generate(self, request: m.Generate, *, timeout_s: float | None = None
+                 ) -> Awaitable[m.GenerateResult]:
+        # A plain function: the caller awaits the client's own coroutine, so the count adds
+        # no coroutine to the measured process.
         self._calls.num_gens += 1
-        return await self._calls.timed("gen", self._client.generate(request, timeout_s=timeout_s))
+        return self._client.generate(request, timeout_s=timeout_s)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._client, name)
@@ -213,13 +203,10 @@ class TimedEnv:
 
     async def open(self, *args: Any, **kwargs: Any) -> m.EnvOpened:
         task = asyncio.current_task()
-        opened = await self._calls.timed("env", self._client.open(*args, **kwargs))
+        opened = await self._client.open(*args, **kwargs)
         if task is not None and task.get_name().startswith("traj-"):
             self._calls.session_traj[opened.session_id] = task.get_name()[len("traj-"):]
         return opened
-
-    async def step(self, *args: Any, **kwargs: Any) -> m.EnvStepResult:
-        return await self._calls.timed("env", self._client.step(*args, **kwargs))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._client, name)
@@ -429,14 +416,12 @@ async def _drive(size: Size, args: Namespace, worker_addr: str, env_addr: str, s
         stats = controller.buffer.stats()
         # Drain: every generate call open now ends within its timeout, by a reply or by
         # RemoteTimeoutError (counted); one still open well after that never will.
-        pending = {k for k, kind in calls.open.items() if kind == "gen"}
-        calls.draining = True
-        deadline = time.monotonic() + GENERATE_TIMEOUT_S + 15.0
-        while pending & calls.open.keys() and time.monotonic() < deadline:
-            calls.ended.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(calls.ended.wait(), deadline - time.monotonic())
-        stuck = len(pending & calls.open.keys())
+        # (The worker client's open calls: generate calls and heartbeats; each ends by its
+        # reply or its deadline at the latest.)
+        open_calls = [f for f in client._rpc._pending.values() if not f.done()]
+        if open_calls:
+            await asyncio.wait(open_calls, timeout=GENERATE_TIMEOUT_S + 15.0)
+        stuck = sum(1 for f in open_calls if not f.done())
         rpcs = (client._rpc, env._rpc)
         timeouts = sum(c.num_timeouts for c in rpcs)
         late = sum(c.num_late_replies for c in rpcs)
