@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import json
 import os
@@ -55,6 +56,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -238,9 +240,10 @@ async def _cpu(n_inflight: int, steps: int, seed: int) -> dict[str, float]:
             "completed": done, "gc_pause_us_per_traj": 1e6 * gc_s / max(1, done)}
 
 
-async def _parked_objects(n: int, seed: int) -> tuple[int, int]:
-    """(GC-tracked objects, trajectories parked) with ``n`` admitted trajectories parked in
-    their first env step."""
+@contextlib.asynccontextmanager
+async def _parked(n: int, seed: int) -> AsyncIterator[int]:
+    """A controller with ``n`` admitted trajectories parked in their first env step (after a
+    ``gc.collect()``); yields how many parked, and stops the controller on exit."""
     hold = asyncio.Event()
     controller, counts = _controller(n // 2, 1, 2, seed, hold)  # in flight: 2 x batch
     await controller.start()
@@ -251,12 +254,19 @@ async def _parked_objects(n: int, seed: int) -> tuple[int, int]:
             if counts[1] >= n and controller.num_running >= n:
                 break
         gc.collect()
-        return len(gc.get_objects()), counts[1]
+        yield counts[1]
     finally:
         stepping.cancel()
         await asyncio.gather(stepping, return_exceptions=True)
         hold.set()
         await controller.close()
+
+
+async def _parked_objects(n: int, seed: int) -> tuple[int, int]:
+    """(GC-tracked objects, trajectories parked) with ``n`` admitted trajectories parked in
+    their first env step."""
+    async with _parked(n, seed) as parked:
+        return len(gc.get_objects()), parked
 
 
 async def _parked_bytes(n: int, seed: int) -> tuple[int, int]:
@@ -267,22 +277,8 @@ async def _parked_bytes(n: int, seed: int) -> tuple[int, int]:
     tracemalloc.start()
     try:
         base = tracemalloc.get_traced_memory()[0]
-        hold = asyncio.Event()
-        controller, counts = _controller(n // 2, 1, 2, seed, hold)
-        await controller.start()
-        stepping = asyncio.create_task(controller.step())
-        try:
-            for _ in range(100_000):
-                await asyncio.sleep(0)
-                if counts[1] >= n and controller.num_running >= n:
-                    break
-            gc.collect()
-            return tracemalloc.get_traced_memory()[0] - base, counts[1]
-        finally:
-            stepping.cancel()
-            await asyncio.gather(stepping, return_exceptions=True)
-            hold.set()
-            await controller.close()
+        async with _parked(n, seed) as parked:
+            return tracemalloc.get_traced_memory()[0] - base, parked
     finally:
         tracemalloc.stop()
 

@@ -140,6 +140,15 @@ async def test_a_reply_without_a_body_fails_that_call_only_and_late_replies_are_
         peer.close()
 
 
+async def _replied_after(client: RpcClient, peer: SilentPeer, ident: bytes) -> None:
+    """A call answered after the replies already sent: once it returns, the client has read
+    them all (one peer's replies arrive in order)."""
+    ping = client.submit(m.Ping(), timeout_s=60)
+    (_, id_ping, _), = await peer.requests(1)
+    peer.sock.send_multipart([ident, id_ping, msgspec.msgpack.encode(m.Ack(detail="after"))])
+    await asyncio.wait_for(ping, 30)
+
+
 async def test_timed_out_calls_are_counted_and_a_late_reply_is_told_from_a_lost_one():
     peer = SilentPeer()
     client = RpcClient(peer.address, name="w0", auth=env_credentials(), heartbeat_interval_s=0)
@@ -159,10 +168,7 @@ async def test_timed_out_calls_are_counted_and_a_late_reply_is_told_from_a_lost_
         peer.sock.send_multipart([ident, id_c, enc(m.Ack(detail="cancelled"))])
         peer.sock.send_multipart([ident, id_slow, enc(m.Ack(detail="late"))])
         peer.sock.send_multipart([ident, id_slow, enc(m.Ack(detail="twice"))])  # not again
-        ping = client.submit(m.Ping(), timeout_s=60)
-        (_, id_ping, _), = await peer.requests(1)
-        peer.sock.send_multipart([ident, id_ping, enc(m.Ack(detail="after"))])
-        await asyncio.wait_for(ping, 30)  # replies arrive in order: the late ones are read
+        await _replied_after(client, peer, ident)
         assert (client.num_timeouts, client.num_late_replies) == (2, 1)
         assert client.num_timeouts - client.num_late_replies == 1  # the lost reply
     finally:
@@ -187,10 +193,7 @@ async def test_late_reply_memory_is_bounded_oldest_first(monkeypatch):
         ident = reqs[0][0]
         for _, call_id, _ in reqs:
             peer.sock.send_multipart([ident, call_id, enc(m.Ack(detail="late"))])
-        ping = client.submit(m.Ping(), timeout_s=60)
-        (_, id_ping, _), = await peer.requests(1)
-        peer.sock.send_multipart([ident, id_ping, enc(m.Ack(detail="after"))])
-        await asyncio.wait_for(ping, 30)
+        await _replied_after(client, peer, ident)
         assert (client.num_timeouts, client.num_late_replies) == (3, 2)
     finally:
         await client.close()

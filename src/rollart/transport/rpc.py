@@ -421,7 +421,8 @@ class RpcClient:
         """A reply no pending call waits for: late (timed out, cancelled), or malformed."""
         if len(parts) < 2 or len(parts[0]) != _CALL_ID.size:
             log.warning("%s: dropped a malformed reply (%d frames)", self.name, len(parts))
-        elif self._expired.pop(parts[0], False) is None:
+        elif parts[0] in self._expired:  # a timed-out call's reply: late, not lost
+            del self._expired[parts[0]]
             self.num_late_replies += 1
         elif parts[0] == _NO_CALL_ID:
             with contextlib.suppress(msgspec.MsgspecError):
