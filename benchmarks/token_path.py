@@ -5,7 +5,8 @@ NOT simulated; CPU only, no processes).
 (``_OldGenerate``, ``_OldGenerateResult``, ``_OldSample``, ``_OldTrainSample``: per-token
 ``list[int]`` / ``list[float]`` fields and Python-loop validation, copied from the old code);
 "after" is the code in ``rollart`` now: int32 / float32 / uint8 bytes on the wire, array-backed
-``Sample``, prompts sent as deltas on a prefix the worker holds (``PrefixStore``).
+``Sample`` (ids and mask per token, logprobs and versions per generated token), prompts sent
+as deltas on a prefix the worker holds (``PrefixStore``).
 
 One turn of a trajectory whose context holds ``CONTEXT`` tokens, with ``GENERATED`` tokens
 generated and ``OBSERVATION`` observation tokens appended (the next turn's delta). Measured:
@@ -164,8 +165,10 @@ class _Workload:
         self.stats = m.WorkerStats(worker="w0", num_running=100, num_waiting=3, version=5)
         self.a_ids = array.array("i", self.ids)
         self.a_mask = array.array("b", mask)
-        self.a_lps = array.array("f", self.lps)
-        self.a_versions = array.array("i", self.versions)
+        # now: logprobs and versions of the generated tokens only (``Sample``'s form)
+        self.a_lps = array.array("f", [lp for lp, x in zip(self.lps, mask, strict=True) if x])
+        self.a_versions = array.array(
+            "i", [v for v, x in zip(self.versions, mask, strict=True) if x])
 
     def old_generate(self) -> _OldGenerate:
         return _OldGenerate(request_id="g0/0/7/t12", prompt_token_ids=list(self.ids),
@@ -285,9 +288,7 @@ def _measures(w: _Workload) -> dict[str, tuple[Callable[[], float], Callable[[],
         lps.frombytes(res.logprobs)
         vers.frombytes(res.versions)
         ids.extend(w.obs)
-        mask.frombytes(bytes(len(w.obs)))
-        lps.frombytes(bytes(4 * len(w.obs)))
-        vers.frombytes(b"\xff\xff\xff\xff" * len(w.obs))
+        mask.frombytes(bytes(len(w.obs)))  # observations have no logprob or version
         return time.perf_counter() - t0
 
     def completion_old() -> None:

@@ -25,9 +25,15 @@ in both), alternating which goes first. Each child measures:
   the controller runs under the collector policy ``rollart run`` gives it (``tune_gc``, start-up
   objects frozen), and ``gc_pause_us_per_traj`` is the collection time in the window
   (``GcPauses``, wall clock) per completed trajectory;
-- ``completion_us``: one completion's own work on a ``CONTEXT + 3 x 8``-token sequence
-  (``Sample`` construction and validation, ``trainable_problem``, and its share of
-  ``to_train_samples`` of its group of ``GROUP``), median over ``COMPLETION_ITERS`` groups;
+- ``completion_us``: one completion's own work on a ``CONTEXT + 3 x 8``-token sequence, from
+  the arrays a running trajectory keeps (``Sample`` construction and validation, and in trees
+  whose ``Sample`` holds per-token logprobs and versions the ``spread_generated`` that builds
+  them; ``trainable_problem``; its share of ``to_train_samples`` of its group of ``GROUP``),
+  median over ``COMPLETION_ITERS`` groups. The samples are held, as the buffer holds them
+  until they are trained, so each completion's allocations are fresh pages (a loop that
+  freed each sample would reuse the same warm pages: 28 vs ~200 us for ``spread_generated``
+  at 32k tokens on the dev machine). ``--baseline`` refs from before the running trajectory
+  kept generated-only arrays (before 2026-12-02) are not supported by this figure;
 - ``gc_objects_per_traj``: GC-tracked objects (``len(gc.get_objects())`` after
   ``gc.collect()``) held per running trajectory: every admitted trajectory parked in its first
   env step (where a real trajectory spends its time, the env's latency), measured at two
@@ -286,31 +292,45 @@ async def _parked_bytes(n: int, seed: int) -> tuple[int, int]:
 def _completion_us(seed: int) -> float:
     import array
 
+    from rollart.controller import trajectory as traj_mod
     from rollart.controller.sample import Sample
     from rollart.controller.training import to_train_samples, trainable_problem
 
     n = CONTEXT + TURNS * (RESPONSE + OBSERVATION)
     mask = array.array("b", bytes(n))
-    versions = array.array("i", [-1]) * n
     for t in range(TURNS):
         start = CONTEXT + t * (RESPONSE + OBSERVATION)
         for k in range(start, start + RESPONSE):
-            mask[k], versions[k] = 1, 0
+            mask[k] = 1
     ids = array.array("i", [1000]) * n
-    lps = array.array("f", bytes(4 * n))
+    gen_lps = array.array("f", [-0.5] * (TURNS * RESPONSE)).tobytes()
+    gen_versions = bytes(4 * TURNS * RESPONSE)
+    # Trees whose running trajectory kept generated-only arrays but whose Sample held them per
+    # token spread them at completion (``trajectory.spread_generated``): that is their cost.
+    spread = getattr(traj_mod, "spread_generated", None)
     times = []
+    # A controller holds completed samples until a batch trains them, so each completion's
+    # arrays are fresh memory (page faults included), not the pages the previous one freed.
+    held = []
     for i in range(COMPLETION_ITERS):
-        # fresh arrays per sample (a sample remembers its check), built outside the timing
-        fields = [{"token_ids": array.array("i", ids), "loss_mask": array.array("b", mask),
-                   "behaviour_logprobs": array.array("f", lps),
-                   "versions": array.array("i", versions)} for _ in range(GROUP)]
+        # fresh arrays per sample (a sample remembers its check), built outside the timing,
+        # as the trajectory leaves them: ids and mask per token, logprobs and versions per
+        # generated token (bytearrays)
+        fields = [(array.array("i", ids), array.array("b", mask), bytearray(gen_lps),
+                   bytearray(gen_versions)) for _ in range(GROUP)]
         t0 = time.thread_time()
-        group = [Sample(sample_id=f"g{i}/{k}", group_key=f"g{i}", reward=float(k % 2), **f)
-                 for k, f in enumerate(fields)]
+        group = []
+        for k, (ids_k, mask_k, lps_k, versions_k) in enumerate(fields):
+            if spread is not None:
+                lps_k, versions_k = spread(mask_k, lps_k, versions_k)
+            group.append(Sample(sample_id=f"g{i}/{k}", group_key=f"g{i}", reward=float(k % 2),
+                                token_ids=ids_k, loss_mask=mask_k, behaviour_logprobs=lps_k,
+                                versions=versions_k))
         for s in group:
             trainable_problem(s)
         to_train_samples(group)
         times.append((time.thread_time() - t0) / GROUP)
+        held.append(group)
     return 1e6 * statistics.median(times)
 
 

@@ -343,7 +343,7 @@ def test_protocol_errors() -> None:
 
 
 def test_sample_validation() -> None:
-    with pytest.raises(ValueError, match="lengths 2/2/2/1 differ"):
+    with pytest.raises(ValueError, match="behaviour_logprobs/versions have 2/1 items"):
         Sample(
             sample_id="s",
             group_key="g",

@@ -42,7 +42,9 @@ def test_to_train_samples_carries_tokens_and_rejects_unusable_samples() -> None:
     # Over the wire each per-token field is one bin of the sample's own bytes.
     wire = msgspec.msgpack.decode(msgspec.msgpack.encode(ts), type=m.TrainSample)
     assert tb.view_i32(wire.token_ids).tolist() == [5] * 5 and wire.num_loss_tokens == 2
-    assert tb.view_f32(wire.behaviour_logprobs).tolist() == [0.0] * 3 + [-1.0] * 2
+    # One behaviour logprob per generated token; the per-token form is built on demand.
+    assert tb.view_f32(wire.behaviour_logprobs).tolist() == [-1.0] * 2
+    assert wire.full_logprobs().tolist() == [0.0] * 3 + [-1.0] * 2
     with pytest.raises(ValueError, match="no generated token"):
         to_train_samples([sample("a", "g", 1.0, n_gen=0)])
 

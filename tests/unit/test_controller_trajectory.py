@@ -54,10 +54,14 @@ async def test_token_bookkeeping_is_exact() -> None:
     obs = TOK.encode("\n" + chatml(("user", "obs 1")))
     assert sample.token_ids.tolist() == prompt + gen + obs + gen
     assert sample.loss_mask.tolist() == [0] * len(prompt) + [1] * 3 + [0] * len(obs) + [1] * 3
-    assert sample.behaviour_logprobs.tolist() == (
+    # Per generated token only (6 of them); the per-token form puts them in place.
+    assert sample.behaviour_logprobs.tolist() == [-0.5] * 6
+    assert sample.versions.tolist() == [0] * 6
+    assert sample.full_behaviour_logprobs().tolist() == (
         [0.0] * len(prompt) + [-0.5] * 3 + [0.0] * len(obs) + [-0.5] * 3
     )
-    assert sample.versions.tolist() == [-1] * len(prompt) + [0] * 3 + [-1] * len(obs) + [0] * 3
+    assert sample.full_versions().tolist() == (
+        [-1] * len(prompt) + [0] * 3 + [-1] * len(obs) + [0] * 3)
     # The same as tokenising the whole conversation (for this tokenizer), minus the final "\n".
     whole = chatml(("user", "start 7"), ("assistant", "ok"), ("user", "obs 1"), ("assistant", "ok"),
                    gen=False)

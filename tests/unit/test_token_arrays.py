@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+import base64
 
 import msgspec
 import numpy as np
@@ -92,11 +93,14 @@ async def test_token_data_stay_arrays_through_a_whole_trajectory() -> None:
         assert type(REQ.decode(raw).new_token_ids) is bytes
     # wire -> buffer: each turn's versions arrive as an int32 array, not a list
     assert all(isinstance(v, array.array) and v.typecode == "i" for v in buffer.recorded)
-    # -> sample: typed views over arrays the trajectory grew in place (13 bytes per token)
+    # -> sample: typed views over the buffers the trajectory grew in place: ids and mask per
+    # token, logprobs and versions per generated token (5 bytes per token + 8 per generated)
     fields = ("token_ids", "loss_mask", "behaviour_logprobs", "versions")
     assert [getattr(sample, f).format for f in fields] == ["i", "b", "f", "i"]
-    assert all(isinstance(getattr(sample, f).obj, array.array) for f in fields)
-    assert sum(getattr(sample, f).nbytes for f in fields) == 13 * sample.num_tokens
+    assert [type(getattr(sample, f).obj) for f in fields] == [array.array, array.array,
+                                                               bytearray, bytearray]
+    assert sum(getattr(sample, f).nbytes for f in fields) == \
+        5 * sample.num_tokens + 8 * sample.num_generated
     assert sample.num_generated == 9 and sample.min_version == 0
     assert sample.token_ids.tolist() == worker.prompts[-1] + [*TOK.encode("ok"), 2]
     # -> trainer: wire bytes, and the trainer's tensors hold the very same values
@@ -107,8 +111,10 @@ async def test_token_data_stay_arrays_through_a_whole_trajectory() -> None:
     batch = collate([wire])
     assert batch["input_ids"][0].tolist() == sample.token_ids.tolist()
     assert batch["loss_mask"][0].tolist() == [bool(x) for x in sample.loss_mask]
+    assert wire.behaviour_logprobs == sample.behaviour_logprobs.tobytes()  # generated only
     assert torch.equal(batch["behaviour_logprobs"][0],
-                       torch.tensor(sample.behaviour_logprobs.tolist(), dtype=torch.float32))
+                       torch.tensor(sample.full_behaviour_logprobs().tolist(),
+                                    dtype=torch.float32))
     # -> checkpoint: base64 of the bytes in the JSON snapshot, and back to the same arrays
     snap = buffer.snapshot()
     text = msgspec.json.encode(snap)
@@ -123,15 +129,27 @@ def test_sample_loads_the_list_form_older_snapshots_hold() -> None:
     old = {"sample_id": "a", "group_key": "g", "token_ids": [1, 2, 3], "loss_mask": [0, 1, 1],
            "behaviour_logprobs": [0.0, -0.5, -0.25], "versions": [-1, 4, 3], "reward": 1.0}
     s = msgspec.convert(old, Sample)
-    assert s.token_ids.format == "i" and s.behaviour_logprobs.tolist() == [0.0, -0.5, -0.25]
+    # Their per-token logprobs and versions are reduced to the generated tokens'.
+    assert s.token_ids.format == "i" and s.behaviour_logprobs.tolist() == [-0.5, -0.25]
+    assert s.versions.tolist() == [4, 3] and s.full_versions().tolist() == [-1, 4, 3]
     assert (s.num_generated, s.min_version) == (2, 3)
     assert msgspec.convert(msgspec.to_builtins(s), Sample) == s
+    # The per-token base64 form of the snapshots before this one loads the same way.
+    per_token = {**old, **{k: base64.b64encode(array.array(c, old[k]).tobytes()).decode()
+                           for k, c in (("token_ids", "i"), ("loss_mask", "b"),
+                                        ("behaviour_logprobs", "f"), ("versions", "i"))}}
+    assert msgspec.convert(per_token, Sample) == s
 
 
 @pytest.mark.parametrize(
     ("change", "match"),
     [
-        ({"loss_mask": [0, 1]}, "lengths 3/2/3/3 differ"),
+        ({"loss_mask": [0, 1]}, "token_ids/loss_mask lengths 3/2 differ"),
+        ({"behaviour_logprobs": [-0.5]},
+         r"have 1/3 items: expected one per generated token \(2\) or one per token \(3\)"),
+        ({"versions": [4, 3, 3, 3]}, "have 3/4 items"),
+        ({"versions": [4, -1], "behaviour_logprobs": [-0.5, -0.25]},
+         "generated token 2 has version -1"),
         ({"loss_mask": [0, 2, 1]}, "0 or 1"),
         ({"versions": [-1, 4, -1]}, "generated token 2 has version -1"),
         ({"token_ids": b"\x01\x00\x00"}, "token_ids"),

@@ -293,8 +293,7 @@ async def test_a_sample_the_trainer_would_refuse_fails_its_trajectory(monkeypatc
     async def corrupting(ctx, tid, key, domain, seed):
         sample = await real(ctx, tid, key, domain, seed)
         if not corrupted:  # the first finisher: one positive behaviour logprob
-            gen = [t for t, flag in enumerate(sample.loss_mask) if flag]
-            sample.behaviour_logprobs[gen[0]] = 0.25
+            sample.behaviour_logprobs[0] = 0.25  # the first generated token's
             corrupted.append(tid)
         return sample
 
@@ -319,8 +318,7 @@ async def test_the_last_check_drops_one_sample_never_the_batch(monkeypatch) -> N
         if batch is not None and not dropped:  # e.g. restored from an old checkpoint
             # A restored sample is a new object that skipped the completion check.
             lps = array.array("f", batch[1].behaviour_logprobs)
-            gen = [t for t, flag in enumerate(batch[1].loss_mask) if flag]
-            lps[gen[-1]] = float("nan")
+            lps[-1] = float("nan")  # the last generated token's
             batch[1] = msgspec.structs.replace(batch[1], behaviour_logprobs=lps)
             dropped.append(batch[1].sample_id)
         return batch

@@ -43,8 +43,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from rollart.config import DomainConfig, RunConfig
 from rollart.controller.modes import TurnBarrier
 from rollart.controller.proxy import LLMProxy
@@ -70,7 +68,6 @@ log = logging.getLogger(__name__)
 CLOSE_TIMEOUT_S = 10.0
 #: one prompt token's loss mask (repeated for a whole prompt)
 _ZERO_MASK = array.array("b", [0])
-_NO_VERSIONS = array.array("i", [-1])
 
 
 class TrajectoryFailed(Exception):
@@ -206,45 +203,6 @@ def _filled(item: array.array, n: int) -> array.array:
     return out
 
 
-def spread_generated(loss_mask: array.array, gen_logprobs: bytes | bytearray,
-                     gen_versions: bytes | bytearray) -> tuple[array.array, array.array]:
-    """The full-length behaviour logprobs and versions of a trajectory from those of its
-    generated tokens only.
-
-    A running trajectory keeps, per token, its id (int32) and loss mask (int8), and per
-    GENERATED token its behaviour logprob and policy version: 5 bytes per prompt or
-    observation token instead of 13 (issue 11's <= 16 bytes per held token; a 16k-token
-    prompt is ~99.9% of a 3-turn trajectory). The full-length arrays a ``Sample`` holds are
-    built once, at completion.
-
-    Args:
-        loss_mask: int8 array, 1 at the generated tokens, ``n`` items.
-        gen_logprobs: float32 (native order) of the generated tokens, in order; as many items
-            as ``loss_mask`` has ones.
-        gen_versions: int32 (native order) of the generated tokens, same count.
-    Returns:
-        ``(logprobs, versions)``: float32 / int32 arrays of ``n`` items, 0.0 / -1 off the
-        generated tokens.
-    Raises:
-        ValueError: the counts differ (a bookkeeping bug, never a worker's: its reply lengths
-            were checked by the proxy).
-    """
-    n = len(loss_mask)
-    mask = np.frombuffer(loss_mask, dtype=np.int8)
-    # The prompt, the bulk of the sequence, precedes the first generated token: find that
-    # with argmax (a few us at 32k) and scan only from there (flatnonzero of all 32k: ~100 us).
-    first = int(mask.argmax()) if n else 0
-    at = first + np.flatnonzero(mask[first:]) if n and mask[first] else np.zeros(0, np.intp)
-    if 4 * at.size != len(gen_logprobs) or 4 * at.size != len(gen_versions):
-        raise ValueError(f"{at.size} generated tokens in the loss mask but "
-                         f"{len(gen_logprobs) // 4} logprobs / {len(gen_versions) // 4} versions")
-    logprobs = array.array("f", bytes(4 * n))
-    versions = _NO_VERSIONS * n
-    np.frombuffer(logprobs, dtype=np.float32)[at] = np.frombuffer(gen_logprobs, np.float32)
-    np.frombuffer(versions, dtype=np.int32)[at] = np.frombuffer(gen_versions, np.int32)
-    return logprobs, versions
-
-
 def _as_i32(buf: Any) -> memoryview:
     """A reply's int32 field (bytes or any contiguous buffer) as an int32 memoryview, no copy."""
     return memoryview(buf).cast("B").cast("i")
@@ -269,8 +227,8 @@ async def _run_trajectory(
     session_id: str | None = None
     # The training sequence grows in place, turn by turn, as compact arrays: ids and loss mask
     # per token (5 bytes), logprobs and versions per generated token only (a bytearray each:
-    # not tracked by the garbage collector); a turn's tokens are appended from the reply's
-    # bytes with one memcpy each. Full-length arrays are built at completion.
+    # not tracked by the garbage collector), which is also how the Sample keeps them; a turn's
+    # tokens are appended from the reply's bytes with one memcpy each.
     token_ids = array.array("i")
     gen_logprobs = bytearray()
     gen_versions = bytearray()
@@ -436,14 +394,13 @@ async def _run_trajectory(
             except RewardError as exc:
                 raise TrajectoryFailed("reward_error", str(exc), num_generated) from exc
             reward, details = float(scored.reward), dict(scored.details)
-        logprobs, versions = spread_generated(loss_mask, gen_logprobs, gen_versions)
         return Sample(
             sample_id=traj_id,
             group_key=group_key,
             token_ids=token_ids,
             loss_mask=loss_mask,
-            behaviour_logprobs=logprobs,
-            versions=versions,
+            behaviour_logprobs=gen_logprobs,
+            versions=gen_versions,
             reward=reward,
             domain=domain.name,
             num_turns=turn,

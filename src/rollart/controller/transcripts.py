@@ -130,7 +130,7 @@ class TranscriptRecorder:
         """The JSON-able transcript of sample ``s`` (see the module docstring)."""
         ids = np.frombuffer(s.token_ids, dtype=np.int32)
         mask = np.frombuffer(s.loss_mask, dtype=np.uint8)
-        versions = np.frombuffer(s.versions, dtype=np.int32)
+        versions = np.frombuffer(s.full_versions(), dtype=np.int32)
         # Runs of equal mask values: 0 = context the policy was given, 1 = what it generated.
         edges = np.flatnonzero(np.diff(mask)) + 1
         bounds = [0, *edges.tolist(), len(mask)]

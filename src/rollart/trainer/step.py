@@ -181,7 +181,8 @@ def collate(
     samples: Sequence[TrainSample], *, pad_token_id: int = 0, device: torch.device | str = "cpu"
 ) -> dict[str, Tensor]:
     """Right-pad samples into tensors: `input_ids` [B, T] int64, `attention_mask` [B, T] int64,
-    `loss_mask` [B, T] bool, `behaviour_logprobs` [B, T] float32, `advantages` [B] float32."""
+    `loss_mask` [B, T] bool, `behaviour_logprobs` [B, T] float32 (0.0 off the generated
+    tokens, from either form of `TrainSample.behaviour_logprobs`), `advantages` [B] float32."""
     if not samples:
         raise ValueError("collate needs at least one sample")
     b, t = len(samples), max(s.num_tokens for s in samples)
@@ -195,7 +196,11 @@ def collate(
         ids[row, :n] = tb.view_i32(s.token_ids)
         attn[row, :n] = 1
         mask[row, :n] = tb.view_u8(s.loss_mask)
-        blp[row, :n] = tb.view_f32(s.behaviour_logprobs)
+        lps = tb.view_f32(s.behaviour_logprobs)
+        if lps.size == n:  # the per-token form (TrainSample's docstring)
+            blp[row, :n] = lps
+        else:  # one per generated token, in order: the validation matched it to the mask
+            blp[row, :n][mask[row, :n]] = lps
     adv = np.array([s.advantage for s in samples], dtype=np.float32)
     out = {
         "input_ids": torch.from_numpy(ids),

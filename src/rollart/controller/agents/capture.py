@@ -40,8 +40,6 @@ from typing import Any
 
 from rollart.controller.tokens import ChatTokens
 
-#: int32 -1 (the version of a token the policy did not generate), little-endian
-_NO_VERSION = b"\xff\xff\xff\xff"
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -140,10 +138,10 @@ def _key(msg: dict[str, Any]) -> tuple:
 class Conversation:
     """The training sequence of one agent trajectory, grown request by request.
 
-    ``token_ids`` / ``loss_mask`` / ``logprobs`` / ``versions`` are ``array.array`` of typecodes
-    ``i`` / ``b`` / ``f`` / ``i`` (int32 ids, 0/1 mask, float32 behaviour logprobs, int32
-    versions, -1 for tokens the policy did not generate), as ``rollart.controller.sample.Sample``
-    takes them.
+    ``token_ids`` / ``loss_mask`` are ``array.array`` of typecodes ``i`` / ``b`` (int32 ids,
+    0/1 mask), one item per token; ``logprobs`` / ``versions`` are ``array.array`` ``f`` / ``i``
+    (float32 behaviour logprobs, int32 policy versions) of the generated tokens only, in order,
+    as ``rollart.controller.sample.Sample`` keeps them.
     """
 
     def __init__(self, chat: ChatTokens) -> None:
@@ -212,12 +210,10 @@ class Conversation:
         return self.chat.encode(text if self._turn_closed else eos + text)
 
     def append_prompt(self, ids: Sequence[int]) -> None:
-        """Append non-generated tokens (loss mask 0, logprob 0, version -1)."""
+        """Append non-generated tokens (loss mask 0; no logprob or version)."""
         k = len(ids)
         self.token_ids.extend(ids)
         self.loss_mask.frombytes(bytes(k))
-        self.logprobs.frombytes(bytes(4 * k))
-        self.versions.frombytes(_NO_VERSION * k)
         if not self.num_turns:
             self.num_prompt_tokens = len(self.token_ids)
 
