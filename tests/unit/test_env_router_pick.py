@@ -1,5 +1,6 @@
 """``EnvRouter`` opens a session on its only host without comparing loads, refuses a dead one
-(fatal ``EnvHostsExhaustedError``), and spreads sessions over several hosts by open count."""
+(fatal ``EnvHostsExhaustedError``), spreads sessions over several hosts by open count, and sends
+no ``EnvClose`` for a session its host closed when the episode ended."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from rollart.transport import messages as m
 class FakeHost:
     def __init__(self, name: str, dead: bool = False) -> None:
         self.name, self.dead, self.opened = name, dead, 0
+        self.closes: list[str] = []
+        self.ends_with_close = False  # what EnvStepResult.closed says
 
     async def open(self, env_name: str, seed: int, options: Any = None, *,
                    timeout_s: float | None = None) -> m.EnvOpened:
@@ -23,10 +26,11 @@ class FakeHost:
 
     async def step(self, session_id: str, action: str, *, timeout_s: float | None = None
                    ) -> m.EnvStepResult:
-        raise NotImplementedError
+        return m.EnvStepResult(session_id=session_id, observation="", reward=0.0,
+                               terminated=True, truncated=False, closed=self.ends_with_close)
 
     async def close_session(self, session_id: str) -> None:
-        return None
+        self.closes.append(session_id)
 
 
 def test_one_host_and_a_dead_one() -> None:
@@ -46,3 +50,22 @@ def test_several_hosts_least_open_first() -> None:
         return [(await router.open("e", i)).session_id for i in range(4)]
 
     assert asyncio.run(main()) == ["a-1", "b-1", "a-2", "b-2"]
+
+
+def test_a_session_the_host_closed_with_its_last_step_is_not_closed_again() -> None:
+    hosts = [FakeHost("a"), FakeHost("b")]
+    router = EnvRouter(hosts)
+
+    async def main() -> None:
+        old = await router.open("e", 0)  # on a: an older host, whose replies say closed=False
+        hosts[1].ends_with_close = True
+        new = await router.open("e", 1)  # on b
+        for sid in (old.session_id, new.session_id):
+            await router.step(sid, "x")
+            await router.close_session(sid)
+        # b closed its session itself and is no longer counted as holding it
+        assert (hosts[0].closes, hosts[1].closes) == (["a-1"], [])
+        assert (await router.open("e", 2)).session_id == "a-2"
+        assert (await router.open("e", 3)).session_id == "b-2"
+
+    asyncio.run(main())

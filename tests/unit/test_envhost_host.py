@@ -85,6 +85,21 @@ async def test_open_step_close_and_stats(make_host, user_envs):
     assert err.value.code == "not_found"
 
 
+async def test_the_host_closes_a_session_whose_episode_ended(make_host, user_envs):
+    host = make_host()
+    s = await open_(host, ECHO, seed=103, max_turns=2)
+    first = await step(host, s.session_id, "a")
+    assert (first.terminated, first.closed) == (False, False)
+    last = await step(host, s.session_id, "b")
+    # closed with its last step: no EnvClose is needed, and its env is released
+    assert (last.terminated, last.closed, last.observation) == (True, True, "you said b")
+    assert (await host.stats()).num_sessions == 0
+    await wait_for(lambda: 103 in user_envs.CLOSED_SEEDS)
+    ack = await host.close_session(m.EnvClose(session_id=s.session_id))
+    assert ack.detail == "already closed: closed by the host when its episode ended"
+    assert user_envs.CLOSED_SEEDS.count(103) == 1
+
+
 async def test_unknown_session_and_env_names(make_host):
     host = make_host()
     for call in (

@@ -50,8 +50,9 @@ def test_episode_turns_latency_and_observations() -> None:
     assert opened.info["simulated"] is True and opened.info["num_turns"] == 3
     assert t_open == pytest.approx(0.5) and t_end == pytest.approx(6.5)
     assert [s.terminated for s in steps] == [False, False, True]
+    assert [s.closed for s in steps] == [False, False, True]  # closed when its episode ended
     assert len(tok.encode(steps[0].observation)) == 40
-    assert stats.num_steps == 3 and stats.num_sessions == 1
+    assert stats.num_steps == 3 and stats.num_sessions == 0
 
 
 def test_env_errors_have_codes() -> None:

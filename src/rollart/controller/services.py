@@ -150,15 +150,24 @@ class EnvRouter:
 
     async def step(self, session_id: str, action: str, *, timeout_s: float | None = None
                    ) -> m.EnvStepResult:
-        return await self._host(session_id).step(session_id, action, timeout_s=timeout_s)
+        """Step a session; one its host closed with this step (``EnvStepResult.closed``: the
+        episode ended) is forgotten, so ``close_session`` on it sends nothing."""
+        result = await self._host(session_id).step(session_id, action, timeout_s=timeout_s)
+        if result.closed:
+            self._forget(session_id)
+        return result
+
+    def _forget(self, session_id: str) -> EnvBackend | None:
+        host = self._where.pop(session_id, None)
+        if host is not None:
+            self._open_count[id(host)] = self._open_count.get(id(host), 1) - 1
+        return host
 
     async def close_session(self, session_id: str) -> None:
-        """Close and forget a session; a dead host's sessions are just forgotten."""
-        host = self._where.pop(session_id, None)
-        if host is None:
-            return
-        self._open_count[id(host)] = self._open_count.get(id(host), 1) - 1
-        if not host.dead:
+        """Close and forget a session; a dead host's sessions, and those their host already
+        closed, are just forgotten."""
+        host = self._forget(session_id)
+        if host is not None and not host.dead:
             await host.close_session(session_id)
 
 

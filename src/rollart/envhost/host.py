@@ -235,7 +235,11 @@ class EnvHost:
 
     def _fail(self, s: _Session, exc: EnvError) -> None:
         self.num_errors += 1
-        self._forget(s, f"{exc.code}: {exc.message}")
+        self._end(s, f"{exc.code}: {exc.message}")
+
+    def _end(self, s: _Session, reason: str) -> None:
+        """Forget ``s`` now and release its env in the background (the reply need not wait)."""
+        self._forget(s, reason)
         task = asyncio.get_running_loop().create_task(self._release(s))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
@@ -336,6 +340,12 @@ class EnvHost:
         self.num_steps += 1
         if s.closed:  # closed by the client mid-step: the step happened, now release the env
             await self._release(s)
+        ended = bool(terminated or truncated) and not s.closed
+        if ended:
+            # The episode is over, so nothing will step it again: close it now, and the
+            # controller skips its EnvClose (one RPC fewer per trajectory). The env is
+            # released after the reply, so a slow env.close() does not delay it.
+            self._end(s, "closed by the host when its episode ended")
         return m.EnvStepResult(
             session_id=s.id,
             observation=obs,
@@ -343,6 +353,7 @@ class EnvHost:
             terminated=terminated,
             truncated=truncated,
             info=info,
+            closed=ended,
         )
 
     async def close_session(

@@ -146,10 +146,12 @@ class SimEnvHost:
                            f"{sess.turn}")
         sess.turn += 1
         done = sess.turn >= sess.num_turns
+        if done:  # closed by the host when its episode ends, as EnvHost does
+            del self._sessions[session_id]
         return m.EnvStepResult(session_id=session_id,
                                observation="" if done else observation(sess.spec.name, obs_tokens),
                                reward=0.0, terminated=done, truncated=False,
-                               info={"simulated": True, "turn": sess.turn})
+                               info={"simulated": True, "turn": sess.turn}, closed=done)
 
     async def close_session(self, session_id: str) -> None:
         self._sessions.pop(session_id, None)

@@ -424,7 +424,12 @@ class EnvStep(Msg):
 
 
 class EnvStepResult(Msg):
-    """Gymnasium-style step result. ``reward`` is the env's own per-step reward (float)."""
+    """Gymnasium-style step result. ``reward`` is the env's own per-step reward (float).
+
+    ``closed``: the host has closed the session after this step, because the episode ended
+    (``terminated`` or ``truncated``): the caller need not send ``EnvClose`` (one RPC per
+    trajectory saved), and one it sends anyway is acknowledged as already closed. Hosts that
+    predate the field leave it False, and the caller closes as before."""
 
     session_id: str
     observation: str
@@ -432,6 +437,7 @@ class EnvStepResult(Msg):
     terminated: bool
     truncated: bool
     info: dict[str, Any] = {}
+    closed: bool = False
 
 
 class EnvClose(Msg):
