@@ -17,7 +17,12 @@ Per N it reports:
 
 - ``cpu_us_per_turn``: controller-process CPU seconds (``time.process_time``: all its threads,
   ZeroMQ's I/O thread included) / generate calls started, over the window; percentile-bootstrap
-  ci95 over 5 s sub-windows. Trajectory completions and training steps in the window are
+  ci95 over 5 s sub-windows. ``loop_sleeps_per_turn``: how often the event-loop thread blocked
+  with nothing to do and was woken again (its voluntary context switches, ``getrusage``) per
+  turn: near 0 the loop is busy and each wake-up handles many messages (the per-message
+  costs of a wake-up are shared); near 1 or more messages trickle in one per wake-up and each
+  pays them alone. The same work costs several times more CPU per RPC in the second regime
+  (``rpc_overhead``: 1 vs 1024 calls in flight). Trajectory completions and training steps in the window are
   included (and the in-process SIMULATED trainer and reward, which cost next to nothing).
   ``loop_thread_cpu_us_per_turn``: the event-loop thread's share of it (the rest is ZeroMQ's
   I/O thread, CURVE encryption included, and helper threads).
@@ -43,13 +48,25 @@ Per N it reports:
   collection pause seconds per generation / longest pause (``gc.callbacks``).
 - the floor beside it (``benchmarks.rpc_floor.measure_floor``): a bare uvloop
   ``asyncio.Protocol`` echo of length-prefixed msgspec frames in a child process, the client's
-  CPU per call at 256 in flight (``floor_cpu_us_per_rpc``), its calls/s, and the mean round
-  trip at one in flight; one turn is two RPCs, so ``2 x floor_cpu_us_per_rpc`` is the
+  CPU per call at 256 in flight (``floor_cpu_us_per_rpc``) and at one in flight
+  (``floor_cpu_us_per_rpc_one_in_flight``: the floor for replies that trickle in one per
+  wake-up), its calls/s, and the mean round trip at one in flight; one turn is two RPCs, so ``2 x floor_cpu_us_per_rpc`` is the
   transport floor of ``cpu_us_per_turn``.
+
+Capacity: at N = 10000 and 10 s per env step the offered load (~1000 turns/s) leaves the
+controller mostly idle: replies trickle in one per wake-up, and each RPC pays a wake-up's fixed
+costs alone (``loop_sleeps_per_turn`` near 1). That is the cost of a turn at this load, not
+what bounds scale. The last size of each run saturates the controller instead: N = 2000 with
+0.2 s env steps (mean = std, sessions opened over 0.4 s) offers ~10,000 turns/s, more than one
+core of this machine can drive, so the loop never sleeps (``loop_sleeps_per_turn`` near 0),
+``turns_per_s`` is the controller's capacity at the CPU share it got, and ``cpu_us_per_turn``
+its cost per turn at capacity (its ratios are named ``at 2000, env 0.2 s``). One controller
+core then drives ``10 s x 1e6 / cpu_us_per_turn`` concurrent trajectories at 10 s per env step.
 
 Sizes: ``--quick`` N = 1000 at 32k and N = 10000 at 16k contexts, 3 turns, 70 s and 90 s
 (10000 x 32k needs ~14 GiB with the SIMULATED worker's copy of every prefix: more than a shared
-24 GiB machine has free); default N = 1000, 10000, 50000 at 32k, 8 turns. A size whose estimated memory (controller and SIMULATED worker, per token as measured at
+24 GiB machine has free), then the saturated size at 16k (40 s); default N = 1000, 10000,
+50000 at 32k, 8 turns, then the saturated size at 32k, 8 turns (90 s). A size whose estimated memory (controller and SIMULATED worker, per token as measured at
 the previous size) exceeds 60% of available memory is skipped and its row says what it needs. Every process shares the machine's cores: the controller gets what
 the scheduler leaves it (``cpu_share_of_core``), and once the offered load needs more than that
 the latency and lag are queueing. Each row therefore also says what else used the machine in
@@ -71,6 +88,7 @@ import math
 import os
 import random
 import re
+import resource
 import signal
 import statistics
 import subprocess
@@ -111,6 +129,8 @@ from rollart.transport import messages as m
 from rollart.transport.security import create_key_file, load_key_file
 
 NAME = "controller_overhead"
+#: mean (and std) env step latency, s: issue 11's "realistic env latency"
+ENV_MEAN_S = 10.0
 GENERATE_TIMEOUT_S = 20.0
 SUBWINDOW_S = 5.0
 PROFILE_ENV = "CONTROLLER_OVERHEAD_PROFILE"
@@ -121,18 +141,33 @@ BYTES_PER_TOKEN_GUESS = 40.0
 
 @dataclass(frozen=True)
 class Size:
+    """One run: ``n`` trajectories of ``turns`` turns on ``context_tokens``-token prompts, env
+    steps lognormal with mean = std = ``env_mean_s`` (sessions open spread over
+    ``2 x env_mean_s``, steps clipped at ``6 x env_mean_s``), measured for ``duration_s`` after
+    ``warmup_s``."""
+
     n: int
     context_tokens: int
     turns: int
     duration_s: float
     warmup_s: float
+    env_mean_s: float = ENV_MEAN_S
+
+    @property
+    def key(self) -> str:
+        """How the JSON ratios name this size: ``N``, or ``N, env S s`` off the default."""
+        return str(self.n) if self.env_mean_s == ENV_MEAN_S else \
+            f"{self.n}, env {self.env_mean_s:g} s"
 
 
 # Quick: 3 turns, so trajectories (~20 s open spread + 3 x 10 s) complete and steps train
-# inside the window and per-completion costs are counted too.
-QUICK = (Size(1000, 32768, 3, 70.0, 20.0), Size(10_000, 16384, 3, 90.0, 30.0))
+# inside the window and per-completion costs are counted too. The last size saturates the
+# controller (2000 trajectories offer ~10,000 turns/s at 0.2 s per env step): its CPU per turn
+# is the controller's capacity, not the cost of a mostly idle loop (see the module docstring).
+QUICK = (Size(1000, 32768, 3, 70.0, 20.0), Size(10_000, 16384, 3, 90.0, 30.0),
+         Size(2000, 16384, 3, 40.0, 15.0, env_mean_s=0.2))
 FULL = (Size(1000, 32768, 8, 150.0, 30.0), Size(10_000, 32768, 8, 180.0, 40.0),
-        Size(50_000, 32768, 8, 240.0, 60.0))
+        Size(50_000, 32768, 8, 240.0, 60.0), Size(2000, 32768, 8, 90.0, 30.0, env_mean_s=0.2))
 
 
 class Calls:
@@ -380,6 +415,7 @@ async def _drive(size: Size, args: Namespace, worker_addr: str, env_addr: str, s
         await asyncio.sleep(size.warmup_s)
         t0, cpu0, gen0, steps0 = time.monotonic(), time.process_time(), calls.num_gens, steps
         loop_cpu0 = time.thread_time()
+        sleeps0 = resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw
         profiler = _profiler()
         pauses.reset()
         lag.take()
@@ -404,6 +440,7 @@ async def _drive(size: Size, args: Namespace, worker_addr: str, env_addr: str, s
             cpu_prev, gen_prev = cpu, gens
         t1, cpu1, gen1 = time.monotonic(), time.process_time(), calls.num_gens
         loop_cpu1 = time.thread_time()
+        sleeps1 = resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw
         machine = _machine_shares(stat0, _proc_stat())
         backend_share = {f"{k}_cpu_share_of_core": (_cpu_s(p) - backend_cpu0[k]) / (t1 - t0)
                          for k, p in backends.items()}
@@ -444,6 +481,7 @@ async def _drive(size: Size, args: Namespace, worker_addr: str, env_addr: str, s
         "weight_waits": calls.weight_waits,
         "row": {
             "n": n, "context_tokens": size.context_tokens, "turns_per_traj": size.turns,
+            "env_mean_s": size.env_mean_s, "key": size.key,
             "gc": gc_policy,
             "batch": batch, "alpha": alpha,
             "running_mean": statistics.fmean(running) if running else 0.0,
@@ -453,6 +491,7 @@ async def _drive(size: Size, args: Namespace, worker_addr: str, env_addr: str, s
             "cpu_us_per_turn_ci95": _ratio_ci95(sub_cpu, sub_turns, seed),
             "cpu_share_of_core": (cpu1 - cpu0) / (t1 - t0),
             "loop_thread_cpu_us_per_turn": 1e6 * (loop_cpu1 - loop_cpu0) / max(1, turns),
+            "loop_sleeps_per_turn": (sleeps1 - sleeps0) / max(1, turns),
             "lost_replies": timeouts - late + stuck, "timeouts": timeouts,
             "late_replies": late,
             "stuck_calls": stuck, "failed": dict(stats.failed),
@@ -504,9 +543,10 @@ def _gaps(worker: srv.Records, env: srv.Records, session_traj: dict[str, str],
 def _one_size(size: Size, seed: int, gc_policy: str) -> dict[str, Any]:
     import uvloop
 
+    mean = size.env_mean_s
     args = Namespace(context_tokens=size.context_tokens, obs_tokens=4, response_tokens=4,
-                     turns=size.turns, env_mean_s=10.0, env_std_s=10.0, env_max_s=60.0,
-                     open_spread_s=20.0)
+                     turns=size.turns, env_mean_s=mean, env_std_s=mean, env_max_s=6 * mean,
+                     open_spread_s=2 * mean)
     dom = srv.domain_argv(args)
     with tempfile.TemporaryDirectory(prefix="ctrl-overhead-") as tmp:
         dumps = {k: Path(tmp) / f"{k}.msgpack" for k in ("worker", "env")}
@@ -549,6 +589,7 @@ def _floor(quick: bool) -> dict[str, Any]:
     low, high = measure_floor((1, 256), repeats=3, quick=quick)
     return {"floor_cpu_us_per_rpc": high["client_cpu_us_per_call"],
             "floor_cpu_us_per_rpc_ci95": high["client_cpu_us_per_call_ci95"],
+            "floor_cpu_us_per_rpc_one_in_flight": low["client_cpu_us_per_call"],
             "floor_calls_per_s": high["calls_per_s"],
             "floor_rtt_mean_ms": 1e-3 * low["us_per_call"]}
 
@@ -567,7 +608,7 @@ def run(quick: bool, seed: int) -> dict:
         need = tokens * (per_token + worker_per_token)
         avail = psutil.virtual_memory().available
         if need > 0.6 * avail:
-            rows.append({"n": size.n, "context_tokens": size.context_tokens,
+            rows.append({"n": size.n, "context_tokens": size.context_tokens, "key": size.key,
                          "skipped": f"needs ~{need / 2**30:.1f} GiB (controller {per_token:.0f} "
                                     f"+ SIMULATED worker {worker_per_token:.0f} B/token), "
                                     f"{avail / 2**30:.1f} GiB free"})
@@ -582,7 +623,8 @@ def run(quick: bool, seed: int) -> dict:
     ratios, ci95 = ratios_of(rows, floor)
     return result(NAME, simulated=False, rows=rows, ratios=ratios, ci95=ci95, quick=quick,
                   seed=seed, started=started, notes=f"measured; gc policy {gc_policy}; backends "
-                  "are SIMULATED processes (zero-latency worker, env lognormal mean 10 s) over "
+                  "are SIMULATED processes (zero-latency worker, env lognormal mean 10 s; the "
+                  "saturated size 0.2 s) over "
                   "real ZeroMQ; all processes share the machine's cores")
 
 
@@ -596,7 +638,7 @@ def ratios_of(rows: list[dict[str, Any]], floor: dict[str, float]
     for r in rows:
         if "skipped" in r:
             continue
-        n = r["n"]
+        n = r.get("key", r["n"])
         ratios[f"lost_replies at {n}"] = r["lost_replies"]
         ratios[f"cpu_us_per_turn at {n}"] = r["cpu_us_per_turn"]
         ci95[f"cpu_us_per_turn at {n}"] = list(r["cpu_us_per_turn_ci95"])
@@ -607,6 +649,8 @@ def ratios_of(rows: list[dict[str, Any]], floor: dict[str, float]
         ratios[f"rss_bytes_per_token at {n}"] = r["rss_bytes_per_token"]
         ratios[f"cpu_us_per_turn / floor (2 RPCs) at {n}"] = (
             r["cpu_us_per_turn"] / (2 * floor["floor_cpu_us_per_rpc"]))
+        ratios[f"turns_per_s at {n}"] = r["turns_per_s"]
+        ratios[f"loop_sleeps_per_turn at {n}"] = r["loop_sleeps_per_turn"]
     ratios.update({k: v for k, v in floor.items() if k != "floor_cpu_us_per_rpc_ci95"})
     if "floor_cpu_us_per_rpc_ci95" in floor:  # a half-width
         mid, half = floor["floor_cpu_us_per_rpc"], floor["floor_cpu_us_per_rpc_ci95"]

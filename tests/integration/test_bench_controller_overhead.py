@@ -25,6 +25,8 @@ def test_one_small_size_reports_every_figure() -> None:
     assert lo <= row["added_latency_p99_ms"] <= hi
     assert row["loop_lag_p99_ms"] >= 0 and row["rss_bytes_per_traj"] > 0
     assert 0 < row["loop_thread_cpu_us_per_turn"] <= row["cpu_us_per_turn"]
+    assert row["loop_sleeps_per_turn"] > 0  # 64 trajectories at 10 s per step: a mostly idle loop
+    assert row["key"] == "64" and row["env_mean_s"] == co.ENV_MEAN_S
     assert row["weight_wait_turns"] >= 0 and 0 <= row["weight_wait_share"] <= 1
     # what else used the machine: both backends worked, and the machine shares add up
     assert row["worker_cpu_share_of_core"] > 0 and row["env_cpu_share_of_core"] > 0
@@ -34,13 +36,22 @@ def test_one_small_size_reports_every_figure() -> None:
     ratios, ci95 = co.ratios_of([row], {"floor_cpu_us_per_rpc": 10.0,
                                         "floor_cpu_us_per_rpc_ci95": 1.5})
     for key in ("lost_replies at 64", "cpu_us_per_turn at 64", "added_latency_p99_ms at 64",
-                "loop_lag_p99_ms at 64"):
+                "loop_lag_p99_ms at 64", "turns_per_s at 64", "loop_sleeps_per_turn at 64"):
         assert not math.isnan(ratios[key])
     # intervals live in ci95 as [low, high] beside their ratio, never as ratios of their own
     assert not any("ci95" in key for key in ratios)
     assert ci95["cpu_us_per_turn at 64"] == row["cpu_us_per_turn_ci95"]
     assert ci95["added_latency_p99_ms at 64"] == [lo, hi]
     assert ci95["floor_cpu_us_per_rpc"] == [8.5, 11.5]
+
+
+def test_the_saturated_size_is_named_apart_from_the_default_latency() -> None:
+    assert co.Size(2000, 16384, 3, 40.0, 15.0, env_mean_s=0.2).key == "2000, env 0.2 s"
+    assert co.Size(10_000, 16384, 3, 90.0, 30.0).key == "10000"
+    # every run ends with a size that saturates the controller, after the 10 s-latency ones
+    for sizes in (co.QUICK, co.FULL):
+        assert sizes[-1].env_mean_s < co.ENV_MEAN_S
+        assert all(s.env_mean_s == co.ENV_MEAN_S for s in sizes[:-1])
 
 
 def test_machine_shares_split_proc_stat_jiffies() -> None:

@@ -55,6 +55,21 @@ def test_episode_turns_latency_and_observations() -> None:
     assert stats.num_steps == 3 and stats.num_sessions == 0
 
 
+def test_a_session_closed_during_its_last_step_ends_cleanly() -> None:
+    async def main():
+        host = SimEnvHost("e0", TABLE)
+        opened = await host.open("sim:game", seed=5)
+        for _ in range(2):
+            await host.step(opened.session_id, "a")
+        last = asyncio.create_task(host.step(opened.session_id, "a"))
+        await asyncio.sleep(1.0)  # virtual time: inside the step's 2 s latency
+        await host.close_session(opened.session_id)
+        return await last, await host.stats()
+
+    last, stats = run_virtual(main)
+    assert (last.terminated, last.closed) == (True, True) and stats.num_sessions == 0
+
+
 def test_env_errors_have_codes() -> None:
     async def main():
         host = SimEnvHost("e0", TABLE)

@@ -146,8 +146,9 @@ class SimEnvHost:
                            f"{sess.turn}")
         sess.turn += 1
         done = sess.turn >= sess.num_turns
-        if done:  # closed by the host when its episode ends, as EnvHost does
-            del self._sessions[session_id]
+        if done:  # closed by the host when its episode ends, as EnvHost does (unless the
+            # client closed it during this step's latency)
+            self._sessions.pop(session_id, None)
         return m.EnvStepResult(session_id=session_id,
                                observation="" if done else observation(sess.spec.name, obs_tokens),
                                reward=0.0, terminated=done, truncated=False,
