@@ -3,6 +3,12 @@
 No I/O, no asyncio, no clocks: the asyncio controller drives it, and the hypothesis property
 tests (``tests/unit/test_staleness_protocol.py``) exercise this very class.
 
+``SampleBuffer`` here owns the state, the per-turn calls (``begin_turn``, ``record_tokens``,
+``complete``: no call layer in between) and the public API; its other work lives in helper
+modules that operate on its state: ``bufferrecords`` (trajectory and group records),
+``buffergroups`` (a group's life: slots, selection, retries, retirement), ``bufferbatch``
+(batch assembly), ``bufferstats`` (counters) and ``buffersnapshot`` (checkpoint format).
+
 Versions
     The trainer's version ``v`` (property ``version``) is the number of weight updates applied.
     ``take_batch()`` returns the batch that produces ``v + 1``; then the trainer trains and the
