@@ -38,42 +38,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("rollart.controller.controller")
 
 
-async def get_batch(c: Controller) -> list[Sample]:
-    assert c._changed is not None
-    # The stall watchdog: a batch that does not come says what it waits on (one task per
-    # step, not a timer per wake-up: get_batch wakes on every trajectory outcome).
-    watchdog = (asyncio.create_task(stall_watchdog(c), name="stall-watchdog")
-                if c._stall_watchdog_on else None)
-    try:
-        while True:
-            c._raise_if_fatal()
-            batch = try_take_batch(c)
-            launch_restarts(c)
-            if batch is not None:
-                return batch
-            if not c._tasks and not (c.buffer.has_room() and can_admit(c)):
-                raise ControllerStalledError(
-                    f"no batch can be produced at version {c.buffer.version}: nothing is "
-                    f"running and admission is paused ({c.buffer.stats()})"
-                )
-            await c._changed.wait()
-    finally:
-        if watchdog is not None:
-            watchdog.cancel()
-
-
-def try_take_batch(c: Controller) -> list[Sample] | None:
-    # A batch becomes ready only when a sample is kept or the version advances (held
-    # samples only become stale then, and advance_version sweeps them itself), so
-    # take_batch, which scans every group, runs once per such change, not per wake-up.
-    at = (c.buffer.version, c.buffer.num_kept)
-    if at == c._no_batch_at:
-        return None
-    batch = c.buffer.take_batch()
-    c._no_batch_at = at if batch is None else None
-    return batch
-
-
 async def step(c: Controller) -> StepMetrics:
     """``Controller.step`` (its docstring)."""
     if not c._started:
@@ -154,28 +118,40 @@ async def step(c: Controller) -> StepMetrics:
     return metrics
 
 
-def act_on_disagreement(c: Controller, agreement: dict[str, WorkerAgreement]) -> dict[str, str]:
-    """Apply ``run.worker_checks.agreement_policy`` to the workers whose tokens disagree
-    with the trainer (see ``rollart.controller.agreement``); returns them -> why.
+async def get_batch(c: Controller) -> list[Sample]:
+    assert c._changed is not None
+    # The stall watchdog: a batch that does not come says what it waits on (one task per
+    # step, not a timer per wake-up: get_batch wakes on every trajectory outcome).
+    watchdog = (asyncio.create_task(stall_watchdog(c), name="stall-watchdog")
+                if c._stall_watchdog_on else None)
+    try:
+        while True:
+            c._raise_if_fatal()
+            batch = try_take_batch(c)
+            launch_restarts(c)
+            if batch is not None:
+                return batch
+            if not c._tasks and not (c.buffer.has_room() and can_admit(c)):
+                raise ControllerStalledError(
+                    f"no batch can be produced at version {c.buffer.version}: nothing is "
+                    f"running and admission is paused ({c.buffer.stats()})"
+                )
+            await c._changed.wait()
+    finally:
+        if watchdog is not None:
+            watchdog.cancel()
 
-    Raises:
-        WorkerDisagreementError: policy ``stop``.
-        PoolExhaustedError: policy ``quarantine`` emptied a pool.
-    """
-    cfg = c.run.worker_checks
-    bad = offenders(agreement, cfg)
-    for name, why in bad.items():
-        log.warning("step %d: worker %s disagrees with the trainer: %s (policy %s)",
-                    c._step, name, why, cfg.agreement_policy)
-    if bad and cfg.agreement_policy == "stop":
-        raise WorkerDisagreementError(
-            f"step {c._step}: engine/trainer disagreement on worker(s) "
-            f"{sorted(bad)}: {bad} (run.worker_checks.agreement_policy = 'stop')")
-    if cfg.agreement_policy == "quarantine":
-        for name in bad:
-            if name != UNKNOWN_WORKER:
-                c.proxy.quarantine(name, f"disagrees with the trainer: {bad[name]}")
-    return bad
+
+def try_take_batch(c: Controller) -> list[Sample] | None:
+    # A batch becomes ready only when a sample is kept or the version advances (held
+    # samples only become stale then, and advance_version sweeps them itself), so
+    # take_batch, which scans every group, runs once per such change, not per wake-up.
+    at = (c.buffer.version, c.buffer.num_kept)
+    if at == c._no_batch_at:
+        return None
+    batch = c.buffer.take_batch()
+    c._no_batch_at = at if batch is None else None
+    return batch
 
 
 def screen(c: Controller, batch: list[Sample]) -> list[Sample]:
@@ -214,3 +190,27 @@ async def train(c: Controller, batch: list[Sample], version: int) -> tuple[Train
     c.buffer.advance_version()
     launch_restarts(c)
     return result, c.clock() - t0
+
+
+def act_on_disagreement(c: Controller, agreement: dict[str, WorkerAgreement]) -> dict[str, str]:
+    """Apply ``run.worker_checks.agreement_policy`` to the workers whose tokens disagree
+    with the trainer (see ``rollart.controller.agreement``); returns them -> why.
+
+    Raises:
+        WorkerDisagreementError: policy ``stop``.
+        PoolExhaustedError: policy ``quarantine`` emptied a pool.
+    """
+    cfg = c.run.worker_checks
+    bad = offenders(agreement, cfg)
+    for name, why in bad.items():
+        log.warning("step %d: worker %s disagrees with the trainer: %s (policy %s)",
+                    c._step, name, why, cfg.agreement_policy)
+    if bad and cfg.agreement_policy == "stop":
+        raise WorkerDisagreementError(
+            f"step {c._step}: engine/trainer disagreement on worker(s) "
+            f"{sorted(bad)}: {bad} (run.worker_checks.agreement_policy = 'stop')")
+    if cfg.agreement_policy == "quarantine":
+        for name in bad:
+            if name != UNKNOWN_WORKER:
+                c.proxy.quarantine(name, f"disagrees with the trainer: {bad[name]}")
+    return bad
