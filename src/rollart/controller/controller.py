@@ -69,6 +69,7 @@ __all__ = ["Controller", "ControllerStalledError"]
 
 log = logging.getLogger(__name__)
 
+
 class _Signal:
     """Wake every current waiter on ``notify()`` (an Event re-armed after each notify)."""
 
