@@ -285,9 +285,9 @@ async def test_requests_refused_as_bad_input_do_not_quarantine_a_worker() -> Non
 
 
 async def test_a_sample_the_trainer_would_refuse_fails_its_trajectory(monkeypatch) -> None:
-    import rollart.controller.controller as controller_mod
+    import rollart.controller.trajtasks as trajtasks
 
-    real = controller_mod.run_trajectory
+    real = trajtasks.run_trajectory
     corrupted: list[str] = []
 
     async def corrupting(ctx, tid, key, domain, seed):
@@ -297,7 +297,7 @@ async def test_a_sample_the_trainer_would_refuse_fails_its_trajectory(monkeypatc
             corrupted.append(tid)
         return sample
 
-    monkeypatch.setattr(controller_mod, "run_trajectory", corrupting)
+    monkeypatch.setattr(trajtasks, "run_trajectory", corrupting)
     ctl, trainer, _ = make_controller([FakeWorker("m0")], batch_size=4, group_size=2)
     try:
         metrics = await ctl.step()

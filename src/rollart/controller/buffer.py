@@ -3,6 +3,12 @@
 No I/O, no asyncio, no clocks: the asyncio controller drives it, and the hypothesis property
 tests (``tests/unit/test_staleness_protocol.py``) exercise this very class.
 
+``SampleBuffer`` here owns the state, the per-turn calls (``begin_turn``, ``record_tokens``,
+``complete``: no call layer in between) and the public API; its other work lives in helper
+modules that operate on its state: ``bufferrecords`` (trajectory and group records),
+``buffergroups`` (a group's life: slots, selection, retries, retirement), ``bufferbatch``
+(batch assembly), ``bufferstats`` (counters) and ``buffersnapshot`` (checkpoint format).
+
 Versions
     The trainer's version ``v`` (property ``version``) is the number of weight updates applied.
     ``take_batch()`` returns the batch that produces ``v + 1``; then the trainer trains and the
@@ -109,95 +115,36 @@ Races
 
 from __future__ import annotations
 
-import enum
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import msgspec
-
+from rollart.controller import bufferbatch, buffergroups, buffersnapshot
+from rollart.controller.bufferbatch import BatchPlan, ReadyGroup
+from rollart.controller.buffergroups import (
+    cancel_surplus,
+    drop,
+    keep,
+    maybe_forget,
+    maybe_select,
+    new_traj,
+    replace_stale,
+    sweep_stale,
+)
+from rollart.controller.bufferrecords import (
+    LIVE,
+    Group,
+    SampleBufferError,
+    Traj,
+    TrajState,
+    TurnVerdict,
+)
+from rollart.controller.bufferstats import COUNTERS, buffer_stats
 from rollart.controller.sample import BufferStats, DomainCounts, Sample
-from rollart.transport.errors import ConfigError, RollartError
+from rollart.transport.errors import ConfigError
 
 __all__ = ["BatchPlan", "BufferStats", "DomainCounts", "ReadyGroup", "Sample", "SampleBuffer",
            "SampleBufferError", "TurnVerdict"]
-
-TurnVerdict = Literal["continue", "restart", "drop", "wait", "cancel"]
-_SNAPSHOT_FORMAT = 1
-
-
-class SampleBufferError(RollartError, RuntimeError):
-    """The buffer protocol was misused (unknown id, wrong call order); names the id and rule."""
-
-
-@dataclass(frozen=True, slots=True)
-class ReadyGroup:
-    """A complete group ``take_batch`` may train on, as ``assemble_batch`` sees it: ``key``,
-    ``domain``, ``seq`` (admission order), ``min_version`` (oldest generated-token version of
-    its samples), ``rewards`` (its ``group_size`` samples' rewards, completion order) and
-    ``num_generated`` (their generated tokens, summed). Every ready group is admissible at the
-    buffer's version (stale ones were swept before)."""
-
-    key: str
-    domain: str
-    seq: int
-    min_version: int
-    rewards: tuple[float, ...]
-    num_generated: int
-
-
-@dataclass(frozen=True, slots=True)
-class BatchPlan:
-    """What ``assemble_batch`` decides: ``take``, the keys of exactly ``batch_size /
-    group_size`` ready groups to train on, in batch order, or ``()`` for no batch yet;
-    ``discard``, ready groups to throw away, key -> reason (their samples are dropped and
-    their tokens counted wasted under that reason, the group in ``stats().groups_dropped``)."""
-
-    take: Sequence[str] = ()
-    discard: dict[str, str] = field(default_factory=dict)
-
-
-class _S(enum.Enum):
-    RUNNING = "running"
-    ABORTING = "aborting"  # told "restart", awaiting restart_trajectory / cancel
-    HELD = "held"  # completed, sample kept or awaiting selection
-    DONE = "done"  # any terminal state
-
-
-_LIVE = (_S.RUNNING, _S.ABORTING)
-
-
-@dataclass(slots=True, eq=False)
-class _Traj:
-    tid: str
-    group: _Group
-    slot: int
-    attempt: int
-    state: _S = _S.RUNNING
-    min_version: int | None = None
-    num_tokens: int = 0
-    turns: int = 0
-    doomed: bool = False
-    sample: Sample | None = None
-
-
-@dataclass(slots=True, eq=False)
-class _Group:
-    key: str
-    seq: int
-    slots: list[_Traj | None]  # None: slot closed for good
-    kept: list[_Traj] = field(default_factory=list)
-    finished: list[_Traj] = field(default_factory=list)  # unbiased candidates
-    selected: bool = False
-    closing: bool = False
-    status: Literal["open", "consumed", "retired"] = "open"
-    all_tids: list[str] = field(default_factory=list)
-    domain: str = "default"
-    alpha: int = 0
-
-    def live(self) -> list[_Traj]:
-        return [t for t in self.slots if t is not None and t.state in _LIVE]
 
 
 class SampleBuffer:
@@ -289,38 +236,19 @@ class SampleBuffer:
         # Groups that reached group_size kept members (a superset of the complete ones: a
         # group only becomes complete in _keep or restore), so finding complete groups costs
         # O(candidates), not O(groups in flight), per take_batch.
-        self._ready: dict[str, _Group] = {}
+        self._ready: dict[str, Group] = {}
         self.max_groups = (alpha + 1) * batch_size // group_size
         self._version = initial_version
         self._outstanding = False
         self._rng = rng if rng is not None else random.Random(0)
         self._on_drop = on_drop
         self._on_forget = on_forget
-        self._groups: dict[str, _Group] = {}
-        self._trajs: dict[str, _Traj] = {}
+        self._groups: dict[str, Group] = {}
+        self._trajs: dict[str, Traj] = {}
         self._next_seq = 0
         self._group_seq = 0
         self._restarts: list[str] = []
-        self._c: dict[str, int] = dict.fromkeys(
-            (
-                "started",
-                "completed",
-                "consumed",
-                "batches",
-                "retries",
-                "restarted_stale",
-                "replaced_stale",
-                "cancelled",
-                "groups_retired",
-                "late_calls",
-                "finished_members",
-                "finished_len",
-                "kept_members",
-                "kept_len",
-                "cancelled_len",
-            ),
-            0,
-        )
+        self._c: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         self._failed: dict[str, int] = {}
         self._groups_dropped: dict[str, int] = {}
         self._dropped: dict[str, int] = {}
@@ -361,7 +289,7 @@ class SampleBuffer:
         a = self.alpha if alpha is None else alpha
         return min_version is None or min_version >= self._version - a
 
-    def _ok(self, t: _Traj) -> bool:
+    def _ok(self, t: Traj) -> bool:
         # AReaL's policy never rejects a sample for staleness once admitted.
         return self._areal or self.admissible(t.min_version, t.group.alpha)
 
@@ -375,7 +303,7 @@ class SampleBuffer:
 
     def running_ids(self) -> list[str]:
         """Ids of live trajectories (running, or told to restart), in creation order."""
-        return [t.tid for t in self._trajs.values() if t.state in _LIVE]
+        return [t.tid for t in self._trajs.values() if t.state in LIVE]
 
     def ready_samples(self) -> int:
         """Samples in complete, unconsumed groups (all admissible after the last sweep)."""
@@ -467,13 +395,13 @@ class SampleBuffer:
         if not self.has_room():
             return None
         self._admitted_groups += 1
-        g = _Group(key=group_key, seq=self._group_seq, slots=[], domain=domain, alpha=a)
+        g = Group(key=group_key, seq=self._group_seq, slots=[], domain=domain, alpha=a)
         self._dom(domain).groups_started += 1
         self._group_seq += 1
         self._groups[group_key] = g
         for i in range(self.group_size + self.redundancy):
             g.slots.append(None)
-            self._new_traj(g, i, attempt=1)
+            new_traj(self, g, i, attempt=1)
         return [t.tid for t in g.slots if t is not None]
 
     # ------------------------------------------------------------------ per trajectory
@@ -484,7 +412,7 @@ class SampleBuffer:
         ``serving_version`` is negative or ahead of the trainer, or the id was never issued.
         """
         t = self._get(traj_id)
-        if t is None or t.state not in _LIVE:
+        if t is None or t.state not in LIVE:
             self._c["late_calls"] += 1
             return "cancel"
         if not 0 <= serving_version <= self._version:
@@ -494,14 +422,14 @@ class SampleBuffer:
             )
         if not self._slot_open(t):
             return "cancel"
-        if t.state is _S.ABORTING:
+        if t.state is TrajState.ABORTING:
             return "restart"
         if t.doomed:
             return "drop"
         if not self._areal and (self.check == "per_turn" or t.turns == 0):
             if not self._ok(t):
                 if self.on_stale == "restart":
-                    t.state = _S.ABORTING
+                    t.state = TrajState.ABORTING
                     return "restart"
                 t.doomed = True
                 return "drop"
@@ -516,10 +444,10 @@ class SampleBuffer:
     def record_tokens(self, traj_id: str, versions: Sequence[int]) -> None:
         """Record the versions (ints in ``[0, version]``) of tokens just generated."""
         t = self._get(traj_id)
-        if t is None or t.state not in _LIVE:
+        if t is None or t.state not in LIVE:
             self._c["late_calls"] += 1
             return
-        if t.state is _S.ABORTING:
+        if t.state is TrajState.ABORTING:
             raise SampleBufferError(f"trajectory {traj_id!r} was told to restart; no tokens")
         if not versions:
             return
@@ -543,7 +471,7 @@ class SampleBuffer:
                 trajectory was told to restart.
         """
         t = self._get(traj_id)
-        if t is None or t.state not in _LIVE:
+        if t is None or t.state not in LIVE:
             self._c["late_calls"] += 1
             return []
         g = t.group
@@ -552,7 +480,7 @@ class SampleBuffer:
                 f"trajectory {traj_id!r} of group {g.key!r}: sample is "
                 f"{sample.sample_id!r} of group {sample.group_key!r}"
             )
-        if t.state is _S.ABORTING:
+        if t.state is TrajState.ABORTING:
             raise SampleBufferError(f"trajectory {traj_id!r} was told to restart, not complete")
         sv = sample.min_version
         if sv is not None:
@@ -560,7 +488,7 @@ class SampleBuffer:
             self._lower_bound(t)
         # A caller that did not report every token through record_tokens: count the rest now.
         self._add_tokens(t, max(0, sample.num_generated - t.num_tokens))
-        t.sample, t.state = sample, _S.HELD
+        t.sample, t.state = sample, TrajState.HELD
         self._c["completed"] += 1
         self._c["finished_members"] += 1
         self._c["finished_len"] += sample.num_generated
@@ -569,65 +497,34 @@ class SampleBuffer:
         d.finished_tokens += sample.num_generated
         d.finished_turns += sample.num_turns
         if not self._slot_open(t):
-            self._drop(t, "retired" if g.status == "retired" else "unselected")
-            self._maybe_forget(g)
+            drop(self, t, "retired" if g.status == "retired" else "unselected")
+            maybe_forget(self, g)
             return []
         if t.doomed or not self._ok(t):
-            self._replace_stale(t)
+            replace_stale(self, t)
             return []
         if self.selection == "unbiased" and not g.selected:
             g.finished.append(t)
-            return self._maybe_select(g, None)
-        self._keep(t)
-        return self._cancel_surplus(g) if len(g.kept) == self.group_size else []
+            return maybe_select(self, g, None)
+        keep(self, t)
+        return cancel_surplus(g) if len(g.kept) == self.group_size else []
 
     def close_group(self, group_key: str, rng: random.Random | None = None) -> list[str]:
         """Unbiased selection deadline: keep a random ``group_size`` of the finished members
         (if enough) and return the running members to cancel; otherwise keep the next
         finishers. No-op (``[]``) for ``"first"`` or a group already selected / gone."""
-        g = self._groups.get(group_key)
-        if g is None or g.status != "open" or g.selected or self.selection != "unbiased":
-            return []
-        g.closing = True
-        return self._maybe_select(g, rng)
+        return buffergroups.close_group(self, group_key, rng)
 
     def fail(self, traj_id: str, reason: str) -> str | None:
         """Per-trajectory failure (counted by ``reason``, never a reward). Returns a retry id
         (same slot, attempt + 1) if attempts remain and the group still collects members."""
-        t = self._get(traj_id)
-        if t is None or t.state not in _LIVE:
-            self._c["late_calls"] += 1
-            return None
-        if not reason:
-            raise SampleBufferError(f"trajectory {traj_id!r}: fail() needs a reason")
-        self._failed[reason] = self._failed.get(reason, 0) + 1
-        self._finish(t, "failed")
-        g = t.group
-        if self._slot_open(t) and t.attempt < self.max_attempts:
-            self._c["retries"] += 1
-            return self._new_traj(g, t.slot, t.attempt + 1).tid
-        was_open = g.status == "open" and t.attempt >= self.max_attempts
-        self._close_slot(t)
-        if was_open and g.status == "retired":
-            # A slot ran out of attempts and the group can no longer fill: given up, by reason.
-            self._groups_dropped["attempts_exhausted"] = (
-                self._groups_dropped.get("attempts_exhausted", 0) + 1)
-        return None
+        return buffergroups.fail(self, traj_id, reason)
 
     def drop_group(self, group_key: str, reason: str) -> list[str]:
         """Give up on an open group (e.g. its failure budget is spent): retire it, counted in
         ``stats().groups_dropped`` by ``reason``; its held samples are dropped (``"retired"``).
         Returns its live members for the caller to cancel; ``[]`` if it is not open."""
-        g = self._groups.get(group_key)
-        if g is None or g.status != "open":
-            return []
-        if not reason:
-            raise SampleBufferError(f"group {group_key!r}: drop_group() needs a reason")
-        self._groups_dropped[reason] = self._groups_dropped.get(reason, 0) + 1
-        self._retire(g)
-        live = [t.tid for t in g.live()]
-        self._maybe_forget(g)
-        return live
+        return buffergroups.drop_group(self, group_key, reason)
 
     def stats_dropped(self, reason: str) -> int:
         """Groups given up for ``reason`` so far (O(1); ``stats().groups_dropped`` has all)."""
@@ -646,33 +543,12 @@ class SampleBuffer:
         ``reason`` names the waste of its tokens (e.g. ``"shutdown"``); ``None`` derives it:
         ``"retired"`` if its group was retired, ``"stale"`` if it was told to restart,
         else ``"redundancy"`` (the group no longer needs it)."""
-        t = self._get(traj_id)
-        if t is None or t.state not in _LIVE:
-            self._c["late_calls"] += 1
-            return
-        if reason is None:
-            reason = ("retired" if t.group.status == "retired"
-                      else "stale" if t.state is _S.ABORTING or t.doomed else "redundancy")
-        self._c["cancelled"] += 1
-        self._c["cancelled_len"] += t.num_tokens
-        self._finish(t, reason)
-        self._close_slot(t)
+        buffergroups.cancel(self, traj_id, reason)
 
     def restart_trajectory(self, traj_id: str) -> str | None:
         """After a ``"restart"`` verdict: a fresh id in the same slot (same attempt), or
         ``None`` if the group no longer needs it. Raises if no such verdict was given."""
-        t = self._get(traj_id)
-        if t is None or t.state not in _LIVE:
-            self._c["late_calls"] += 1
-            return None
-        if t.state is not _S.ABORTING:
-            raise SampleBufferError(f"trajectory {traj_id!r} was not told to restart")
-        self._c["restarted_stale"] += 1
-        self._finish(t, "stale")
-        if self._slot_open(t):
-            return self._new_traj(t.group, t.slot, t.attempt).tid
-        self._close_slot(t)
-        return None
+        return buffergroups.restart_trajectory(self, traj_id)
 
     # ------------------------------------------------------------------ trainer side
     def take_batch(self) -> list[Sample] | None:
@@ -684,50 +560,8 @@ class SampleBuffer:
             SampleBufferError: a batch is already outstanding for this version, or
                 ``assemble_batch`` returned a plan breaking its protocol.
         """
-        if self._outstanding:
-            raise SampleBufferError(
-                f"a batch for version {self._version} is outstanding; call advance_version()"
-            )
-        self._batch_members.clear()
-        self._sweep_stale()
-        need = self.batch_size // self.group_size
         default_policy = type(self).assemble_batch is SampleBuffer.assemble_batch
-        if default_policy and len(self._ready) < need:
-            # The default policy takes nothing below ``need`` complete groups and discards
-            # nothing: skip the scan (O(ready groups) per kept sample otherwise). A group
-            # that stopped being complete stays listed until the next scan drops it.
-            return None
-        ready = [g for g in self._ready.values() if self._complete(g)]
-        if len(ready) != len(self._ready):
-            self._ready = {g.key: g for g in ready}
-        if default_policy and len(ready) < need:
-            return None
-        chosen = self._plan(ready, need)
-        if chosen is None:
-            return None
-        out: list[Sample] = []
-        self._last_staleness = []
-        for g in chosen:
-            d = self._dom(g.domain)
-            for t in g.kept:
-                if not self._ok(t):  # unreachable after the sweep
-                    raise SampleBufferError(f"internal: stale sample {t.tid!r} in a batch")
-                assert t.sample is not None
-                out.append(t.sample)
-                self._last_staleness.append(self._version - self._mv(t))
-                self._trained_tokens += t.num_tokens
-                self._batch_members[t.tid] = (t.num_tokens, t.sample.num_generated,
-                                              t.sample.num_turns, g.domain)
-                d.trained += 1
-                d.trained_tokens += t.sample.num_generated
-                d.trained_turns += t.sample.num_turns
-                t.state, t.sample = _S.DONE, None
-            g.kept, g.status = [], "consumed"
-            self._maybe_forget(g)
-        self._c["consumed"] += len(out)
-        self._c["batches"] += 1
-        self._outstanding = True
-        return out
+        return bufferbatch.take_batch(self, default_policy)
 
     def assemble_batch(self, ready: Sequence[ReadyGroup], need: int) -> BatchPlan:
         """Batch assembly policy: which of the ``ready`` complete groups (each admissible now)
@@ -756,31 +590,6 @@ class SampleBuffer:
         group (fewest samples go stale). Override it to reorder batches without filtering."""
         return (min_version, seq)
 
-    def _plan(self, ready: list[_Group], need: int) -> list[_Group] | None:
-        """Ask ``assemble_batch``, check its plan, discard what it discards; the groups to
-        train on, or ``None``."""
-        if not ready:
-            return None
-        views = [ReadyGroup(g.key, g.domain, g.seq, min(self._mv(t) for t in g.kept),
-                            tuple(t.sample.reward for t in g.kept if t.sample is not None),
-                            sum(t.sample.num_generated for t in g.kept if t.sample is not None))
-                 for g in ready]
-        plan = self.assemble_batch(views, need)
-        by_key = {g.key: g for g in ready}
-        take = list(plan.take)
-        if take and (len(take) != need or len(set(take)) != need
-                     or not set(take) <= by_key.keys()):
-            raise SampleBufferError(
-                f"assemble_batch: take must be () or {need} distinct ready group keys, got "
-                f"{take!r} (ready: {sorted(by_key)})")
-        for key, reason in plan.discard.items():
-            if key not in by_key or key in take or not isinstance(reason, str) or not reason:
-                raise SampleBufferError(
-                    f"assemble_batch: discard {key!r}: {reason!r} must name a ready group not "
-                    f"taken, with a non-empty reason (ready: {sorted(by_key)})")
-        for key, reason in plan.discard.items():
-            self._discard(by_key[key], reason)
-        return [by_key[k] for k in take] if take else None
     def drop_consumed(self, sample_id: str, reason: str) -> None:
         """A sample of the outstanding batch that cannot be trained on after all (the train
         path's last check refused it): it counts as dropped and its tokens as wasted for
@@ -790,21 +599,7 @@ class SampleBuffer:
         Raises:
             SampleBufferError: ``sample_id`` is not in the outstanding batch (or was dropped).
         """
-        entry = self._batch_members.pop(sample_id, None) if self._outstanding else None
-        if entry is None:
-            raise SampleBufferError(f"drop_consumed: {sample_id!r} is not in the outstanding "
-                                    "batch")
-        num_tokens, num_generated, num_turns, domain = entry
-        d = self._dom(domain)
-        self._trained_tokens -= num_tokens
-        d.trained -= 1
-        d.trained_tokens -= num_generated
-        d.trained_turns -= num_turns
-        self._c["consumed"] -= 1
-        self._dropped[reason] = self._dropped.get(reason, 0) + 1
-        if num_tokens:
-            self._wasted[reason] = self._wasted.get(reason, 0) + num_tokens
-            d.wasted_tokens[reason] = d.wasted_tokens.get(reason, 0) + num_tokens
+        bufferbatch.drop_consumed(self, sample_id, reason)
 
     def advance_version(self) -> None:
         """The trainer applied the update of the outstanding batch: ``version += 1``; held
@@ -815,121 +610,18 @@ class SampleBuffer:
             )
         self._outstanding = False
         self._version += 1
-        self._sweep_stale()
+        sweep_stale(self)
 
     # ------------------------------------------------------------------ stats / checkpoint
     def stats(self) -> BufferStats:
         """Counters and gauges (see ``BufferStats``)."""
-        c = self._c
-        # One pass, no list per group: at 10k trajectories this runs on the loop every step.
-        running = held = in_flight_tokens = 0
-        for g in self._groups.values():
-            for t in g.slots:
-                if t is not None and t.state in _LIVE:
-                    running += 1
-                    in_flight_tokens += t.num_tokens
-            for t in g.kept:
-                in_flight_tokens += t.num_tokens
-            for t in g.finished:
-                in_flight_tokens += t.num_tokens
-            held += len(g.kept) + len(g.finished)
-        st = self._last_staleness
-        return BufferStats(
-            version=self._version,
-            alpha=self.alpha,
-            batch_size=self.batch_size,
-            group_size=self.group_size,
-            redundancy=self.redundancy,
-            max_groups=self.max_groups,
-            groups_in_flight=len(self._groups),
-            running=running,
-            held=held,
-            in_flight=running + held,
-            in_flight_bound=(self.alpha + 1) * self.batch_size
-            + self.redundancy * len(self._groups),
-            ready_samples=self.ready_samples(),
-            started=c["started"],
-            completed=c["completed"],
-            consumed=c["consumed"],
-            batches=c["batches"],
-            retries=c["retries"],
-            failed=dict(self._failed),
-            restarted_stale=c["restarted_stale"],
-            replaced_stale=c["replaced_stale"],
-            dropped=dict(self._dropped),
-            cancelled=c["cancelled"],
-            groups_retired=c["groups_retired"],
-            groups_dropped=dict(self._groups_dropped),
-            wasted_tokens=dict(self._wasted),
-            late_calls=c["late_calls"],
-            finished_members=c["finished_members"],
-            finished_mean_len=c["finished_len"] / max(c["finished_members"], 1),
-            kept_members=c["kept_members"],
-            kept_mean_len=c["kept_len"] / max(c["kept_members"], 1),
-            cancelled_mean_len=c["cancelled_len"] / max(c["cancelled"], 1),
-            last_batch_max_staleness=max(st, default=0),
-            last_batch_mean_staleness=sum(st) / len(st) if st else 0.0,
-            generated_tokens=self._generated,
-            trained_tokens=self._trained_tokens,
-            in_flight_tokens=in_flight_tokens,
-            domains={k: msgspec.structs.replace(v, wasted_tokens=dict(v.wasted_tokens))
-                     for k, v in sorted(self._domains.items())},
-        )
+        return buffer_stats(self)
 
     def snapshot(self) -> dict[str, Any]:
         """JSON-able state for checkpoint/resume: config, version, every in-flight group's held
         samples and which slots were running (those are restarted on restore). A batch
         outstanding at snapshot time is not included (it was handed to the trainer)."""
-        groups = []
-        for g in sorted(self._groups.values(), key=lambda g: g.seq):
-            if g.status != "open":
-                continue
-            groups.append(
-                {
-                    "key": g.key,
-                    "domain": g.domain,
-                    "alpha": g.alpha,
-                    "selected": g.selected,
-                    "closing": g.closing,
-                    "slots": [
-                        None
-                        if t is None or not self._slot_open(t)
-                        else {
-                            "attempt": t.attempt,
-                            "state": "held" if t.state is _S.HELD else "running",
-                            "kept": t in g.kept,
-                            "min_version": t.min_version,
-                            "sample": msgspec.to_builtins(t.sample)
-                            if t.sample is not None
-                            else None,
-                        }
-                        for t in g.slots
-                    ],
-                }
-            )
-        cfg = {
-            k: getattr(self, k)
-            for k in (
-                "alpha",
-                "batch_size",
-                "group_size",
-                "redundancy",
-                "selection",
-                "check",
-                "on_stale",
-                "max_attempts",
-                "fresh_start",
-                "abort_stale",
-                "staleness_control",
-            )
-        }
-        return {
-            "format": _SNAPSHOT_FORMAT,
-            "config": cfg,
-            "version": self._version,
-            "next_seq": self._next_seq,
-            "groups": groups,
-        }
+        return buffersnapshot.snapshot(self)
 
     @classmethod
     def restore(
@@ -943,46 +635,10 @@ class SampleBuffer:
         """Rebuild from ``snapshot()``: held samples come back (then re-checked for staleness);
         each slot that was running gets a fresh trajectory id, listed by ``drain_restarts()``.
         Counters restart from zero. Raises ``ConfigError`` on an unknown snapshot format."""
-        if snap.get("format") != _SNAPSHOT_FORMAT:
-            raise ConfigError(
-                f"SampleBuffer.restore: unknown snapshot format {snap.get('format')!r}"
-            )
-        buf = cls(**snap["config"], initial_version=snap["version"], rng=rng, on_drop=on_drop,
-                  on_forget=on_forget)
-        buf._next_seq = snap["next_seq"]
-        # Every version's batch was admitted before it was trained; the open groups come back.
-        buf._admitted_groups = (buf._version * (buf.batch_size // buf.group_size)
-                                + len(snap["groups"]))
-        for gs in snap["groups"]:
-            g = _Group(
-                key=gs["key"],
-                seq=buf._group_seq,
-                slots=[None] * len(gs["slots"]),
-                selected=gs["selected"],
-                closing=gs["closing"],
-                domain=gs.get("domain", "default"),
-                alpha=gs.get("alpha", buf.alpha),
-            )
-            buf._group_seq += 1
-            buf._groups[g.key] = g
-            for i, ss in enumerate(gs["slots"]):
-                if ss is None:
-                    continue
-                if ss["state"] == "running":
-                    buf._restarts.append(buf._new_traj(g, i, ss["attempt"]).tid)
-                    continue
-                t = buf._new_traj(g, i, ss["attempt"], tid=ss["sample"]["sample_id"])
-                t.sample = msgspec.convert(ss["sample"], Sample)
-                t.state, t.min_version = _S.HELD, ss["min_version"]
-                (g.kept if ss["kept"] else g.finished).append(t)
-            if len(g.kept) == buf.group_size:
-                buf._ready[g.key] = g
-        buf._fresh_bound = None
-        buf._sweep_stale()
-        return buf
+        return buffersnapshot.restore(cls, snap, rng=rng, on_drop=on_drop, on_forget=on_forget)
 
     # ------------------------------------------------------------------ internals
-    def _get(self, tid: str, allow_forgotten: bool = True) -> _Traj | None:
+    def _get(self, tid: str, allow_forgotten: bool = True) -> Traj | None:
         t = self._trajs.get(tid)
         if t is not None:
             return t
@@ -991,25 +647,13 @@ class SampleBuffer:
             return None
         raise SampleBufferError(f"unknown trajectory id {tid!r}")
 
-    def _new_traj(self, g: _Group, slot: int, attempt: int, tid: str | None = None) -> _Traj:
-        if tid is None:
-            tid = f"{g.key}/{self._next_seq}"
-            self._next_seq += 1
-        t = _Traj(tid=tid, group=g, slot=slot, attempt=attempt)
-        g.slots[slot] = t
-        g.all_tids.append(tid)
-        self._trajs[tid] = t
-        self._c["started"] += 1
-        self._dom(g.domain).started += 1
-        return t
-
-    def _mv(self, t: _Traj) -> int:
+    def _mv(self, t: Traj) -> int:
         return self._version if t.min_version is None else t.min_version
 
-    def _complete(self, g: _Group) -> bool:
+    def _complete(self, g: Group) -> bool:
         return g.status == "open" and len(g.kept) == self.group_size
 
-    def _slot_open(self, t: _Traj) -> bool:
+    def _slot_open(self, t: Traj) -> bool:
         """Whether the group still wants this trajectory's slot filled."""
         g = t.group
         if g.status != "open" or g.slots[t.slot] is not t:
@@ -1022,131 +666,12 @@ class SampleBuffer:
             d = self._domains[domain] = DomainCounts()
         return d
 
-    def _add_tokens(self, t: _Traj, n: int) -> None:
+    def _add_tokens(self, t: Traj, n: int) -> None:
         t.num_tokens += n
         self._generated += n
         self._dom(t.group.domain).generated_tokens += n
 
-    def _finish(self, t: _Traj, reason: str) -> None:
-        """Terminal state, not trained: every token ``t`` generated is wasted for ``reason``
-        (exactly once: a trajectory reaches DONE once)."""
-        t.state = _S.DONE
-        if t.num_tokens:
-            self._wasted[reason] = self._wasted.get(reason, 0) + t.num_tokens
-            w = self._dom(t.group.domain).wasted_tokens
-            w[reason] = w.get(reason, 0) + t.num_tokens
-
-    def _drop(self, t: _Traj, reason: str) -> None:
-        """Discard a completed sample (counted, reported to ``on_drop``)."""
-        g = t.group
-        for lst in (g.kept, g.finished):
-            if t in lst:
-                lst.remove(t)
-        t.sample = None
-        self._dropped[reason] = self._dropped.get(reason, 0) + 1
-        self._finish(t, reason)
-        if self._on_drop is not None:
-            self._on_drop(t.tid, reason)
-
-    def _keep(self, t: _Traj) -> None:
-        g = t.group
-        g.kept.append(t)
-        if len(g.kept) == self.group_size:
-            self._ready[g.key] = g
-        assert t.sample is not None
-        self._c["kept_members"] += 1
-        self._c["kept_len"] += t.sample.num_generated
-
-    def _replace_stale(self, t: _Traj) -> None:
-        """A completed sample can never be admitted: drop it, refill its slot."""
-        self._drop(t, "stale")
-        self._c["replaced_stale"] += 1
-        self._restarts.append(self._new_traj(t.group, t.slot, t.attempt).tid)
-
-    def _lower_bound(self, t: _Traj) -> None:
+    def _lower_bound(self, t: Traj) -> None:
         """``t.min_version`` was just lowered: keep ``_fresh_bound`` a lower bound."""
         if self._fresh_bound is not None and t.min_version is not None:
             self._fresh_bound = min(self._fresh_bound, t.min_version + t.group.alpha)
-
-    def _sweep_stale(self) -> None:
-        """Replace stale held samples (and abort stale running trajectories if configured).
-        Skipped while ``_fresh_bound`` proves no trajectory is stale (a sweep would do
-        nothing); a full sweep recomputes the bound."""
-        if self._fresh_bound is not None and self._fresh_bound >= self._version:
-            return
-        abort = self.abort_stale and self.check == "per_turn" and self.on_stale == "restart"
-        bound: int | None = None
-        for g in list(self._groups.values()):
-            if g.status != "open":
-                continue
-            for t in [*g.kept, *g.finished]:
-                if not self._ok(t):
-                    self._replace_stale(t)
-            for t in [*g.kept, *g.finished, *g.live()]:
-                if abort and t.state is _S.RUNNING and not self._ok(t) and self._slot_open(t):
-                    t.state = _S.ABORTING
-                    self._aborts.append(t.tid)
-                if t.min_version is not None:
-                    b = t.min_version + g.alpha
-                    bound = b if bound is None or b < bound else bound
-        # No trajectory with a version at all: any later one lowers the bound from here.
-        self._fresh_bound = self._version if bound is None else bound
-
-    def _close_slot(self, t: _Traj) -> None:
-        g = t.group
-        if g.slots[t.slot] is t:
-            g.slots[t.slot] = None
-        if g.status == "open" and not self._complete(g):
-            potential = len(g.kept) + len(g.finished) + len(g.live())
-            if potential < self.group_size:
-                self._retire(g)
-            elif self.selection == "unbiased" and not g.selected:
-                # Selection only fires here with no member left running, so nothing to cancel.
-                self._maybe_select(g, None)
-        self._maybe_forget(g)
-
-    def _discard(self, g: _Group, reason: str) -> None:
-        """A complete group the batch policy throws away: its samples are wasted for
-        ``reason``; counted in ``groups_dropped`` as the caller's ``drop_group`` is."""
-        self._groups_dropped[reason] = self._groups_dropped.get(reason, 0) + 1
-        self._ready.pop(g.key, None)
-        g.status = "retired"
-        self._admitted_groups -= 1
-        self._c["groups_retired"] += 1
-        for t in list(g.kept):
-            self._drop(t, reason)
-        self._maybe_forget(g)
-
-    def _retire(self, g: _Group) -> None:
-        g.status = "retired"
-        self._admitted_groups -= 1  # AReaL: a rejected rollout is not "accepted"
-        self._c["groups_retired"] += 1
-        for t in [*g.kept, *g.finished]:
-            self._drop(t, "retired")
-
-    def _maybe_select(self, g: _Group, rng: random.Random | None) -> list[str]:
-        """Unbiased selection once the deadline passed or no member is left running."""
-        live = [t for t in g.live() if self._slot_open(t)]
-        if len(g.finished) < self.group_size or not (g.closing or not live):
-            return []
-        chosen = set((rng or self._rng).sample(g.finished, self.group_size))
-        finished, g.finished, g.selected = g.finished, [], True
-        for t in finished:  # kept in completion order, so batches are reproducible
-            if t in chosen:
-                self._keep(t)
-            else:
-                self._drop(t, "unselected")
-        return self._cancel_surplus(g)
-
-    def _cancel_surplus(self, g: _Group) -> list[str]:
-        """Group complete: close every other slot; its live members are for the caller to
-        cancel (they stay counted in flight until ``cancel``)."""
-        return [t.tid for t in g.live() if t not in g.kept]
-
-    def _maybe_forget(self, g: _Group) -> None:
-        if g.status != "open" and not g.live() and self._groups.get(g.key) is g:
-            del self._groups[g.key]
-            for tid in g.all_tids:
-                self._trajs.pop(tid, None)
-            if self._on_forget is not None:
-                self._on_forget(g.key)

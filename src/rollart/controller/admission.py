@@ -1,0 +1,100 @@
+"""The controller's admission of GRPO groups: whether, which domain, and when.
+
+The *admission loop* starts a group whenever the sample buffer's in-flight bound allows (and,
+in ``sync`` / ``sync_plus`` / ``one_off``, while at most one batch of groups is in flight),
+picking domains by weight with the controller's seeded RNG (``run.domain_mix``); each group
+gets one env seed shared by its members. ``run.admission = "capacity"`` holds a group back
+while every batch it could join is spoken for (``SampleBuffer.has_capacity``), ``"paced"``
+while ``rollart.controller.pacing`` says so; a domain held back keeps its turn. Plain
+functions over the :class:`~rollart.controller.controller.Controller`'s state (it owns the
+RNG, the group table and the wake-up signals).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import TYPE_CHECKING
+
+from rollart.config import DomainConfig
+from rollart.controller.trajtasks import launch
+
+if TYPE_CHECKING:
+    from rollart.controller.controller import Controller
+
+
+def can_admit(c: Controller) -> bool:
+    if not c._admission_open or c._closed:
+        return False
+    if c.spec.one_batch_in_flight:
+        per_batch = c.run.batch_size // c.run.group_size
+        return c.buffer.groups_in_flight < per_batch
+    return True
+
+
+def domain_weights(c: Controller) -> list[float]:
+    """``Controller.domain_weights`` (its docstring has the formula)."""
+    domains = list(c.domains.values())
+    if c.run.domain_mix == "weight":
+        return [d.weight for d in domains]
+    counts = c.buffer.domain_counts()
+    in_flight = c.buffer.groups_in_flight_by_domain()
+    g = c.run.group_size
+    out = []
+    for d in domains:
+        dc = counts.get(d.name)
+        trained, groups = (dc.trained, dc.groups_started) if dc is not None else (0, 0)
+        resolved = max(0, groups - in_flight.get(d.name, 0))
+        out.append(d.weight * (g * resolved + g) / (trained + g))
+    return out
+
+
+def pick_domain(c: Controller) -> DomainConfig:
+    domains = list(c.domains.values())
+    return c._rng.choices(domains, weights=c.domain_weights())[0]
+
+
+def pace_wait_s(c: Controller, domain: DomainConfig) -> float:
+    """Paced admission: seconds to hold ``domain``'s next group back (0: start now)."""
+    if c._pacer is None:
+        return 0.0
+    now = c.clock()
+    alpha = domain.alpha if domain.alpha is not None else c.run.alpha
+    if not c._pacer.should_wait(domain.name, now, c.proxy.version, alpha):
+        return 0.0
+    period = c._pacer.period_s() or 0.0
+    return max(1e-3, period)
+
+
+async def admission_loop(c: Controller) -> None:
+    assert c._changed is not None and c._weights_changed is not None
+    while True:
+        started = False
+        if can_admit(c) and c.buffer.has_room():
+            key = f"g{c._group_seq}"
+            # A held-back domain keeps its turn (else pacing would favour short domains).
+            domain = c._pending_domain or pick_domain(c)
+            c._pending_domain = None
+            if c.run.admission == "capacity" and not c.buffer.has_capacity(
+                    c.proxy.version, domain.alpha):
+                # Every batch this group could join is already spoken for: wait for a
+                # batch, an apply or a group that fails or goes stale.
+                c._pending_domain = domain
+                await c._changed.wait()
+                continue
+            wait_s = pace_wait_s(c, domain)
+            if wait_s > 0:
+                c._pending_domain = domain
+                # Until the next apply (or one period, if it does not come).
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(c._weights_changed.wait(), wait_s)
+                continue
+            ids = c.buffer.try_start_group(key, domain.name, domain.alpha)
+            if ids is not None:
+                c._group_seq += 1
+                c._groups[key] = (domain, c._rng.randrange(2**31))
+                for tid in ids:
+                    launch(c, tid, key)
+                started = True
+        if not started:
+            await c._changed.wait()
