@@ -60,7 +60,7 @@ def test_cap_and_staleness_bound_hold(ops):
                     v = first_version.pop(tid)
                     buf.complete(tid, Sample(
                         sample_id=tid, group_key=buf.group_of(tid), token_ids=[1, 2],
-                        loss_mask=[0, 1], behaviour_logprobs=[0.0, -1.0], versions=[-1, v],
+                        loss_mask=[0, 1], behaviour_logprobs=[-1.0], versions=[v],
                         reward=1.0))
         elif op == "train":
             batch = buf.take_batch()
