@@ -101,6 +101,8 @@ def _stand_ins(hold: asyncio.Event | None) -> tuple[Any, Any, Any, list[int], An
 
     table = DomainTable([DomainSpec("zero", prompt_tokens=const(CONTEXT))])
     counts = [0, 0]
+    # Trees from before env hosts closed ended sessions have no EnvStepResult.closed.
+    closes = "closed" in m.EnvStepResult.__struct_fields__
 
     class Worker:  # answers at once: no engine, no I/O
         name = address = "w0"
@@ -167,9 +169,13 @@ def _stand_ins(hold: asyncio.Event | None) -> tuple[Any, Any, Any, list[int], An
                 counts[1] += 1
                 await hold.wait()
             k = self.turns[session_id] = self.turns[session_id] + 1
+            done = k >= TURNS
+            if done and closes:  # closed with its last step, as env hosts do
+                del self.turns[session_id]
             return m.EnvStepResult(session_id=session_id,
                                    observation=observation("zero", OBSERVATION), reward=0.0,
-                                   terminated=k >= TURNS, truncated=False)
+                                   terminated=done, truncated=False,
+                                   **({"closed": done} if closes else {}))
 
         async def close_session(self, session_id: str) -> None:
             self.turns.pop(session_id, None)

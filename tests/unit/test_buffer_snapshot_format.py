@@ -1,5 +1,7 @@
-"""The sample buffer's checkpoint layout (``format`` 1), pinned: a checkpoint written by an
-earlier rollart must restore, so the layout may change only with a new format number.
+"""The sample buffer's checkpoint layout, pinned: a checkpoint written by an earlier rollart
+must restore, so the layout may change only with a new format number. Format 2 changed only
+the held samples' own fields (behaviour logprobs and versions per generated token), so its
+layout is format 1's with the new number.
 
 ``GOLDEN`` is what the buffer wrote for :func:`history` before it was split into modules
 (``rollart.controller.buffersnapshot``). The held sample's own fields are the ``Sample``'s
@@ -12,7 +14,11 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import msgspec
+import pytest
+
 from rollart.controller.buffer import Sample, SampleBuffer
+from rollart.transport.errors import ConfigError
 
 GOLDEN: dict[str, Any] = {
     "format": 1,
@@ -103,8 +109,19 @@ def layout(snap: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def test_a_snapshot_has_the_format_1_layout() -> None:
-    assert layout(history().snapshot()) == layout(GOLDEN)
+def test_a_snapshot_has_the_format_2_layout() -> None:
+    snap = history().snapshot()
+    assert snap["format"] == 2
+    assert layout(snap) == {**layout(GOLDEN), "format": 2}
+    (held,) = [s["sample"] for g in snap["groups"] for s in g["slots"]
+               if s is not None and s["sample"] is not None]
+    # per generated token: the held sample generated two
+    assert msgspec.convert(held, Sample).behaviour_logprobs.tolist() == [-0.5, -0.25]
+
+
+def test_an_unknown_format_is_refused_by_its_number() -> None:
+    with pytest.raises(ConfigError, match=r"unknown snapshot format 3 .*formats \[1, 2\]"):
+        SampleBuffer.restore({**copy.deepcopy(GOLDEN), "format": 3})
 
 
 def test_a_format_1_checkpoint_restores_its_held_sample_and_restarts_its_running_slots() -> None:
@@ -115,5 +132,6 @@ def test_a_format_1_checkpoint_restores_its_held_sample_and_restarts_its_running
     assert (buf.stats().held, buf.stats().running) == (1, 2)
     want = layout(GOLDEN)
     want["next_seq"] = 6
+    want["format"] = 2  # what this rollart writes
     # The slot that had failed keeps its attempt count; the group its domain and alpha.
     assert layout(buf.snapshot()) == want

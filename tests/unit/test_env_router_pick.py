@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from rollart.controller.services import EnvHostsExhaustedError, EnvRouter
+from rollart.controller.services import EnvHostsExhaustedError, EnvRouter, LocalEnvBackend
 from rollart.transport import messages as m
 
 
@@ -69,3 +69,29 @@ def test_a_session_the_host_closed_with_its_last_step_is_not_closed_again() -> N
         assert (await router.open("e", 3)).session_id == "b-2"
 
     asyncio.run(main())
+
+
+def test_an_in_process_env_closes_with_the_step_that_ends_it() -> None:
+    closed: list[int] = []
+
+    class OneStep:
+        def reset(self, seed: int) -> tuple[str, dict]:
+            self.seed = seed
+            return "o", {}
+
+        def step(self, action: str) -> tuple[str, float, bool, bool, dict]:
+            return "done", 1.0, True, False, {}
+
+        def close(self) -> None:
+            closed.append(self.seed)
+
+    router = EnvRouter([], LocalEnvBackend({"one": OneStep}))
+
+    async def main() -> m.EnvStepResult:
+        s = await router.open("one", 5)
+        result = await router.step(s.session_id, "x")
+        await router.close_session(s.session_id)  # nothing left to close
+        return result
+
+    result = asyncio.run(main())
+    assert (result.terminated, result.closed) == (True, True) and closed == [5]

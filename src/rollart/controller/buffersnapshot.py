@@ -1,9 +1,12 @@
 """The sample buffer's checkpoint format: ``SampleBuffer.snapshot()`` and ``restore()``.
 
-A snapshot is a JSON-able dict (``format`` 1): the buffer's config, its version, the next
+A snapshot is a JSON-able dict (``format`` 2): the buffer's config, its version, the next
 trajectory sequence number, and every open group's slots with their held samples. Checkpoints
 already written must keep restoring: the layout changes only with a new ``SNAPSHOT_FORMAT``
-that ``restore`` tells apart.
+that ``restore`` tells apart. Format 2 (2026-12-02) holds each sample's behaviour logprobs and
+versions for its generated tokens only; format 1 held them per token, and ``Sample`` reads
+both, so both restore. A rollart that knows only format 1 refuses a format-2 checkpoint by its
+number instead of failing on a sample's lengths.
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ from rollart.transport.errors import ConfigError
 if TYPE_CHECKING:
     from rollart.controller.buffer import SampleBuffer
 
-SNAPSHOT_FORMAT = 1
+SNAPSHOT_FORMAT = 2
+#: formats ``restore`` reads (see the module docstring)
+READABLE_FORMATS = (1, 2)
 #: the ``SampleBuffer`` settings a snapshot records (its ``config``), as keyword arguments
 CONFIG_KEYS = (
     "alpha",
@@ -86,9 +91,10 @@ def restore(
     on_forget: Callable[[str], None] | None,
 ) -> SampleBuffer:
     """``SampleBuffer.restore()`` (its docstring): a ``cls`` built from ``snap``."""
-    if snap.get("format") != SNAPSHOT_FORMAT:
+    if snap.get("format") not in READABLE_FORMATS:
         raise ConfigError(
-            f"SampleBuffer.restore: unknown snapshot format {snap.get('format')!r}"
+            f"SampleBuffer.restore: unknown snapshot format {snap.get('format')!r} (this "
+            f"rollart reads formats {list(READABLE_FORMATS)})"
         )
     buf = cls(**snap["config"], initial_version=snap["version"], rng=rng, on_drop=on_drop,
               on_forget=on_forget)

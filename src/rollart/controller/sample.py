@@ -59,22 +59,31 @@ def spread_generated(loss_mask: Any, gen_logprobs: Any, gen_versions: Any
     Raises:
         ValueError: the counts differ.
     """
-    n = len(loss_mask)
-    mask = np.frombuffer(loss_mask, dtype=np.uint8)
-    # The prompt, most of a long context, precedes the first generated token: find that with
-    # argmax and scan only from there.
-    first = int(mask.argmax()) if n else 0
-    at = first + np.flatnonzero(mask[first:]) if n and mask[first] else np.zeros(0, np.intp)
     lps = np.frombuffer(gen_logprobs, np.float32)
     vs = np.frombuffer(gen_versions, np.int32)
+    at = _generated_positions(loss_mask)
     if at.size != lps.size or at.size != vs.size:
         raise ValueError(f"{at.size} generated tokens in the loss mask but "
                          f"{lps.size} logprobs / {vs.size} versions")
-    logprobs = array.array("f", bytes(4 * n))
-    versions = array.array("i", [-1]) * n
-    np.frombuffer(logprobs, dtype=np.float32)[at] = lps
-    np.frombuffer(versions, dtype=np.int32)[at] = vs
-    return logprobs, versions
+    return _spread(len(loss_mask), at, lps, "f", 0.0), _spread(len(loss_mask), at, vs, "i", -1)
+
+
+def _generated_positions(loss_mask: Any) -> np.ndarray:
+    """Positions of the 1s of ``loss_mask`` (int8 / uint8 buffer), in order."""
+    mask = np.frombuffer(loss_mask, dtype=np.uint8)
+    # The prompt, most of a long context, precedes the first generated token: find that with
+    # argmax and scan only from there.
+    first = int(mask.argmax()) if mask.size else 0
+    if not mask.size or not mask[first]:
+        return np.zeros(0, np.intp)
+    return first + np.flatnonzero(mask[first:])
+
+
+def _spread(n: int, at: np.ndarray, values: np.ndarray, typecode: str, fill: float
+            ) -> array.array:
+    out = array.array(typecode, [fill]) * n
+    np.frombuffer(out, dtype=values.dtype)[at] = values
+    return out
 
 
 class Sample(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, dict=True):
@@ -195,12 +204,14 @@ class Sample(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, dict=True
     def full_behaviour_logprobs(self) -> array.array:
         """float32 ``array.array`` of ``num_tokens`` items: the behaviour logprob of each
         generated token at its position, 0.0 elsewhere (a new array each call)."""
-        return spread_generated(self.loss_mask, self.behaviour_logprobs, self.versions)[0]
+        return _spread(self.num_tokens, _generated_positions(self.loss_mask),
+                       np.frombuffer(self.behaviour_logprobs, np.float32), "f", 0.0)
 
     def full_versions(self) -> array.array:
         """int32 ``array.array`` of ``num_tokens`` items: the policy version of each generated
         token at its position, -1 elsewhere (a new array each call)."""
-        return spread_generated(self.loss_mask, self.behaviour_logprobs, self.versions)[1]
+        return _spread(self.num_tokens, _generated_positions(self.loss_mask),
+                       np.frombuffer(self.versions, np.int32), "i", -1)
 
 
 class BufferStats(msgspec.Struct, kw_only=True):

@@ -49,6 +49,8 @@ class LocalEnvBackend:
     and every call is bounded by the ``timeout_s`` it is given. An exception in the env raises
     ``EnvError("env_error")``, a call past its deadline ``EnvError("env_timeout")``;
     ``InvalidActionError`` from ``step`` passes through (a model-caused outcome, not a failure).
+    A session is closed (its env's ``close()`` called) by the step that ends its episode
+    (``EnvStepResult.closed``), as on an env host.
     """
 
     name = "local"
@@ -94,8 +96,12 @@ class LocalEnvBackend:
             raise EnvError("not_found", f"no local session {session_id!r}")
         out = await self._call(f"{session_id}.step", timeout_s, env.step, action)
         obs, reward, terminated, truncated, info = _contract(check_step, out, session_id)
+        ended = bool(terminated or truncated) and session_id in self._sessions
+        if ended:  # as the env hosts do: an ended episode's session closes with its last step
+            await self.close_session(session_id)
         return m.EnvStepResult(session_id=session_id, observation=obs, reward=reward,
-                               terminated=terminated, truncated=truncated, info=info)
+                               terminated=terminated, truncated=truncated, info=info,
+                               closed=ended)
 
     async def close_session(self, session_id: str) -> None:
         env = self._sessions.pop(session_id, None)

@@ -97,7 +97,8 @@ class EnvClient:
         self, session_id: str, action: str, *, timeout_s: float | None = None
     ) -> m.EnvStepResult:
         """Apply ``action`` (text) to a session. Raises ``EnvError`` (see the class docstring);
-        after ``env_error`` / ``env_timeout`` the session is gone."""
+        after ``env_error`` / ``env_timeout`` the session is gone, and so it is after a step
+        that ended the episode (terminated or truncated: the reply says ``closed``)."""
         msg = m.EnvStep(session_id=session_id, action=action)
         reply, _ = await self._rpc.submit(msg, timeout_s=timeout_s)
         return self._expect(msg, reply, m.EnvStepResult)

@@ -146,13 +146,13 @@ class SimEnvHost:
                            f"{sess.turn}")
         sess.turn += 1
         done = sess.turn >= sess.num_turns
-        if done:  # closed by the host when its episode ends, as EnvHost does (unless the
-            # client closed it during this step's latency)
-            self._sessions.pop(session_id, None)
+        # Closed by the host when its episode ends, as EnvHost does; one the client closed
+        # during this step's latency was closed by the client, not here (closed=False).
+        closed = done and self._sessions.pop(session_id, None) is not None
         return m.EnvStepResult(session_id=session_id,
                                observation="" if done else observation(sess.spec.name, obs_tokens),
                                reward=0.0, terminated=done, truncated=False,
-                               info={"simulated": True, "turn": sess.turn}, closed=done)
+                               info={"simulated": True, "turn": sess.turn}, closed=closed)
 
     async def close_session(self, session_id: str) -> None:
         self._sessions.pop(session_id, None)

@@ -197,8 +197,8 @@ def collate(
         attn[row, :n] = 1
         mask[row, :n] = tb.view_u8(s.loss_mask)
         lps = tb.view_f32(s.behaviour_logprobs)
-        if lps.size == n:  # the per-token form (TrainSample's docstring)
-            blp[row, :n] = lps
+        if lps.size == n:  # the per-token form (TrainSample's docstring): 0.0 off the mask
+            blp[row, :n] = np.where(mask[row, :n], lps, np.float32(0.0))
         else:  # one per generated token, in order: the validation matched it to the mask
             blp[row, :n][mask[row, :n]] = lps
     adv = np.array([s.advantage for s in samples], dtype=np.float32)

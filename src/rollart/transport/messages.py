@@ -428,8 +428,9 @@ class EnvStepResult(Msg):
 
     ``closed``: the host has closed the session after this step, because the episode ended
     (``terminated`` or ``truncated``): the caller need not send ``EnvClose`` (one RPC per
-    trajectory saved), and one it sends anyway is acknowledged as already closed. Hosts that
-    predate the field leave it False, and the caller closes as before."""
+    trajectory saved), and one it sends anyway is acknowledged as already closed. False when
+    the episode goes on, or when the client closed the session during this step. As every
+    wire message, it is decoded strictly: the processes of a run run one rollart version."""
 
     session_id: str
     observation: str
