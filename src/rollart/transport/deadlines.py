@@ -10,15 +10,19 @@ bytes per call. Buckets sit in a heap by tick; one loop timer is armed at the ea
 A call that completes early is not removed when it completes (that would cost a search per
 call): its id stays, dead, until its bucket fires or a compaction drops it. A compaction keeps
 only the ids still in ``live`` (the client's pending calls); it runs when a new bucket opens
-and the wheel holds more than ``COMPACT_RATIO`` dead ids per live one (and at least
-``COMPACT_MIN_IDS`` ids). Memory: at most ``COMPACT_RATIO + 1`` ids (8 bytes each) per live call,
-or ``COMPACT_MIN_IDS``, plus the ids filed since the last bucket opened (one granularity's worth
-of calls), plus one small bucket per (tick, kind, timeout) held; without compaction a client
-issuing 1000 calls/s with 600 s timeouts held 600k ids (4.8 MB). CPU: each compaction scans what
-is held, ``COMPACT_RATIO + 1`` ids per live one, to drop ``COMPACT_RATIO`` dead ids per live one:
-amortised ``1 + 1 / COMPACT_RATIO`` id tests per completed call, no work on ``add``'s path
-beyond counting; a dead id a compaction drops is one a firing bucket no longer hands to
-``on_expired`` (a Python call per id before), and a firing bucket skips the dead ids it holds.
+and the wheel holds more than ``COMPACT_RATIO`` dead ids per live one (and more than
+``COMPACT_MIN_IDS`` ids). Memory: at most ``COMPACT_RATIO + 1`` ids (8 bytes each) per live
+call, or ``COMPACT_MIN_IDS``, plus the ids filed since the last bucket opened (one granularity's
+worth of calls), plus one small bucket per (tick, kind, timeout) held; without compaction a
+client issuing 1000 calls/s with 600 s timeouts held 600k ids (4.8 MB).
+
+CPU: ``add`` only counts (one integer add per call) and tests for a compaction when it opens a
+bucket. A compaction scans what is held, ``COMPACT_RATIO + 1`` ids per live one, to drop
+``COMPACT_RATIO`` dead ids per live one, vectorised (``numpy.isin``, ~15-55 ns per id) plus
+~1 us of Python per bucket: amortised ~0.06 us per completed call at 1024 calls in flight
+(measured, dev VM, against ~8 us of client CPU per call). A dead id a compaction drops is one
+its firing bucket no longer splits and tests (~300 ns per id in Python); a firing bucket hands
+``on_expired`` only the ids still live.
 
 Bound: a call filed at loop time ``t`` with timeout ``T`` expires at tick ``k * granularity_s``
 where ``k = ceil((t + T) / granularity_s)``, so never before ``t + T`` and at most
@@ -32,6 +36,8 @@ import heapq
 import math
 import re
 from collections.abc import Callable, Collection
+
+import numpy as np
 
 #: Width of a deadline bucket in seconds: how late, at most, a call's timeout fires. RPC
 #: timeouts are seconds to minutes (heartbeat liveness 10 s, env step 120 s, generate 600 s),
@@ -49,7 +55,7 @@ COMPACT_MIN_IDS = 8192
 #: (8-byte call id, message kind name, timeout in seconds) of a call whose deadline passed.
 ExpireCallback = Callable[[bytes, str, float], None]
 _Key = tuple[int, str, float]
-#: Splits a bucket into its 8-byte ids in C (one bytes object per id, no bytecode per id).
+#: Splits a firing bucket into its 8-byte ids in C (a bytes object per id, no bytecode per id).
 _IDS = re.compile(b".{8}", re.DOTALL)
 
 
@@ -60,11 +66,11 @@ class DeadlineWheel:
         loop: the event loop (its ``time()`` is the clock; ``call_at`` arms the one timer).
         on_expired: called once per filed call whose deadline passed while its id was still in
             ``live``, with the call id, kind and timeout given to ``add``.
-        live: the ids (8-byte ``bytes``) of the calls still waiting, e.g. the client's pending
-            table (read, never changed): a filed id not in it is a completed call, dropped by
-            a compaction or skipped when its bucket fires. Its ``len`` counts as live calls
-            also any waiting without a deadline (never filed): compaction is then later, not
-            wrong.
+        live: the ids (8-byte ``bytes``, each) of the calls still waiting, e.g. the client's
+            pending table (read, never changed): a filed id not in it is a completed call,
+            dropped by a compaction or skipped when its bucket fires. Its ``len`` counts as
+            live calls also any waiting without a deadline (never filed): compaction is then
+            later, not wrong.
         granularity_s: bucket width (> 0): a call expires no earlier than its timeout and at
             most ``granularity_s`` later (see the module docstring).
     """
@@ -117,19 +123,28 @@ class DeadlineWheel:
 
     def _compact(self) -> None:
         """Keep only the live ids of every bucket; drop emptied buckets (the armed timer may
-        then fire on no bucket: it re-arms for the next)."""
-        is_live = self._live.__contains__
-        held = 0
-        for key, ids in list(self._buckets.items()):
-            kept = b"".join(filter(is_live, _IDS.findall(ids)))
-            if kept:
-                self._buckets[key] = bytearray(kept)
-                held += len(kept)
-            else:
+        then fire on no bucket: it re-arms for the next). Vectorised: ~15-50 ns per id held
+        (``numpy.isin``), against ~300 ns for a membership test per id in Python (measured,
+        dev VM), plus ~1 us per bucket."""
+        keys = list(self._buckets)
+        blobs = list(self._buckets.values())
+        held = np.frombuffer(b"".join(blobs), dtype=">u8")
+        is_live = np.isin(held, np.frombuffer(b"".join(self._live), dtype=">u8"))
+        # Live ids per bucket, from the running count at each bucket's end.
+        ends = np.cumsum([len(ids) >> 3 for ids in blobs])
+        running = np.concatenate(([0], np.cumsum(is_live)))
+        counts = np.diff(running[np.concatenate(([0], ends))]).tolist()
+        kept = held[is_live].tobytes()
+        pos = 0
+        for key, ids, count in zip(keys, blobs, counts, strict=True):
+            if not count:
                 del self._buckets[key]
+            elif count != len(ids) >> 3:
+                self._buckets[key] = bytearray(kept[pos:pos + 8 * count])
+            pos += 8 * count
         self._heap = list(self._buckets)
         heapq.heapify(self._heap)
-        self._held = held // 8
+        self._held = len(kept) >> 3
         self.num_compactions += 1
 
     def _arm(self, tick: int) -> None:
