@@ -172,3 +172,33 @@ def test_a_wheel_of_waiting_calls_never_compacts():
         wheel.add(_id(i), "EnvStep", 120.0)
         loop.advance(0.001)
     assert len(wheel) == 20_000 and wheel.num_compactions == 0
+
+
+def test_the_held_count_is_exact_through_bucket_openings_firings_and_compactions(monkeypatch):
+    """``len`` is counted per bucket, not per call: it matches the ids the buckets hold after
+    every step of a mix of lanes (kind, timeout), short timeouts firing while their lane is
+    still open, answered and unanswered calls, and compactions."""
+    monkeypatch.setattr(deadlines, "COMPACT_MIN_IDS", 32)
+    loop = FakeLoop()
+    live: set[bytes] = set()
+    expired: list[bytes] = []
+
+    def on_expired(cid: bytes, kind: str, t: float) -> None:
+        live.remove(cid)
+        expired.append(cid)
+    wheel = DeadlineWheel(loop, on_expired, live, granularity_s=0.1)
+    rng = random.Random(1)
+    lanes = [("EnvStep", 0.05), ("EnvStep", 2.0), ("Generate", 0.7), ("Ping", 10.0)]
+    for i in range(1, 5001):
+        kind, timeout = rng.choice(lanes)
+        live.add(_id(i))
+        wheel.add(_id(i), kind, timeout)
+        if live and rng.random() < 0.95:
+            live.discard(rng.choice(sorted(live)[-50:]))  # a recent call is answered
+        loop.advance(rng.random() * 0.004)
+        assert len(wheel) == sum(len(ids) for ids in wheel._buckets.values()) // 8
+    assert wheel.num_compactions > 0
+    while loop.armed():
+        loop.advance(0.05)
+        assert len(wheel) == sum(len(ids) for ids in wheel._buckets.values()) // 8
+    assert not live and len(wheel) == 0
