@@ -17,12 +17,17 @@ worth of calls), plus one small bucket per (tick, kind, timeout) held; without c
 client issuing 1000 calls/s with 600 s timeouts held 600k ids (4.8 MB).
 
 CPU: ``add`` does nothing more per call: what is held is counted per bucket, when the next
-bucket of its (kind, timeout) opens, and the compaction test runs then too. A compaction scans what is held, ``COMPACT_RATIO + 1`` ids per live one, to drop
-``COMPACT_RATIO`` dead ids per live one, vectorised (``numpy.isin``, ~15-55 ns per id) plus
-~1 us of Python per bucket: amortised ~0.06 us per completed call at 1024 calls in flight
-(measured, dev VM, against ~8 us of client CPU per call). A dead id a compaction drops is one
-its firing bucket no longer splits and tests (~300 ns per id in Python); a firing bucket hands
-``on_expired`` only the ids still live.
+bucket of its (kind, timeout) opens, and the compaction test runs then too. A compaction
+scans what is held, ``COMPACT_RATIO + 1`` ids per live one, to drop ``COMPACT_RATIO`` dead ids
+per live one, vectorised (``numpy.isin``, ~15-55 ns per id) plus ~1-2 us of Python per bucket;
+one compaction is one pause of the loop: 2.5 / 9 / 44 ms at 1k / 10k / 100k live calls (dev
+VM, 1200-2400 buckets). Amortised: ~0.06 us per completed call at 1024 calls in flight (against
+~8-15 us of client CPU per call). A dead id a compaction drops is one its firing bucket no
+longer splits and tests, and a firing bucket hands ``on_expired`` only the ids still live: over
+30 simulated minutes (fake clock, lognormal latency, 600 s timeouts, deadlines firing) the
+wheel's CPU per call, with compaction / without, was 1.00 +- 0.37 (150 calls in flight, 10 s
+mean latency), 0.83 +- 0.46 (1024, 10 s) and 0.70 +- 0.32 (1024, 1 s), holding 3.1k / 9.0k,
+6.4k / 61k and 3.2k / 614k ids at the end (8 paired repeats, 95% intervals, dev VM).
 
 Bound: a call filed at loop time ``t`` with timeout ``T`` expires at tick ``k * granularity_s``
 where ``k = ceil((t + T) / granularity_s)``, so never before ``t + T`` and at most
