@@ -117,7 +117,12 @@ async def test_cancelled_generate_sends_abort(served):
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+    # The cancelled call left the pending table at once (what may wait there is the Abort).
+    assert not any(f.cancelled() for f in client._rpc._pending.values())
     await wait_until(lambda: fake.aborted == ["r1"])
+    # The worker still answers the aborted generate: a reply to a forgotten call, ignored.
+    await wait_until(lambda: not client._rpc._pending and "r1" not in fake._abort_events)
+    assert client._rpc.num_late_replies == 0 and not client.dead
 
 
 async def test_generate_timeout_sends_abort(served):

@@ -5,14 +5,17 @@ body failing its call only, and a cancelled call forgotten when its late reply c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import struct
+from collections.abc import AsyncIterator
 
 import msgspec
 import pytest
 import zmq
 
 from rollart.envhost.client import EnvClient
+from rollart.transport import deadlines
 from rollart.transport import messages as m
 from rollart.transport.errors import EnvError, RemoteError, RemoteTimeoutError
 from rollart.transport.rpc import RpcClient
@@ -214,3 +217,82 @@ async def test_env_client_raises_env_error_from_the_rpc_client_directly():
     finally:
         await client.close()
         peer.close()
+
+
+async def _step_within(env: EnvClient, i: int) -> None:
+    async with asyncio.timeout(0.2):  # the peer never answers in time
+        await env.step("s", str(i), timeout_s=600)
+
+
+@pytest.mark.parametrize("via", ["call", "step", "step_in_asyncio_timeout"])
+async def test_cancelled_calls_leave_the_pending_table_at_once_and_their_replies_are_ignored(via):
+    peer = SilentPeer()
+    env = EnvClient(peer.address, auth=env_credentials(), heartbeat_interval_s=0)
+    client = env._rpc
+    loop = asyncio.get_running_loop()
+    n = 1000
+    try:
+        if via == "call":
+            tasks = [loop.create_task(client.call(m.EnvClose(session_id=str(i)), timeout_s=600))
+                     for i in range(n)]
+        elif via == "step":
+            tasks = [loop.create_task(env.step("s", str(i), timeout_s=600)) for i in range(n)]
+        else:
+            tasks = [loop.create_task(_step_within(env, i)) for i in range(n)]
+        requests = await peer.requests(n)
+        if via != "step_in_asyncio_timeout":
+            assert len(client._pending) == n
+            for task in tasks:
+                task.cancel()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        expected = TimeoutError if via == "step_in_asyncio_timeout" else asyncio.CancelledError
+        assert all(type(r) is expected for r in results)
+        assert len(client._pending) == 0  # no reply arrived, no deadline passed
+        # Their replies come after all: ignored, neither late (no call timed out) nor an error.
+        enc = msgspec.msgpack.encode
+        for ident, call_id, _ in requests:
+            peer.sock.send_multipart([ident, call_id, enc(m.Ack(detail="after cancel"))])
+        await _replied_after(client, peer, requests[0][0])
+        assert (client.num_timeouts, client.num_late_replies) == (0, 0)
+        assert not client._pending and not client.dead
+    finally:
+        await env.close()
+        peer.close()
+
+
+@contextlib.asynccontextmanager
+async def _silent_client() -> AsyncIterator[tuple[SilentPeer, RpcClient]]:
+    peer = SilentPeer()
+    client = RpcClient(peer.address, name="w0", auth=env_credentials(), heartbeat_interval_s=0)
+    try:
+        yield peer, client
+    finally:
+        await client.close()
+        peer.close()
+
+
+async def test_forget_cancels_a_call_and_drops_it_from_the_pending_table():
+    async with _silent_client() as (_, client):
+        call_id, fut = client.submit_call(m.EnvClose(session_id="a"), timeout_s=60)
+        other_id, other = client.submit_call(m.EnvClose(session_id="b"), timeout_s=60)
+        client.forget(call_id)
+        assert fut.cancelled() and list(client._pending) == [other_id]
+        client.forget(call_id)  # again, and an id never issued: no-ops
+        client.forget(b"\xff" * 8)
+        assert not other.done() and list(client._pending) == [other_id]
+
+
+async def test_the_deadline_wheel_drops_answered_calls(monkeypatch):
+    """The client's wheel reads its pending table: ids of answered calls are compacted away
+    when the next bucket opens (a distinct timeout per call opens one per call here)."""
+    monkeypatch.setattr(deadlines, "COMPACT_MIN_IDS", 16)
+    enc = msgspec.msgpack.encode
+    async with _silent_client() as (peer, client):
+        futs = [client.submit(m.EnvClose(session_id=str(i)), timeout_s=600 + i / 1000)
+                for i in range(100)]
+        for ident, call_id, _ in await peer.requests(100):
+            peer.sock.send_multipart([ident, call_id, enc(m.Ack())])
+        await asyncio.wait_for(asyncio.gather(*futs), 30)
+        assert len(client._deadlines) == 100  # dead ids, held until a bucket opens
+        client.submit(m.EnvClose(session_id="late"), timeout_s=1.0)
+        assert len(client._deadlines) == 1 and client._deadlines.num_compactions == 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from asyncio import CancelledError
 from typing import Any, TypeVar
 
 from rollart.transport import messages as m
@@ -74,9 +75,11 @@ class EnvClient:
             )
         return reply
 
-    # Each method awaits the RPC future itself (no helper coroutine per call: every
-    # coroutine layer is one more GC-tracked object alive for the whole call, issue 11);
-    # ``error_type=EnvError`` makes the RPC client raise the typed error directly.
+    # ``step``, the call of every turn, awaits the RPC future itself (no helper coroutine per
+    # call: every coroutine layer is one more GC-tracked object alive for the whole call,
+    # issue 11); the rarer calls go through ``RpcClient.call``. ``error_type=EnvError`` makes
+    # the RPC client raise the typed error directly. A cancelled call is forgotten at once
+    # (``RpcClient.forget``): the host still finishes the step and its reply is ignored.
 
     async def open(
         self,
@@ -90,7 +93,7 @@ class EnvClient:
         observation. ``options`` are the env's construction options (e.g. a reasoning-gym
         dataset config); unknown keys are a ``bad_request``."""
         msg = m.EnvOpen(env_name=env_name, seed=seed, options=dict(options or {}))
-        reply, _ = await self._rpc.submit(msg, timeout_s=timeout_s)
+        reply, _ = await self._rpc.call(msg, timeout_s=timeout_s)
         return self._expect(msg, reply, m.EnvOpened)
 
     async def step(
@@ -100,20 +103,25 @@ class EnvClient:
         after ``env_error`` / ``env_timeout`` the session is gone, and so it is after a step
         that ended the episode (terminated or truncated: the reply says ``closed``)."""
         msg = m.EnvStep(session_id=session_id, action=action)
-        reply, _ = await self._rpc.submit(msg, timeout_s=timeout_s)
+        call_id, fut = self._rpc.submit_call(msg, timeout_s=timeout_s)
+        try:
+            reply, _ = await fut
+        except CancelledError:
+            self._rpc.forget(call_id)
+            raise
         return self._expect(msg, reply, m.EnvStepResult)
 
     async def close_session(self, session_id: str, *, timeout_s: float | None = None) -> None:
         """Close a session and release its env. Closing a session that already failed or was
         closed is a no-op; an id the host never issued raises ``EnvError(not_found)``."""
         msg = m.EnvClose(session_id=session_id)
-        reply, _ = await self._rpc.submit(msg, timeout_s=timeout_s)
+        reply, _ = await self._rpc.call(msg, timeout_s=timeout_s)
         self._expect(msg, reply, m.Ack)
 
     async def stats(self, *, timeout_s: float | None = None) -> m.EnvHostStats:
         """The host's open sessions, steps and env failures."""
         msg = m.GetEnvStats()
-        reply, _ = await self._rpc.submit(msg, timeout_s=timeout_s)
+        reply, _ = await self._rpc.call(msg, timeout_s=timeout_s)
         return self._expect(msg, reply, m.EnvHostStats)
 
     async def close(self) -> None:

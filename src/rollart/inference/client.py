@@ -101,7 +101,7 @@ class InferenceClient:
         buffers=(),
         timeout_s: float | None = None,
     ) -> R:
-        reply, _ = await self._rpc.submit(msg, buffers=buffers, timeout_s=timeout_s)
+        reply, _ = await self._rpc.call(msg, buffers=buffers, timeout_s=timeout_s)
         return self._expect(msg, reply, expect)
 
     async def generate(
@@ -121,9 +121,14 @@ class InferenceClient:
         """
         # The RPC future is awaited here, not through ``_call``: a coroutine layer per call
         # is one more GC-tracked object alive for the whole generation (issue 11).
+        call_id, fut = self._rpc.submit_call(request, timeout_s=timeout_s)
         try:
-            reply, _ = await self._rpc.submit(request, timeout_s=timeout_s)
-        except (asyncio.CancelledError, RemoteTimeoutError):
+            reply, _ = await fut
+        except asyncio.CancelledError:
+            self._rpc.forget(call_id)  # out of the pending table now, not at its reply
+            self._abort_in_background(request.request_id)
+            raise
+        except RemoteTimeoutError:
             self._abort_in_background(request.request_id)
             raise
         return self._expect(request, reply, m.GenerateResult)
