@@ -83,13 +83,15 @@ def test_a_turn_that_waited_for_weights_counts_only_the_controllers_part() -> No
 # from one size to the next, fresh backends per size, the floor, the JSON) at ~1/3 of the
 # quick run's time and without its ~7 GiB at 10000 x 16k. What the figures measure is the
 # benchmark's concern; the test checks that every one of them is produced.
-TEST_SIZES = (co.Size(1000, 2048, 3, 20.0, 5.0), co.Size(10_000, 1024, 3, 25.0, 5.0))
+TEST_SIZES = (co.Size(1000, 2048, 3, 20.0, 5.0), co.Size(10_000, 1024, 3, 25.0, 5.0),
+              co.Size(2000, 1024, 3, 10.0, 5.0, env_mean_s=0.2))
 
 
 def test_quick_sizes_are_the_documented_ones() -> None:
-    assert [(s.n, s.context_tokens, s.turns) for s in co.QUICK] == [
-        (1000, 32768, 3), (10_000, 16384, 3)]
-    assert [(s.n, s.turns) for s in TEST_SIZES] == [(s.n, s.turns) for s in co.QUICK]
+    assert [(s.n, s.context_tokens, s.turns, s.env_mean_s) for s in co.QUICK] == [
+        (1000, 32768, 3, 10.0), (10_000, 16384, 3, 10.0), (2000, 16384, 3, 0.2)]
+    assert [(s.n, s.turns, s.env_mean_s) for s in TEST_SIZES] == [
+        (s.n, s.turns, s.env_mean_s) for s in co.QUICK]
 
 
 @pytest.mark.slow
@@ -99,9 +101,11 @@ def test_quick_json_has_the_figures_at_10000(tmp_path: Path, monkeypatch) -> Non
     main_for("controller_overhead", "", co.run, ["--quick", "--json", str(out)])
     data = json.loads(out.read_text())
     assert data["benchmark"] == "controller_overhead" and data["simulated"] is False
-    assert [r["n"] for r in data["rows"]] == [1000, 10_000]
+    assert [r["n"] for r in data["rows"]] == [1000, 10_000, 2000]
     assert not any("skipped" in r for r in data["rows"])
-    for n in (1000, 10_000):
+    for n in ("1000", "10000", "2000, env 0.2 s"):
         assert {f"lost_replies at {n}", f"cpu_us_per_turn at {n}",
-                f"added_latency_p99_ms at {n}"} <= set(data["ratios"])
+                f"added_latency_p99_ms at {n}", f"loop_sleeps_per_turn at {n}",
+                f"turns_per_s at {n}"} <= set(data["ratios"])
+    assert data["ratios"]["lost_replies at 2000, env 0.2 s"] == 0
     assert data["ratios"]["floor_cpu_us_per_rpc"] > 0
