@@ -60,7 +60,7 @@ what bounds scale. The last size of each run saturates the controller instead: N
 0.2 s env steps (mean = std, sessions opened over 0.4 s) offers ~10,000 turns/s, more than one
 core of this machine can drive, so the loop never sleeps (``loop_sleeps_per_turn`` near 0),
 ``turns_per_s`` is the controller's capacity at the CPU share it got, and ``cpu_us_per_turn``
-its cost per turn at capacity (its ratios are named ``at 2000, env 0.2 s``). One controller
+its cost per turn at capacity (its ratios are ``at 2000``, with ``env_mean_s at 2000``). One controller
 core then drives ``10 s x 1e6 / cpu_us_per_turn`` concurrent trajectories at 10 s per env step.
 
 Sizes: ``--quick`` N = 1000 at 32k and N = 10000 at 16k contexts, 3 turns, 70 s and 90 s
@@ -153,17 +153,12 @@ class Size:
     warmup_s: float
     env_mean_s: float = ENV_MEAN_S
 
-    @property
-    def key(self) -> str:
-        """How the JSON ratios name this size: ``N``, or ``N, env S s`` off the default."""
-        return str(self.n) if self.env_mean_s == ENV_MEAN_S else \
-            f"{self.n}, env {self.env_mean_s:g} s"
-
 
 # Quick: 3 turns, so trajectories (~20 s open spread + 3 x 10 s) complete and steps train
-# inside the window and per-completion costs are counted too. The last size saturates the
-# controller (2000 trajectories offer ~10,000 turns/s at 0.2 s per env step): its CPU per turn
-# is the controller's capacity, not the cost of a mostly idle loop (see the module docstring).
+# inside the window and per-completion costs are counted too. The last size is meant to
+# saturate the controller (2000 trajectories offer ~10,000 turns/s at 0.2 s per env step):
+# its CPU per turn is then the controller's capacity (see the module docstring). The sizes of
+# a run have distinct N: the JSON ratios are named by it.
 QUICK = (Size(1000, 32768, 3, 70.0, 20.0), Size(10_000, 16384, 3, 90.0, 30.0),
          Size(2000, 16384, 3, 40.0, 15.0, env_mean_s=0.2))
 FULL = (Size(1000, 32768, 8, 150.0, 30.0), Size(10_000, 32768, 8, 180.0, 40.0),
@@ -481,7 +476,7 @@ async def _drive(size: Size, args: Namespace, worker_addr: str, env_addr: str, s
         "weight_waits": calls.weight_waits,
         "row": {
             "n": n, "context_tokens": size.context_tokens, "turns_per_traj": size.turns,
-            "env_mean_s": size.env_mean_s, "key": size.key,
+            "env_mean_s": size.env_mean_s,
             "gc": gc_policy,
             "batch": batch, "alpha": alpha,
             "running_mean": statistics.fmean(running) if running else 0.0,
@@ -608,7 +603,7 @@ def run(quick: bool, seed: int) -> dict:
         need = tokens * (per_token + worker_per_token)
         avail = psutil.virtual_memory().available
         if need > 0.6 * avail:
-            rows.append({"n": size.n, "context_tokens": size.context_tokens, "key": size.key,
+            rows.append({"n": size.n, "context_tokens": size.context_tokens,
                          "skipped": f"needs ~{need / 2**30:.1f} GiB (controller {per_token:.0f} "
                                     f"+ SIMULATED worker {worker_per_token:.0f} B/token), "
                                     f"{avail / 2**30:.1f} GiB free"})
@@ -638,7 +633,8 @@ def ratios_of(rows: list[dict[str, Any]], floor: dict[str, float]
     for r in rows:
         if "skipped" in r:
             continue
-        n = r.get("key", r["n"])
+        n = r["n"]  # distinct per run (QUICK / FULL): the ratios are named by it
+        ratios[f"env_mean_s at {n}"] = r["env_mean_s"]
         ratios[f"lost_replies at {n}"] = r["lost_replies"]
         ratios[f"cpu_us_per_turn at {n}"] = r["cpu_us_per_turn"]
         ci95[f"cpu_us_per_turn at {n}"] = list(r["cpu_us_per_turn_ci95"])

@@ -26,7 +26,7 @@ def test_one_small_size_reports_every_figure() -> None:
     assert row["loop_lag_p99_ms"] >= 0 and row["rss_bytes_per_traj"] > 0
     assert 0 < row["loop_thread_cpu_us_per_turn"] <= row["cpu_us_per_turn"]
     assert row["loop_sleeps_per_turn"] > 0  # 64 trajectories at 10 s per step: a mostly idle loop
-    assert row["key"] == "64" and row["env_mean_s"] == co.ENV_MEAN_S
+    assert row["env_mean_s"] == co.ENV_MEAN_S
     assert row["weight_wait_turns"] >= 0 and 0 <= row["weight_wait_share"] <= 1
     # what else used the machine: both backends worked, and the machine shares add up
     assert row["worker_cpu_share_of_core"] > 0 and row["env_cpu_share_of_core"] > 0
@@ -45,11 +45,11 @@ def test_one_small_size_reports_every_figure() -> None:
     assert ci95["floor_cpu_us_per_rpc"] == [8.5, 11.5]
 
 
-def test_the_saturated_size_is_named_apart_from_the_default_latency() -> None:
-    assert co.Size(2000, 16384, 3, 40.0, 15.0, env_mean_s=0.2).key == "2000, env 0.2 s"
-    assert co.Size(10_000, 16384, 3, 90.0, 30.0).key == "10000"
-    # every run ends with a size that saturates the controller, after the 10 s-latency ones
+def test_each_size_of_a_run_has_its_own_n_and_the_last_saturates() -> None:
+    # the JSON ratios are named "at N": N must tell the sizes of one run apart
     for sizes in (co.QUICK, co.FULL):
+        assert len({s.n for s in sizes}) == len(sizes)
+        # every run ends with a size meant to saturate, after the 10 s-latency ones
         assert sizes[-1].env_mean_s < co.ENV_MEAN_S
         assert all(s.env_mean_s == co.ENV_MEAN_S for s in sizes[:-1])
 
@@ -103,9 +103,11 @@ def test_quick_json_has_the_figures_at_10000(tmp_path: Path, monkeypatch) -> Non
     assert data["benchmark"] == "controller_overhead" and data["simulated"] is False
     assert [r["n"] for r in data["rows"]] == [1000, 10_000, 2000]
     assert not any("skipped" in r for r in data["rows"])
-    for n in ("1000", "10000", "2000, env 0.2 s"):
+    for n in (1000, 10_000, 2000):
         assert {f"lost_replies at {n}", f"cpu_us_per_turn at {n}",
                 f"added_latency_p99_ms at {n}", f"loop_sleeps_per_turn at {n}",
-                f"turns_per_s at {n}"} <= set(data["ratios"])
-    assert data["ratios"]["lost_replies at 2000, env 0.2 s"] == 0
+                f"turns_per_s at {n}", f"env_mean_s at {n}"} <= set(data["ratios"])
+    assert data["ratios"]["lost_replies at 2000"] == 0
+    assert [data["ratios"][f"env_mean_s at {n}"] for n in (1000, 10_000, 2000)] == [
+        co.ENV_MEAN_S, co.ENV_MEAN_S, 0.2]
     assert data["ratios"]["floor_cpu_us_per_rpc"] > 0
