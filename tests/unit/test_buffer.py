@@ -9,6 +9,7 @@ import msgspec
 import pytest
 
 from rollart.controller.buffer import Sample, SampleBuffer, SampleBufferError
+from rollart.controller.buffersnapshot import carried_over
 from rollart.transport.errors import ConfigError
 
 
@@ -391,6 +392,33 @@ def test_snapshot_restore_round_trip() -> None:
     assert [s.sample_id for s in new.take_batch()] == [a, restarted[0]]
     with pytest.raises(ConfigError, match="unknown snapshot format 7"):
         SampleBuffer.restore({**snap, "format": 7})
+
+
+def test_token_totals_add_up_across_a_checkpoint_and_resume() -> None:
+    buf = SampleBuffer(alpha=1, batch_size=2, group_size=2)
+    a, b = buf.try_start_group("g", "math")
+    run(buf, a, [0, 0, 0])  # held: 3 generated tokens
+    buf.begin_turn(b, 0)
+    buf.record_tokens(b, [0, 0])  # running: 2 generated tokens, lost with the restart
+    before = buf.stats()
+    assert (before.generated_tokens, before.in_flight_tokens) == (5, 5)
+    new = SampleBuffer.restore(msgspec.json.decode(msgspec.json.encode(buf.snapshot())))
+    # Carried over: the held sample's 3 tokens in flight, the running slot's 2 wasted.
+    after = new.stats()
+    assert (after.generated_tokens, after.in_flight_tokens) == (5, 3)
+    assert after.wasted_tokens == {"resume": 2}
+    assert after.domains["math"].wasted_tokens == {"resume": 2}
+    # The first step's metrics are deltas from this baseline: they report the resume's waste.
+    base = carried_over(after)
+    assert base.wasted_tokens == {} and base.domains["math"].wasted_tokens == {}
+    (fresh,) = new.drain_restarts()
+    run(new, fresh, [0])
+    assert {s.sample_id for s in new.take_batch()} == {a, fresh}
+    done = new.stats()
+    assert done.trained_tokens == 3 + 1  # the restored sample's tokens count as trained
+    assert done.generated_tokens == done.trained_tokens + sum(done.wasted_tokens.values()) \
+        + done.in_flight_tokens
+    assert done.domains["math"].trained_tokens == 4
 
 
 # ---------------------------------------------------------------------------------- waste

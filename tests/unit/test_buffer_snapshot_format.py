@@ -109,10 +109,21 @@ def layout(snap: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def format_2(snap: dict[str, Any], running_tokens: int) -> dict[str, Any]:
+    """Format 1's ``layout`` as format 2 writes it: the number, and each running slot's
+    generated tokens (``running_tokens`` each)."""
+    out = {**layout(snap), "format": 2}
+    for g in out["groups"]:
+        for slot in g["slots"]:
+            if slot is not None and slot["state"] == "running":
+                slot["num_tokens"] = running_tokens
+    return out
+
+
 def test_a_snapshot_has_the_format_2_layout() -> None:
     snap = history().snapshot()
     assert snap["format"] == 2
-    assert layout(snap) == {**layout(GOLDEN), "format": 2}
+    assert layout(snap) == format_2(GOLDEN, 0)  # the running slots generated nothing yet
     (held,) = [s["sample"] for g in snap["groups"] for s in g["slots"]
                if s is not None and s["sample"] is not None]
     # per generated token: the held sample generated two
@@ -130,8 +141,7 @@ def test_a_format_1_checkpoint_restores_its_held_sample_and_restarts_its_running
     assert buf.held_sample_ids() == {"g0/0"}
     assert buf.drain_restarts() == ["g0/4", "g0/5"]  # fresh ids from next_seq, one per slot
     assert (buf.stats().held, buf.stats().running) == (1, 2)
-    want = layout(GOLDEN)
+    want = format_2(GOLDEN, 0)  # what this rollart writes
     want["next_seq"] = 6
-    want["format"] = 2  # what this rollart writes
     # The slot that had failed keeps its attempt count; the group its domain and alpha.
     assert layout(buf.snapshot()) == want

@@ -22,6 +22,11 @@ def test_rollout_span_of_restored_samples_starts_at_the_controllers_start() -> N
                   weight_sync_total_s=0.0, weight_sync_exposed_s=0.0, num_generated_tokens=2)
     assert step_metrics(**common).rollout_time_s == 1012.0  # the old, misleading span
     assert step_metrics(**common, rollout_not_before=5000.0).rollout_time_s == 12.0
+    # A batch of restored samples only: all ended before this process started. Its span in
+    # this process is 0 (it was -990 when only the starts were clamped).
+    restored = [_sample("s2", 4000.0, 4010.0), _sample("s3", 4001.0, 4005.0)]
+    assert step_metrics(**{**common, "batch": restored},
+                        rollout_not_before=5000.0).rollout_time_s == 0.0
 
 
 def test_flat_groups_are_counted_per_domain() -> None:

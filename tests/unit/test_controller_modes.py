@@ -13,6 +13,7 @@ from test_controller_fakes import FakeEnvHost, FakeReward, FakeTrainer, FakeWork
 from rollart.controller import Backends, Cluster
 from rollart.controller.controller import ControllerStalledError
 from rollart.controller.proxy import PoolExhaustedError
+from rollart.launcher.progress import waste_summary
 from rollart.transport.errors import RollartError
 
 
@@ -277,7 +278,7 @@ async def test_snapshot_resume_keeps_held_samples_and_group_seeds() -> None:
     w1, w2 = FakeWorker("w1"), FakeWorker("w2")
     scenario = make_scenario(mode="rollart", alpha=1, batch_size=4, group_size=2)
     async with Cluster.from_scenario(scenario, backends=backends(env, trainer, (w1, w2))) as c:
-        await run_steps(c, 2)
+        first = await run_steps(c, 2)
         snap = msgspec.json.decode(msgspec.json.encode(c.snapshot()))  # JSON round trip
     held = {s["sample"]["sample_id"] for g in snap["buffer"]["groups"] for s in g["slots"]
             if s is not None and s["state"] == "held"}
@@ -291,6 +292,18 @@ async def test_snapshot_resume_keeps_held_samples_and_group_seeds() -> None:
     assert steps[0].step == 3 and w1.applied[1] == (2, False)
     trained = {x.sample_id for s in steps for x in s.samples}
     assert held <= trained  # nothing completed before the snapshot was lost
+    # The run's token totals add up across the resume (summary.json sums the steps' rows):
+    # the held samples' tokens are trained after it, the running slots' wasted ("resume").
+    lost = sum(s.get("num_tokens", 0) for g in snap["buffer"]["groups"] for s in g["slots"]
+               if s is not None and s["state"] == "running")
+    assert steps[0].metrics.wasted_tokens_by_reason.get("resume", 0) == lost
+    rows = [msgspec.to_builtins(s.metrics) for s in (*first, *steps)]
+    totals = waste_summary(rows, {"math": 1.0})
+    assert totals["generated_tokens"] == (totals["trained_tokens"] + totals["wasted_tokens"]
+                                          + totals["in_flight_tokens"])
+    assert all(r["trained_tokens"] > 0 for r in rows)
+    # what finished between the last step and the checkpoint is counted, once
+    assert all(d["trained"] <= d["finished"] for d in totals["domains"].values())
     # A scenario edited since the snapshot is refused by name, not silently overridden.
     edited = make_scenario(mode="rollart", alpha=2, batch_size=4, group_size=2,
                            abort_stale=True)

@@ -382,7 +382,7 @@ class StalenessProtocol(RuleBasedStateMachine):
         for reason, n in s.wasted_tokens.items():
             assert sum(d.wasted_tokens.get(reason, 0) for d in s.domains.values()) == n
         assert sum(d.trained for d in s.domains.values()) == s.consumed
-        assert set(s.wasted_tokens) <= {"stale", "redundancy", "failed", "unselected", "retired"}
+        assert set(s.wasted_tokens) <= {"stale", "redundancy", "failed", "unselected", "retired", "resume"}
 
     @invariant()
     def nothing_lost(self) -> None:

@@ -167,6 +167,9 @@ class Controller:
         self._groups: dict[str, tuple[DomainConfig, int]] = {}
         self._group_seq = 0
         self._step = 0
+        # the buffer's counters at the last step's end: the next step's metrics are deltas
+        # from them (a restore sets them to the carried-over counters)
+        self._stats_at_end: BufferStats | None = None
         if resume is not None:
             controllersnapshot.restore(self, resume)
         for d in scenario.domains:
@@ -207,7 +210,6 @@ class Controller:
         self._no_batch_at: tuple[int, int] | None = None
         self._pacer = Pacer(run.group_size) if run.admission == "paced" else None
         self._pending_domain: DomainConfig | None = None
-        self._stats_at_end: BufferStats | None = None
         #: the samples of the last training step
         self.last_batch: list[Sample] = []
 

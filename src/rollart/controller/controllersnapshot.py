@@ -13,6 +13,7 @@ from __future__ import annotations
 import random
 from typing import TYPE_CHECKING, Any
 
+from rollart.controller.buffersnapshot import carried_over, counts_since
 from rollart.transport.errors import RollartError
 
 if TYPE_CHECKING:
@@ -30,6 +31,9 @@ def snapshot(c: Controller) -> dict[str, Any]:
         "format": 1,
         "step": c._step,
         "buffer": snap,
+        # counters gained since the last step's metrics: the first step after a resume
+        # reports them (absent in older checkpoints: nothing is added)
+        "since_last_step": counts_since(c.buffer.stats(), c._stats_at_end),
         "groups": {k: [c._groups[k][0].name, c._groups[k][1]] for k in sorted(keys)},
         "group_seq": c._group_seq,
         "rng": list(c._rng.getstate()[1]),
@@ -70,4 +74,6 @@ def restore(c: Controller, snap: dict[str, Any]) -> None:
         c._groups[key] = (c.domains[domain], seed)
     c._group_seq = snap["group_seq"]
     c._step = snap["step"]
+    # The first step's metrics are deltas from here: the restart's waste shows in them.
+    c._stats_at_end = carried_over(c.buffer.stats(), snap.get("since_last_step"))
     c._rng.setstate((3, tuple(snap["rng"]), None))

@@ -32,8 +32,8 @@ class StepMetrics(msgspec.Struct, kw_only=True):
     - ``num_generated_tokens``: tokens generated during the step (all trajectories).
     - ``wasted_tokens``: generated tokens thrown away (cancelled, failed, stale, unselected).
     - ``wasted_tokens_by_reason``: the same by reason (``stale``, ``redundancy``, ``failed``,
-      ``unselected``, ``retired``, ``shutdown``); ``buffer_generated_tokens``: tokens the sample
-      buffer counted as generated in the step (``rollart.controller.buffer``: each one is
+      ``unselected``, ``retired``, ``shutdown``, ``resume``); ``buffer_generated_tokens``:
+      tokens the sample buffer counted as generated in the step (``rollart.controller.buffer``: each one is
       trained, wasted for exactly one reason, or still in flight, so over a whole run
       ``sum(wasted) + trained + in flight at the end == sum(buffer_generated_tokens)``);
       ``trained_tokens``: generated tokens of the batch; ``in_flight_tokens``: generated tokens of
@@ -167,9 +167,12 @@ def step_metrics(
         n_groups[domain] = n_groups.get(domain, 0) + 1
         flat[domain] = flat.get(domain, 0) + (len(rewards) == 1)
     starts = [s.metadata["t_start"] for s in batch if "t_start" in s.metadata]
-    if starts and rollout_not_before is not None:
-        starts = [max(t, rollout_not_before) for t in starts]
     ends = [s.metadata["t_end"] for s in batch if "t_end" in s.metadata]
+    if rollout_not_before is not None:
+        # Ends too: a batch of samples restored from a checkpoint all ended before this
+        # process started, and its span in this process is 0, not negative.
+        starts = [max(t, rollout_not_before) for t in starts]
+        ends = [max(t, rollout_not_before) for t in ends]
     finished = after.finished_members - before.finished_members
     finished_len = (after.finished_mean_len * after.finished_members
                     - before.finished_mean_len * before.finished_members)

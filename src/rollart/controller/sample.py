@@ -229,8 +229,8 @@ class BufferStats(msgspec.Struct, kw_only=True):
     ``replaced_stale`` (held samples replaced after going stale), ``dropped`` samples by reason
     (``stale``, ``unselected``, ``retired``), ``cancelled``, ``groups_retired``,
     ``wasted_tokens`` (generated tokens thrown away) by reason (``redundancy``, ``failed``,
-    ``stale``, ``unselected``, ``retired``, ``shutdown``), ``late_calls`` (calls on already-finished
-    trajectories, ignored).
+    ``stale``, ``unselected``, ``retired``, ``shutdown``; ``resume``: running at a checkpoint,
+    so restarted on resume), ``late_calls`` (calls on already-finished trajectories, ignored).
 
     Selection bias: ``finished_mean_len`` is the mean response length (generated tokens) of every
     finished member, ``kept_mean_len`` of the members kept in groups, ``cancelled_mean_len`` the
