@@ -33,8 +33,9 @@ class StepMetrics(msgspec.Struct, kw_only=True):
     - ``wasted_tokens``: generated tokens thrown away (cancelled, failed, stale, unselected).
     - ``wasted_tokens_by_reason``: the same by reason (``stale``, ``redundancy``, ``failed``,
       ``unselected``, ``retired``, ``shutdown``, ``resume``); ``buffer_generated_tokens``:
-      tokens the sample buffer counted as generated in the step (``rollart.controller.buffer``: each one is
-      trained, wasted for exactly one reason, or still in flight, so over a whole run
+      tokens the sample buffer counted as generated in the step
+      (``rollart.controller.buffer``: each one is trained, wasted for exactly one reason, or
+      still in flight, so over a whole run, resumes included
       ``sum(wasted) + trained + in flight at the end == sum(buffer_generated_tokens)``);
       ``trained_tokens``: generated tokens of the batch; ``in_flight_tokens``: generated tokens of
       running or held trajectories at the end of the step.
