@@ -50,26 +50,29 @@ Per N it reports:
   ``asyncio.Protocol`` echo of length-prefixed msgspec frames in a child process, the client's
   CPU per call at 256 in flight (``floor_cpu_us_per_rpc``) and at one in flight
   (``floor_cpu_us_per_rpc_one_in_flight``: the floor for replies that trickle in one per
-  wake-up), its calls/s, and the mean round trip at one in flight; one turn is two RPCs, so ``2 x floor_cpu_us_per_rpc`` is the
-  transport floor of ``cpu_us_per_turn``.
+  wake-up), its calls/s, and the mean round trip at one in flight; one turn is two RPCs, so
+  ``2 x floor_cpu_us_per_rpc`` is the transport floor of ``cpu_us_per_turn``.
 
-Capacity: at N = 10000 and 10 s per env step the offered load (~1000 turns/s) leaves the
-controller mostly idle: replies trickle in one per wake-up, and each RPC pays a wake-up's fixed
-costs alone (``loop_sleeps_per_turn`` near 1). That is the cost of a turn at this load, not
-what bounds scale. The last size of each run saturates the controller instead: N = 2000 with
-0.2 s env steps (mean = std, sessions opened over 0.4 s) offers ~10,000 turns/s, more than one
-core of this machine can drive, so the loop never sleeps (``loop_sleeps_per_turn`` near 0),
-``turns_per_s`` is the controller's capacity at the CPU share it got, and ``cpu_us_per_turn``
-its cost per turn at capacity (its ratios are ``at 2000``, with ``env_mean_s at 2000``). One controller
-core then drives ``10 s x 1e6 / cpu_us_per_turn`` concurrent trajectories at 10 s per env step.
+Capacity: at low load (N = 1000 at 10 s per env step) replies trickle in one per wake-up,
+and each RPC pays a wake-up's fixed costs alone (``loop_sleeps_per_turn`` above 1): that is
+the cost of a turn at that load, not what bounds scale. The last size of each run is meant to
+saturate the controller instead: N = 2000 with 0.2 s env steps (mean = std, sessions opened
+over 0.4 s) offers ~10,000 turns/s, so on a machine with cores to spare for the SIMULATED
+backends the loop never sleeps (``loop_sleeps_per_turn`` near 0), ``turns_per_s`` is the
+controller's capacity at the CPU share it got and ``cpu_us_per_turn`` its cost per turn there
+(its ratios are ``at 2000``, with ``env_mean_s at 2000``). On the 2-core dev machine the
+backends bind first (they needed 0.93 of a core at ~1000 turns/s). One controller core drives
+``10 s x 1e6 / cpu_us_per_turn`` concurrent trajectories at 10 s per env step.
 
 Sizes: ``--quick`` N = 1000 at 32k and N = 10000 at 16k contexts, 3 turns, 70 s and 90 s
 (10000 x 32k needs ~14 GiB with the SIMULATED worker's copy of every prefix: more than a shared
-24 GiB machine has free), then the saturated size at 16k (40 s); default N = 1000, 10000,
-50000 at 32k, 8 turns, then the saturated size at 32k, 8 turns (90 s). A size whose estimated memory (controller and SIMULATED worker, per token as measured at
-the previous size) exceeds 60% of available memory is skipped and its row says what it needs. Every process shares the machine's cores: the controller gets what
-the scheduler leaves it (``cpu_share_of_core``), and once the offered load needs more than that
-the latency and lag are queueing. Each row therefore also says what else used the machine in
+24 GiB machine has free), then the saturating size at 16k (40 s); default N = 1000, 10000,
+50000 at 32k, 8 turns, then the saturating size at 32k, 8 turns (90 s). A size whose
+estimated memory (controller and SIMULATED worker, per token as measured at the previous
+size) exceeds 60% of available memory is skipped and its row says what it needs. Every process
+shares the machine's cores: the controller gets what the scheduler leaves it
+(``cpu_share_of_core``), and once the offered load needs more than that the latency and lag
+are queueing. Each row therefore also says what else used the machine in
 the window: ``worker_cpu_share_of_core`` / ``env_cpu_share_of_core`` (the SIMULATED backends'
 processes, all threads) and, from ``/proc/stat``, ``machine_busy_share``, ``machine_idle_share``
 and ``machine_steal_share`` (on a VM, the share of CPU time the hypervisor gave to others: the

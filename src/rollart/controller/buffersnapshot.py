@@ -7,8 +7,9 @@ that ``restore`` tells apart. Format 2 (2026-12-02) holds each sample's behaviou
 versions for its generated tokens only, and each running slot's generated tokens
 (``num_tokens``); format 1 held samples per token, and ``Sample`` reads both, so both restore.
 Token accounting across a resume: a held sample's tokens are carried over as generated and
-in flight; a running slot's (format 2) as generated and wasted, reason ``resume``. A rollart that knows only format 1 refuses a format-2 checkpoint by its
-number instead of failing on a sample's lengths.
+in flight; a running slot's (format 2) as generated and wasted, reason ``resume``. A rollart
+that knows only format 1 refuses a format-2 checkpoint by its number instead of failing on a
+sample's lengths.
 """
 
 from __future__ import annotations
