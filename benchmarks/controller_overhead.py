@@ -22,8 +22,9 @@ Per N it reports:
   turn: near 0 the loop is busy and each wake-up handles many messages (the per-message
   costs of a wake-up are shared); near 1 or more messages trickle in one per wake-up and each
   pays them alone. The same work costs several times more CPU per RPC in the second regime
-  (``rpc_overhead``: 1 vs 1024 calls in flight). Trajectory completions and training steps in the window are
-  included (and the in-process SIMULATED trainer and reward, which cost next to nothing).
+  (``rpc_overhead``: 1 vs 1024 calls in flight). Trajectory completions and training steps in
+  the window are included (and the in-process SIMULATED trainer and reward, which cost next
+  to nothing).
   ``loop_thread_cpu_us_per_turn``: the event-loop thread's share of it (the rest is ZeroMQ's
   I/O thread, CURVE encryption included, and helper threads).
 - ``added_latency_p50/p99_ms``: a backend's reply leaving its handler -> the same trajectory's
