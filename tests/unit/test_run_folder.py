@@ -284,3 +284,23 @@ def test_a_scenario_benchmark_names_the_file_of_a_bad_model_path(tmp_path: Path,
         modes.main(["--scenario", str(sc), "--quick", "--cache-dir", str(tmp_path / "cache")])
     assert exited.value.code == 2
     assert f"{sc}: model.path: /nonexistent/model is not a local" in capsys.readouterr().err
+
+
+def test_run_refuses_an_out_that_is_a_file_before_starting(tmp_path: Path, capsys,
+                                                           monkeypatch) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("not a folder")
+    assert _run_cli([str(MINIMAL), "--out", str(afile)], monkeypatch) == 2
+    assert f"--out {afile}: exists and is not a directory" in capsys.readouterr().err
+    assert afile.read_text() == "not a folder"
+
+
+def test_the_resume_hint_keeps_the_runs_options() -> None:
+    from rollart.launcher.run import _parse, resume_command
+
+    args = _parse(["my scenario.toml", "--steps", "8", "--cache-dir", "/tmp/c",
+                   "--checkpoint-on-interrupt", "--out", "runs/a"])
+    assert resume_command(args, Path("runs/a")) == (
+        "rollart run 'my scenario.toml' --resume runs/a --steps 8 --cache-dir /tmp/c "
+        "--checkpoint-on-interrupt")
+    assert resume_command(_parse(["s.toml"]), Path("r")) == "rollart run s.toml --resume r"

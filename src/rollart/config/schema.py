@@ -369,7 +369,8 @@ class TrainerConfig(_Cfg):
     #: padded tokens per micro-batch (forward/backward memory budget).
     max_tokens_per_microbatch: Annotated[int, msgspec.Meta(ge=2)] = 8192
     num_minibatches: PosInt = 1
-    #: save a checkpoint every N steps (0: never).
+    #: save a checkpoint every N steps (0: only at the planned last step, and on an
+    #: interrupt under `--checkpoint-on-interrupt`).
     checkpoint_every: NonNegInt = 0
     #: bytes per weight bucket sent to the inference workers.
     weight_bucket_bytes: PosInt = 1 << 30

@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import logging
 import os
+import shlex
 import signal
 import sys
 import time
@@ -70,6 +71,23 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="on the first Ctrl-C / SIGTERM finish the current step, write a "
                         "checkpoint and stop (a second signal stops at once)")
     return p.parse_args(argv)
+
+
+def resume_command(args: argparse.Namespace, run_dir: Path) -> str:
+    """The ``rollart run`` command line that continues ``run_dir`` with this run's options
+    (``--steps``, ``--cache-dir``, the key, the cluster, ...; not ``--out``: the folder is
+    ``--resume``'s), shell-quoted."""
+    argv = ["rollart", "run", str(args.scenario), "--resume", str(run_dir)]
+    for flag, value in (("--steps", args.steps), ("--cache-dir", args.cache_dir),
+                        ("--key-file", args.key_file)):
+        if value is not None:
+            argv += [flag, str(value)]
+    if args.cluster != "local":
+        argv += ["--cluster", args.cluster]
+    argv += [flag for flag, on in (("--insecure", args.insecure),
+                                   ("--checkpoint-on-interrupt", args.checkpoint_on_interrupt))
+             if on]
+    return shlex.join(argv)
 
 
 class Interrupted(Exception):
@@ -163,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     started = time.time()
     try:
+        if args.out is not None and args.out.exists() and not args.out.is_dir():
+            raise ConfigError(f"--out {args.out}: exists and is not a directory (the run "
+                              "folder is a directory)")
         scenario = load_scenario(args.scenario)
         from rollart.launcher import localmodule
         from rollart.launcher.local import preflight
@@ -218,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     except Interrupted as exc:
         print(f"rollart run: {'interrupted' if exc.signum == signal.SIGINT else 'terminated'}"
               f" after step {exc.step}; checkpoint saved: {exc.path}; continue with "
-              f"`rollart run {args.scenario} --resume {run_dir}`", file=sys.stderr)
+              f"`{resume_command(args, run_dir)}`", file=sys.stderr)
         rc = 128 + exc.signum
     except Terminated:
         print("rollart run: terminated (SIGTERM); every process was stopped", file=sys.stderr)
