@@ -196,11 +196,7 @@ def collate(
         ids[row, :n] = tb.view_i32(s.token_ids)
         attn[row, :n] = 1
         mask[row, :n] = tb.view_u8(s.loss_mask)
-        lps = tb.view_f32(s.behaviour_logprobs)
-        if lps.size == n:  # the per-token form (TrainSample's docstring): 0.0 off the mask
-            blp[row, :n] = np.where(mask[row, :n], lps, np.float32(0.0))
-        else:  # one per generated token, in order: the validation matched it to the mask
-            blp[row, :n][mask[row, :n]] = lps
+        blp[row, :n] = s.full_logprobs()
     adv = np.array([s.advantage for s in samples], dtype=np.float32)
     out = {
         "input_ids": torch.from_numpy(ids),

@@ -547,11 +547,11 @@ class TrainSample(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, gc=F
         """float32 [num_tokens]: each generated token's behaviour logprob at its position, 0.0
         elsewhere, from either form of ``behaviour_logprobs`` (a new array)."""
         lps = tb.view_f32(self.behaviour_logprobs)
-        n = self.num_tokens
-        if lps.size == n:
-            return lps.copy()
-        out = np.zeros(n, dtype=np.float32)
-        out[tb.view_u8(self.loss_mask).view(np.bool_)] = lps
+        generated = tb.view_u8(self.loss_mask).view(np.bool_)
+        if lps.size == generated.size:  # the per-token form: whatever it holds off the mask
+            return np.where(generated, lps, np.float32(0.0))
+        out = np.zeros(generated.size, dtype=np.float32)
+        out[generated] = lps
         return out
 
     @property
