@@ -136,6 +136,8 @@ NAME = "controller_overhead"
 #: mean (and std) env step latency, s: issue 11's "realistic env latency"
 ENV_MEAN_S = 10.0
 GENERATE_TIMEOUT_S = 20.0
+#: ``max_tokens_per_trajectory`` = context + this (room for the turns' tokens)
+EXTRA_TOKENS = 4096
 SUBWINDOW_S = 5.0
 PROFILE_ENV = "CONTROLLER_OVERHEAD_PROFILE"
 #: controller bytes per held context token assumed before one size was measured (main's code:
@@ -355,21 +357,26 @@ def _cpu_s(proc: psutil.Process) -> float:
     return t.user + t.system
 
 
+def _batch_alpha(n: int) -> tuple[int, int]:
+    """Production-like batches (512 samples, 1024 from 32k trajectories on) and alpha just
+    large enough that the in-flight bound ``(alpha + 1) x batch`` admits all ``n``
+    trajectories (it may admit up to a batch more: all 1024 at ``n`` = 64)."""
+    batch = 512 if n <= 32_768 else 1024
+    return batch, max(1, math.ceil(n / batch) - 1)
+
+
 async def _drive(size: Size, args: Namespace, worker_addr: str, env_addr: str, seed: int,
                  gc_policy: str, worker_pid: int, auth: Any, env_pid: int = 0
                  ) -> dict[str, Any]:
     table = DomainTable([srv.domain_spec(args)])
     spec = table.domains[0]
     n, group = size.n, 8
-    # Production-like batches (512 samples, 1024 from 32k trajectories on) and alpha just
-    # large enough that the in-flight bound (alpha + 1) x batch admits all N trajectories.
-    batch = 512 if n <= 32_768 else 1024
-    alpha = max(1, math.ceil(n / batch) - 1)
+    batch, alpha = _batch_alpha(n)
     sim = SimScenario(pools=(SimPool("sim", "h800", 1),), domains=(SimDomain(spec, "sim"),),
                       mode="rollart", alpha=alpha, steps=10_000, batch_size=batch,
                       group_size=group,
                       max_turns=size.turns, max_tokens_per_turn=64,
-                      max_tokens_per_trajectory=size.context_tokens + 4096,
+                      max_tokens_per_trajectory=size.context_tokens + EXTRA_TOKENS,
                       generate_timeout_s=GENERATE_TIMEOUT_S,
                       env_timeout_s=args.env_max_s + 30.0, env_hosts=1)
     calls = Calls()
@@ -382,6 +389,12 @@ async def _drive(size: Size, args: Namespace, worker_addr: str, env_addr: str, s
         proxy=LLMProxy({"sim": ("h800", [TimedWorker(client, calls)])}, {"zero": "sim"}),
         envs=EnvRouter([TimedEnv(env, calls)]), rewards=RewardRouter(service=SimReward(rng=counter_rng)),
         trainer=trainer, tokenizer=SimTokenizer(table))
+    proxy = controller.proxy
+
+    def turns_now() -> int:
+        # A generate call refused with ``prefix_unknown`` is sent again whole: one turn.
+        return calls.num_gens - proxy.num_prefix_resends
+
     lag = LoopLagMonitor()
     gc_before = gc.get_threshold()
     pauses = GcPauses().install()
@@ -412,7 +425,8 @@ async def _drive(size: Size, args: Namespace, worker_addr: str, env_addr: str, s
     trainer_task = asyncio.create_task(train())
     try:
         await asyncio.sleep(size.warmup_s)
-        t0, cpu0, gen0, steps0 = time.monotonic(), time.process_time(), calls.num_gens, steps
+        t0, cpu0, gen0, steps0 = time.monotonic(), time.process_time(), turns_now(), steps
+        resends0 = proxy.num_prefix_resends
         loop_cpu0 = time.thread_time()
         sleeps0 = resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw
         profiler = _profiler()
@@ -432,12 +446,13 @@ async def _drive(size: Size, args: Namespace, worker_addr: str, env_addr: str, s
             await asyncio.sleep(SUBWINDOW_S)
             peak = max(peak, _rss())
             worker_peak = max(worker_peak, worker_proc.memory_info().rss)
-            cpu, gens = time.process_time(), calls.num_gens
+            cpu, gens = time.process_time(), turns_now()
             running.append(controller.num_running)
             sub_cpu.append(1e6 * (cpu - cpu_prev))
             sub_turns.append(gens - gen_prev)
             cpu_prev, gen_prev = cpu, gens
-        t1, cpu1, gen1 = time.monotonic(), time.process_time(), calls.num_gens
+        t1, cpu1, gen1 = time.monotonic(), time.process_time(), turns_now()
+        resends = proxy.num_prefix_resends - resends0
         loop_cpu1 = time.thread_time()
         sleeps1 = resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw
         machine = _machine_shares(stat0, _proc_stat())
@@ -485,6 +500,7 @@ async def _drive(size: Size, args: Namespace, worker_addr: str, env_addr: str, s
             "batch": batch, "alpha": alpha,
             "running_mean": statistics.fmean(running) if running else 0.0,
             "held_at_end": stats.held, "window_s": round(t1 - t0, 1), "turns": turns,
+            "prefix_resends": resends, "prefix_resends_per_turn": resends / max(1, turns),
             "turns_per_s": turns / (t1 - t0), "steps": steps - steps0,
             "cpu_us_per_turn": 1e6 * (cpu1 - cpu0) / max(1, turns),
             "cpu_us_per_turn_ci95": _ratio_ci95(sub_cpu, sub_turns, seed),
@@ -539,7 +555,11 @@ def _gaps(worker: srv.Records, env: srv.Records, session_traj: dict[str, str],
     return after_env, after_gen, waits
 
 
-def _one_size(size: Size, seed: int, gc_policy: str) -> dict[str, Any]:
+def _one_size(size: Size, seed: int, gc_policy: str,
+              max_prefix_tokens: int | None = None) -> dict[str, Any]:
+    """Measure one size (see the module docstring). ``max_prefix_tokens``: the SIMULATED
+    worker's bound on held prefix tokens; default room for every trajectory's whole sequence
+    (a smaller one shows what evicted prefixes cost: ``prefix_resends``)."""
     import uvloop
 
     mean = size.env_mean_s
@@ -554,7 +574,15 @@ def _one_size(size: Size, seed: int, gc_policy: str) -> dict[str, Any]:
         key_file = create_key_file(Path(tmp) / "keys")
         keyed = ["--key-file", str(key_file)]
         try:
-            wp, waddr = _spawn(["worker", "--dump", str(dumps["worker"]), *dom, *keyed])
+            # Room for every trajectory's whole sequence: a worker that evicts prefixes makes
+            # each later turn a refused call plus a resend of the whole context (issue 11's
+            # figures were measured that way until 2026-12-02: ~1 resend per turn at 10k).
+            if max_prefix_tokens is None:
+                batch, alpha = _batch_alpha(size.n)
+                in_flight = (alpha + 1) * batch
+                max_prefix_tokens = in_flight * (size.context_tokens + EXTRA_TOKENS)
+            hold = ["--max-prefix-tokens", str(max_prefix_tokens)]
+            wp, waddr = _spawn(["worker", "--dump", str(dumps["worker"]), *dom, *hold, *keyed])
             procs.append(wp)
             ep, eaddr = _spawn(["env", "--dump", str(dumps["env"]), "--seed", str(seed), *dom,
                                 *keyed])
@@ -651,6 +679,7 @@ def ratios_of(rows: list[dict[str, Any]], floor: dict[str, float]
             r["cpu_us_per_turn"] / (2 * floor["floor_cpu_us_per_rpc"]))
         ratios[f"turns_per_s at {n}"] = r["turns_per_s"]
         ratios[f"loop_sleeps_per_turn at {n}"] = r["loop_sleeps_per_turn"]
+        ratios[f"prefix_resends at {n}"] = r["prefix_resends"]
     ratios.update({k: v for k, v in floor.items() if k != "floor_cpu_us_per_rpc_ci95"})
     if "floor_cpu_us_per_rpc_ci95" in floor:  # a half-width
         mid, half = floor["floor_cpu_us_per_rpc"], floor["floor_cpu_us_per_rpc_ci95"]

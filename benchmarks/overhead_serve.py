@@ -28,6 +28,7 @@ from typing import Any
 
 import msgspec
 
+from rollart.inference.prefixes import DEFAULT_MAX_PREFIX_TOKENS
 from rollart.sim.env import SimEnvHost
 from rollart.sim.hardware import H800
 from rollart.sim.models import QWEN3_8B
@@ -100,7 +101,8 @@ async def _serve(args: argparse.Namespace, auth: Auth) -> Records:
     calls: list[tuple[str, int, float, float]] = []
     if args.kind == "worker":
         worker = SimInferenceWorker("bench-worker", hardware=H800, model=QWEN3_8B, domains=table,
-                                    max_batch=1_000_000, time_scale=0.0, prefix_cache=False)
+                                    max_batch=1_000_000, time_scale=0.0, prefix_cache=False,
+                                    max_prefix_tokens=args.max_prefix_tokens)
         handlers = worker_handlers(worker)
         handlers[m.Generate] = _timed(handlers[m.Generate], calls,
                                       lambda msg, _res: (msg.request_id, -1))
@@ -132,6 +134,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("kind", choices=("worker", "env"))
     p.add_argument("--dump", required=True)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-prefix-tokens", type=int, default=DEFAULT_MAX_PREFIX_TOKENS,
+                   help="worker: bound on the trajectory prefix tokens it holds for delta "
+                        "prompts (a trajectory whose prefix was evicted resends it whole)")
     add_domain_args(p)
     add_auth_args(p)
     args = p.parse_args(argv)

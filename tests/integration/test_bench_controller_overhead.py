@@ -17,6 +17,8 @@ def test_one_small_size_reports_every_figure() -> None:
     row = co._one_size(co.Size(64, 1024, 2, 25.0, 5.0), seed=0, gc_policy="tuned")
     assert row["turns"] > 0 and row["cpu_us_per_turn"] > 0
     assert row["lost_replies"] == 0 and row["failed"] == {}
+    # the SIMULATED worker holds every trajectory's prefix: no turn is sent twice
+    assert row["prefix_resends"] == 0 == row["prefix_resends_per_turn"]
     assert row["timeouts"] >= row["late_replies"] >= 0
     # Both kinds of backend reply -> next request gap were matched across the processes.
     assert row["added_latency_samples"] > 0
@@ -36,13 +38,25 @@ def test_one_small_size_reports_every_figure() -> None:
     ratios, ci95 = co.ratios_of([row], {"floor_cpu_us_per_rpc": 10.0,
                                         "floor_cpu_us_per_rpc_ci95": 1.5})
     for key in ("lost_replies at 64", "cpu_us_per_turn at 64", "added_latency_p99_ms at 64",
-                "loop_lag_p99_ms at 64", "turns_per_s at 64", "loop_sleeps_per_turn at 64"):
+                "loop_lag_p99_ms at 64", "turns_per_s at 64", "loop_sleeps_per_turn at 64",
+                "prefix_resends at 64"):
         assert not math.isnan(ratios[key])
     # intervals live in ci95 as [low, high] beside their ratio, never as ratios of their own
     assert not any("ci95" in key for key in ratios)
     assert ci95["cpu_us_per_turn at 64"] == row["cpu_us_per_turn_ci95"]
     assert ci95["added_latency_p99_ms at 64"] == [lo, hi]
     assert ci95["floor_cpu_us_per_rpc"] == [8.5, 11.5]
+
+
+def test_a_worker_that_evicts_prefixes_shows_in_prefix_resends() -> None:
+    # Until 2026-12-02 the SIMULATED worker kept its default 16 Mi prefix tokens, so at 10k
+    # trajectories ~every later turn was refused and resent whole, and each resend counted as
+    # a turn. Here it holds 2000 tokens (under two 1024-token trajectories' sequences): the
+    # resends show.
+    row = co._one_size(co.Size(32, 1024, 3, 25.0, 3.0), seed=0, gc_policy="tuned",
+                       max_prefix_tokens=2000)
+    assert row["prefix_resends"] > 0 and row["prefix_resends_per_turn"] > 0.2
+    assert row["lost_replies"] == 0 and row["failed"] == {}
 
 
 def test_each_size_of_a_run_has_its_own_n_and_the_last_saturates() -> None:

@@ -84,3 +84,50 @@ def test_batch_order_is_a_policy_a_subclass_can_change() -> None:
 
     assert fill(SampleBuffer(alpha=1, batch_size=2, group_size=2)) == {"g0"}  # oldest first
     assert fill(PreferMath(alpha=1, batch_size=2, group_size=2)) == {"g1"}
+
+
+async def test_admission_yields_to_the_loop_between_bursts_of_groups() -> None:
+    # Issue 11: a training step frees room for a whole batch of groups at once; admitting
+    # them all in one pass (with each member's first step) held every reply waiting behind it
+    # for tens of ms at 10k trajectories. At most ADMIT_PER_PASS trajectories (plus the rest
+    # of the group that reached it) may be admitted in one pass of the event loop.
+    from collections import Counter
+
+    from test_controller_fakes import TOK
+
+    from rollart.controller.admission import ADMIT_PER_PASS
+    from rollart.controller.buffer import SampleBuffer
+
+    ticks = 0
+    admitted_at: Counter[int] = Counter()
+
+    class Recording(SampleBuffer):
+        def try_start_group(self, group_key, domain="default", alpha=None):
+            ids = super().try_start_group(group_key, domain, alpha)
+            if ids is not None:
+                admitted_at[ticks] += len(ids)
+            return ids
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)  # once per pass of the event loop
+
+    b = Backends(pools={"p1": [FakeWorker("w1")], "p2": [FakeWorker("w2")]},
+                 trainer=FakeTrainer(), tokenizer=TOK,
+                 env_hosts=[FakeEnvHost(turns=2, latency=lambda i, s: 0.01)],
+                 reward_service=FakeReward())
+    # room for (3 + 1) x 32 / 8 = 16 groups, 128 trajectories, at the start
+    sc = make_scenario(alpha=3, batch_size=32, group_size=8)
+    cluster = Cluster.from_scenario(sc, backends=b, buffer_class=Recording)
+    ticking = asyncio.create_task(ticker())
+    try:
+        async with cluster:
+            async with asyncio.timeout(120):
+                steps = [s async for s in cluster.train(steps=2)]
+    finally:
+        ticking.cancel()
+    assert len(steps) == 2 and sum(admitted_at.values()) >= 128
+    assert max(admitted_at.values()) <= ADMIT_PER_PASS + 8 - 1, admitted_at
+    assert len(admitted_at) >= 4  # the first 128 alone took four passes

@@ -17,7 +17,10 @@ MAX_OBJECTS_PER_TRAJ = 28
 
 def test_one_child_measurement() -> None:
     out = bench._child(32, 2, 0)  # the window after the warm-up step
-    assert out["turns"] == bench.TURNS * out["completed"] > 0
+    assert out["turns"] > 0 and out["completed"] > 0
+    # only trajectories that straddle the window's ends (at most the 32 in flight) may have
+    # turns on one side of it and their completion on the other
+    assert abs(out["turns"] - bench.TURNS * out["completed"]) <= bench.TURNS * 32
     for key in ("loop_cpu_us_per_turn", "loop_cpu_us_per_traj", "completion_us"):
         assert math.isfinite(out[key]) and out[key] > 0
     assert 0 < out["gc_objects_per_traj"] <= MAX_OBJECTS_PER_TRAJ

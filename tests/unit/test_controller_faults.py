@@ -475,3 +475,54 @@ async def test_group_out_of_attempts_is_dropped_with_a_reason_and_a_warning(capl
     assert any("group g0 dropped: a member failed run.retry.max_attempts = 2 times"
                in r.getMessage() for r in caplog.records)
     assert all(s.group_key != "g0" for st in steps for s in st.samples)
+
+
+# ------------------------------------------------------------------ prefix resends (issue 11)
+@pytest.mark.looptime
+async def test_step_metrics_count_turns_resent_whole_after_a_prefix_miss() -> None:
+    # A worker whose prefix store holds nothing (max_prefix_tokens=1: no prompt fits) refuses
+    # every later turn with prefix_unknown; each is sent again whole, and the step says so.
+    forgetful = FakeWorker("w1", max_prefix_tokens=1)
+    async with Cluster.from_scenario(scenario(), backends=backends(worker=forgetful)) as c:
+        steps = await run_steps(c, 2)
+    check_batches(steps)
+    assert failed(steps) == {}
+    resends = sum(st.metrics.num_prefix_resends for st in steps)
+    assert resends > 0
+    # every refused turn is counted once, in the step it happened in (turns still running at
+    # the end of the last step were refused after it)
+    assert resends <= len(forgetful.prefix_misses)
+    assert all(r.prefix_len == 0 for r in forgetful.requests)
+
+    holding = FakeWorker("w1")
+    async with Cluster.from_scenario(scenario(), backends=backends(worker=holding)) as c:
+        steps = await run_steps(c, 2)
+    assert sum(st.metrics.num_prefix_resends for st in steps) == 0 == len(holding.prefix_misses)
+
+
+async def test_trajectories_shut_down_before_their_first_step_leave_the_buffer() -> None:
+    # close() cancels a trajectory task that has not run yet: run_one's handler never runs,
+    # so the done callback must tell the buffer (it kept counting it as running).
+    from test_controller_fakes import make_scenario
+
+    from rollart.controller.controller import Controller
+    from rollart.controller.proxy import LLMProxy
+    from rollart.controller.services import EnvRouter, RewardRouter
+
+    sc = make_scenario(alpha=1, batch_size=4, group_size=2)
+    proxy = LLMProxy({"p1": ("cpu", [FakeWorker("w1")]), "p2": ("cpu", [FakeWorker("w2")])},
+                     {"game": "p1", "math": "p2"})
+    ctl = Controller(sc, proxy=proxy, envs=EnvRouter([FakeEnvHost(turns=2)]),
+                     rewards=RewardRouter(service=FakeReward()), trainer=FakeTrainer(),
+                     tokenizer=TOK)
+    await ctl.start()
+    for _ in range(100):  # until admission has launched tasks that have not run yet
+        if ctl.num_running:
+            break
+        await asyncio.sleep(0)
+    assert ctl.num_running > 0 and ctl.buffer.stats().running == ctl.num_running
+    await ctl.close()
+    stats = ctl.buffer.stats()
+    assert stats.running == 0 and ctl.num_running == 0
+    assert stats.generated_tokens == stats.trained_tokens + sum(stats.wasted_tokens.values()) \
+        + stats.in_flight_tokens

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
 import pytest
 from test_controller_fakes import TOK, FakeEnvHost, FakeReward, FakeWorker, make_scenario
 
@@ -201,3 +202,48 @@ class _StaleBuffer:
 
     def record_tokens(self, tid, versions):
         pass
+
+
+class HostClosingEnv(FakeEnvHost):
+    """Closes a session on its host with the step that ends its episode (``closed=True``),
+    as env hosts do; ``close_calls`` counts explicit closes it is still sent."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.close_calls = 0
+
+    async def step(self, session_id, action, *, timeout_s=None):
+        result = await super().step(session_id, action, timeout_s=timeout_s)
+        if result.terminated:
+            self.sessions.pop(session_id)
+            result = msgspec.structs.replace(result, closed=True)
+        return result
+
+    async def close_session(self, session_id) -> None:
+        self.close_calls += 1
+        await super().close_session(session_id)
+
+
+async def test_a_session_its_host_closed_is_not_closed_again() -> None:
+    # Issue 11: the shielded close (a task, a timeout and a coroutine per trajectory) ran for
+    # every trajectory, though most episodes end with the step that closed the session.
+    env = HostClosingEnv(turns=2)
+    ctx, buffer, domains = make_ctx(FakeWorker("w1", lambda req: "ok"), env)
+    closes: list[str] = []
+    router_close = ctx.envs.close_session
+
+    async def counted(session_id: str) -> None:
+        closes.append(session_id)
+        await router_close(session_id)
+
+    ctx.envs.close_session = counted
+    (tid, *_) = buffer.try_start_group("g0")
+    sample = await run_trajectory(ctx, tid, "g0", domains["math"], seed=7)
+    assert sample.finish_reason == "terminated" and sample.num_turns == 2
+    assert closes == [] and env.close_calls == 0 and not ctx.envs.is_open(env.opened[0])
+    # a trajectory that ends with its session still open (max_turns) still closes it
+    ctx2, buffer2, domains2 = make_ctx(FakeWorker("w1", lambda req: "ok"), env, max_turns=1)
+    (tid2, *_) = buffer2.try_start_group("g1")
+    sample2 = await run_trajectory(ctx2, tid2, "g1", domains2["math"], seed=8)
+    assert sample2.finish_reason == "max_turns" and env.close_calls == 1
+    assert env.closed == [env.opened[1]]

@@ -66,8 +66,13 @@ def pace_wait_s(c: Controller, domain: DomainConfig) -> float:
     return max(1e-3, period)
 
 
+#: trajectories admitted in one pass of the event loop before admission yields to it
+ADMIT_PER_PASS = 32
+
+
 async def admission_loop(c: Controller) -> None:
     assert c._changed is not None and c._weights_changed is not None
+    this_pass = 0
     while True:
         started = False
         if can_admit(c) and c.buffer.has_room():
@@ -96,5 +101,16 @@ async def admission_loop(c: Controller) -> None:
                 for tid in ids:
                     launch(c, tid, key)
                 started = True
+                this_pass += len(ids)
         if not started:
+            this_pass = 0
             await c._changed.wait()
+        elif this_pass >= ADMIT_PER_PASS and (c._ctx is None or c._ctx.barrier is None):
+            # A training step frees room for a whole batch of groups at once; admitting them
+            # in one pass (each member's first step runs in the next) held every reply
+            # waiting behind it for tens of ms at 10k trajectories (issue 11's added
+            # latency): ~32 trajectories per pass, a few ms. Not under sync mode's turn
+            # barrier, whose batch must join it together (a group alone would take its turns
+            # alone).
+            this_pass = 0
+            await asyncio.sleep(0)

@@ -103,6 +103,12 @@ class StepMetrics(msgspec.Struct, kw_only=True):
     num_invalid_actions: int = 0
     #: groups given up during the step, by reason (``failure_budget``)
     groups_dropped_by_reason: dict[str, int] = {}
+    #: turns a worker refused with ``prefix_unknown`` (it no longer held the trajectory's
+    #: prefix: evicted under its ``max_prefix_tokens``, or restarted) and that were sent again
+    #: with the whole prompt; more than a few per step means the workers' prefix stores are too
+    #: small for the trajectories in flight, and each such turn costs a round trip and its
+    #: context's bytes again
+    num_prefix_resends: int = 0
 
 
 #: One domain's counters over one step: the change of the buffer's cumulative ``DomainCounts``
@@ -151,6 +157,7 @@ def step_metrics(
     loop_lag_p99_ms: float | None = None,
     loop_lag_max_ms: float | None = None,
     num_invalid_actions: int = 0,
+    num_prefix_resends: int = 0,
 ) -> StepMetrics:
     """Assemble a step's metrics from its batch and the buffer counters around it.
 
@@ -214,5 +221,6 @@ def step_metrics(
         groups_by_domain=dict(sorted(n_groups.items())),
         flat_groups_by_domain=dict(sorted(flat.items())),
         num_invalid_actions=num_invalid_actions,
+        num_prefix_resends=num_prefix_resends,
         groups_dropped_by_reason=_delta(after.groups_dropped, before.groups_dropped),
     )

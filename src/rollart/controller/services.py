@@ -163,6 +163,11 @@ class EnvRouter:
             self._forget(session_id)
         return result
 
+    def is_open(self, session_id: str) -> bool:
+        """Whether ``session_id`` is open as far as this router knows (opened here, not yet
+        closed by ``close_session`` nor by its host with an episode's last step)."""
+        return session_id in self._where
+
     def _forget(self, session_id: str) -> EnvBackend | None:
         host = self._where.pop(session_id, None)
         if host is not None:

@@ -421,5 +421,7 @@ async def _run_trajectory(
         if ctx.barrier is not None:
             ctx.barrier.leave(traj_id)
         ctx.proxy.release(traj_id)
-        if session_id is not None:
+        # Most episodes end with a step that closed the session on its host: nothing to close
+        # then, and no shielded task, timeout and coroutine per trajectory to do nothing.
+        if session_id is not None and envs.is_open(session_id):
             await asyncio.shield(_close_session(envs, session_id))

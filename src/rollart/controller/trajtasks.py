@@ -55,6 +55,10 @@ def traj_done(c: Controller, tid: str, task: asyncio.Task[Any]) -> None:
     if c._ctx is not None and c._ctx.barrier is not None:
         # Also when cancelled before its first step (its finally blocks never run).
         c._ctx.barrier.leave(tid)
+    if c._closed and task.cancelled():
+        # Shut down before its first step, run_one's handler never ran: the buffer must
+        # still learn that it ended (a no-op for one that did).
+        c.buffer.cancel(tid, "shutdown")
     c._on_done(task)
 
 

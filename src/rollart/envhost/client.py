@@ -109,6 +109,8 @@ class EnvClient:
         except CancelledError:
             self._rpc.forget(call_id)
             raise
+        finally:
+            del fut  # see RpcClient.call: an error is then freed without the cycle collector
         return self._expect(msg, reply, m.EnvStepResult)
 
     async def close_session(self, session_id: str, *, timeout_s: float | None = None) -> None:

@@ -131,6 +131,8 @@ class InferenceClient:
         except RemoteTimeoutError:
             self._abort_in_background(request.request_id)
             raise
+        finally:
+            del fut  # see RpcClient.call: an error is then freed without the cycle collector
         return self._expect(request, reply, m.GenerateResult)
 
     def _abort_in_background(self, request_id: str) -> None:
