@@ -16,7 +16,8 @@ the controller keeps up. Only the window after ``warmup_s`` counts.
 Per N it reports:
 
 - ``cpu_us_per_turn``: controller-process CPU seconds (``time.process_time``: all its threads,
-  ZeroMQ's I/O thread included) / generate calls started, over the window; percentile-bootstrap
+  ZeroMQ's I/O thread included) / turns started (generate calls, less those resent after
+  ``prefix_unknown``), over the window; percentile-bootstrap
   ci95 over 5 s sub-windows. ``loop_sleeps_per_turn``: how often the event-loop thread blocked
   with nothing to do and was woken again (its voluntary context switches, ``getrusage``) per
   turn: near 0 the loop is busy and each wake-up handles many messages (the per-message
@@ -35,6 +36,12 @@ Per N it reports:
   waits by design, not for the controller: the time it spent in ``wait_for_weights`` is taken
   out of its gap and reported apart (``weight_wait_turns``, ``weight_wait_share`` of the env ->
   generate gaps, ``weight_wait_p50_ms``).
+- ``prefix_resends`` / ``prefix_resends_per_turn``: turns the SIMULATED worker refused with
+  ``prefix_unknown`` and the controller sent again with the whole context (a turn counts
+  once either way). The worker's prefix store holds every in-flight trajectory's whole
+  sequence (``(alpha + 1) x batch x (context + 4096)`` tokens), so this is 0; until
+  2026-12-02 it kept its default 16 Mi tokens, evicted at 10k trajectories, and nearly every
+  later turn was a refused call plus a resend of the whole context, counted as two turns.
 - ``lost_replies``: calls whose reply never came: calls of the controller's two RPC clients
   that ended in ``RemoteTimeoutError`` (generate 20 s, env 90 s, heartbeats included) less
   those whose reply arrived after the timeout (``late_replies``: slow, e.g. read by a starved
@@ -44,7 +51,8 @@ Per N it reports:
 - ``rss_bytes_per_traj`` / ``rss_bytes_per_token``: controller RSS growth (peak in the window
   minus before start) per trajectory / per context token of N trajectories;
   ``worker_rss_bytes_per_token``: the SIMULATED worker process's peak RSS per context token
-  (it keeps every trajectory's prefix for delta prompts; for the memory estimate only).
+  (it keeps every trajectory's prefix for delta prompts, 4 bytes per token; for the memory
+  estimate only).
 - ``loop_lag_p99_ms`` (:class:`~rollart.controller.loophealth.LoopLagMonitor`) and garbage
   collection pause seconds per generation / longest pause (``gc.callbacks``).
 - the floor beside it (``benchmarks.rpc_floor.measure_floor``): a bare uvloop
@@ -130,6 +138,7 @@ from rollart.sim.models import QWEN3_8B
 from rollart.sim.trainer import SimTrainer
 from rollart.sim.workload import DomainTable, SimTokenizer, counter_rng
 from rollart.transport import messages as m
+from rollart.transport.rpc import RpcClient
 from rollart.transport.security import create_key_file, load_key_file
 
 NAME = "controller_overhead"
@@ -140,6 +149,8 @@ GENERATE_TIMEOUT_S = 20.0
 EXTRA_TOKENS = 4096
 SUBWINDOW_S = 5.0
 PROFILE_ENV = "CONTROLLER_OVERHEAD_PROFILE"
+#: set to 1 for the controller-side latency split (``ControllerSide``)
+SPLIT_ENV = "CONTROLLER_OVERHEAD_SPLIT"
 #: controller bytes per held context token assumed before one size was measured (main's code:
 #: token ids, loss mask, logprobs and versions as Python lists, 8 B per slot each)
 BYTES_PER_TOKEN_GUESS = 40.0
@@ -178,7 +189,7 @@ class Calls:
     process carries no coroutine or dict entry per call for the benchmark."""
 
     def __init__(self) -> None:
-        #: generate calls started (the turn count)
+        #: generate calls started (resends after ``prefix_unknown`` included)
         self.num_gens = 0
         self.session_traj: dict[str, str] = {}
         #: trajectory id -> (start, end) of each wait for new weights (a ``wait`` verdict)
@@ -198,6 +209,70 @@ class Calls:
                         (t0, time.monotonic()))
 
         return recorded
+
+
+class ControllerSide:
+    """Controller-side times of every generate and env-step call (``$CONTROLLER_OVERHEAD_SPLIT``
+    = 1): when the controller handed the request to its RPC client (it leaves in that loop
+    pass's flush) and when the client read the reply off its socket. With them the gap
+    "reply arrived -> next request sent" is measured inside the controller process, without
+    the two backends' own halves of each leg (their receive and send paths, on the same cores)
+    that ``added_latency`` contains. It patches ``RpcClient.submit_call`` and ``_on_reply``
+    for the clients created while installed and keeps a dict entry per call, so it costs the
+    measured process a few us per call and memory per call: opt-in, not in the default run.
+    Env opens are not recorded (the first gap of a trajectory is left out)."""
+
+    def __init__(self) -> None:
+        #: (client id, call id) -> ("g", request id) or ("e", session id), sent at
+        self.sent: dict[tuple[int, bytes], tuple[str, str, float]] = {}
+        #: (client id, call id) -> reply read at
+        self.got: dict[tuple[int, bytes], float] = {}
+        self._saved: tuple[Any, Any] | None = None
+
+    def install(self) -> None:
+        submit, on_reply = RpcClient.submit_call, RpcClient._on_reply
+        self._saved = (submit, on_reply)
+        sent, got = self.sent, self.got
+
+        def timed_submit(rpc: RpcClient, msg: m.Msg, **kw: Any) -> Any:
+            call_id, fut = submit(rpc, msg, **kw)
+            if type(msg) is m.Generate:
+                sent[(id(rpc), call_id)] = ("g", msg.request_id, time.monotonic())
+            elif type(msg) is m.EnvStep:
+                sent[(id(rpc), call_id)] = ("e", msg.session_id, time.monotonic())
+            return call_id, fut
+
+        def timed_reply(rpc: RpcClient, parts: list) -> None:
+            got[(id(rpc), bytes(parts[0]))] = time.monotonic()
+            on_reply(rpc, parts)
+
+        RpcClient.submit_call = timed_submit  # type: ignore[method-assign]
+        RpcClient._on_reply = timed_reply  # type: ignore[method-assign]
+
+    def remove(self) -> None:
+        if self._saved is not None:
+            RpcClient.submit_call, RpcClient._on_reply = self._saved  # type: ignore[method-assign]
+            self._saved = None
+
+    def records(self) -> tuple[srv.Records, srv.Records]:
+        """(generate, env step) calls as ``overhead_serve.Records``, times taken at the
+        controller: ``t_in`` = request sent, ``t_out`` = reply read (calls without a reply
+        left out; a resent turn is its last send). Env steps are numbered per session in
+        send order."""
+        gen: list[tuple[str, int, float, float]] = []
+        env: list[tuple[str, int, float, float]] = []
+        steps: dict[str, int] = {}
+        for k, (kind, key, t_in) in sorted(self.sent.items(), key=lambda kv: kv[1][2]):
+            if kind == "e":
+                turn = steps[key] = steps.get(key, -1) + 1
+            t_out = self.got.get(k)
+            if t_out is None:
+                continue
+            if kind == "g":
+                gen.append((key, -1, t_in, t_out))
+            else:
+                env.append((key, turn, t_in, t_out))
+        return srv.Records(calls=gen), srv.Records(calls=env)
 
 
 class TimedWorker:
@@ -380,6 +455,9 @@ async def _drive(size: Size, args: Namespace, worker_addr: str, env_addr: str, s
                       generate_timeout_s=GENERATE_TIMEOUT_S,
                       env_timeout_s=args.env_max_s + 30.0, env_hosts=1)
     calls = Calls()
+    split = ControllerSide() if os.environ.get(SPLIT_ENV) == "1" else None
+    if split is not None:
+        split.install()  # before the clients exist: their pumps bind ``_on_reply`` at creation
     client = InferenceClient(worker_addr, auth=auth, name="w0", liveness_timeout_s=120.0)
     env = EnvClient(env_addr, auth=auth, name="env", liveness_timeout_s=120.0)
     trainer = SimTrainer(model=QWEN3_8B, hardware=H800, num_gpus=8, time_scale=0.0,
@@ -480,6 +558,8 @@ async def _drive(size: Size, args: Namespace, worker_addr: str, env_addr: str, s
         trainer_task.cancel()
         await asyncio.gather(trainer_task, return_exceptions=True)
         pauses.remove()
+        if split is not None:
+            split.remove()
         # Closing thousands of sessions of an overloaded run times out by the thousand.
         logging.getLogger("rollart.controller.trajectory").setLevel(logging.ERROR)
         await lag.stop()
@@ -492,6 +572,7 @@ async def _drive(size: Size, args: Namespace, worker_addr: str, env_addr: str, s
     rss_delta = peak - rss0
     return {
         "window": (t0, t1), "session_traj": calls.session_traj,
+        "split": split.records() if split is not None else None,
         "weight_waits": calls.weight_waits,
         "row": {
             "n": n, "context_tokens": size.context_tokens, "turns_per_traj": size.turns,
@@ -607,6 +688,15 @@ def _one_size(size: Size, seed: int, gc_policy: str,
             weight_wait_turns=len(waits),
             weight_wait_share=len(waits) / max(1, len(after_env)),
             weight_wait_p50_ms=_pct(sorted(waits), 0.5))
+    if out["split"] is not None:
+        c_env, c_gen, _ = _gaps(*out["split"], out["session_traj"], out["window"],
+                                out["weight_waits"])
+        inside = sorted(c_env + c_gen)
+        row.update(
+            controller_latency_p50_ms=_pct(inside, 0.5),
+            controller_latency_p99_ms=_pct(inside, 0.99),
+            controller_latency_p99_ci95=_pct_ci95(inside, 0.99),
+            controller_latency_samples=len(inside))
     return row
 
 

@@ -4,7 +4,8 @@
     python -m benchmarks.overhead_serve env --dump E.msgpack [domain args]
 
 ``worker``: the simulated inference engine at ``time_scale=0`` (answers at once with
-``--response-tokens`` tokens); ``env``: a simulated env host whose steps really sleep (asyncio)
+``--response-tokens`` tokens; it holds up to ``--max-prefix-tokens`` trajectory prefix tokens
+for delta prompts, least recently used evicted first); ``env``: a simulated env host whose steps really sleep (asyncio)
 for a lognormal latency of mean ``--env-mean-s`` and std ``--env-std-s`` seconds, and whose
 session opens sleep uniform(0, ``--open-spread-s``) so that arrivals are spread, not a burst.
 Both serve the real ZeroMQ RPC (``rollart.sim.serve`` handlers), print ``ADDRESS tcp://...``

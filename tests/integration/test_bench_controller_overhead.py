@@ -125,3 +125,30 @@ def test_quick_json_has_the_figures_at_10000(tmp_path: Path, monkeypatch) -> Non
     assert [data["ratios"][f"env_mean_s at {n}"] for n in (1000, 10_000, 2000)] == [
         co.ENV_MEAN_S, co.ENV_MEAN_S, 0.2]
     assert data["ratios"]["floor_cpu_us_per_rpc"] > 0
+
+
+def test_controller_side_split_measures_inside_the_controller(monkeypatch) -> None:
+    # Opt-in: the reply-read -> next-request-sent gap, timed in the controller process. Every
+    # such gap lies inside its backend-to-backend gap, so its quantiles cannot be larger.
+    monkeypatch.setenv(co.SPLIT_ENV, "1")
+    row = co._one_size(co.Size(64, 1024, 2, 25.0, 5.0), seed=0, gc_policy="tuned")
+    assert row["controller_latency_samples"] > 0
+    assert 0 <= row["controller_latency_p50_ms"] <= row["controller_latency_p99_ms"]
+    assert row["controller_latency_p50_ms"] <= row["added_latency_p50_ms"]
+    # the patch is gone with the run
+    from rollart.transport.rpc import RpcClient
+
+    assert RpcClient.submit_call.__qualname__ == "RpcClient.submit_call"
+
+
+def test_controller_side_records_pair_replies_with_the_next_request() -> None:
+    split = co.ControllerSide()
+    # trajectory t1 on session s1: generate t0 sent 1.0, read 1.1; step 0 sent 1.3, read 5.0;
+    # generate t1 sent 5.002, read 5.1; a generate with no reply (timed out) is left out
+    split.sent = {(1, b"a"): ("g", "t1/t0", 1.0), (2, b"a"): ("e", "s1", 1.3),
+                  (1, b"b"): ("g", "t1/t1", 5.002), (1, b"c"): ("g", "t9/t0", 2.0)}
+    split.got = {(1, b"a"): 1.1, (2, b"a"): 5.0, (1, b"b"): 5.1}
+    gen, env = split.records()
+    assert env.calls == [("s1", 0, 1.3, 5.0)]
+    after_env, after_gen, _ = co._gaps(gen, env, {"s1": "t1"}, (0.0, 10.0), {})
+    assert after_env == pytest.approx([2.0]) and after_gen == pytest.approx([200.0])
