@@ -257,22 +257,25 @@ class ControllerSide:
     def records(self) -> tuple[srv.Records, srv.Records]:
         """(generate, env step) calls as ``overhead_serve.Records``, times taken at the
         controller: ``t_in`` = request sent, ``t_out`` = reply read (calls without a reply
-        left out; a resent turn is its last send). Env steps are numbered per session in
-        send order."""
-        gen: list[tuple[str, int, float, float]] = []
+        left out; a turn resent after ``prefix_unknown`` runs from its first send to its last
+        reply). Env steps are numbered per session in send order."""
+        first_sent: dict[str, float] = {}  # request id -> its first send (a resend is later)
+        gen: dict[str, tuple[str, int, float, float]] = {}
         env: list[tuple[str, int, float, float]] = []
         steps: dict[str, int] = {}
         for k, (kind, key, t_in) in sorted(self.sent.items(), key=lambda kv: kv[1][2]):
             if kind == "e":
                 turn = steps[key] = steps.get(key, -1) + 1
+            else:
+                t_in = first_sent.setdefault(key, t_in)
             t_out = self.got.get(k)
             if t_out is None:
                 continue
             if kind == "g":
-                gen.append((key, -1, t_in, t_out))
+                gen[key] = (key, -1, t_in, t_out)  # the last reply: the one that served it
             else:
                 env.append((key, turn, t_in, t_out))
-        return srv.Records(calls=gen), srv.Records(calls=env)
+        return srv.Records(calls=list(gen.values())), srv.Records(calls=env)
 
 
 class TimedWorker:
@@ -435,14 +438,38 @@ def _cpu_s(proc: psutil.Process) -> float:
 def _batch_alpha(n: int) -> tuple[int, int]:
     """Production-like batches (512 samples, 1024 from 32k trajectories on) and alpha just
     large enough that the in-flight bound ``(alpha + 1) x batch`` admits all ``n``
-    trajectories (it may admit up to a batch more: all 1024 at ``n`` = 64)."""
+    trajectories (alpha >= 1: at ``n`` <= one batch the bound is two batches, 1024 at
+    ``n`` = 64; above that it exceeds ``n`` by less than a batch)."""
     batch = 512 if n <= 32_768 else 1024
     return batch, max(1, math.ceil(n / batch) - 1)
+
+
+def prefix_bound(size: Size) -> int:
+    """The SIMULATED worker's ``--max-prefix-tokens``: every trajectory the in-flight bound
+    admits, at its longest sequence (``context + EXTRA_TOKENS``). Its entry bound
+    (``PrefixStore``'s default 64 Ki trajectories) covers FULL's 50,176 in flight."""
+    batch, alpha = _batch_alpha(size.n)
+    return (alpha + 1) * batch * (size.context_tokens + EXTRA_TOKENS)
 
 
 async def _drive(size: Size, args: Namespace, worker_addr: str, env_addr: str, seed: int,
                  gc_policy: str, worker_pid: int, auth: Any, env_pid: int = 0
                  ) -> dict[str, Any]:
+    split = ControllerSide() if os.environ.get(SPLIT_ENV) == "1" else None
+    if split is None:
+        return await _drive_with(None, size, args, worker_addr, env_addr, seed, gc_policy,
+                                 worker_pid, auth, env_pid)
+    split.install()  # before the clients exist: their pumps bind ``_on_reply`` at creation
+    try:
+        return await _drive_with(split, size, args, worker_addr, env_addr, seed, gc_policy,
+                                 worker_pid, auth, env_pid)
+    finally:
+        split.remove()
+
+
+async def _drive_with(split: ControllerSide | None, size: Size, args: Namespace,
+                      worker_addr: str, env_addr: str, seed: int, gc_policy: str,
+                      worker_pid: int, auth: Any, env_pid: int = 0) -> dict[str, Any]:
     table = DomainTable([srv.domain_spec(args)])
     spec = table.domains[0]
     n, group = size.n, 8
@@ -455,9 +482,6 @@ async def _drive(size: Size, args: Namespace, worker_addr: str, env_addr: str, s
                       generate_timeout_s=GENERATE_TIMEOUT_S,
                       env_timeout_s=args.env_max_s + 30.0, env_hosts=1)
     calls = Calls()
-    split = ControllerSide() if os.environ.get(SPLIT_ENV) == "1" else None
-    if split is not None:
-        split.install()  # before the clients exist: their pumps bind ``_on_reply`` at creation
     client = InferenceClient(worker_addr, auth=auth, name="w0", liveness_timeout_s=120.0)
     env = EnvClient(env_addr, auth=auth, name="env", liveness_timeout_s=120.0)
     trainer = SimTrainer(model=QWEN3_8B, hardware=H800, num_gpus=8, time_scale=0.0,
@@ -558,8 +582,6 @@ async def _drive(size: Size, args: Namespace, worker_addr: str, env_addr: str, s
         trainer_task.cancel()
         await asyncio.gather(trainer_task, return_exceptions=True)
         pauses.remove()
-        if split is not None:
-            split.remove()
         # Closing thousands of sessions of an overloaded run times out by the thousand.
         logging.getLogger("rollart.controller.trajectory").setLevel(logging.ERROR)
         await lag.stop()
@@ -659,9 +681,7 @@ def _one_size(size: Size, seed: int, gc_policy: str,
             # each later turn a refused call plus a resend of the whole context (issue 11's
             # figures were measured that way until 2026-12-02: ~1 resend per turn at 10k).
             if max_prefix_tokens is None:
-                batch, alpha = _batch_alpha(size.n)
-                in_flight = (alpha + 1) * batch
-                max_prefix_tokens = in_flight * (size.context_tokens + EXTRA_TOKENS)
+                max_prefix_tokens = prefix_bound(size)
             hold = ["--max-prefix-tokens", str(max_prefix_tokens)]
             wp, waddr = _spawn(["worker", "--dump", str(dumps["worker"]), *dom, *hold, *keyed])
             procs.append(wp)

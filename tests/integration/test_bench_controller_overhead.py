@@ -59,6 +59,19 @@ def test_a_worker_that_evicts_prefixes_shows_in_prefix_resends() -> None:
     assert row["lost_replies"] == 0 and row["failed"] == {}
 
 
+def test_the_worker_holds_every_in_flight_trajectory_at_every_size() -> None:
+    from rollart.inference.prefixes import DEFAULT_MAX_PREFIX_ENTRIES, DEFAULT_MAX_PREFIX_TOKENS
+
+    for size in (*co.QUICK, *co.FULL):
+        batch, alpha = co._batch_alpha(size.n)
+        in_flight = (alpha + 1) * batch
+        assert in_flight >= size.n
+        assert co.prefix_bound(size) >= in_flight * (size.context_tokens + co.EXTRA_TOKENS)
+        # the store's default (what the worker had before) could not: it evicted
+        assert co.prefix_bound(size) > DEFAULT_MAX_PREFIX_TOKENS
+        assert in_flight <= DEFAULT_MAX_PREFIX_ENTRIES
+
+
 def test_each_size_of_a_run_has_its_own_n_and_the_last_saturates() -> None:
     # the JSON ratios are named "at N": N must tell the sizes of one run apart
     for sizes in (co.QUICK, co.FULL):
@@ -150,5 +163,10 @@ def test_controller_side_records_pair_replies_with_the_next_request() -> None:
     split.got = {(1, b"a"): 1.1, (2, b"a"): 5.0, (1, b"b"): 5.1}
     gen, env = split.records()
     assert env.calls == [("s1", 0, 1.3, 5.0)]
+    # a turn refused with prefix_unknown and resent: from its first send to its last reply
+    split.sent[(1, b"d")] = ("g", "t1/t1", 5.004)
+    split.got[(1, b"b")], split.got[(1, b"d")] = 5.003, 5.2
+    gen, _ = split.records()
+    assert ("t1/t1", -1, 5.002, 5.2) in gen.calls and len(gen.calls) == 2
     after_env, after_gen, _ = co._gaps(gen, env, {"s1": "t1"}, (0.0, 10.0), {})
     assert after_env == pytest.approx([2.0]) and after_gen == pytest.approx([200.0])

@@ -526,3 +526,22 @@ async def test_trajectories_shut_down_before_their_first_step_leave_the_buffer()
     assert stats.running == 0 and ctl.num_running == 0
     assert stats.generated_tokens == stats.trained_tokens + sum(stats.wasted_tokens.values()) \
         + stats.in_flight_tokens
+    # every trajectory ended once: the shutdown path added no late (duplicate) buffer call
+    assert stats.late_calls == 0
+
+    # trajectories cancelled mid-flight (their handler ran) are not cancelled a second time
+    env = FakeEnvHost(turns=2, latency=lambda i, s: 1000.0)
+    ctl = Controller(sc, proxy=LLMProxy({"p1": ("cpu", [FakeWorker("w1")]),
+                                         "p2": ("cpu", [FakeWorker("w2")])},
+                                        {"game": "p1", "math": "p2"}),
+                     envs=EnvRouter([env]), rewards=RewardRouter(service=FakeReward()),
+                     trainer=FakeTrainer(), tokenizer=TOK)
+    await ctl.start()
+    for _ in range(10_000):  # until every admitted trajectory waits in its first env step
+        if ctl.num_running and env.steps_started >= ctl.num_running:
+            break
+        await asyncio.sleep(0)
+    assert env.steps_started >= ctl.num_running > 0
+    await ctl.close()
+    stats = ctl.buffer.stats()
+    assert stats.running == 0 and stats.late_calls == 0

@@ -85,12 +85,14 @@ async def admission_loop(c: Controller) -> None:
                 # Every batch this group could join is already spoken for: wait for a
                 # batch, an apply or a group that fails or goes stale.
                 c._pending_domain = domain
+                this_pass = 0
                 await c._changed.wait()
                 continue
             wait_s = pace_wait_s(c, domain)
             if wait_s > 0:
                 c._pending_domain = domain
                 # Until the next apply (or one period, if it does not come).
+                this_pass = 0
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(c._weights_changed.wait(), wait_s)
                 continue

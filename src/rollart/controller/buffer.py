@@ -293,6 +293,12 @@ class SampleBuffer:
         # AReaL's policy never rejects a sample for staleness once admitted.
         return self._areal or self.admissible(t.min_version, t.group.alpha)
 
+    def is_live(self, traj_id: str) -> bool:
+        """Whether ``traj_id`` is running (or aborting) now: started, and neither completed,
+        failed nor cancelled (O(1); unknown ids are not live)."""
+        t = self._trajs.get(traj_id)
+        return t is not None and t.state in LIVE
+
     def group_of(self, traj_id: str) -> str:
         """Group key of a live or held trajectory. Raises ``SampleBufferError`` otherwise."""
         return self._get(traj_id, allow_forgotten=False).group.key

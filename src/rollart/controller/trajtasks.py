@@ -55,9 +55,9 @@ def traj_done(c: Controller, tid: str, task: asyncio.Task[Any]) -> None:
     if c._ctx is not None and c._ctx.barrier is not None:
         # Also when cancelled before its first step (its finally blocks never run).
         c._ctx.barrier.leave(tid)
-    if c._closed and task.cancelled():
+    if c._closed and task.cancelled() and c.buffer.is_live(tid):
         # Shut down before its first step, run_one's handler never ran: the buffer must
-        # still learn that it ended (a no-op for one that did).
+        # still learn that it ended (one whose handler ran is no longer live).
         c.buffer.cancel(tid, "shutdown")
     c._on_done(task)
 
