@@ -87,3 +87,42 @@ async def test_cluster_start_names_envs_nobody_serves() -> None:
     cluster.register_reward("mine", lambda *a: 1.0)
     with pytest.raises(ConfigError, match="script:echo"):
         await cluster.start()
+
+
+def test_a_pools_prefix_store_size_reaches_its_workers(tmp_path) -> None:
+    # Issue 11: a worker's prefix store is sized from the scenario (engine.max_prefix_tokens);
+    # before, every launched worker kept the 16 Mi-token default, too small for 10k
+    # trajectories (each evicted one resends its whole context).
+    from pathlib import Path
+
+    from rollart.config import parse_scenario
+    from rollart.launcher.services import worker_argv
+    from rollart.transport.errors import ConfigError
+
+    base = (Path(__file__).resolve().parents[2] / "scenarios" / "quickstart.toml").read_text()
+    assert base.count("[pools.engine]") == 2
+    sc = parse_scenario(base.replace("[pools.engine]", "[pools.engine]\nmax_prefix_tokens = 123456",
+                                     1), "q.toml")
+    sized, plain = sc.pools
+    argv = worker_argv(sc, sized, "w-0", 0, tmp_path, [])
+    assert argv[argv.index("--max-prefix-tokens") + 1] == "123456"
+    assert "--max-prefix-tokens" not in worker_argv(sc, plain, "w-1", 1, tmp_path, [])
+    with pytest.raises(ConfigError, match="max_prefix_tokens"):
+        parse_scenario(base.replace("[pools.engine]", "[pools.engine]\nmax_prefix_tokens = 0", 1),
+                       "bad.toml")
+
+
+def test_validate_notes_prefix_stores_too_small_for_the_trajectories_in_flight() -> None:
+    from rollart.launcher.validate import prefix_store_notes
+
+    # 10k trajectories in flight ((19 + 1) x 512), one worker per pool, 8k tokens each
+    big = make_scenario(alpha=19, batch_size=512, group_size=8, max_tokens_per_trajectory=8192,
+                        max_tokens_per_turn=64)
+    notes = prefix_store_notes(big)
+    assert len(notes) == 2 and all("max_prefix_tokens" in n and "10240 trajectories" in n
+                                   for n in notes)
+    sized = msgspec.structs.replace(big, pools=[
+        msgspec.structs.replace(p, engine=msgspec.structs.replace(
+            p.engine, max_prefix_tokens=10240 * 8192)) for p in big.pools])
+    assert prefix_store_notes(sized) == []
+    assert prefix_store_notes(make_scenario()) == []  # the fakes' small runs fit the default

@@ -211,6 +211,12 @@ class EngineConfig(_Cfg):
     max_model_len: PosInt | None = None
     #: concurrent sequences per engine; ``None`` keeps vLLM's default.
     max_num_seqs: PosInt | None = None
+    #: trajectory prefix tokens a worker holds for delta prompts (the tokens of each
+    #: trajectory it served, least recently used evicted first): a trajectory whose prefix was
+    #: evicted resends its whole context on its next turn (``num_prefix_resends`` in the step
+    #: metrics). Size it for every trajectory the worker serves, including those waiting on an
+    #: env step; ``None``: 16 Mi tokens (64 MiB of host memory: 512 trajectories at 32k).
+    max_prefix_tokens: PosInt | None = None
     enforce_eager: bool = False
     enable_prefix_caching: bool = True
     #: GPU pools: tensor-parallel degree and memory fraction (ignored by CPU workers).

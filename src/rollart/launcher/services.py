@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-from rollart.config import Scenario
+from rollart.config import PoolConfig, Scenario
 from rollart.launcher.procs import Supervisor, python_module
 from rollart.trainer.service import trainer_message_bytes
 
@@ -106,27 +106,8 @@ async def start_services(sup: Supervisor, scenario: Scenario, model_dir: Path, *
                                                ready_timeout_s=ready_timeout_s)
     local_workers = [(p, i) for p in sc.pools if not p.addresses for i in range(p.num_workers)]
     for k, (pool, i) in enumerate(local_workers):
-        eng = pool.engine
         name = f"{pool.name}-{i}"
-        argv = python_module(
-            "rollart.inference.worker", "--model", str(model_dir), "--name", name,
-            "--kv-cache-bytes", str(eng.kv_cache_bytes), "--dtype", sc.model.dtype,
-            "--seed", str(sc.run.seed + k),
-            "--max-message-bytes", str(sc.trainer.weight_bucket_bytes + (64 << 20)), *auth_argv)
-        if eng.max_model_len:
-            argv += ["--max-model-len", str(eng.max_model_len)]
-        if eng.max_num_seqs:
-            argv += ["--max-num-seqs", str(eng.max_num_seqs)]
-        if eng.enforce_eager:
-            argv.append("--enforce-eager")
-        if not eng.enable_prefix_caching:
-            argv.append("--no-prefix-caching")
-        if sc.trainer.weight_transfer != "zmq":
-            argv += ["--weight-transfer", sc.trainer.weight_transfer]
-        if pool.hardware != "cpu":
-            argv += ["--tensor-parallel-size", str(eng.tensor_parallel_size)]
-            if eng.gpu_memory_utilization:
-                argv += ["--gpu-memory-utilization", str(eng.gpu_memory_utilization)]
+        argv = worker_argv(sc, pool, name, k, model_dir, auth_argv)
         env = (_cpu_binding(k, len(local_workers)) if pool.hardware == "cpu"
                else _gpu_binding(local_workers, k))
         starts[f"worker:{pool.name}:{i}"] = sup.start(
@@ -147,6 +128,34 @@ async def start_services(sup: Supervisor, scenario: Scenario, model_dir: Path, *
         addrs.workers[pool.name] = list(pool.addresses) or [
             got[f"worker:{pool.name}:{i}"] for i in range(pool.num_workers)]
     return addrs
+
+
+def worker_argv(sc: Scenario, pool: PoolConfig, name: str, k: int, model_dir: Path,
+                auth_argv: list[str]) -> list[str]:
+    """The command line of local inference worker ``name`` (the ``k``-th local worker)."""
+    eng = pool.engine
+    argv = python_module(
+        "rollart.inference.worker", "--model", str(model_dir), "--name", name,
+        "--kv-cache-bytes", str(eng.kv_cache_bytes), "--dtype", sc.model.dtype,
+        "--seed", str(sc.run.seed + k),
+        "--max-message-bytes", str(sc.trainer.weight_bucket_bytes + (64 << 20)), *auth_argv)
+    if eng.max_model_len:
+        argv += ["--max-model-len", str(eng.max_model_len)]
+    if eng.max_num_seqs:
+        argv += ["--max-num-seqs", str(eng.max_num_seqs)]
+    if eng.max_prefix_tokens:
+        argv += ["--max-prefix-tokens", str(eng.max_prefix_tokens)]
+    if eng.enforce_eager:
+        argv.append("--enforce-eager")
+    if not eng.enable_prefix_caching:
+        argv.append("--no-prefix-caching")
+    if sc.trainer.weight_transfer != "zmq":
+        argv += ["--weight-transfer", sc.trainer.weight_transfer]
+    if pool.hardware != "cpu":
+        argv += ["--tensor-parallel-size", str(eng.tensor_parallel_size)]
+        if eng.gpu_memory_utilization:
+            argv += ["--gpu-memory-utilization", str(eng.gpu_memory_utilization)]
+    return argv
 
 
 def env_allow_list(sc: Scenario) -> list[str]:

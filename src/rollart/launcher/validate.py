@@ -26,8 +26,40 @@ import argparse
 import sys
 from pathlib import Path
 
-from rollart.config import in_file, load_scenario, scenario_to_json
+from rollart.config import Scenario, in_file, load_scenario, scenario_to_json
+from rollart.inference.prefixes import DEFAULT_MAX_PREFIX_TOKENS
 from rollart.transport.errors import ConfigError
+
+
+def prefix_store_notes(sc: Scenario) -> list[str]:
+    """One note per pool whose workers' prefix stores may be too small: the trajectories the
+    in-flight bound admits (``(alpha + 1) x batch_size / group_size`` groups of
+    ``group_size + redundancy``), spread evenly over the pool's workers, each at
+    ``max_tokens_per_trajectory``, against ``engine.max_prefix_tokens`` (default 16 Mi). An
+    upper bound (every trajectory on this pool, each at its longest): a note, not an error. A
+    worker that evicts a prefix makes that trajectory's next turn fail with
+    ``prefix_unknown`` and go again with its whole context (issue 11: at 10k trajectories,
+    ~every turn)."""
+    run = sc.run
+    groups = (run.alpha + 1) * run.batch_size // run.group_size
+    in_flight = groups * (run.group_size + run.redundancy)
+    served = {d.pool for d in sc.domains}
+    notes = []
+    for pool in sc.pools:
+        if pool.name not in served:
+            continue
+        workers = len(pool.addresses) or pool.num_workers
+        per_worker = -(-in_flight // workers)
+        need = per_worker * run.max_tokens_per_trajectory
+        have = pool.engine.max_prefix_tokens or DEFAULT_MAX_PREFIX_TOKENS
+        if need > have:
+            notes.append(
+                f"pools.{pool.name}.engine.max_prefix_tokens: up to {in_flight} trajectories "
+                f"in flight over {workers} worker(s) may need {need} prefix tokens per worker "
+                f"({per_worker} x max_tokens_per_trajectory {run.max_tokens_per_trajectory}), "
+                f"more than its {have}: an evicted trajectory resends its whole context "
+                "(num_prefix_resends in the step metrics)")
+    return notes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rollart validate: note: `rollart run` would refuse it on this machine: "
               f"{args.scenario}: model.path: {model} is not a local Hugging Face checkpoint "
               "directory (no config.json)", file=sys.stderr)
+    for note in prefix_store_notes(scenario):
+        print(f"rollart validate: note: {args.scenario}: {note}", file=sys.stderr)
     try:  # only pure checks: nothing connects to Ray, nothing imports it
         from rollart.launcher.placement import plan_placement
 
