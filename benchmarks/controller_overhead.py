@@ -74,8 +74,8 @@ backends bind first (they needed 0.93 of a core at ~1000 turns/s). One controlle
 ``10 s x 1e6 / cpu_us_per_turn`` concurrent trajectories at 10 s per env step.
 
 Sizes: ``--quick`` N = 1000 at 32k and N = 10000 at 16k contexts, 3 turns, 70 s and 90 s
-(10000 x 32k needs ~14 GiB with the SIMULATED worker's copy of every prefix: more than a shared
-24 GiB machine has free), then the saturating size at 16k (40 s); default N = 1000, 10000,
+(the full run's 10000 x 32k takes ~3.4 GiB: controller and SIMULATED worker ~5 B per
+context token each), then the saturating size at 16k (40 s); default N = 1000, 10000,
 50000 at 32k, 8 turns, then the saturating size at 32k, 8 turns (90 s). A size whose
 estimated memory (controller and SIMULATED worker, per token as measured at the previous
 size) exceeds 60% of available memory is skipped and its row says what it needs. Every process
@@ -94,6 +94,7 @@ collector policy instead (to measure before/after), ``=G0,G1,G2`` given threshol
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import math
@@ -120,6 +121,7 @@ import torch
 from benchmarks import overhead_serve as srv
 from benchmarks.common import main_for, result
 from benchmarks.rpc_floor import measure_floor
+from rollart.controller.buffer import SampleBuffer
 from rollart.controller.controller import Controller
 from rollart.controller.loophealth import (
     GcPauses,
@@ -147,6 +149,8 @@ ENV_MEAN_S = 10.0
 GENERATE_TIMEOUT_S = 20.0
 #: ``max_tokens_per_trajectory`` = context + this (room for the turns' tokens)
 EXTRA_TOKENS = 4096
+#: trajectories per GRPO group
+GROUP_SIZE = 8
 SUBWINDOW_S = 5.0
 PROFILE_ENV = "CONTROLLER_OVERHEAD_PROFILE"
 #: set to 1 for the controller-side latency split (``ControllerSide``)
@@ -253,6 +257,13 @@ class ControllerSide:
         if self._saved is not None:
             RpcClient.submit_call, RpcClient._on_reply = self._saved  # type: ignore[method-assign]
             self._saved = None
+
+    def __enter__(self) -> ControllerSide:
+        self.install()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
 
     def records(self) -> tuple[srv.Records, srv.Records]:
         """(generate, env step) calls as ``overhead_serve.Records``, times taken at the
@@ -449,30 +460,27 @@ def prefix_bound(size: Size) -> int:
     admits, at its longest sequence (``context + EXTRA_TOKENS``). Its entry bound
     (``PrefixStore``'s default 64 Ki trajectories) covers FULL's 50,176 in flight."""
     batch, alpha = _batch_alpha(size.n)
-    return (alpha + 1) * batch * (size.context_tokens + EXTRA_TOKENS)
+    in_flight = SampleBuffer.groups_bound(alpha, batch, GROUP_SIZE) * GROUP_SIZE
+    return in_flight * (size.context_tokens + EXTRA_TOKENS)
 
 
 async def _drive(size: Size, args: Namespace, worker_addr: str, env_addr: str, seed: int,
                  gc_policy: str, worker_pid: int, auth: Any, env_pid: int = 0
                  ) -> dict[str, Any]:
     split = ControllerSide() if os.environ.get(SPLIT_ENV) == "1" else None
-    if split is None:
-        return await _drive_with(None, size, args, worker_addr, env_addr, seed, gc_policy,
-                                 worker_pid, auth, env_pid)
-    split.install()  # before the clients exist: their pumps bind ``_on_reply`` at creation
-    try:
-        return await _drive_with(split, size, args, worker_addr, env_addr, seed, gc_policy,
-                                 worker_pid, auth, env_pid)
-    finally:
-        split.remove()
+    # Installed before the clients exist (their pumps bind ``_on_reply`` at creation) and
+    # removed whatever happens.
+    with split or contextlib.nullcontext():
+        return await _drive_measured(split, size, args, worker_addr, env_addr, seed, gc_policy,
+                                     worker_pid, auth, env_pid)
 
 
-async def _drive_with(split: ControllerSide | None, size: Size, args: Namespace,
-                      worker_addr: str, env_addr: str, seed: int, gc_policy: str,
-                      worker_pid: int, auth: Any, env_pid: int = 0) -> dict[str, Any]:
+async def _drive_measured(split: ControllerSide | None, size: Size, args: Namespace,
+                          worker_addr: str, env_addr: str, seed: int, gc_policy: str,
+                          worker_pid: int, auth: Any, env_pid: int = 0) -> dict[str, Any]:
     table = DomainTable([srv.domain_spec(args)])
     spec = table.domains[0]
-    n, group = size.n, 8
+    n, group = size.n, GROUP_SIZE
     batch, alpha = _batch_alpha(n)
     sim = SimScenario(pools=(SimPool("sim", "h800", 1),), domains=(SimDomain(spec, "sim"),),
                       mode="rollart", alpha=alpha, steps=10_000, batch_size=batch,

@@ -510,11 +510,15 @@ async def test_trajectories_shut_down_before_their_first_step_leave_the_buffer()
     from rollart.controller.services import EnvRouter, RewardRouter
 
     sc = make_scenario(alpha=1, batch_size=4, group_size=2)
-    proxy = LLMProxy({"p1": ("cpu", [FakeWorker("w1")]), "p2": ("cpu", [FakeWorker("w2")])},
-                     {"game": "p1", "math": "p2"})
-    ctl = Controller(sc, proxy=proxy, envs=EnvRouter([FakeEnvHost(turns=2)]),
-                     rewards=RewardRouter(service=FakeReward()), trainer=FakeTrainer(),
-                     tokenizer=TOK)
+
+    def controller(env: FakeEnvHost) -> Controller:
+        proxy = LLMProxy({"p1": ("cpu", [FakeWorker("w1")]), "p2": ("cpu", [FakeWorker("w2")])},
+                         {"game": "p1", "math": "p2"})
+        return Controller(sc, proxy=proxy, envs=EnvRouter([env]),
+                          rewards=RewardRouter(service=FakeReward()), trainer=FakeTrainer(),
+                          tokenizer=TOK)
+
+    ctl = controller(FakeEnvHost(turns=2))
     await ctl.start()
     for _ in range(100):  # until admission has launched tasks that have not run yet
         if ctl.num_running:
@@ -531,11 +535,7 @@ async def test_trajectories_shut_down_before_their_first_step_leave_the_buffer()
 
     # trajectories cancelled mid-flight (their handler ran) are not cancelled a second time
     env = FakeEnvHost(turns=2, latency=lambda i, s: 1000.0)
-    ctl = Controller(sc, proxy=LLMProxy({"p1": ("cpu", [FakeWorker("w1")]),
-                                         "p2": ("cpu", [FakeWorker("w2")])},
-                                        {"game": "p1", "math": "p2"}),
-                     envs=EnvRouter([env]), rewards=RewardRouter(service=FakeReward()),
-                     trainer=FakeTrainer(), tokenizer=TOK)
+    ctl = controller(env)
     await ctl.start()
     for _ in range(10_000):  # until every admitted trajectory waits in its first env step
         if ctl.num_running and env.steps_started >= ctl.num_running:

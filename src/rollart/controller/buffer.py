@@ -237,7 +237,7 @@ class SampleBuffer:
         # group only becomes complete in _keep or restore), so finding complete groups costs
         # O(candidates), not O(groups in flight), per take_batch.
         self._ready: dict[str, Group] = {}
-        self.max_groups = (alpha + 1) * batch_size // group_size
+        self.max_groups = self.groups_bound(alpha, batch_size, group_size)
         self._version = initial_version
         self._outstanding = False
         self._rng = rng if rng is not None else random.Random(0)
@@ -292,6 +292,12 @@ class SampleBuffer:
     def _ok(self, t: Traj) -> bool:
         # AReaL's policy never rejects a sample for staleness once admitted.
         return self._areal or self.admissible(t.min_version, t.group.alpha)
+
+    @staticmethod
+    def groups_bound(alpha: int, batch_size: int, group_size: int) -> int:
+        """``max_groups``: groups in flight the buffer admits, ``(alpha + 1) * batch_size //
+        group_size`` (each of ``group_size + redundancy`` trajectories)."""
+        return (alpha + 1) * batch_size // group_size
 
     def is_live(self, traj_id: str) -> bool:
         """Whether ``traj_id`` is running (or aborting) now: started, and neither completed,

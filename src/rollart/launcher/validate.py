@@ -40,8 +40,10 @@ def prefix_store_notes(sc: Scenario) -> list[str]:
     worker that evicts a prefix makes that trajectory's next turn fail with
     ``prefix_unknown`` and go again with its whole context (issue 11: at 10k trajectories,
     ~every turn)."""
+    from rollart.controller.buffer import SampleBuffer
+
     run = sc.run
-    groups = (run.alpha + 1) * run.batch_size // run.group_size
+    groups = SampleBuffer.groups_bound(run.alpha, run.batch_size, run.group_size)
     in_flight = groups * (run.group_size + run.redundancy)
     served = {d.pool for d in sc.domains}
     notes = []
