@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+import logging
 
 import pytest
 from test_controller_fakes import FakeWorker
@@ -97,6 +98,26 @@ async def test_dead_worker_is_removed_and_its_request_rerouted() -> None:
     # Later routing never picks it again; sticky entries to it are gone.
     await proxy.generate("t1", "prefill_heavy", *req("r2"))
     assert len(a1.requests) == 1
+
+
+@pytest.mark.parametrize("stopping", [False, True])
+async def test_a_worker_lost_while_the_run_stops_is_not_reported_again(caplog, stopping) -> None:
+    """Once the owner found the fatal fault (``Controller.stop_soon``: the launcher reports the
+    dead process, once), a request failing on that worker removes it at INFO: a WARNING would
+    print the launcher's message a second time on the console (``rollart run`` shows WARNING)."""
+    proxy, a1, a2, _ = two_pools()
+    proxy.stopping = stopping
+    a1.latency_s = 0.05
+    a2.last_stats = stats("a2", 3)
+    task = asyncio.create_task(proxy.generate("t1", "prefill_heavy", *req("r1")))
+    for _ in range(10):
+        await asyncio.sleep(0)
+    caplog.set_level(logging.INFO, logger="rollart.controller.proxy")
+    a1.kill()
+    await task
+    removals = [r for r in caplog.records if "worker a1 removed" in r.getMessage()]
+    assert len(removals) == 1 and "died during r1" in removals[0].getMessage()
+    assert removals[0].levelno == (logging.INFO if stopping else logging.WARNING)
 
 
 async def test_pool_exhausted_is_fatal_and_distinct() -> None:

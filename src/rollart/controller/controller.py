@@ -289,6 +289,7 @@ class Controller:
         and is about to close it: failures that follow from that fault are neither reported as
         the run's error nor retried (the owner reports the cause, once)."""
         self._stopping = True
+        self.proxy.stopping = True
 
     def remove_worker(self, name: str, why: str) -> int:
         """Take inference worker ``name`` out of its pool (:meth:`LLMProxy.remove_worker`) and

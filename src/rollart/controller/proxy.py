@@ -129,6 +129,10 @@ class LLMProxy:
         self.max_version = version
         self.vocab_size = vocab_size
         self.violations = violations
+        #: set by the owner once a fatal fault was found outside the proxy (``Controller.
+        #: stop_soon``: a service process died): workers removed from then on are consequences
+        #: of that fault, reported once by the owner, so their removal is logged at INFO
+        self.stopping = False
         #: worker names taken out of their pool for bad output, in order
         self.quarantined: list[str] = []
         #: replies that broke the contract (a count, for metrics)
@@ -187,7 +191,8 @@ class LLMProxy:
         if worker in pool.workers:
             pool.workers.remove(worker)
             pool.removed.append(worker.name)
-            log.warning("pool %s: worker %s removed (%s)", pool.name, worker.name, why)
+            log.log(logging.INFO if self.stopping else logging.WARNING,
+                    "pool %s: worker %s removed (%s)", pool.name, worker.name, why)
         for traj, w in list(self._sticky.items()):
             if w is worker:
                 del self._sticky[traj]
