@@ -3,6 +3,8 @@ vLLM does, which picks Qwen2Tokenizer for a qwen2 checkpoint), chat template."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -105,3 +107,25 @@ def test_chat_template_renders_chatml_with_generation_prompt(saved_tok):
     )
     no_gen = saved_tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=False)
     assert no_gen.endswith("2+2?<|im_end|>\n")
+
+
+def test_tool_call_tags_are_one_token_each_in_the_tool_call_models_tokenizer(tmp_path):
+    """The tool-call warm-up's models (``TinyModelSpec.tool_call_tokens``): ``<tool_call>`` and
+    ``</tool_call>`` are ids 261 and 262 wherever they appear, kept by a decode that skips
+    special tokens (vLLM's hermes parser reads them in the text); every other id is the plain
+    tokenizer's, and the plain tokenizer still spells the tags byte by byte."""
+    from rollart.models.tiny import build_tiny_model
+    from rollart.models.tokenizer import TOOL_CALL_END, TOOL_CALL_START, vocab_size
+
+    plain = build_char_tokenizer()
+    d = build_tiny_model(tmp_path / "m", seed=0, tool_call_tokens=True)
+    assert json.loads((d / "config.json").read_text())["vocab_size"] == vocab_size(True) == 263
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "1 + 2"}}</tool_call>'
+    for t in (build_char_tokenizer(tool_call_tokens=True), AutoTokenizer.from_pretrained(str(d))):
+        assert len(t) == 263
+        assert t.convert_tokens_to_ids([TOOL_CALL_START, TOOL_CALL_END]) == [261, 262]
+        ids = t.encode(call + IM_END_TOKEN)
+        inner = call[len(TOOL_CALL_START):-len(TOOL_CALL_END)]
+        assert ids == [261, *plain.encode(inner), 262, VOCAB[IM_END_TOKEN]]
+        assert t.decode(ids, skip_special_tokens=True) == call
+    assert plain.encode(TOOL_CALL_END) == [char_id(c) for c in TOOL_CALL_END]

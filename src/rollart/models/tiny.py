@@ -5,8 +5,8 @@ an ordinary Hugging Face checkpoint directory (config.json, model.safetensors, g
 tokenizer files), so transformers, vLLM and any other HF-compatible tool load it by path.
 
 Defaults: hidden 128, 2 layers, 2 heads (head_dim 64, because vLLM's CPU attention supports head
-sizes 32..512 only), tied input/output embeddings, float32, vocabulary = the character tokenizer's
-102 ids.
+sizes 32..512 only), tied input/output embeddings, float32, vocabulary = the byte-level tokenizer's
+261 ids (263 with `TinyModelSpec.tool_call_tokens`).
 
 `ensure_tiny_model` is the cached entry point: the directory name hashes the spec, the optional
 SFT config and the demonstrations, so a different recipe never reuses a stale checkpoint; building
@@ -35,8 +35,8 @@ from rollart.models.tokenizer import (
     IM_END_TOKEN,
     PAD_TOKEN,
     VOCAB,
-    VOCAB_SIZE,
     save_char_tokenizer,
+    vocab_size,
 )
 
 # vLLM's CPU attention kernels accept these head sizes only (see shared notes, vllm-cpu.md).
@@ -57,6 +57,9 @@ class TinyModelSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
     intermediate_size: Annotated[int, msgspec.Meta(ge=8, le=16384)] = 512
     max_position_embeddings: Annotated[int, msgspec.Meta(ge=64, le=131072)] = 2048
     rope_theta: Annotated[float, msgspec.Meta(gt=0)] = 10000.0
+    #: the tokenizer's ``<tool_call>`` / ``</tool_call>`` tokens (ids 261, 262; the tool-call
+    #: warm-up's models, `rollart.models.tokenizer`): a vocabulary of 263
+    tool_call_tokens: bool = False
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_heads:
@@ -87,7 +90,7 @@ def validate_spec(spec: TinyModelSpec) -> TinyModelSpec:
 def tiny_config(spec: TinyModelSpec) -> Qwen2Config:
     """The `Qwen2Config` for `spec`: tied embeddings, float32, special-token ids of the tokenizer."""
     return Qwen2Config(
-        vocab_size=VOCAB_SIZE,
+        vocab_size=vocab_size(spec.tool_call_tokens),
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
         num_hidden_layers=spec.num_layers,
@@ -136,6 +139,7 @@ def build_tiny_model(
     intermediate_size: int = 512,
     max_position_embeddings: int = 2048,
     rope_theta: float = 10000.0,
+    tool_call_tokens: bool = False,
 ) -> Path:
     """Build the tiny model from a seed and save it as a Hugging Face checkpoint directory.
 
@@ -162,12 +166,13 @@ def build_tiny_model(
         intermediate_size=intermediate_size,
         max_position_embeddings=max_position_embeddings,
         rope_theta=rope_theta,
+        tool_call_tokens=tool_call_tokens,
     )
     model = init_tiny_model(spec)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out))
-    save_char_tokenizer(out)
+    save_char_tokenizer(out, tool_call_tokens)
     (out / SPEC_FILENAME).write_bytes(msgspec.json.format(msgspec.json.encode(spec)))
     return out
 

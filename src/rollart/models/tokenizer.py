@@ -11,6 +11,11 @@ WordLevel tokenizer loaded that way silently lost every space and newline.
 Turn format follows Qwen2's ChatML convention: ``<|im_start|>{role}\\n{content}<|im_end|>\\n``;
 ``<|im_end|>`` is the tokenizer's eos token (generation of an assistant turn stops there),
 ``<|eos|>`` ends a plain document.
+
+With ``tool_call_tokens`` (the tool-call warm-up's models) the tokenizer also has
+``<tool_call>`` and ``</tool_call>`` as single (added, not special) tokens, ids 261 and 262, as
+Qwen2.5's tokenizer has them: spelled byte by byte, the closing tag after a variable-length
+argument was where the tiny model's calls broke (``</tol_cal>``; warmup.TOOL_CALL_RECIPE).
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ EOS_TOKEN = "<|eos|>"
 IM_START_TOKEN = "<|im_start|>"
 IM_END_TOKEN = "<|im_end|>"
 UNK_TOKEN = "<|unk|>"
+TOOL_CALL_START = "<tool_call>"
+TOOL_CALL_END = "</tool_call>"
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -48,6 +55,15 @@ SPECIAL_TOKENS: tuple[str, ...] = (PAD_TOKEN, EOS_TOKEN, IM_START_TOKEN, IM_END_
 BYTE_SYMBOLS: tuple[str, ...] = tuple(_bytes_to_unicode()[b] for b in range(256))
 VOCAB: dict[str, int] = {tok: i for i, tok in enumerate((*SPECIAL_TOKENS, *BYTE_SYMBOLS))}
 VOCAB_SIZE: int = len(VOCAB)  # 261
+#: added after every byte, so a model with them keeps the ids of one without
+TOOL_CALL_TOKENS: tuple[str, ...] = (TOOL_CALL_START, TOOL_CALL_END)
+TOOL_CALL_VOCAB: dict[str, int] = {
+    **VOCAB, **{tok: VOCAB_SIZE + i for i, tok in enumerate(TOOL_CALL_TOKENS)}}
+
+
+def vocab_size(tool_call_tokens: bool = False) -> int:
+    """Number of token ids: 261, or 263 with the tool-call tokens."""
+    return len(TOOL_CALL_VOCAB) if tool_call_tokens else VOCAB_SIZE
 
 
 def char_id(ch: str) -> int:
@@ -90,16 +106,22 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
 )
 
-def build_char_tokenizer() -> PreTrainedTokenizerFast:
+def build_char_tokenizer(tool_call_tokens: bool = False) -> PreTrainedTokenizerFast:
     """Build the byte-level tokenizer in memory (deterministic: the vocabulary is fixed).
 
+    Args:
+        tool_call_tokens: also ``<tool_call>`` (id 261) and ``</tool_call>`` (id 262), each one
+            token wherever it appears in a text (added tokens, kept when decoding with
+            ``skip_special_tokens``).
+
     Returns:
-        A ``PreTrainedTokenizerFast`` with ``len(tok) == VOCAB_SIZE`` (261), pad ``<|pad|>`` (id
+        A ``PreTrainedTokenizerFast`` with ``len(tok) == vocab_size(tool_call_tokens)``, pad ``<|pad|>`` (id
         0), eos ``<|im_end|>`` (id 3), unk ``<|unk|>`` (id 4, never produced: every byte has an
         id), the ChatML chat template, no BOS/EOS added on encode, and
         ``clean_up_tokenization_spaces=False`` so decoding never rewrites spaces.
     """
-    backend = Tokenizer(models.BPE(vocab=dict(VOCAB), merges=[], dropout=None, unk_token=None,
+    vocab = TOOL_CALL_VOCAB if tool_call_tokens else VOCAB
+    backend = Tokenizer(models.BPE(vocab=dict(vocab), merges=[], dropout=None, unk_token=None,
                                    continuing_subword_prefix="", end_of_word_suffix="",
                                    fuse_unk=False, byte_fallback=False))
     backend.normalizer = normalizers.NFC()
@@ -110,6 +132,9 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
     backend.decoder = decoders.ByteLevel()
     # Registered as added special tokens so "<|im_start|>" in a prompt is one id, not 12 bytes.
     backend.add_special_tokens([AddedToken(t, special=True) for t in SPECIAL_TOKENS])
+    if tool_call_tokens:
+        backend.add_tokens([AddedToken(t, special=False, normalized=False)
+                            for t in TOOL_CALL_TOKENS])
     tok = PreTrainedTokenizerFast(
         tokenizer_object=backend,
         pad_token=PAD_TOKEN,
@@ -123,18 +148,21 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
         padding_side="right",
     )
     tok.chat_template = CHAT_TEMPLATE
-    if len(tok) != VOCAB_SIZE:
-        raise RuntimeError(f"character tokenizer has {len(tok)} ids, expected {VOCAB_SIZE}")
+    if len(tok) != len(vocab) or any(tok.convert_tokens_to_ids(t) != i
+                                     for t, i in vocab.items() if len(t) > 1):
+        raise RuntimeError(f"character tokenizer has {len(tok)} ids, expected {len(vocab)}")
     return tok
 
 
-def save_char_tokenizer(out_dir: str | Path) -> PreTrainedTokenizerFast:
-    """Build the character tokenizer and write it to `out_dir` with `save_pretrained`.
+def save_char_tokenizer(out_dir: str | Path,
+                        tool_call_tokens: bool = False) -> PreTrainedTokenizerFast:
+    """Build the character tokenizer (`build_char_tokenizer`'s `tool_call_tokens`) and write it
+    to `out_dir` with `save_pretrained`.
 
     Writes `tokenizer.json`, `tokenizer_config.json` (with the chat template) and friends; the
     directory is created if missing. Returns the in-memory tokenizer.
     """
-    tok = build_char_tokenizer()
+    tok = build_char_tokenizer(tool_call_tokens)
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     tok.save_pretrained(str(out_dir))
     return tok
