@@ -245,7 +245,14 @@ def test_interrupt_kill_resume_and_worker_loss_train_every_sample_once(tmp_path,
     for r in rows:  # losing a worker is not a trajectory failure (and never a reward of 0)
         assert r["num_failed"] == 0, r.get("num_failed_by_reason")
         assert r["logprob_mismatch_by_worker"] and r["disagreeing_workers"] == []
-        assert max(r["logprob_mismatch_by_worker"].values()) < 1e-2, r
+        # The mismatch is measured against the trainer's weights before the update, so at
+        # alpha = 1 (and with kept KV caches) it includes the policy's own change over one
+        # version: 0 at the steps whose update changed nothing (every reward of a group equal),
+        # 0.033 nats/token at one step after an update that did (a CI rehearsal, 2026-12-02).
+        # Engine/trainer agreement alone, at 1e-2, is test_run_e2e's check. Here the bound
+        # catches a worker serving weights that are no recent version of the policy (a push
+        # that wrote wrong tensors); one that missed a single update looks like staleness.
+        assert max(r["logprob_mismatch_by_worker"].values()) < 0.1, r
     # A resume at the end of the planned steps runs nothing and says so.
     again = subprocess.run(_rollart(scenario, "--resume", str(out), "--steps", str(last)),
                            capture_output=True, text=True, timeout=120)

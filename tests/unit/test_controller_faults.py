@@ -545,3 +545,47 @@ async def test_trajectories_shut_down_before_their_first_step_leave_the_buffer()
     await ctl.close()
     stats = ctl.buffer.stats()
     assert stats.running == 0 and stats.late_calls == 0
+
+
+class SlowCloseEnvHost(FakeEnvHost):
+    """A host whose session close takes ``close_s`` seconds; counts closes in progress."""
+
+    def __init__(self, close_s: float, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.close_s, self.closing = close_s, 0
+        self.close_started = asyncio.Event()
+
+    async def close_session(self, session_id) -> None:
+        self.closing += 1
+        self.close_started.set()
+        try:
+            await asyncio.sleep(self.close_s)
+            await super().close_session(session_id)
+        finally:
+            self.closing -= 1
+
+
+@pytest.mark.looptime
+async def test_close_waits_for_env_sessions_still_closing() -> None:
+    # A trajectory cancelled by close() while it closes its env session (here: it failed its
+    # step) ends at once, its shielded close going on. close() must wait for that close: its
+    # owner closes the env clients next, and a close cut off there logged a "closing env
+    # session ... failed: client closed" warning per session (test_run_faults saw them).
+    from test_controller_fakes import make_scenario
+
+    from rollart.controller.controller import Controller
+    from rollart.controller.proxy import LLMProxy
+    from rollart.controller.services import EnvRouter, RewardRouter
+
+    env = SlowCloseEnvHost(5.0, turns=2, fail=lambda i, s: True)
+    proxy = LLMProxy({"p1": ("cpu", [FakeWorker("w1")]), "p2": ("cpu", [FakeWorker("w2")])},
+                     {"game": "p1", "math": "p2"})
+    ctl = Controller(make_scenario(alpha=1, batch_size=4, group_size=2), proxy=proxy,
+                     envs=EnvRouter([env]), rewards=RewardRouter(service=FakeReward()),
+                     trainer=FakeTrainer(), tokenizer=TOK)
+    await ctl.start()
+    await asyncio.wait_for(env.close_started.wait(), 60)
+    assert env.closing
+    await ctl.close()
+    assert env.closing == 0 and env.closed
+    assert set(env.closed) == set(env.opened)

@@ -279,6 +279,11 @@ class Controller:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self._ctx is not None and self._ctx.closing:
+            # A trajectory cancelled here while closing its env session ends at once; its
+            # shielded close goes on (each bounded by CLOSE_TIMEOUT_S) and must end before the
+            # owner closes the env clients under it (else: "client closed", a warning each).
+            await asyncio.gather(*list(self._ctx.closing), return_exceptions=True)
         if self._sync is not None:
             await self._sync.close()
         if self._loop_lag is not None:

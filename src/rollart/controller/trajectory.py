@@ -128,6 +128,9 @@ class TrajectoryContext:
     extra_metadata: dict[str, Any] = field(default_factory=dict)
     #: trajectory id -> what it is doing now (running trajectories only)
     activity: dict[str, Activity] = field(default_factory=dict)
+    #: env-session closes still running: shielded, they outlive a trajectory cancelled while
+    #: it closes, so ``Controller.close`` waits for them before its owner closes the clients
+    closing: set[asyncio.Task[None]] = field(default_factory=set)
 
 
 def env_failure(exc: BaseException, num_generated: int = 0) -> TrajectoryFailed:
@@ -424,4 +427,7 @@ async def _run_trajectory(
         # Most episodes end with a step that closed the session on its host: nothing to close
         # then, and no shielded task, timeout and coroutine per trajectory to do nothing.
         if session_id is not None and envs.is_open(session_id):
-            await asyncio.shield(_close_session(envs, session_id))
+            closing = asyncio.ensure_future(_close_session(envs, session_id))
+            ctx.closing.add(closing)
+            closing.add_done_callback(ctx.closing.discard)
+            await asyncio.shield(closing)
