@@ -105,7 +105,7 @@ async def run_delta(args: Any, run_dir: Path, model: Path, label: str, lr: float
                     rounds: int) -> list[dict[str, Any]]:
     """Rows of one (model, lr): per path and version, bytes and seconds."""
     from rollart.launcher.procs import Supervisor
-    from rollart.models.tiny import VOCAB_SIZE
+    from rollart.models.tokenizer import VOCAB_SIZE
     from rollart.transport.security import create_key_file, load_key_file
 
     key_file = create_key_file(run_dir / "keys")

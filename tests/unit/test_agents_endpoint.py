@@ -353,3 +353,24 @@ def test_the_readme_shows_the_example_agent() -> None:
     (code,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
     assert code.startswith("async def solve(")
     assert code in (root / "examples" / "agent_calculator.py").read_text()
+
+
+async def test_closing_the_cluster_waits_for_an_agent_trajectorys_env_session_close() -> None:
+    # The agent ended; its trajectory's cleanup closes the env session (3 s here) when the
+    # cluster closes. close() cancels that trajectory, whose shielded cleanup goes on: close()
+    # must wait for it, or the env clients are closed under it ("client closed" warnings).
+    from test_controller_faults import SlowCloseEnvHost
+
+    env = SlowCloseEnvHost(3.0, turns=2)
+
+    async def solve(client: openai.AsyncOpenAI, task: dict) -> float:
+        return 1.0
+
+    b = backends(env, workers=(FakeWorker("w1"), FakeWorker("w2")), reward=FakeReward())
+    cluster = Cluster.from_scenario(agent_scenario(), backends=b)
+    cluster.agent("math")(solve)
+    await cluster.start()
+    await asyncio.wait_for(env.close_started.wait(), 60)
+    assert env.closing
+    await cluster.close()
+    assert env.closing == 0 and env.closed

@@ -583,6 +583,11 @@ async def test_close_waits_for_env_sessions_still_closing() -> None:
     ctl = Controller(make_scenario(alpha=1, batch_size=4, group_size=2), proxy=proxy,
                      envs=EnvRouter([env]), rewards=RewardRouter(service=FakeReward()),
                      trainer=FakeTrainer(), tokenizer=TOK)
+    # (and stop_soon, which the launcher calls on a fatal process exit, quiets the proxy's
+    # removal of dead workers: test_proxy's ..._is_not_reported_again)
+    assert not proxy.stopping
+    ctl.stop_soon()
+    assert proxy.stopping
     await ctl.start()
     await asyncio.wait_for(env.close_started.wait(), 60)
     assert env.closing

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 
@@ -212,6 +213,25 @@ def test_new_sft_fields_at_their_defaults_leave_cache_keys_unchanged():
     spec, demos = TinyModelSpec(**SMALL), [("a", "b")]
     assert tiny._cache_key(spec, SFTConfig(), demos) != tiny._cache_key(
         spec, SFTConfig(lr_schedule="cosine"), demos)
+
+
+def test_the_tool_call_tokens_field_keys_only_the_models_that_have_them():
+    # Plain specs hash as before the field existed (their checkpoints did not change): the
+    # spec encoded without it. A spec with the tokens is another model, and the recipe that
+    # warms up on tool calls asks for them.
+    from rollart.models.warmup import TOOL_CALL_RECIPE, warmup_spec
+
+    plain = TinyModelSpec(**SMALL)
+    fields = msgspec.structs.asdict(plain)
+    del fields["tool_call_tokens"]
+    h = hashlib.sha256(msgspec.json.encode(fields))
+    h.update(json.dumps(VOCAB, sort_keys=True).encode())
+    h.update(tiny.CHAT_TEMPLATE.encode())
+    assert tiny._cache_key(plain, None, None) == h.hexdigest()[:16]
+    tools = msgspec.structs.replace(plain, tool_call_tokens=True)
+    assert tiny._cache_key(tools, None, None) != tiny._cache_key(plain, None, None)
+    assert tiny.tiny_config(tools).vocab_size == 263 == tiny.tiny_config(plain).vocab_size + 2
+    assert warmup_spec(3, TOOL_CALL_RECIPE).spec.tool_call_tokens
 
 
 def _conversation(turns: int, tag: str) -> list[tuple[str, str]]:

@@ -118,6 +118,11 @@ async def test_a_worker_lost_while_the_run_stops_is_not_reported_again(caplog, s
     removals = [r for r in caplog.records if "worker a1 removed" in r.getMessage()]
     assert len(removals) == 1 and "died during r1" in removals[0].getMessage()
     assert removals[0].levelno == (logging.INFO if stopping else logging.WARNING)
+    # A live worker taken out (quarantined for its output) is news, stopping or not.
+    with pytest.raises(PoolExhaustedError):
+        proxy.quarantine("b1", "bad replies")
+    (quarantined,) = [r for r in caplog.records if "worker b1 removed" in r.getMessage()]
+    assert quarantined.levelno == logging.WARNING
 
 
 async def test_pool_exhausted_is_fatal_and_distinct() -> None:

@@ -283,7 +283,8 @@ class Controller:
             # A trajectory cancelled here while closing its env session ends at once; its
             # shielded close goes on (each bounded by CLOSE_TIMEOUT_S) and must end before the
             # owner closes the env clients under it (else: "client closed", a warning each).
-            await asyncio.gather(*list(self._ctx.closing), return_exceptions=True)
+            # asyncio.wait, not gather: if close() is itself cancelled, the closes go on.
+            await asyncio.wait(list(self._ctx.closing))
         if self._sync is not None:
             await self._sync.close()
         if self._loop_lag is not None:

@@ -130,8 +130,9 @@ class LLMProxy:
         self.vocab_size = vocab_size
         self.violations = violations
         #: set by the owner once a fatal fault was found outside the proxy (``Controller.
-        #: stop_soon``: a service process died): workers removed from then on are consequences
-        #: of that fault, reported once by the owner, so their removal is logged at INFO
+        #: stop_soon``: a service process died): dead workers removed from then on are
+        #: consequences of that fault, reported once by the owner, so that removal is logged at
+        #: INFO
         self.stopping = False
         #: worker names taken out of their pool for bad output, in order
         self.quarantined: list[str] = []
@@ -191,7 +192,9 @@ class LLMProxy:
         if worker in pool.workers:
             pool.workers.remove(worker)
             pool.removed.append(worker.name)
-            log.log(logging.INFO if self.stopping else logging.WARNING,
+            # A dead worker's removal once the run stops is the owner's one message; a live
+            # one's (quarantined for its output) is news, stopping or not.
+            log.log(logging.INFO if self.stopping and worker.dead else logging.WARNING,
                     "pool %s: worker %s removed (%s)", pool.name, worker.name, why)
         for traj, w in list(self._sticky.items()):
             if w is worker:
@@ -204,7 +207,8 @@ class LLMProxy:
         """Take worker ``name`` out of its pool (no later request is routed to it; trajectories
         that were sticky to it go to the pool's other workers, resending their whole prompt)
         and return that pool, which may now be empty (see :meth:`route`). One warning line
-        names the worker and ``why``. Idempotent. Raises ConfigError for an unknown name."""
+        names the worker and ``why`` (an INFO line for a dead worker once ``stopping``).
+        Idempotent. Raises ConfigError for an unknown name."""
         for pool in self._pools.values():
             for w in pool.workers:
                 if w.name == name:

@@ -34,6 +34,7 @@ from rollart.models.tokenizer import (
     EOS_TOKEN,
     IM_END_TOKEN,
     PAD_TOKEN,
+    TOOL_CALL_VOCAB,
     VOCAB,
     save_char_tokenizer,
     vocab_size,
@@ -181,7 +182,14 @@ def _cache_key(
     spec: TinyModelSpec, sft: SFTConfig | None, demos: list[tuple[str, str]] | None
 ) -> str:
     h = hashlib.sha256()
-    h.update(msgspec.json.encode(spec))
+    fields = msgspec.structs.asdict(spec)
+    # A spec without the tool-call tokens hashes as before the field existed: a plain model's
+    # checkpoint is unchanged by it, so its cache entry (and warm-up) is kept.
+    if not fields.pop("tool_call_tokens"):
+        h.update(msgspec.json.encode(fields))
+    else:
+        h.update(msgspec.json.encode(spec))
+        h.update(json.dumps(TOOL_CALL_VOCAB, sort_keys=True).encode())
     # A tokenizer change (new ids for the same text) must never reuse an old checkpoint.
     h.update(json.dumps(VOCAB, sort_keys=True).encode())
     # ... and a checkpoint saved with an older chat template (no tools) is not reused either.
