@@ -132,6 +132,14 @@ class TrajectoryContext:
     #: it closes, so ``Controller.close`` waits for them before its owner closes the clients
     closing: set[asyncio.Task[None]] = field(default_factory=set)
 
+    async def shielded_cleanup(self, cleanup: Awaitable[None]) -> None:
+        """Await a trajectory's cleanup (closing its env session, ...) so that cancelling the
+        trajectory does not cut it off, and ``Controller.close`` still waits for it."""
+        task = asyncio.ensure_future(cleanup)
+        self.closing.add(task)
+        task.add_done_callback(self.closing.discard)
+        await asyncio.shield(task)
+
 
 def env_failure(exc: BaseException, num_generated: int = 0) -> TrajectoryFailed:
     if isinstance(exc, RemoteTimeoutError):
@@ -427,7 +435,4 @@ async def _run_trajectory(
         # Most episodes end with a step that closed the session on its host: nothing to close
         # then, and no shielded task, timeout and coroutine per trajectory to do nothing.
         if session_id is not None and envs.is_open(session_id):
-            closing = asyncio.ensure_future(_close_session(envs, session_id))
-            ctx.closing.add(closing)
-            closing.add_done_callback(ctx.closing.discard)
-            await asyncio.shield(closing)
+            await ctx.shielded_cleanup(_close_session(envs, session_id))

@@ -185,10 +185,8 @@ def _cache_key(
     fields = msgspec.structs.asdict(spec)
     # A spec without the tool-call tokens hashes as before the field existed: a plain model's
     # checkpoint is unchanged by it, so its cache entry (and warm-up) is kept.
-    if not fields.pop("tool_call_tokens"):
-        h.update(msgspec.json.encode(fields))
-    else:
-        h.update(msgspec.json.encode(spec))
+    h.update(msgspec.json.encode({k: v for k, v in fields.items() if k != "tool_call_tokens"}))
+    if spec.tool_call_tokens:
         h.update(json.dumps(TOOL_CALL_VOCAB, sort_keys=True).encode())
     # A tokenizer change (new ids for the same text) must never reuse an old checkpoint.
     h.update(json.dumps(VOCAB, sort_keys=True).encode())

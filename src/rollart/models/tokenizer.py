@@ -115,8 +115,8 @@ def build_char_tokenizer(tool_call_tokens: bool = False) -> PreTrainedTokenizerF
             ``skip_special_tokens``).
 
     Returns:
-        A ``PreTrainedTokenizerFast`` with ``len(tok) == vocab_size(tool_call_tokens)``, pad ``<|pad|>`` (id
-        0), eos ``<|im_end|>`` (id 3), unk ``<|unk|>`` (id 4, never produced: every byte has an
+        A ``PreTrainedTokenizerFast`` with ``len(tok) == vocab_size(tool_call_tokens)``, pad
+        ``<|pad|>`` (id 0), eos ``<|im_end|>`` (id 3), unk ``<|unk|>`` (id 4, never produced: every byte has an
         id), the ChatML chat template, no BOS/EOS added on encode, and
         ``clean_up_tokenization_spaces=False`` so decoding never rewrites spaces.
     """

@@ -191,12 +191,8 @@ class AgentRunner:
         finally:
             if ctx.barrier is not None:
                 ctx.barrier.leave(traj_id)
-            # Tracked like a gym trajectory's session close: Controller.close waits for it.
-            cleanup = asyncio.ensure_future(self._cleanup(ctx, traj_id, session, agent_task,
-                                                          client, session_id))
-            ctx.closing.add(cleanup)
-            cleanup.add_done_callback(ctx.closing.discard)
-            await asyncio.shield(cleanup)
+            await ctx.shielded_cleanup(self._cleanup(ctx, traj_id, session, agent_task, client,
+                                                     session_id))
 
     async def _cleanup(self, ctx: TrajectoryContext, traj_id: str,
                        session: AgentSession | None, agent_task: asyncio.Task[Any] | None,
