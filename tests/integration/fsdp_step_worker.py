@@ -20,6 +20,8 @@ from rollart.models.tiny import TinyModelSpec, init_tiny_model
 from rollart.trainer.distributed import RankGroup, gather_parameters, place_model
 from rollart.trainer.step import TrainSample, TrainStepConfig, token_logprobs, train_step
 
+#: the version the model's weights stand for (``train_step``'s ``weights_version``)
+WEIGHTS_VERSION = 1
 SPEC = TinyModelSpec(seed=0, hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128)
 
 #: name -> (number of samples, behaviour-logprob noise in nats, step config, optimizer).
@@ -48,10 +50,13 @@ def make_samples(model: torch.nn.Module, n: int, noise: float) -> list[TrainSamp
         with torch.no_grad():
             x = torch.tensor([ids])
             lp = token_logprobs(model, x, torch.ones_like(x))[0]
+        # Generated tokens alternate versions 0 and 1: the agreement compares the version-1
+        # ones (WEIGHTS_VERSION), on every rank alike.
         samples.append(TrainSample.from_lists(
             token_ids=ids, loss_mask=mask,
             behaviour_logprobs=[float(v) - noise if m else 0.0 for v, m in zip(lp, mask, strict=True)],
-            advantage=(1.0, -0.5, 2.0)[i % 3], sample_id=f"s{i}"))
+            advantage=(1.0, -0.5, 2.0)[i % 3], sample_id=f"s{i}",
+            behaviour_versions=[k % 2 for k in range(sum(mask))]))
     return samples
 
 
@@ -65,7 +70,8 @@ def main(out_dir: Path) -> int:
         opt = (torch.optim.SGD(model.parameters(), lr=0.1) if optimizer == "sgd"
                else torch.optim.AdamW(model.parameters(), lr=1e-3))
         agreement: list = []
-        metrics = train_step(model, opt, samples, cfg, dp=ranks, agreement=agreement)
+        metrics = train_step(model, opt, samples, cfg, dp=ranks, agreement=agreement,
+                             weights_version=WEIGHTS_VERSION)
         params = gather_parameters(model, keep=rank == 0)
         if rank == 0:
             save_file({k: v.contiguous() for k, v in params}, str(out_dir / f"{name}.safetensors"))

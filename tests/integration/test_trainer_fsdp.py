@@ -77,6 +77,9 @@ def test_two_ranks_train_step_equals_one_process(tmp_path):
         assert len(m2["agreement"]) == m1["num_samples"]
         for row1, row2 in zip(m1["agreement"], m2["agreement"], strict=True):
             assert row2 == pytest.approx(row1, rel=METRIC_REL, abs=1e-6), case
+        # Only the version-1 tokens (every second generated one) were compared.
+        lengths = [6 + (i * 5) % 11 for i in range(int(m1["num_samples"]))]
+        assert [r[3] for r in m2["agreement"]] == [(n - n // 2) // 2 for n in lengths], case
     clipped = json.loads((two / "clipped.json").read_text())
     assert clipped["grad_norm"] > 2.0  # clipping to 1.0 was active
     odd = json.loads((two / "odd.json").read_text())

@@ -72,7 +72,38 @@ def test_preflight_lets_a_driver_script_bring_its_own_reward_and_env() -> None:
     # open_cluster(rewards=...) and `rollart run` (which registers nothing) know the set
     preflight(sc, "s.toml", local_rewards={"mine"}, local_envs={"script:echo"})
     with pytest.raises(ConfigError, match=r"domains\[0\]\.reward: .*'mine'.*rewards="):
-        preflight(_local_scenario(env_hosts=True), "s.toml", local_rewards=())
+        preflight(_local_scenario(env_hosts=True), "s.toml", local_rewards=(),
+                  local_envs={"script:echo"})
+
+
+@pytest.mark.parametrize(("env", "expect"), [
+    ("game:GuessTheNumbr-v0-easy", r"domains\[0\]\.env: unknown GEM env "
+     r"'game:GuessTheNumbr-v0-easy'; registered games: .*game:GuessTheNumber-v0-easy"),
+    ("rg:basic_arithmatic", r"domains\[0\]\.env: unknown reasoning-gym dataset "
+     r"'basic_arithmatic'; e\.g\. "),
+    ("gme:GuessTheNumber-v0-easy", r"domains\[0\]\.env: unknown env name "
+     r"'gme:GuessTheNumber-v0-easy': expected FAMILY:NAME"),
+    ("script:echo", r"domains\[0\]\.env: unknown env name 'script:echo'"),
+    ("game:GuessTheNumber-v0-easy", None),
+    ("rg:basic_arithmetic", None),
+    ("py:nowhere.to.be:Found", None),  # imported by the env host, from its own path
+])
+def test_preflight_refuses_an_env_no_env_host_can_make(env, expect) -> None:
+    # A typo'd env name used to pass validation and fail every session open of the run, once
+    # every service had started.
+    from rollart.config import parse_scenario
+    from rollart.launcher.local import preflight
+    from rollart.transport.errors import ConfigError
+
+    sc = parse_scenario(f'[[pools]]\nname = "cpu"\n[[domains]]\nname = "d"\nenv = "{env}"\n'
+                        'pool = "cpu"\nreward = "env_return"\n[[env_hosts]]\nname = "e"\n',
+                        "s.toml")
+    if expect is None:
+        preflight(sc, "s.toml", local_rewards=())
+        return
+    with pytest.raises(ConfigError, match=r"^s\.toml: " + expect):
+        preflight(sc, "s.toml", local_rewards=())
+    preflight(sc, "s.toml", local_rewards=(), local_envs={env})  # served in-process: its name
 
 
 async def test_cluster_start_names_envs_nobody_serves() -> None:

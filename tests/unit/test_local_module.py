@@ -63,8 +63,12 @@ def test_relative_path_is_found_beside_the_scenario_and_imported_once(tmp_path: 
 def test_no_module_registers_nothing_and_rollart_run_names_the_field() -> None:
     sc = _scenario(None, env_hosts=True)
     assert localmodule.load(sc) == localmodule.LocalRegistrations()
-    with pytest.raises(ConfigError, match=r"domains\[0\]\.reward: .*'mine'.*run\.local_module"):
+    # No env host can make 'script:echo' (it is no env family's), and nothing serves it.
+    with pytest.raises(ConfigError, match=r"domains\[0\]\.env: unknown env name 'script:echo'"):
         preflight(sc, "s.toml", local_rewards=localmodule.load(sc).rewards)
+    with pytest.raises(ConfigError, match=r"domains\[0\]\.reward: .*'mine'.*run\.local_module"):
+        preflight(sc, "s.toml", local_rewards=localmodule.load(sc).rewards,
+                  local_envs={"script:echo"})
 
 
 @pytest.mark.parametrize(("body", "error"), [

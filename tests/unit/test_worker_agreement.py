@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 
+import msgspec
 import pytest
 import torch
 from test_controller_fakes import FakeTrainer, FakeWorker
@@ -21,6 +22,7 @@ from rollart.inference.worker import InferenceWorker
 from rollart.models.tiny import init_tiny_model
 from rollart.trainer.step import TrainStepConfig, train_step
 from rollart.transport import messages as m
+from rollart.transport import tokenbytes as tb
 from rollart.transport.errors import RemoteError
 
 
@@ -133,15 +135,106 @@ def test_train_step_reports_each_samples_agreement() -> None:
     exact, shifted, far = make_samples(model, n=3)
     shifted = make_samples(model, n=3, noise=1.0)[1]  # behaviour = trainer - 1 nat
     far = make_samples(model, n=3, noise=2.0)[2]  # w = e^2 > iw_cap 5 on every token
-    rows: list[tuple[float, float, float]] = []
+    rows: list[tuple[float, float, float, int]] = []
     cfg = TrainStepConfig(iw_cap=5.0, max_tokens_per_microbatch=24)  # several micro-batches
     train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), [exact, shifted, far], cfg,
                agreement=rows)
-    (m0, w0, c0), (m1, w1, c1), (m2, w2, c2) = rows
+    (m0, w0, c0, n0), (m1, w1, c1, n1), (m2, w2, c2, n2) = rows
     assert m0 < 1e-5 and w0 == pytest.approx(1.0, abs=1e-4) and c0 == 0.0
     assert m1 == pytest.approx(1.0, abs=1e-4) and w1 == pytest.approx(2.71828, rel=1e-3)
     assert c1 == 0.0
     assert m2 == pytest.approx(2.0, abs=1e-4) and c2 == 1.0
+    # No behaviour versions: every generated token is compared.
+    assert (n0, n1, n2) == (exact.num_loss_tokens, shifted.num_loss_tokens, far.num_loss_tokens)
+
+
+def with_versions(s: m.TrainSample, versions: list[int], shift_old: float = 0.0
+                  ) -> m.TrainSample:
+    """``s`` with per-generated-token ``versions``; the logprobs of the tokens of a version
+    other than the newest lowered by ``shift_old`` nats (as a policy that moved since)."""
+    lps = tb.view_f32(s.behaviour_logprobs)
+    gen = lps[tb.view_u8(s.loss_mask).view(bool)].tolist()
+    newest = max(versions)
+    gen = [x - shift_old if v != newest else x for x, v in zip(gen, versions, strict=True)]
+    return m.TrainSample.from_lists(
+        token_ids=tb.view_i32(s.token_ids).tolist(), loss_mask=tb.view_u8(s.loss_mask).tolist(),
+        behaviour_logprobs=gen, advantage=s.advantage, sample_id=s.sample_id,
+        behaviour_versions=versions)
+
+
+def test_only_tokens_of_the_trainers_version_are_compared() -> None:
+    """The recompute is under version 3; tokens of version 2 differ by the policy's change
+    (here 1.5 nats, past any threshold): they are not the engine disagreeing."""
+    torch.manual_seed(0)
+    model = init_tiny_model(SPEC)
+    base = make_samples(model, n=4)
+    mixed, old_only, unknown, same = base
+    k = mixed.num_loss_tokens
+    mixed = with_versions(mixed, [2] * (k // 2) + [3] * (k - k // 2), shift_old=1.5)
+    old_only = with_versions(old_only, [2] * old_only.num_loss_tokens)
+    same = with_versions(same, [3] * same.num_loss_tokens)
+    rows: list[tuple[float, float, float, int]] = []
+    cfg = TrainStepConfig(iw_cap=2.0, max_tokens_per_microbatch=24)
+    train_step(model, torch.optim.SGD(model.parameters(), lr=0.0),
+               [mixed, old_only, unknown, same], cfg, agreement=rows, weights_version=3)
+    (m0, w0, c0, n0), (m1, w1, c1, n1), (m2, _, _, n2), (m3, _, _, n3) = rows
+    assert n0 == k - k // 2 and m0 < 1e-5 and c0 == 0.0 and w0 == pytest.approx(1.0, abs=1e-4)
+    assert (n1, m1, w1, c1) == (0, 0.0, 0.0, 0.0)  # nothing of version 3: nothing said
+    assert n2 == unknown.num_loss_tokens and m2 < 1e-5  # no versions: all compared
+    assert n3 == same.num_loss_tokens and m3 < 1e-5
+    # Without the trainer's version the old tokens count, and the policy's change shows.
+    rows.clear()
+    train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), [mixed], cfg, agreement=rows)
+    assert rows[0][3] == k and rows[0][0] == pytest.approx(1.5 * (k // 2) / k, abs=1e-4)
+
+
+def test_a_worker_judged_only_on_tokens_of_the_trainers_version() -> None:
+    from rollart.config import WorkerChecksConfig
+
+    batch = [sample("a", ["w1"], 4), sample("b", ["w1"], 4), sample("c", ["w2"], 3),
+             sample("d", ["w3"], 2)]
+    rows = [m.SampleAgreement(0.0, 1.0, 0.0, 0),  # all of a's tokens stale: left out
+            m.SampleAgreement(0.2, 1.3, 0.0, 2),
+            m.SampleAgreement(0.0, 0.0, 0.0, 0),  # w2 has nothing of the trainer's version
+            m.SampleAgreement(0.7, 3.0, 0.5)]  # a trainer that does not count: all 2 tokens
+    got = by_worker(batch, rows)
+    assert set(got) == {"w1", "w3"}
+    assert got["w1"].num_samples == 1 and got["w1"].num_tokens == 2
+    assert got["w1"].logprob_mismatch == pytest.approx(0.2)
+    assert got["w3"].num_tokens == 2 and got["w3"].logprob_mismatch == pytest.approx(0.7)
+    cfg = WorkerChecksConfig(agreement_policy="stop", max_logprob_mismatch=0.5)
+    assert set(offenders(got, cfg)) == {"w3"}
+
+
+def test_behaviour_versions_are_checked_one_per_generated_token() -> None:
+    def build(versions):
+        return m.TrainSample.from_lists(token_ids=[1, 2, 3, 4], loss_mask=[0, 1, 0, 1],
+                                        behaviour_logprobs=[-0.5, -0.5], advantage=1.0,
+                                        sample_id="s", behaviour_versions=versions)
+
+    assert tb.view_i32(build([4, 5]).behaviour_versions).tolist() == [4, 5]
+    assert build(None).behaviour_versions == b""
+    with pytest.raises(ValueError, match=r"'s': behaviour_versions has 3 items: expected one "
+                       r"per generated token \(2\)"):
+        build([4, 5, 5])
+    with pytest.raises(ValueError, match="'s': negative behaviour version -1"):
+        build([4, -1])
+    s = build([4, 5])
+    assert s.generated_at(5).tolist() == [False, False, False, True]
+    assert build(None).generated_at(5) is None
+    # Through the wire and back.
+    back = msgspec.msgpack.decode(msgspec.msgpack.encode(s), type=m.TrainSample)
+    assert back.behaviour_versions == s.behaviour_versions
+
+
+def test_the_controllers_train_samples_carry_each_generated_tokens_version() -> None:
+    from rollart.controller.training import to_train_samples, trainable_problem
+
+    fresh, checked = sample("a", ["w1"], 3), sample("b", ["w1"], 2)
+    assert trainable_problem(checked) is None  # the path of a sample checked at completion
+    out = to_train_samples([fresh, checked])
+    for s, t in zip([fresh, checked], out, strict=True):
+        assert tb.view_i32(t.behaviour_versions).tolist() == list(s.versions)
 
 
 class FakeStager:

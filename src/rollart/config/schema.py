@@ -57,8 +57,10 @@ class WorkerChecksConfig(_Cfg):
     run stops when that would empty the pool).
 
     Engine/trainer agreement, checked per batch from the trainer's recompute: for each serving
-    worker, the token-weighted mean ``|logp_trainer - logp_behaviour|`` of the batch samples it
-    served (nats per token) above ``max_logprob_mismatch``, or the fraction of their tokens whose
+    worker, over the tokens of the batch samples it served that were generated under the
+    weights the trainer recomputes with (older ones also differ by the policy's own change),
+    the token-weighted mean ``|logp_trainer - logp_behaviour|`` (nats per token) above
+    ``max_logprob_mismatch``, or the fraction of their tokens whose
     importance weight ``exp(logp_trainer - logp_behaviour)`` exceeds the trainer's ``iw_cap``
     above ``max_iw_capped_fraction``, triggers ``agreement_policy``: ``off`` (not checked),
     ``warn`` (a log line naming the worker), ``quarantine`` (that worker leaves its pool) or

@@ -8,6 +8,12 @@ silently differ from its version label would train on for ever with only a metri
 here each sample is attributed to the workers that served its turns (``Sample.turn_workers``)
 and, per worker, the token-weighted batch means are compared with
 ``run.worker_checks`` thresholds.
+
+Only tokens generated under the trainer's weights are compared (``SampleAgreement.num_tokens``):
+a token up to alpha versions old differs from the recompute by the policy's own change too,
+which the staleness bound allows; counting it would read a policy that moved as a worker that
+disagrees (and, under ``quarantine`` / ``stop``, act on it). A worker none of whose tokens in
+the batch came from the trainer's version is not judged in that step.
 """
 
 from __future__ import annotations
@@ -30,9 +36,10 @@ class WorkerDisagreementError(RollartError):
 
 @dataclass
 class WorkerAgreement:
-    """One worker's share of a batch: ``num_tokens`` generated tokens of the samples it served,
-    their token-weighted mean ``logprob_mismatch`` (nats) and ``iw_capped_fraction``, and the
-    largest importance weight ``iw_max``."""
+    """One worker's share of a batch: ``num_tokens`` compared tokens (generated under the
+    trainer's version) of the samples it served, their token-weighted mean
+    ``logprob_mismatch`` (nats) and ``iw_capped_fraction``, and the largest importance weight
+    ``iw_max``."""
 
     num_samples: int = 0
     num_tokens: int = 0
@@ -45,8 +52,10 @@ def by_worker(
     batch: Sequence[Sample], agreement: Sequence[m.SampleAgreement]
 ) -> dict[str, WorkerAgreement]:
     """Per serving worker, the agreement of the batch samples it served (a sample served by
-    several workers counts for each). Empty when ``agreement`` is (a trainer that does not
-    report it). Raises ValueError if ``agreement`` is not one entry per sample."""
+    several workers counts for each), weighted by the tokens compared; samples with no token
+    compared (none from the trainer's version) are left out, and a worker with none left has
+    no entry. Empty when ``agreement`` is (a trainer that does not report it). Raises
+    ValueError if ``agreement`` is not one entry per sample."""
     if not agreement:
         return {}
     if len(agreement) != len(batch):
@@ -54,7 +63,9 @@ def by_worker(
                          f"has {len(batch)}")
     out: dict[str, WorkerAgreement] = {}
     for s, a in zip(batch, agreement, strict=True):
-        n = s.num_generated
+        n = s.num_generated if a.num_tokens is None else a.num_tokens
+        if n == 0:
+            continue  # none of its tokens came from the weights the trainer recomputed with
         for name in sorted(set(s.turn_workers)) or [UNKNOWN_WORKER]:
             w = out.setdefault(name or UNKNOWN_WORKER, WorkerAgreement())
             w.num_samples += 1

@@ -77,7 +77,7 @@ def to_train_samples(samples: Sequence[Sample]) -> list[m.TrainSample]:
         else:
             out.append(m.TrainSample(token_ids=s.token_ids, loss_mask=s.loss_mask,
                                      behaviour_logprobs=s.behaviour_logprobs, advantage=a,
-                                     sample_id=s.sample_id))
+                                     sample_id=s.sample_id, behaviour_versions=s.versions))
     return out
 
 
@@ -104,7 +104,7 @@ def trainable_problem(sample: Sample) -> str | None:
     try:
         checked = m.TrainSample(token_ids=sample.token_ids, loss_mask=sample.loss_mask,
                                 behaviour_logprobs=sample.behaviour_logprobs, advantage=0.0,
-                                sample_id=sample.sample_id)
+                                sample_id=sample.sample_id, behaviour_versions=sample.versions)
     except ValueError as exc:
         return str(exc)
     sample.__dict__[_CHECKED] = checked  # views of the sample's arrays, no copy

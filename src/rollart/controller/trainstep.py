@@ -111,6 +111,7 @@ async def step(c: Controller) -> StepMetrics:
         k: round(w.logprob_mismatch, 6) for k, w in agreement.items()}
     metrics.iw_capped_fraction_by_worker = {
         k: round(w.iw_capped_fraction, 6) for k, w in agreement.items()}
+    metrics.agreement_tokens_by_worker = {k: w.num_tokens for k, w in agreement.items()}
     metrics.disagreeing_workers = sorted(act_on_disagreement(c, agreement))
     metrics.quarantined_workers = c.proxy.quarantined[quarantined_before:]
     c._align_s = 0.0

@@ -94,6 +94,36 @@ def family_of(env_name: str) -> str:
     return family
 
 
+def check_env_name(env_name: str) -> None:
+    """Check that ``env_name`` names an env an env host of this install can make, without
+    making it: a known family, a registered GEM game (``game:``), an existing reasoning-gym
+    dataset (``rg:``). A ``py:`` name is not imported here: the env host imports it, from its
+    own path (and only if its allow list names it).
+
+    Raises:
+        EnvSpecError: (``not_found``) naming what is unknown and what is known.
+    """
+    family = family_of(env_name)
+    if family == "game":
+        _gem_spec(env_name)
+    elif family == "rg":
+        rg_config_fields(env_name.partition(":")[2])
+
+
+def _gem_spec(env_name: str) -> Any:
+    """GEM's registry entry of ``env_name``. Raises EnvSpecError (``not_found``)."""
+    import gem
+
+    registry = gem.envs.registration.ENV_REGISTRY
+    spec = registry.get(env_name)
+    if spec is None:
+        games = sorted(k for k in registry if k.startswith("game:"))
+        raise EnvSpecError(
+            "not_found", f"unknown GEM env {env_name!r}; registered games: {', '.join(games)}"
+        )
+    return spec
+
+
 def make_env(env_name: str, options: Mapping[str, Any] | None = None) -> EnvAdapter:
     """Build (but do not reset) the adapter for ``env_name``.
 
@@ -202,14 +232,7 @@ class GemEnv:
     def __init__(self, env_name: str, options: dict[str, Any]) -> None:
         import gem
 
-        registry = gem.envs.registration.ENV_REGISTRY
-        spec = registry.get(env_name)
-        if spec is None:
-            games = sorted(k for k in registry if k.startswith("game:"))
-            raise EnvSpecError(
-                "not_found", f"unknown GEM env {env_name!r}; registered games: {', '.join(games)}"
-            )
-        entry_point = spec.entry_point
+        entry_point = _gem_spec(env_name).entry_point
         allowed = _named_params(
             _resolve(entry_point) if isinstance(entry_point, str) else entry_point
         )

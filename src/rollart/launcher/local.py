@@ -61,8 +61,11 @@ def preflight(scenario: Scenario, source: str = "<scenario>", *,
         local_envs: env names the caller serves in-process.
 
     Raises:
-        ConfigError: no env host to open a domain's sessions on, or (``local_rewards`` given)
-            a domain scored by a local reward function nobody registers.
+        ConfigError: no env host to open a domain's sessions on; a domain's env, served by
+            env hosts, that no env host can make (an unknown family, GEM game or
+            reasoning-gym dataset: ``check_env_name``; it would fail every session open of
+            the run); or (``local_rewards`` given) a domain scored by a local reward function
+            nobody registers.
     """
     if not scenario.env_hosts:
         remote = sorted({d.env for d in scenario.domains} - set(local_envs))
@@ -70,6 +73,15 @@ def preflight(scenario: Scenario, source: str = "<scenario>", *,
             raise ConfigError(f"{source}: env_hosts: at least one [[env_hosts]] is needed to "
                               f"run the envs {remote} (or serve them in-process: an ENVS dict in "
                               "run.local_module, or open_cluster(envs=...))")
+    from rollart.envhost.families import EnvSpecError, check_env_name
+
+    for i, dom in enumerate(scenario.domains):
+        if dom.env in local_envs:
+            continue
+        try:
+            check_env_name(dom.env)
+        except EnvSpecError as exc:
+            raise ConfigError(f"{source}: domains[{i}].env: {exc.message}") from None
     if local_rewards is None:
         return
     known = {"env_return", *local_rewards}

@@ -3,8 +3,9 @@
 Decodes the file (unknown fields, types and bounds) and checks the cross-field rules, then
 prints the resolved scenario (every default filled in) as JSON: what ``config.json`` of a run
 would hold. What ``rollart run`` needs beyond a valid scenario (an env host for the domains'
-envs, no local reward it cannot register: ``rollart.launcher.local.preflight``) is printed as a
-note: a driver script can register those in-process. A ``run.local_module`` is imported (it is
+envs, env names an env host can make (a known family, GEM game or reasoning-gym dataset), no
+local reward it cannot register: ``rollart.launcher.local.preflight``) is printed as a note: a
+driver script can serve those envs and register those rewards in-process. A ``run.local_module`` is imported (it is
 the operator's own file) and its ``REWARDS`` / ``ENVS`` count as registered; a missing file or
 one that fails to import makes the scenario invalid.
 

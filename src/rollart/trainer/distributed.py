@@ -68,6 +68,8 @@ class TrainCommand(_Command):
     """Run `train_step` on the whole batch (each rank trains its share)."""
 
     samples: list[TrainSample]
+    #: the policy version of the weights before this step (``train_step``'s)
+    weights_version: int | None = None
 
 
 class SnapshotCommand(_Command):
@@ -305,10 +307,12 @@ class RankRunner:
         self._lock = threading.Lock()
         self._transfer: Any = None  # a follower's non-sender weight-transfer engine
         #: per-sample engine/trainer agreement of the last train (``sample_agreement``)
-        self.last_agreement: list[tuple[float, float, float]] = []
+        self.last_agreement: list[tuple[float, float, float, int]] = []
 
-    def train(self, samples: Sequence[TrainSample]) -> dict[str, float]:
-        """One `train_step` over all ranks; metrics of the whole batch.
+    def train(self, samples: Sequence[TrainSample], weights_version: int | None = None
+              ) -> dict[str, float]:
+        """One `train_step` over all ranks; metrics of the whole batch. `weights_version`:
+        the policy version of the weights before the step (`train_step`'s).
 
         Raises:
             ValueError: a bad batch (`check_batch`), before any rank sees it.
@@ -317,7 +321,7 @@ class RankRunner:
         from rollart.trainer.step import check_batch
 
         check_batch(samples, self.step_cfg)
-        return self._run(TrainCommand(samples=list(samples)))
+        return self._run(TrainCommand(samples=list(samples), weights_version=weights_version))
 
     def snapshot(self) -> list[tuple[str, torch.Tensor]]:
         """Detached full CPU copies of the parameters (as ``snapshot_parameters``)."""
@@ -383,9 +387,10 @@ class RankRunner:
         from rollart.weights.push import snapshot_parameters
 
         if isinstance(cmd, TrainCommand):
-            agreement: list[tuple[float, float, float]] = []
+            agreement: list[tuple[float, float, float, int]] = []
             out = train_step(self.model, self.optimizer, cmd.samples, self.step_cfg,
-                             ref_model=self.ref_model, dp=self.ranks, agreement=agreement)
+                             ref_model=self.ref_model, dp=self.ranks, agreement=agreement,
+                             weights_version=cmd.weights_version)
             self.last_agreement = agreement
             return out
         if isinstance(cmd, SnapshotCommand):

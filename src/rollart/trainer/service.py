@@ -187,7 +187,7 @@ class TrainerService:
                                   f"the trainer holds version {self.version}")
             step = self.step
             start = time.perf_counter()
-            metrics = await asyncio.to_thread(self.runner.train, usable)
+            metrics = await asyncio.to_thread(self.runner.train, usable, self.version)
             agreement = [m.SampleAgreement(*row) for row in self.runner.last_agreement]
             self.version += 1
             self.step = step + 1

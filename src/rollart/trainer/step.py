@@ -351,10 +351,16 @@ def sample_agreement(
     proximal: list[list[Tensor]],
     cfg: TrainStepConfig,
     dp: DataParallel | None = None,
-) -> list[tuple[float, float, float]]:
+    weights_version: int | None = None,
+) -> list[tuple[float, float, float, int]]:
     """Per sample of `batch` (in order): (mean |logp_prox - logp_behaviour| in nats, max
-    importance weight exp(logp_prox - logp_behaviour), fraction of its generated tokens with a
-    weight over `cfg.iw_cap`), over its loss-mask tokens.
+    importance weight exp(logp_prox - logp_behaviour) (0.0 over no token), fraction of the
+    tokens with a weight over `cfg.iw_cap`, number of tokens compared), over the tokens
+    compared: the generated tokens whose `behaviour_versions` entry is `weights_version` (the
+    version of the weights the proximal logprobs come from), or every generated token of a
+    sample without versions or when `weights_version` is None. A token of an older version
+    differs by the policy's change since it was generated (allowed by the staleness bound),
+    which is not the engine disagreeing with the trainer.
 
     `plans[k]` / `proximal[k]`: this rank's micro-batches of minibatch k and their proximal
     logprobs ([B_i, T_i] each). Under `dp` every rank holds a share; the values are combined
@@ -363,27 +369,49 @@ def sample_agreement(
     index = {s.sample_id: i for i, s in enumerate(batch)}
     n = len(batch)
     mismatch, capped, iw_max = [0.0] * n, [0.0] * n, [0.0] * n
+    compared = [0.0] * n
     log_cap = math.log(cfg.iw_cap) if cfg.iw_cap is not None else math.inf
     for (mbs, _), prox in zip(plans, proximal, strict=True):
         for mb, lp in zip(mbs, prox, strict=True):
             rows = collate(mb, pad_token_id=cfg.pad_token_id, device=lp.device)
             mask = rows["loss_mask"]
+            if weights_version is not None:
+                mask = _generated_at(mb, mask, weights_version)
             log_w = torch.where(mask, lp.float() - rows["behaviour_logprobs"],
                                 torch.zeros((), device=lp.device))
-            count = mask.sum(dim=1).clamp(min=1)
+            num = mask.sum(dim=1)
+            count = num.clamp(min=1)
             mean_abs = (log_w.abs().sum(dim=1) / count).tolist()
             frac = (((log_w > log_cap) & mask).sum(dim=1) / count).tolist()
             # One device-to-host copy per field and micro-batch, not per sample.
             peak = torch.where(mask, log_w, torch.full_like(log_w, -math.inf)).amax(dim=1)
             peak_w = peak.double().exp().tolist()
+            nums = num.tolist()
             for row, s in enumerate(mb):
                 i = index[s.sample_id]
                 mismatch[i], capped[i], iw_max[i] = mean_abs[row], frac[row], peak_w[row]
+                compared[i] = float(nums[row])
     if dp is not None:
-        summed = dp.all_reduce(mismatch + capped, "sum")
-        mismatch, capped = summed[:n], summed[n:]
+        summed = dp.all_reduce(mismatch + capped + compared, "sum")
+        mismatch, capped, compared = summed[:n], summed[n:2 * n], summed[2 * n:]
         iw_max = dp.all_reduce(iw_max, "max")
-    return list(zip(mismatch, iw_max, capped, strict=True))
+    return [(a, w, c, int(k)) for a, w, c, k in zip(mismatch, iw_max, capped, compared,
+                                                     strict=True)]
+
+
+def _generated_at(mb: Sequence[TrainSample], loss_mask: Tensor, version: int) -> Tensor:
+    """`loss_mask` [B, T] narrowed, per row whose sample carries `behaviour_versions`, to the
+    tokens generated under `version`."""
+    rows = [s.generated_at(version) for s in mb]
+    if all(r is None for r in rows):
+        return loss_mask
+    keep = np.zeros(tuple(loss_mask.shape), dtype=np.bool_)
+    for row, at in enumerate(rows):
+        if at is None:
+            keep[row] = loss_mask[row].cpu().numpy()
+        else:
+            keep[row, : at.size] = at
+    return torch.from_numpy(keep).to(loss_mask.device)
 
 
 def split_batch(
@@ -442,7 +470,8 @@ def train_step(
     *,
     ref_model: nn.Module | None = None,
     dp: DataParallel | None = None,
-    agreement: list[tuple[float, float, float]] | None = None,
+    agreement: list[tuple[float, float, float, int]] | None = None,
+    weights_version: int | None = None,
 ) -> dict[str, float]:
     """One GRPO / decoupled-PPO update of `model` on `batch` (see module docstring).
 
@@ -457,6 +486,8 @@ def train_step(
             rank calls `train_step` with the same `batch` and `cfg`.
         agreement: if given (a list), extended with `sample_agreement`'s per-sample
             engine/trainer agreement (before the update), in batch order.
+        weights_version: the policy version of `model`'s weights before this update; the
+            agreement then compares only tokens generated under it (`sample_agreement`).
 
     Returns:
         Floats over the whole batch (all ranks): loss metrics averaged over tokens (`loss`,
@@ -483,7 +514,8 @@ def train_step(
     reference = ([_recompute(ref_model, p, cfg, pad) for p, pad in plans]  # type: ignore[arg-type]
                  if cfg.kl_coef > 0 else None)
     if agreement is not None:
-        agreement.extend(sample_agreement(batch, plans, proximal, cfg, dp))
+        agreement.extend(sample_agreement(batch, plans, proximal, cfg, dp,
+                                          weights_version))
 
     acc = _MetricAccumulator()
     grad_norm_max = 0.0

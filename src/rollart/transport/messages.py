@@ -471,14 +471,19 @@ class TrainSample(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, gc=F
     engine's logprob of each generated token, in order: ``num_loss_tokens`` items (one per 1
     of ``loss_mask``). A per-token ``behaviour_logprobs`` (``num_tokens`` items, 0.0 where not
     generated: older senders, hand-built batches) is accepted as well; :meth:`full_logprobs`
-    reads either form per token. ``advantage`` is the trajectory's (GRPO) advantage. Any
-    contiguous buffer (``memoryview``, ``array.array``) of those dtypes may be passed when
+    reads either form per token. ``behaviour_versions`` int32, one per generated token in order
+    (``num_loss_tokens`` items), the policy version that generated it, or empty (unknown: older
+    senders, hand-built batches); the trainer's engine/trainer agreement check compares only the
+    tokens generated under the weights it recomputes with (``SampleAgreement``), so a policy
+    that moved within the staleness bound is not read as an engine that disagrees.
+    ``advantage`` is the trajectory's (GRPO) advantage. Any contiguous buffer (``memoryview``, ``array.array``) of those dtypes may be passed when
     constructing; :meth:`from_lists` packs Python lists. Validation is vectorised (numpy).
 
     Raises:
         ValueError: naming the sample and what is wrong (ragged or unequal lengths, mask values
             not 0/1, ``loss_mask[0]``, no generated token, negative ids, non-finite advantage,
-            a generated token's logprob not finite or > 0).
+            a generated token's logprob not finite or > 0, ``behaviour_versions`` not one per
+            generated token or negative).
     """
 
     token_ids: bytes
@@ -486,14 +491,17 @@ class TrainSample(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, gc=F
     behaviour_logprobs: bytes
     advantage: float
     sample_id: str
+    behaviour_versions: bytes = b""
 
     @classmethod
     def from_lists(cls, *, token_ids, loss_mask, behaviour_logprobs, advantage: float,
-                   sample_id: str) -> TrainSample:
+                   sample_id: str, behaviour_versions=None) -> TrainSample:
         """Build from Python sequences (tests, tools): packs them into the wire dtypes."""
         return cls(token_ids=tb.pack_i32(token_ids), loss_mask=tb.pack_u8(loss_mask),
                    behaviour_logprobs=tb.pack_f32(behaviour_logprobs), advantage=advantage,
-                   sample_id=sample_id)
+                   sample_id=sample_id,
+                   behaviour_versions=(b"" if behaviour_versions is None
+                                       else tb.pack_i32(behaviour_versions)))
 
     def __post_init__(self) -> None:
         sid = self.sample_id
@@ -542,6 +550,17 @@ class TrainSample(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, gc=F
                 f"sample {sid!r}: behaviour logprob {bad_lp} of a generated token "
                 "must be finite and <= 0"
             )
+        if self.behaviour_versions:
+            try:
+                vs = tb.view_i32(self.behaviour_versions)
+            except ValueError as exc:
+                raise ValueError(f"sample {sid!r}: behaviour_versions: {exc}") from None
+            if vs.size != num_gen:
+                raise ValueError(
+                    f"sample {sid!r}: behaviour_versions has {vs.size} items: expected one per "
+                    f"generated token ({num_gen})")
+            if int(vs.min()) < 0:
+                raise ValueError(f"sample {sid!r}: negative behaviour version {int(vs.min())}")
 
     def full_logprobs(self) -> np.ndarray:
         """float32 [num_tokens]: each generated token's behaviour logprob at its position, 0.0
@@ -552,6 +571,16 @@ class TrainSample(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, gc=F
             return np.where(generated, lps, np.float32(0.0))
         out = np.zeros(generated.size, dtype=np.float32)
         out[generated] = lps
+        return out
+
+    def generated_at(self, version: int) -> np.ndarray | None:
+        """bool [num_tokens]: the generated tokens whose behaviour version is ``version``;
+        ``None`` when the sample carries no ``behaviour_versions`` (unknown)."""
+        if not self.behaviour_versions:
+            return None
+        generated = tb.view_u8(self.loss_mask).view(np.bool_)
+        out = np.zeros(generated.size, dtype=np.bool_)
+        out[generated] = tb.view_i32(self.behaviour_versions) == version
         return out
 
     @property
@@ -577,16 +606,23 @@ class TrainBatch(Msg):
 
 class SampleAgreement(msgspec.Struct, forbid_unknown_fields=True, array_like=True, gc=False):
     """Engine/trainer agreement on one sample's generated tokens, from the trainer's recompute
-    under the weights before the update (``w_t = exp(logp_trainer_t - logp_behaviour_t)``).
+    under the weights before the update, version V (``w_t = exp(logp_trainer_t -
+    logp_behaviour_t)``), over the tokens compared: those generated under version V when the
+    sample carries ``TrainSample.behaviour_versions`` (a token of an older version differs by
+    the policy's own change too, which the staleness bound allows), all generated tokens when
+    it does not.
 
-    ``logprob_mismatch``: mean ``|log w_t|`` (nats per token); ``iw_max``: max ``w_t``;
-    ``iw_capped_fraction``: fraction of its tokens with ``w_t`` over the trainer's ``iw_cap``
-    (0.0 without a cap).
+    ``logprob_mismatch``: mean ``|log w_t|`` (nats per token); ``iw_max``: max ``w_t`` (0.0
+    with no token compared); ``iw_capped_fraction``: fraction of the compared tokens with
+    ``w_t`` over the trainer's ``iw_cap`` (0.0 without a cap); ``num_tokens``: how many tokens
+    were compared (0: none of this sample's tokens came from version V, so it says nothing
+    about the engine; ``None`` from a trainer that does not report it: all generated tokens).
     """
 
     logprob_mismatch: float
     iw_max: float
     iw_capped_fraction: float
+    num_tokens: int | None = None
 
 
 class TrainResult(Msg):
