@@ -224,7 +224,10 @@ class ControllerSide:
     that ``added_latency`` contains. It patches ``RpcClient.submit_call`` and ``_on_reply``
     for the clients created while installed and keeps a dict entry per call, so it costs the
     measured process a few us per call and memory per call: opt-in, not in the default run.
-    Env opens are not recorded (the first gap of a trajectory is left out)."""
+    Env opens are not recorded (the first gap of a trajectory is left out). With the backends'
+    handler times it also splits each call's transport into its two legs (``_legs``:
+    ``request_leg_p50/p99_ms``, ``reply_leg_p50/p99_ms``), so an ``added_latency`` gap =
+    the previous call's reply leg + the controller-side gap + the next call's request leg."""
 
     def __init__(self) -> None:
         #: (client id, call id) -> ("g", request id) or ("e", session id), sent at
@@ -666,6 +669,31 @@ def _gaps(worker: srv.Records, env: srv.Records, session_traj: dict[str, str],
     return after_env, after_gen, waits
 
 
+def _legs(backend: tuple[srv.Records, srv.Records], controller: tuple[srv.Records, srv.Records],
+          window: tuple[float, float]) -> tuple[list[float], list[float]]:
+    """The two transport legs of each generate and env-step call whose request reached its
+    backend in the window, ms, sorted: request leg = request handed to the controller's
+    transport -> the backend's handler starts; reply leg = the backend's handler returns ->
+    the controller reads the reply. Both ends are ``time.monotonic`` of one host (the backends
+    run on it). Each leg holds both processes' halves: the sender's event loop and ZeroMQ I/O
+    thread (CURVE), the kernel, the receiver's I/O thread and the wait until its event loop
+    reads the message. Calls are matched by request id (generate) and by (session, step index)
+    (env steps)."""
+    t0, t1 = window
+    request, reply = [], []
+    for back, ctrl in zip(backend, controller, strict=True):
+        mine = {(k, turn): (t_in, t_out) for k, turn, t_in, t_out in ctrl.calls}
+        for k, turn, b_in, b_out in back.calls:
+            c = mine.get((k, turn))
+            if c is None or not t0 <= b_in <= t1:
+                continue
+            request.append(1e3 * (b_in - c[0]))
+            reply.append(1e3 * (c[1] - b_out))
+    request.sort()
+    reply.sort()
+    return request, reply
+
+
 def _one_size(size: Size, seed: int, gc_policy: str,
               max_prefix_tokens: int | None = None) -> dict[str, Any]:
     """Measure one size (see the module docstring). ``max_prefix_tokens``: the SIMULATED
@@ -725,6 +753,12 @@ def _one_size(size: Size, seed: int, gc_policy: str,
             controller_latency_p99_ms=_pct(inside, 0.99),
             controller_latency_p99_ci95=_pct_ci95(inside, 0.99),
             controller_latency_samples=len(inside))
+        if len(recs) == 2:
+            request, reply = _legs((recs["worker"], recs["env"]), out["split"], out["window"])
+            row.update(
+                request_leg_p50_ms=_pct(request, 0.5), request_leg_p99_ms=_pct(request, 0.99),
+                reply_leg_p50_ms=_pct(reply, 0.5), reply_leg_p99_ms=_pct(reply, 0.99),
+                leg_samples=len(request))
     return row
 
 

@@ -65,13 +65,11 @@ def test_short_run_writes_metrics_and_stops_every_process(tmp_path, cache_dir):
         assert set(r["reward_mean_by_domain"]) <= {"guess", "arith"}
         assert r["num_failed"] == 0, r.get("num_failed_by_reason")
         # Real workers keep the reply contract and agree with the trainer (issue 13): the
-        # agreement is reported per serving worker, over the tokens of the trainer's version
-        # (older ones differ by the policy's change too), none over the thresholds.
+        # agreement is reported per serving worker, none over the thresholds.
         assert r["num_invalid_replies"] == 0 and r["quarantined_workers"] == []
-        assert r["disagreeing_workers"] == []
+        assert r["logprob_mismatch_by_worker"] and r["disagreeing_workers"] == []
         assert set(r["agreement_tokens_by_worker"]) == set(r["logprob_mismatch_by_worker"])
-        assert all(n > 0 for n in r["agreement_tokens_by_worker"].values()), r
-        assert all(v < 1e-2 for v in r["logprob_mismatch_by_worker"].values()), r
+        assert max(r["logprob_mismatch_by_worker"].values()) < 1e-2, r
         # Waste by reason and per domain, adding up within the step.
         assert set(r["wasted_tokens_by_reason"]) <= WASTE_REASONS, r["wasted_tokens_by_reason"]
         assert r["wasted_tokens"] == sum(r["wasted_tokens_by_reason"].values())
@@ -80,8 +78,8 @@ def test_short_run_writes_metrics_and_stops_every_process(tmp_path, cache_dir):
         for reason, n in r["wasted_tokens_by_reason"].items():
             assert sum(d["wasted_tokens"].get(reason, 0) for d in r["by_domain"].values()) == n
     assert [r["policy_version"] for r in rows] == [1, 2]
-    # Step 1 trained version 0's tokens only: every serving worker was judged.
-    assert rows[0]["logprob_mismatch_by_worker"], rows[0]
+    # Step 1 trained version 0's tokens only: every worker was judged on its current tokens.
+    assert set(rows[0]["agreement_basis_by_worker"].values()) == {"current"}, rows[0]
     # Version 1 was broadcast and applied at step 2's pause point: all of it exposed.
     assert rows[1]["weight_sync_exposed_s"] == pytest.approx(rows[1]["weight_sync_total_s"])
     assert rows[1]["weight_sync_total_s"] > 0

@@ -244,14 +244,17 @@ def test_interrupt_kill_resume_and_worker_loss_train_every_sample_once(tmp_path,
         assert sample_id in ids or sample_id in still_held or min_version < last - 2, sample_id
     for r in rows:  # losing a worker is not a trajectory failure (and never a reward of 0)
         assert r["num_failed"] == 0, r.get("num_failed_by_reason")
-        assert r["disagreeing_workers"] == []
-        # Only tokens of the trainer's version are compared (not the policy's change within
-        # alpha = 1: 0.033 nats/token at one step of a CI rehearsal, 2026-12-02, when they
-        # were). What is left beside engine/trainer rounding: a request in flight across a
-        # weight update keeps its KV cache, so its tokens labelled with the new version were
-        # computed over the old weights' prefix. The bound catches a worker serving weights
-        # that are no version of the policy (a push that wrote wrong tensors).
-        assert all(v < 0.1 for v in r["logprob_mismatch_by_worker"].values()), r
+        assert r["logprob_mismatch_by_worker"] and r["disagreeing_workers"] == []
+        # A worker is judged on its tokens of the trainer's version only when it has
+        # min_current_tokens of them; under this scenario's weight_apply = "at_batch" a batch
+        # after the first holds none (the new version is applied once the batch was taken),
+        # so it is judged on all its tokens, and at alpha = 1 that includes the policy's own
+        # change over one version: 0 at the steps whose update changed nothing (every reward
+        # of a group equal), 0.033 nats/token at one step after an update that did (a CI
+        # rehearsal, 2026-12-02). Engine/trainer agreement alone, at 1e-2, is test_run_e2e's
+        # step 1. Here the bound catches a worker serving weights that are no recent version
+        # of the policy (a push that wrote wrong tensors).
+        assert max(r["logprob_mismatch_by_worker"].values()) < 0.1, r
     # A resume at the end of the planned steps runs nothing and says so.
     again = subprocess.run(_rollart(scenario, "--resume", str(out), "--steps", str(last)),
                            capture_output=True, text=True, timeout=120)

@@ -3,6 +3,8 @@ step; a failed process's error lines are shown even far above its log tail."""
 
 from __future__ import annotations
 
+import logging
+
 import msgspec
 import pytest
 from test_controller_fakes import FakeWorker, make_scenario
@@ -157,3 +159,47 @@ def test_validate_notes_prefix_stores_too_small_for_the_trajectories_in_flight()
             p.engine, max_prefix_tokens=10240 * 8192)) for p in big.pools])
     assert prefix_store_notes(sized) == []
     assert prefix_store_notes(make_scenario()) == []  # the fakes' small runs fit the default
+
+
+def test_open_cluster_leaves_env_names_to_the_script(monkeypatch) -> None:
+    # A driver script may register an in-process env on the yielded cluster (register_env)
+    # before its first step, so open_cluster does not refuse a name no env host can make;
+    # `rollart run` and `rollart validate` (which know every env) do.
+    import asyncio
+
+    from rollart.config import parse_scenario
+    from rollart.launcher import local
+
+    class ReachedTheStart(Exception):
+        pass
+
+    def stop_here(_cluster):
+        raise ReachedTheStart
+
+    monkeypatch.setattr(local, "parse_cluster", stop_here)
+    sc = parse_scenario('[[pools]]\nname = "cpu"\n[[domains]]\nname = "d"\n'
+                        'env = "local_count"\npool = "cpu"\nreward = "env_return"\n'
+                        '[[env_hosts]]\nname = "e"\n', "s.toml")
+
+    async def open_it():
+        async with local.open_cluster(sc):
+            pass
+
+    with pytest.raises(ReachedTheStart):
+        asyncio.run(open_it())
+
+
+def test_checking_a_gem_env_name_leaves_the_root_logger_as_it_was() -> None:
+    # gem's __init__ calls logging.basicConfig(level=INFO): a driver script that configured
+    # no logging would print every library's INFO lines from then on.
+    import subprocess
+    import sys
+
+    code = ("import logging\n"
+            "from rollart.envhost.families import check_env_name\n"
+            "check_env_name('game:GuessTheNumber-v0-easy')\n"
+            "import sys; assert 'gem' in sys.modules\n"
+            "root = logging.getLogger(); print(root.level, len(root.handlers))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, check=True)
+    assert out.stdout.split() == [str(logging.WARNING), "0"], out.stdout + out.stderr

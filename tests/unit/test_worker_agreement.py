@@ -100,6 +100,37 @@ async def test_warn_names_the_worker_in_metrics_and_log(caplog) -> None:
     assert ctl.proxy.quarantined == []  # warn only
 
 
+class FakeMovedPolicyTrainer(FakeTrainer):
+    """Every sample's tokens all differ by 0.9 nats (the policy moved since they were
+    generated) while those of the trainer's version agree (0.001)."""
+
+    async def train(self, samples) -> TrainResult:
+        base = await super().train(samples)
+        rows = [m.SampleAgreement(0.9, 2.0, 0.3, s.num_generated, 0.001, 1.01, 0.0)
+                for s in samples]
+        return TrainResult(version=base.version, metrics=base.metrics, agreement=rows)
+
+
+@pytest.mark.parametrize(("min_current", "flagged"), [(1, False), (10**9, True)])
+async def test_a_policy_that_moved_is_not_a_worker_that_disagrees(min_current, flagged) -> None:
+    ctl, _, _ = make_controller([FakeWorker("m-ok")], trainer=FakeMovedPolicyTrainer(),
+                                batch_size=8, group_size=2, seed=5,
+                                worker_checks={"agreement_policy": "stop",
+                                               "min_current_tokens": min_current})
+    try:
+        if flagged:  # too few current tokens: judged on all of them, the policy's change too
+            with pytest.raises(WorkerDisagreementError, match="'m-ok'"):
+                await ctl.step()
+            return
+        metrics = await ctl.step()
+    finally:
+        await ctl.close()
+    assert metrics.disagreeing_workers == []
+    assert metrics.agreement_basis_by_worker == {"m-ok": "current"}
+    assert metrics.logprob_mismatch_by_worker == {"m-ok": pytest.approx(0.001)}
+    assert metrics.agreement_tokens_by_worker["m-ok"] > 0
+
+
 async def test_quarantine_takes_the_worker_out_and_the_run_goes_on() -> None:
     trainer = FakeAgreementTrainer("m-drift")
     ctl, _, _ = make_controller([FakeWorker("m-drift"), FakeWorker("m-ok")], trainer=trainer,
@@ -135,17 +166,17 @@ def test_train_step_reports_each_samples_agreement() -> None:
     exact, shifted, far = make_samples(model, n=3)
     shifted = make_samples(model, n=3, noise=1.0)[1]  # behaviour = trainer - 1 nat
     far = make_samples(model, n=3, noise=2.0)[2]  # w = e^2 > iw_cap 5 on every token
-    rows: list[tuple[float, float, float, int]] = []
+    rows: list[tuple] = []
     cfg = TrainStepConfig(iw_cap=5.0, max_tokens_per_microbatch=24)  # several micro-batches
     train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), [exact, shifted, far], cfg,
                agreement=rows)
-    (m0, w0, c0, n0), (m1, w1, c1, n1), (m2, w2, c2, n2) = rows
+    (m0, w0, c0, *cur0), (m1, w1, c1, *cur1), (m2, w2, c2, *cur2) = rows
     assert m0 < 1e-5 and w0 == pytest.approx(1.0, abs=1e-4) and c0 == 0.0
     assert m1 == pytest.approx(1.0, abs=1e-4) and w1 == pytest.approx(2.71828, rel=1e-3)
     assert c1 == 0.0
     assert m2 == pytest.approx(2.0, abs=1e-4) and c2 == 1.0
-    # No behaviour versions: every generated token is compared.
-    assert (n0, n1, n2) == (exact.num_loss_tokens, shifted.num_loss_tokens, far.num_loss_tokens)
+    # No behaviour versions (and no weights version): no token is known to be current.
+    assert cur0 == cur1 == cur2 == [0, 0.0, 0.0, 0.0]
 
 
 def with_versions(s: m.TrainSample, versions: list[int], shift_old: float = 0.0
@@ -162,48 +193,68 @@ def with_versions(s: m.TrainSample, versions: list[int], shift_old: float = 0.0
         behaviour_versions=versions)
 
 
-def test_only_tokens_of_the_trainers_version_are_compared() -> None:
+def test_the_tokens_of_the_trainers_version_are_reported_apart() -> None:
     """The recompute is under version 3; tokens of version 2 differ by the policy's change
-    (here 1.5 nats, past any threshold): they are not the engine disagreeing."""
+    (here 1.5 nats, past any threshold), which is not the engine disagreeing."""
     torch.manual_seed(0)
     model = init_tiny_model(SPEC)
-    base = make_samples(model, n=4)
-    mixed, old_only, unknown, same = base
+    mixed, old_only, unknown, same = make_samples(model, n=4)
     k = mixed.num_loss_tokens
     mixed = with_versions(mixed, [2] * (k // 2) + [3] * (k - k // 2), shift_old=1.5)
     old_only = with_versions(old_only, [2] * old_only.num_loss_tokens)
     same = with_versions(same, [3] * same.num_loss_tokens)
-    rows: list[tuple[float, float, float, int]] = []
+    rows: list[tuple] = []
     cfg = TrainStepConfig(iw_cap=2.0, max_tokens_per_microbatch=24)
     train_step(model, torch.optim.SGD(model.parameters(), lr=0.0),
                [mixed, old_only, unknown, same], cfg, agreement=rows, weights_version=3)
-    (m0, w0, c0, n0), (m1, w1, c1, n1), (m2, _, _, n2), (m3, _, _, n3) = rows
-    assert n0 == k - k // 2 and m0 < 1e-5 and c0 == 0.0 and w0 == pytest.approx(1.0, abs=1e-4)
-    assert (n1, m1, w1, c1) == (0, 0.0, 0.0, 0.0)  # nothing of version 3: nothing said
-    assert n2 == unknown.num_loss_tokens and m2 < 1e-5  # no versions: all compared
-    assert n3 == same.num_loss_tokens and m3 < 1e-5
-    # Without the trainer's version the old tokens count, and the policy's change shows.
-    rows.clear()
-    train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), [mixed], cfg, agreement=rows)
-    assert rows[0][3] == k and rows[0][0] == pytest.approx(1.5 * (k // 2) / k, abs=1e-4)
+    got = [m.SampleAgreement(*r) for r in rows]
+    # All tokens: the policy's change shows in the mixed sample.
+    assert got[0].logprob_mismatch == pytest.approx(1.5 * (k // 2) / k, abs=1e-4)
+    assert got[0].iw_capped_fraction == pytest.approx((k // 2) / k)
+    # Its version-3 tokens alone agree.
+    assert got[0].current_tokens == k - k // 2
+    assert got[0].current_logprob_mismatch < 1e-5
+    assert got[0].current_iw_capped_fraction == 0.0
+    assert got[0].current_iw_max == pytest.approx(1.0, abs=1e-4)
+    assert (got[1].current_tokens, got[1].current_logprob_mismatch, got[1].current_iw_max) == (
+        0, 0.0, 0.0)  # nothing of version 3
+    assert got[2].current_tokens == 0 and got[2].logprob_mismatch < 1e-5  # no versions
+    assert got[3].current_tokens == same.num_loss_tokens == got[3].current_tokens
+    assert got[3].current_logprob_mismatch < 1e-5
 
 
-def test_a_worker_judged_only_on_tokens_of_the_trainers_version() -> None:
+def agreement(all_: tuple[float, float, float], current: tuple[int, float, float, float]
+              = (0, 0.0, 0.0, 0.0)) -> m.SampleAgreement:
+    return m.SampleAgreement(*all_, *current)
+
+
+def test_a_worker_is_judged_on_its_current_tokens_when_it_has_enough_of_them() -> None:
     from rollart.config import WorkerChecksConfig
 
+    # w1: 5 current tokens (of 8) that agree, while all its tokens carry the policy's change;
+    # w2: 1 current token (noise) and all tokens that agree; w3: a trainer that reports no
+    # versions (three-field agreement).
     batch = [sample("a", ["w1"], 4), sample("b", ["w1"], 4), sample("c", ["w2"], 3),
              sample("d", ["w3"], 2)]
-    rows = [m.SampleAgreement(0.0, 1.0, 0.0, 0),  # all of a's tokens stale: left out
-            m.SampleAgreement(0.2, 1.3, 0.0, 2),
-            m.SampleAgreement(0.0, 0.0, 0.0, 0),  # w2 has nothing of the trainer's version
-            m.SampleAgreement(0.7, 3.0, 0.5)]  # a trainer that does not count: all 2 tokens
-    got = by_worker(batch, rows)
-    assert set(got) == {"w1", "w3"}
-    assert got["w1"].num_samples == 1 and got["w1"].num_tokens == 2
-    assert got["w1"].logprob_mismatch == pytest.approx(0.2)
-    assert got["w3"].num_tokens == 2 and got["w3"].logprob_mismatch == pytest.approx(0.7)
+    rows = [agreement((0.9, 3.0, 0.5), (3, 0.001, 1.01, 0.0)),
+            agreement((0.7, 2.5, 0.25), (2, 0.003, 1.02, 0.0)),
+            agreement((0.01, 1.1, 0.0), (1, 2.0, 7.4, 1.0)),
+            m.SampleAgreement(0.7, 3.0, 0.5)]
+    got = by_worker(batch, rows, min_current_tokens=4)
+    assert got["w1"].basis == "current" and got["w1"].num_tokens == 5
+    assert got["w1"].num_samples == 2
+    assert got["w1"].logprob_mismatch == pytest.approx((3 * 0.001 + 2 * 0.003) / 5)
+    assert got["w1"].iw_max == 1.02
+    assert got["w2"].basis == "all" and got["w2"].num_tokens == 3
+    assert got["w2"].logprob_mismatch == pytest.approx(0.01)
+    assert got["w3"].basis == "all" and got["w3"].num_tokens == 2
     cfg = WorkerChecksConfig(agreement_policy="stop", max_logprob_mismatch=0.5)
     assert set(offenders(got, cfg)) == {"w3"}
+    # Judged on all tokens (as before the versions were reported), w1 would be flagged.
+    allbasis = by_worker(batch, rows, min_current_tokens=6)
+    assert allbasis["w1"].basis == "all" and allbasis["w1"].num_tokens == 8
+    assert "over 2 samples / 8 tokens of the batch" in offenders(allbasis, cfg)["w1"]
+    assert "tokens generated under the trainer's version" not in offenders(allbasis, cfg)["w1"]
 
 
 def test_behaviour_versions_are_checked_one_per_generated_token() -> None:

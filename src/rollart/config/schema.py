@@ -58,11 +58,14 @@ class WorkerChecksConfig(_Cfg):
 
     Engine/trainer agreement, checked per batch from the trainer's recompute: for each serving
     worker, over the tokens of the batch samples it served that were generated under the
-    weights the trainer recomputes with (older ones also differ by the policy's own change),
-    the token-weighted mean ``|logp_trainer - logp_behaviour|`` (nats per token) above
-    ``max_logprob_mismatch``, or the fraction of their tokens whose
-    importance weight ``exp(logp_trainer - logp_behaviour)`` exceeds the trainer's ``iw_cap``
-    above ``max_iw_capped_fraction``, triggers ``agreement_policy``: ``off`` (not checked),
+    weights the trainer recomputes with when it has at least ``min_current_tokens`` of them
+    (older tokens also differ by the policy's own change), else over all of them (always so
+    after the first step under ``weight_apply = "at_batch"`` in an overlapped mode: the
+    trainer's version is applied only once its batch was taken), the token-weighted mean
+    ``|logp_trainer - logp_behaviour|`` (nats per token) above ``max_logprob_mismatch``, or
+    the fraction of those tokens whose importance weight ``exp(logp_trainer -
+    logp_behaviour)`` exceeds the trainer's ``iw_cap`` above ``max_iw_capped_fraction``,
+    triggers ``agreement_policy``: ``off`` (not checked),
     ``warn`` (a log line naming the worker), ``quarantine`` (that worker leaves its pool) or
     ``stop`` (the run stops with an error naming it).
     """
@@ -74,8 +77,12 @@ class WorkerChecksConfig(_Cfg):
     agreement_policy: Literal["off", "warn", "quarantine", "stop"] = "warn"
     #: nats per generated token (bf16 engines typically agree to ~0.01-0.05).
     max_logprob_mismatch: Annotated[float, msgspec.Meta(gt=0, le=100)] = 0.5
-    #: fraction of a worker's tokens in the batch whose importance weight is over ``iw_cap``.
+    #: fraction of a worker's judged tokens in the batch whose importance weight is over
+    #: ``iw_cap``.
     max_iw_capped_fraction: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.05
+    #: tokens a worker generated under the trainer's version, in one batch, needed to judge it
+    #: on those alone (fewer: on all its tokens of the batch, the policy's change included).
+    min_current_tokens: Annotated[int, msgspec.Meta(ge=1, le=1_000_000_000)] = 64
 
 
 #: ``RunConfig.apply_waves`` unless set (any other value needs ``weight_apply = "eager"``)

@@ -9,11 +9,19 @@ here each sample is attributed to the workers that served its turns (``Sample.tu
 and, per worker, the token-weighted batch means are compared with
 ``run.worker_checks`` thresholds.
 
-Only tokens generated under the trainer's weights are compared (``SampleAgreement.num_tokens``):
-a token up to alpha versions old differs from the recompute by the policy's own change too,
-which the staleness bound allows; counting it would read a policy that moved as a worker that
-disagrees (and, under ``quarantine`` / ``stop``, act on it). A worker none of whose tokens in
-the batch came from the trainer's version is not judged in that step.
+Which tokens a worker is judged on (``WorkerAgreement.basis``): a token up to alpha versions
+old differs from the recompute by the policy's own change too, which the staleness bound allows,
+and counting it reads a policy that moved as a worker that disagrees (and, under ``quarantine``
+/ ``stop``, acts on it). So a worker with at least ``run.worker_checks.min_current_tokens``
+tokens generated under the trainer's version in the batch is judged on those alone
+(``"current"``); with fewer (few tokens are noise: one over the cap among three is 33%), on
+all its generated tokens of the batch (``"all"``, as before the versions were reported). Under
+``weight_apply = "at_batch"`` in an overlapped mode a batch holds no token of the trainer's
+version after the first step (the new version is applied only once the batch was taken), so
+there every worker is judged on ``"all"``. A current token is not always pure engine
+agreement either: a request in flight across a weight apply keeps its KV cache (unless the
+apply re-prefills), so its tokens labelled with the new version were computed over the old
+weights' prefix.
 """
 
 from __future__ import annotations
@@ -36,47 +44,62 @@ class WorkerDisagreementError(RollartError):
 
 @dataclass
 class WorkerAgreement:
-    """One worker's share of a batch: ``num_tokens`` compared tokens (generated under the
-    trainer's version) of the samples it served, their token-weighted mean
-    ``logprob_mismatch`` (nats) and ``iw_capped_fraction``, and the largest importance weight
-    ``iw_max``."""
+    """One worker's share of a batch, as judged: ``basis`` ``"current"`` (its tokens generated
+    under the trainer's version) or ``"all"`` (all its generated tokens); ``num_tokens`` of
+    those tokens in the ``num_samples`` samples it served that have any, their token-weighted
+    mean ``logprob_mismatch`` (nats) and ``iw_capped_fraction``, and the largest importance
+    weight ``iw_max``."""
 
+    basis: str = "all"
     num_samples: int = 0
     num_tokens: int = 0
     logprob_mismatch: float = 0.0
     iw_capped_fraction: float = 0.0
     iw_max: float = 0.0
 
+    def add(self, num_tokens: int, mismatch: float, capped: float, iw_max: float) -> None:
+        self.num_samples += 1
+        self.num_tokens += num_tokens
+        self.logprob_mismatch += mismatch * num_tokens
+        self.iw_capped_fraction += capped * num_tokens
+        self.iw_max = max(self.iw_max, iw_max)
+
+    def averaged(self) -> WorkerAgreement:
+        if self.num_tokens:
+            self.logprob_mismatch /= self.num_tokens
+            self.iw_capped_fraction /= self.num_tokens
+        return self
+
 
 def by_worker(
-    batch: Sequence[Sample], agreement: Sequence[m.SampleAgreement]
+    batch: Sequence[Sample], agreement: Sequence[m.SampleAgreement], min_current_tokens: int = 1
 ) -> dict[str, WorkerAgreement]:
     """Per serving worker, the agreement of the batch samples it served (a sample served by
-    several workers counts for each), weighted by the tokens compared; samples with no token
-    compared (none from the trainer's version) are left out, and a worker with none left has
-    no entry. Empty when ``agreement`` is (a trainer that does not report it). Raises
-    ValueError if ``agreement`` is not one entry per sample."""
+    several workers counts for each), token-weighted, on the basis the module docstring
+    gives: its tokens of the trainer's version if it has at least ``min_current_tokens`` of
+    them, else all its tokens. Empty when ``agreement`` is (a trainer that does not report
+    it). Raises ValueError if ``agreement`` is not one entry per sample."""
     if not agreement:
         return {}
     if len(agreement) != len(batch):
         raise ValueError(f"trainer reported agreement for {len(agreement)} samples, the batch "
                          f"has {len(batch)}")
-    out: dict[str, WorkerAgreement] = {}
+    every: dict[str, WorkerAgreement] = {}
+    current: dict[str, WorkerAgreement] = {}
     for s, a in zip(batch, agreement, strict=True):
-        n = s.num_generated if a.num_tokens is None else a.num_tokens
-        if n == 0:
-            continue  # none of its tokens came from the weights the trainer recomputed with
         for name in sorted(set(s.turn_workers)) or [UNKNOWN_WORKER]:
-            w = out.setdefault(name or UNKNOWN_WORKER, WorkerAgreement())
-            w.num_samples += 1
-            w.num_tokens += n
-            w.logprob_mismatch += a.logprob_mismatch * n
-            w.iw_capped_fraction += a.iw_capped_fraction * n
-            w.iw_max = max(w.iw_max, a.iw_max)
-    for w in out.values():
-        if w.num_tokens:
-            w.logprob_mismatch /= w.num_tokens
-            w.iw_capped_fraction /= w.num_tokens
+            name = name or UNKNOWN_WORKER
+            every.setdefault(name, WorkerAgreement("all")).add(
+                s.num_generated, a.logprob_mismatch, a.iw_capped_fraction, a.iw_max)
+            if a.current_tokens:
+                current.setdefault(name, WorkerAgreement("current")).add(
+                    a.current_tokens, a.current_logprob_mismatch,
+                    a.current_iw_capped_fraction, a.current_iw_max)
+    out = {}
+    for name, w in every.items():
+        cur = current.get(name)
+        out[name] = (cur if cur is not None and cur.num_tokens >= min_current_tokens
+                     else w).averaged()
     return out
 
 
@@ -95,6 +118,8 @@ def offenders(workers: dict[str, WorkerAgreement], cfg: WorkerChecksConfig) -> d
             why.append(f"{w.iw_capped_fraction:.2%} of tokens over the importance-weight cap > "
                        f"{cfg.max_iw_capped_fraction:.2%}")
         if why:
+            tokens = ("tokens generated under the trainer's version" if w.basis == "current"
+                      else "tokens")
             out[name] = (f"{'; '.join(why)} (iw max {w.iw_max:.4g}, over {w.num_samples} "
-                         f"samples / {w.num_tokens} tokens of the batch)")
+                         f"samples / {w.num_tokens} {tokens} of the batch)")
     return out

@@ -52,10 +52,12 @@ class StepMetrics(msgspec.Struct, kw_only=True):
       ``quarantined_workers``: workers taken out of their pool during the step (bad output or
       engine/trainer disagreement); ``logprob_mismatch_by_worker`` /
       ``iw_capped_fraction_by_worker``: the batch's engine/trainer agreement per serving
-      worker (``rollart.controller.agreement``), over the tokens generated under the weights
-      the trainer recomputed with (``agreement_tokens_by_worker`` of them; a worker with none
-      has no entry: older tokens also differ by the policy's change within the staleness
-      bound); ``disagreeing_workers``: those over ``run.worker_checks``' thresholds.
+      worker (``rollart.controller.agreement``), over ``agreement_tokens_by_worker`` tokens:
+      ``agreement_basis_by_worker`` ``"current"``, those generated under the weights the
+      trainer recomputed with (older tokens also differ by the policy's change within the
+      staleness bound), or ``"all"`` when it had fewer than
+      ``run.worker_checks.min_current_tokens`` of them; ``disagreeing_workers``: those over
+      ``run.worker_checks``' thresholds.
     - ``loop_lag_p99_ms`` / ``loop_lag_max_ms``: how late the controller's event loop woke a
       periodic probe during the step (p99 / max, milliseconds; ``None`` when not monitored,
       0.0 when no probe woke: a step shorter than the probe interval): every trajectory's next
@@ -100,6 +102,7 @@ class StepMetrics(msgspec.Struct, kw_only=True):
     quarantined_workers: list[str] = []
     logprob_mismatch_by_worker: dict[str, float] = {}
     agreement_tokens_by_worker: dict[str, int] = {}
+    agreement_basis_by_worker: dict[str, str] = {}
     iw_capped_fraction_by_worker: dict[str, float] = {}
     disagreeing_workers: list[str] = []
     #: env steps rejected as invalid actions (model-caused; those trajectories are trained on)

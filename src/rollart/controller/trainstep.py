@@ -106,12 +106,13 @@ async def step(c: Controller) -> StepMetrics:
         - invalid_actions_before,
     )
     metrics.num_invalid_replies = c.proxy.num_invalid_replies - invalid_before
-    agreement = by_worker(batch, result.agreement)
+    agreement = by_worker(batch, result.agreement, c.run.worker_checks.min_current_tokens)
     metrics.logprob_mismatch_by_worker = {
         k: round(w.logprob_mismatch, 6) for k, w in agreement.items()}
     metrics.iw_capped_fraction_by_worker = {
         k: round(w.iw_capped_fraction, 6) for k, w in agreement.items()}
     metrics.agreement_tokens_by_worker = {k: w.num_tokens for k, w in agreement.items()}
+    metrics.agreement_basis_by_worker = {k: w.basis for k, w in agreement.items()}
     metrics.disagreeing_workers = sorted(act_on_disagreement(c, agreement))
     metrics.quarantined_workers = c.proxy.quarantined[quarantined_before:]
     c._align_s = 0.0

@@ -110,10 +110,28 @@ def check_env_name(env_name: str) -> None:
         rg_config_fields(env_name.partition(":")[2])
 
 
+def _import_gem() -> Any:
+    """``import gem``, leaving the root logger as it was: gem's ``__init__`` calls
+    ``logging.basicConfig(level=INFO)``, which would turn on every library's INFO lines in a
+    driver script that configured no logging (``rollart run`` configures its own first)."""
+    import logging
+    import sys
+
+    if "gem" in sys.modules:
+        return sys.modules["gem"]
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        import gem
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    return gem
+
+
 def _gem_spec(env_name: str) -> Any:
     """GEM's registry entry of ``env_name``. Raises EnvSpecError (``not_found``)."""
-    import gem
-
+    gem = _import_gem()
     registry = gem.envs.registration.ENV_REGISTRY
     spec = registry.get(env_name)
     if spec is None:
@@ -230,8 +248,7 @@ class GemEnv:
     """
 
     def __init__(self, env_name: str, options: dict[str, Any]) -> None:
-        import gem
-
+        gem = _import_gem()
         entry_point = _gem_spec(env_name).entry_point
         allowed = _named_params(
             _resolve(entry_point) if isinstance(entry_point, str) else entry_point

@@ -51,7 +51,7 @@ log = logging.getLogger("rollart.launcher")
 
 def preflight(scenario: Scenario, source: str = "<scenario>", *,
               local_rewards: Collection[str] | None = None,
-              local_envs: Collection[str] = ()) -> None:
+              local_envs: Collection[str] = (), check_env_names: bool = True) -> None:
     """Checks that only matter when rollart starts the services itself (before anything starts).
 
     Args:
@@ -59,6 +59,8 @@ def preflight(scenario: Scenario, source: str = "<scenario>", *,
             unknown yet, a driver script may still register them: not checked here, the
             controller checks them when the cluster starts).
         local_envs: env names the caller serves in-process.
+        check_env_names: check the names of the envs not in ``local_envs`` (off for
+            ``open_cluster``, whose driver script may still register envs on the cluster).
 
     Raises:
         ConfigError: no env host to open a domain's sessions on; a domain's env, served by
@@ -76,7 +78,7 @@ def preflight(scenario: Scenario, source: str = "<scenario>", *,
     from rollart.envhost.families import EnvSpecError, check_env_name
 
     for i, dom in enumerate(scenario.domains):
-        if dom.env in local_envs:
+        if not check_env_names or dom.env in local_envs:
             continue
         try:
             check_env_name(dom.env)
@@ -232,7 +234,9 @@ async def open_cluster(scenario: str | Path | Scenario, *, run_dir: str | Path |
         scenario = load_scenario(scenario)
     rewards, envs = localmodule.merge(localmodule.load(scenario, scenario_dir, source),
                                       rewards, envs, source)
-    preflight(scenario, source, local_envs=set(envs))
+    # Env names are not checked here: the script may register envs on the yielded cluster
+    # (``register_env``) before its first step; ``rollart run`` and ``validate`` check them.
+    preflight(scenario, source, local_envs=set(envs), check_env_names=False)
     ray_address = parse_cluster(cluster)
     if ray_address is not None and (insecure or scenario.run.insecure):
         raise ConfigError(f"{source}: --cluster ray: services bind their nodes' network "

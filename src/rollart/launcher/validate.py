@@ -5,9 +5,9 @@ prints the resolved scenario (every default filled in) as JSON: what ``config.js
 would hold. What ``rollart run`` needs beyond a valid scenario (an env host for the domains'
 envs, env names an env host can make (a known family, GEM game or reasoning-gym dataset), no
 local reward it cannot register: ``rollart.launcher.local.preflight``) is printed as a note: a
-driver script can serve those envs and register those rewards in-process. A ``run.local_module`` is imported (it is
-the operator's own file) and its ``REWARDS`` / ``ENVS`` count as registered; a missing file or
-one that fails to import makes the scenario invalid.
+driver script can serve those envs and register those rewards in-process. A
+``run.local_module`` is imported (it is the operator's own file) and its ``REWARDS`` / ``ENVS``
+count as registered; a missing file or one that fails to import makes the scenario invalid.
 
 A ``model.path`` other than ``tiny`` that is not a local checkpoint directory here gets a note
 (the scenario may be checked on another machine than the one it runs on).

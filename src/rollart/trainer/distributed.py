@@ -307,7 +307,7 @@ class RankRunner:
         self._lock = threading.Lock()
         self._transfer: Any = None  # a follower's non-sender weight-transfer engine
         #: per-sample engine/trainer agreement of the last train (``sample_agreement``)
-        self.last_agreement: list[tuple[float, float, float, int]] = []
+        self.last_agreement: list[tuple[float, float, float, int, float, float, float]] = []
 
     def train(self, samples: Sequence[TrainSample], weights_version: int | None = None
               ) -> dict[str, float]:
@@ -387,7 +387,7 @@ class RankRunner:
         from rollart.weights.push import snapshot_parameters
 
         if isinstance(cmd, TrainCommand):
-            agreement: list[tuple[float, float, float, int]] = []
+            agreement: list[tuple[float, float, float, int, float, float, float]] = []
             out = train_step(self.model, self.optimizer, cmd.samples, self.step_cfg,
                              ref_model=self.ref_model, dp=self.ranks, agreement=agreement,
                              weights_version=cmd.weights_version)

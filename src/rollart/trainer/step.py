@@ -352,15 +352,16 @@ def sample_agreement(
     cfg: TrainStepConfig,
     dp: DataParallel | None = None,
     weights_version: int | None = None,
-) -> list[tuple[float, float, float, int]]:
-    """Per sample of `batch` (in order): (mean |logp_prox - logp_behaviour| in nats, max
-    importance weight exp(logp_prox - logp_behaviour) (0.0 over no token), fraction of the
-    tokens with a weight over `cfg.iw_cap`, number of tokens compared), over the tokens
-    compared: the generated tokens whose `behaviour_versions` entry is `weights_version` (the
-    version of the weights the proximal logprobs come from), or every generated token of a
-    sample without versions or when `weights_version` is None. A token of an older version
-    differs by the policy's change since it was generated (allowed by the staleness bound),
-    which is not the engine disagreeing with the trainer.
+) -> list[tuple[float, float, float, int, float, float, float]]:
+    """Per sample of `batch` (in order), the fields of `SampleAgreement`: over its generated
+    tokens, (mean |logp_prox - logp_behaviour| in nats, max importance weight
+    exp(logp_prox - logp_behaviour), fraction with a weight over `cfg.iw_cap`); then the
+    number of its generated tokens whose `behaviour_versions` entry is `weights_version` (the
+    version of the weights the proximal logprobs come from; 0 for a sample without versions
+    or when `weights_version` is None) and the same three figures over those tokens alone
+    (0.0 over none). A token of an older version differs by the policy's change since it was
+    generated too (allowed by the staleness bound), which is not the engine disagreeing with
+    the trainer.
 
     `plans[k]` / `proximal[k]`: this rank's micro-batches of minibatch k and their proximal
     logprobs ([B_i, T_i] each). Under `dp` every rank holds a share; the values are combined
@@ -368,48 +369,53 @@ def sample_agreement(
     """
     index = {s.sample_id: i for i, s in enumerate(batch)}
     n = len(batch)
-    mismatch, capped, iw_max = [0.0] * n, [0.0] * n, [0.0] * n
-    compared = [0.0] * n
+    # [all tokens, the weights' version's tokens] x (mean |log w|, capped fraction, max w)
+    mean_abs = [[0.0] * n, [0.0] * n]
+    capped = [[0.0] * n, [0.0] * n]
+    iw_max = [[0.0] * n, [0.0] * n]
+    current = [0.0] * n
     log_cap = math.log(cfg.iw_cap) if cfg.iw_cap is not None else math.inf
     for (mbs, _), prox in zip(plans, proximal, strict=True):
         for mb, lp in zip(mbs, prox, strict=True):
             rows = collate(mb, pad_token_id=cfg.pad_token_id, device=lp.device)
-            mask = rows["loss_mask"]
-            if weights_version is not None:
-                mask = _generated_at(mb, mask, weights_version)
-            log_w = torch.where(mask, lp.float() - rows["behaviour_logprobs"],
-                                torch.zeros((), device=lp.device))
-            num = mask.sum(dim=1)
-            count = num.clamp(min=1)
-            mean_abs = (log_w.abs().sum(dim=1) / count).tolist()
-            frac = (((log_w > log_cap) & mask).sum(dim=1) / count).tolist()
-            # One device-to-host copy per field and micro-batch, not per sample.
-            peak = torch.where(mask, log_w, torch.full_like(log_w, -math.inf)).amax(dim=1)
-            peak_w = peak.double().exp().tolist()
-            nums = num.tolist()
-            for row, s in enumerate(mb):
-                i = index[s.sample_id]
-                mismatch[i], capped[i], iw_max[i] = mean_abs[row], frac[row], peak_w[row]
-                compared[i] = float(nums[row])
+            generated = rows["loss_mask"]
+            log_w_all = lp.float() - rows["behaviour_logprobs"]
+            at = (_generated_at(mb, generated, weights_version) if weights_version is not None
+                  else torch.zeros_like(generated))
+            for k, mask in enumerate((generated, at)):
+                log_w = torch.where(mask, log_w_all, torch.zeros((), device=lp.device))
+                num = mask.sum(dim=1)
+                count = num.clamp(min=1)
+                # One device-to-host copy per field and micro-batch, not per sample.
+                means = (log_w.abs().sum(dim=1) / count).tolist()
+                fracs = (((log_w > log_cap) & mask).sum(dim=1) / count).tolist()
+                peak = torch.where(mask, log_w, torch.full_like(log_w, -math.inf)).amax(dim=1)
+                peaks = peak.double().exp().tolist()
+                nums = num.tolist()
+                for row, s in enumerate(mb):
+                    i = index[s.sample_id]
+                    mean_abs[k][i], capped[k][i], iw_max[k][i] = means[row], fracs[row], peaks[row]
+                    if k:
+                        current[i] = float(nums[row])
     if dp is not None:
-        summed = dp.all_reduce(mismatch + capped + compared, "sum")
-        mismatch, capped, compared = summed[:n], summed[n:2 * n], summed[2 * n:]
-        iw_max = dp.all_reduce(iw_max, "max")
-    return [(a, w, c, int(k)) for a, w, c, k in zip(mismatch, iw_max, capped, compared,
-                                                     strict=True)]
+        summed = dp.all_reduce(mean_abs[0] + capped[0] + mean_abs[1] + capped[1] + current,
+                               "sum")
+        mean_abs = [summed[:n], summed[2 * n:3 * n]]
+        capped = [summed[n:2 * n], summed[3 * n:4 * n]]
+        current = summed[4 * n:]
+        peaks_all = dp.all_reduce(iw_max[0] + iw_max[1], "max")
+        iw_max = [peaks_all[:n], peaks_all[n:]]
+    return [(mean_abs[0][i], iw_max[0][i], capped[0][i], int(current[i]), mean_abs[1][i],
+             iw_max[1][i], capped[1][i]) for i in range(n)]
 
 
 def _generated_at(mb: Sequence[TrainSample], loss_mask: Tensor, version: int) -> Tensor:
-    """`loss_mask` [B, T] narrowed, per row whose sample carries `behaviour_versions`, to the
-    tokens generated under `version`."""
-    rows = [s.generated_at(version) for s in mb]
-    if all(r is None for r in rows):
-        return loss_mask
+    """bool [B, T]: per row, the tokens its sample generated under `version` (none for a
+    sample without `behaviour_versions`); `loss_mask` gives the shape and device."""
     keep = np.zeros(tuple(loss_mask.shape), dtype=np.bool_)
-    for row, at in enumerate(rows):
-        if at is None:
-            keep[row] = loss_mask[row].cpu().numpy()
-        else:
+    for row, s in enumerate(mb):
+        at = s.generated_at(version)
+        if at is not None:
             keep[row, : at.size] = at
     return torch.from_numpy(keep).to(loss_mask.device)
 
@@ -470,7 +476,7 @@ def train_step(
     *,
     ref_model: nn.Module | None = None,
     dp: DataParallel | None = None,
-    agreement: list[tuple[float, float, float, int]] | None = None,
+    agreement: list[tuple[float, float, float, int, float, float, float]] | None = None,
     weights_version: int | None = None,
 ) -> dict[str, float]:
     """One GRPO / decoupled-PPO update of `model` on `batch` (see module docstring).
@@ -487,7 +493,7 @@ def train_step(
         agreement: if given (a list), extended with `sample_agreement`'s per-sample
             engine/trainer agreement (before the update), in batch order.
         weights_version: the policy version of `model`'s weights before this update; the
-            agreement then compares only tokens generated under it (`sample_agreement`).
+            agreement also reports the tokens generated under it alone (`sample_agreement`).
 
     Returns:
         Floats over the whole batch (all ranks): loss metrics averaged over tokens (`loss`,

@@ -473,11 +473,13 @@ class TrainSample(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, gc=F
     generated: older senders, hand-built batches) is accepted as well; :meth:`full_logprobs`
     reads either form per token. ``behaviour_versions`` int32, one per generated token in order
     (``num_loss_tokens`` items), the policy version that generated it, or empty (unknown: older
-    senders, hand-built batches); the trainer's engine/trainer agreement check compares only the
-    tokens generated under the weights it recomputes with (``SampleAgreement``), so a policy
-    that moved within the staleness bound is not read as an engine that disagrees.
-    ``advantage`` is the trajectory's (GRPO) advantage. Any contiguous buffer (``memoryview``, ``array.array``) of those dtypes may be passed when
-    constructing; :meth:`from_lists` packs Python lists. Validation is vectorised (numpy).
+    senders, hand-built batches); the trainer's engine/trainer agreement reports the tokens
+    generated under the weights it recomputes with apart (``SampleAgreement.current_*``), so
+    a policy that moved within the staleness bound need not read as an engine that
+    disagrees.
+    ``advantage`` is the trajectory's (GRPO) advantage. Any contiguous buffer
+    (``memoryview``, ``array.array``) of those dtypes may be passed when constructing;
+    :meth:`from_lists` packs Python lists. Validation is vectorised (numpy).
 
     Raises:
         ValueError: naming the sample and what is wrong (ragged or unequal lengths, mask values
@@ -607,22 +609,24 @@ class TrainBatch(Msg):
 class SampleAgreement(msgspec.Struct, forbid_unknown_fields=True, array_like=True, gc=False):
     """Engine/trainer agreement on one sample's generated tokens, from the trainer's recompute
     under the weights before the update, version V (``w_t = exp(logp_trainer_t -
-    logp_behaviour_t)``), over the tokens compared: those generated under version V when the
-    sample carries ``TrainSample.behaviour_versions`` (a token of an older version differs by
-    the policy's own change too, which the staleness bound allows), all generated tokens when
-    it does not.
+    logp_behaviour_t)``).
 
-    ``logprob_mismatch``: mean ``|log w_t|`` (nats per token); ``iw_max``: max ``w_t`` (0.0
-    with no token compared); ``iw_capped_fraction``: fraction of the compared tokens with
-    ``w_t`` over the trainer's ``iw_cap`` (0.0 without a cap); ``num_tokens``: how many tokens
-    were compared (0: none of this sample's tokens came from version V, so it says nothing
-    about the engine; ``None`` from a trainer that does not report it: all generated tokens).
+    Over all its generated tokens: ``logprob_mismatch``, mean ``|log w_t|`` (nats per token);
+    ``iw_max``, max ``w_t``; ``iw_capped_fraction``, the fraction with ``w_t`` over the
+    trainer's ``iw_cap`` (0.0 without a cap). A token generated under an older version (up to
+    alpha behind) differs by the policy's own change too, so ``current_tokens`` counts the
+    tokens generated under version V (from ``TrainSample.behaviour_versions``; 0 without
+    them) and the ``current_*`` fields are the same three figures over those tokens alone
+    (0.0 over none): the engine's agreement with the trainer, without the policy's change.
     """
 
     logprob_mismatch: float
     iw_max: float
     iw_capped_fraction: float
-    num_tokens: int | None = None
+    current_tokens: int = 0
+    current_logprob_mismatch: float = 0.0
+    current_iw_max: float = 0.0
+    current_iw_capped_fraction: float = 0.0
 
 
 class TrainResult(Msg):
