@@ -89,6 +89,9 @@ wall-clock figures, latency, lag and GC pauses, stretch with it while CPU-time f
 ``gc_cpu_s`` is the collector's own CPU time per generation beside the pauses ``gc_s``).
 ``CONTROLLER_OVERHEAD_GC=default`` runs with CPython's default
 collector policy instead (to measure before/after), ``=G0,G1,G2`` given thresholds.
+``CONTROLLER_OVERHEAD_PIN=1`` pins the controller to one CPU and the SIMULATED backends to the
+others (``_pinning``; rows say ``pinned``): the production layout, where the controller has
+its cores to itself, as far as a small machine allows.
 """
 
 from __future__ import annotations
@@ -155,6 +158,9 @@ SUBWINDOW_S = 5.0
 PROFILE_ENV = "CONTROLLER_OVERHEAD_PROFILE"
 #: set to 1 for the controller-side latency split (``ControllerSide``)
 SPLIT_ENV = "CONTROLLER_OVERHEAD_SPLIT"
+#: set to 1 to pin the controller to the first CPU and the SIMULATED backends to the others
+#: (``_pinning``)
+PIN_ENV = "CONTROLLER_OVERHEAD_PIN"
 #: controller bytes per held context token assumed before one size was measured (main's code:
 #: token ids, loss mask, logprobs and versions as Python lists, 8 B per slot each)
 BYTES_PER_TOKEN_GUESS = 40.0
@@ -350,6 +356,27 @@ def _spawn(argv: list[str]) -> tuple[subprocess.Popen, str]:
         proc.kill()
         raise RuntimeError(f"overhead_serve {argv[0]}: expected 'ADDRESS ...', got {line!r}")
     return proc, match.group(1)
+
+
+@contextlib.contextmanager
+def _pinning(backend_pids: list[int]) -> Any:
+    """With ``$CONTROLLER_OVERHEAD_PIN`` = 1 on a machine of 2 CPUs or more: this process (the
+    controller, all its threads) on the first CPU it may use, the backend processes on the
+    others, restored on exit. A production controller has its host's cores to itself and its
+    env hosts and workers run elsewhere; on a small machine, unpinned, every process's threads
+    queue for the same cores and the latency tail measures that queueing. Yields whether it
+    pinned."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if os.environ.get(PIN_ENV) != "1" or len(cpus) < 2:
+        yield False
+        return
+    for pid in backend_pids:
+        psutil.Process(pid).cpu_affinity(cpus[1:])
+    os.sched_setaffinity(0, cpus[:1])
+    try:
+        yield True
+    finally:
+        os.sched_setaffinity(0, cpus)
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:
@@ -724,8 +751,10 @@ def _one_size(size: Size, seed: int, gc_policy: str,
             ep, eaddr = _spawn(["env", "--dump", str(dumps["env"]), "--seed", str(seed), *dom,
                                 *keyed])
             procs.append(ep)
-            out = uvloop.run(_drive(size, args, waddr, eaddr, seed, gc_policy, wp.pid,
-                                    load_key_file(key_file), env_pid=ep.pid))
+            with _pinning([wp.pid, ep.pid]) as pinned:
+                out = uvloop.run(_drive(size, args, waddr, eaddr, seed, gc_policy, wp.pid,
+                                        load_key_file(key_file), env_pid=ep.pid))
+            out["row"]["pinned"] = pinned
         finally:
             _stop(procs)
         recs = {k: msgspec.msgpack.decode(p.read_bytes(), type=srv.Records)

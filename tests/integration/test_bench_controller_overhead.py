@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -144,14 +145,34 @@ def test_controller_side_split_measures_inside_the_controller(monkeypatch) -> No
     # Opt-in: the reply-read -> next-request-sent gap, timed in the controller process. Every
     # such gap lies inside its backend-to-backend gap, so its quantiles cannot be larger.
     monkeypatch.setenv(co.SPLIT_ENV, "1")
+    monkeypatch.setenv(co.PIN_ENV, "1")  # and the production layout, as far as it goes here
+    cpus = os.sched_getaffinity(0)
     row = co._one_size(co.Size(64, 1024, 2, 25.0, 5.0), seed=0, gc_policy="tuned")
     assert row["controller_latency_samples"] > 0
     assert 0 <= row["controller_latency_p50_ms"] <= row["controller_latency_p99_ms"]
     assert row["controller_latency_p50_ms"] <= row["added_latency_p50_ms"]
+    # Each call's two transport legs, matched across the processes.
+    assert row["leg_samples"] > 0
+    assert 0 <= row["request_leg_p50_ms"] <= row["request_leg_p99_ms"]
+    assert 0 <= row["reply_leg_p50_ms"] <= row["reply_leg_p99_ms"]
+    assert row["pinned"] == (len(cpus) >= 2)
+    assert os.sched_getaffinity(0) == cpus  # the controller's CPUs are given back
     # the patch is gone with the run
     from rollart.transport.rpc import RpcClient
 
     assert RpcClient.submit_call.__qualname__ == "RpcClient.submit_call"
+
+
+def test_legs_are_the_transport_on_each_side_of_a_backend_handler() -> None:
+    # generate t1/t0: sent by the controller at 1.0, handled 1.002-1.004, read at 1.010;
+    # env step 0 of s1: sent 1.011, handled 1.014-3.0, read 3.001; a call outside the window
+    # and a backend call the controller did not record (an open) are left out.
+    backend = (srv.Records(calls=[("t1/t0", -1, 1.002, 1.004), ("t9/t0", -1, 20.0, 20.1)]),
+               srv.Records(calls=[("s1", -1, 0.5, 0.6), ("s1", 0, 1.014, 3.0)]))
+    controller = (srv.Records(calls=[("t1/t0", -1, 1.0, 1.010), ("t9/t0", -1, 19.9, 20.2)]),
+                  srv.Records(calls=[("s1", 0, 1.011, 3.001)]))
+    request, reply = co._legs(backend, controller, (0.0, 10.0))
+    assert request == pytest.approx([2.0, 3.0]) and reply == pytest.approx([1.0, 6.0])
 
 
 def test_controller_side_records_pair_replies_with_the_next_request() -> None:
