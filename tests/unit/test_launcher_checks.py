@@ -161,6 +161,24 @@ def test_validate_notes_prefix_stores_too_small_for_the_trajectories_in_flight()
     assert prefix_store_notes(make_scenario()) == []  # the fakes' small runs fit the default
 
 
+@pytest.mark.parametrize(("run", "noted"), [
+    ({"worker_checks": {"agreement_policy": "stop"}}, True),
+    ({"worker_checks": {"agreement_policy": "quarantine"}, "mode": "areal"}, True),
+    ({"worker_checks": {"agreement_policy": "warn"}}, False),
+    ({"worker_checks": {"agreement_policy": "stop"}, "weight_apply": "eager"}, False),
+    ({"worker_checks": {"agreement_policy": "stop"}, "mode": "sync", "alpha": 0}, False),
+])
+def test_validate_notes_an_agreement_check_judged_on_all_tokens(run, noted) -> None:
+    # Under at_batch overlap no batch after the first holds tokens of the trainer's version,
+    # so a worker is judged on all its tokens (the policy's change within alpha included).
+    from rollart.launcher.validate import agreement_notes
+
+    notes = agreement_notes(make_scenario(**run))
+    assert bool(notes) == noted
+    if noted:
+        assert "weight_apply = 'at_batch'" in notes[0] and "the policy's change" in notes[0]
+
+
 def test_open_cluster_leaves_env_names_to_the_script(monkeypatch) -> None:
     # A driver script may register an in-process env on the yielded cluster (register_env)
     # before its first step, so open_cluster does not refuse a name no env host can make;

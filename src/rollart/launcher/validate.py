@@ -10,7 +10,9 @@ driver script can serve those envs and register those rewards in-process. A
 count as registered; a missing file or one that fails to import makes the scenario invalid.
 
 A ``model.path`` other than ``tiny`` that is not a local checkpoint directory here gets a note
-(the scenario may be checked on another machine than the one it runs on).
+(the scenario may be checked on another machine than the one it runs on), and so does an
+engine/trainer agreement check that may quarantine or stop while every batch after the first
+holds no token of the trainer's version (``agreement_notes``).
 
 It also places the scenario as ``--cluster ray`` would (``placement.plan_placement``, no Ray
 needed) and prints a note when that would fail, and checks the run's authentication as ``rollart run`` would (``runkeys.check_run_auth``):
@@ -65,6 +67,24 @@ def prefix_store_notes(sc: Scenario) -> list[str]:
     return notes
 
 
+def agreement_notes(sc: Scenario) -> list[str]:
+    """A note when the engine/trainer agreement check can act on a worker (``quarantine`` /
+    ``stop``) while every batch after the first holds no token of the trainer's version
+    (an overlapped mode with ``weight_apply = "at_batch"``: the version is applied once its
+    batch was taken): each worker is then judged on all its tokens, which include the
+    policy's own change within alpha (``rollart.controller.agreement``)."""
+    run = sc.run
+    if (run.worker_checks.agreement_policy in ("quarantine", "stop")
+            and run.mode in ("one_off", "areal", "rollart") and run.weight_apply == "at_batch"):
+        return [f"run.worker_checks.agreement_policy = {run.worker_checks.agreement_policy!r} "
+                f"with mode {run.mode!r} and weight_apply = 'at_batch': after the first step "
+                "no batch holds tokens of the trainer's version, so workers are judged on all "
+                "their tokens, the policy's change within alpha included; set "
+                "max_logprob_mismatch / max_iw_capped_fraction above that drift, or "
+                "weight_apply = 'eager'"]
+    return []
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="rollart validate", description=__doc__.split("\n\n")[0])
     p.add_argument("scenario", type=Path, help="scenario TOML file")
@@ -91,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rollart validate: note: `rollart run` would refuse it on this machine: "
               f"{args.scenario}: model.path: {model} is not a local Hugging Face checkpoint "
               "directory (no config.json)", file=sys.stderr)
-    for note in prefix_store_notes(scenario):
+    for note in prefix_store_notes(scenario) + agreement_notes(scenario):
         print(f"rollart validate: note: {args.scenario}: {note}", file=sys.stderr)
     try:  # only pure checks: nothing connects to Ray, nothing imports it
         from rollart.launcher.placement import plan_placement
