@@ -421,6 +421,30 @@ def test_token_totals_add_up_across_a_checkpoint_and_resume() -> None:
     assert done.domains["math"].trained_tokens == 4
 
 
+def test_waste_between_the_last_step_and_the_checkpoint_shows_by_reason_after_resume() -> None:
+    # The rollout went on after the last step: 90 tokens wasted as redundancy (guess) and 10
+    # generated in a domain (letters) the restored buffer holds no group of. The new process
+    # has seen none of it, so the first step's baseline holds them as negatives, and that
+    # step's metrics must report them by reason and by domain (they reported the total alone:
+    # a reason only the baseline had was skipped, and the totals stopped adding up).
+    from rollart.controller.metrics import _delta, domain_deltas
+
+    new = SampleBuffer(alpha=1, batch_size=2, group_size=2)
+    new.try_start_group("g", "guess")
+    since = {"generated_tokens": 100, "trained_tokens": 0, "wasted_tokens": {"redundancy": 90},
+             "domains": {"guess": {"generated_tokens": 90, "wasted_tokens": {"redundancy": 90}},
+                         "letters": {"generated_tokens": 10, "wasted_tokens": {}}}}
+    base = carried_over(new.stats(), since)
+    after = new.stats()
+    assert sum(after.wasted_tokens.values()) - sum(base.wasted_tokens.values()) == 90
+    assert _delta(after.wasted_tokens, base.wasted_tokens) == {"redundancy": 90}
+    by_domain = domain_deltas(after, base)
+    assert by_domain["guess"].wasted_tokens == {"redundancy": 90}
+    assert by_domain["guess"].generated_tokens == 90
+    assert by_domain["letters"].generated_tokens == 10
+    assert after.generated_tokens - base.generated_tokens == 100
+
+
 # ---------------------------------------------------------------------------------- waste
 def test_every_generated_token_is_trained_wasted_once_or_in_flight() -> None:
     """Waste by reason and per domain: each token lands in exactly one bucket."""

@@ -80,9 +80,11 @@ def test_preflight_lets_a_driver_script_bring_its_own_reward_and_env() -> None:
 
 @pytest.mark.parametrize(("env", "expect"), [
     ("game:GuessTheNumbr-v0-easy", r"domains\[0\]\.env: unknown GEM env "
-     r"'game:GuessTheNumbr-v0-easy'; registered games: .*game:GuessTheNumber-v0-easy"),
+     r"'game:GuessTheNumbr-v0-easy' \(did you mean 'game:GuessTheNumber-v0-easy'\?\); "
+     r"registered games: .*game:GuessTheNumber-v0-easy"),
     ("rg:basic_arithmatic", r"domains\[0\]\.env: unknown reasoning-gym dataset "
-     r"'basic_arithmatic'; e\.g\. "),
+     r"'basic_arithmatic' \(did you mean 'rg:basic_arithmetic'\?\); e\.g\. rg:"),
+    ("rg:zzzzqqq", r"domains\[0\]\.env: unknown reasoning-gym dataset 'zzzzqqq'; e\.g\. "),
     ("gme:GuessTheNumber-v0-easy", r"domains\[0\]\.env: unknown env name "
      r"'gme:GuessTheNumber-v0-easy': expected FAMILY:NAME"),
     ("script:echo", r"domains\[0\]\.env: unknown env name 'script:echo'"),

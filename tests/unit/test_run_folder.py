@@ -166,6 +166,35 @@ def test_validate_prints_the_resolved_scenario(capsys) -> None:
     assert resolved["domains"][0]["reward_url"] == "service"  # defaults filled in
 
 
+def test_validate_ends_on_its_notes_and_says_run_would_refuse(tmp_path: Path) -> None:
+    # A terminal shows stdout and stderr together: the notes come after the resolved
+    # scenario, and the last line says `rollart run` would refuse it (exit 0 all the same:
+    # a driver script may serve what is missing).
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "rollart.cli", "validate", str(MINIMAL)],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stdout
+    lines = out.stdout.rstrip().splitlines()
+    assert lines[-2].startswith("rollart validate: note: `rollart run` would refuse it")
+    assert lines[-1].endswith("valid (1 domains, 1 pools); 1 note(s) above, and `rollart run` "
+                              "would refuse it as it stands")
+    assert json.loads("\n".join(lines[:-2]))["run"]["batch_size"] == 8
+
+
+def test_rollart_run_says_what_validate_notes(tmp_path: Path, capsys) -> None:
+    sc = tmp_path / "stop.toml"
+    sc.write_text(MINIMAL.read_text().replace(
+        "[[pools]]", '[run.worker_checks]\nagreement_policy = "stop"\n[[env_hosts]]\n'
+        'name = "e"\n[[pools]]', 1))
+    assert cli(["run", str(sc), "--steps", "0"]) == 2  # refused after the notes
+    err = capsys.readouterr().err
+    assert "rollart run: note: " in err and "weight_apply = 'at_batch'" in err
+    assert "--steps: must be >= 1" in err
+
+
 def test_validate_names_the_bad_field_and_exits_2(tmp_path: Path, capsys) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text(MINIMAL.read_text().replace('pool = "cpu"', 'pool = "cpu"\nweight = -1'))

@@ -74,6 +74,8 @@ class WorkerChecksConfig(_Cfg):
     max_invalid_replies: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 3
     #: replies of one worker over which violations are counted.
     invalid_window: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 100
+    #: what a worker over an agreement threshold gets: ``off`` (not checked), ``warn`` (a log
+    #: line), ``quarantine`` (it leaves its pool), ``stop`` (the run stops naming it).
     agreement_policy: Literal["off", "warn", "quarantine", "stop"] = "warn"
     #: nats per generated token (bf16 engines typically agree to ~0.01-0.05).
     max_logprob_mismatch: Annotated[float, msgspec.Meta(gt=0, le=100)] = 0.5
@@ -163,6 +165,7 @@ class RunConfig(_Cfg):
     #: the only env host stops the run. Raise it on a heavily shared machine, where a live
     #: worker's event loop can stall for seconds.
     liveness_timeout_s: Annotated[float, msgspec.Meta(ge=4.0, le=3600.0)] = 10.0
+    #: per-trajectory retries after a failure (``[run.retry]``).
     retry: RetryConfig = msgspec.field(default_factory=RetryConfig)
     #: run every ZeroMQ service without authentication (no CURVE key). Alone (or ``rollart run
     #: --insecure`` alone) it is allowed only when every service is on this machine's loopback;

@@ -77,8 +77,12 @@ def carried_over(stats: BufferStats, since: dict[str, Any] | None = None) -> Buf
         return out
 
     domains = {}
-    for name, d in stats.domains.items():
-        moved = since.get("domains", {}).get(name, {})
+    moved_domains = since.get("domains", {})
+    # A domain active between the last step and the checkpoint but without a group in the
+    # restored buffer still carries its counts over (as negatives of a zero baseline).
+    for name in sorted(stats.domains.keys() | moved_domains.keys()):
+        d = stats.domains.get(name, DomainCounts())
+        moved = moved_domains.get(name, {})
         fields = {f: (wasted(getattr(d, f), moved.get(f, {})) if f == "wasted_tokens"
                       else getattr(d, f) - moved.get(f, 0))
                   for f in d.__struct_fields__}

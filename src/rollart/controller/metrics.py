@@ -125,7 +125,10 @@ DomainStepMetrics = DomainCounts
 def domain_deltas(after: BufferStats, before: BufferStats) -> dict[str, DomainStepMetrics]:
     """Per-domain change of the buffer's ``DomainCounts`` from ``before`` to ``after``."""
     out = {}
-    for name, a in sorted(after.domains.items()):
+    # A domain or reason only the baseline has (a resume's carried-over counts, whose restored
+    # buffer has not seen it yet) changed too: from its baseline to nothing.
+    for name in sorted(after.domains.keys() | before.domains.keys()):
+        a = after.domains.get(name, DomainCounts())
         b = before.domains.get(name, DomainCounts())
         out[name] = DomainCounts(
             **{f: getattr(a, f) - getattr(b, f) for f in DomainCounts.__struct_fields__
@@ -139,7 +142,7 @@ def _mean(xs: Sequence[float]) -> float:
 
 
 def _delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
-    out = {k: v - before.get(k, 0) for k, v in after.items()}
+    out = {k: after.get(k, 0) - before.get(k, 0) for k in after.keys() | before.keys()}
     return {k: v for k, v in sorted(out.items()) if v}
 
 

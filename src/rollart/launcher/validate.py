@@ -81,7 +81,9 @@ def agreement_notes(sc: Scenario) -> list[str]:
                 "no batch holds tokens of the trainer's version, so workers are judged on all "
                 "their tokens, the policy's change within alpha included; set "
                 "max_logprob_mismatch / max_iw_capped_fraction above that drift, or "
-                "weight_apply = 'eager'"]
+                "weight_apply = 'eager' (which helps only where a batch's rollout outlasts a "
+                "training step: metrics' agreement_basis_by_worker says which tokens were "
+                "judged)"]
     return []
 
 
@@ -100,26 +102,31 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"rollart validate: config error: {exc}", file=sys.stderr)
         return 2
+    # Notes are printed after the resolved scenario, so a terminal ends on them.
+    notes: list[str] = []
+    refused = False
     try:
         preflight(scenario, str(args.scenario), local_rewards=regs.rewards,
                   local_envs=regs.envs)
     except ConfigError as exc:
-        print(f"rollart validate: note: `rollart run` would refuse it: {exc}", file=sys.stderr)
+        notes.append(f"`rollart run` would refuse it: {exc}")
+        refused = True
     model = Path(scenario.model.path)
     if scenario.model.path != "tiny" and not (model / "config.json").exists():
         # a note, not an error: the scenario may be checked away from the machine it runs on
-        print(f"rollart validate: note: `rollart run` would refuse it on this machine: "
-              f"{args.scenario}: model.path: {model} is not a local Hugging Face checkpoint "
-              "directory (no config.json)", file=sys.stderr)
-    for note in prefix_store_notes(scenario) + agreement_notes(scenario):
-        print(f"rollart validate: note: {args.scenario}: {note}", file=sys.stderr)
+        notes.append(f"`rollart run` would refuse it on this machine: {args.scenario}: "
+                     f"model.path: {model} is not a local Hugging Face checkpoint directory "
+                     "(no config.json)")
+        refused = True
+    notes += [f"{args.scenario}: {note}"
+              for note in prefix_store_notes(scenario) + agreement_notes(scenario)]
     try:  # only pure checks: nothing connects to Ray, nothing imports it
         from rollart.launcher.placement import plan_placement
 
         plan_placement(scenario)
     except ConfigError as exc:
-        print(f"rollart validate: note: `rollart run --cluster ray` would refuse it: "
-              f"{in_file(str(args.scenario), exc)}", file=sys.stderr)
+        notes.append(f"`rollart run --cluster ray` would refuse it: "
+                     f"{in_file(str(args.scenario), exc)}")
     try:  # the run's key: a key file others can read, or services named without a key
         check_run_auth(scenario)
     except ConfigError as exc:
@@ -128,6 +135,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not args.quiet:
         sys.stdout.write(scenario_to_json(scenario).decode())
+        sys.stdout.flush()
+    for note in notes:
+        print(f"rollart validate: note: {note}", file=sys.stderr)
+    if not args.quiet:
+        tail = (f"; {len(notes)} note(s) above" if notes else "") + (
+            ", and `rollart run` would refuse it as it stands" if refused else "")
         print(f"rollart validate: {args.scenario}: valid ({len(scenario.domains)} domains, "
-              f"{len(scenario.pools)} pools)", file=sys.stderr)
+              f"{len(scenario.pools)} pools){tail}", file=sys.stderr)
     return 0
