@@ -47,7 +47,7 @@ class RetryConfig(_Cfg):
 
 
 class WorkerChecksConfig(_Cfg):
-    """What the controller does with inference workers whose output is wrong (issue 13).
+    """What the controller does with inference workers whose output is wrong.
 
     Every ``GenerateResult`` is checked where it arrives (``rollart.controller.workercheck``);
     a violation fails that trajectory (reason ``invalid_worker_output``, retried, never scored).
