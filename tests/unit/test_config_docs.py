@@ -93,6 +93,9 @@ def test_warns_when_the_tiny_models_warm_up_set_changes(tmp_path) -> None:
     msg = warmup_set_change(tmp_path, two)
     assert msg and "rg:basic_arithmetic" in msg and "GuessTheNumber" in msg
     assert warmup_set_change(tmp_path, two) is None
+    # A resume starts from its own checkpoint: no warning, and the last set is kept.
+    assert warmup_set_change(tmp_path, one, resume=True) is None
+    assert warmup_set_change(tmp_path, two) is None
     tools = config.parse_scenario(text.replace("tiny_warmup = true",
                                                "tiny_warmup = true\ntiny_warmup_tool_calls = true"))
     assert warmup_set_change(tmp_path, one) is not None

@@ -103,8 +103,9 @@ def peer_liveness(scenario: Scenario) -> dict[str, float]:
     return {"liveness_timeout_s": scenario.run.liveness_timeout_s}
 
 
-def resolve_model(scenario: Scenario, cache_dir: Path) -> Path:
+def resolve_model(scenario: Scenario, cache_dir: Path, *, resume: bool = False) -> Path:
     """The policy checkpoint dir: a local HF dir, or the embedded tiny model (built + cached).
+    ``resume``: a resumed run (its starting point is its checkpoint: no warm-up-set warning).
 
     Raises:
         ConfigError: ``model.path`` is not a local checkpoint dir (rollart never downloads).
@@ -117,7 +118,7 @@ def resolve_model(scenario: Scenario, cache_dir: Path) -> Path:
         return path
     from rollart.models.warmup import ensure_quickstart_model
 
-    changed = warmup_set_change(cache_dir, scenario)
+    changed = warmup_set_change(cache_dir, scenario, resume=resume)
     if changed:
         log.warning("%s", changed)
     try:
@@ -136,13 +137,15 @@ def default_cache_dir() -> Path:
     return Path(base) / "rollart"
 
 
-def warmup_set_change(cache_dir: Path, scenario: Scenario) -> str | None:
+def warmup_set_change(cache_dir: Path, scenario: Scenario, *, resume: bool = False
+                      ) -> str | None:
     """Remember which envs the tiny model (``model.tiny_seed``) was last warmed up on, under
     ``cache_dir``; return a warning when this scenario's set differs (a different warm-up:
     another checkpoint is built, and the RL starting point is not the earlier runs'), else
-    ``None``."""
+    ``None``. A resumed run (``resume``) neither warns nor is remembered: its starting point is
+    its own checkpoint, whatever scenario ran last."""
     model = scenario.model
-    if model.path != "tiny" or not model.tiny_warmup:
+    if model.path != "tiny" or not model.tiny_warmup or resume:
         return None
     now = sorted({f"{d.env} {json.dumps(d.env_options, sort_keys=True)}"
                   for d in scenario.domains})
@@ -248,7 +251,8 @@ async def open_cluster(scenario: str | Path | Scenario, *, run_dir: str | Path |
     # Errors below are about the scenario's fields (model.path, output.wandb, run.key_file,
     # services started by hand): the message names its file.
     try:
-        model_dir = resolve_model(scenario, Path(cache_dir) if cache_dir else default_cache_dir())
+        model_dir = resolve_model(scenario, Path(cache_dir) if cache_dir else default_cache_dir(),
+                                  resume=resume)
     except ConfigError as exc:
         raise in_file(source, exc) from None
     rundir.prepare(run_dir, point[1].step if point else None)
