@@ -33,6 +33,10 @@ ENVS = {"script:echo": Echo}
 
 
 def _scenario(module: str | None, env_hosts: bool = False):
+    return parse_scenario(_scenario_text(module, env_hosts), "s.toml")
+
+
+def _scenario_text(module: str | None, env_hosts: bool = False) -> str:
     text = ""
     if module is not None:
         text += f'[run]\nlocal_module = "{module}"\n'
@@ -40,7 +44,7 @@ def _scenario(module: str | None, env_hosts: bool = False):
              'pool = "cpu"\nreward = "mine"\nreward_url = "local"\n')
     if env_hosts:
         text += '[[env_hosts]]\nname = "e"\n'
-    return parse_scenario(text, "s.toml")
+    return text
 
 
 def test_relative_path_is_found_beside_the_scenario_and_imported_once(tmp_path: Path) -> None:
@@ -69,6 +73,12 @@ def test_no_module_registers_nothing_and_rollart_run_names_the_field() -> None:
     with pytest.raises(ConfigError, match=r"domains\[0\]\.reward: .*'mine'.*run\.local_module"):
         preflight(sc, "s.toml", local_rewards=localmodule.load(sc).rewards,
                   local_envs={"script:echo"})
+    # A typo of a name the module serves: the message lists what it serves.
+    typo = parse_scenario(_scenario_text(None, env_hosts=True).replace("script:echo",
+                                                                        "script:ecko"), "s.toml")
+    with pytest.raises(ConfigError, match=r"domains\[0\]\.env: unknown env name 'script:ecko'"
+                       r".*; served in-process \(run\.local_module's ENVS\): \['script:echo'\]"):
+        preflight(typo, "s.toml", local_rewards={"mine"}, local_envs={"script:echo"})
 
 
 @pytest.mark.parametrize(("body", "error"), [

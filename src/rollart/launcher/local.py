@@ -83,7 +83,9 @@ def preflight(scenario: Scenario, source: str = "<scenario>", *,
         try:
             check_env_name(dom.env)
         except EnvSpecError as exc:
-            raise ConfigError(f"{source}: domains[{i}].env: {exc.message}") from None
+            served = (f"; served in-process (run.local_module's ENVS): {sorted(local_envs)}"
+                      if local_envs else "")
+            raise ConfigError(f"{source}: domains[{i}].env: {exc.message}{served}") from None
     if local_rewards is None:
         return
     known = {"env_return", *local_rewards}
