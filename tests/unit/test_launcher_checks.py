@@ -181,6 +181,23 @@ def test_validate_notes_an_agreement_check_judged_on_all_tokens(run, noted) -> N
         assert "weight_apply = 'at_batch'" in notes[0] and "the policy's change" in notes[0]
 
 
+def test_validate_notes_a_py_env_whose_package_is_not_on_the_path() -> None:
+    # Imported by the env host, on its own path: a note, not an error (found, not imported).
+    from rollart.config import parse_scenario
+    from rollart.launcher.validate import py_env_notes
+
+    def scenario(env: str):
+        return parse_scenario(f'[[pools]]\nname = "cpu"\n[[domains]]\nname = "d"\n'
+                              f'env = "{env}"\npool = "cpu"\nreward = "env_return"\n'
+                              '[[env_hosts]]\nname = "e"\n', "s.toml")
+
+    (note,) = py_env_notes(scenario("py:nosuchpkg.envs:Nope"))
+    assert "domains[0].env: 'py:nosuchpkg.envs:Nope': no package 'nosuchpkg'" in note
+    assert py_env_notes(scenario("py:rollart.envhost.families:GemEnv")) == []
+    assert py_env_notes(scenario("py:nosuchpkg.envs:Nope"), {"py:nosuchpkg.envs:Nope"}) == []
+    assert py_env_notes(scenario("rg:basic_arithmetic")) == []
+
+
 def test_open_cluster_leaves_env_names_to_the_script(monkeypatch) -> None:
     # A driver script may register an in-process env on the yielded cluster (register_env)
     # before its first step, so open_cluster does not refuse a name no env host can make;

@@ -12,7 +12,9 @@ count as registered; a missing file or one that fails to import makes the scenar
 A ``model.path`` other than ``tiny`` that is not a local checkpoint directory here gets a note
 (the scenario may be checked on another machine than the one it runs on), and so does an
 engine/trainer agreement check that may quarantine or stop while every batch after the first
-holds no token of the trainer's version (``agreement_notes``).
+holds no token of the trainer's version (``agreement_notes``), and a ``py:`` env whose
+package is not on this machine's path (``py_env_notes``; the env host imports it, on its own
+path).
 
 It also places the scenario as ``--cluster ray`` would (``placement.plan_placement``, no Ray
 needed) and prints a note when that would fail, and checks the run's authentication as ``rollart run`` would (``runkeys.check_run_auth``):
@@ -26,7 +28,9 @@ Exit codes: 0 valid; 2 invalid, with one line ``SCENARIO: field.path: reason`` o
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
+from collections.abc import Collection
 from pathlib import Path
 
 from rollart.config import Scenario, in_file, load_scenario, scenario_to_json
@@ -87,6 +91,26 @@ def agreement_notes(sc: Scenario) -> list[str]:
     return []
 
 
+def py_env_notes(sc: Scenario, local_envs: Collection[str] = ()) -> list[str]:
+    """A note per ``py:`` env (served by env hosts) whose top-level package cannot be found
+    on this machine's path. Only found, never imported: the env host imports it, on its own
+    path, so this is a note, not an error."""
+    notes = []
+    for i, dom in enumerate(sc.domains):
+        if not dom.env.startswith("py:") or dom.env in local_envs:
+            continue
+        top = dom.env[3:].partition(":")[0].split(".")[0]
+        try:
+            found = bool(top) and importlib.util.find_spec(top) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            notes.append(f"domains[{i}].env: {dom.env!r}: no package {top!r} on this "
+                         "machine's Python path; an env host without it fails every session "
+                         "open")
+    return notes
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="rollart validate", description=__doc__.split("\n\n")[0])
     p.add_argument("scenario", type=Path, help="scenario TOML file")
@@ -119,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
                      "(no config.json)")
         refused = True
     notes += [f"{args.scenario}: {note}"
-              for note in prefix_store_notes(scenario) + agreement_notes(scenario)]
+              for note in prefix_store_notes(scenario) + agreement_notes(scenario)
+              + py_env_notes(scenario, regs.envs)]
     try:  # only pure checks: nothing connects to Ray, nothing imports it
         from rollart.launcher.placement import plan_placement
 
