@@ -193,11 +193,11 @@ def main(argv: list[str] | None = None) -> int:
         regs = localmodule.load(scenario, args.scenario.parent, str(args.scenario))
         preflight(scenario, str(args.scenario), local_rewards=regs.rewards,
                   local_envs=regs.envs)
-        from rollart.launcher.validate import agreement_notes, prefix_store_notes
+        from rollart.launcher.validate import cost_notes
 
         # What `rollart validate` notes would cost this run: said here too, for whoever
         # did not validate first.
-        for note in prefix_store_notes(scenario) + agreement_notes(scenario):
+        for note in cost_notes(scenario):
             print(f"rollart run: note: {args.scenario}: {note}", file=sys.stderr)
         from rollart.launcher.placement import parse_cluster
 

@@ -77,9 +77,11 @@ def agreement_notes(sc: Scenario) -> list[str]:
     (an overlapped mode with ``weight_apply = "at_batch"``: the version is applied once its
     batch was taken): each worker is then judged on all its tokens, which include the
     policy's own change within alpha (``rollart.controller.agreement``)."""
+    from rollart.controller.modes import mode_spec
+
     run = sc.run
     if (run.worker_checks.agreement_policy in ("quarantine", "stop")
-            and run.mode in ("one_off", "areal", "rollart") and run.weight_apply == "at_batch"):
+            and mode_spec(run.mode).overlap and run.weight_apply == "at_batch"):
         return [f"run.worker_checks.agreement_policy = {run.worker_checks.agreement_policy!r} "
                 f"with mode {run.mode!r} and weight_apply = 'at_batch': after the first step "
                 "no batch holds tokens of the trainer's version, so workers are judged on all "
@@ -109,6 +111,12 @@ def py_env_notes(sc: Scenario, local_envs: Collection[str] = ()) -> list[str]:
                          "machine's Python path; an env host without it fails every session "
                          "open")
     return notes
+
+
+def cost_notes(sc: Scenario) -> list[str]:
+    """What would not stop a run but would cost it (``prefix_store_notes``,
+    ``agreement_notes``): printed by ``rollart validate`` and at the start of ``rollart run``."""
+    return prefix_store_notes(sc) + agreement_notes(sc)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -143,8 +151,7 @@ def main(argv: list[str] | None = None) -> int:
                      "(no config.json)")
         refused = True
     notes += [f"{args.scenario}: {note}"
-              for note in prefix_store_notes(scenario) + agreement_notes(scenario)
-              + py_env_notes(scenario, regs.envs)]
+              for note in cost_notes(scenario) + py_env_notes(scenario, regs.envs)]
     try:  # only pure checks: nothing connects to Ray, nothing imports it
         from rollart.launcher.placement import plan_placement
 
