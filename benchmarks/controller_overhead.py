@@ -78,7 +78,8 @@ Sizes: ``--quick`` N = 1000 at 32k and N = 10000 at 16k contexts, 3 turns, 70 s 
 context token each), then the saturating size at 16k (40 s); default N = 1000, 10000,
 50000 at 32k, 8 turns, then the saturating size at 32k, 8 turns (90 s). A size whose
 estimated memory (controller and SIMULATED worker, per token as measured at the previous
-size) exceeds 60% of available memory is skipped and its row says what it needs. Every process
+size) leaves less than ``MEMORY_HEADROOM`` (3 GiB) of available memory is skipped and its
+row says what it needs. Every process
 shares the machine's cores: the controller gets what the scheduler leaves it
 (``cpu_share_of_core``), and once the offered load needs more than that the latency and lag
 are queueing. Each row therefore also says what else used the machine in
@@ -164,6 +165,9 @@ PIN_ENV = "CONTROLLER_OVERHEAD_PIN"
 #: controller bytes per held context token assumed before one size was measured (main's code:
 #: token ids, loss mask, logprobs and versions as Python lists, 8 B per slot each)
 BYTES_PER_TOKEN_GUESS = 40.0
+#: available memory a size must leave by its estimate (transients, the other processes); the
+#: send window bounds the start-up burst, which until 2026-12-02 grew a 50k run by 16 GiB
+MEMORY_HEADROOM = 3 << 30
 
 
 @dataclass(frozen=True)
@@ -188,8 +192,10 @@ class Size:
 # a run have distinct N: the JSON ratios are named by it.
 QUICK = (Size(1000, 32768, 3, 70.0, 20.0), Size(10_000, 16384, 3, 90.0, 30.0),
          Size(2000, 16384, 3, 40.0, 15.0, env_mean_s=0.2))
+# The 50k size warms up for 100 s: on a 2-core machine its start-up (50k x 32k-token first
+# prompts, 6.4 GiB, through the send window into one SIMULATED worker) lasted ~70 s.
 FULL = (Size(1000, 32768, 8, 150.0, 30.0), Size(10_000, 32768, 8, 180.0, 40.0),
-        Size(50_000, 32768, 8, 240.0, 60.0), Size(2000, 32768, 8, 90.0, 30.0, env_mean_s=0.2))
+        Size(50_000, 32768, 8, 300.0, 100.0), Size(2000, 32768, 8, 90.0, 30.0, env_mean_s=0.2))
 
 
 class Calls:
@@ -524,9 +530,12 @@ async def _drive_measured(split: ControllerSide | None, size: Size, args: Namesp
     env = EnvClient(env_addr, auth=auth, name="env", liveness_timeout_s=120.0)
     trainer = SimTrainer(model=QWEN3_8B, hardware=H800, num_gpus=8, time_scale=0.0,
                          weights=lambda: [("w", torch.zeros(16))])
+    scenario = scenario_of(sim, seed)
     controller = Controller(
-        scenario_of(sim, seed),
-        proxy=LLMProxy({"sim": ("h800", [TimedWorker(client, calls)])}, {"zero": "sim"}),
+        scenario,
+        # The run's default send window (``run.max_generate_in_flight``), as in a real run.
+        proxy=LLMProxy({"sim": ("h800", [TimedWorker(client, calls)])}, {"zero": "sim"},
+                       max_in_flight=scenario.run.max_generate_in_flight),
         envs=EnvRouter([TimedEnv(env, calls)]), rewards=RewardRouter(service=SimReward(rng=counter_rng)),
         trainer=trainer, tokenizer=SimTokenizer(table))
     proxy = controller.proxy
@@ -642,6 +651,8 @@ async def _drive_measured(split: ControllerSide | None, size: Size, args: Namesp
             "running_mean": statistics.fmean(running) if running else 0.0,
             "held_at_end": stats.held, "window_s": round(t1 - t0, 1), "turns": turns,
             "prefix_resends": resends, "prefix_resends_per_turn": resends / max(1, turns),
+            "max_generate_in_flight": proxy._window.limit,
+            "window_waits": proxy.num_window_waits,  # the whole run, start-up included
             "turns_per_s": turns / (t1 - t0), "steps": steps - steps0,
             "cpu_us_per_turn": 1e6 * (cpu1 - cpu0) / max(1, turns),
             "cpu_us_per_turn_ci95": _ratio_ci95(sub_cpu, sub_turns, seed),
@@ -815,7 +826,7 @@ def run(quick: bool, seed: int) -> dict:
         tokens = size.n * size.context_tokens
         need = tokens * (per_token + worker_per_token)
         avail = psutil.virtual_memory().available
-        if need > 0.6 * avail:
+        if need + MEMORY_HEADROOM > avail:
             rows.append({"n": size.n, "context_tokens": size.context_tokens,
                          "skipped": f"needs ~{need / 2**30:.1f} GiB (controller {per_token:.0f} "
                                     f"+ SIMULATED worker {worker_per_token:.0f} B/token), "
@@ -861,6 +872,7 @@ def ratios_of(rows: list[dict[str, Any]], floor: dict[str, float]
         ratios[f"turns_per_s at {n}"] = r["turns_per_s"]
         ratios[f"loop_sleeps_per_turn at {n}"] = r["loop_sleeps_per_turn"]
         ratios[f"prefix_resends at {n}"] = r["prefix_resends"]
+        ratios[f"window_waits at {n}"] = r["window_waits"]
     ratios.update({k: v for k, v in floor.items() if k != "floor_cpu_us_per_rpc_ci95"})
     if "floor_cpu_us_per_rpc_ci95" in floor:  # a half-width
         mid, half = floor["floor_cpu_us_per_rpc"], floor["floor_cpu_us_per_rpc_ci95"]

@@ -13,6 +13,8 @@ from benchmarks import controller_overhead as co
 from benchmarks import overhead_serve as srv
 from benchmarks.common import main_for
 
+from rollart.config.schema import RunConfig
+
 
 def test_one_small_size_reports_every_figure() -> None:
     row = co._one_size(co.Size(64, 1024, 2, 25.0, 5.0), seed=0, gc_policy="tuned")
@@ -30,6 +32,9 @@ def test_one_small_size_reports_every_figure() -> None:
     assert 0 < row["loop_thread_cpu_us_per_turn"] <= row["cpu_us_per_turn"]
     assert row["loop_sleeps_per_turn"] > 0  # 64 trajectories at 10 s per step: a mostly idle loop
     assert row["env_mean_s"] == co.ENV_MEAN_S
+    # the run's default send window, and 64 trajectories never fill it
+    assert row["max_generate_in_flight"] == RunConfig().max_generate_in_flight
+    assert row["window_waits"] == 0
     assert row["weight_wait_turns"] >= 0 and 0 <= row["weight_wait_share"] <= 1
     # what else used the machine: both backends worked, and the machine shares add up
     assert row["worker_cpu_share_of_core"] > 0 and row["env_cpu_share_of_core"] > 0
@@ -40,7 +45,7 @@ def test_one_small_size_reports_every_figure() -> None:
                                         "floor_cpu_us_per_rpc_ci95": 1.5})
     for key in ("lost_replies at 64", "cpu_us_per_turn at 64", "added_latency_p99_ms at 64",
                 "loop_lag_p99_ms at 64", "turns_per_s at 64", "loop_sleeps_per_turn at 64",
-                "prefix_resends at 64"):
+                "prefix_resends at 64", "window_waits at 64"):
         assert not math.isnan(ratios[key])
     # intervals live in ci95 as [low, high] beside their ratio, never as ratios of their own
     assert not any("ci95" in key for key in ratios)

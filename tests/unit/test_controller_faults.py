@@ -500,6 +500,29 @@ async def test_step_metrics_count_turns_resent_whole_after_a_prefix_miss() -> No
     assert sum(st.metrics.num_prefix_resends for st in steps) == 0 == len(holding.prefix_misses)
 
 
+class PeakWorker(FakeWorker):
+    """FakeWorker that records the most requests it ever had at once."""
+
+    peak = 0
+
+    async def generate(self, request, *, timeout_s=None):
+        self.peak = max(self.peak, self.in_flight + 1)
+        return await super().generate(request, timeout_s=timeout_s)
+
+
+@pytest.mark.looptime
+async def test_a_run_sends_each_worker_at_most_its_send_window() -> None:
+    # run.max_generate_in_flight reaches the proxy; the rest wait, and the step says how many.
+    worker = PeakWorker("w1", latency_s=0.5)
+    async with Cluster.from_scenario(scenario(max_generate_in_flight=2),
+                                     backends=backends(worker=worker)) as c:
+        steps = await run_steps(c, 2)
+    check_batches(steps)
+    assert failed(steps) == {}
+    assert worker.peak == 2
+    assert sum(st.metrics.num_window_waits for st in steps) > 0
+
+
 async def test_trajectories_shut_down_before_their_first_step_leave_the_buffer() -> None:
     # close() cancels a trajectory task that has not run yet: run_one's handler never runs,
     # so the done callback must tell the buffer (it kept counting it as running).

@@ -240,3 +240,20 @@ def test_checking_a_gem_env_name_leaves_the_root_logger_as_it_was() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=300, check=True)
     assert out.stdout.split() == [str(logging.WARNING), "0"], out.stdout + out.stderr
+
+
+def test_validate_notes_engines_that_run_more_sequences_than_the_send_window() -> None:
+    from rollart.launcher.validate import cost_notes, window_notes
+
+    def scenario(max_num_seqs: int | None, window: int = 4096):
+        sc = make_scenario(max_generate_in_flight=window)
+        return msgspec.structs.replace(sc, pools=[
+            msgspec.structs.replace(p, engine=msgspec.structs.replace(
+                p.engine, max_num_seqs=max_num_seqs)) for p in sc.pools])
+
+    notes = window_notes(scenario(512, window=256))
+    assert len(notes) == 2 and all(
+        "max_num_seqs = 512 is above run.max_generate_in_flight = 256" in n for n in notes)
+    assert set(notes) <= set(cost_notes(scenario(512, window=256)))
+    assert window_notes(scenario(256, window=256)) == []
+    assert window_notes(scenario(None, window=1)) == []  # vLLM's own default: not known here

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import gc
 import struct
+import time
 from collections.abc import AsyncIterator
 
 import msgspec
@@ -177,6 +178,38 @@ async def test_timed_out_calls_are_counted_and_a_late_reply_is_told_from_a_lost_
     finally:
         await client.close()
         peer.close()
+
+
+async def _a_reply_waiting_through_a_stall() -> None:
+    peer = SilentPeer()
+    client = RpcClient(peer.address, name="w0", auth=env_credentials(), heartbeat_interval_s=0)
+    loop = asyncio.get_running_loop()
+    try:
+        call = client.submit(m.EnvClose(session_id="s"), timeout_s=0.2)
+        t_sent = loop.time()
+        (ident, call_id, _), = await peer.requests(1)
+        peer.sock.send_multipart([ident, call_id, msgspec.msgpack.encode(m.Ack(detail="ok"))])
+        # The loop stalls (a long callback, a collection) until the reply is in the client's
+        # socket and the call's deadline has passed. (Polling the socket here also takes its
+        # edge-triggered wake-up, as a stall's missed one would.)
+        assert zmq.zmq_poll([(client._sock, zmq.POLLIN)], 30_000), "no reply in 30 s"
+        stall = max(0.0, t_sent + 0.2 + 2 * deadlines.EXPIRY_GRANULARITY_S - loop.time())
+        time.sleep(stall)  # noqa: ASYNC251 -- the stall is the point: the loop must not run
+        reply, _ = await asyncio.wait_for(call, 30)
+        assert reply == m.Ack(detail="ok")
+        assert (client.num_timeouts, client.num_late_replies) == (0, 0)
+    finally:
+        await client.close()
+        peer.close()
+
+
+@pytest.mark.parametrize("loop_kind", ["asyncio", "uvloop"])
+def test_a_reply_that_arrived_is_read_before_its_deadline_fires(loop_kind):
+    """Issue 11: after a stall, a due deadline must not beat a reply already received (uvloop
+    runs due timers before it polls for I/O; a 50k-trajectory start-up failed 512 calls so)."""
+    import uvloop
+
+    (uvloop.run if loop_kind == "uvloop" else asyncio.run)(_a_reply_waiting_through_a_stall())
 
 
 async def test_late_reply_memory_is_bounded_oldest_first(monkeypatch):

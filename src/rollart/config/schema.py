@@ -158,6 +158,13 @@ class RunConfig(_Cfg):
     max_tokens_per_trajectory: PosInt = 2048
     #: timeout of one generate call, seconds.
     generate_timeout_s: PosFloat = 600.0
+    #: generate requests outstanding on one inference worker at most; more wait in the
+    #: controller in arrival order, and each one's ``generate_timeout_s`` starts when it is sent,
+    #: so a burst (a run's start, thousands of trajectories released at once) is not failed by
+    #: its own queue and retried into it (``num_window_waits`` in the step metrics). Keep it
+    #: above what the engine runs at once: the default is 4x vLLM 0.32's largest default
+    #: ``max_num_seqs`` (1024, ``EngineArgs`` on H100-class GPUs).
+    max_generate_in_flight: PosInt = 4096
     #: timeout of one env open / step call, seconds (env hosts and in-process envs).
     env_timeout_s: PosFloat = 120.0
     #: an inference worker or env host that answers no heartbeat (sent every 2 s) for this

@@ -231,6 +231,7 @@ class Cluster:
             self._affinity,
             version=b.trainer.version,
             vocab_size=b.vocab_size,
+            max_in_flight=sc.run.max_generate_in_flight,
         )
         if self._agents and self._agent_runner is None:
             self._agent_runner = AgentRunner(self._agents)

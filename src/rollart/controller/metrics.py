@@ -115,6 +115,11 @@ class StepMetrics(msgspec.Struct, kw_only=True):
     #: small for the trajectories in flight, and each such turn costs a round trip and its
     #: context's bytes again
     num_prefix_resends: int = 0
+    #: generate requests that waited in the controller for a slot in their worker's send
+    #: window (``run.max_generate_in_flight`` outstanding per worker): a burst's share is
+    #: expected; most turns of every step waiting means the workers are offered more than the
+    #: window lets through
+    num_window_waits: int = 0
 
 
 #: One domain's counters over one step: the change of the buffer's cumulative ``DomainCounts``
@@ -167,6 +172,7 @@ def step_metrics(
     loop_lag_max_ms: float | None = None,
     num_invalid_actions: int = 0,
     num_prefix_resends: int = 0,
+    num_window_waits: int = 0,
 ) -> StepMetrics:
     """Assemble a step's metrics from its batch and the buffer counters around it.
 
@@ -231,5 +237,6 @@ def step_metrics(
         flat_groups_by_domain=dict(sorted(flat.items())),
         num_invalid_actions=num_invalid_actions,
         num_prefix_resends=num_prefix_resends,
+        num_window_waits=num_window_waits,
         groups_dropped_by_reason=_delta(after.groups_dropped, before.groups_dropped),
     )

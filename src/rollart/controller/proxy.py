@@ -8,7 +8,11 @@ Routing of one generate call for trajectory ``traj_id`` of domain ``d``:
 3. otherwise the least-loaded live worker of the pool, load being
    ``max(reported, local)``: ``reported`` = ``num_running + num_waiting`` of the worker's last
    ``WorkerStats`` (covers work from other clients), ``local`` = requests this proxy has in flight
-   there (covers requests sent since that report). Ties go to the first worker in pool order.
+   there or waiting for its send window (covers requests sent since that report). Ties go to
+   the first worker in pool order.
+4. at most ``max_in_flight`` requests are outstanding on one worker (its send window,
+   ``rollart.controller.sendwindow``); more wait here in arrival order, and each one's timeout
+   starts when it is sent, so a burst is not failed by its own queue.
 
 Prompts travel as deltas (``Generate.prefix_len``): the proxy remembers, per trajectory, which
 worker holds how many of its tokens (the prompt and generated tokens of its last turn there) and
@@ -47,6 +51,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from rollart.controller.ports import GenerationBackend
+from rollart.controller.sendwindow import SendWindow
 from rollart.controller.workercheck import (
     BAD_REPLY,
     ENGINE_ERROR,
@@ -90,6 +95,10 @@ class LLMProxy:
             (``None``: not checked beyond ``>= 0``).
         violations: per-worker violation window deciding quarantine (``None``: a bad reply
             fails its turn, the worker is never quarantined for it).
+        max_in_flight: generate requests outstanding on one worker at most
+            (``run.max_generate_in_flight``); more wait in the proxy, in arrival order, and
+            their timeout starts when sent (``rollart.controller.sendwindow``). ``None``: no
+            bound.
 
     Raises:
         ConfigError: an empty pool, a duplicate worker name, or affinity to an unknown pool.
@@ -103,6 +112,7 @@ class LLMProxy:
         version: int = 0,
         vocab_size: int | None = None,
         violations: ViolationWindow | None = None,
+        max_in_flight: int | None = None,
     ) -> None:
         self._pools: dict[str, Pool] = {}
         seen: set[str] = set()
@@ -117,7 +127,8 @@ class LLMProxy:
         self._affinity: dict[str, str] = {}
         for domain, pool in affinity.items():
             self.set_affinity(domain, pool)
-        self._in_flight: dict[str, int] = {name: 0 for name in seen}
+        self._window = SendWindow(seen, max_in_flight)
+        self._in_flight = self._window.in_flight  # local load, for routing
         self._sticky: dict[str, GenerationBackend] = {}
         #: trajectory -> (worker, number of its tokens that worker holds)
         self._held: dict[str, tuple[GenerationBackend, int]] = {}
@@ -186,9 +197,17 @@ class LLMProxy:
         """Routing load of ``worker`` (see the module docstring), a request count."""
         stats = worker.last_stats
         reported = stats.num_running + stats.num_waiting if stats is not None else 0
-        return max(reported, self._in_flight.get(worker.name, 0))
+        name = worker.name
+        return max(reported, self._in_flight.get(name, 0) + self._window.waiting(name))
+
+    @property
+    def num_window_waits(self) -> int:
+        """Generate requests that waited for a slot in their worker's send window (a
+        cumulative count)."""
+        return self._window.num_waits
 
     def _remove(self, pool: Pool, worker: GenerationBackend, why: str) -> None:
+        self._window.drop(worker.name)  # its waiters route again
         if worker in pool.workers:
             pool.workers.remove(worker)
             pool.removed.append(worker.name)
@@ -302,26 +321,28 @@ class LLMProxy:
         """
         total = len(prompt)
         while True:
-            min_version = self.version  # every worker serves at least this one now
             worker = self.route(traj_id, domain)
-            held_by, held = self._held.pop(traj_id, (None, 0))
-            if held_by is not worker or held > total:
-                held = 0
+            if not self._window.try_acquire(worker.name) and not await self._window.wait(
+                    worker.name):
+                continue  # the worker left its pool while this request waited
+            min_version = self.version  # every worker serves at least this one now
             pending = self._releases[worker.name]
             release = list(pending)
             pending.clear()
-            with memoryview(prompt) as view:
-                new = view[held:].tobytes()
-            request = m.Generate(
-                request_id=request_id, new_token_ids=new, sampling=sampling,
-                trajectory_id=traj_id, prefix_len=held, release=release,
-                tool_parser=tool_parser,
-            )
-            self.num_prompt_tokens_sent += total - held
-            self.num_prompt_tokens += total
-            self._in_flight[worker.name] += 1
             result = None
-            try:
+            try:  # from here the slot is released whatever happens
+                held_by, held = self._held.pop(traj_id, (None, 0))
+                if held_by is not worker or held > total:
+                    held = 0
+                with memoryview(prompt) as view:
+                    new = view[held:].tobytes()
+                request = m.Generate(
+                    request_id=request_id, new_token_ids=new, sampling=sampling,
+                    trajectory_id=traj_id, prefix_len=held, release=release,
+                    tool_parser=tool_parser,
+                )
+                self.num_prompt_tokens_sent += total - held
+                self.num_prompt_tokens += total
                 result = await worker.generate(request, timeout_s=timeout_s)
             except PeerDeadError as exc:
                 self._remove(self.pool_of(domain), worker, f"{type(exc).__name__}: {exc}")
@@ -340,7 +361,7 @@ class LLMProxy:
                 self.num_prefix_resends += 1  # next pass: held_by is gone, so prefix_len 0
                 continue
             finally:
-                self._in_flight[worker.name] -= 1
+                self._window.release(worker.name)
                 if result is None and not worker.dead:
                     # Failed, cancelled or timed out: the worker may still hold the old prefix,
                     # and may never have read this request's releases (a request refused before

@@ -48,6 +48,7 @@ async def step(c: Controller) -> StepMetrics:
     invalid_actions_before = c._ctx.invalid_actions if c._ctx else 0
     rerouted_before = c.proxy.num_rerouted
     resends_before = c.proxy.num_prefix_resends
+    window_waits_before = c.proxy.num_window_waits
     invalid_before = c.proxy.num_invalid_replies
     quarantined_before = len(c.proxy.quarantined)
     t0 = c.clock()
@@ -97,6 +98,7 @@ async def step(c: Controller) -> StepMetrics:
         num_generated_tokens=(c._ctx.generated_tokens if c._ctx else 0) - tokens_before,
         num_rerouted=c.proxy.num_rerouted - rerouted_before,
         num_prefix_resends=c.proxy.num_prefix_resends - resends_before,
+        num_window_waits=c.proxy.num_window_waits - window_waits_before,
         train_metrics=result.metrics,
         # Samples restored from a checkpoint started before this process did.
         rollout_not_before=c._started_at,

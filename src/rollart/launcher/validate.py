@@ -93,6 +93,18 @@ def agreement_notes(sc: Scenario) -> list[str]:
     return []
 
 
+def window_notes(sc: Scenario) -> list[str]:
+    """A note per pool whose engines may run more sequences at once than the controller sends
+    one worker (``engine.max_num_seqs`` above ``run.max_generate_in_flight``): the engine's
+    scheduler would never see a full batch."""
+    cap = sc.run.max_generate_in_flight
+    return [f"pools.{pool.name}.engine.max_num_seqs = {pool.engine.max_num_seqs} is above "
+            f"run.max_generate_in_flight = {cap}: each worker gets at most {cap} requests at "
+            "once, so its engine never runs a full batch"
+            for pool in sc.pools
+            if pool.engine.max_num_seqs is not None and pool.engine.max_num_seqs > cap]
+
+
 def py_env_notes(sc: Scenario, local_envs: Collection[str] = ()) -> list[str]:
     """A note per ``py:`` env (served by env hosts) whose top-level package cannot be found
     on this machine's path. Only found, never imported: the env host imports it, on its own
@@ -115,8 +127,9 @@ def py_env_notes(sc: Scenario, local_envs: Collection[str] = ()) -> list[str]:
 
 def cost_notes(sc: Scenario) -> list[str]:
     """What would not stop a run but would cost it (``prefix_store_notes``,
-    ``agreement_notes``): printed by ``rollart validate`` and at the start of ``rollart run``."""
-    return prefix_store_notes(sc) + agreement_notes(sc)
+    ``agreement_notes``, ``window_notes``): printed by ``rollart validate`` and at the start of
+    ``rollart run``."""
+    return prefix_store_notes(sc) + agreement_notes(sc) + window_notes(sc)
 
 
 def main(argv: list[str] | None = None) -> int:

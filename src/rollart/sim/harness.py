@@ -258,7 +258,8 @@ class SimCluster:
                                   delta_rebuild_bytes_per_s=sim.delta_rebuild_bytes_per_s)
         self.proxy = LLMProxy(
             {p.name: (p.hardware, self.workers[p.name]) for p in sim.pools},
-            {d.spec.name: d.pool for d in sim.domains})
+            {d.spec.name: d.pool for d in sim.domains},
+            max_in_flight=self.scenario.run.max_generate_in_flight)
         self.controller = Controller(
             self.scenario, proxy=self.proxy, envs=EnvRouter(self.env_hosts),
             rewards=RewardRouter(service=self.reward), trainer=self.trainer,

@@ -81,14 +81,20 @@ class DeadlineWheel:
             later, not wrong.
         granularity_s: bucket width (> 0): a call expires no earlier than its timeout and at
             most ``granularity_s`` later (see the module docstring).
+        before_expiry: called once before a firing expires anything, so the owner can take in
+            what has already arrived: a reply waiting in a socket is then not timed out
+            because the loop was late to read it (uvloop runs due timers before it polls for
+            I/O, so after a stall the deadline would always win). ``None``: nothing.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, on_expired: ExpireCallback,
-                 live: Collection[bytes], granularity_s: float = EXPIRY_GRANULARITY_S) -> None:
+                 live: Collection[bytes], granularity_s: float = EXPIRY_GRANULARITY_S,
+                 before_expiry: Callable[[], object] | None = None) -> None:
         if not granularity_s > 0:
             raise ValueError(f"granularity_s must be > 0, got {granularity_s}")
         self._loop = loop
         self._on_expired = on_expired
+        self._before_expiry = before_expiry
         self._live = live
         self.granularity_s = granularity_s
         self._buckets: dict[_Key, bytearray] = {}
@@ -184,6 +190,8 @@ class DeadlineWheel:
         heap = self._heap
         g = self.granularity_s
         is_live = self._live.__contains__
+        if self._before_expiry is not None and heap and heap[0][0] * g <= now:
+            self._before_expiry()
         # A loop may run a timer up to its clock resolution early: only ticks truly past go.
         while heap and heap[0][0] * g <= now:
             key = heapq.heappop(heap)

@@ -323,7 +323,6 @@ class RpcClient:
         # death of the peer, or ``forget``.
         self._pending: dict[bytes, asyncio.Future] = {}
         self._ids = itertools.count(1)
-        self._deadlines = DeadlineWheel(self._loop, self._expire, self._pending)
         self.num_timeouts = 0
         self.num_late_replies = 0
         # call id -> None, oldest first: the timed-out calls whose replies may still come
@@ -332,6 +331,10 @@ class RpcClient:
         self._hb_interval = heartbeat_interval_s
         self._liveness = liveness_timeout_s
         self._pump = SocketPump(self._sock, self._on_reply, copy_parts=2, name=self.name)
+        # Replies already in the socket are read before any deadline fires: a starved loop
+        # (a collection, a burst of trajectory starts) must not turn them into timeouts.
+        self._deadlines = DeadlineWheel(self._loop, self._expire, self._pending,
+                                        before_expiry=self._pump.drain_now)
         self._heartbeat = (
             asyncio.create_task(self._heartbeat_loop()) if heartbeat_interval_s > 0 else None
         )

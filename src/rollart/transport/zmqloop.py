@@ -225,6 +225,24 @@ class SocketPump:
                 return
             raise
 
+    def drain_now(self) -> int:
+        """Receive and handle every message waiting now, without the pump's per-wake-up
+        budget: a client calls it before expiring deadlines, so a reply that arrived is not
+        timed out because the loop was late to read it. Returns how many were received."""
+        if self._closed or not self.receiving:
+            return 0
+        total = 0
+        try:
+            while True:
+                got, _ = self._drain()
+                total += got
+                if got < RECV_BUDGET:
+                    return total
+        except zmq.ZMQError as exc:
+            if self._closed or exc.errno in (zmq.ETERM, zmq.ENOTSOCK):
+                return total
+            raise
+
     def _drain(self) -> tuple[int, int]:
         """Receive and handle up to ``RECV_BUDGET`` messages: (how many, the socket's EVENTS
         as last read, -1 if not read after the last receive)."""

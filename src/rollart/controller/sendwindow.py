@@ -1,0 +1,105 @@
+"""Per-worker send window: at most ``limit`` generate requests outstanding on one worker.
+
+Why (issue 11): a request's ``generate_timeout_s`` must measure the worker, not a queue. Without
+a window, a burst (a run's start, a weight apply releasing thousands of trajectories at once)
+puts every request on the wire at once; a worker that takes them in slower than they come
+holds a backlog in ZeroMQ's queues (high-water mark 0 by design: nothing is dropped), requests
+at its tail time out although the worker is healthy, their trajectories are retried, and each
+retry adds a new request (a whole prompt, for a new trajectory) to the same backlog. At 50k
+trajectories x 32k tokens on one SIMULATED worker that grew the run by 16 GiB in 80 s.
+
+With the window, requests beyond ``limit`` wait in the controller, in arrival order, and each
+one's timeout starts when it is sent. Waiting costs a future per waiting request only; below
+the limit :meth:`try_acquire` is a dict lookup and a compare. Keep ``limit`` above what the
+engine runs at once (vLLM's ``max_num_seqs``) so its scheduler never runs dry.
+
+The wait itself has no timeout of its own, and needs none: every slot is released when its
+call ends (reply, error or timeout), and a worker that stops answering is declared dead by its
+heartbeats, which ends its calls; its waiters are then woken (:meth:`drop`) to route again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Iterable
+
+
+class SendWindow:
+    """Slots of outstanding generate requests, per worker name.
+
+    Args:
+        names: the workers' names.
+        limit: slots per worker (>= 1), or ``None`` for no bound.
+
+    Attributes:
+        in_flight: worker name -> slots taken (requests sent and not ended, plus slots handed
+            to a waiter that has not sent yet).
+        num_waits: requests that had to wait for a slot (a cumulative count).
+    """
+
+    def __init__(self, names: Iterable[str], limit: int | None) -> None:
+        if limit is not None and limit < 1:
+            raise ValueError(f"send window limit must be >= 1 or None, got {limit}")
+        self.limit = limit
+        self.in_flight: dict[str, int] = {name: 0 for name in names}
+        self._waiters: dict[str, deque[asyncio.Future[bool]]] = {
+            name: deque() for name in self.in_flight}
+        self.num_waits = 0
+
+    def waiting(self, name: str) -> int:
+        """Requests waiting for a slot on ``name`` (cancelled ones may still count)."""
+        return len(self._waiters[name])
+
+    def try_acquire(self, name: str) -> bool:
+        """Take a slot on ``name`` if one is free and nobody waits for it (FIFO: a request
+        that arrives while others wait queues behind them). True if taken."""
+        queue = self._waiters[name]
+        while queue and queue[0].done():  # cancelled waiters left behind
+            queue.popleft()
+        if self.limit is not None and (queue or self.in_flight[name] >= self.limit):
+            return False
+        self.in_flight[name] += 1
+        return True
+
+    async def wait(self, name: str) -> bool:
+        """Wait, in arrival order, for a slot on ``name`` (call after ``try_acquire`` failed).
+
+        Returns:
+            True: the slot is this caller's (release it when the call ends); False: the worker
+            was dropped while waiting (nothing to release; route again).
+        Raises:
+            asyncio.CancelledError: the caller was cancelled (a slot handed over at that
+                moment is passed on).
+        """
+        fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._waiters[name].append(fut)
+        self.num_waits += 1
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            # Cancelled after release() handed it the slot but before it ran: pass it on.
+            if fut.done() and not fut.cancelled() and fut.result():
+                self.release(name)
+            raise
+        finally:
+            del fut
+
+    def release(self, name: str) -> None:
+        """End one slot on ``name``: hand it to the longest waiter, else free it."""
+        queue = self._waiters[name]
+        while queue:
+            fut = queue.popleft()
+            if not fut.done():
+                fut.set_result(True)  # the slot passes on: in_flight unchanged
+                return
+        self.in_flight[name] -= 1
+
+    def drop(self, name: str) -> None:
+        """``name`` left its pool: wake its waiters with False (they route again). Slots of
+        calls still in flight there are released as those calls end."""
+        queue = self._waiters[name]
+        while queue:
+            fut = queue.popleft()
+            if not fut.done():
+                fut.set_result(False)
