@@ -63,7 +63,14 @@ def test_minimal_defaults() -> None:
         (("batch_size = 8", "batch_size = 0"), "run.batch_size: Expected `int` >= 1"),
         (("batch_size = 8", "batch_size = 8\nbatchsize = 8"),
          "run: Object contains unknown field `batchsize`"),
-        (("[run]", '[run]\nmode = "fast"'), "run.mode: Invalid enum value 'fast'"),
+        (("[run]", '[run]\nmode = "fast"'), "run.mode: Invalid enum value 'fast'; one of "
+         "['areal', 'one_off', 'rollart', 'sync', 'sync_plus']"),
+        (("[run]", '[run]\nmode = "rolart"'), "(did you mean 'rollart'?)"),
+        (('reward = "reasoning_gym"', 'reward = "x"\ninvalid_action = "obsrve"'),
+         "domains[0].invalid_action: Invalid enum value 'obsrve'; one of ['fail', 'observe', "
+         "'penalty'] (did you mean 'observe'?)"),
+        (('name = "cpu"', 'name = "cpu"\n[pools.engine]\nmax_num_seqs = 0'),
+         "pools[0].engine.max_num_seqs: Expected `int` >= 1"),
         (("[run]", '[run]\nmode = "sync"'), "run.alpha: mode 'sync' is on-policy: alpha must be 0"),
         (("[run]", "[run]\nalpha = 0"), "run.alpha: mode 'rollart' overlaps rollout"),
         (("[run]", '[run]\nmode = "one_off"\nalpha = 2'), "run.alpha: mode 'one_off'"),

@@ -18,9 +18,12 @@ value raises :class:`ConfigError` naming the file, the field and the reason.
 
 from __future__ import annotations
 
+import difflib
+import re
 from pathlib import Path
 
 import msgspec
+import msgspec.inspect
 
 from rollart.config.schema import (
     DomainConfig,
@@ -63,13 +66,47 @@ __all__ = [
 ]
 
 
+def _field_type(path: str) -> msgspec.inspect.Type | None:
+    """The declared type at a msgspec error path such as ``domains[0].sampling.top_p``."""
+    t: msgspec.inspect.Type = msgspec.inspect.type_info(Scenario)
+    for name in re.sub(r"\[\d+\]", "", path).split("."):
+        while True:  # through lists and optionals to the struct that holds ``name``
+            if isinstance(t, msgspec.inspect.ListType):
+                t = t.item_type
+            elif isinstance(t, msgspec.inspect.UnionType):
+                structs = [u for u in t.types if isinstance(u, msgspec.inspect.StructType)]
+                if len(structs) != 1:
+                    return None
+                t = structs[0]
+            else:
+                break
+        if not isinstance(t, msgspec.inspect.StructType):
+            return None
+        fields = {f.name: f.type for f in t.fields}
+        if name not in fields:
+            return None
+        t = fields[name]
+    return t
+
+
 def _validation_message(exc: msgspec.ValidationError) -> str:
     # msgspec says "... - at `$.run.batch_size`"; name the field first, as the other errors do.
     text = str(exc)
-    if " - at `$." in text:
-        reason, _, where = text.rpartition(" - at `$.")
-        return f"{where.rstrip('`')}: {reason}"
-    return text
+    if " - at `$." not in text:
+        return text
+    reason, _, where = text.rpartition(" - at `$.")
+    where = where.rstrip("`")
+    if reason.startswith("Invalid enum value"):
+        # msgspec names the bad value only: add what the field takes, and the nearest.
+        t = _field_type(where)
+        if isinstance(t, msgspec.inspect.UnionType):
+            t = next((u for u in t.types if isinstance(u, msgspec.inspect.LiteralType)), None)
+        if isinstance(t, msgspec.inspect.LiteralType):
+            allowed = [str(v) for v in t.values]
+            bad = reason.removeprefix("Invalid enum value").strip().strip("'")
+            near = difflib.get_close_matches(bad, allowed, n=1)
+            reason += f"; one of {allowed}" + (f" (did you mean {near[0]!r}?)" if near else "")
+    return f"{where}: {reason}"
 
 
 def parse_scenario(data: bytes | str, source: str = "<scenario>") -> Scenario:
