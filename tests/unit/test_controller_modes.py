@@ -217,8 +217,22 @@ async def test_every_trajectory_failing_is_fatal_not_a_hang() -> None:
     env = FakeEnvHost(turns=2, fail=lambda i, s: True)
     scenario = make_scenario(mode="rollart", alpha=1, batch_size=4, group_size=2)
     async with Cluster.from_scenario(scenario, backends=backends(env)) as c:
-        with pytest.raises(ControllerStalledError, match="failures in a row"):
+        with pytest.raises(ControllerStalledError, match="failures in a row") as err:
             await run_steps(c, 1)
+    # The last reasons, each once with its count: a misconfigured env fails every
+    # trajectory the same way, and the run's last line must not repeat it five times.
+    assert "; last 5: " in str(err.value)
+    reasons = str(err.value).split("; last 5: ", 1)[1]
+    assert sum(int(part.split("x ", 1)[0]) if part[0].isdigit() else 1
+               for part in reasons.split("; ")) == 5
+
+
+def test_last_failures_names_each_reason_once_with_its_count() -> None:
+    from rollart.controller.trajtasks import last_failures
+
+    assert last_failures(["env_error: a", "env_error: a", "env_error: b", "env_error: a"]) == (
+        "3x 'env_error: a'; 'env_error: b'")
+    assert last_failures(["x"]) == "'x'"
 
 
 @pytest.mark.looptime

@@ -137,6 +137,16 @@ async def run_one(c: Controller, tid: str, key: str) -> None:
         c._notify()
 
 
+def last_failures(reasons: list[str]) -> str:
+    """``reasons`` for one message: each distinct reason once, in first-seen order, with how
+    many times it came (a misconfigured env fails every trajectory with the same long reason,
+    which the run's last line would otherwise repeat)."""
+    counts = dict.fromkeys(reasons, 0)
+    for r in reasons:
+        counts[r] += 1
+    return "; ".join(f"{n}x {r!r}" if n > 1 else repr(r) for r, n in counts.items())
+
+
 def on_failed(c: Controller, tid: str, key: str, exc: TrajectoryFailed) -> None:
     """Count a failed trajectory, retry its slot, or give its group up when the group's
     failure budget (``run.retry.max_failures_per_group``) is spent."""
@@ -145,7 +155,8 @@ def on_failed(c: Controller, tid: str, key: str, exc: TrajectoryFailed) -> None:
     if c._failures_in_a_row >= c.run.retry.max_failures_in_a_row:
         raise ControllerStalledError(
             f"{c._failures_in_a_row} trajectory failures in a row "
-            f"(run.retry.max_failures_in_a_row); last: {c._last_failures}"
+            f"(run.retry.max_failures_in_a_row); last {len(c._last_failures)}: "
+            f"{last_failures(c._last_failures)}"
         ) from exc
     retry = c.buffer.fail(tid, exc.reason)
     c._group_failures[key] += 1
