@@ -202,3 +202,56 @@ def test_the_held_count_is_exact_through_bucket_openings_firings_and_compactions
         loop.advance(0.05)
         assert len(wheel) == sum(len(ids) for ids in wheel._buckets.values()) // 8
     assert not live and len(wheel) == 0
+
+
+def test_before_expiry_runs_once_per_firing_with_something_due_before_any_expiry():
+    loop = FakeLoop()
+    order: list[str] = []
+    live = {_id(1), _id(2)}
+
+    def drain() -> None:  # a reply read here completes its call: it must not expire
+        order.append("drain")
+        live.discard(_id(1))
+
+    wheel = DeadlineWheel(loop, lambda cid, kind, t: order.append(f"expired {cid[-1]}"), live,
+                          granularity_s=0.1, before_expiry=drain)
+    wheel.add(_id(1), "Generate", 1.0)
+    wheel.add(_id(2), "Generate", 1.0)
+    loop.advance(1.2)
+    assert order == ["drain", "expired 2"]
+    loop.advance(10.0)  # nothing due: no drain
+    assert order == ["drain", "expired 2"]
+
+
+def test_a_failing_or_reentrant_before_expiry_leaves_the_wheel_working(monkeypatch, caplog):
+    monkeypatch.setattr(deadlines, "COMPACT_MIN_IDS", 0)
+    loop = FakeLoop()
+    expired: list[bytes] = []
+    live: set[bytes] = set()
+    calls = 0
+
+    def before() -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("drain failed")
+        # Files a call (a new lane: opens a bucket, which may compact the wheel).
+        live.add(_id(99))
+        wheel.add(_id(99), "Other", 0.3)
+
+    wheel = DeadlineWheel(loop, lambda cid, kind, t: expired.append(cid), live,
+                          granularity_s=0.1, before_expiry=before)
+    live.add(_id(1))
+    wheel.add(_id(1), "Ping", 0.1)
+    loop.advance(0.2)  # the drain raises: the call expires anyway
+    assert expired == [_id(1)] and "before_expiry failed" in caplog.text
+    ids = [_id(n) for n in range(10, 50)]
+    live.update(ids)
+    for cid in ids:
+        wheel.add(cid, "Generate", 0.1)
+    live.add(_id(2))
+    wheel.add(_id(2), "Ping", 0.1)
+    live.difference_update(ids)  # completed: a compaction would drop them
+    loop.advance(0.2)
+    loop.advance(0.5)
+    assert expired == [_id(1), _id(2), _id(99)]

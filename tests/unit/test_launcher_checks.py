@@ -253,7 +253,10 @@ def test_validate_notes_engines_that_run_more_sequences_than_the_send_window() -
 
     notes = window_notes(scenario(512, window=256))
     assert len(notes) == 2 and all(
-        "max_num_seqs = 512 is above run.max_generate_in_flight = 256" in n for n in notes)
+        "max_num_seqs = 512 is not below run.max_generate_in_flight = 256" in n
+        and "never runs a full batch" in n for n in notes)
     assert set(notes) <= set(cost_notes(scenario(512, window=256)))
-    assert window_notes(scenario(256, window=256)) == []
+    (equal, _) = window_notes(scenario(256, window=256))
+    assert "none queued" in equal and "full batch" not in equal
+    assert window_notes(scenario(255, window=256)) == []
     assert window_notes(scenario(None, window=1)) == []  # vLLM's own default: not known here

@@ -11,7 +11,9 @@ from test_controller_fakes import FakeWorker
 
 from rollart.controller.proxy import LLMProxy, PoolExhaustedError
 from rollart.controller.sendwindow import SendWindow
+from rollart.controller.workercheck import InvalidWorkerOutput, ViolationWindow
 from rollart.transport import messages as m
+from rollart.transport.errors import RemoteTimeoutError
 
 
 def req(rid: str) -> tuple[str, array.array, m.SamplingParams]:
@@ -29,7 +31,8 @@ async def until(cond, what: str) -> None:
 
 class HeldWorker(FakeWorker):
     """FakeWorker whose requests finish only when the test releases them, one by one, and
-    that applies a call's ``timeout_s`` as a real client does (from when it is sent)."""
+    that applies a call's ``timeout_s`` as a real client does (from when it is sent, raising
+    ``RemoteTimeoutError``)."""
 
     def __init__(self, name: str) -> None:
         super().__init__(name)
@@ -45,6 +48,9 @@ class HeldWorker(FakeWorker):
             async with asyncio.timeout(timeout_s):
                 await gate.wait()
                 return await super().generate(request)
+        except TimeoutError:
+            raise RemoteTimeoutError(f"{self.name}: no reply to Generate within "
+                                     f"{timeout_s} s") from None
         finally:
             self.outstanding -= 1
 
@@ -94,7 +100,7 @@ async def test_the_timeout_of_a_waiting_request_starts_when_it_is_sent() -> None
     assert (await second).request_id == "r1"
     await first
     # Once sent, the timeout does apply.
-    with pytest.raises(TimeoutError):
+    with pytest.raises(RemoteTimeoutError):
         await proxy.generate("t2", "d", *req("r2"), timeout_s=0.05)
     assert proxy._window.in_flight["w"] == 0
 
@@ -158,6 +164,83 @@ async def test_waiters_of_a_removed_worker_route_to_the_rest_of_the_pool() -> No
     with pytest.raises(PoolExhaustedError):
         await waiting
     c.finish("r0")
+    await held
+
+
+async def test_a_slot_freed_by_the_reply_that_quarantines_its_worker_is_not_used_there() -> None:
+    # The bad reply releases its slot (handing it to the waiter) before it is judged and
+    # the worker quarantined: the waiter must route again, not send to the quarantined one.
+    a, b = HeldWorker("a"), HeldWorker("b")
+    a.respond = lambda r: "ok"  # token ids >= 50: out of this vocabulary
+    b.respond = lambda r: "\x01"
+    proxy = LLMProxy({"P": ("cpu", [a, b])}, {"d": "P"}, max_in_flight=1, vocab_size=50,
+                     violations=ViolationWindow(1, 1))
+    t0 = asyncio.create_task(proxy.generate("t0", "d", *req("r0")))
+    await until(lambda: "r0" in a.gates, "r0 on a")
+    tb = asyncio.create_task(proxy.generate("tb", "d", *req("rb")))
+    await until(lambda: "rb" in b.gates, "rb on b")
+    t1 = asyncio.create_task(proxy.generate("t1", "d", *req("r1")))  # equal load: a, waits
+    await until(lambda: proxy.num_window_waits == 1, "t1 waits for a")
+    a.finish("r0")
+    with pytest.raises(InvalidWorkerOutput):
+        await t0
+    assert proxy.quarantined == ["a"]
+    b.finish("rb")
+    b.finish("r1")
+    await asyncio.wait_for(tb, 30)
+    assert (await asyncio.wait_for(t1, 30)).request_id == "r1"
+    assert "r1" not in a.gates and [r.request_id for r in b.requests] == ["rb", "r1"]
+    assert proxy._window.in_flight == {"a": 0, "b": 0}
+
+
+async def test_waiters_of_a_worker_that_answers_nothing_fail_with_its_first_timeout() -> None:
+    # Alive to heartbeats, answering nothing: without this the k-th window's worth of
+    # waiters would fail only after k timeouts, never routed elsewhere.
+    hung = HeldWorker("hung")
+    proxy = LLMProxy({"P": ("cpu", [hung])}, {"d": "P"}, max_in_flight=2)
+    tasks = [asyncio.create_task(proxy.generate(f"t{i}", "d", *req(f"r{i}"), timeout_s=0.2))
+             for i in range(6)]
+    results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 30)
+    assert all(isinstance(r, RemoteTimeoutError) for r in results)
+    assert sorted(hung.gates) == ["r0", "r1"]  # the waiters were never sent
+    assert sum("answered no generate call within 0.2 s" in str(r) for r in results) == 4
+    assert proxy._window.in_flight["hung"] == 0 and proxy._window.waiting("hung") == 0
+
+
+async def test_a_worker_that_answers_keeps_its_waiters_through_a_timeout() -> None:
+    # One request times out, but the worker answered another since: busy, not hung.
+    w = HeldWorker("w")
+    proxy = LLMProxy({"P": ("cpu", [w])}, {"d": "P"}, max_in_flight=2)
+    slow = asyncio.create_task(proxy.generate("t0", "d", *req("r0"), timeout_s=0.3))
+    fast = asyncio.create_task(proxy.generate("t1", "d", *req("r1")))
+    waiter = asyncio.create_task(proxy.generate("t2", "d", *req("r2")))
+    await until(lambda: proxy.num_window_waits == 1, "t2 waits")
+    w.finish("r1")
+    await fast
+    await until(lambda: "r2" in w.gates, "r2 sent in r1's slot")
+    with pytest.raises(RemoteTimeoutError):
+        await slow
+    w.finish("r2")
+    assert (await waiter).request_id == "r2"
+
+
+async def test_cancelled_waiters_are_not_routing_load() -> None:
+    a, b = HeldWorker("a"), HeldWorker("b")
+    proxy = LLMProxy({"P": ("cpu", [a, b])}, {"d": "P"}, max_in_flight=1)
+    held = asyncio.create_task(proxy.generate("t0", "d", *req("r0")))
+    await until(lambda: "r0" in a.gates, "r0 on a")
+    a.finish("warm")
+    waiters = []
+    for i in range(5):  # sticky to a by an answered turn each, then waiting there
+        proxy._sticky[f"s{i}"] = a
+        waiters.append(asyncio.create_task(proxy.generate(f"s{i}", "d", *req(f"q{i}"))))
+    await until(lambda: proxy._window.waiting("a") == 5, "five wait")
+    assert proxy.load(a) == 6
+    for t in waiters:
+        t.cancel()
+    await asyncio.gather(*waiters, return_exceptions=True)
+    assert proxy._window.waiting("a") == 0 and proxy.load(a) == 1
+    a.finish("r0")
     await held
 
 

@@ -6,16 +6,24 @@ puts every request on the wire at once; a worker that takes them in slower than 
 holds a backlog in ZeroMQ's queues (high-water mark 0 by design: nothing is dropped), requests
 at its tail time out although the worker is healthy, their trajectories are retried, and each
 retry adds a new request (a whole prompt, for a new trajectory) to the same backlog. At 50k
-trajectories x 32k tokens on one SIMULATED worker that grew the run by 16 GiB in 80 s.
+trajectories x 32k tokens on one SIMULATED worker: 22,241 generate timeouts, memory in use
+21.4 GB when the run stopped (``ControllerStalledError``); with the window 0 timeouts
+(benchmarks/README.md, "Seventh round").
 
 With the window, requests beyond ``limit`` wait in the controller, in arrival order, and each
 one's timeout starts when it is sent. Waiting costs a future per waiting request only; below
 the limit :meth:`try_acquire` is a dict lookup and a compare. Keep ``limit`` above what the
 engine runs at once (vLLM's ``max_num_seqs``) so its scheduler never runs dry.
 
-The wait itself has no timeout of its own, and needs none: every slot is released when its
-call ends (reply, error or timeout), and a worker that stops answering is declared dead by its
-heartbeats, which ends its calls; its waiters are then woken (:meth:`drop`) to route again.
+The wait has no timeout of its own. Every slot is released when its call ends (reply, error
+or timeout); a worker that stops answering heartbeats is declared dead, which ends its calls,
+and its waiters are woken (:meth:`drop`) to route again. A worker alive but answering nothing
+(a hung engine) would otherwise hold its waiters for one timeout per window's worth of them:
+the proxy calls :meth:`fail_waiting` when one of its calls times out with nothing answered
+since it was sent, and they fail at once (and are retried elsewhere), as without a window.
+
+"At most ``limit``" counts what the controller waits for: a timed-out request's slot is free
+at once, while its abort may still be on the way to the worker.
 """
 
 from __future__ import annotations
@@ -23,6 +31,8 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import Iterable
+
+from rollart.transport.errors import RemoteTimeoutError
 
 
 class SendWindow:
@@ -45,11 +55,13 @@ class SendWindow:
         self.in_flight: dict[str, int] = {name: 0 for name in names}
         self._waiters: dict[str, deque[asyncio.Future[bool]]] = {
             name: deque() for name in self.in_flight}
+        # Waiters not yet woken or cancelled (the deque may still hold cancelled ones).
+        self._waiting: dict[str, int] = dict.fromkeys(self.in_flight, 0)
         self.num_waits = 0
 
     def waiting(self, name: str) -> int:
-        """Requests waiting for a slot on ``name`` (cancelled ones may still count)."""
-        return len(self._waiters[name])
+        """Requests waiting for a slot on ``name`` now (cancelled ones not counted)."""
+        return self._waiting[name]
 
     def try_acquire(self, name: str) -> bool:
         """Take a slot on ``name`` if one is free and nobody waits for it (FIFO: a request
@@ -71,15 +83,19 @@ class SendWindow:
         Raises:
             asyncio.CancelledError: the caller was cancelled (a slot handed over at that
                 moment is passed on).
+            RemoteTimeoutError: the worker answers nothing (:meth:`fail_waiting`).
         """
         fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         self._waiters[name].append(fut)
+        self._waiting[name] += 1
         self.num_waits += 1
         try:
             return await fut
         except asyncio.CancelledError:
-            # Cancelled after release() handed it the slot but before it ran: pass it on.
-            if fut.done() and not fut.cancelled() and fut.result():
+            if not fut.done() or fut.cancelled():
+                self._waiting[name] -= 1  # still queued: release() will skip it
+            elif fut.exception() is None and fut.result():
+                # Cancelled after release() handed it the slot but before it ran: pass it on.
                 self.release(name)
             raise
         finally:
@@ -91,6 +107,7 @@ class SendWindow:
         while queue:
             fut = queue.popleft()
             if not fut.done():
+                self._waiting[name] -= 1
                 fut.set_result(True)  # the slot passes on: in_flight unchanged
                 return
         self.in_flight[name] -= 1
@@ -102,4 +119,18 @@ class SendWindow:
         while queue:
             fut = queue.popleft()
             if not fut.done():
+                self._waiting[name] -= 1
                 fut.set_result(False)
+
+    def fail_waiting(self, name: str, why: str) -> int:
+        """Fail every request waiting for a slot on ``name`` with ``RemoteTimeoutError(why)``
+        (its worker answers nothing: see the module docstring). Returns how many."""
+        queue = self._waiters[name]
+        failed = 0
+        while queue:
+            fut = queue.popleft()
+            if not fut.done():
+                self._waiting[name] -= 1
+                fut.set_exception(RemoteTimeoutError(why))
+                failed += 1
+        return failed

@@ -94,15 +94,17 @@ def agreement_notes(sc: Scenario) -> list[str]:
 
 
 def window_notes(sc: Scenario) -> list[str]:
-    """A note per pool whose engines may run more sequences at once than the controller sends
-    one worker (``engine.max_num_seqs`` above ``run.max_generate_in_flight``): the engine's
-    scheduler would never see a full batch."""
+    """A note per pool whose engines may run as many sequences at once as the controller sends
+    one worker, or more (``engine.max_num_seqs`` not below ``run.max_generate_in_flight``): the
+    engine would have no request waiting to start when one finishes, or never a full batch.
+    ``max_num_seqs`` unset (vLLM's default, up to 1024) is not checked here."""
     cap = sc.run.max_generate_in_flight
-    return [f"pools.{pool.name}.engine.max_num_seqs = {pool.engine.max_num_seqs} is above "
+    return [f"pools.{pool.name}.engine.max_num_seqs = {pool.engine.max_num_seqs} is not below "
             f"run.max_generate_in_flight = {cap}: each worker gets at most {cap} requests at "
-            "once, so its engine never runs a full batch"
+            "once, so its engine has none queued to start when one finishes"
+            + ("" if pool.engine.max_num_seqs == cap else " and never runs a full batch")
             for pool in sc.pools
-            if pool.engine.max_num_seqs is not None and pool.engine.max_num_seqs > cap]
+            if pool.engine.max_num_seqs is not None and pool.engine.max_num_seqs >= cap]
 
 
 def py_env_notes(sc: Scenario, local_envs: Collection[str] = ()) -> list[str]:

@@ -38,11 +38,14 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+import logging
 import math
 import re
 from collections.abc import Callable, Collection
 
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 #: Width of a deadline bucket in seconds: how late, at most, a call's timeout fires. RPC
 #: timeouts are seconds to minutes (heartbeat liveness 10 s, env step 120 s, generate 600 s),
@@ -187,11 +190,14 @@ class DeadlineWheel:
     def _fire(self) -> None:
         self._timer = None
         now = self._loop.time()
-        heap = self._heap
         g = self.granularity_s
         is_live = self._live.__contains__
-        if self._before_expiry is not None and heap and heap[0][0] * g <= now:
-            self._before_expiry()
+        if self._before_expiry is not None and self._heap and self._heap[0][0] * g <= now:
+            try:
+                self._before_expiry()
+            except Exception:  # the deadlines must still fire, and the wheel stay armed
+                log.exception("deadline wheel: before_expiry failed; expiring anyway")
+        heap = self._heap  # after before_expiry: a call it filed may have compacted the wheel
         # A loop may run a timer up to its clock resolution early: only ticks truly past go.
         while heap and heap[0][0] * g <= now:
             key = heapq.heappop(heap)
