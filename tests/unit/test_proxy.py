@@ -196,3 +196,18 @@ async def test_releases_of_a_failed_request_are_sent_again() -> None:
     w.generate = inner  # type: ignore[method-assign]
     await proxy.generate("t3", "d", *req("r3"))
     assert sorted(w.requests[-1].release) == ["t1", "t2"]
+
+
+@pytest.mark.looptime
+async def test_a_worker_dying_after_its_domain_moved_leaves_its_own_pool() -> None:
+    proxy, a1, a2, b1 = two_pools()
+    a1.latency_s = 10.0  # t1's turn is in flight on a1 when the domain moves
+    turn = asyncio.create_task(proxy.generate("t1", "prefill_heavy", *req("r1")))
+    for _ in range(10):
+        await asyncio.sleep(0)
+    assert [r.request_id for r in a1.requests] == ["r1"]
+    proxy.set_affinity("prefill_heavy", "B")
+    a1.kill()
+    result = await asyncio.wait_for(turn, 30)  # re-sent, now to the domain's pool B
+    assert result.request_id == "r1" and [r.request_id for r in b1.requests] == ["r1"]
+    assert proxy.pools["A"].workers == [a2] and proxy.pools["A"].removed == ["a1"]

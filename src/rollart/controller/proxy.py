@@ -355,7 +355,8 @@ class LLMProxy:
                 result = await worker.generate(request, timeout_s=timeout_s)
                 self._answered[worker.name] += 1
             except PeerDeadError as exc:
-                self._remove(self.pool_of(domain), worker, f"{type(exc).__name__}: {exc}")
+                # Its own pool: the domain may have moved to another since (set_affinity).
+                self.remove_worker(worker.name, f"{type(exc).__name__}: {exc}")
                 self.num_rerouted += 1
                 continue
             except RemoteError as exc:
