@@ -193,22 +193,8 @@ async def test_a_slot_freed_by_the_reply_that_quarantines_its_worker_is_not_used
     assert proxy._window.in_flight == {"a": 0, "b": 0}
 
 
-async def test_waiters_of_a_worker_that_answers_nothing_fail_with_its_first_timeout() -> None:
-    # Alive to heartbeats, answering nothing: without this the k-th window's worth of
-    # waiters would fail only after k timeouts, never routed elsewhere.
-    hung = HeldWorker("hung")
-    proxy = LLMProxy({"P": ("cpu", [hung])}, {"d": "P"}, max_in_flight=2)
-    tasks = [asyncio.create_task(proxy.generate(f"t{i}", "d", *req(f"r{i}"), timeout_s=0.2))
-             for i in range(6)]
-    results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 30)
-    assert all(isinstance(r, RemoteTimeoutError) for r in results)
-    assert sorted(hung.gates) == ["r0", "r1"]  # the waiters were never sent
-    assert sum("answered no generate call within 0.2 s" in str(r) for r in results) == 4
-    assert proxy._window.in_flight["hung"] == 0 and proxy._window.waiting("hung") == 0
-
-
 async def test_a_worker_that_answers_keeps_its_waiters_through_a_timeout() -> None:
-    # One request times out, but the worker answered another since: busy, not hung.
+    # One request times out: the requests waiting behind it are sent in turn, not failed.
     w = HeldWorker("w")
     proxy = LLMProxy({"P": ("cpu", [w])}, {"d": "P"}, max_in_flight=2)
     slow = asyncio.create_task(proxy.generate("t0", "d", *req("r0"), timeout_s=0.3))

@@ -128,9 +128,6 @@ class LLMProxy:
         for domain, pool in affinity.items():
             self.set_affinity(domain, pool)
         self._window = SendWindow(seen, max_in_flight)
-        #: replies (results or error replies) per worker: a timeout with none since its
-        #: request was sent means a hung worker
-        self._answered: dict[str, int] = dict.fromkeys(seen, 0)
         self._in_flight = self._window.in_flight  # local load, for routing
         self._sticky: dict[str, GenerationBackend] = {}
         #: trajectory -> (worker, number of its tokens that worker holds)
@@ -351,17 +348,13 @@ class LLMProxy:
                 )
                 self.num_prompt_tokens_sent += total - held
                 self.num_prompt_tokens += total
-                answered = self._answered[worker.name]
                 result = await worker.generate(request, timeout_s=timeout_s)
-                self._answered[worker.name] += 1
             except PeerDeadError as exc:
                 # Its own pool: the domain may have moved to another since (set_affinity).
                 self.remove_worker(worker.name, f"{type(exc).__name__}: {exc}")
                 self.num_rerouted += 1
                 continue
             except RemoteError as exc:
-                if exc.code != "timeout":
-                    self._answered[worker.name] += 1  # an error reply is an answer too
                 if exc.code == BAD_REPLY:  # the reply did not even decode
                     self._judge(worker, exc.message)
                 elif exc.code == ENGINE_ERROR:
@@ -369,14 +362,6 @@ class LLMProxy:
                     # fastest, so least-loaded routing would otherwise send it everything.
                     self.num_engine_errors += 1
                     self._record(worker, f"{ENGINE_ERROR}: {exc.message}")
-                elif exc.code == "timeout" and self._answered[worker.name] == answered:
-                    # Nothing answered since this was sent: a hung worker (alive to its
-                    # heartbeats). Its waiters fail now, as they would have without a window,
-                    # instead of one timeout per window's worth of them.
-                    self._window.fail_waiting(
-                        worker.name, f"{worker.name} answered no generate call within "
-                        f"{'its default timeout' if timeout_s is None else f'{timeout_s} s'} "
-                        "(a request sent before this one timed out with no reply since)")
                 if exc.code != "prefix_unknown" or held == 0:
                     raise
                 self.num_prefix_resends += 1  # next pass: held_by is gone, so prefix_len 0

@@ -17,10 +17,11 @@ engine runs at once (vLLM's ``max_num_seqs``) so its scheduler never runs dry.
 
 The wait has no timeout of its own. Every slot is released when its call ends (reply, error
 or timeout); a worker that stops answering heartbeats is declared dead, which ends its calls,
-and its waiters are woken (:meth:`drop`) to route again. A worker alive but answering nothing
-(a hung engine) would otherwise hold its waiters for one timeout per window's worth of them:
-the proxy calls :meth:`fail_waiting` when one of its calls times out with nothing answered
-since it was sent, and they fail at once (and are retried elsewhere), as without a window.
+and its waiters are woken (:meth:`drop`) to route again. A worker alive to its heartbeats but
+answering nothing (a hung engine) is not detected: its waiters fail one window's worth per
+``generate_timeout_s`` (before the window, every request failed at its own timeout). In either
+case the first window's timeouts, a burst of failures, stop the run at the default
+``run.retry.max_failures_in_a_row`` unless other workers' successes interleave.
 
 "At most ``limit``" counts what the controller waits for: a timed-out request's slot is free
 at once, while its abort may still be on the way to the worker.
@@ -31,8 +32,6 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import Iterable
-
-from rollart.transport.errors import RemoteTimeoutError
 
 
 class SendWindow:
@@ -83,7 +82,6 @@ class SendWindow:
         Raises:
             asyncio.CancelledError: the caller was cancelled (a slot handed over at that
                 moment is passed on).
-            RemoteTimeoutError: the worker answers nothing (:meth:`fail_waiting`).
         """
         fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         self._waiters[name].append(fut)
@@ -94,7 +92,7 @@ class SendWindow:
         except asyncio.CancelledError:
             if not fut.done() or fut.cancelled():
                 self._waiting[name] -= 1  # still queued: release() will skip it
-            elif fut.exception() is None and fut.result():
+            elif fut.result():
                 # Cancelled after release() handed it the slot but before it ran: pass it on.
                 self.release(name)
             raise
@@ -121,16 +119,3 @@ class SendWindow:
             if not fut.done():
                 self._waiting[name] -= 1
                 fut.set_result(False)
-
-    def fail_waiting(self, name: str, why: str) -> int:
-        """Fail every request waiting for a slot on ``name`` with ``RemoteTimeoutError(why)``
-        (its worker answers nothing: see the module docstring). Returns how many."""
-        queue = self._waiters[name]
-        failed = 0
-        while queue:
-            fut = queue.popleft()
-            if not fut.done():
-                self._waiting[name] -= 1
-                fut.set_exception(RemoteTimeoutError(why))
-                failed += 1
-        return failed
