@@ -166,7 +166,7 @@ PIN_ENV = "CONTROLLER_OVERHEAD_PIN"
 #: token ids, loss mask, logprobs and versions as Python lists, 8 B per slot each)
 BYTES_PER_TOKEN_GUESS = 40.0
 #: available memory a size must leave by its estimate (transients, the other processes); the
-#: send window bounds the start-up burst, which until 2026-12-02 grew a 50k run by 16 GiB
+#: send window bounds the start-up burst, without which a 50k run reached 21 GB and stopped
 MEMORY_HEADROOM = 3 << 30
 
 
@@ -651,7 +651,7 @@ async def _drive_measured(split: ControllerSide | None, size: Size, args: Namesp
             "running_mean": statistics.fmean(running) if running else 0.0,
             "held_at_end": stats.held, "window_s": round(t1 - t0, 1), "turns": turns,
             "prefix_resends": resends, "prefix_resends_per_turn": resends / max(1, turns),
-            "max_generate_in_flight": proxy._window.limit,
+            "max_generate_in_flight": scenario.run.max_generate_in_flight,
             "window_waits": proxy.num_window_waits,  # the whole run, start-up included
             "turns_per_s": turns / (t1 - t0), "steps": steps - steps0,
             "cpu_us_per_turn": 1e6 * (cpu1 - cpu0) / max(1, turns),

@@ -18,7 +18,6 @@ value raises :class:`ConfigError` naming the file, the field and the reason.
 
 from __future__ import annotations
 
-import difflib
 import re
 from pathlib import Path
 
@@ -41,7 +40,7 @@ from rollart.config.schema import (
     WorkerChecksConfig,
 )
 from rollart.config.validate import validate_scenario
-from rollart.transport.errors import ConfigError
+from rollart.transport.errors import ConfigError, did_you_mean
 
 __all__ = [
     "ConfigError",
@@ -104,8 +103,7 @@ def _validation_message(exc: msgspec.ValidationError) -> str:
         if isinstance(t, msgspec.inspect.LiteralType):
             allowed = [str(v) for v in t.values]
             bad = reason.removeprefix("Invalid enum value").strip().strip("'")
-            near = difflib.get_close_matches(bad, allowed, n=1)
-            reason += f"; one of {allowed}" + (f" (did you mean {near[0]!r}?)" if near else "")
+            reason += f"; one of {allowed}{did_you_mean(bad, allowed)}"
     return f"{where}: {reason}"
 
 

@@ -128,7 +128,6 @@ class LLMProxy:
         for domain, pool in affinity.items():
             self.set_affinity(domain, pool)
         self._window = SendWindow(seen, max_in_flight)
-        self._in_flight = self._window.in_flight  # local load, for routing
         self._sticky: dict[str, GenerationBackend] = {}
         #: trajectory -> (worker, number of its tokens that worker holds)
         self._held: dict[str, tuple[GenerationBackend, int]] = {}
@@ -197,8 +196,7 @@ class LLMProxy:
         """Routing load of ``worker`` (see the module docstring), a request count."""
         stats = worker.last_stats
         reported = stats.num_running + stats.num_waiting if stats is not None else 0
-        name = worker.name
-        return max(reported, self._in_flight.get(name, 0) + self._window.waiting(name))
+        return max(reported, self._window.load(worker.name))
 
     @property
     def num_window_waits(self) -> int:

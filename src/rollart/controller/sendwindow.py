@@ -58,6 +58,11 @@ class SendWindow:
         self._waiting: dict[str, int] = dict.fromkeys(self.in_flight, 0)
         self.num_waits = 0
 
+    def load(self, name: str) -> int:
+        """Requests on ``name`` as routing counts them: slots taken plus live waiters (0 for
+        an unknown name)."""
+        return self.in_flight.get(name, 0) + self._waiting.get(name, 0)
+
     def waiting(self, name: str) -> int:
         """Requests waiting for a slot on ``name`` now (cancelled ones not counted)."""
         return self._waiting[name]

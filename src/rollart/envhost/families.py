@@ -32,7 +32,7 @@ from typing import Any, Protocol, runtime_checkable
 import msgspec
 import numpy as np
 
-from rollart.transport.errors import RollartError
+from rollart.transport.errors import RollartError, did_you_mean
 
 FAMILIES: dict[str, str] = {
     "game": "GEM games, e.g. game:GuessTheNumber-v0-easy",
@@ -137,17 +137,9 @@ def _gem_spec(env_name: str) -> Any:
     if spec is None:
         games = sorted(k for k in registry if k.startswith("game:"))
         raise EnvSpecError(
-            "not_found", f"unknown GEM env {env_name!r}{_did_you_mean(env_name, games)}; "
+            "not_found", f"unknown GEM env {env_name!r}{did_you_mean(env_name, games)}; "
             f"registered games: {', '.join(games)}")
     return spec
-
-
-def _did_you_mean(name: str, known: list[str]) -> str:
-    """`` (did you mean 'x'?)`` for the closest of ``known`` (difflib), or nothing."""
-    import difflib
-
-    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def make_env(env_name: str, options: Mapping[str, Any] | None = None) -> EnvAdapter:
@@ -353,7 +345,7 @@ def rg_config_fields(dataset: str) -> set[str]:
         names = [f"rg:{k}" for k in sorted(registry)]
         raise EnvSpecError(
             "not_found",
-            f"unknown reasoning-gym dataset {dataset!r}{_did_you_mean(f'rg:{dataset}', names)};"
+            f"unknown reasoning-gym dataset {dataset!r}{did_you_mean(f'rg:{dataset}', names)};"
             f" e.g. {', '.join(names[:12])}, ... ({len(names)} in all)",
         )
     return _named_params(registry[dataset][1]) - {"seed"}

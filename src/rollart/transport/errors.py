@@ -12,6 +12,16 @@ Neither is ever turned into a reward of 0 by rollart code.
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Sequence
+
+
+def did_you_mean(name: str, known: Sequence[str]) -> str:
+    """`` (did you mean 'x'?)`` for the closest of ``known`` (difflib, cutoff 0.6), or "":
+    the tail of an error naming an unknown value."""
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
 
 class RollartError(Exception):
     """Base class of every error rollart raises on purpose."""

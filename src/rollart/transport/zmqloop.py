@@ -221,9 +221,8 @@ class SocketPump:
                         self._schedule()
                 return
         except zmq.ZMQError as exc:
-            if self._closed or exc.errno in (zmq.ETERM, zmq.ENOTSOCK):
-                return
-            raise
+            if not self._gone(exc):
+                raise
 
     def drain_now(self) -> int:
         """Receive and handle every message waiting now, without the pump's per-wake-up
@@ -239,9 +238,14 @@ class SocketPump:
                 if got < RECV_BUDGET:
                     return total
         except zmq.ZMQError as exc:
-            if self._closed or exc.errno in (zmq.ETERM, zmq.ENOTSOCK):
-                return total
-            raise
+            if not self._gone(exc):
+                raise
+            return total
+
+    def _gone(self, exc: zmq.ZMQError) -> bool:
+        """The socket was closed under a send or receive (the pump's close, the context's end):
+        nothing more to do, not an error."""
+        return self._closed or exc.errno in (zmq.ETERM, zmq.ENOTSOCK)
 
     def _drain(self) -> tuple[int, int]:
         """Receive and handle up to ``RECV_BUDGET`` messages: (how many, the socket's EVENTS
