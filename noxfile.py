@@ -9,6 +9,8 @@
 - ``bench_measured``: the heavier measured benchmarks with ``--quick`` (``run_all``'s
   ``measured`` set: real engines, trainers, the other scenario runs), then the tests marked
   ``bench``; about an hour on a 2-core machine.
+- ``learning``: rollart's GRPO against TRL's ``GRPOTrainer`` on the same task, held-out
+  accuracy per step (``python -m benchmarks.learning --quick``; installs the ``learning`` extra).
 """
 
 from __future__ import annotations
@@ -28,6 +30,14 @@ _MISMATCHED = ("torchvision", "torchaudio", "torchcodec")
 def _install_runtime(session: nox.Session) -> None:
     session.install("-e", ".[cpu,dev,ray]")
     session.run("python", "-m", "pip", "uninstall", "-y", *_MISMATCHED, silent=True)
+
+
+@nox.session(python="3.11")
+def learning(session: nox.Session) -> None:
+    session.install("-e", ".[cpu,dev,learning]")
+    session.run("python", "-m", "pip", "uninstall", "-y", *_MISMATCHED, silent=True)
+    session.run("python", "-m", "benchmarks.learning", "--quick", "--json",
+                "runs/learning/learning.json", *session.posargs)
 
 
 @nox.session(python="3.11")

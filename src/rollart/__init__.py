@@ -9,6 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from rollart import logredact
+
+# Before any rollart code logs: tokens never reach a log line (rollart.logredact).
+logredact.install()
+
 __version__ = "0.1.0"
 __all__ = ["Backends", "Cluster", "InvalidActionError", "__version__", "open_cluster",
            "run_credentials"]

@@ -39,7 +39,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
-        print(f"rollart: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        from rollart.config.validate import suggest
+
+        print(f"rollart: unknown command {name!r}{suggest(name, list(COMMANDS))}\n\n{_usage()}",
+              file=sys.stderr)
         return 2
     module = importlib.import_module(COMMANDS[name][0])
     return int(module.main(rest) or 0)

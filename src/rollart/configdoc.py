@@ -25,6 +25,7 @@ TABLES = {
     "[[pools]]": "PoolConfig", "[pools.engine]": "EngineConfig", "[[domains]]": "DomainConfig",
     "[domains.sampling]": "SamplingConfig", "[[env_hosts]]": "EnvHostConfig",
     "[reward]": "RewardServiceConfig", "[trainer]": "TrainerConfig", "[output]": "OutputConfig",
+    "[eval]": "EvalConfig",
 }
 
 

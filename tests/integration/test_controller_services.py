@@ -59,7 +59,7 @@ env_options = { min_terms = 2, max_terms = 2, min_digits = 1, max_digits = 1 }
 def services(tiny_model_dir, services_starter, tmp_path_factory):
     started = services_starter([  # started together: their start-ups overlap
         ("rollart.envhost.host", ["--name", "env0", "--threads", "2"]),
-        ("rollart.reward.server", ["--port", "0", "--processes", "1"]),
+        ("rollart.reward.server", ["--port", "0", "--processes", "1", "--no-auth"]),
         ("rollart.inference.worker", ["--model", str(tiny_model_dir), "--name", "w0",
                                       "--dtype", "float32", "--max-model-len", "1024",
                                       "--max-num-seqs", "32",

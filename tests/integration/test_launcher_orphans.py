@@ -57,7 +57,8 @@ def _read_int(path: Path) -> int:
 def _argv(kind: str, model_dir: Path) -> tuple[list[str], int]:
     """The service's command line and the number of child processes it is known to start."""
     if kind == "reward":  # built-in `math` / `reasoning_gym` run in its process pool
-        return python_module("rollart.reward.server", "--port", "0", "--processes", "2"), 2
+        return python_module("rollart.reward.server", "--port", "0", "--processes", "2",
+                             "--no-auth"), 2
     if kind == "env":
         return python_module("rollart.envhost.host", "--name", "orphans", "--threads", "2"), 0
     if kind == "trainer":

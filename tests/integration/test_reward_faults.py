@@ -26,7 +26,7 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     cmd = [
         sys.executable, "-m", "rollart.reward.server", "--port", "0", "--ready-file", str(ready),
         "--functions", "reward_user_functions", "--processes", "1", "--threads", "2",
-        "--timeout-s", "30",
+        "--timeout-s", "30", "--no-auth",
     ]  # fmt: skip
     with open(log, "wb") as log_file:
         proc = subprocess.Popen(cmd, env=_env(), stdout=log_file, stderr=subprocess.STDOUT)

@@ -40,7 +40,7 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     cmd = [
         sys.executable, "-m", "rollart.reward.server", "--port", "0", "--ready-file", str(ready),
         "--functions", "reward_user_functions", "--max-body-bytes", str(MAX_BODY),
-        "--processes", "1", "--timeout-s", "30",
+        "--processes", "1", "--timeout-s", "30", "--no-auth",
     ]  # fmt: skip
     with open(log, "wb") as log_file:
         proc = subprocess.Popen(cmd, env=_env(), stdout=log_file, stderr=subprocess.STDOUT)
@@ -177,7 +177,7 @@ def test_bad_command_lines_exit_2() -> None:
         (["--port", "70000"], "--port must be in [0, 65535]"),
     ]:
         out = subprocess.run(
-            [sys.executable, "-m", "rollart.reward.server", *args],
+            [sys.executable, "-m", "rollart.reward.server", *args, "--no-auth"],
             env=_env(), capture_output=True, text=True, timeout=60,
         )  # fmt: skip
         assert out.returncode == 2

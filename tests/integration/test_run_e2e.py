@@ -51,7 +51,9 @@ def test_short_run_writes_metrics_and_stops_every_process(tmp_path, cache_dir):
     most of a run). The default transfer (zmq) with a one-process trainer under `rollart run`:
     `test_run_faults.test_interrupt_kill_resume_and_worker_loss_train_every_sample_once`."""
     scenario = tmp_path / "gloo.toml"
-    scenario.write_text(SCENARIO.read_text() + '\nweight_transfer = "gloo"\nnum_processes = 2\n')
+    # A small held-out evaluation rides along: before step 1, after each step (beside rollout).
+    scenario.write_text(SCENARIO.read_text() + '\nweight_transfer = "gloo"\nnum_processes = 2\n'
+                        + "\n[eval]\nenabled = true\nevery = 1\nsize = 12\npass_k = 2\n")
     out = tmp_path / "run"
     proc = subprocess.run(_rollart("--out", str(out), "--steps", "2", "--cache-dir",
                                    str(cache_dir), scenario=scenario),
@@ -106,6 +108,16 @@ def test_short_run_writes_metrics_and_stops_every_process(tmp_path, cache_dir):
     key = out / "keys" / "run.key_secret"
     assert stat.S_IMODE(key.stat().st_mode) == 0o600
     assert stat.S_IMODE(key.parent.stat().st_mode) == 0o700
+    # Held-out evaluation through the same workers (greedy at temperature 0 and sampled),
+    # never trained (the token accounting above holds without its tokens).
+    assert sorted(e["at_step"] for r in rows for e in r["eval"]) == [0, 1, 2]
+    assert all(r["response_len_mean_by_domain"] for r in rows)
+    assert set(summary["eval"]) == {"guess", "arith"}
+    for name, ev in summary["eval"].items():
+        assert 0.0 <= ev["first"] <= 1.0 and 0.0 <= ev["last"] <= 1.0, (name, ev)
+        assert ev["last_ci95"][0] <= ev["last"] <= ev["last_ci95"][1]
+        assert 0.0 <= ev["majority_baseline"] <= 1.0 and ev["evals"] == 3 and ev["k"] == 2
+        assert 0.0 < ev["distinct_answer_share_last"] <= 1.0 and "collapse" in ev
     assert_no_process_mentions(out)  # no orphans, torchrun's ranks included
 
 

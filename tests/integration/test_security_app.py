@@ -149,6 +149,11 @@ async def test_trainer_checkpoints_only_under_its_checkpoint_dir(tiny_model_dir,
     finally:
         await trainer.close()
     assert (ckpts / "step_000000" / "trainer.json").exists()
+    # The trainer's main set a private umask: torch.distributed.checkpoint's files are 0600
+    # in 0700 folders, though this test process's umask is looser.
+    distcp = list((ckpts / "step_000000").rglob("*.distcp"))
+    assert distcp and {stat.S_IMODE(p.stat().st_mode) for p in distcp} == {0o600}
+    assert stat.S_IMODE((ckpts / "step_000000").stat().st_mode) == 0o700
     assert sorted(p.name for p in base.iterdir()) == ["outside", "run"]
     assert sorted(p.name for p in (base / "run").iterdir()) == ["checkpoints"]
     assert list(outside.iterdir()) == []
@@ -181,6 +186,25 @@ def test_reward_service_refuses_a_public_address_without_a_token():
     out = subprocess.run([sys.executable, "-m", "rollart.reward.server", "--host", "0.0.0.0",
                           "--port", "0"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "--token-file" in out.stderr
+
+
+def test_reward_service_on_loopback_refuses_to_start_without_a_token_or_no_auth():
+    out = subprocess.run([sys.executable, "-m", "rollart.reward.server", "--host", "127.0.0.1",
+                          "--port", "0"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert "--token-file" in out.stderr and "--no-auth" in out.stderr
+
+
+async def test_reward_service_with_no_auth_serves_and_its_ready_file_is_private(
+        service_launcher, tmp_path):
+    svc = service_launcher("rollart.reward.server", ["--port", "0", "--no-auth"])
+    url = f"http://{svc.address}/v1/reward/exact_match"
+    async with aiohttp.ClientSession() as http:
+        async with http.post(url, json={"prompt": "p", "response": "4",
+                                        "reference": "4"}) as resp:
+            assert resp.status == 200 and (await resp.json())["reward"] == 1.0
+    # Its main set a private umask before writing: the ready file is 0600.
+    assert stat.S_IMODE(svc.ready_file.stat().st_mode) == 0o600
 
 
 # ---- the launcher's defaults, end to end ---------------------------------------------------------
@@ -246,3 +270,7 @@ def test_rollart_run_with_a_py_domain_and_a_token_protected_reward_service(tmp_p
         if path.is_file() and path != token_file:
             assert token not in path.read_text(errors="replace"), path
     assert (out / "checkpoints" / "step_000001" / "COMPLETE").exists()
+    # Private run folder: every folder 0700, every file 0600 (logs, checkpoints included).
+    found = {stat.S_IMODE(p.lstat().st_mode) for p in [out, *out.rglob("*")]
+             if not p.is_symlink()}
+    assert found == {0o700, 0o600}, found

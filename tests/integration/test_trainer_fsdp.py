@@ -71,7 +71,7 @@ def test_two_ranks_train_step_equals_one_process(tmp_path):
         m2 = json.loads((two / f"{case}.json").read_text())
         for key in ("loss", "pg_loss", "grad_norm", "num_tokens", "num_samples", "iw_mean",
                     "iw_max", "iw_min", "logprob_mismatch", "ratio_mean", "clip_fraction",
-                    "num_skipped_steps"):
+                    "num_skipped_steps", "entropy_mean"):
             assert m2[key] == pytest.approx(m1[key], rel=METRIC_REL, abs=1e-7), (case, key)
         # Per-sample engine/trainer agreement: each rank has a share, all-reduced to the whole.
         assert len(m2["agreement"]) == m1["num_samples"]

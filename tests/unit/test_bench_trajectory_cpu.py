@@ -9,10 +9,12 @@ import math
 import uvloop
 from benchmarks import trajectory_cpu as bench
 
-#: GC-tracked objects per running trajectory parked in an env step: 33.75 before issue 11's
-#: cuts (a copied context per done callback, per-turn arrays and the message list kept across
-#: the env step), 26 after; a little headroom for the interpreter's own bookkeeping
-MAX_OBJECTS_PER_TRAJ = 28
+#: GC-tracked objects per running trajectory parked in an env step: 33.75 before the cuts (a
+#: copied context per done callback, per-turn arrays and the message list kept across the env
+#: step), 26 after; about 29 since every trajectory has a wall-clock limit by default (its
+#: ``asyncio.Timeout`` and timer handles, 3 objects) and every group a deadline timer; a little
+#: headroom for the interpreter's own bookkeeping
+MAX_OBJECTS_PER_TRAJ = 31
 
 
 def test_one_child_measurement() -> None:

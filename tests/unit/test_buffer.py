@@ -758,4 +758,4 @@ def test_stats_gauges_count_running_and_held_members_once() -> None:
     groups = buf._groups.values()
     want = sum(t.num_tokens for g in groups for t in (*g.live(), *g.kept, *g.finished))
     assert st.in_flight_tokens == want and want >= 3 + 2 + 1
-    assert idle in buf._groups["a"].all_tids
+    assert buf.group_of(idle) == "a"

@@ -28,3 +28,10 @@ def test_the_process_exit_status_follows() -> None:
     helped = subprocess.run([sys.executable, "-m", "rollart.cli", "--help"],
                             capture_output=True, text=True, timeout=120)
     assert helped.returncode == 0 and "usage:" in helped.stdout
+
+
+def test_a_mistyped_command_gets_a_did_you_mean(capsys) -> None:
+    assert cli(["runn"]) == 2
+    assert "unknown command 'runn' (did you mean 'run'?)" in capsys.readouterr().err
+    assert cli(["frobnicate"]) == 2
+    assert "did you mean" not in capsys.readouterr().err

@@ -68,6 +68,7 @@ def test_progress_in_a_log_is_key_value_words_under_100_columns(capsys) -> None:
     m = msgspec.structs.replace(
         metrics(3, None), reward_mean_by_domain={n: 0.25 for n in long_names[:5]},
         num_generated_tokens=100, buffer_generated_tokens=100, wasted_tokens=41,
+        trained_tokens=59,
         wasted_tokens_by_reason={"stale": 38, "redundancy": 3}, num_aborted=2, num_failed=1)
     progress.step(3, m)
     lines = capsys.readouterr().out.splitlines()

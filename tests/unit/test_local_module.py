@@ -120,8 +120,8 @@ def test_validate_counts_the_modules_names_and_names_a_broken_file(tmp_path: Pat
     assert "would refuse" not in capsys.readouterr().err  # env and reward are served
     (tmp_path / "task3.py").write_text(TASK.replace('"mine"', '"other"'))
     localmodule._LOADED.clear()  # a new process would import the edited file
-    assert cli(["validate", "--quiet", str(scenario)]) == 0
-    assert "'mine' is not built in" in capsys.readouterr().err  # a note, as without a file
+    assert cli(["validate", "--quiet", str(scenario)]) == 1  # `rollart run` would refuse it
+    assert "'mine' is not built in" in capsys.readouterr().err
     (tmp_path / "task3.py").unlink()
     localmodule._LOADED.clear()
     assert cli(["validate", "--quiet", str(scenario)]) == 2

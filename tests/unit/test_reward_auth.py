@@ -125,5 +125,11 @@ def test_a_host_name_that_only_looks_like_loopback_needs_a_token(host) -> None:
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "localhost", "::1"])
-def test_loopback_hosts_serve_without_a_token(host) -> None:
-    assert _parse_args(["--host", host, "--port", "0"]).host == host
+def test_loopback_hosts_need_a_token_or_an_explicit_no_auth(host, capsys) -> None:
+    # Every local user can connect to a loopback port: as the ZeroMQ services need --key-file
+    # or --insecure there, the reward service needs --token-file or --no-auth.
+    with pytest.raises(SystemExit) as exit_:
+        _parse_args(["--host", host, "--port", "0"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "--token-file" in err and "--no-auth" in err
+    assert _parse_args(["--host", host, "--port", "0", "--no-auth"]).host == host

@@ -158,29 +158,29 @@ def test_resume_point_needs_a_checkpoint(tmp_path: Path) -> None:
 
 
 def test_validate_prints_the_resolved_scenario(capsys) -> None:
-    assert cli(["validate", str(MINIMAL)]) == 0
+    assert cli(["validate", str(MINIMAL)]) == 1  # no env host: `rollart run` would refuse it
     out, err = capsys.readouterr()
     resolved = json.loads(out)
-    assert "note: `rollart run` would refuse it" in err and "env_hosts" in err
+    assert "error: `rollart run` would refuse it" in err and "env_hosts" in err
     assert resolved["run"]["alpha"] == 1 and resolved["output"]["tensorboard"] is True
     assert resolved["domains"][0]["reward_url"] == "service"  # defaults filled in
 
 
 def test_validate_ends_on_its_notes_and_says_run_would_refuse(tmp_path: Path) -> None:
     # A terminal shows stdout and stderr together: the notes come after the resolved
-    # scenario, and the last line says `rollart run` would refuse it (exit 0 all the same:
-    # a driver script may serve what is missing).
+    # scenario, and the last line says `rollart run` would refuse it (exit 1: valid as a file;
+    # a driver script may still serve what is missing).
     import subprocess
     import sys
 
     out = subprocess.run([sys.executable, "-m", "rollart.cli", "validate", str(MINIMAL)],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          timeout=300)
-    assert out.returncode == 0, out.stdout
+    assert out.returncode == 1, out.stdout
     lines = out.stdout.rstrip().splitlines()
-    assert lines[-2].startswith("rollart validate: note: `rollart run` would refuse it")
-    assert lines[-1].endswith("valid (1 domains, 1 pools); 1 note(s) above, and `rollart run` "
-                              "would refuse it as it stands")
+    assert lines[-2].startswith("rollart validate: error: `rollart run` would refuse it")
+    assert lines[-1].endswith("valid as a file, but `rollart run` would refuse it: 1 reason(s) "
+                              "above")
     assert json.loads("\n".join(lines[:-2]))["run"]["batch_size"] == 8
 
 
@@ -209,10 +209,10 @@ def test_validate_names_the_bad_field_and_exits_2(tmp_path: Path, capsys) -> Non
 def test_validate_notes_a_model_path_that_is_no_local_checkpoint(tmp_path: Path, capsys) -> None:
     sc = tmp_path / "remote_model.toml"
     sc.write_text(MINIMAL.read_text() + '\n[model]\npath = "/nonexistent/model"\n')
-    assert cli(["validate", str(sc), "--quiet"]) == 0  # it may run on another machine
+    assert cli(["validate", str(sc), "--quiet"]) == 1  # `rollart run` here would refuse it
     err = capsys.readouterr().err
     assert "remote_model.toml: model.path: /nonexistent/model is not a local" in err
-    assert cli(["validate", str(MINIMAL), "--quiet"]) == 0  # the tiny model: no note
+    assert cli(["validate", str(MINIMAL), "--quiet"]) == 1  # the tiny model: no note
     assert "model.path" not in capsys.readouterr().err
 
 
@@ -221,7 +221,8 @@ def test_validate_checks_the_run_key_as_rollart_run_would(tmp_path: Path, capsys
 
     key = create_key_file(tmp_path / "keys")
     scenario = tmp_path / "keyed.toml"
-    scenario.write_text(MINIMAL.read_text().replace("[run]", f'[run]\nkey_file = "{key}"', 1))
+    scenario.write_text(_runnable(MINIMAL.read_text()).replace(
+        "[run]", f'[run]\nkey_file = "{key}"', 1))
     assert cli(["validate", str(scenario), "--quiet"]) == 0
     key.chmod(0o644)  # readable by other users: rollart run refuses it, so must validate
     assert cli(["validate", str(scenario), "--quiet"]) == 2

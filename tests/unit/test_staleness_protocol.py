@@ -16,7 +16,14 @@ trajectory's token versions, built only from what it fed the buffer, and checks:
 - liveness: driving every running trajectory to completion at the current version always yields
   a batch within a few rounds (a rule, and again at teardown);
 - waste accounting: every generated token is trained, wasted under exactly one reason, or still
-  in flight (in total and per domain), and the model's token count agrees with the buffer's.
+  in flight (in total and per domain), and the model's token count agrees with the buffer's;
+- progress: members may be slow (``lag_one``: the rest of the run trains batches past one
+  member, again and again, so its group's members go stale one after another) or stuck
+  (``stick``: a member never takes another turn); no group in flight has started more than
+  ``max_group_attempts`` trajectories per slot, no group still collecting members is older
+  than the group time limit (``time_passes`` drops it, as the controller's timer does), the
+  buffer keeps exactly one record per running or held trajectory (so at most the in-flight
+  bound), and ``drive_to_batch`` still yields a batch with stuck members around.
 
 ``fresh_start`` (a first token waits for a version of headroom), ``abort_stale`` (running
 trajectories made stale by a bump are aborted and restarted at once) and version-aware admission
@@ -61,8 +68,12 @@ configs = st.fixed_dictionaries(
         "fresh_start": st.booleans(),
         "abort_stale": st.booleans(),
         "capacity": st.booleans(),
+        "max_group_attempts": st.sampled_from([None, 1, 2, 4]),
     }
 )
+#: the group time limit in the model's time units (``time_passes``); a complete group found
+#: at its deadline is checked again ``RECHECK`` later, as the controller does
+GROUP_TIMEOUT, RECHECK = 10, 1
 picks = st.integers(0, 10**6)
 
 
@@ -101,6 +112,7 @@ class StalenessProtocol(RuleBasedStateMachine):
             on_drop=self._on_drop,
             fresh_start=cfg["fresh_start"],
             abort_stale=cfg["abort_stale"],
+            max_group_attempts=cfg["max_group_attempts"],
         )
         self.cap = (self.alpha + 1) * self.B + self.k * self.buf.max_groups
         self.live: set[str] = set()
@@ -117,6 +129,10 @@ class StalenessProtocol(RuleBasedStateMachine):
         self.workers = [0, 0]  # versions two inference workers serve
         self.galpha: dict[str, int] = {}  # group -> its bound
         self.generated = 0
+        self.starts: Counter[str] = Counter()  # group -> trajectories started
+        self.stuck: set[str] = set()  # live members that never take another turn
+        self.now = 0
+        self.deadline: dict[str, int] = {}  # open group -> its time limit
 
     # ------------------------------------------------------------------ helpers
     def _on_drop(self, tid: str, reason: str) -> None:
@@ -137,6 +153,7 @@ class StalenessProtocol(RuleBasedStateMachine):
             self.live.add(tid)
             self.group[tid] = self.buf.group_of(tid)
             self.tokens[tid] = []
+            self.starts[self.group[tid]] += 1
 
     def _drain(self) -> None:
         for tid in self.buf.drain_aborts():
@@ -149,12 +166,24 @@ class StalenessProtocol(RuleBasedStateMachine):
             self._add(self.buf.restart_trajectory(tid))
         for tid in self.buf.drain_restarts():
             self._add(tid)
+        for tid in self.buf.drain_cancels():
+            # A group given up on its attempts: its live members are cancelled.
+            assert self.cfg["max_group_attempts"] is not None
+            self._cancel(tid)
 
     def _pick(self, i: int) -> str:
         return sorted(self.live)[i % len(self.live)]
 
+    def _moving(self) -> list[str]:
+        return sorted(self.live - self.stuck)
+
+    def _pick_moving(self, i: int) -> str:
+        moving = self._moving()
+        return moving[i % len(moving)]
+
     def _gone(self, tid: str) -> None:
         self.live.discard(tid)
+        self.stuck.discard(tid)
 
     def _start_group(self, long: bool = False) -> bool:
         key = f"g{self.next_group}"
@@ -170,6 +199,7 @@ class StalenessProtocol(RuleBasedStateMachine):
             assert self.buf.stats().groups_in_flight >= self.buf.max_groups
             return False
         self.galpha[key] = alpha
+        self.deadline[key] = self.now + GROUP_TIMEOUT
         self.next_group += 1
         assert len(ids) == self.G + self.k
         for tid in ids:
@@ -253,10 +283,10 @@ class StalenessProtocol(RuleBasedStateMachine):
     def start_group(self, long: bool) -> None:
         self._start_group(long)
 
-    @precondition(lambda self: self.live)
+    @precondition(lambda self: self.live - self.stuck)
     @rule(i=picks, lag=st.integers(0, 1), ntok=st.integers(1, 4))
     def turn(self, i: int, lag: int, ntok: int) -> None:
-        self._turn(self._pick(i), max(0, self.buf.version - lag), ntok)
+        self._turn(self._pick_moving(i), max(0, self.buf.version - lag), ntok)
 
     @rule(w=st.integers(0, 1))
     def apply_on_worker(self, w: int) -> None:
@@ -264,22 +294,22 @@ class StalenessProtocol(RuleBasedStateMachine):
         after its push, before any batch), while the other keeps serving its own."""
         self.workers[w] = self.buf.version
 
-    @precondition(lambda self: self.live)
+    @precondition(lambda self: self.live - self.stuck)
     @rule(i=picks, w=st.integers(0, 1), ntok=st.integers(1, 4), newer=st.integers(0, 4))
     def turn_on_worker(self, i: int, w: int, ntok: int, newer: int) -> None:
         """A turn on worker ``w``; if that worker lags, an apply may land mid-turn (the last
         ``newer`` tokens at the new version) and the worker then serves it."""
-        tid = self._pick(i)
+        tid = self._pick_moving(i)
         serving = self.workers[w]
         if serving == self.buf.version:
             newer = 0
         if self._turn(tid, serving, ntok, newer) in ("continue", "drop") and newer:
             self.workers[w] = self.buf.version
 
-    @precondition(lambda self: self.live)
+    @precondition(lambda self: self.live - self.stuck)
     @rule(i=picks, reward=st.floats(-1, 1), cancel_now=st.booleans())
     def complete(self, i: int, reward: float, cancel_now: bool) -> None:
-        for c in self._complete(self._pick(i), reward):
+        for c in self._complete(self._pick_moving(i), reward):
             if cancel_now:
                 self._cancel(c)
 
@@ -323,20 +353,89 @@ class StalenessProtocol(RuleBasedStateMachine):
             snap = msgspec.json.decode(msgspec.json.encode(snap))
         held = self.buf.held_sample_ids()
         self.buf = SampleBuffer.restore(snap, rng=random.Random(self.seed), on_drop=self._on_drop)
+        # Not a checkpointed setting: the caller's (the controller sets the scenario's).
+        self.buf.max_group_attempts = self.cfg["max_group_attempts"]
         self.failed_or_cancelled |= self.live
         self.live.clear()
+        self.stuck.clear()
+        # A restored group counts its attempts from its restored members; its time anew.
+        self.starts = Counter(self.group[tid] for tid in held)
+        self.deadline = {key: self.now + GROUP_TIMEOUT for key, *_ in self.buf.open_groups()}
         self.base_consumed, self.base_dropped = len(self.consumed), len(self.dropped)
         self.restored = True
         self._drain()
         assert self.buf.held_sample_ids() == held - set(self.dropped)
 
+    @precondition(lambda self: self.live - self.stuck)
+    @rule(i=picks)
+    def stick(self, i: int) -> None:
+        """A member that never takes another turn (a hung env step, say): only a failure (its
+        timeout), a cancel, or its group's time limit ends it."""
+        self.stuck.add(self._pick_moving(i))
+
+    @precondition(lambda self: self.live - self.stuck)
+    @rule(i=picks)
+    def lag_one(self, i: int) -> None:
+        """One member is slow: it takes a turn, then every other moving trajectory runs to
+        completion and a batch is trained past it (again and again when repeated, so its
+        siblings finish and go stale while it lags)."""
+        slow = self._pick_moving(i)
+        self._turn(slow, self.buf.version, 1)
+        if self.buf.batch_outstanding:
+            self.buf.advance_version()
+            self._drain()
+        self.workers = [self.buf.version] * len(self.workers)
+        while self._start_group():
+            pass
+        self._run_all(skip={slow})
+        if self._take():
+            self.buf.advance_version()
+            self._drain()
+
+    @rule(dt=st.integers(1, GROUP_TIMEOUT))
+    def time_passes(self, dt: int) -> None:
+        """The caller's group time limit (the buffer has no clock): a group still collecting
+        members at its deadline is dropped and its live members cancelled (and a consumed or
+        retired group's stragglers); a complete one waits for the trainer and is checked
+        again later."""
+        self.now += dt
+        for key, due in sorted(self.deadline.items()):
+            if due > self.now:
+                continue
+            if self.buf.group_complete(key):
+                self.deadline[key] = self.now + RECHECK
+                continue
+            del self.deadline[key]
+            if self.buf.group_status(key) == "open":
+                live = self.buf.drop_group(key, "group_timeout")
+                assert self.buf.group_status(key) != "open"
+            else:  # stragglers of a consumed or retired group (stuck ones never learn it)
+                live = self.buf.live_members(key)
+            for tid in live:
+                self._cancel(tid)
+
+    def _run_all(self, skip: set[str]) -> None:
+        """Every running trajectory but the stuck and ``skip`` ones takes one turn (so the
+        ones left over carry tokens of this version and go stale after the bump), then they
+        complete one by one."""
+        for tid in sorted(self.live - self.stuck - skip):
+            if tid in self.live:
+                assert self._turn(tid, self.buf.version, 1) != "wait"
+        for tid in sorted(self.live - self.stuck - skip, key=lambda t: (self.group[t], t)):
+            while tid in self.live and tid not in self.stuck:
+                verdict = self._turn(tid, self.buf.version, 1)
+                assert verdict != "wait"
+                if verdict in ("continue", "drop"):
+                    for c in self._complete(tid, 0.5):
+                        self._cancel(c)
+
     @rule()
     def drive_to_batch(self) -> None:
         """Liveness: run the work to completion at the current version -> a batch.
 
-        Every running trajectory first takes one turn (so the ones left over carry tokens of
-        this version and go stale after the bump), then they complete one by one until a batch
-        can be taken.
+        Every running trajectory first takes one turn, then they complete one by one until a
+        batch can be taken. Stuck members never move: when a round brings no batch, their
+        groups' time passes (``time_passes``) and new groups take their places.
         """
         if self.buf.batch_outstanding:
             self.buf.advance_version()
@@ -347,18 +446,10 @@ class StalenessProtocol(RuleBasedStateMachine):
                 return
             while self._start_group():
                 pass
-            for tid in sorted(self.live):
-                if tid in self.live:
-                    assert self._turn(tid, self.buf.version, 1) != "wait"
-            for tid in sorted(self.live, key=lambda t: (self.group[t], t)):
-                while tid in self.live:
-                    verdict = self._turn(tid, self.buf.version, 1)
-                    assert verdict != "wait"
-                    if verdict in ("continue", "drop"):
-                        for c in self._complete(tid, 0.5):
-                            self._cancel(c)
-                if self.buf.ready_samples() >= self.B and self._take():
-                    return
+            self._run_all(skip=set())
+            if self.buf.ready_samples() >= self.B and self._take():
+                return
+            self.time_passes(GROUP_TIMEOUT)
         raise AssertionError(f"no batch after driving all work: {self.buf.stats()}")
 
     # ------------------------------------------------------------------ invariants
@@ -396,6 +487,23 @@ class StalenessProtocol(RuleBasedStateMachine):
         for tid in held:
             floor = self.buf.version - self.galpha[self.group[tid]]
             assert all(v >= floor for v in self.tokens[tid])
+
+    @invariant()
+    def progress(self) -> None:
+        """No group past its bound in attempts or (while still collecting) in time; one
+        buffer record per running or held trajectory."""
+        s = self.buf.stats()
+        assert len(self.buf._trajs) == s.in_flight <= s.in_flight_bound
+        limit = self.cfg["max_group_attempts"]
+        for key, *_ in self.buf.open_groups():
+            if limit is not None:
+                assert self.starts[key] <= limit * (self.G + self.k), (key, self.starts[key])
+            if not self.buf.group_complete(key):
+                assert self.now < self.deadline[key], (key, self.now, self.deadline[key])
+        assert set(s.groups_dropped) <= {"attempts_exhausted", "group_attempts",
+                                         "group_timeout"}
+        if limit is None:
+            assert "group_attempts" not in s.groups_dropped
 
     def teardown(self) -> None:
         if hasattr(self, "buf"):

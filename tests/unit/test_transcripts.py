@@ -42,6 +42,7 @@ def test_record_splits_turns_into_prompt_delta_response_and_versions(tmp_path) -
         7, "wasted", "stale", "arith", "g0")
     assert r["versions"] == [2, 3] and r["reward_details"] == {"parsed": "four"}
     assert r["num_generated"] == 5 and r["finish_reason"] == "terminated"
+    assert r["reference"] is None  # the task gave none
     rec.close()
 
 
@@ -110,3 +111,4 @@ async def test_controller_reports_trained_samples_to_the_recorder(tmp_path) -> N
     kept = {(r["step"], r["sample_id"]) for r in rows if r["status"] == "kept"}
     assert kept == set(trained)  # rate 1: every trained sample, in its step
     assert all(r["turns"] and r["turns"][0]["response"] for r in rows)
+    assert {r["reference"] for r in rows} == {"ok"}  # the env's reference answer

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from rollart.controller.metrics import DomainStepMetrics, StepMetrics
-from rollart.launcher.progress import waste_summary, waste_text
+from rollart.launcher.progress import _waste_word, step_waste, waste_summary, waste_text
 
 
 def step(n: int, gen: int, trained: int, in_flight: int, wasted: dict[str, int],
@@ -60,6 +60,22 @@ def test_summary_totals_add_up_and_show_each_domains_share_and_length_bias() -> 
 
 
 def test_waste_cell_of_the_progress_table() -> None:
-    m = step(1, 200, 50, 0, {"stale": 60, "redundancy": 20}, {})
+    # 200 generated, 120 trained + 80 wasted settled: nothing carried from before the step
+    m = step(1, 200, 120, 0, {"stale": 60, "redundancy": 20}, {})
     assert waste_text(m) == "40% stale 30 red 10"
     assert waste_text(step(1, 0, 0, 0, {}, {})) == "-"
+
+
+def test_a_step_settling_tokens_of_earlier_steps_keeps_its_share_within_one() -> None:
+    # The first step after a resume: 100 tokens generated in it, but 406 wasted (held samples
+    # of the checkpoint gone stale) and 64 trained: 406 / 100 read "406%".
+    m = step(1, 100, 64, 0, {"stale": 406}, {})
+    share, by_reason, carried = step_waste(m)
+    assert share == 406 / 470 and by_reason == {"stale": 406 / 470} and carried == 370
+    assert waste_text(m) == "86% stale 86 +370 carried"
+    assert _waste_word(m) == "86%(stale:86)+370_carried"  # one word in a log line
+    big = step(2, 1000, 4000, 0, {"stale": 1000}, {})
+    assert waste_text(big) == "20% stale 20 +4.0k carried"
+    # in flight at the step's end: not settled, not in the share, not carried
+    assert step_waste(step(3, 500, 100, 300, {"redundancy": 100}, {})) == (
+        0.5, {"redundancy": 0.5}, 0)

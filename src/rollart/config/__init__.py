@@ -10,6 +10,7 @@ Layout (tables of ``scenarios/*.toml``)::
     [reward]       the HTTP reward service (launched locally or an existing URL)
     [trainer]      optimisation and checkpoint settings
     [output]       what the run folder gets: transcripts, TensorBoard, W&B
+    [eval]         held-out evaluation: size, schedule, pass@k, collapse floor
 
 Every Struct rejects unknown fields, bounds are ``msgspec.Meta`` constraints, and cross-field
 rules are checked by :func:`validate_scenario`. Nothing is ever rewritten after loading: a bad
@@ -28,6 +29,7 @@ from rollart.config.schema import (
     DomainConfig,
     EngineConfig,
     EnvHostConfig,
+    EvalConfig,
     ModelConfig,
     OutputConfig,
     PoolConfig,
@@ -39,14 +41,15 @@ from rollart.config.schema import (
     TrainerConfig,
     WorkerChecksConfig,
 )
-from rollart.config.validate import validate_scenario
-from rollart.transport.errors import ConfigError, did_you_mean
+from rollart.config.validate import suggest, validate_scenario
+from rollart.transport.errors import ConfigError
 
 __all__ = [
     "ConfigError",
     "DomainConfig",
     "EngineConfig",
     "EnvHostConfig",
+    "EvalConfig",
     "ModelConfig",
     "OutputConfig",
     "PoolConfig",
@@ -88,10 +91,25 @@ def _field_type(path: str) -> msgspec.inspect.Type | None:
     return t
 
 
+def _unknown_field(text: str, where: str) -> str:
+    """msgspec's "Object contains unknown field `x`" with the nearest field of that table."""
+    bad = text.partition("`")[2].rpartition("`")[0]
+    t = _field_type(where) if where else msgspec.inspect.type_info(Scenario)
+    while isinstance(t, msgspec.inspect.ListType | msgspec.inspect.UnionType):
+        t = t.item_type if isinstance(t, msgspec.inspect.ListType) else next(
+            (u for u in t.types if isinstance(u, msgspec.inspect.StructType)), None)
+    if not isinstance(t, msgspec.inspect.StructType):
+        return text
+    names = [f.name for f in t.fields]
+    return text + (suggest(bad, names) or f"; {where or 'the scenario'} takes {names}")
+
+
 def _validation_message(exc: msgspec.ValidationError) -> str:
     # msgspec says "... - at `$.run.batch_size`"; name the field first, as the other errors do.
     text = str(exc)
     if " - at `$." not in text:
+        if text.startswith("Object contains unknown field"):  # a top-level table
+            return _unknown_field(text, "")
         return text
     reason, _, where = text.rpartition(" - at `$.")
     where = where.rstrip("`")
@@ -103,7 +121,10 @@ def _validation_message(exc: msgspec.ValidationError) -> str:
         if isinstance(t, msgspec.inspect.LiteralType):
             allowed = [str(v) for v in t.values]
             bad = reason.removeprefix("Invalid enum value").strip().strip("'")
-            reason += f"; one of {allowed}{did_you_mean(bad, allowed)}"
+            field = re.sub(r"\[\d+\]", "", where)
+            reason += f"; one of {allowed}{suggest(bad, allowed, field)}"
+    elif reason.startswith("Object contains unknown field"):
+        reason = _unknown_field(reason, where)
     return f"{where}: {reason}"
 
 

@@ -44,6 +44,12 @@ class RetryConfig(_Cfg):
     #: ``failure_budget`` and a warning, so an always-failing prompt cannot loop (``None``:
     #: only ``max_attempts`` per slot bounds it).
     max_failures_per_group: PosInt | None = None
+    #: seconds generate calls may keep timing out under overload before the run stops: a
+    #: timeout whose worker answered other calls meanwhile (busy), or while no worker answered
+    #: anything (the controller's loop stalled, every engine slow), does not count toward
+    #: ``max_failures_in_a_row``; the run stops only when such timeouts went on, with no
+    #: trajectory finishing, for this long (``ControllerStalledError`` naming it).
+    max_overload_s: PosFloat = 3600.0
 
 
 class WorkerChecksConfig(_Cfg):
@@ -52,7 +58,9 @@ class WorkerChecksConfig(_Cfg):
     Every ``GenerateResult`` is checked where it arrives (``rollart.controller.workercheck``);
     a violation fails that trajectory (reason ``invalid_worker_output``, retried, never scored).
     A request the worker's engine failed (``engine_error``; not one refused as bad input) fails
-    its trajectory (``generation_error``) and counts as a violation too. A worker with
+    its trajectory (``generation_error``) and counts as a violation too, unless the worker
+    marks it transient (refused for now: overloaded, paused), which is sent again after a
+    pause and never counted. A worker with
     ``max_invalid_replies`` violations among its last ``invalid_window`` replies is quarantined: taken out of its pool (its trajectories go to the pool's other workers; the
     run stops when that would empty the pool).
 
@@ -85,6 +93,12 @@ class WorkerChecksConfig(_Cfg):
     #: tokens a worker generated under the trainer's version, in one batch, needed to judge it
     #: on those alone (fewer: on all its tokens of the batch, the policy's change included).
     min_current_tokens: Annotated[int, msgspec.Meta(ge=1, le=1_000_000_000)] = 64
+    #: a worker whose generate call timed out with nothing answered since it was sent, while
+    #: other workers answered, is probed with a one-token ``Generate`` (``max_tokens = 1``)
+    #: under this timeout, seconds; no answer (and no other reply from it meanwhile)
+    #: quarantines it as hung and its requests go to the pool's other workers
+    #: (``rollart.controller.hangcheck``).
+    hang_probe_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 30.0
 
 
 #: ``RunConfig.apply_waves`` unless set (any other value needs ``weight_apply = "eager"``)
@@ -185,7 +199,22 @@ class RunConfig(_Cfg):
     worker_checks: WorkerChecksConfig = msgspec.field(default_factory=WorkerChecksConfig)
     #: wall-clock limit of one trajectory, seconds (env open to reward), ``None``: none; past
     #: it the trajectory fails with reason ``trajectory_timeout`` (retried like any failure).
-    trajectory_timeout_s: PosFloat | None = None
+    #: The default bounds a trajectory stuck on a call that never ends (with
+    #: ``max_group_attempts`` and ``group_timeout_s``, every group finishes).
+    trajectory_timeout_s: PosFloat | None = 3600.0
+    #: trajectories one group may start, per member slot (first attempts, failure retries,
+    #: staleness restarts and stale replacements together): past it the group is dropped
+    #: (``groups_dropped_by_reason`` ``group_attempts``, its members cancelled) and admission
+    #: starts another. A group whose members finish out of phase (one was slow once) would
+    #: otherwise see them go stale one after another and be refilled forever.
+    max_group_attempts: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 8
+    #: wall-clock limit of a group that is not complete, seconds from its admission (>=
+    #: ``trajectory_timeout_s``): past it the group is dropped (``groups_dropped_by_reason``
+    #: ``group_timeout``, its members cancelled, a warning) and admission starts another. A
+    #: complete group waiting for the trainer is not dropped (it is checked again every tenth
+    #: of this limit); a trained or dropped group's members still running then are cancelled.
+    #: ``None``: no limit.
+    group_timeout_s: PosFloat | None = 10800.0
     #: threads running sync in-process (``Cluster.register_env`` / ``register_reward``) env
     #: and reward calls off the event loop, at once (per kind).
     local_threads: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 16
@@ -394,6 +423,8 @@ class TrainerConfig(_Cfg):
     max_grad_norm: PosFloat = 1.0
     #: padded tokens per micro-batch (forward/backward memory budget).
     max_tokens_per_microbatch: Annotated[int, msgspec.Meta(ge=2)] = 8192
+    #: optimizer steps per batch, each on an equal share of its samples; with 1 the trainer
+    #: reads the proximal logprobs off its training forward (no extra no-grad pass).
     num_minibatches: PosInt = 1
     #: save a checkpoint every N steps (0: only at the planned last step, and on an
     #: interrupt under `--checkpoint-on-interrupt`).
@@ -452,6 +483,44 @@ class OutputConfig(_Cfg):
     wandb: bool = False
     #: W&B project name.
     wandb_project: Annotated[str, msgspec.Meta(min_length=1)] = "rollart"
+    #: let the group read the run folder (umask 0o027: folders 0750, files 0640); off: only
+    #: the user who runs it (folders 0700, files 0600). Key and token files stay 0600.
+    share_with_group: bool = False
+
+
+class EvalConfig(_Cfg):
+    """Held-out evaluation during a run (``rollart.controller.evaluation``).
+
+    Each domain gets a fixed eval set of ``size`` env seeds drawn from ``[2**31, 2**32)``, a
+    range training never draws from (group seeds are below ``2**31``). Every task is played
+    once greedily (temperature 0) and ``pass_k`` times with the domain's own sampling, through
+    the same inference workers as rollout (the eval's trajectories are never trained). An eval
+    runs before the first step, every ``every`` steps and after the last step.
+    """
+
+    #: evaluate at all (off: no eval sets, no eval rows).
+    enabled: bool = False
+    #: evaluate after every this many training steps (0: only before the first step and after
+    #: the last one).
+    every: NonNegInt = 10
+    #: held-out tasks (env seeds) per domain; 400 makes the 95% interval of an accuracy at most
+    #: +-0.049 wide.
+    size: Annotated[int, msgspec.Meta(ge=1, le=100_000)] = 400
+    #: seed of the draw of each domain's eval seeds (fixed for the run).
+    seed: NonNegInt = 0
+    #: sampled trajectories per task for pass@k (k = this; 0: greedy only).
+    pass_k: Annotated[int, msgspec.Meta(ge=0, le=64)] = 4
+    #: a trajectory with a reward at least this is correct (accuracy, pass@k, baseline).
+    success_threshold: Annotated[float, msgspec.Meta(ge=-1e6, le=1e6)] = 1.0 - 1e-6
+    #: eval trajectories running at once, all domains together.
+    max_concurrency: Annotated[int, msgspec.Meta(ge=1, le=100_000)] = 64
+    #: distinct greedy answers per task below this is reported as collapse (a warning line and
+    #: ``summary.json``).
+    collapse_distinct_floor: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.01
+    #: constant answers (actions) tried per turn when measuring the majority baseline: the
+    #: most frequent reference answers and model actions of the first eval and of the first
+    #: trained batch.
+    baseline_candidates: Annotated[int, msgspec.Meta(ge=1, le=256)] = 8
 
 
 class Scenario(_Cfg):
@@ -466,6 +535,7 @@ class Scenario(_Cfg):
     reward: RewardServiceConfig = msgspec.field(default_factory=RewardServiceConfig)
     trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
     output: OutputConfig = msgspec.field(default_factory=OutputConfig)
+    eval: EvalConfig = msgspec.field(default_factory=EvalConfig)
 
 
 def _attach_docs() -> None:

@@ -5,8 +5,45 @@ Nothing is rewritten: a broken rule raises ConfigError naming the file, the fiel
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Sequence
+
 from rollart.config.schema import _DEFAULT_APPLY_WAVES, Scenario
 from rollart.transport.errors import ConfigError
+
+# A name and its negation are close in spelling and opposite in meaning ('async' / 'sync'):
+# never suggested for each other.
+_NEGATIONS = ("a", "an", "un", "non", "non_", "non-", "not_", "no_", "in", "dis")
+
+#: field -> {wrong value -> what to say instead of a spelling guess}: values users write for a
+#: meaning the field spells otherwise.
+VALUE_HINTS: dict[str, dict[str, str]] = {
+    "run.mode": {
+        "async": "an asynchronous run (rollout overlapping training) is mode 'one_off', "
+                 "'areal' or 'rollart'",
+        "asynchronous": "an asynchronous run (rollout overlapping training) is mode "
+                        "'one_off', 'areal' or 'rollart'",
+        "synchronous": "on-policy runs are mode 'sync' or 'sync_plus'",
+        "on_policy": "on-policy runs are mode 'sync' or 'sync_plus'",
+        "off_policy": "off-policy runs are mode 'one_off', 'areal' or 'rollart'",
+    },
+}
+
+
+def _negation_pair(a: str, b: str) -> bool:
+    return any(a == p + b or b == p + a for p in _NEGATIONS)
+
+
+def suggest(name: str, known: Sequence[str], field: str | None = None) -> str:
+    """`` (did you mean 'x'?)`` for the closest of ``known`` by spelling (difflib, cutoff 0.6),
+    never a name that is ``name`` negated or un-negated (``async`` / ``sync``); a hint of
+    :data:`VALUE_HINTS` for ``field`` instead where one is declared; else ``""``."""
+    hint = VALUE_HINTS.get(field or "", {}).get(name.lower())
+    if hint:
+        return f" ({hint})"
+    candidates = [k for k in known if not _negation_pair(name.lower(), k.lower())]
+    close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def _fail(source: str, field: str, reason: str) -> ConfigError:
@@ -67,6 +104,12 @@ def validate_scenario(scenario: Scenario, source: str = "<scenario>") -> Scenari
         raise _fail(source, "run.abort_stale", "needs on_stale = 'restart' and a mode with the "
                     f"per-turn staleness check (sync, sync_plus, rollart); got on_stale "
                     f"{run.on_stale!r}, mode {run.mode!r}, where it would do nothing")
+    if (run.group_timeout_s is not None and run.trajectory_timeout_s is not None
+            and run.group_timeout_s < run.trajectory_timeout_s):
+        raise _fail(source, "run.group_timeout_s", f"{run.group_timeout_s:g} s is below "
+                    f"run.trajectory_timeout_s {run.trajectory_timeout_s:g} s: a group would be "
+                    "dropped before one of its trajectories could time out; raise it (or set "
+                    "it to match)")
     if run.max_tokens_per_turn > run.max_tokens_per_trajectory:
         raise _fail(
             source,

@@ -5,7 +5,9 @@ in ``sync`` / ``sync_plus`` / ``one_off``, while at most one batch of groups is 
 picking domains by weight with the controller's seeded RNG (``run.domain_mix``); each group
 gets one env seed shared by its members. ``run.admission = "capacity"`` holds a group back
 while every batch it could join is spoken for (``SampleBuffer.has_capacity``), ``"paced"``
-while ``rollart.controller.pacing`` says so; a domain held back keeps its turn. Plain
+while ``rollart.controller.pacing`` says so; a domain held back keeps its turn. A group not
+complete ``run.group_timeout_s`` after its admission is dropped (``group_timeout``), so a
+group with a stuck member gives its place to a new one. Plain
 functions over the :class:`~rollart.controller.controller.Controller`'s state (it owns the
 RNG, the group table and the wake-up signals).
 """
@@ -14,13 +16,59 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from typing import TYPE_CHECKING
 
 from rollart.config import DomainConfig
-from rollart.controller.trajtasks import launch
+from rollart.controller.trajtasks import cancel_traj, launch
 
 if TYPE_CHECKING:
     from rollart.controller.controller import Controller
+
+log = logging.getLogger("rollart.controller.controller")
+#: a complete group found at its deadline (it waits for the trainer) is checked again after
+#: this share of ``run.group_timeout_s``
+RECHECK_SHARE = 0.1
+
+
+def arm_group_timeout(c: Controller, key: str, delay_s: float | None = None) -> None:
+    """Drop group ``key`` if it is still open and not complete ``delay_s`` from now (default
+    ``run.group_timeout_s``; nothing when that is ``None``). The timer goes when the buffer
+    forgets the group (``Controller._forget_group``) or the controller closes."""
+    limit = c.run.group_timeout_s
+    if limit is None:
+        return
+    old = c._group_timers.pop(key, None)
+    if old is not None:
+        old.cancel()
+    c._group_timers[key] = asyncio.get_running_loop().call_later(
+        limit if delay_s is None else delay_s, group_timed_out, c, key)
+
+
+def group_timed_out(c: Controller, key: str) -> None:
+    """``run.group_timeout_s`` passed since group ``key`` was admitted: a group still
+    collecting members is given up (``group_timeout``) and its live members cancelled, as are
+    the stragglers of a consumed or retired one; a complete one only waits for the trainer and
+    is checked again later."""
+    c._group_timers.pop(key, None)
+    if c._closed or c._stopping or key not in c._groups:
+        return
+    limit = c.run.group_timeout_s
+    assert limit is not None
+    if c.buffer.group_complete(key):
+        arm_group_timeout(c, key, limit * RECHECK_SHARE)
+        return
+    if c.buffer.group_status(key) == "open":
+        live = c.buffer.drop_group(key, "group_timeout")
+        log.warning("group %s dropped: not complete %g s after its admission "
+                    "(run.group_timeout_s); %d live member(s) cancelled", key, limit, len(live))
+    else:
+        # Consumed or retired, but a member that never reached its next turn start (where it
+        # would learn so) still holds the group's place in the in-flight bound.
+        live = c.buffer.live_members(key)
+    for tid in live:
+        cancel_traj(c, tid)
+    c._notify()
 
 
 def can_admit(c: Controller) -> bool:
@@ -72,6 +120,9 @@ ADMIT_PER_PASS = 32
 
 async def admission_loop(c: Controller) -> None:
     assert c._changed is not None and c._weights_changed is not None
+    for key in c._groups:  # restored from a checkpoint: their time starts now
+        if key not in c._group_timers:
+            arm_group_timeout(c, key)
     this_pass = 0
     while True:
         started = False
@@ -100,6 +151,7 @@ async def admission_loop(c: Controller) -> None:
             if ids is not None:
                 c._group_seq += 1
                 c._groups[key] = (domain, c._rng.randrange(2**31))
+                arm_group_timeout(c, key)
                 for tid in ids:
                     launch(c, tid, key)
                 started = True

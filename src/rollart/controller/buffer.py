@@ -66,6 +66,16 @@ In-flight bound and liveness
     ``running + held <= (alpha + 1) * batch_size + redundancy * groups_in_flight``.
     Liveness: stale held samples are replaced, never left occupying a slot; groups that cannot
     fill are retired; consumed/retired groups leave as soon as their stragglers are cancelled.
+    Replacing is not enough on its own: a group whose members finish out of phase (one was
+    slow once) can see each held member go stale before the last one finishes, and be refilled
+    forever. So a group may start at most ``max_group_attempts * (group_size + redundancy)``
+    trajectories (first attempts, retries, staleness restarts and replacements together); the
+    one that would exceed it gives the group up instead (``stats().groups_dropped
+    ["group_attempts"]``, its held samples dropped as ``"retired"``, its live members listed
+    by ``drain_cancels`` for the caller to cancel), and admission starts a new group in its
+    place. The buffer keeps a record per running or held trajectory only (a finished one's
+    goes at once): its records number ``stats().in_flight``, within the bound above. A wall-clock bound per
+    group is the caller's (the buffer has no clock): ``drop_group`` gives a group up.
     So if the caller runs every trajectory it is given to completion at the current version,
     ``max_groups >= batch_size / group_size`` groups fill with admissible samples and
     ``take_batch`` succeeds (with the default batch assembly; a subclass's
@@ -159,6 +169,8 @@ class SampleBuffer:
         check: ``"per_turn"`` (rollart) or ``"admission"`` (AReaL: first turn only).
         on_stale: ``"restart"`` (abort now) or ``"drop"`` (finish, then drop).
         max_attempts: attempts per slot for failures (>= 1).
+        max_group_attempts: trajectories one group may start, per slot (>= 1; ``None``: no
+            limit): past it the group is given up, ``"group_attempts"`` (module docstring).
         initial_version: trainer version at start (>= 0).
         rng: for unbiased selection when ``close_group`` gets none (default ``Random(0)``).
         on_drop: called ``(traj_id, reason)`` whenever a completed sample is discarded.
@@ -185,6 +197,7 @@ class SampleBuffer:
         check: Literal["per_turn", "admission"] = "per_turn",
         on_stale: Literal["restart", "drop"] = "restart",
         max_attempts: int = 3,
+        max_group_attempts: int | None = None,
         initial_version: int = 0,
         rng: random.Random | None = None,
         on_drop: Callable[[str, str], None] | None = None,
@@ -199,6 +212,7 @@ class SampleBuffer:
             ("group_size", group_size, 1),
             ("redundancy", redundancy, 0),
             ("max_attempts", max_attempts, 1),
+            ("max_group_attempts", 1 if max_group_attempts is None else max_group_attempts, 1),
             ("initial_version", initial_version, 0),
         ):
             if not isinstance(val, int) or isinstance(val, bool):
@@ -221,6 +235,7 @@ class SampleBuffer:
         self.alpha, self.batch_size, self.group_size = alpha, batch_size, group_size
         self.redundancy, self.selection, self.check = redundancy, selection, check
         self.on_stale, self.max_attempts = on_stale, max_attempts
+        self.max_group_attempts = max_group_attempts
         self.fresh_start = bool(fresh_start)
         self.abort_stale = bool(abort_stale)
         self.staleness_control = staleness_control
@@ -228,6 +243,8 @@ class SampleBuffer:
         #: groups admitted and not retired (AReaL's ``accepted + running``, in groups)
         self._admitted_groups = 0
         self._aborts: list[str] = []
+        #: live members of groups the buffer gave up on its own, for the caller to cancel
+        self._cancels: list[str] = []
         # A lower bound of ``min_version + group alpha`` over every trajectory of an open group
         # (None: no bound, sweep). While it is >= the version no trajectory is stale, so
         # ``_sweep_stale`` has nothing to do and is skipped: take_batch runs once per kept
@@ -376,6 +393,33 @@ class SampleBuffer:
         for g in self._groups.values():
             out[g.domain] = out.get(g.domain, 0) + 1
         return out
+
+    def drain_cancels(self) -> list[str]:
+        """Live trajectories of groups the buffer gave up on its own (``max_group_attempts``
+        reached, module docstring): the caller aborts each and calls ``cancel`` (a member
+        that ended meanwhile makes that a late call). Each id is returned once."""
+        out, self._cancels = self._cancels, []
+        return out
+
+    def group_status(self, group_key: str) -> Literal["open", "consumed", "retired"] | None:
+        """``"open"`` (collecting members, or complete and waiting for a batch),
+        ``"consumed"`` or ``"retired"`` (in flight while a member is live), ``None`` once the
+        group is forgotten."""
+        g = self._groups.get(group_key)
+        return None if g is None else g.status
+
+    def live_members(self, group_key: str) -> list[str]:
+        """Ids of the live members of a group in flight (``[]`` once forgotten): the stragglers
+        of a consumed or retired group learn it at their next turn start, so a caller that
+        gives up waiting cancels them through this."""
+        g = self._groups.get(group_key)
+        return [] if g is None else [t.tid for t in g.live()]
+
+    def group_complete(self, group_key: str) -> bool:
+        """Whether group ``group_key`` holds ``group_size`` kept, admissible samples and waits
+        only for a batch to take it (``False`` for a group not in flight)."""
+        g = self._groups.get(group_key)
+        return g is not None and self._complete(g)
 
     def drain_restarts(self) -> list[str]:
         """Trajectory ids the buffer created on its own (stale replacements, restore); the

@@ -91,6 +91,7 @@ def take_batch(buf: SampleBuffer, default_policy: bool) -> list[Sample] | None:
             d.trained_tokens += t.sample.num_generated
             d.trained_turns += t.sample.num_turns
             t.state, t.sample = TrajState.DONE, None
+            del buf._trajs[t.tid]
         g.kept, g.status = [], "consumed"
         maybe_forget(buf, g)
     buf._c["consumed"] += len(out)

@@ -25,17 +25,43 @@ def new_traj(buf: SampleBuffer, g: Group, slot: int, attempt: int,
         buf._next_seq += 1
     t = Traj(tid=tid, group=g, slot=slot, attempt=attempt)
     g.slots[slot] = t
-    g.all_tids.append(tid)
+    g.started += 1
     buf._trajs[tid] = t
     buf._c["started"] += 1
     buf._dom(g.domain).started += 1
     return t
 
 
+def refill(buf: SampleBuffer, g: Group, slot: int, attempt: int) -> str | None:
+    """A new trajectory in ``slot`` (a retry, restart or stale replacement): its id, or
+    ``None`` when the group already started ``max_group_attempts`` per slot, in which case
+    the group is given up (``"group_attempts"``) instead: a group whose members keep going
+    stale one after another would otherwise be refilled forever."""
+    limit = buf.max_group_attempts
+    if limit is not None and g.started >= limit * len(g.slots):
+        give_up(buf, g, "group_attempts")
+        return None
+    return new_traj(buf, g, slot, attempt).tid
+
+
+def give_up(buf: SampleBuffer, g: Group, reason: str) -> None:
+    """The buffer drops an open group on its own (counted by ``reason``): held samples are
+    dropped (``"retired"``), live members listed for the caller to cancel
+    (``drain_cancels``)."""
+    if g.status != "open":
+        return
+    buf._groups_dropped[reason] = buf._groups_dropped.get(reason, 0) + 1
+    retire(buf, g)
+    buf._cancels.extend(t.tid for t in g.live())
+    maybe_forget(buf, g)
+
+
 def finish(buf: SampleBuffer, t: Traj, reason: str) -> None:
     """Terminal state, not trained: every token ``t`` generated is wasted for ``reason``
-    (exactly once: a trajectory reaches DONE once)."""
+    (exactly once: a trajectory reaches DONE once). Its record goes at once (calls on its
+    id are then late calls), so the records are the running and held trajectories only."""
     t.state = TrajState.DONE
+    buf._trajs.pop(t.tid, None)
     if t.num_tokens:
         buf._wasted[reason] = buf._wasted.get(reason, 0) + t.num_tokens
         w = buf._dom(t.group.domain).wasted_tokens
@@ -68,8 +94,10 @@ def keep(buf: SampleBuffer, t: Traj) -> None:
 def replace_stale(buf: SampleBuffer, t: Traj) -> None:
     """A completed sample can never be admitted: drop it, refill its slot."""
     drop(buf, t, "stale")
-    buf._c["replaced_stale"] += 1
-    buf._restarts.append(new_traj(buf, t.group, t.slot, t.attempt).tid)
+    tid = refill(buf, t.group, t.slot, t.attempt)
+    if tid is not None:
+        buf._c["replaced_stale"] += 1
+        buf._restarts.append(tid)
 
 
 def sweep_stale(buf: SampleBuffer) -> None:
@@ -84,7 +112,9 @@ def sweep_stale(buf: SampleBuffer) -> None:
         if g.status != "open":
             continue
         for t in [*g.kept, *g.finished]:
-            if not buf._ok(t):
+            if not buf._ok(t) and t.state is TrajState.HELD:
+                # (a replacement past the group's attempts gives the group up, and drops
+                # the rest of this list with it)
                 replace_stale(buf, t)
         for t in [*g.kept, *g.finished, *g.live()]:
             if (abort and t.state is TrajState.RUNNING and not buf._ok(t)
@@ -156,9 +186,8 @@ def cancel_surplus(g: Group) -> list[str]:
 
 def maybe_forget(buf: SampleBuffer, g: Group) -> None:
     if g.status != "open" and not g.live() and buf._groups.get(g.key) is g:
+        # Its trajectories' records went as each finished or was consumed.
         del buf._groups[g.key]
-        for tid in g.all_tids:
-            buf._trajs.pop(tid, None)
         if buf._on_forget is not None:
             buf._on_forget(g.key)
 
@@ -186,8 +215,10 @@ def fail(buf: SampleBuffer, traj_id: str, reason: str) -> str | None:
     finish(buf, t, "failed")
     g = t.group
     if buf._slot_open(t) and t.attempt < buf.max_attempts:
-        buf._c["retries"] += 1
-        return new_traj(buf, g, t.slot, t.attempt + 1).tid
+        retry = refill(buf, g, t.slot, t.attempt + 1)
+        if retry is not None:
+            buf._c["retries"] += 1
+        return retry
     was_open = g.status == "open" and t.attempt >= buf.max_attempts
     close_slot(buf, t)
     if was_open and g.status == "retired":
@@ -237,6 +268,6 @@ def restart_trajectory(buf: SampleBuffer, traj_id: str) -> str | None:
     buf._c["restarted_stale"] += 1
     finish(buf, t, "stale")
     if buf._slot_open(t):
-        return new_traj(buf, t.group, t.slot, t.attempt).tid
+        return refill(buf, t.group, t.slot, t.attempt)
     close_slot(buf, t)
     return None

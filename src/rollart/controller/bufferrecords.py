@@ -58,7 +58,8 @@ class Group:
     selected: bool = False
     closing: bool = False
     status: Literal["open", "consumed", "retired"] = "open"
-    all_tids: list[str] = field(default_factory=list)
+    #: trajectories started for it so far (first attempts, retries, restarts, replacements)
+    started: int = 0
     domain: str = "default"
     alpha: int = 0
 

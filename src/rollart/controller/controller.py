@@ -143,6 +143,7 @@ class Controller:
         if proxy.violations is None:  # the scenario's quarantine rule for bad worker output
             wc = run.worker_checks
             proxy.violations = ViolationWindow(wc.max_invalid_replies, wc.invalid_window)
+        proxy.hang.probe_timeout_s = run.worker_checks.hang_probe_timeout_s
         self._rng = random.Random(run.seed)
         self.transcripts = transcripts
         self._buffer_class = buffer_class
@@ -155,6 +156,7 @@ class Controller:
             check=self.spec.check,
             on_stale=run.on_stale,
             max_attempts=run.retry.max_attempts,
+            max_group_attempts=run.max_group_attempts,
             initial_version=trainer.version,
             rng=random.Random(run.seed + 1),
             on_forget=self._forget_group,
@@ -172,6 +174,8 @@ class Controller:
         self._stats_at_end: BufferStats | None = None
         if resume is not None:
             controllersnapshot.restore(self, resume)
+            # not part of the checkpoint's settings: the scenario's limit applies
+            self.buffer.max_group_attempts = run.max_group_attempts
         for d in scenario.domains:
             rewards.check(d.name, d.reward, d.reward_url)
             proxy.pool_of(d.name)
@@ -188,7 +192,9 @@ class Controller:
         self._ctx: TrajectoryContext | None = None
         self._finished: Counter[str] = Counter()
         self._group_failures: Counter[str] = Counter()
-        self._exhausted_seen = 0
+        #: per open group, its ``run.group_timeout_s`` timer (``admission.arm_group_timeout``)
+        self._group_timers: dict[str, asyncio.TimerHandle] = {}
+        self._exhausted_seen = self._attempts_seen = 0
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._cancelled: set[str] = set()
         self._aux: set[asyncio.Task[Any]] = set()
@@ -200,6 +206,9 @@ class Controller:
         self._align_s = 0.0
         self._started_at = 0.0
         self._failures_in_a_row = 0
+        #: when generate timeouts under overload began, with no trajectory finishing since
+        #: (``trajtasks.on_failed``); ``None``: not overloaded
+        self._overload_since: float | None = None
         self._last_failures: list[str] = []
         self._started = False
         self._closed = False
@@ -243,6 +252,10 @@ class Controller:
             waves=self.run.apply_waves,
         )
         self._last_step_end = self._started_at = self.clock()
+        if self._stats_at_end is None:
+            # Step 1's counters are deltas from here: rollout before the first step() call
+            # (the owner awaiting something else, e.g. a held-out evaluation) counts in it.
+            self._stats_at_end = self.buffer.stats()
         self._spawn_aux(admission.admission_loop(self), "admission")
         launch_restarts(self)
         if self._loop_lag is not None:
@@ -275,6 +288,8 @@ class Controller:
         if self._closed:
             return
         self._closed = True
+        for timer in self._group_timers.values():
+            timer.cancel()
         tasks = [*self._tasks.values(), *self._aux]
         for t in tasks:
             t.cancel()
@@ -327,6 +342,9 @@ class Controller:
         self._groups.pop(key, None)
         self._finished.pop(key, None)
         self._group_failures.pop(key, None)
+        timer = self._group_timers.pop(key, None)
+        if timer is not None:
+            timer.cancel()
 
     # ------------------------------------------------------------------ supervision
     def _notify(self) -> None:

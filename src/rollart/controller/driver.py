@@ -48,6 +48,7 @@ from rollart.config import Scenario, load_scenario, validate_scenario
 from rollart.controller.agents.runner import AgentFn, AgentRunner, AgentSpec
 from rollart.controller.buffer import SampleBuffer
 from rollart.controller.controller import Controller
+from rollart.controller.evaluation import Evaluator
 from rollart.controller.loophealth import LoopLagMonitor
 from rollart.controller.metrics import StepMetrics
 from rollart.controller.offloop import OffLoopCalls
@@ -119,6 +120,8 @@ class Cluster:
         self._agents: dict[str, AgentSpec] = {}
         self._agent_runner: AgentRunner | None = None
         self.controller: Controller | None = None
+        #: held-out evaluation (``[eval] enabled``), once started
+        self.evaluator: Evaluator | None = None
 
     @classmethod
     def from_scenario(cls, scenario: str | Path | Scenario, *, backends: Backends,
@@ -256,9 +259,13 @@ class Cluster:
             agents=self._agent_runner,
         )
         await self.controller.start()
+        if sc.eval.enabled:
+            self.evaluator = Evaluator(self.controller, sc.eval)
 
     async def close(self) -> None:
         """Stop every trajectory and the controller's background work (idempotent)."""
+        if self.evaluator is not None:  # its env sessions close before the controller's
+            await self.evaluator.close()
         if self.controller is not None:
             await self.controller.close()
         if self._agent_runner is not None:  # after the trajectories that use it
@@ -275,12 +282,31 @@ class Cluster:
     async def train(self, steps: int | None = None) -> AsyncIterator[TrainStep]:
         """Run ``steps`` training steps (default ``run.steps``), yielding each as it ends.
 
+        With ``[eval] enabled`` (``rollart.controller.evaluation``): the first call evaluates
+        before its first step (training waits for it, rollout goes on), every
+        ``eval.every``-th step starts an evaluation that runs beside the next steps, and the
+        last step of each call is followed by one that it waits for. Each step's
+        ``metrics.eval`` holds the evaluations that ended by then.
+
         Starts the cluster if needed. Raises the controller's fatal errors (see
-        ``Controller.step``)."""
+        ``Controller.step``), and an evaluation's."""
         await self.start()
         assert self.controller is not None
-        for _ in range(self.scenario.run.steps if steps is None else steps):
+        ev = self.evaluator
+        total = self.scenario.run.steps if steps is None else steps
+        if ev is not None and not ev.has_run and total > 0:
+            ev.launch(self.controller._step)
+            await ev.finish_pending()
+        for i in range(total):
             metrics = await self.controller.step()
+            if ev is not None:
+                ev.observe_step(metrics, self.controller.last_batch)
+                if i == total - 1:
+                    metrics.eval = await ev.finish(metrics.step)
+                else:
+                    if ev.cfg.every and metrics.step % ev.cfg.every == 0:
+                        ev.launch(metrics.step)
+                    metrics.eval = ev.take_finished()
             out = TrainStep(metrics.step, metrics, self.controller.last_batch)
             for hook in self._step_hooks:
                 await hook(self, out)

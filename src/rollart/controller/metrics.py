@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import msgspec
 
+from rollart.controller.evalstats import EvalRecord
 from rollart.controller.sample import BufferStats, DomainCounts, Sample
 
 
@@ -120,6 +121,17 @@ class StepMetrics(msgspec.Struct, kw_only=True):
     #: expected; most turns of every step waiting means the workers are offered more than the
     #: window lets through
     num_window_waits: int = 0
+    #: per task domain, mean generated tokens per trajectory of the batch's samples (all turns)
+    response_len_mean_by_domain: dict[str, float] = {}
+    #: the policy's mean entropy per generated token of the batch, nats, from the trainer's
+    #: training forward (``rollart.trainer.step``; ``None`` from a trainer that does not report
+    #: it, e.g. the simulated one); a fall towards 0 while reward stalls signals collapse
+    entropy_mean: float | None = None
+    #: the same per task domain
+    entropy_by_domain: dict[str, float] = {}
+    #: held-out evaluations that ended by this step's end (``rollart.controller.evaluation``;
+    #: each names the step it started after in ``at_step``); empty on most steps
+    eval: list[EvalRecord] = []
 
 
 #: One domain's counters over one step: the change of the buffer's cumulative ``DomainCounts``
@@ -140,6 +152,9 @@ def domain_deltas(after: BufferStats, before: BufferStats) -> dict[str, DomainSt
                if f != "wasted_tokens"},
             wasted_tokens=_delta(a.wasted_tokens, b.wasted_tokens))
     return out
+
+
+_ENTROPY_PREFIX = "entropy_mean/"
 
 
 def _mean(xs: Sequence[float]) -> float:
@@ -180,9 +195,11 @@ def step_metrics(
     start: a sample restored from a checkpoint started in an earlier process, and the span would
     otherwise include the downtime)."""
     by_domain: dict[str, list[float]] = {}
+    lengths: dict[str, list[int]] = {}
     groups: dict[str, tuple[str, set[float]]] = {}
     for s in batch:
         by_domain.setdefault(s.domain, []).append(s.reward)
+        lengths.setdefault(s.domain, []).append(s.num_generated)
         groups.setdefault(s.group_key, (s.domain, set()))[1].add(s.reward)
     n_groups: dict[str, int] = {}
     flat: dict[str, int] = {}
@@ -196,6 +213,12 @@ def step_metrics(
         # process started, and its span in this process is 0, not negative.
         starts = [max(t, rollout_not_before) for t in starts]
         ends = [max(t, rollout_not_before) for t in ends]
+    # The trainer reports entropy as ``entropy_mean`` and ``entropy_mean/<domain>``: those get
+    # fields of their own rather than a flat key per domain among the trainer's metrics.
+    trainer = dict(train_metrics or {})
+    entropy_mean = trainer.pop("entropy_mean", None)
+    entropy_by_domain = {k.removeprefix(_ENTROPY_PREFIX): trainer.pop(k) for k in sorted(trainer)
+                         if k.startswith(_ENTROPY_PREFIX)}
     finished = after.finished_members - before.finished_members
     finished_len = (after.finished_mean_len * after.finished_members
                     - before.finished_mean_len * before.finished_members)
@@ -225,7 +248,9 @@ def step_metrics(
         response_len_kept_mean=_mean([s.num_generated for s in batch]),
         response_len_all_mean=round(finished_len / finished, 6) if finished > 0 else 0.0,
         num_turns_mean=_mean([s.num_turns for s in batch]),
-        train_metrics=dict(train_metrics or {}),
+        train_metrics=trainer,
+        entropy_mean=entropy_mean,
+        entropy_by_domain=entropy_by_domain,
         loop_lag_p99_ms=loop_lag_p99_ms,
         loop_lag_max_ms=loop_lag_max_ms,
         wasted_tokens_by_reason=_delta(after.wasted_tokens, before.wasted_tokens),
@@ -238,5 +263,6 @@ def step_metrics(
         num_invalid_actions=num_invalid_actions,
         num_prefix_resends=num_prefix_resends,
         num_window_waits=num_window_waits,
+        response_len_mean_by_domain={d: _mean(n) for d, n in sorted(lengths.items())},
         groups_dropped_by_reason=_delta(after.groups_dropped, before.groups_dropped),
     )

@@ -30,11 +30,16 @@ Every reply is checked where it arrives (``rollart.controller.workercheck``): a 
 the ``GenerateResult`` contract (or did not decode: code ``bad_reply``) raises
 :class:`~rollart.controller.workercheck.InvalidWorkerOutput` for that turn only, and a worker
 that keeps doing it (``violations``) is quarantined. A request the worker's engine failed (code
-``engine_error``) fails its turn with that ``RemoteError`` and counts in the same window: a worker
-failing every request answers fastest, so least-loaded routing would send it everything. It is
-quarantined: :meth:`quarantine` takes it out of its pool
+``engine_error``) is judged by its ``fault``: ``transient`` (the engine refused it for now:
+paused, overloaded, aborted) is sent again after a pause (``TRANSIENT_BACKOFF_S``, doubling, at
+most ``TRANSIENT_RETRIES`` times, then its turn fails) and never counts against the worker;
+otherwise (``fatal``, or unclassified) it fails its turn with that ``RemoteError`` and counts in
+the same window: a worker failing every request answers fastest, so least-loaded routing would
+send it everything. It is quarantined: :meth:`quarantine` takes it out of its pool
 (one warning line naming it), exactly as :meth:`remove_worker` does for a dead one; a pool left
-without workers makes it raise ``PoolExhaustedError``.
+without workers makes it raise ``PoolExhaustedError``. A worker whose calls time out with
+nothing answered while other workers answer is probed and quarantined when it fails the probe
+(``rollart.controller.hangcheck``).
 
 Cancelling the awaiting task cancels the worker call, which aborts the request on the worker
 (the client's contract).
@@ -50,6 +55,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from rollart.controller.hangcheck import TIMEOUT, HangCheck
 from rollart.controller.ports import GenerationBackend
 from rollart.controller.sendwindow import SendWindow
 from rollart.controller.workercheck import (
@@ -68,6 +74,11 @@ log = logging.getLogger(__name__)
 #: finished trajectory ids kept per worker until a Generate carries them; beyond this the
 #: oldest are forgotten (the worker's LRU bound frees those prefixes anyway)
 MAX_PENDING_RELEASES = 1024
+#: first pause before a request the engine refused for now (``fault = "transient"``) is sent
+#: again, seconds; it doubles per retry
+TRANSIENT_BACKOFF_S = 0.05
+#: transient refusals of one request retried at most (0.05 .. 1.6 s of pauses, ~3 s in all)
+TRANSIENT_RETRIES = 6
 
 
 class PoolExhaustedError(PeerDeadError):
@@ -150,6 +161,11 @@ class LLMProxy:
         self.num_invalid_replies = 0
         #: requests failed by a worker's engine (``engine_error``), counted towards quarantine
         self.num_engine_errors = 0
+        #: requests an engine refused for now (``engine_error``, ``fault = "transient"``),
+        #: retried after a pause, not counted towards quarantine
+        self.num_transient_errors = 0
+        #: which worker answered last, pauses and probes of suspected hung workers
+        self.hang = HangCheck()
         #: requests re-sent after their worker died (a count, for metrics)
         self.num_rerouted = 0
         #: whole prompts re-sent because a worker answered ``prefix_unknown``
@@ -318,6 +334,7 @@ class LLMProxy:
             PoolExhaustedError: fatal, see :meth:`route` and :meth:`quarantine`.
         """
         total = len(prompt)
+        transient = 0  # transient refusals of this request so far
         while True:
             worker = self.route(traj_id, domain)
             if not self._window.try_acquire(worker.name):
@@ -333,6 +350,9 @@ class LLMProxy:
             release = list(pending)
             pending.clear()
             result = None
+            timed_out: RemoteError | None = None
+            pause_s = 0.0  # > 0: refused for now, send again after this pause
+            sent_at = self.hang.replies
             try:  # from here the slot is released whatever happens
                 held_by, held = self._held.pop(traj_id, (None, 0))
                 if held_by is not worker or held > total:
@@ -347,37 +367,97 @@ class LLMProxy:
                 self.num_prompt_tokens_sent += total - held
                 self.num_prompt_tokens += total
                 result = await worker.generate(request, timeout_s=timeout_s)
+                self.hang.answered(worker.name)
             except PeerDeadError as exc:
                 # Its own pool: the domain may have moved to another since (set_affinity).
                 self.remove_worker(worker.name, f"{type(exc).__name__}: {exc}")
                 self.num_rerouted += 1
                 continue
             except RemoteError as exc:
+                if exc.code == TIMEOUT:
+                    timed_out = exc  # judged below, once this slot is free
+                else:
+                    self.hang.answered(worker.name)
                 if exc.code == BAD_REPLY:  # the reply did not even decode
                     self._judge(worker, exc.message)
+                elif exc.code == ENGINE_ERROR and exc.fault == "transient":
+                    # A healthy engine that refused it for now: no violation; again after a
+                    # pause (the last refusal fails the turn, still not held against it).
+                    self.num_transient_errors += 1
+                    if transient < TRANSIENT_RETRIES:
+                        pause_s = TRANSIENT_BACKOFF_S * 2 ** transient
+                        transient += 1
                 elif exc.code == ENGINE_ERROR:
                     # Counted like a bad reply: a worker that fails every request answers
                     # fastest, so least-loaded routing would otherwise send it everything.
                     self.num_engine_errors += 1
                     self._record(worker, f"{ENGINE_ERROR}: {exc.message}")
-                if exc.code != "prefix_unknown" or held == 0:
+                if timed_out is None and not pause_s and (
+                        exc.code != "prefix_unknown" or held == 0):
                     raise
-                self.num_prefix_resends += 1  # next pass: held_by is gone, so prefix_len 0
-                continue
+                if exc.code == "prefix_unknown":
+                    self.num_prefix_resends += 1  # next pass: held_by is gone: prefix_len 0
+                    continue
             finally:
-                self._window.release(worker.name)
+                # A suspect's slot stays taken while it is probed: its waiters are not sent to
+                # a worker that may be hung (they route elsewhere if it is quarantined).
+                suspect = timed_out is not None and self.hang.suspect(worker.name, sent_at)
+                if not suspect:
+                    self._window.release(worker.name)
                 if result is None and not worker.dead:
                     # Failed, cancelled or timed out: the worker may still hold the old prefix,
                     # and may never have read this request's releases (a request refused before
                     # its prompt, or lost with its peer's restart): send them again (idempotent).
                     pending.extend(release)
                     pending.append(traj_id)
+            if timed_out is not None:
+                # Its worker answered other calls meanwhile (busy), or no worker answered
+                # anything (the controller's loop stalled, or every engine is slow): overload,
+                # which the controller does not count as a failure in a row.
+                timed_out.overload = not suspect  # type: ignore[attr-defined]
+                try:
+                    hung = await self._hung(worker, sent_at, prompt[0])
+                finally:
+                    if suspect:
+                        self._window.release(worker.name)
+                if hung:
+                    self.num_rerouted += 1
+                    continue  # its worker is out of the pool: another one takes it
+                raise timed_out
+            if pause_s:
+                await asyncio.sleep(pause_s)
+                continue
+            assert result is not None
             if result.finish_reason != "abort":
                 self._held[traj_id] = (worker, total + result.num_tokens)
             self._judge(worker, check_generate_result(
                 result, max_tokens=sampling.max_tokens, min_version=min_version,
                 max_version=self.max_version, vocab_size=self.vocab_size))
             return result
+
+    async def _hung(self, worker: GenerationBackend, sent_at: int, token: int) -> bool:
+        """A call to ``worker`` sent when ``hang.replies`` was ``sent_at`` timed out: whether it
+        should be re-sent elsewhere because ``worker`` is hung (quarantined, perhaps by now:
+        ``rollart.controller.hangcheck``) or died. ``token``: a token id of its prompt, for
+        the probe.
+
+        Raises:
+            PoolExhaustedError: the hung worker was its pool's last.
+        """
+        name = worker.name
+        if name not in self.hang.hung and self.hang.suspect(name, sent_at):
+            if await self.hang.probe(worker, token):
+                self.hang.hung.add(name)
+                # Every caller sharing the probe gets here; quarantine is idempotent (and
+                # raises PoolExhaustedError for each, should the pool be left empty).
+                self.quarantine(name, (
+                    "hung: a generate call got no reply within its timeout while other "
+                    f"workers answered, and a {self.hang.probe_timeout_s:g} s probe of one "
+                    "token got none either"))
+        if worker.dead:
+            self.remove_worker(name, "dead")
+            return True
+        return name in self.hang.hung
 
     def served_by(self, traj_id: str) -> str | None:
         """Name of the worker that served ``traj_id``'s last (not aborted) turn, until
@@ -425,10 +505,14 @@ class LLMProxy:
 
     async def pause(self, mode: Literal["keep", "abort"] = "keep") -> None:
         """Suspend generation on every worker (``keep``: in-flight requests wait)."""
+        self.hang.pausing(w.name for w in self.workers())  # no hang probe while paused
         await self._on_all("pause", lambda w: w.pause(mode))
 
     async def resume(self) -> None:
-        await self._on_all("resume", lambda w: w.resume())
+        try:
+            await self._on_all("resume", lambda w: w.resume())
+        finally:
+            self.hang.resumed_all()
 
     async def apply_weights(self, version: int, *, reprefill: bool = False) -> list[m.WeightsApplied]:
         """Apply the staged ``version`` on every worker; afterwards ``self.version == version``.
@@ -461,10 +545,14 @@ class LLMProxy:
         for names in plan:
             if not names:
                 continue
+            self.hang.pausing(names)
             await self._on_all("pause", lambda w: w.pause("keep"), names)
             try:
                 await self._on_all(f"apply_weights({version})",
                                    lambda w: w.apply_weights(version, reprefill=reprefill), names)
             finally:
-                await self._on_all("resume", lambda w: w.resume(), names)
+                try:
+                    await self._on_all("resume", lambda w: w.resume(), names)
+                finally:
+                    self.hang.resumed(names)
         self.version = version

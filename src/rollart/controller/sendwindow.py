@@ -18,10 +18,10 @@ engine runs at once (vLLM's ``max_num_seqs``) so its scheduler never runs dry.
 The wait has no timeout of its own. Every slot is released when its call ends (reply, error
 or timeout); a worker that stops answering heartbeats is declared dead, which ends its calls,
 and its waiters are woken (:meth:`drop`) to route again. A worker alive to its heartbeats but
-answering nothing (a hung engine) is not detected: its waiters fail one window's worth per
-``generate_timeout_s`` (before the window, every request failed at its own timeout). In either
-case the first window's timeouts, a burst of failures, stop the run at the default
-``run.retry.max_failures_in_a_row`` unless other workers' successes interleave.
+answering nothing (a hung engine) is found by its first call to time out: the proxy probes it
+and quarantines it if the probe fails too (``rollart.controller.hangcheck``), which drops it
+from its pool and from here, so its waiters route again to other workers rather than each
+waiting for a slot that a timeout frees.
 
 "At most ``limit``" counts what the controller waits for: a timed-out request's slot is free
 at once, while its abort may still be on the way to the worker.

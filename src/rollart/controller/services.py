@@ -3,8 +3,9 @@
 - :class:`EnvRouter`: opens each session on the live env host with the fewest open sessions
   (from this controller), remembers which host holds it, and routes step / close there. Env
   names registered in-process (``Cluster.register_env``) are served by a
-  :class:`LocalEnvBackend` instead. A host that dies is skipped for new sessions; when none is
-  left, :class:`EnvHostsExhaustedError` (fatal) is raised.
+  :class:`~rollart.controller.localenv.LocalEnvBackend` instead (closed on every path). A host
+  that dies is skipped for new sessions; when none is left, :class:`EnvHostsExhaustedError`
+  (fatal) is raised.
 - :class:`RewardRouter`: a domain's reward goes to the reward service (``reward_url =
   "service"``), to any endpoint speaking the reward contract (an http(s) URL), or to a local
   function (``"local"``): ``env_return`` (the env's summed step rewards) or one registered with
@@ -13,22 +14,19 @@
 
 from __future__ import annotations
 
-import functools
-import itertools
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import msgspec
 
+from rollart.controller.localenv import LocalEnvBackend
 from rollart.controller.offloop import OffLoopCalls
 from rollart.controller.ports import EnvBackend, RewardBackend, RewardOutcome
-from rollart.envhost.families import EnvContractError, check_reset, check_step
 from rollart.reward.protocol import InvalidRewardError, validate_result
 from rollart.transport import messages as m
 from rollart.transport.errors import (
     ConfigError,
     EnvError,
-    InvalidActionError,
     PeerDeadError,
     RewardError,
     RewardTooLargeError,
@@ -37,84 +35,6 @@ from rollart.transport.errors import (
 
 class EnvHostsExhaustedError(PeerDeadError):
     """Fatal: no live env host is left to open sessions on."""
-
-
-class LocalEnvBackend:
-    """In-process envs registered by name; each session is one env object.
-
-    ``factories[name](**options)`` (the domain's ``env_options``; ``factory()`` when there are
-    none) returns an object with ``reset(seed) -> (observation: str, info: dict)`` and
-    ``step(action: str) -> (observation, reward, terminated, truncated, info)`` (sync or async)
-    and optionally ``close()``. Sync calls run off the event loop (``calls``: bounded threads)
-    and every call is bounded by the ``timeout_s`` it is given. An exception in the env raises
-    ``EnvError("env_error")``, a call past its deadline ``EnvError("env_timeout")``;
-    ``InvalidActionError`` from ``step`` passes through (a model-caused outcome, not a failure).
-    A session is closed (its env's ``close()`` called) by the step that ends its episode
-    (``EnvStepResult.closed``), as on an env host.
-    """
-
-    name = "local"
-    dead = False
-
-    def __init__(self, factories: Mapping[str, Callable[..., Any]] | None = None,
-                 calls: OffLoopCalls | None = None) -> None:
-        self.factories: dict[str, Callable[..., Any]] = dict(factories or {})
-        self.calls = calls or OffLoopCalls(what="local env")
-        self._sessions: dict[str, Any] = {}
-        self._ids = itertools.count()
-
-    async def _call(self, what: str, timeout_s: float | None, fn: Callable[..., Any],
-                    *args: Any) -> Any:
-        try:
-            return await self.calls.run(fn, *args, timeout_s=timeout_s, name=what)
-        except InvalidActionError:
-            raise
-        except TimeoutError as exc:
-            raise EnvError("env_timeout", f"{what}: no result within {timeout_s} s") from exc
-        except Exception as exc:
-            raise EnvError("env_error", f"{what}: {type(exc).__name__}: {exc}") from exc
-
-    async def open(self, env_name: str, seed: int, options: dict[str, Any] | None = None, *,
-                   timeout_s: float | None = None) -> m.EnvOpened:
-        if env_name not in self.factories:
-            raise EnvError("not_found", f"no local env {env_name!r}")
-        factory = self.factories[env_name]
-        env = await self._call(f"{env_name} factory", timeout_s,
-                               functools.partial(factory, **(options or {})))
-        out = await self._call(f"{env_name}.reset", timeout_s, env.reset, seed)
-        # The env host's contract checks: a malformed return fails this session (env_error),
-        # never the run.
-        obs, info = _contract(check_reset, out, env_name)
-        sid = f"local-{next(self._ids)}"
-        self._sessions[sid] = env
-        return m.EnvOpened(session_id=sid, observation=obs, info=info)
-
-    async def step(self, session_id: str, action: str, *, timeout_s: float | None = None
-                   ) -> m.EnvStepResult:
-        env = self._sessions.get(session_id)
-        if env is None:
-            raise EnvError("not_found", f"no local session {session_id!r}")
-        out = await self._call(f"{session_id}.step", timeout_s, env.step, action)
-        obs, reward, terminated, truncated, info = _contract(check_step, out, session_id)
-        ended = bool(terminated or truncated) and session_id in self._sessions
-        if ended:  # as the env hosts do: an ended episode's session closes with its last step
-            await self.close_session(session_id)
-        return m.EnvStepResult(session_id=session_id, observation=obs, reward=reward,
-                               terminated=terminated, truncated=truncated, info=info,
-                               closed=ended)
-
-    async def close_session(self, session_id: str) -> None:
-        env = self._sessions.pop(session_id, None)
-        close = getattr(env, "close", None)
-        if close is not None:
-            await self._call(f"{session_id}.close", None, close)
-
-
-def _contract(check: Callable[[Any, str], Any], out: Any, where: str) -> Any:
-    try:
-        return check(out, where)
-    except EnvContractError as exc:
-        raise EnvError("env_error", str(exc)) from None
 
 
 class EnvRouter:

@@ -63,8 +63,9 @@ def grpo_advantages(samples: Sequence[Sample], eps: float = 1e-6) -> list[float]
 
 
 def to_train_samples(samples: Sequence[Sample]) -> list[m.TrainSample]:
-    """The wire form of a batch, with GRPO advantages. Raises ValueError (from
-    ``TrainSample``) for a sample the trainer cannot use (e.g. no generated token)."""
+    """The wire form of a batch, with GRPO advantages and each sample's domain. Raises
+    ValueError (from ``TrainSample``) for a sample the trainer cannot use (e.g. no generated
+    token)."""
     advantages = grpo_advantages(samples)
     out = []
     for s, a in zip(samples, advantages, strict=True):
@@ -77,7 +78,8 @@ def to_train_samples(samples: Sequence[Sample]) -> list[m.TrainSample]:
         else:
             out.append(m.TrainSample(token_ids=s.token_ids, loss_mask=s.loss_mask,
                                      behaviour_logprobs=s.behaviour_logprobs, advantage=a,
-                                     sample_id=s.sample_id, behaviour_versions=s.versions))
+                                     sample_id=s.sample_id, behaviour_versions=s.versions,
+                                     domain=s.domain))
     return out
 
 
@@ -104,7 +106,8 @@ def trainable_problem(sample: Sample) -> str | None:
     try:
         checked = m.TrainSample(token_ids=sample.token_ids, loss_mask=sample.loss_mask,
                                 behaviour_logprobs=sample.behaviour_logprobs, advantage=0.0,
-                                sample_id=sample.sample_id, behaviour_versions=sample.versions)
+                                sample_id=sample.sample_id, behaviour_versions=sample.versions,
+                                domain=sample.domain)
     except ValueError as exc:
         return str(exc)
     sample.__dict__[_CHECKED] = checked  # views of the sample's arrays, no copy

@@ -425,6 +425,9 @@ async def _run_trajectory(
                 "t_end": ctx.clock(),
                 "reward_details": details,
                 "num_invalid_actions": act.num_invalid_actions,
+                # the task's reference answer, for the transcripts (where the env gives one)
+                **({} if opened.info.get("reference") is None
+                   else {"reference": opened.info["reference"]}),
                 **ctx.extra_metadata,
             },
         )

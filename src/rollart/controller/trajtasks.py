@@ -74,6 +74,17 @@ def launch_restarts(c: Controller) -> None:
             launch(c, fresh, c.buffer.group_of(fresh))
     for tid in c.buffer.drain_restarts():
         launch(c, tid, c.buffer.group_of(tid))
+    cancels = c.buffer.drain_cancels()
+    for tid in cancels:
+        # A group given up by the buffer (run.max_group_attempts): its members stop.
+        cancel_traj(c, tid)
+    given_up = c.buffer.stats_dropped("group_attempts")
+    if given_up > c._attempts_seen:
+        log.warning("%d group(s) dropped: each started run.max_group_attempts = %d "
+                    "trajectories per member slot without completing; %d live member(s) "
+                    "cancelled", given_up - c._attempts_seen, c.run.max_group_attempts,
+                    len(cancels))
+        c._attempts_seen = given_up
 
 
 def cancel_traj(c: Controller, tid: str) -> None:
@@ -119,6 +130,7 @@ async def run_one(c: Controller, tid: str, key: str) -> None:
             "unrequested_cancel", "CancelledError raised by env, reward or user code"))
     else:
         c._failures_in_a_row = 0
+        c._overload_since = None
         if c.transcripts is not None:
             c.transcripts.finished(sample)
         if c._pacer is not None:
@@ -149,9 +161,24 @@ def last_failures(reasons: list[str]) -> str:
 
 def on_failed(c: Controller, tid: str, key: str, exc: TrajectoryFailed) -> None:
     """Count a failed trajectory, retry its slot, or give its group up when the group's
-    failure budget (``run.retry.max_failures_per_group``) is spent."""
-    c._failures_in_a_row += 1
+    failure budget (``run.retry.max_failures_per_group``) is spent. A generate timeout under
+    overload (``LLMProxy.generate``: its worker was busy, or no worker answered) is not a
+    failure in a row; only ``run.retry.max_overload_s`` of them without a finished
+    trajectory stop the run."""
     c._last_failures = [*c._last_failures[-4:], str(exc)]
+    if exc.reason == "generation_timeout" and getattr(exc.__cause__, "overload", False):
+        now = c.clock()
+        if c._overload_since is None:  # the call timed out after generate_timeout_s
+            c._overload_since = now - c.run.generate_timeout_s
+        if now - c._overload_since >= c.run.retry.max_overload_s:
+            raise ControllerStalledError(
+                f"generate calls kept timing out under overload for "
+                f"{now - c._overload_since:.0f} s with no trajectory finishing "
+                f"(run.retry.max_overload_s = {c.run.retry.max_overload_s:g}): every worker "
+                f"busy or silent, or the controller's loop stalled; last "
+                f"{len(c._last_failures)}: {last_failures(c._last_failures)}") from exc
+    else:
+        c._failures_in_a_row += 1
     if c._failures_in_a_row >= c.run.retry.max_failures_in_a_row:
         raise ControllerStalledError(
             f"{c._failures_in_a_row} trajectory failures in a row "

@@ -16,7 +16,8 @@ the (immutable) samples. At most ``max_pending`` chosen trajectories wait for th
 One line per trajectory::
 
     {"step": 3, "sample_id": "g5/2#0", "group": "g5", "domain": "arith", "status": "wasted",
-     "reason": "stale", "reward": 1.0, "reward_details": {...}, "finish_reason": "terminated",
+     "reason": "stale", "reward": 1.0, "reward_details": {...}, "reference": "12",
+     "finish_reason": "terminated",
      "num_turns": 1, "num_tokens": 210, "num_generated": 17, "versions": [2, 2],
      "turns": [{"prompt": "<chat-templated prompt>", "response": "12", "versions": [2, 2],
                 "num_tokens": 17}]}
@@ -25,7 +26,8 @@ One line per trajectory::
 already: the whole templated prompt for turn 0, the templated env observation afterwards (the
 observation *delta*); ``response`` the decoded generated tokens (special tokens kept, so an eos
 is visible); ``versions`` the min / max policy version of the turn's tokens. Texts longer than
-``max_chars`` are cut, with ``"...[cut N chars]"`` appended.
+``max_chars`` are cut, with ``"...[cut N chars]"`` appended. ``reference`` is the task's
+reference answer as the env gave it to the reward function (``null`` where it gives none).
 """
 
 from __future__ import annotations
@@ -151,6 +153,7 @@ class TranscriptRecorder:
             "step": step, "sample_id": s.sample_id, "group": s.group_key, "domain": s.domain,
             "status": status, "reason": reason, "reward": s.reward,
             "reward_details": s.metadata.get("reward_details", {}),
+            "reference": s.metadata.get("reference"),
             "finish_reason": s.finish_reason, "num_turns": s.num_turns,
             "num_tokens": s.num_tokens, "num_generated": s.num_generated,
             "versions": [int(gen.min()), int(gen.max())] if len(gen) else None,

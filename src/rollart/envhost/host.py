@@ -34,6 +34,7 @@ import msgspec
 from rollart.envhost.allow import check_allow_entries, check_env_allowed
 from rollart.envhost.families import EnvAdapter, EnvSpecError, make_env
 from rollart.envhost.latency import LatencyConfig, LatencyModel, select_latency
+from rollart.filemodes import apply_umask
 from rollart.transport import messages as m
 from rollart.transport.errors import ConfigError, EnvError, InvalidActionError
 from rollart.transport.rpc import RpcServer
@@ -507,6 +508,7 @@ async def _serve(config: HostConfig, auth: Auth, ready_file: Path | None) -> int
 
 def main(argv: list[str] | None = None) -> int:
     """Run the env host until SIGTERM / SIGINT. Returns the exit status (2: bad config)."""
+    apply_umask()  # what it and its envs write: private (rollart.filemodes)
     args = _parser().parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -23,7 +23,10 @@ blocks computed under older weights, even when ``reset_prefix_cache`` cannot dro
 held by in-flight requests (``ApplyWeights(reprefill=False)``, the keep-the-KV mode).
 
 A dead engine core makes the process exit with status 1 and a ``FATAL`` line on stderr; clients
-then see ``PeerDeadError``. A failure inside one request replies ``engine_error`` for it only.
+then see ``PeerDeadError``. A failure inside one request replies ``engine_error`` for it only,
+with its ``fault``: ``transient`` when the engine refused it for now (overloaded: vLLM's
+``GracefulHTTPError``; ``RetryableRequestError``), which the controller retries after a pause
+without holding it against the worker, else ``fatal`` (a crashed engine, no output).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import sys
 import time
 from pathlib import Path
 
+from rollart.filemodes import apply_umask
 from rollart.inference.engine import (
     DEFAULT_KV_CACHE_BYTES,
     EngineOptions,
@@ -167,7 +171,7 @@ class InferenceWorker(WeightReceiver):
     # -- generation ------------------------------------------------------------------------------
 
     async def generate(self, msg: m.Generate, _frames) -> m.GenerateResult:
-        from vllm.exceptions import VLLMClientError
+        from vllm.exceptions import GracefulHTTPError, RetryableRequestError, VLLMClientError
         from vllm.inputs import TokensPrompt
         from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
@@ -195,21 +199,30 @@ class InferenceWorker(WeightReceiver):
                 final = out
         except EngineDeadError as exc:
             self.die(f"the vLLM engine died during request {rid!r}: {exc}")
-            raise RemoteError("engine_error", f"engine dead: {exc}") from exc
+            raise RemoteError("engine_error", f"engine dead: {exc}", fault="fatal") from exc
         except (VLLMClientError, ValueError, TypeError) as exc:
             # The input's fault (too long, id out of vocabulary), not the engine's: bad_request
             # does not count towards this worker's quarantine, engine_error does.
             raise RemoteError("bad_request", f"request {rid!r} rejected: {exc}") from exc
+        except (GracefulHTTPError, RetryableRequestError) as exc:
+            # Overloaded (a full queue, a prefill backlog) or told to retry: a healthy engine,
+            # the same request may pass later. The controller retries it after a pause and
+            # does not count it towards this worker's quarantine.
+            raise RemoteError("engine_error", f"request {rid!r} refused for now: "
+                              f"{type(exc).__name__}: {exc}", fault="transient") from exc
         except EngineGenerateError as exc:
             cause = exc.__cause__ or exc
+            transient = isinstance(cause, (GracefulHTTPError, RetryableRequestError))
             raise RemoteError(
-                "engine_error", f"request {rid!r} failed: {type(cause).__name__}: {cause}"
+                "engine_error", f"request {rid!r} failed: {type(cause).__name__}: {cause}",
+                fault="transient" if transient else "fatal",
             ) from exc
         finally:
             del self._active[rid]
             state.done.set()
         if final is None:
-            raise RemoteError("engine_error", f"request {rid!r}: the engine returned no output")
+            raise RemoteError("engine_error", f"request {rid!r}: the engine returned no output",
+                              fault="fatal")
         comp = completion_from_output(final, fallback_version=submitted_version)
         self.generated_tokens += len(comp.token_ids)
         token_bytes = tb.pack_i32(comp.token_ids)
@@ -426,6 +439,7 @@ async def serve(args: argparse.Namespace, auth: Auth) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``rollart serve-inference``; returns the exit status."""
+    apply_umask()  # staged weights are the policy: private (rollart.filemodes)
     args = parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -440,6 +454,13 @@ def main(argv: list[str] | None = None) -> int:
         auth = service_auth(args.key_file, args.insecure, args.address)
     except ConfigError as exc:
         print(f"rollart serve-inference: {exc}", file=sys.stderr)
+        return 2
+    from rollart.inference.companions import check_torch_companions
+
+    try:  # else vLLM fails deep in model inspection, naming none of them
+        check_torch_companions()
+    except ConfigError as exc:
+        print(f"rollart inference worker {args.name}: FATAL: {exc}", file=sys.stderr)
         return 2
     try:
         return run(serve(args, auth))

@@ -29,11 +29,13 @@ import contextlib
 import json
 import logging
 import os
+import sys
 import time
 from collections.abc import AsyncIterator, Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
+from rollart import logredact
 from rollart.config import (
     RewardServiceConfig,
     Scenario,
@@ -41,9 +43,11 @@ from rollart.config import (
     load_scenario,
     scenario_to_json,
 )
+from rollart.filemodes import SHARE_ENV, apply_umask, restrict_tree
 from rollart.launcher.peers import PeerLoss
 from rollart.launcher.placement import parse_cluster
 from rollart.launcher.procs import ProcessFailedError, Supervisor
+from rollart.launcher.progress import StartProgress
 from rollart.transport.errors import ConfigError, RollartError
 
 log = logging.getLogger("rollart.launcher")
@@ -194,8 +198,9 @@ async def open_cluster(scenario: str | Path | Scenario, *, run_dir: str | Path |
         envs: in-process env factories by env name (as ``Cluster.register_env``).
         buffer_class: a ``SampleBuffer`` subclass with your own admission / batch assembly
             (``rollart.controller.controller.Controller``); default ``SampleBuffer``.
-        on_note: optional ``callable(str)`` told about progress (services starting / ready,
-            checkpoints).
+        on_note: ``callable(str)`` told about progress (services starting, each one ready,
+            those still starting every 20 s, checkpoints); default: printed to stderr as
+            ``rollart: ...`` (``lambda _text: None`` silences it).
         started: wall-clock start of the run (``time.time()``) for ``summary.json``.
         insecure: run the ZeroMQ services without authentication (``rollart run --insecure``;
             see ``rollart.launcher.runkeys``). By default every service gets the run's CURVE
@@ -247,6 +252,13 @@ async def open_cluster(scenario: str | Path | Scenario, *, run_dir: str | Path |
         raise ConfigError(f"{source}: --cluster ray: services bind their nodes' network "
                           "addresses, so the run's CURVE key is required (drop --insecure / "
                           "run.insecure)")
+    from rollart.launcher import machine
+
+    try:  # before anything starts: one line naming the field, not a traceback minutes later
+        machine.service_rewards(scenario)
+        machine.ray_reachable(ray_address)
+    except ConfigError as exc:
+        raise in_file(source, exc) from None
     started = time.time() if started is None else started
     run_dir = Path(run_dir) if run_dir else Path("runs") / f"driver-{time.strftime('%Y%m%d-%H%M%S')}"
     point = rundir.resume_point(run_dir) if resume else None
@@ -257,20 +269,30 @@ async def open_cluster(scenario: str | Path | Scenario, *, run_dir: str | Path |
                                   resume=resume)
     except ConfigError as exc:
         raise in_file(source, exc) from None
-    rundir.prepare(run_dir, point[1].step if point else None)
-    (run_dir / "config.json").write_bytes(scenario_to_json(scenario))
-    note = on_note or (lambda _text: None)
+    # Private before anything is written: run folder 0700, its files 0600 (or group-readable
+    # with output.share_with_group); the services started below inherit the umask, and an
+    # existing folder (a reused or resumed one) is narrowed by chmod.
+    share = scenario.output.share_with_group
+    old_umask = apply_umask(share)
+    # A driver script that gives no on_note still hears about the minute or two of start-up.
+    note = on_note or (lambda text: print(f"rollart: {text}", file=sys.stderr, flush=True))
     try:
+        rundir.prepare(run_dir, point[1].step if point else None)
+        restrict_tree(run_dir, share)
+        (run_dir / "config.json").write_bytes(scenario_to_json(scenario))
         folder = rundir.RunFolder(run_dir, scenario, final_step=steps or scenario.run.steps,
                                   started=started)
         keyed = run_auth(scenario, run_dir, insecure=insecure, key_file=key_file)
-    except ConfigError as exc:
-        raise in_file(source, exc) from None
+    except BaseException as exc:
+        os.umask(old_umask)
+        if isinstance(exc, ConfigError):
+            raise in_file(source, exc) from None
+        raise
     folder.on_note = note
     auth = keyed.auth
 
     if ray_address is None:
-        sup: Any = Supervisor(run_dir)
+        sup: Any = Supervisor(run_dir, env={SHARE_ENV: "1" if share else "0"})
     else:
         from rollart.launcher.raycluster import RaySupervisor
 
@@ -290,11 +312,15 @@ async def open_cluster(scenario: str | Path | Scenario, *, run_dir: str | Path |
             service_token, token_file, endpoint_tokens = _reward_tokens(scenario, run_dir)
         except ConfigError as exc:
             raise in_file(source, exc) from None
-        addrs = await start_services(sup, scenario, model_dir,
-                                     trainer_resume=point[0] if point else None,
-                                     auth_argv=keyed.argv,
-                                     checkpoint_dir=run_dir / "checkpoints",
-                                     reward_token_file=token_file)
+        for secret in (service_token, *endpoint_tokens.values()):
+            if secret:
+                logredact.add_secret(secret)
+        async with StartProgress(sup, note):  # each service as it is ready, and who is late
+            addrs = await start_services(sup, scenario, model_dir,
+                                         trainer_resume=point[0] if point else None,
+                                         auth_argv=keyed.argv,
+                                         checkpoint_dir=run_dir / "checkpoints",
+                                         reward_token_file=token_file)
         note(f"services ready in {time.perf_counter() - t0:.1f} s")
         reward = RewardClient(addrs.reward_url, max_concurrency=rc.max_concurrency,
                               timeout_s=rc.timeout_s, max_retries=rc.max_retries,
@@ -384,6 +410,7 @@ async def open_cluster(scenario: str | Path | Scenario, *, run_dir: str | Path |
                 with contextlib.suppress(Exception):
                     await client.__aexit__(None, None, None)
         await sup.stop_all()
+        os.umask(old_umask)
 
 
 def _reward_tokens(scenario: Scenario, run_dir: Path

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import sys
 import textwrap
+import time
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -36,18 +40,29 @@ class Progress:
                           f"batch {run.batch_size} (group {run.group_size} + {run.redundancy}) · "
                           f"{planned_steps} steps")
         self._header_printed = False
+        self._step_times: list[float] = []
+
+    def eta(self, step: int, metrics: Any) -> str:
+        """Time left at the mean step time so far (this process's steps), as ``"3m05s"``;
+        ``"-"`` on the last step."""
+        self._step_times.append(getattr(metrics, "step_time_s", 0.0) or 0.0)
+        left = self.planned - step
+        if left <= 0:
+            return "-"
+        return duration(left * sum(self._step_times) / len(self._step_times))
 
     def note(self, text: str) -> None:
         self.console.print(f"[dim]{text}[/dim]")
 
     def step(self, step: int, metrics: Any) -> None:
+        eta = self.eta(step, metrics)
         if not self.tty:
-            for line in log_lines(step, self.planned, self.domains, metrics):
+            for line in log_lines(step, self.planned, self.domains, metrics, eta):
                 self.console.print(line, markup=False, soft_wrap=True)
             return
         table = Table(show_header=not self._header_printed, box=None, pad_edge=False)
         for col in ["step", "ver", "reward", *self.domains, "rollout s", "train s", "sync s",
-                    "stale", "abort", "fail", "waste", "lag p99 ms"]:
+                    "stale", "abort", "fail", "waste", "lag p99 ms", "eta"]:
             table.add_column(col, justify="right", min_width=7)
         by_domain = metrics.reward_mean_by_domain
         table.add_row(
@@ -56,7 +71,7 @@ class Progress:
             f"{metrics.rollout_time_s:.1f}", f"{metrics.train_time_s:.1f}",
             f"{metrics.weight_sync_exposed_s:.2f}", str(metrics.staleness_max),
             str(metrics.num_aborted), str(metrics.num_failed), waste_text(metrics),
-            "-" if metrics.loop_lag_p99_ms is None else f"{metrics.loop_lag_p99_ms:.1f}",
+            "-" if metrics.loop_lag_p99_ms is None else f"{metrics.loop_lag_p99_ms:.1f}", eta,
         )
         self._header_printed = True
         self.console.print(table)
@@ -69,10 +84,12 @@ class Progress:
 LOG_WIDTH = 100
 
 
-def log_lines(step: int, planned: int, domains: list[str], metrics: Any) -> list[str]:
+def log_lines(step: int, planned: int, domains: list[str], metrics: Any,
+              eta: str = "-") -> list[str]:
     """One step's progress as ``key=value`` words (the table row's numbers, a domain's reward
-    as ``reward.NAME``), wrapped at spaces under :data:`LOG_WIDTH` columns, continuation lines
-    indented; a word longer than a line (a long domain name) is kept whole."""
+    as ``reward.NAME``, ``eta``: the time left), wrapped at spaces under :data:`LOG_WIDTH`
+    columns, continuation lines indented; a word longer than a line (a long domain name) is
+    kept whole."""
     by_domain = metrics.reward_mean_by_domain
     lag = metrics.loop_lag_p99_ms
     words = [f"step={step}/{planned}", f"ver={metrics.policy_version}",
@@ -83,29 +100,66 @@ def log_lines(step: int, planned: int, domains: list[str], metrics: Any) -> list
              f"sync_s={metrics.weight_sync_exposed_s:.2f}", f"stale={metrics.staleness_max}",
              f"abort={metrics.num_aborted}", f"fail={metrics.num_failed}",
              f"waste={_waste_word(metrics)}",
-             f"lag_p99_ms={'-' if lag is None else f'{lag:.1f}'}"]
+             f"lag_p99_ms={'-' if lag is None else f'{lag:.1f}'}", f"eta={eta}"]
     return textwrap.wrap(" ".join(words), width=LOG_WIDTH - 1, subsequent_indent="    ",
                          break_long_words=False, break_on_hyphens=False)
 
 
-def waste_text(metrics: Any) -> str:
-    """``"41% stale 38 red 3"``: wasted share of the step's generated tokens, then each
-    reason's share in percent (``-`` when nothing was generated)."""
-    generated = getattr(metrics, "buffer_generated_tokens", 0)
-    if generated <= 0:
-        return "-"
+def duration(seconds: float) -> str:
+    """``"45s"``, ``"3m05s"``, ``"2h04m"``: a duration in seconds for a person."""
+    s = max(0, round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def step_waste(metrics: Any) -> tuple[float, dict[str, float], int] | None:
+    """A step's waste: ``(share, share_by_reason, carried_tokens)``, or ``None`` when the step
+    settled no token.
+
+    A token is *settled* in the step it is trained or wasted; ``share = wasted_tokens /
+    (trained_tokens + wasted_tokens)``, in [0, 1] (each settled token is trained or wasted for
+    exactly one reason: ``rollart.controller.buffer``). Dividing by the step's own generated
+    tokens instead is not bounded: a step may settle tokens generated before it (in flight at
+    the previous step's end, or held in the checkpoint a run resumed from), which
+    ``carried_tokens = max(0, settled - buffer_generated_tokens)`` counts apart. Over a steady
+    stretch of steps nothing is carried and the share is that of the generated tokens."""
+    wasted = getattr(metrics, "wasted_tokens", 0)
+    settled = wasted + getattr(metrics, "trained_tokens", 0)
+    if settled <= 0:
+        return None
     by_reason = getattr(metrics, "wasted_tokens_by_reason", {})
-    parts = [f"{100 * metrics.wasted_tokens / generated:.0f}%"]
-    parts += [f"{_SHORT.get(k, k)} {100 * v / generated:.0f}"
+    carried = max(0, settled - getattr(metrics, "buffer_generated_tokens", 0))
+    return wasted / settled, {k: v / settled for k, v in by_reason.items()}, carried
+
+
+def _tokens(n: int) -> str:
+    return f"{n / 1000:.1f}k" if n >= 1000 else str(n)
+
+
+def waste_text(metrics: Any) -> str:
+    """``"41% stale 38 red 3"``: :func:`step_waste`'s share of the tokens the step settled,
+    then each reason's share in percent, then ``"+12.3k carried"`` when the step settled
+    tokens generated before it (``-`` when it settled none)."""
+    waste = step_waste(metrics)
+    if waste is None:
+        return "-"
+    share, by_reason, carried = waste
+    parts = [f"{100 * share:.0f}%"]
+    parts += [f"{_SHORT.get(k, k)} {100 * v:.0f}"
               for k, v in sorted(by_reason.items(), key=lambda kv: -kv[1])]
-    return " ".join(parts)
+    return " ".join(parts) + (f" +{_tokens(carried)} carried" if carried else "")
 
 
 def _waste_word(metrics: Any) -> str:
-    """:func:`waste_text` as one word: ``"41%(stale:38,red:3)"``."""
-    head, *rest = waste_text(metrics).split(" ")
+    """:func:`waste_text` as one word: ``"41%(stale:38,red:3)"``, then ``"+12.3k_carried"``."""
+    head, _, carried = waste_text(metrics).partition(" +")
+    head, *rest = head.split(" ")
     pairs = [f"{k}:{v}" for k, v in zip(rest[::2], rest[1::2], strict=True)]
-    return head + (f"({','.join(pairs)})" if pairs else "")
+    return (head + (f"({','.join(pairs)})" if pairs else "")
+            + (f"+{carried.replace(' ', '_')}" if carried else ""))
 
 
 _SHORT = {"redundancy": "red", "unselected": "unsel", "shutdown": "shut"}
@@ -177,3 +231,111 @@ def failure_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "num_invalid_replies": sum(r.get("num_invalid_replies", 0) for r in rows),
         "quarantined_workers": [w for r in rows for w in r.get("quarantined_workers", [])],
     }
+
+
+def _num(x: Any, fmt: str = ".3f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def _ci(ci: Any) -> str:
+    if isinstance(ci, (list, tuple)) and len(ci) == 2 and None not in ci:
+        return f", 95% CI [{ci[0]:.3f}, {ci[1]:.3f}]"
+    if isinstance(ci, (int, float)) and not isinstance(ci, bool):
+        return f" ± {ci:.3f}"
+    return ""
+
+
+def summary_block(summary: dict[str, Any], run_dir: Path, *, checkpoint: Path | None,
+                  resume: str | None) -> list[str]:
+    """The lines that end ``rollart run``, from ``summary.json``'s dict
+    (``rollart.launcher.rundir.write_summary``): steps and wall time, each domain's mean reward
+    over its first -> last ``SUMMARY_WINDOW`` steps, held-out evaluation first -> last where
+    ``summary["eval"]`` has it, waste by reason (share of the generated tokens), then where the
+    run folder, the newest checkpoint and the report are, and the commands that continue the run
+    (``resume``, with ``N`` for the new total steps; ``None``: no checkpoint to continue from)
+    and write its report."""
+    lines = [f"steps       {summary.get('steps', 0)} in {duration(summary.get('wall_time_s', 0))}"
+             f" (mode {summary.get('mode')}, alpha {summary.get('alpha')})"]
+    domains = summary.get("domains", {})
+    first_key = next((k for d in domains.values() for k in d
+                      if k.startswith("reward_first") and k.endswith("_mean")), None)
+    if first_key is not None:
+        window = first_key.removeprefix("reward_first").removesuffix("_mean")
+        last_key = f"reward_last{window}_mean"
+        for i, (name, d) in enumerate(sorted(domains.items())):
+            if first_key in d:
+                head = f"reward      (mean of the first -> last {window} steps) " if i == 0 \
+                    else " " * 12
+                lines.append(f"{head}{name}: {_num(d[first_key])} -> {_num(d.get(last_key))}")
+    for i, (name, e) in enumerate(sorted((summary.get("eval") or {}).items())):
+        base = e.get("majority_baseline")
+        lines.append(f"{'eval        ' if i == 0 else ' ' * 12}{name}: {_num(e.get('first'))} -> "
+                     f"{_num(e.get('last'))}{_ci(e.get('last_ci95'))}"
+                     + ("" if base is None else f" (majority baseline {base:.3f})")
+                     + ("" if not e.get("collapse") else f"; collapse: {e['collapse']}"))
+    if summary.get("generated_tokens"):
+        by_reason = ", ".join(f"{k} {100 * v:.0f}%" for k, v in sorted(
+            summary.get("wasted_share_by_reason", {}).items(), key=lambda kv: -kv[1]))
+        lines.append(f"waste       {100 * summary.get('wasted_share', 0.0):.0f}% of "
+                     f"{summary['generated_tokens']} generated tokens"
+                     + (f": {by_reason}" if by_reason else ""))
+    lines += [f"run folder  {run_dir}  (metrics.jsonl, summary.json, logs/)",
+              f"checkpoint  {checkpoint if checkpoint is not None else 'none'}",
+              f"report      rollart report {run_dir}  (writes {run_dir / 'report' / 'index.html'})"]
+    if resume is not None:
+        lines.append(f"continue    {resume}  (N: the new total of steps)")
+    return lines
+
+
+def print_summary_block(lines: list[str], console: Console | None = None) -> None:
+    """Print :func:`summary_block`'s lines under a rule, to stdout (with the step table)."""
+    console = console or Console(highlight=False, width=None if sys.stdout.isatty()
+                                 else LOG_WIDTH)
+    console.rule("run summary")
+    for line in lines:
+        console.print(line, markup=False, soft_wrap=True)
+
+
+class StartProgress:
+    """Says what happens while a supervisor's services start: each one as it is ready, and
+    every ``every_s`` seconds the ones still starting (vLLM workers and the trainer take a
+    minute or two on a loaded machine; silence would read like a hang).
+
+    Wraps ``sup.start`` (``Supervisor`` / ``RaySupervisor``: ``async start(name, argv, ...)
+    -> address``) on that instance; use as an async context manager around the starts.
+    """
+
+    def __init__(self, sup: Any, note: Any, every_s: float = 20.0) -> None:
+        self.sup, self.note, self.every_s = sup, note, every_s
+        self.pending: dict[str, float] = {}
+        self.t0 = time.perf_counter()
+        self._ticker: asyncio.Task | None = None
+        start = sup.start
+
+        async def announced(name: str, *args: Any, **kwargs: Any) -> str:
+            self.pending[name] = time.perf_counter()
+            try:
+                address = await start(name, *args, **kwargs)
+            finally:
+                self.pending.pop(name, None)
+            self.note(f"  {name} ready ({time.perf_counter() - self.t0:.0f} s)")
+            return address
+
+        sup.start = announced
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(self.every_s)
+            if self.pending:
+                self.note(f"  still starting ({time.perf_counter() - self.t0:.0f} s): "
+                          f"{', '.join(sorted(self.pending))}")
+
+    async def __aenter__(self) -> StartProgress:
+        self._ticker = asyncio.create_task(self._tick())
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        assert self._ticker is not None
+        self._ticker.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._ticker

@@ -12,8 +12,11 @@ Reads ``RUN_DIR/metrics.jsonl`` (and ``summary.json`` when present) and writes, 
 - ``throughput.png``: generated and trained tokens per second of step wall time;
 - ``signal.png``: per domain, the share of each batch's groups whose rewards were all equal
   (zero GRPO advantage: no gradient; a domain stuck at 1.0 cannot learn);
-- ``index.html``: the six images and, from ``summary.json``, each domain's reward over its
-  first and last 10 steps and trained share.
+- ``eval_<domain>.png`` (runs with ``[eval] enabled``): per domain, held-out greedy accuracy
+  with its 95% interval and pass@k at each evaluation's step, and the majority baseline (the
+  best constant answer's accuracy on the same eval set) as a line;
+- ``index.html``: the images and, from ``summary.json``, each domain's reward over its
+  first and last 10 steps and trained share, and its held-out evaluation.
 
 Exit codes: 0 written, 2 no metrics to plot (missing or empty ``metrics.jsonl``).
 """
@@ -27,6 +30,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from rollart.filemodes import apply_umask, run_shares_with_group
 from rollart.launcher.sinks import step_scalars
 
 #: the PNGs a report holds, with their titles (in page order)
@@ -130,7 +134,44 @@ def write_plots(rows: list[dict[str, Any]], out: Path) -> list[Path]:
             ax.plot(*zip(*pts, strict=True), marker=".", label=d)
     ax.set_ylim(-0.05, 1.05)
     _save(fig, out / "signal.png")
-    return [out / name for name in PLOTS]
+    return [out / name for name in PLOTS] + write_eval_plots(rows, out)
+
+
+def eval_points(rows: list[dict[str, Any]]) -> dict[str, list[tuple[int, dict[str, Any]]]]:
+    """Per domain, ``(at_step, result)`` of each evaluation in ``rows``, by step."""
+    out: dict[str, list[tuple[int, dict[str, Any]]]] = {}
+    for e in sorted((e for r in rows for e in r.get("eval", [])), key=lambda e: e["at_step"]):
+        for d, res in e["domains"].items():
+            if res.get("accuracy") is not None:
+                out.setdefault(d, []).append((e["at_step"], res))
+    return out
+
+
+def write_eval_plots(rows: list[dict[str, Any]], out: Path) -> list[Path]:
+    """``eval_<domain>.png`` per domain with evaluations in ``rows``; returns their paths."""
+    paths = []
+    for d, pts in sorted(eval_points(rows).items()):
+        fig, ax = _figure(f"Held-out eval: {d}", "accuracy")
+        steps = [s for s, _ in pts]
+        ax.plot(steps, [r["accuracy"] for _, r in pts], marker="o", color="C0",
+                label="greedy accuracy")
+        ci = [(s, r["ci95"]) for s, r in pts if r.get("ci95")]
+        if ci:
+            ax.fill_between([s for s, _ in ci], [c[0] for _, c in ci], [c[1] for _, c in ci],
+                            color="C0", alpha=0.2, label="95% interval")
+        pk = [(s, r["pass_at_k"]) for s, r in pts if r.get("pass_at_k") is not None]
+        if pk:
+            ax.plot(*zip(*pk, strict=True), marker=".", ls="--", color="C2",
+                    label=f"pass@{pts[-1][1].get('pass_k')}")
+        base = next((r["majority_baseline"] for _, r in reversed(pts)
+                     if r.get("majority_baseline") is not None), None)
+        if base is not None:
+            ax.axhline(base, color="C3", ls=":", lw=2, label=f"majority baseline {base:.3f}")
+        ax.set_ylim(-0.05, 1.05)
+        path = out / f"eval_{d}.png"
+        _save(fig, path)
+        paths.append(path)
+    return paths
 
 
 def _fmt(v: Any) -> str:
@@ -152,8 +193,20 @@ def write_html(run_dir: Path, out: Path, rows: list[dict[str, Any]]) -> Path:
             + "".join(f"<td>{_fmt(d.get(c))}</td>" for c in cols) + "</tr>"
             for name, d in sorted(domains.items()))
         table = f"<h2>Domains</h2><table border=1 cellpadding=4><tr>{head}</tr>{body}</table>"
+    evals = summary.get("eval", {})
+    if evals:
+        cols = ["first", "last", "last_ci95", "majority_baseline", "pass_at_k_last",
+                "distinct_answer_share_last", "collapse"]
+        head = "".join(f"<th>{c}</th>" for c in ["domain", *cols])
+        body = "".join(
+            "<tr><td>" + html.escape(name) + "</td>"
+            + "".join(f"<td>{_fmt(d.get(c))}</td>" for c in cols) + "</tr>"
+            for name, d in sorted(evals.items()))
+        table += (f"<h2>Held-out evaluation (greedy accuracy)</h2><table border=1 "
+                  f"cellpadding=4><tr>{head}</tr>{body}</table>")
+    plots = {**PLOTS, **{f"eval_{d}.png": f"Held-out eval: {d}" for d in eval_points(rows)}}
     figs = "".join(f'<h2>{html.escape(title)}</h2><img src="{name}" alt="{html.escape(title)}">'
-                   for name, title in PLOTS.items())
+                   for name, title in plots.items())
     page = (f"<!doctype html><html><head><meta charset='utf-8'><title>rollart report: "
             f"{html.escape(run_dir.name)}</title></head><body><h1>rollart run "
             f"{html.escape(str(run_dir))}</h1><p>{len(rows)} steps; mode "
@@ -179,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     out = args.out or args.run_dir / "report"
+    # Part of the run folder: as private as the run made it (rollart.filemodes).
+    apply_umask(run_shares_with_group(args.run_dir))
     write_plots(rows, out)
     page = write_html(args.run_dir, out, rows)
     print(f"rollart report: {len(rows)} steps -> {page}")

@@ -11,7 +11,9 @@ Outputs: ``DIR/config.json`` (resolved scenario), ``DIR/metrics.jsonl`` (one obj
 ``DIR/transcripts.jsonl`` (decoded trajectories), ``DIR/tensorboard/``, ``DIR/summary.json``
 and ``DIR/checkpoints/step_NNNNNN`` (every ``trainer.checkpoint_every`` steps and at the end):
 the run folder of ``rollart.launcher.rundir``, written the same way for a driver script.
-``--resume DIR`` continues a run directory from its newest checkpoint.
+``--resume DIR`` continues a run directory from its newest checkpoint. What it would refuse (the
+scenario's services, this machine: ``rollart.launcher.machine``) is refused before any process
+starts; the run ends with a summary block (``progress.summary_block``).
 
 ``--checkpoint-on-interrupt``: the first Ctrl-C (SIGINT) or SIGTERM does not stop the run at
 once: the step in progress *finishes* (its batch is trained, its metrics written; rollout in
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import shlex
@@ -36,9 +39,11 @@ from pathlib import Path
 from typing import Any
 
 from rollart.config import Scenario, in_file, load_scenario
+from rollart.controller.evalstats import eval_line
 from rollart.controller.loophealth import freeze_startup_objects, tune_gc
+from rollart.filemodes import apply_umask
 from rollart.launcher.procs import ProcessFailedError
-from rollart.launcher.progress import Progress
+from rollart.launcher.progress import Progress, print_summary_block, summary_block
 from rollart.launcher.rundir import resume_point, write_summary
 from rollart.launcher.sigterm import Terminated, sigterm_cancels
 from rollart.transport.errors import ConfigError, RollartError
@@ -162,14 +167,22 @@ async def _train(cluster: Any, start_step: int, planned: int, progress: Progress
         # Started: modules, config, clients and the controller exist; later collections need
         # not traverse them again (rollart.controller.loophealth).
         freeze_startup_objects()
-        async for out in cluster.train(steps=planned - start_step):
-            progress.step(out.step, out.metrics)
-            if stop is not None and stop.signum is not None and out.step < planned:
-                path = folder.last_checkpoint
-                if folder.last_checkpoint_step != out.step:  # not due by checkpoint_every
-                    path = await folder.checkpoint(cluster, out.step,
-                                                   out.metrics.policy_version)
-                raise Interrupted(stop.signum, out.step, path)
+        try:
+            async for out in cluster.train(steps=planned - start_step):
+                progress.step(out.step, out.metrics)
+                for record in out.metrics.eval:
+                    progress.note(eval_line(record))
+                if stop is not None and stop.signum is not None and out.step < planned:
+                    path = folder.last_checkpoint
+                    if folder.last_checkpoint_step != out.step:  # not due by checkpoint_every
+                        path = await folder.checkpoint(cluster, out.step,
+                                                       out.metrics.policy_version)
+                    raise Interrupted(stop.signum, out.step, path)
+        finally:
+            # Frozen objects outlive the interpreter's last collection: nanobind (triton's
+            # bindings, imported with torch by transformers) would report each one as leaked
+            # on stderr at exit, ~30 lines that read like a crash.
+            gc.unfreeze()
     return 0
 
 
@@ -185,6 +198,9 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--out {args.out}: exists and is not a directory (the run "
                               "folder is a directory)")
         scenario = load_scenario(args.scenario)
+        # Everything this process writes (the run folder, summary.json after the cluster has
+        # closed) is private, or group-readable with output.share_with_group.
+        apply_umask(scenario.output.share_with_group)
         from rollart.launcher import localmodule
         from rollart.launcher.local import preflight
 
@@ -193,6 +209,14 @@ def main(argv: list[str] | None = None) -> int:
         regs = localmodule.load(scenario, args.scenario.parent, str(args.scenario))
         preflight(scenario, str(args.scenario), local_rewards=regs.rewards,
                   local_envs=regs.envs)
+        from rollart.launcher.machine import refusals
+
+        # What this machine must give (reward names the service serves, CUDA, wandb, Ray,
+        # the model): refused now, not minutes into the start-up. The same as `validate`.
+        refused = [str(in_file(str(args.scenario), ConfigError(text)))
+                   for text in refusals(scenario, args.cluster)]
+        if refused:
+            raise ConfigError("\n  ".join(refused))
         from rollart.launcher.validate import cost_notes
 
         # What `rollart validate` notes would cost this run: said here too, for whoever
@@ -256,5 +280,17 @@ def main(argv: list[str] | None = None) -> int:
     except RollartError as exc:  # a fatal error of the run (trainer, workers, controller)
         print(f"rollart run: failed: {exc}", file=sys.stderr)
         rc = 1
-    write_summary(run_dir, scenario, started)  # also when the run failed before it started
+    summary = write_summary(run_dir, scenario, started)  # also when it failed before it started
+    print_closing(summary, run_dir, args)
     return rc
+
+
+def print_closing(summary: dict[str, Any], run_dir: Path, args: argparse.Namespace) -> None:
+    """The run's closing block (``progress.summary_block``): what it did, where it is, and
+    the commands that continue it and write its report."""
+    from rollart.trainer.checkpoint import latest_checkpoint
+
+    checkpoint = latest_checkpoint(run_dir / "checkpoints")
+    resume = (resume_command(argparse.Namespace(**{**vars(args), "steps": "N"}), run_dir)
+              if checkpoint is not None else None)
+    print_summary_block(summary_block(summary, run_dir, checkpoint=checkpoint, resume=resume))

@@ -13,7 +13,8 @@
 - ``checkpoints/step_NNNNNN/``: trainer checkpoint + ``controller.json`` (:class:`RunState`)
   every ``trainer.checkpoint_every`` steps and at the planned last step;
 - ``summary.json``: run totals, waste by reason, per-domain reward first / last 10 steps and
-  trained share (:func:`write_summary`);
+  trained share, and per-domain held-out evaluation (``"eval"``: :func:`eval_summary`)
+  (:func:`write_summary`);
 - ``logs/``: one log per service process.
 
 A fresh run into a folder that holds an earlier run first moves that run's files into
@@ -33,7 +34,7 @@ import msgspec
 
 from rollart.config import Scenario
 from rollart.launcher.progress import failure_summary, waste_summary
-from rollart.launcher.sinks import TensorBoardSink, WandbSink, step_scalars
+from rollart.launcher.sinks import TensorBoardSink, WandbSink, eval_scalars, step_scalars
 from rollart.trainer.checkpoint import latest_checkpoint, mark_complete, read_json, step_dir
 from rollart.transport.errors import ConfigError
 
@@ -189,6 +190,8 @@ class RunFolder:
         scalars = step_scalars(record)
         for sink in self.sinks:
             sink.write(step, scalars)
+            for ev in record.get("eval", []):  # at the step each evaluation started after
+                sink.write(ev["at_step"], eval_scalars(ev))
         every = self.scenario.trainer.checkpoint_every
         if (every and step % every == 0) or step == self.final_step:
             await self.checkpoint(cluster, step, out.metrics.policy_version)
@@ -256,6 +259,32 @@ def domain_rewards(rows: list[dict[str, Any]], window: int = SUMMARY_WINDOW
     return out
 
 
+def eval_summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per domain, its held-out evaluations (the ``eval`` records of the metrics rows,
+    ``rollart.controller.evaluation``): greedy accuracy of the ``first`` and ``last`` (at
+    ``first_step`` / ``last_step``), the last one's 95% interval ``last_ci95``,
+    ``majority_baseline`` (the newest measured), ``distinct_answer_share_last``,
+    ``pass_at_1_last`` / ``pass_at_k_last`` (with ``k``), ``evals`` (how many) and ``collapse``:
+    the last evaluation's collapse finding, or ``None``. ``{}`` when the run had none."""
+    records = sorted((e for r in rows for e in r.get("eval", [])), key=lambda e: e["at_step"])
+    out: dict[str, dict[str, Any]] = {}
+    for d in sorted({d for e in records for d in e["domains"]}):
+        mine = [(e["at_step"], e["domains"][d]) for e in records if d in e["domains"]]
+        scored = [(s, x) for s, x in mine if x.get("accuracy") is not None]
+        (s0, first), (s1, last) = (scored[0], scored[-1]) if scored else ((None, {}), (None, {}))
+        out[d] = {
+            "first": first.get("accuracy"), "last": last.get("accuracy"),
+            "first_step": s0, "last_step": s1, "last_ci95": last.get("ci95"),
+            "majority_baseline": next((x["majority_baseline"] for _, x in reversed(mine)
+                                       if x.get("majority_baseline") is not None), None),
+            "distinct_answer_share_last": last.get("distinct_answer_share"),
+            "pass_at_1_last": last.get("pass_at_1"), "pass_at_k_last": last.get("pass_at_k"),
+            "k": last.get("pass_k"), "evals": len(mine),
+            "collapse": mine[-1][1].get("collapse"),
+        }
+    return out
+
+
 def write_summary(run_dir: Path, scenario: Scenario, started: float) -> dict[str, Any]:
     """Write ``run_dir/summary.json`` from ``metrics.jsonl`` and return it."""
     run_dir.mkdir(parents=True, exist_ok=True)  # a run that failed before it started
@@ -282,5 +311,6 @@ def write_summary(run_dir: Path, scenario: Scenario, started: float) -> dict[str
     }
     for name, rw in domain_rewards(rows).items():
         summary["domains"].setdefault(name, {}).update(rw)
+    summary["eval"] = eval_summary(rows)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary

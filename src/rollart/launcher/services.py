@@ -68,7 +68,8 @@ async def start_services(sup: Supervisor, scenario: Scenario, model_dir: Path, *
                          reward_token_file: Path | None = None) -> Addresses:
     """Start every local service of ``scenario`` (concurrently) and return all addresses.
     ``checkpoint_dir``: the only directory the trainer saves checkpoints under;
-    ``reward_token_file``: the bearer token a local reward service requires (by path).
+    ``reward_token_file``: the bearer token a local reward service requires (by path;
+    ``None``: it serves without one, ``--no-auth``).
 
     ``auth_argv`` (``--key-file PATH`` or ``--insecure``: ``rollart.launcher.runkeys``) is
     given to every ZeroMQ service; each worker's ``--max-message-bytes`` is a weight bucket
@@ -86,8 +87,10 @@ async def start_services(sup: Supervisor, scenario: Scenario, model_dir: Path, *
                              "--port", str(sc.reward.port))
         for mod in sc.reward.modules:
             argv += ["--functions", mod]
-        if reward_token_file is not None:
-            argv += ["--token-file", str(reward_token_file)]
+        # The service refuses to start with neither (an open loopback port is every local
+        # user's): no token file here is an explicit --no-auth.
+        argv += (["--token-file", str(reward_token_file)] if reward_token_file is not None
+                 else ["--no-auth"])
         starts["reward"] = sup.start("reward", argv, ready_timeout_s=ready_timeout_s)
     for host in sc.env_hosts:
         if host.address is not None:

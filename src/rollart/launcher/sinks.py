@@ -25,7 +25,7 @@ _PLAIN = (
     "num_generated_tokens", "wasted_tokens", "trained_tokens", "in_flight_tokens",
     "response_len_kept_mean", "response_len_all_mean", "num_turns_mean", "policy_version",
     "loop_lag_p99_ms", "loop_lag_max_ms", "num_prefix_resends",
-    "num_window_waits",
+    "num_window_waits", "entropy_mean",
 )
 
 
@@ -38,8 +38,12 @@ def step_scalars(row: dict[str, Any]) -> dict[str, float]:
     generated_tokens_per_s`` and ``throughput/trained_tokens_per_s`` (tokens over the step's
     wall time); ``train/<name>`` (the trainer's metrics); ``trained_share/<domain>`` (the
     domain's share of the batch's samples); ``flat_group_share/<domain>`` (share of the
-    domain's groups in the batch whose rewards are all equal: no GRPO gradient). ``None``
-    values are left out.
+    domain's groups in the batch whose rewards are all equal: no GRPO gradient);
+    ``response_len/<domain>`` (mean generated tokens per trajectory of the domain's samples);
+    ``entropy_mean`` and ``entropy/<domain>`` (the policy's mean entropy per generated token,
+    nats).
+    ``None`` values are left out; a row's evaluations are :func:`eval_scalars`' (they belong
+    to the step each started after, not to this one).
     """
     out: dict[str, float] = {}
     for k in _PLAIN:
@@ -67,6 +71,33 @@ def step_scalars(row: dict[str, Any]) -> dict[str, float]:
     if n:
         for d, c in row.get("by_domain", {}).items():
             out[f"trained_share/{d}"] = c.get("trained", 0) / n
+    for d, v in row.get("response_len_mean_by_domain", {}).items():
+        out[f"response_len/{d}"] = float(v)
+    for d, v in row.get("entropy_by_domain", {}).items():
+        out[f"entropy/{d}"] = float(v)
+    return out
+
+
+#: per-domain numbers of an evaluation record written as scalars
+_EVAL_KEYS = ("accuracy", "pass_at_1", "pass_at_k", "distinct_answer_share",
+              "majority_baseline", "reward_mean", "response_len_mean")
+
+
+def eval_scalars(record: dict[str, Any]) -> dict[str, float]:
+    """Named scalars of one evaluation record (an item of a metrics row's ``eval``; write them
+    at its ``at_step``): ``eval/<domain>/<name>`` for ``accuracy``, ``pass_at_1``,
+    ``pass_at_k``, ``distinct_answer_share``, ``majority_baseline``, ``reward_mean``,
+    ``response_len_mean``, and ``eval/<domain>/ci95_lo`` / ``ci95_hi`` (the accuracy's 95%
+    interval); ``None`` values are left out."""
+    out: dict[str, float] = {}
+    for d, res in record.get("domains", {}).items():
+        for k in _EVAL_KEYS:
+            v = res.get(k)
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                out[f"eval/{d}/{k}"] = float(v)
+        ci = res.get("ci95")
+        if ci:
+            out[f"eval/{d}/ci95_lo"], out[f"eval/{d}/ci95_hi"] = float(ci[0]), float(ci[1])
     return out
 
 

@@ -2,27 +2,30 @@
 
 Decodes the file (unknown fields, types and bounds) and checks the cross-field rules, then
 prints the resolved scenario (every default filled in) as JSON: what ``config.json`` of a run
-would hold. What ``rollart run`` needs beyond a valid scenario (an env host for the domains'
-envs, env names an env host can make (a known family, GEM game or reasoning-gym dataset), no
-local reward it cannot register: ``rollart.launcher.local.preflight``) is printed as a note: a
-driver script can serve those envs and register those rewards in-process. A
-``run.local_module`` is imported (it is the operator's own file) and its ``REWARDS`` / ``ENVS``
-count as registered; a missing file or one that fails to import makes the scenario invalid.
+would hold. Then it checks everything ``rollart run`` (``--cluster``, default local) would refuse
+before starting a process: an env host for the domains' envs, env names an env host can make (a
+known family, GEM game or reasoning-gym dataset), local rewards something registers
+(``rollart.launcher.local.preflight``), and what this machine must give
+(``rollart.launcher.machine``: reward functions the reward service serves, ``trainer.device =
+"cuda"`` on a torch with CUDA, ``wandb`` installed for ``output.wandb``, a reachable Ray
+cluster, a local ``model.path``, no torchvision / torchaudio / torchcodec built for another
+torch). A ``run.local_module`` is imported (it is the operator's own file) and its ``REWARDS`` /
+``ENVS`` count as registered; a missing file or one that fails to import makes the scenario
+invalid.
 
-A ``model.path`` other than ``tiny`` that is not a local checkpoint directory here gets a note
-(the scenario may be checked on another machine than the one it runs on), and so does an
-engine/trainer agreement check that may quarantine or stop while every batch after the first
-holds no token of the trainer's version (``agreement_notes``), and a ``py:`` env whose
-package is not on this machine's path (``py_env_notes``; the env host imports it, on its own
-path).
+Notes (printed, exit 0) name what would not stop a run but would cost it: an engine/trainer
+agreement check that may quarantine or stop while every batch after the first holds no token of
+the trainer's version (``agreement_notes``), a ``py:`` env whose package is not on this
+machine's path (``py_env_notes``; the env host imports it, on its own path), prefix stores and
+send windows too small, and (``--cluster local``) a scenario ``--cluster ray`` could not place
+(``placement.plan_placement``, no Ray needed). The run's authentication is checked as ``rollart
+run`` would (``runkeys.check_run_auth``): ``run.key_file`` must exist and be readable by its
+owner only, and a scenario naming services started by hand needs a key.
 
-It also places the scenario as ``--cluster ray`` would (``placement.plan_placement``, no Ray
-needed) and prints a note when that would fail, and checks the run's authentication as ``rollart run`` would (``runkeys.check_run_auth``):
-``run.key_file`` must exist and be readable by its owner only, and a scenario naming services
-started by hand needs a key.
-
-Exit codes: 0 valid; 2 invalid, with one line ``SCENARIO: field.path: reason`` on stderr
-(e.g. ``domains[1].weight: Expected `float` >= ...``).
+Exit codes: 0 valid; 1 valid as a file, but ``rollart run`` would refuse it here (one line
+``rollart validate: error: ...`` per reason, naming the field and the fix); 2 invalid, with one
+line ``SCENARIO: field.path: reason`` on stderr (e.g. ``domains[1].weight: Expected `float` >=
+...``).
 """
 
 from __future__ import annotations
@@ -138,56 +141,59 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="rollart validate", description=__doc__.split("\n\n")[0])
     p.add_argument("scenario", type=Path, help="scenario TOML file")
     p.add_argument("--quiet", action="store_true", help="print nothing when it is valid")
+    p.add_argument("--cluster", default="local", metavar="local|ray|ray://HOST:PORT",
+                   help="check as `rollart run --cluster` would (default local)")
     args = p.parse_args(argv)
-    from rollart.launcher import localmodule
+    from rollart.launcher import localmodule, machine
     from rollart.launcher.local import preflight
     from rollart.launcher.runkeys import check_run_auth
 
+    source = str(args.scenario)
     try:
         scenario = load_scenario(args.scenario)
-        regs = localmodule.load(scenario, args.scenario.parent, str(args.scenario))
+        regs = localmodule.load(scenario, args.scenario.parent, source)
     except ConfigError as exc:
         print(f"rollart validate: config error: {exc}", file=sys.stderr)
         return 2
-    # Notes are printed after the resolved scenario, so a terminal ends on them.
+    # Notes and refusals are printed after the resolved scenario, so a terminal ends on them.
     notes: list[str] = []
-    refused = False
+    refusals: list[str] = []
     try:
-        preflight(scenario, str(args.scenario), local_rewards=regs.rewards,
-                  local_envs=regs.envs)
+        preflight(scenario, source, local_rewards=regs.rewards, local_envs=regs.envs)
     except ConfigError as exc:
-        notes.append(f"`rollart run` would refuse it: {exc}")
-        refused = True
-    model = Path(scenario.model.path)
-    if scenario.model.path != "tiny" and not (model / "config.json").exists():
-        # a note, not an error: the scenario may be checked away from the machine it runs on
-        notes.append(f"`rollart run` would refuse it on this machine: {args.scenario}: "
-                     f"model.path: {model} is not a local Hugging Face checkpoint directory "
-                     "(no config.json)")
-        refused = True
-    notes += [f"{args.scenario}: {note}"
+        refusals.append(str(exc))
+    refusals += [str(in_file(source, ConfigError(text)))
+                 for text in machine.refusals(scenario, args.cluster)]
+    notes += [f"{source}: {note}"
               for note in cost_notes(scenario) + py_env_notes(scenario, regs.envs)]
     try:  # only pure checks: nothing connects to Ray, nothing imports it
         from rollart.launcher.placement import plan_placement
 
         plan_placement(scenario)
     except ConfigError as exc:
-        notes.append(f"`rollart run --cluster ray` would refuse it: "
-                     f"{in_file(str(args.scenario), exc)}")
+        if args.cluster == "local":
+            notes.append(f"`rollart run --cluster ray` would refuse it: {in_file(source, exc)}")
+        else:
+            refusals.append(str(in_file(source, exc)))
     try:  # the run's key: a key file others can read, or services named without a key
         check_run_auth(scenario)
     except ConfigError as exc:
-        print(f"rollart validate: config error: {in_file(str(args.scenario), exc)}",
-              file=sys.stderr)
+        print(f"rollart validate: config error: {in_file(source, exc)}", file=sys.stderr)
         return 2
     if not args.quiet:
         sys.stdout.write(scenario_to_json(scenario).decode())
         sys.stdout.flush()
     for note in notes:
         print(f"rollart validate: note: {note}", file=sys.stderr)
+    for refusal in refusals:
+        print(f"rollart validate: error: `rollart run` would refuse it: {refusal}",
+              file=sys.stderr)
+    if refusals:
+        print(f"rollart validate: {source}: valid as a file, but `rollart run` would refuse it: "
+              f"{len(refusals)} reason(s) above", file=sys.stderr)
+        return 1
     if not args.quiet:
-        tail = (f"; {len(notes)} note(s) above" if notes else "") + (
-            ", and `rollart run` would refuse it as it stands" if refused else "")
-        print(f"rollart validate: {args.scenario}: valid ({len(scenario.domains)} domains, "
+        tail = f"; {len(notes)} note(s) above" if notes else ""
+        print(f"rollart validate: {source}: valid ({len(scenario.domains)} domains, "
               f"{len(scenario.pools)} pools){tail}", file=sys.stderr)
     return 0

@@ -13,8 +13,9 @@ reported as a reward: a crashing, hanging or misbehaving function fails that req
 service keeps serving.
 
 Authentication (:mod:`rollart.reward.auth`): with ``--token-file`` every route but ``/healthz``
-needs ``Authorization: Bearer TOKEN`` (else 401). Without it the service warns; on a non-loopback
-``--host`` it refuses to start unless ``--no-auth`` says so explicitly.
+needs ``Authorization: Bearer TOKEN`` (else 401). Without it the service refuses to start, on
+a loopback ``--host`` too (every local user can connect there), unless ``--no-auth`` says so
+explicitly; it then warns. Started by ``rollart run`` it always gets a fresh token file.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ import msgspec
 import uvloop
 from aiohttp import web
 
+from rollart import logredact
+from rollart.filemodes import apply_umask
 from rollart.reward import builtins
 from rollart.reward.auth import bearer_middleware, read_token_file
 from rollart.reward.protocol import ErrorResponse, RewardRequest
@@ -264,15 +267,20 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--no-auth",
         action="store_true",
-        help="serve without a token; needed to bind a non-loopback --host without --token-file",
+        help="serve without a token (any process that can connect may call the functions); "
+        "one of --token-file / --no-auth is required",
     )
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     if args.token_file is not None and args.no_auth:
         p.error("--token-file and --no-auth exclude each other")
-    if args.token_file is None and not args.no_auth and not _is_loopback(args.host):
-        p.error(f"--host {args.host} is reachable from other machines: give --token-file "
-                "(or --no-auth to serve anyone who can connect)")
+    if args.token_file is None and not args.no_auth:
+        # As the ZeroMQ services need --key-file or --insecure: on loopback too, any local
+        # user's process could otherwise call the functions.
+        where = ("reachable from other machines" if not _is_loopback(args.host)
+                 else "reachable by every local user")
+        p.error(f"--host {args.host} is {where}: give --token-file FILE (a mode-0600 file "
+                "holding the bearer token) or --no-auth to serve without authentication")
     if not 0 <= args.port <= 65535:
         p.error(f"--port must be in [0, 65535], got {args.port}")
     for flag in ("max_body_bytes", "max_inflight", "threads", "max_hung_threads"):
@@ -310,7 +318,7 @@ async def serve(args: argparse.Namespace, registry: RewardRegistry, runner: Rewa
     if any(spec.executor == "process" and not spec.is_async for spec in registry):
         runner.start_process_pool()
     if token is None:
-        log.warning("serving without authentication (no --token-file): any local process "
+        log.warning("serving without authentication (--no-auth): any process that can connect "
                     "can call the reward functions")
     app = create_app(
         registry,
@@ -341,6 +349,7 @@ async def serve(args: argparse.Namespace, registry: RewardRegistry, runner: Rewa
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``rollart serve-reward``; returns the process exit code (2: bad arguments)."""
+    apply_umask()  # the ready file and anything the functions write: private (rollart.filemodes)
     args = _parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -350,6 +359,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"rollart serve-reward: {exc}", file=sys.stderr)
         return 2
+    if token is not None:
+        logredact.add_secret(token)
     try:
         registry = build_registry(args.functions)
     except (ImportError, ValueError, TypeError) as exc:

@@ -42,7 +42,11 @@ class SimTrainer:
 
     Args:
         bucket_bytes: weight bucket size (the paper streams ~1 GB buckets, §6.3).
-        extra_forward: charge a forward pass for proximal / old logprobs (decoupled PPO).
+        extra_forward: charge a forward pass for proximal / old logprobs (decoupled PPO):
+            only with several optimizer steps per batch; with one (the real trainer's default,
+            ``num_minibatches = 1``) it reads them off its training forward and skips the pass
+            (``rollart.trainer.step``), hence the default False (6, not 8, FLOPs per parameter
+            per token).
         weights: ``() -> [(name, tensor)]`` to push instead of ``SimTensor`` buckets of the
             model's size (real tensors, for workers behind a real ``InferenceClient``).
         time_scale: multiplies the simulated step time (0: train instantly).
@@ -59,7 +63,7 @@ class SimTrainer:
     """
 
     def __init__(self, *, model: ModelProfile, hardware: HardwareProfile, num_gpus: int,
-                 bucket_bytes: int = 1 << 30, extra_forward: bool = True,
+                 bucket_bytes: int = 1 << 30, extra_forward: bool = False,
                  eff: costs.Efficiency = costs.DEFAULT_EFFICIENCY,
                  weights: Callable[[], Iterable[tuple[str, Any]]] | None = None,
                  time_scale: float = 1.0, egress_bytes_per_s: float | None = None,

@@ -27,6 +27,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from rollart.filemodes import apply_umask
 from rollart.transport import messages as m
 from rollart.transport.errors import ConfigError, RemoteError
 from rollart.transport.rpc import RpcServer
@@ -367,6 +368,7 @@ def _follow(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    apply_umask()  # checkpoints hold the policy: private (rollart.filemodes)
     rank = os.environ.get("RANK", "0") if "WORLD_SIZE" in os.environ else ""
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s %(name)s{rank and f'[{rank}]'} %(message)s")

@@ -2,11 +2,19 @@
 
 `train_step` (one call per batch of scored samples):
 1. pack the samples into micro-batches of at most `max_tokens_per_microbatch` padded tokens;
-2. recompute the proximal logprobs under the current weights with `torch.no_grad()` (the
-   decoupled-PPO proximal policy, AReaL Sec. 5.2) and, with a KL term, the reference logprobs;
+2. with more than one optimizer step per batch (`num_minibatches` > 1), recompute the proximal
+   logprobs under the current weights with `torch.no_grad()` (the decoupled-PPO proximal
+   policy, AReaL Sec. 5.2); with a KL term, the reference logprobs;
 3. for each of `num_minibatches` optimizer steps: forward/backward every micro-batch of that
    minibatch with the loss normalised by the minibatch's total valid-token count (so the
    accumulated gradient equals that of one big batch), clip the gradient norm, AdamW step.
+
+With one optimizer step per batch the weights do not move before the only training forward,
+so the proximal logprobs are that forward's own, detached: the no-grad pass of step 2 would
+recompute the same numbers, and is skipped (about 1/4 of the step's FLOPs: a forward is ~2
+FLOPs per parameter per token, forward + backward ~6; Kaplan et al. 2020, Sec. 2.1). The loss
+and gradients are those of the recompute path (r = 1 on every token either way). The policy's
+entropy per generated token is read from the same training forward's logits (`entropy_mean`).
 
 Data parallel (``dp`` given: FSDP2 ranks, see `rollart.trainer.distributed`): every rank holds the
 whole batch and takes a fixed share of each minibatch (`shard_samples`). The normaliser stays the
@@ -20,7 +28,7 @@ ranks before they are returned.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Annotated, Literal, Protocol
 
 import msgspec
@@ -28,6 +36,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from rollart.trainer.logprobs import token_logprobs, token_logprobs_entropy
 from rollart.trainer.loss import decoupled_ppo_loss
 from rollart.transport import tokenbytes as tb
 from rollart.transport.messages import TrainSample
@@ -41,6 +50,7 @@ __all__ = [
     "plan_microbatches",
     "shard_samples",
     "token_logprobs",
+    "token_logprobs_entropy",
     "train_step",
 ]
 
@@ -69,40 +79,13 @@ class TrainStepConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, k
     max_grad_norm: Annotated[float, msgspec.Meta(gt=0)] = 1.0
     max_tokens_per_microbatch: Annotated[int, msgspec.Meta(ge=2)] = 8192
     # Optimizer steps per batch; > 1 makes the policy move away from the proximal one, so the
-    # PPO clip becomes active on later minibatches.
+    # PPO clip becomes active on later minibatches, and needs the no-grad proximal pass (with
+    # 1 the training forward gives the proximal logprobs).
     num_minibatches: Annotated[int, msgspec.Meta(ge=1)] = 1
     # Sampling temperature of the behaviour policy: logits are divided by it so that the
     # trainer's logprobs are of the same distribution the engine sampled from.
     temperature: Annotated[float, msgspec.Meta(gt=0)] = 1.0
     pad_token_id: Annotated[int, msgspec.Meta(ge=0)] = 0
-
-
-def token_logprobs(
-    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, *, temperature: float = 1.0
-) -> Tensor:
-    """Logprob of each token given its prefix under `model` (a transformers causal LM).
-
-    Args:
-        input_ids: [B, T] int64, right-padded. attention_mask: [B, T] 0/1 (1 = real token).
-        temperature: logits are divided by it before normalising.
-
-    Returns:
-        [B, T] float32: out[b, t] = log p(input_ids[b, t] | input_ids[b, :t]) for t >= 1;
-        out[:, 0] = 0 and padded positions are 0. Differentiable when grad is enabled.
-    """
-    if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
-        raise ValueError(
-            f"input_ids {tuple(input_ids.shape)} and attention_mask "
-            f"{tuple(attention_mask.shape)} must both be [B, T]"
-        )
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    targets = input_ids[:, 1:].unsqueeze(-1)
-    # gather - logsumexp avoids materialising a second [B, T, V] tensor (log_softmax).
-    lp = torch.gather(logits, -1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-    lp = lp * attention_mask[:, 1:].to(lp.dtype)
-    return torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1)
 
 
 def pack_microbatches(
@@ -209,7 +192,9 @@ def collate(
 
 
 class _MetricAccumulator:
-    """Combines per-micro-batch loss metrics: token-weighted means, max of maxima, min of minima."""
+    """Combines per-micro-batch loss metrics: token-weighted means, max of maxima, min of minima;
+    and the policy's entropy summed per domain of `domains` (every rank passes the same list,
+    so the all-reduced vectors line up)."""
 
     _SUMMED = ("loss", "pg_loss")  # already divided by the minibatch normaliser
     # Every key of `decoupled_ppo_loss`'s metrics that is averaged; fixed so that ranks with no
@@ -217,11 +202,28 @@ class _MetricAccumulator:
     _KEYS = ("loss", "pg_loss", "kl", "clip_fraction", "iw_mean", "iw_capped_fraction",
              "logprob_mismatch", "ratio_mean")
 
-    def __init__(self) -> None:
+    def __init__(self, domains: Sequence[str] = ()) -> None:
         self.n = 0.0
         self.sums: dict[str, float] = {}
         self.iw_max = -math.inf
         self.iw_min = math.inf
+        self.domains = list(domains)
+        self._domain_index = {d: i + 1 for i, d in enumerate(self.domains)}
+        # [0]: every measured token; [i + 1]: those of domains[i]. Nats and token counts.
+        self.entropy_sum = [0.0] * (1 + len(self.domains))
+        self.entropy_tokens = [0.0] * (1 + len(self.domains))
+
+    def add_entropy(self, mb: Sequence[TrainSample], entropy: Tensor, mask: Tensor) -> None:
+        """Add a micro-batch's per-token entropy ([B, T], 0 off `mask`) by sample domain."""
+        sums = entropy.double().sum(dim=1).tolist()
+        counts = mask.sum(dim=1).tolist()
+        for row, sample in enumerate(mb):
+            self.entropy_sum[0] += sums[row]
+            self.entropy_tokens[0] += counts[row]
+            i = self._domain_index.get(sample.domain)
+            if i is not None:
+                self.entropy_sum[i] += sums[row]
+                self.entropy_tokens[i] += counts[row]
 
     def add(self, m: dict[str, float]) -> None:
         n = m["num_tokens"]
@@ -236,9 +238,12 @@ class _MetricAccumulator:
     def all_reduce(self, dp: DataParallel) -> None:
         """Replace the local sums by the sums (maxima, minima) over every rank."""
         keys = self._KEYS
-        summed = dp.all_reduce([self.n, *(self.sums.get(k, 0.0) for k in keys)], "sum")
-        self.n = summed[0]
-        self.sums = dict(zip(keys, summed[1:], strict=True))
+        nd = len(self.entropy_sum)
+        summed = dp.all_reduce([*self.entropy_sum, *self.entropy_tokens, self.n,
+                                *(self.sums.get(k, 0.0) for k in keys)], "sum")
+        self.entropy_sum, self.entropy_tokens = summed[:nd], summed[nd:2 * nd]
+        self.n = summed[2 * nd]
+        self.sums = dict(zip(keys, summed[2 * nd + 1:], strict=True))
         # min(x) = -max(-x): one collective for both extremes.
         self.iw_max, neg_min = dp.all_reduce([self.iw_max, -self.iw_min], "max")
         self.iw_min = -neg_min
@@ -249,6 +254,11 @@ class _MetricAccumulator:
             for k, v in self.sums.items()
         }
         out.update(iw_max=self.iw_max, iw_min=self.iw_min, num_tokens=self.n)
+        if self.entropy_tokens[0]:
+            out["entropy_mean"] = self.entropy_sum[0] / self.entropy_tokens[0]
+        for i, d in enumerate(self.domains, start=1):
+            if self.entropy_tokens[i]:
+                out[f"entropy_mean/{d}"] = self.entropy_sum[i] / self.entropy_tokens[i]
         return out
 
 
@@ -287,7 +297,7 @@ def _recompute(
 def accumulate_gradients(
     model: nn.Module,
     microbatches: list[list[TrainSample]],
-    proximal: list[Tensor],
+    proximal: list[Tensor] | None,
     cfg: TrainStepConfig,
     *,
     reference: list[Tensor] | None = None,
@@ -296,38 +306,52 @@ def accumulate_gradients(
 
     The loss of every micro-batch is divided by the total valid-token count of all of
     `microbatches`, so the accumulated gradient is that of the token-mean loss over all of them.
-    `proximal[i]` / `reference[i]` are [B_i, T_i] logprobs aligned with `microbatches[i]`.
+    `proximal[i]` / `reference[i]` are [B_i, T_i] logprobs aligned with `microbatches[i]`;
+    `proximal` None: each micro-batch's own forward, detached (the weights have not moved).
 
     Returns:
-        Token-weighted loss metrics (see `decoupled_ppo_loss`), `loss` being the total.
+        Token-weighted loss metrics (see `decoupled_ppo_loss`), `loss` being the total, and
+        `entropy_mean` (`train_step`).
     """
-    acc = _MetricAccumulator()
+    acc = _MetricAccumulator(_domains(s for mb in microbatches for s in mb))
     total_tokens = sum(s.num_loss_tokens for mb in microbatches for s in mb)
     _accumulate(model, microbatches, proximal, cfg, reference, total_tokens, 0, acc)
     return acc.result(num_minibatches=1)
 
 
+def _domains(samples: Iterable[TrainSample]) -> list[str]:
+    return sorted({s.domain for s in samples if s.domain})
+
+
 def _accumulate(
     model: nn.Module,
     microbatches: list[list[TrainSample]],
-    proximal: list[Tensor],
+    proximal: list[Tensor] | None,
     cfg: TrainStepConfig,
     reference: list[Tensor] | None,
     loss_normalizer: int,
     num_padding: int,
     acc: _MetricAccumulator,
-) -> None:
+) -> list[Tensor]:
     # `loss_normalizer`: valid tokens of the whole minibatch (all ranks); per micro-batch metrics
-    # go into `acc`; then `num_padding` zero-weight passes (see `_padding_pass`).
+    # go into `acc`; then `num_padding` zero-weight passes (see `_padding_pass`). `proximal`
+    # None: the training forward's logprobs, detached, are the proximal ones (the lean path).
+    # Returns the proximal logprobs used, one [B_i, T_i] tensor per micro-batch.
     device = _model_device(model)
+    used = []
     for i, mb in enumerate(microbatches):
         t = collate(mb, pad_token_id=cfg.pad_token_id, device=device)
-        logp = token_logprobs(
-            model, t["input_ids"], t["attention_mask"], temperature=cfg.temperature
+        logp, entropy = token_logprobs_entropy(
+            model, t["input_ids"], t["attention_mask"], temperature=cfg.temperature,
+            entropy_mask=t["loss_mask"],
         )
+        prox = logp.detach() if proximal is None else proximal[i]
+        used.append(prox)
+        assert entropy is not None
+        acc.add_entropy(mb, entropy, t["loss_mask"])
         loss, m = decoupled_ppo_loss(
             logp,
-            proximal[i],
+            prox,
             t["behaviour_logprobs"],
             t["advantages"],
             t["loss_mask"],
@@ -343,6 +367,7 @@ def _accumulate(
         acc.add(m)
     for _ in range(num_padding):
         _padding_pass(model, cfg)
+    return used
 
 
 def sample_agreement(
@@ -478,6 +503,7 @@ def train_step(
     dp: DataParallel | None = None,
     agreement: list[tuple[float, float, float, int, float, float, float]] | None = None,
     weights_version: int | None = None,
+    recompute_proximal: bool | None = None,
 ) -> dict[str, float]:
     """One GRPO / decoupled-PPO update of `model` on `batch` (see module docstring).
 
@@ -494,44 +520,63 @@ def train_step(
             engine/trainer agreement (before the update), in batch order.
         weights_version: the policy version of `model`'s weights before this update; the
             agreement also reports the tokens generated under it alone (`sample_agreement`).
+        recompute_proximal: True: always run the no-grad proximal pass; False: never (only
+            valid with one minibatch); None (default): run it only when `cfg.num_minibatches`
+            > 1 (with one optimizer step the training forward's logprobs, detached, are the
+            proximal ones: same loss and gradient, one forward fewer).
 
     Returns:
         Floats over the whole batch (all ranks): loss metrics averaged over tokens (`loss`,
         `pg_loss`, `kl`, `clip_fraction`, `iw_mean`, `iw_max`, `iw_min`, `iw_capped_fraction`,
-        `logprob_mismatch`, `ratio_mean`), `num_tokens` (loss tokens), `num_samples`,
+        `logprob_mismatch`, `ratio_mean`), `entropy_mean` (the policy's mean entropy per
+        generated token, nats, from the training forwards: with one minibatch, the weights
+        before the update) and `entropy_mean/<domain>` for each non-empty
+        `TrainSample.domain` of the batch, `num_tokens` (loss tokens), `num_samples`,
         `num_microbatches` (real ones, all ranks), `grad_norm` (pre-clip global norm, max over
         minibatches), `num_skipped_steps` (optimizer steps skipped because the gradient norm was
         not finite); under `dp` also `num_padding_microbatches` (padding passes, all ranks).
 
     Raises:
-        ValueError: as `check_batch`, or kl_coef > 0 without `ref_model`.
+        ValueError: as `check_batch`, kl_coef > 0 without `ref_model`, or
+            `recompute_proximal=False` with more than one minibatch.
     """
     check_batch(batch, cfg)
     if cfg.kl_coef > 0 and ref_model is None:
         raise ValueError("cfg.kl_coef > 0 needs ref_model")
+    if recompute_proximal is None:
+        recompute_proximal = cfg.num_minibatches > 1
+    elif not recompute_proximal and cfg.num_minibatches > 1:
+        raise ValueError(f"recompute_proximal=False needs num_minibatches 1, got "
+                         f"{cfg.num_minibatches}: later minibatches train on moved weights")
     rank, world = (0, 1) if dp is None else (dp.rank, dp.world_size)
     model.train()
     # Minibatch k takes every num_minibatches-th sample: a fixed, order-preserving partition.
     minibatches = [list(batch[k :: cfg.num_minibatches]) for k in range(cfg.num_minibatches)]
     plans = [plan_microbatches(mb, rank, world, cfg.max_tokens_per_microbatch)
              for mb in minibatches]
-    # Proximal policy = weights before any update of this batch (AReaL's pi_prox).
-    proximal = [_recompute(model, p, cfg, pad) for p, pad in plans]
+    # Proximal policy = weights before any update of this batch (AReaL's pi_prox); None: the
+    # single minibatch's training forward provides it (the lean path).
+    proximal: list[list[Tensor] | None] = (
+        [_recompute(model, p, cfg, pad) for p, pad in plans] if recompute_proximal
+        else [None])
     reference = ([_recompute(ref_model, p, cfg, pad) for p, pad in plans]  # type: ignore[arg-type]
                  if cfg.kl_coef > 0 else None)
-    if agreement is not None:
-        agreement.extend(sample_agreement(batch, plans, proximal, cfg, dp,
+    if agreement is not None and recompute_proximal:
+        agreement.extend(sample_agreement(batch, plans, proximal, cfg, dp,  # type: ignore[arg-type]
                                           weights_version))
 
-    acc = _MetricAccumulator()
+    acc = _MetricAccumulator(_domains(batch))
     grad_norm_max = 0.0
     skipped = 0
     for k, (mbs, pad) in enumerate(plans):
         optimizer.zero_grad(set_to_none=True)
         # The whole minibatch's valid tokens (every rank holds the batch), not this rank's share.
         normalizer = sum(s.num_loss_tokens for s in minibatches[k])
-        _accumulate(model, mbs, proximal[k], cfg, None if reference is None else reference[k],
-                    normalizer, pad, acc)
+        used = _accumulate(model, mbs, proximal[k], cfg,
+                           None if reference is None else reference[k], normalizer, pad, acc)
+        if agreement is not None and not recompute_proximal:
+            # Before the optimizer step: the weights are still those of `weights_version`.
+            agreement.extend(sample_agreement(batch, plans, [used], cfg, dp, weights_version))
         grad_norm = _global_norm(
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
         if math.isfinite(grad_norm):

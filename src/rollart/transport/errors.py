@@ -37,12 +37,15 @@ class RemoteError(RollartError):
     Attributes:
         code: machine-readable error code (see ``rollart.transport.messages.ErrorCode``).
         message: human-readable reason naming what was wrong.
+        fault: ``"transient"`` (the peer is healthy: retry later), ``"fatal"`` (the peer's
+            own fault) or ``""`` (not classified); ``rollart.transport.messages.FAULTS``.
     """
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, *, fault: str = "") -> None:
         super().__init__(f"[{code}] {message}")
         self.code = code
         self.message = message
+        self.fault = fault
 
 
 class RemoteTimeoutError(RemoteError):

@@ -101,11 +101,22 @@ class Ack(Msg):
     detail: str = ""
 
 
-class ErrorReply(Msg):
-    """A request failed for this item only; ``message`` names what was wrong."""
+#: ``ErrorReply.fault``: how a failed request's cause bears on its peer. ``"transient"``: the
+#: peer is healthy and the same request may succeed later (an engine paused for a weight update,
+#: overloaded, a request it aborted): retry it after a pause, hold nothing against the peer;
+#: ``"fatal"``: the peer's own fault (bad output, a crashed engine); ``""``: not classified (a
+#: peer that predates the field, or an error that is the request's own, e.g. ``bad_request``).
+FAULTS = ("", "transient", "fatal")
+
+
+class ErrorReply(Msg, omit_defaults=True):
+    """A request failed for this item only; ``message`` names what was wrong, ``fault`` (one
+    of ``FAULTS``; omitted on the wire when ``""``, so a peer that predates it still decodes
+    such replies) how its cause bears on the peer."""
 
     code: str
     message: str
+    fault: str = ""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -477,7 +488,9 @@ class TrainSample(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, gc=F
     generated under the weights it recomputes with apart (``SampleAgreement.current_*``), so
     a policy that moved within the staleness bound need not read as an engine that
     disagrees.
-    ``advantage`` is the trajectory's (GRPO) advantage. Any contiguous buffer
+    ``advantage`` is the trajectory's (GRPO) advantage. ``domain``: the task domain of the
+    trajectory (the trainer's per-domain metrics, e.g. policy entropy, group by it; empty:
+    unknown, counted in the batch's totals only). Any contiguous buffer
     (``memoryview``, ``array.array``) of those dtypes may be passed when constructing;
     :meth:`from_lists` packs Python lists. Validation is vectorised (numpy).
 
@@ -494,16 +507,18 @@ class TrainSample(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, gc=F
     advantage: float
     sample_id: str
     behaviour_versions: bytes = b""
+    domain: str = ""
 
     @classmethod
     def from_lists(cls, *, token_ids, loss_mask, behaviour_logprobs, advantage: float,
-                   sample_id: str, behaviour_versions=None) -> TrainSample:
+                   sample_id: str, behaviour_versions=None, domain: str = "") -> TrainSample:
         """Build from Python sequences (tests, tools): packs them into the wire dtypes."""
         return cls(token_ids=tb.pack_i32(token_ids), loss_mask=tb.pack_u8(loss_mask),
                    behaviour_logprobs=tb.pack_f32(behaviour_logprobs), advantage=advantage,
                    sample_id=sample_id,
                    behaviour_versions=(b"" if behaviour_versions is None
-                                       else tb.pack_i32(behaviour_versions)))
+                                       else tb.pack_i32(behaviour_versions)),
+                   domain=domain)
 
     def __post_init__(self) -> None:
         sid = self.sample_id

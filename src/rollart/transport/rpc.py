@@ -226,7 +226,7 @@ class RpcServer:
         try:
             result = await handler(msg, list(parts[3:]))  # type: ignore[arg-type]
         except RemoteError as exc:
-            result = m.ErrorReply(code=exc.code, message=exc.message)
+            result = m.ErrorReply(code=exc.code, message=exc.message, fault=exc.fault)
         except Exception as exc:  # a handler bug fails this request only
             log.exception("%s: handler for %s failed", self.name, type(msg).__name__)
             result = m.ErrorReply(code="internal", message=f"{type(exc).__name__}: {exc}")
@@ -459,7 +459,9 @@ class RpcClient:
                                                f"{self.name}: undecodable reply: {exc}"))
             return
         if type(reply) is m.ErrorReply:
-            fut.set_exception(self._error_type(reply.code, f"{self.name}: {reply.message}"))
+            err = self._error_type(reply.code, f"{self.name}: {reply.message}")
+            err.fault = reply.fault
+            fut.set_exception(err)
         else:
             fut.set_result((reply, parts[2:]))
 

@@ -33,8 +33,25 @@ log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 64 * 1024 * 1024
 
 
+#: loggers of the HTTP clients agents use (openai's may come as ``httpx2``)
+CLIENT_LOGGERS = ("httpx", "httpx2")
+
+
 def _error(exc: ApiError) -> web.Response:
     return web.json_response(exc.body(), status=exc.status)
+
+
+class _NoAgentRequestLines(logging.Filter):
+    """Drops an HTTP client's per-request log line for this endpoint's URLs: one line per
+    completion (noise at scale), each naming a trajectory's secret path. Other URLs' lines
+    pass (every record is also redacted: ``rollart.logredact``)."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        self.where = where  # "host:port/t/"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.where not in record.getMessage()
 
 
 class AgentServer:
@@ -50,6 +67,7 @@ class AgentServer:
         self.host, self._port = host, port
         self.sessions: dict[str, AgentSession] = {}
         self._runner: web.AppRunner | None = None
+        self._quiet: _NoAgentRequestLines | None = None
         self.port = 0
 
     async def start(self) -> None:
@@ -63,8 +81,16 @@ class AgentServer:
         await site.start()
         self.port = self._runner.addresses[0][1]
         log.info("agent endpoint on http://%s:%d/t/<token>/v1", self.host, self.port)
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+        self._quiet = _NoAgentRequestLines(f"{host}:{self.port}/t/")
+        for name in CLIENT_LOGGERS:
+            logging.getLogger(name).addFilter(self._quiet)
 
     async def close(self) -> None:
+        if self._quiet is not None:
+            for name in CLIENT_LOGGERS:
+                logging.getLogger(name).removeFilter(self._quiet)
+            self._quiet = None
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -113,6 +139,8 @@ class AgentServer:
         except ApiError as exc:
             return _error(exc)
         except Exception:  # a bug of ours: still an OpenAI-shaped reply, and logged
-            log.exception("agent endpoint: %s %s failed", request.method, request.path)
+            # The route, not the path: the path holds the trajectory's secret.
+            log.exception("agent endpoint: %s %s failed", request.method,
+                          request.match_info.route.resource.canonical)
             return _error(ApiError(500, "internal_error", "the endpoint failed on this request "
                                    "(see the controller's log)", kind="server_error"))

@@ -1,0 +1,318 @@
+"""Held-out evaluation during a run, through the run's own inference workers.
+
+Eval set: per domain, ``eval.size`` env seeds drawn once (:func:`eval_seeds`, seeded by
+``eval.seed`` and the domain's name) from ``[2**31, 2**32)``. Admission draws every training
+group's seed below :data:`TRAIN_SEED_END` (``random.randrange(2**31)``), so no eval task has a
+training seed; ``2**32`` is numpy's seed limit, which GEM games seed with. Tasks whose env
+has a small task space (GuessTheNumber-easy has 10 targets) still repeat training *content*
+under other seeds: the guarantee is on seeds, the env's generator decides the rest.
+
+An evaluation plays every task once greedily (temperature 0) and ``eval.pass_k`` times with the
+domain's own sampling, as ordinary trajectories of the domain's env and reward
+(:func:`~rollart.controller.trajectory.run_trajectory` with a context of its own: an eval
+trajectory never enters the sample buffer, is never trained, and its tokens are not counted
+in the step metrics). At most ``eval.max_concurrency`` run at once, beside rollout; a failed
+one is retried up to ``run.retry.max_attempts`` times, then left out (never scored as wrong).
+A trajectory is *correct* when its reward is at least ``eval.success_threshold``.
+
+Majority baseline (``rollart.controller.evalbaseline``, once per run, from the first step
+after the first evaluation, in the background): the accuracy on the same eval set of the best fixed action sequence, one that
+ignores every observation, measured by playing it in the env and scoring it with the domain's
+reward (for a single-turn domain: the best constant answer); later records carry it.
+
+Collapse (``rollart.controller.evalstats.collapse_reason``): distinct greedy answers per task
+below ``eval.collapse_distinct_floor``, or accuracy at or below the majority baseline while the
+domain's train reward rises; each evaluation logs a WARNING naming the domain and numbers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections import Counter
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import numpy as np
+
+from rollart.config import DomainConfig, EvalConfig, SamplingConfig
+from rollart.controller.evalbaseline import Baseline, BaselineSearch
+from rollart.controller.evalstats import (
+    DomainEval,
+    EvalRecord,
+    answer_key,
+    collapse_reason,
+    pass_at_k,
+    reward_trend,
+    wilson_interval,
+)
+from rollart.controller.sample import Sample
+from rollart.controller.trajectory import (
+    TrajectoryContext,
+    TrajectoryFailed,
+    run_trajectory,
+)
+
+if TYPE_CHECKING:
+    from rollart.controller.controller import Controller
+    from rollart.controller.metrics import StepMetrics
+
+log = logging.getLogger(__name__)
+
+#: training group seeds are drawn below this (``rollart.controller.admission``)
+TRAIN_SEED_END = 2**31
+#: eval seeds are below this (numpy's, and so GEM's, seed limit)
+EVAL_SEED_END = 2**32
+
+
+def eval_seeds(domain: str, size: int, seed: int) -> list[int]:
+    """``size`` distinct env seeds of ``domain``'s eval set, in ``[2**31, 2**32)`` (disjoint from
+    every training seed), the same for the same ``(domain, size, seed)`` on every machine."""
+    rng = random.Random(f"rollart-eval:{seed}:{domain}")
+    return rng.sample(range(TRAIN_SEED_END, EVAL_SEED_END), size)
+
+
+class _EvalTurns:
+    """Stands in for the sample buffer in an eval trajectory: every turn goes on, nothing is
+    recorded (an eval trajectory is not a group member and is never trained)."""
+
+    def begin_turn(self, traj_id: str, serving_version: int) -> str:
+        return "continue"
+
+    def record_tokens(self, traj_id: str, versions: Any) -> None:
+        return None
+
+
+async def _never_waits(version: int) -> None:
+    raise AssertionError("an eval trajectory never waits for weights")
+
+
+def sample_actions(sample: Sample, decode: Any) -> list[str]:
+    """The action text of each turn of ``sample``: its generated tokens (loss mask 1) in runs,
+    each decoded with ``decode`` (``ChatTokens.decode``, as the trajectory decoded them)."""
+    mask = np.frombuffer(sample.loss_mask, dtype=np.int8) != 0
+    ids = np.frombuffer(sample.token_ids, dtype=np.int32)
+    edges = np.flatnonzero(np.diff(np.concatenate(([False], mask, [False])).astype(np.int8)))
+    return [decode(ids[a:b].tolist()) for a, b in zip(edges[::2], edges[1::2], strict=True)]
+
+
+class _Task(msgspec.Struct):
+    reward: float
+    correct: bool
+    actions: list[str]
+    num_generated: int
+    num_turns: int
+    versions: tuple[int, int] | None
+
+
+class Evaluator:
+    """Evaluates a started controller's policy on held-out eval sets (module docstring).
+
+    Args:
+        controller: a started :class:`~rollart.controller.controller.Controller` (its proxy,
+            env and reward routers, tokenizer chats, run config and clock are used).
+        cfg: the scenario's ``[eval]`` (default: ``controller.scenario.eval``).
+    """
+
+    def __init__(self, controller: Controller, cfg: EvalConfig | None = None) -> None:
+        self.c = controller
+        self.cfg = cfg or controller.scenario.eval
+        self.domains: dict[str, DomainConfig] = dict(controller.domains)
+        #: domain -> its eval seeds (fixed for the run)
+        self.seeds = {d: eval_seeds(d, self.cfg.size, self.cfg.seed) for d in self.domains}
+        self.ctx = TrajectoryContext(
+            run=controller.run, proxy=controller.proxy, envs=controller.envs,
+            rewards=controller.rewards, chat=controller._chats, buffer=_EvalTurns(),
+            clock=controller.clock, wait_for_weights=_never_waits, barrier=None)
+        self._sem = asyncio.Semaphore(self.cfg.max_concurrency)
+        self._count = 0
+        self._train_rewards: dict[str, list[float]] = {d: [] for d in self.domains}
+        #: domain -> majority baseline, once measured
+        self.baselines: dict[str, Baseline | None] = {}
+        self._first_actions: dict[str, list[list[str]]] | None = None
+        self._baseline_task: asyncio.Task[None] | None = None
+        self._pending: list[asyncio.Task[EvalRecord]] = []
+        self.has_run = False
+
+    # ------------------------------------------------------------------ schedule
+    def observe_step(self, metrics: StepMetrics, samples: Sequence[Sample] = ()) -> None:
+        """Record a finished step's train reward per domain (the collapse rule's trend). The
+        first step after the first evaluation also starts measuring the majority baseline,
+        with the actions of its trained ``samples`` among the candidates (sampled at the
+        domain's temperature: varied even where the greedy answers are not)."""
+        for d, r in metrics.reward_mean_by_domain.items():
+            self._train_rewards.setdefault(d, []).append(r)
+        if self._baseline_task is None and self._first_actions is not None:
+            for s in samples:
+                if s.domain in self._first_actions:
+                    self._first_actions[s.domain].append(
+                        sample_actions(s, self.c._chats[s.domain].decode))
+            self._start_baseline()
+
+    def _start_baseline(self) -> None:
+        if self._baseline_task is None and self._first_actions is not None:
+            self._baseline_task = asyncio.create_task(self.measure_baseline(), name="baseline")
+
+    def launch(self, at_step: int) -> None:
+        """Start an evaluation in the background (:meth:`take_finished` collects it)."""
+        self._pending.append(asyncio.create_task(self.evaluate(at_step), name=f"eval@{at_step}"))
+
+    def take_finished(self) -> list[EvalRecord]:
+        """Records of background evaluations that ended, in launch order.
+
+        Raises:
+            the error of one that failed (a fatal error: a pool or the env hosts gone, a bug).
+        """
+        done = [t for t in self._pending if t.done()]
+        self._pending = [t for t in self._pending if not t.done()]
+        return [t.result() for t in done]
+
+    async def finish_pending(self) -> None:
+        """Wait for the background evaluations (their records stay for :meth:`take_finished`).
+
+        Raises:
+            the first error of one that failed.
+        """
+        if self._pending:
+            await asyncio.gather(*self._pending)
+
+    async def finish(self, at_step: int) -> list[EvalRecord]:
+        """The end of a run: wait for background evaluations, then evaluate at ``at_step``
+        (after the majority baseline); returns every record not yet taken."""
+        await self.finish_pending()
+        records = self.take_finished()
+        records.append(await self.evaluate(at_step))
+        return records
+
+    async def close(self) -> None:
+        """Cancel running evaluations and wait for their env sessions to close."""
+        tasks = [*self._pending, *([self._baseline_task] if self._baseline_task else [])]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._pending = []
+        if self.ctx.closing:
+            await asyncio.wait(list(self.ctx.closing))
+
+    # ------------------------------------------------------------------ one evaluation
+    async def evaluate(self, at_step: int) -> EvalRecord:
+        """Evaluate every domain now (greedy and ``pass_k`` sampled per task); a call after
+        the first waits for the majority baseline (started by :meth:`observe_step`, or here).
+
+        Raises:
+            PoolExhaustedError, EnvHostsExhaustedError: fatal for the run.
+        """
+        n = self._count
+        self._count += 1
+        self.has_run = True
+        t0 = time.monotonic()
+        jobs = []
+        for name, dom in self.domains.items():
+            greedy = msgspec.structs.replace(
+                dom, sampling=SamplingConfig(temperature=0.0, top_p=1.0, top_k=-1))
+            for i, seed in enumerate(self.seeds[name]):
+                jobs.append((name, i, -1, self._run_task(greedy, seed, f"eval{n}/{name}/{i}/g")))
+                for j in range(self.cfg.pass_k):
+                    jobs.append((name, i, j,
+                                 self._run_task(dom, seed, f"eval{n}/{name}/{i}/s{j}")))
+        results = await asyncio.gather(*(job[3] for job in jobs))
+        per: dict[str, dict[int, dict[int, _Task | None]]] = {d: {} for d in self.domains}
+        for (name, i, j, _), res in zip(jobs, results, strict=True):
+            per[name].setdefault(i, {})[j] = res
+        if self._first_actions is None:
+            self._first_actions = {
+                name: [r.actions for task in tasks.values() for r in task.values() if r]
+                for name, tasks in per.items()}
+        else:
+            self._start_baseline()
+            assert self._baseline_task is not None
+            await self._baseline_task
+        versions = [r.versions for tasks in per.values() for task in tasks.values()
+                    for r in task.values() if r is not None and r.versions is not None]
+        record = EvalRecord(
+            at_step=at_step,
+            version_min=min((v[0] for v in versions), default=None),
+            version_max=max((v[1] for v in versions), default=None),
+            wall_s=round(time.monotonic() - t0, 3),
+            domains={name: self._domain_result(name, tasks) for name, tasks in per.items()})
+        return record
+
+    def _domain_result(self, name: str, tasks: dict[int, dict[int, _Task | None]]) -> DomainEval:
+        greedy = [t[-1] for t in tasks.values() if t.get(-1) is not None]
+        n, k = len(greedy), self.cfg.pass_k
+        correct = sum(r.correct for r in greedy if r)
+        keys = Counter(answer_key(r.actions) for r in greedy if r)
+        top = keys.most_common(1)[0] if keys else None
+        p1 = pk = None
+        if k:
+            full = [[t[j] for j in range(k)] for t in tasks.values()
+                    if all(t.get(j) is not None for j in range(k))]
+            if full:
+                cs = [sum(r.correct for r in s if r) for s in full]
+                p1 = sum(pass_at_k(k, c, 1) for c in cs) / len(cs)
+                pk = sum(pass_at_k(k, c, k) for c in cs) / len(cs)
+        base = self.baselines.get(name)
+        ci = wilson_interval(correct, n) if n else None
+        d = DomainEval(
+            tasks=n, correct=correct, accuracy=correct / n if n else None,
+            ci95=[round(ci[0], 6), round(ci[1], 6)] if ci else None,
+            failed=len(tasks) - n,
+            reward_mean=sum(r.reward for r in greedy if r) / n if n else None,
+            response_len_mean=sum(r.num_generated for r in greedy if r) / n if n else None,
+            pass_k=k, pass_at_1=p1, pass_at_k=pk,
+            distinct_answer_share=len(keys) / n if n else None,
+            top_answer=top[0][:200] if top else None,
+            top_answer_share=top[1] / n if top else None,
+            majority_baseline=base.accuracy if base else None,
+            baseline_actions=base.actions if base else None)
+        trend = reward_trend(self._train_rewards.get(name, []))
+        d.collapse = collapse_reason(d, self.cfg.collapse_distinct_floor, trend)
+        if d.collapse is not None:
+            log.warning("eval: domain %s looks collapsed (%s): accuracy %s, distinct answer "
+                        "share %s (floor %s), top answer %r on %s of tasks, majority baseline "
+                        "%s, train reward %s", name, ", ".join(d.collapse["reasons"]),
+                        _fmt(d.accuracy), _fmt(d.distinct_answer_share),
+                        self.cfg.collapse_distinct_floor, d.top_answer,
+                        _fmt(d.top_answer_share), _fmt(d.majority_baseline),
+                        "n/a" if trend is None else f"{trend[0]:.3f} -> {trend[1]:.3f}")
+        return d
+
+    async def _run_task(self, domain: DomainConfig, seed: int, tid: str) -> _Task | None:
+        """One eval trajectory (retried after a failure), or ``None`` if every attempt failed."""
+        agents = self.c.agents
+        body = agents.body_for(domain.name) if agents is not None else None
+        for attempt in range(self.c.run.retry.max_attempts):
+            async with self._sem:
+                try:
+                    sample = await run_trajectory(self.ctx, f"{tid}/a{attempt}", "eval", domain,
+                                                  seed, body)
+                except TrajectoryFailed as exc:
+                    log.info("eval trajectory %s/a%d failed: %s", tid, attempt, exc)
+                    continue
+            v = sample.versions
+            return _Task(
+                reward=sample.reward, correct=sample.reward >= self.cfg.success_threshold,
+                actions=sample_actions(sample, self.c._chats[domain.name].decode),
+                num_generated=sample.num_generated, num_turns=sample.num_turns,
+                versions=(min(v), max(v)) if len(v) else None)
+        return None
+
+    # ------------------------------------------------------------------ majority baseline
+    async def measure_baseline(self) -> None:
+        """Measure every domain's majority baseline (module docstring) into ``baselines``."""
+        assert self._first_actions is not None
+        search = BaselineSearch(self.ctx, self.cfg, self._sem)
+        for name, dom in self.domains.items():
+            self.baselines[name] = await search.measure(dom, self.seeds[name],
+                                                        self._first_actions[name])
+            b = self.baselines[name]
+            if b is not None:
+                log.info("eval: domain %s majority baseline %.3f (fixed actions %s, %d tasks)",
+                         name, b.accuracy, b.actions, b.tasks)
+
+
+def _fmt(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.3f}"
