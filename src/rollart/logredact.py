@@ -36,7 +36,9 @@ PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = (
     (re.compile(r"(\bBearer\s+)[A-Za-z0-9._~+/=\-]{8,}", re.IGNORECASE), rf"\1{REDACTED}"),
     (re.compile(r"""(\bAuthorization['"]?\s*[:=]\s*['"]?)[^'"\s,}]+(?:\s+[^'"\s,}]+)?""",
                 re.IGNORECASE), rf"\1{REDACTED}"),
-    (re.compile(r"""(\b(?:api[_-]?key|token|secret|password|passwd|key_secret)['"]?\s*[:=]\s*"""
+    # a name may carry a prefix (OPENAI_API_KEY, access_token, REWARD_TOKEN)
+    (re.compile(r"""((?<![A-Za-z0-9])(?:[A-Za-z0-9]*[_-])*"""
+                r"""(?:api[_-]?key|key|token|secret|password|passwd)['"]?\s*[:=]\s*"""
                 r"""['"]?)[^'"\s&,;}]{4,}""", re.IGNORECASE), rf"\1{REDACTED}"),
 )
 

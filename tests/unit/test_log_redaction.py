@@ -86,3 +86,14 @@ def test_registered_secrets_and_every_level_and_template_kept(caplog) -> None:
     assert caplog.text.count(REDACTED) == 4
     kept = caplog.records[-1]
     assert (kept.msg, kept.args) == ("nothing %s", ("secret-free",))  # untouched records
+
+
+@pytest.mark.parametrize("text", ["OPENAI_API_KEY=sk-abcdefgh12", "REWARD_TOKEN=abcdefgh12",
+                                  '"access_token": "abcdefgh12"', "key='abcdefgh12'"])
+def test_prefixed_and_bare_secret_names_are_redacted(text) -> None:
+    assert "abcdefgh12" not in redact(text) and REDACTED in redact(text)
+
+
+@pytest.mark.parametrize("text", ["num_tokens=12345", "monkey=bananas12"])
+def test_names_that_only_contain_a_secret_word_are_kept(text) -> None:
+    assert redact(text) == text

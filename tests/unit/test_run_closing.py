@@ -103,3 +103,14 @@ async def test_start_progress_names_each_ready_service_and_the_late_ones() -> No
     assert notes[0].startswith("  reward ready (")
     assert any(n.startswith("  still starting (") and n.endswith("s): trainer") for n in notes)
     assert notes[-1].startswith("  trainer ready (") and sp.pending == {}
+
+
+def test_the_closing_block_names_a_collapse_by_its_reasons() -> None:
+    summary = {**SUMMARY, "eval": {"letters": {
+        "first": 0.58, "last": 0.58, "last_ci95": [0.531, 0.627], "majority_baseline": 0.58,
+        "collapse": {"reason": "few_distinct_answers",
+                     "reasons": ["few_distinct_answers", "at_or_below_baseline"],
+                     "top_answer": "1", "top_answer_share": 1.0}}}}
+    lines = summary_block(summary, Path("runs/demo"), checkpoint=None, resume="r")
+    assert ("eval        letters: 0.580 -> 0.580, 95% CI [0.531, 0.627] (majority baseline "
+            "0.580); COLLAPSE: few_distinct_answers, at_or_below_baseline") in lines

@@ -149,26 +149,39 @@ def reward_trend(rewards: Sequence[float], window: int = 10) -> tuple[float, flo
     return sum(rewards[:w]) / w, sum(rewards[-w:]) / w
 
 
+#: train reward (first vs last window mean) must rise by more than this to count as rising:
+#: noise alone moves a flat reward up about half the time
+MIN_REWARD_RISE = 0.02
+#: a greedy answer on at least this share of tasks, with few distinct answers, is a collapse
+TOP_ANSWER_SHARE = 0.9
+
+
 def collapse_reason(d: DomainEval, floor: float,
                     trend: tuple[float, float] | None) -> dict[str, Any] | None:
     """Why domain result ``d`` looks like a collapse, or ``None``:
 
-    - ``distinct_answer_share < floor`` (``reason: "few_distinct_answers"``);
-    - train reward rising (``trend``: first / last window means, last > first) while the
-      accuracy is at or below the majority baseline (``reason: "at_or_below_baseline"``).
+    - ``distinct_answer_share < floor`` and a single greedy answer covers most tasks
+      (``top_answer_share >= TOP_ANSWER_SHARE``) (``reason: "few_distinct_answers"``): the share alone
+      depends on the eval size, and a healthy yes / no domain has two answers, each about
+      half of the tasks;
+    - train reward rising by more than ``MIN_REWARD_RISE`` (``trend``: first / last window
+      means) while the accuracy is at or below a majority baseline above 0
+      (``reason: "at_or_below_baseline"``): a domain whose accuracy and baseline are both 0
+      has learned nothing, which is not a collapse onto an answer.
 
     Both may hold: ``reasons`` lists them; the numbers are in the returned dict.
     """
     reasons = []
     out: dict[str, Any] = {}
     share = d.distinct_answer_share
-    if share is not None and share < floor:
+    top = d.top_answer_share
+    if share is not None and share < floor and top is not None and top >= TOP_ANSWER_SHARE:
         reasons.append("few_distinct_answers")
         out.update(distinct_answer_share=share, floor=floor, top_answer=d.top_answer,
                    top_answer_share=d.top_answer_share)
     base = d.majority_baseline
-    if (trend is not None and trend[1] > trend[0] and base is not None
-            and d.accuracy is not None and d.accuracy <= base):
+    if (trend is not None and trend[1] - trend[0] > MIN_REWARD_RISE and base is not None
+            and base > 0 and d.accuracy is not None and d.accuracy <= base):
         reasons.append("at_or_below_baseline")
         out.update(accuracy=d.accuracy, majority_baseline=base,
                    train_reward_first=round(trend[0], 6), train_reward_last=round(trend[1], 6))

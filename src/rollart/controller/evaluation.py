@@ -155,10 +155,18 @@ class Evaluator:
     def _start_baseline(self) -> None:
         if self._baseline_task is None and self._first_actions is not None:
             self._baseline_task = asyncio.create_task(self.measure_baseline(), name="baseline")
+            self._baseline_task.add_done_callback(_log_failure)
 
-    def launch(self, at_step: int) -> None:
-        """Start an evaluation in the background (:meth:`take_finished` collects it)."""
+    def launch(self, at_step: int) -> bool:
+        """Start an evaluation in the background (:meth:`take_finished` collects it), unless
+        one still runs: evaluations slower than ``eval.every`` steps would otherwise pile up
+        and compete with rollout for the workers. Returns whether one was started."""
+        if any(not t.done() for t in self._pending):
+            log.warning("eval: skipping the evaluation at step %d: the previous one still "
+                        "runs (raise eval.every, or lower eval.size / eval.pass_k)", at_step)
+            return False
         self._pending.append(asyncio.create_task(self.evaluate(at_step), name=f"eval@{at_step}"))
+        return True
 
     def take_finished(self) -> list[EvalRecord]:
         """Records of background evaluations that ended, in launch order.
@@ -316,3 +324,9 @@ class Evaluator:
 
 def _fmt(v: float | None) -> str:
     return "n/a" if v is None else f"{v:.3f}"
+
+
+def _log_failure(task: asyncio.Task[Any]) -> None:
+    # A run that stops before a later evaluation awaits the baseline would never show its error.
+    if not task.cancelled() and task.exception() is not None:
+        log.error("eval: measuring the majority baseline failed: %r", task.exception())

@@ -233,6 +233,14 @@ def failure_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def _collapse_words(collapse: Any) -> str:
+    # summary.json keeps the numbers; the closing block names the reasons only
+    if not collapse:
+        return ""
+    reasons = collapse.get("reasons") if isinstance(collapse, dict) else None
+    return f"; COLLAPSE: {', '.join(reasons) if reasons else collapse}"
+
+
 def _num(x: Any, fmt: str = ".3f") -> str:
     return "-" if x is None else format(x, fmt)
 
@@ -272,7 +280,7 @@ def summary_block(summary: dict[str, Any], run_dir: Path, *, checkpoint: Path | 
         lines.append(f"{'eval        ' if i == 0 else ' ' * 12}{name}: {_num(e.get('first'))} -> "
                      f"{_num(e.get('last'))}{_ci(e.get('last_ci95'))}"
                      + ("" if base is None else f" (majority baseline {base:.3f})")
-                     + ("" if not e.get("collapse") else f"; collapse: {e['collapse']}"))
+                     + _collapse_words(e.get("collapse")))
     if summary.get("generated_tokens"):
         by_reason = ", ".join(f"{k} {100 * v:.0f}%" for k, v in sorted(
             summary.get("wasted_share_by_reason", {}).items(), key=lambda kv: -kv[1]))
