@@ -161,7 +161,7 @@ async def test_hung_in_process_env_times_out_and_the_run_goes_on() -> None:
     # member's siblings go stale and are replaced far more than max_group_attempts allows by
     # default, which would drop its group (cancelling it) before its timeout is seen.
     sc = scenario(env="local_count", reward="env_return", reward_url="local", env_timeout_s=10.0,
-                  max_group_attempts=1000)
+                  max_group_attempts=1_000_000)
     cluster = Cluster.from_scenario(sc, backends=backends())
     cluster.register_env("local_count", factory)
     try:
@@ -187,7 +187,7 @@ async def test_hung_local_reward_times_out_and_the_run_goes_on() -> None:
     # a thread waits long for the GIL (0.5 s failed once beside the integration suite).
     # (max_group_attempts: see test_hung_in_process_env_times_out_and_the_run_goes_on)
     sc = scenario(reward="r", reward_url="local", local_reward_timeout_s=10.0,
-                  max_group_attempts=1000)
+                  max_group_attempts=1_000_000)
     cluster = Cluster.from_scenario(sc, backends=backends())
     cluster.register_reward("r", reward)
     try:
@@ -205,7 +205,7 @@ async def test_trajectory_wall_clock_deadline() -> None:
     # Session 0 takes 10,000 s per step; every env call is within env_timeout_s = 1e6.
     env = FakeEnvHost(turns=2, latency=lambda i, s: 10_000.0 if i == 0 else 1.0)
     # (max_group_attempts: see test_hung_in_process_env_times_out_and_the_run_goes_on)
-    sc = scenario(trajectory_timeout_s=100.0, env_timeout_s=1e6, max_group_attempts=1000)
+    sc = scenario(trajectory_timeout_s=100.0, env_timeout_s=1e6, max_group_attempts=1_000_000)
     async with Cluster.from_scenario(sc, backends=backends(env)) as c:
         steps = await run_past_failure(c)
     check_batches(steps)

@@ -207,7 +207,7 @@ class RunConfig(_Cfg):
     #: (``groups_dropped_by_reason`` ``group_attempts``, its members cancelled) and admission
     #: starts another. A group whose members finish out of phase (one was slow once) would
     #: otherwise see them go stale one after another and be refilled forever.
-    max_group_attempts: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 8
+    max_group_attempts: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 8
     #: wall-clock limit of a group that is not complete, seconds from its admission (>=
     #: ``trajectory_timeout_s``): past it the group is dropped (``groups_dropped_by_reason``
     #: ``group_timeout``, its members cancelled, a warning) and admission starts another. A
