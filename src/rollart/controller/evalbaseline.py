@@ -4,8 +4,8 @@ A *fixed* action sequence ignores every observation: played on each eval task (e
 opening the env, stepping the sequence and scoring the episode with the domain's reward, as a
 trajectory is scored (the domain's ``invalid_action`` policy included; ``env_return`` rewards
 are summed here, as the reward would). Candidate actions: the ``eval.baseline_candidates``
-most frequent answers among the eval set's reference answers (``info["reference"]``, played as
-``\\boxed{answer}``) and the model's actions of the first evaluation and of the first trained
+most frequent answers among the eval set's reference answers (``info["reference"]`` of the
+first evaluation's trajectories, played as ``\\boxed{answer}``) and the model's actions of the first evaluation and of the first trained
 batch after it (sampled: varied even when the greedy answers are one). Each candidate is first
 played repeated on every turn; the longest episode of those (an env ends a single-turn task
 after one step) is the horizon, and, above one turn, each position of the best sequence is
@@ -80,18 +80,17 @@ class BaselineSearch:
         ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
         return [text[k] for k, _ in ranked[: self.cfg.baseline_candidates]]
 
-    async def measure(self, dom: DomainConfig, seeds: list[int], actions: list[list[str]]
-                      ) -> Baseline | None:
+    async def measure(self, dom: DomainConfig, seeds: list[int], actions: list[list[str]],
+                      references: list[Any]) -> Baseline | None:
         """The best fixed action sequence of ``dom`` on eval ``seeds`` (module docstring),
-        with candidates from the env's reference answers and the model's ``actions``
-        (per trajectory, per turn); ``None`` when there is no candidate or no task could be
-        played.
+        with candidates from the eval tasks' ``references`` (the env's reference answers, as
+        the first evaluation's trajectories saw them) and the model's ``actions`` (per
+        trajectory, per turn); ``None`` when there is no candidate or no task could be played.
 
         Raises:
             EnvHostsExhaustedError: fatal; per-task failures are retried, then left out.
         """
-        refs = await asyncio.gather(*(self._reference(dom, s) for s in seeds))
-        cands = self.candidates(refs, actions)
+        cands = self.candidates(references, actions)
         if not cands:
             return None
         horizon = dom.max_turns or self.run.max_turns
@@ -114,22 +113,6 @@ class BaselineSearch:
                 if n and acc > best[0]:
                     best, seq = (acc, trial, n), trial
         return Baseline(accuracy=best[0], actions=list(seq), tasks=best[2])
-
-    async def _reference(self, dom: DomainConfig, seed: int) -> Any:
-        """The env's reference answer of eval task ``seed`` (``None``: it has none)."""
-        envs = self.ctx.envs
-        async with self._sem:
-            try:
-                opened = await envs.open(dom.env, seed, dom.env_options,
-                                         timeout_s=self.run.env_timeout_s)
-            except EnvHostsExhaustedError:
-                raise
-            except (RemoteError, PeerDeadError, InvalidActionError) as exc:
-                log.info("eval baseline: %s seed %d: %s", dom.name, seed, exc)
-                return None
-            if envs.is_open(opened.session_id):
-                await self.ctx.shielded_cleanup(_close_session(envs, opened.session_id))
-        return opened.info.get("reference")
 
     async def _score_sequence(self, dom: DomainConfig, seeds: list[int], seq: tuple[str, ...]
                               ) -> tuple[float, int, int]:

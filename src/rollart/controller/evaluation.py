@@ -106,6 +106,8 @@ class _Task(msgspec.Struct):
     num_generated: int
     num_turns: int
     versions: tuple[int, int] | None
+    #: the env's reference answer of the task (``None``: it gives none)
+    reference: Any = None
 
 
 class Evaluator:
@@ -133,6 +135,8 @@ class Evaluator:
         #: domain -> majority baseline, once measured
         self.baselines: dict[str, Baseline | None] = {}
         self._first_actions: dict[str, list[list[str]]] | None = None
+        #: domain -> the eval tasks' reference answers (from the first evaluation)
+        self._references: dict[str, list[Any]] = {}
         self._baseline_task: asyncio.Task[None] | None = None
         self._pending: list[asyncio.Task[EvalRecord]] = []
         self.has_run = False
@@ -234,6 +238,11 @@ class Evaluator:
             self._first_actions = {
                 name: [r.actions for task in tasks.values() for r in task.values() if r]
                 for name, tasks in per.items()}
+            # one reference per task, from whichever of its trajectories finished
+            self._references = {
+                name: [next((r.reference for r in task.values() if r), None)
+                       for task in tasks.values()]
+                for name, tasks in per.items()}
         else:
             self._start_baseline()
             assert self._baseline_task is not None
@@ -305,7 +314,8 @@ class Evaluator:
                 reward=sample.reward, correct=sample.reward >= self.cfg.success_threshold,
                 actions=sample_actions(sample, self.c._chats[domain.name].decode),
                 num_generated=sample.num_generated, num_turns=sample.num_turns,
-                versions=(min(v), max(v)) if len(v) else None)
+                versions=(min(v), max(v)) if len(v) else None,
+                reference=sample.metadata.get("reference"))
         return None
 
     # ------------------------------------------------------------------ majority baseline
@@ -314,8 +324,8 @@ class Evaluator:
         assert self._first_actions is not None
         search = BaselineSearch(self.ctx, self.cfg, self._sem)
         for name, dom in self.domains.items():
-            self.baselines[name] = await search.measure(dom, self.seeds[name],
-                                                        self._first_actions[name])
+            self.baselines[name] = await search.measure(
+                dom, self.seeds[name], self._first_actions[name], self._references.get(name, []))
             b = self.baselines[name]
             if b is not None:
                 log.info("eval: domain %s majority baseline %.3f (fixed actions %s, %d tasks)",

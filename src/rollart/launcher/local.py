@@ -255,8 +255,9 @@ async def open_cluster(scenario: str | Path | Scenario, *, run_dir: str | Path |
     from rollart.launcher import machine
 
     try:  # before anything starts: one line naming the field, not a traceback minutes later
-        machine.service_rewards(scenario)
-        machine.ray_reachable(ray_address)
+        # off the loop: a child process lists reward.modules' names, a TCP connect asks Ray
+        await asyncio.to_thread(machine.service_rewards, scenario)
+        await asyncio.to_thread(machine.ray_reachable, ray_address)
     except ConfigError as exc:
         raise in_file(source, exc) from None
     started = time.time() if started is None else started
