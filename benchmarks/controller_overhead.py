@@ -53,7 +53,7 @@ Per N it reports:
   ``worker_rss_bytes_per_token``: the SIMULATED worker process's peak RSS per context token
   (it keeps every trajectory's prefix for delta prompts, 4 bytes per token; for the memory
   estimate only).
-- ``loop_lag_p99_ms`` (:class:`~rollart.controller.loophealth.LoopLagMonitor`) and garbage
+- ``loop_lag_p99_ms`` (:class:`~rollart.controller.observe.loophealth.LoopLagMonitor`) and garbage
   collection pause seconds per generation / longest pause (``gc.callbacks``).
 - the floor beside it (``benchmarks.rpc_floor.measure_floor``): a bare uvloop
   ``asyncio.Protocol`` echo of length-prefixed msgspec frames in a child process, the client's
@@ -125,16 +125,16 @@ import torch
 from benchmarks import overhead_serve as srv
 from benchmarks.common import main_for, result
 from benchmarks.rpc_floor import measure_floor
-from rollart.controller.buffer import SampleBuffer
+from rollart.controller.buffer.core import SampleBuffer
 from rollart.controller.controller import Controller
-from rollart.controller.loophealth import (
+from rollart.controller.observe.loophealth import (
     GcPauses,
     LoopLagMonitor,
     freeze_startup_objects,
     tune_gc,
 )
-from rollart.controller.proxy import LLMProxy
-from rollart.controller.services import EnvRouter, RewardRouter
+from rollart.controller.routing.proxy import LLMProxy
+from rollart.controller.routing.routers import EnvRouter, RewardRouter
 from rollart.envhost.client import EnvClient
 from rollart.inference.client import InferenceClient
 from rollart.sim.env import SimReward
@@ -630,7 +630,7 @@ async def _drive_measured(split: ControllerSide | None, size: Size, args: Namesp
         await asyncio.gather(trainer_task, return_exceptions=True)
         pauses.remove()
         # Closing thousands of sessions of an overloaded run times out by the thousand.
-        logging.getLogger("rollart.controller.trajectory").setLevel(logging.ERROR)
+        logging.getLogger("rollart.controller.rollout.trajectory").setLevel(logging.ERROR)
         await lag.stop()
         await controller.close()
         await client.close()

@@ -203,7 +203,7 @@ def mean_step_time(rows: list[dict[str, Any]], mode: str) -> float:
 def make_prompts(tokenizer: Any, num: int, tag: str) -> list[list[int]]:
     """``num`` distinct chat prompts (token ids); ``tag`` makes a round's prompts unique so no
     round reuses another's prefix-cache entries."""
-    # Rendered then encoded, as the controller does (rollart.controller.tokens).
+    # Rendered then encoded, as the controller does (rollart.controller.rollout.tokens).
     texts = [tokenizer.apply_chat_template(
         [{"role": "user", "content": f"[{tag}] What is {i} + {i % 7}? Answer in \\boxed{{}}."}],
         tokenize=False, add_generation_prompt=True) for i in range(num)]

@@ -49,7 +49,7 @@ import msgspec
 import numpy as np
 
 from benchmarks.common import main_for, result
-from rollart.controller.sample import Sample
+from rollart.controller.buffer.sample import Sample
 from rollart.inference.prefixes import PrefixStore
 from rollart.transport import messages as m
 from rollart.transport import tokenbytes as tb
@@ -86,7 +86,7 @@ class _OldGenerateResult(m.Msg, tag="GenerateResult"):
 
 
 class _OldSample(msgspec.Struct, kw_only=True):
-    """``rollart.controller.sample.Sample`` before: lists and Python-loop checks."""
+    """``rollart.controller.buffer.sample.Sample`` before: lists and Python-loop checks."""
 
     sample_id: str
     group_key: str

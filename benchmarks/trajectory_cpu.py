@@ -94,7 +94,7 @@ def _stand_ins(hold: asyncio.Event | None) -> tuple[Any, Any, Any, list[int], An
     """The worker, env and trainer stand-ins, ``counts`` = [generate calls, env steps parked
     on ``hold``] and the domain table."""
     from rollart.controller.ports import TrainResult
-    from rollart.controller.training import to_train_samples
+    from rollart.controller.training.advantages import to_train_samples
     from rollart.sim.workload import DomainSpec, DomainTable, const, observation
     from rollart.transport import messages as m
     from rollart.transport import tokenbytes as tb
@@ -203,8 +203,8 @@ def _stand_ins(hold: asyncio.Event | None) -> tuple[Any, Any, Any, list[int], An
 def _controller(batch: int, alpha: int, steps: int, seed: int, hold: asyncio.Event | None
                 ) -> tuple[Any, list[int]]:
     from rollart.controller.controller import Controller
-    from rollart.controller.proxy import LLMProxy
-    from rollart.controller.services import EnvRouter, RewardRouter
+    from rollart.controller.routing.proxy import LLMProxy
+    from rollart.controller.routing.routers import EnvRouter, RewardRouter
     from rollart.sim.env import SimReward
     from rollart.sim.harness import SimDomain, SimPool, SimScenario, scenario_of
     from rollart.sim.workload import SimTokenizer, counter_rng
@@ -223,7 +223,7 @@ def _controller(batch: int, alpha: int, steps: int, seed: int, hold: asyncio.Eve
 
 
 async def _cpu(n_inflight: int, steps: int, seed: int) -> dict[str, float]:
-    from rollart.controller.loophealth import GcPauses, freeze_startup_objects, tune_gc
+    from rollart.controller.observe.loophealth import GcPauses, freeze_startup_objects, tune_gc
 
     batch = max(8, n_inflight // 2)
     controller, counts = _controller(batch, 1, steps + 1, seed, None)
@@ -298,9 +298,9 @@ async def _parked_bytes(n: int, seed: int) -> tuple[int, int]:
 def _completion_us(seed: int) -> float:
     import array
 
-    from rollart.controller import trajectory as traj_mod
-    from rollart.controller.sample import Sample
-    from rollart.controller.training import to_train_samples, trainable_problem
+    from rollart.controller.buffer.sample import Sample
+    from rollart.controller.rollout import trajectory as traj_mod
+    from rollart.controller.training.advantages import to_train_samples, trainable_problem
 
     n = CONTEXT + TURNS * (RESPONSE + OBSERVATION)
     mask = array.array("b", bytes(n))

@@ -11,8 +11,8 @@ Run it with ``pytest examples/admission_policy.py``; use the policy with
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollart.controller.buffer import SampleBuffer
-from rollart.controller.sample import Sample
+from rollart.controller.buffer.core import SampleBuffer
+from rollart.controller.buffer.sample import Sample
 
 
 class DomainCapBuffer(SampleBuffer):

@@ -1,6 +1,6 @@
 """Sync calls on daemon threads that an awaiting caller may give up on (abandon).
 
-Shared by the controller's in-process envs and rewards (``rollart.controller.offloop``) and the
+Shared by the controller's in-process envs and rewards (``rollart.controller.rollout.offloop``) and the
 reward service's thread functions (``rollart.reward.runner``): a thread cannot be killed, so a
 caller that stops waiting (its deadline passed, or it was cancelled) *abandons* the call. The
 call is then counted in ``num_hung`` until it returns, its result is discarded with a log line,

@@ -20,7 +20,7 @@ import zmq
 import zmq.asyncio
 from polling import wait_for
 
-from rollart.controller.proxy import LLMProxy
+from rollart.controller.routing.proxy import LLMProxy
 from rollart.inference.client import InferenceClient
 from rollart.transport import messages as m
 from rollart.transport import tokenbytes as tb

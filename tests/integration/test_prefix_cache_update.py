@@ -25,8 +25,8 @@ import pytest
 import torch
 
 from rollart.config import WorkerChecksConfig
-from rollart.controller.agreement import by_worker, offenders
-from rollart.controller.sample import Sample
+from rollart.controller.buffer.sample import Sample
+from rollart.controller.training.agreement import by_worker, offenders
 from rollart.inference.client import InferenceClient
 from rollart.trainer.client import TrainerClient
 from rollart.transport import messages as m

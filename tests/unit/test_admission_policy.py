@@ -10,8 +10,8 @@ import re
 from pathlib import Path
 
 import pytest
-from test_controller_fakes import FakeEnvHost, FakeReward, FakeTrainer, FakeWorker, make_scenario
 
+from helpers.fakes import FakeEnvHost, FakeReward, FakeTrainer, FakeWorker, make_scenario
 from rollart.controller import Backends, Cluster
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,7 +38,7 @@ def test_the_examples_property_test_passes() -> None:
 
 @pytest.mark.looptime
 async def test_a_run_admits_through_the_users_policy() -> None:
-    from test_controller_fakes import TOK
+    from helpers.fakes import TOK
 
     base = _example().DomainCapBuffer
     seen: list[dict[str, int]] = []
@@ -66,8 +66,8 @@ async def test_a_run_admits_through_the_users_policy() -> None:
 
 
 def test_batch_order_is_a_policy_a_subclass_can_change() -> None:
-    from rollart.controller.buffer import SampleBuffer
-    from rollart.controller.sample import Sample
+    from rollart.controller.buffer.core import SampleBuffer
+    from rollart.controller.buffer.sample import Sample
 
     class PreferMath(SampleBuffer):
         def batch_order(self, domain, min_version, seq):
@@ -93,10 +93,9 @@ async def test_admission_yields_to_the_loop_between_bursts_of_groups() -> None:
     # of the group that reached it) may be admitted in one pass of the event loop.
     from collections import Counter
 
-    from test_controller_fakes import TOK
-
-    from rollart.controller.admission import ADMIT_PER_PASS
-    from rollart.controller.buffer import SampleBuffer
+    from helpers.fakes import TOK
+    from rollart.controller.buffer.core import SampleBuffer
+    from rollart.controller.rollout.admission import ADMIT_PER_PASS
 
     ticks = 0
     admitted_at: Counter[int] = Counter()

@@ -11,7 +11,7 @@ import pytest
 
 from rollart.controller.agents.capture import Conversation, HistoryRewritten, normalize_messages
 from rollart.controller.agents.params import BadParam, parse_request
-from rollart.controller.tokens import ChatTokens
+from rollart.controller.rollout.tokens import ChatTokens
 from rollart.models.tokenizer import build_char_tokenizer
 from rollart.transport import tokenbytes as tb
 

@@ -15,16 +15,16 @@ import aiohttp
 import msgspec
 import openai
 import pytest
-from test_controller_fakes import TOK, FakeEnvHost, FakeReward, FakeWorker, make_scenario
 from test_controller_modes import backends, run_steps
 
+from helpers.fakes import TOK, FakeEnvHost, FakeReward, FakeWorker, make_scenario
 from rollart.config import Scenario
 from rollart.controller import Cluster
 from rollart.controller.agents.capture import Conversation
 from rollart.controller.agents.params import parse_request
 from rollart.controller.agents.session import AgentSession, ApiError
-from rollart.controller.tokens import ChatTokens
-from rollart.controller.trajectory import Activity, TrajectoryContext, TrajectoryStale
+from rollart.controller.rollout.tokens import ChatTokens
+from rollart.controller.rollout.trajectory import Activity, TrajectoryContext, TrajectoryStale
 from rollart.transport.messages import ToolCall
 
 CALC = {"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}

@@ -11,7 +11,8 @@ import re
 from pathlib import Path
 
 import pytest
-from test_controller_fakes import (
+
+from helpers.fakes import (
     TOK,
     FakeEnvHost,
     FakeReward,
@@ -19,10 +20,9 @@ from test_controller_fakes import (
     FakeWorker,
     make_scenario,
 )
-
 from rollart.controller import Backends, Cluster
-from rollart.controller.buffer import BatchPlan, SampleBuffer, SampleBufferError
-from rollart.controller.sample import Sample
+from rollart.controller.buffer.core import BatchPlan, SampleBuffer, SampleBufferError
+from rollart.controller.buffer.sample import Sample
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -8,8 +8,8 @@ import random
 import msgspec
 import pytest
 
-from rollart.controller.buffer import Sample, SampleBuffer, SampleBufferError
-from rollart.controller.buffersnapshot import carried_over
+from rollart.controller.buffer.core import Sample, SampleBuffer, SampleBufferError
+from rollart.controller.buffer.snapshot import carried_over
 from rollart.transport.errors import ConfigError
 
 
@@ -427,7 +427,7 @@ def test_waste_between_the_last_step_and_the_checkpoint_shows_by_reason_after_re
     # has seen none of it, so the first step's baseline holds them as negatives, and that
     # step's metrics must report them by reason and by domain (they reported the total alone:
     # a reason only the baseline had was skipped, and the totals stopped adding up).
-    from rollart.controller.metrics import _delta, domain_deltas
+    from rollart.controller.observe.metrics import _delta, domain_deltas
 
     new = SampleBuffer(alpha=1, batch_size=2, group_size=2)
     new.try_start_group("g", "guess")

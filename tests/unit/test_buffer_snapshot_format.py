@@ -4,8 +4,8 @@ the held samples' own fields (behaviour logprobs and versions per generated toke
 layout is format 1's with the new number.
 
 ``GOLDEN`` is what the buffer wrote for :func:`history` before it was split into modules
-(``rollart.controller.buffersnapshot``). The held sample's own fields are the ``Sample``'s
-format (``rollart.controller.sample``, tested there), so the layout checks compare a sample by
+(``rollart.controller.buffer.snapshot``). The held sample's own fields are the ``Sample``'s
+format (``rollart.controller.buffer.sample``, tested there), so the layout checks compare a sample by
 its id and reward only.
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from rollart.controller.buffer import Sample, SampleBuffer
+from rollart.controller.buffer.core import Sample, SampleBuffer
 from rollart.transport.errors import ConfigError
 
 GOLDEN: dict[str, Any] = {

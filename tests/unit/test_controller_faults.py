@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from test_controller_fakes import TOK, FakeEnvHost, FakeReward, FakeTrainer, FakeWorker, _toml
 from test_controller_modes import run_steps
 
+from helpers.fakes import TOK, FakeEnvHost, FakeReward, FakeTrainer, FakeWorker, _toml
 from rollart import InvalidActionError
 from rollart.config import Scenario, parse_scenario
 from rollart.controller import Backends, Cluster
@@ -533,11 +533,10 @@ async def test_a_run_sends_each_worker_at_most_its_send_window() -> None:
 async def test_trajectories_shut_down_before_their_first_step_leave_the_buffer() -> None:
     # close() cancels a trajectory task that has not run yet: run_one's handler never runs,
     # so the done callback must tell the buffer (it kept counting it as running).
-    from test_controller_fakes import make_scenario
-
+    from helpers.fakes import make_scenario
     from rollart.controller.controller import Controller
-    from rollart.controller.proxy import LLMProxy
-    from rollart.controller.services import EnvRouter, RewardRouter
+    from rollart.controller.routing.proxy import LLMProxy
+    from rollart.controller.routing.routers import EnvRouter, RewardRouter
 
     sc = make_scenario(alpha=1, batch_size=4, group_size=2)
 
@@ -601,11 +600,10 @@ async def test_close_waits_for_env_sessions_still_closing() -> None:
     # step) ends at once, its shielded close going on. close() must wait for that close: its
     # owner closes the env clients next, and a close cut off there logged a "closing env
     # session ... failed: client closed" warning per session (test_run_faults saw them).
-    from test_controller_fakes import make_scenario
-
+    from helpers.fakes import make_scenario
     from rollart.controller.controller import Controller
-    from rollart.controller.proxy import LLMProxy
-    from rollart.controller.services import EnvRouter, RewardRouter
+    from rollart.controller.routing.proxy import LLMProxy
+    from rollart.controller.routing.routers import EnvRouter, RewardRouter
 
     env = SlowCloseEnvHost(5.0, turns=2, fail=lambda i, s: True)
     proxy = LLMProxy({"p1": ("cpu", [FakeWorker("w1")]), "p2": ("cpu", [FakeWorker("w2")])},

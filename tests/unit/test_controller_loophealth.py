@@ -1,4 +1,4 @@
-"""Event-loop lag monitor and garbage-collection helpers (``rollart.controller.loophealth``),
+"""Event-loop lag monitor and garbage-collection helpers (``rollart.controller.observe.loophealth``),
 and the lag reported in a controller step's metrics. These run on the real event loop: the
 monitor measures real lateness (only lower bounds are asserted, never upper timing bounds)."""
 
@@ -9,7 +9,8 @@ import gc
 import time
 
 import pytest
-from test_controller_fakes import (
+
+from helpers.fakes import (
     TOK,
     FakeEnvHost,
     FakeReward,
@@ -17,9 +18,8 @@ from test_controller_fakes import (
     FakeWorker,
     make_scenario,
 )
-
 from rollart.controller import Backends, Cluster
-from rollart.controller.loophealth import (
+from rollart.controller.observe.loophealth import (
     GcPauses,
     LagStats,
     LoopLagMonitor,

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from rollart.controller.buffer import SampleBuffer
-from rollart.controller.metrics import step_metrics
-from rollart.controller.sample import Sample
+from rollart.controller.buffer.core import SampleBuffer
+from rollart.controller.buffer.sample import Sample
+from rollart.controller.observe.metrics import step_metrics
 
 
 def _sample(sid: str, t_start: float, t_end: float) -> Sample:

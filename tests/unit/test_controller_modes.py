@@ -8,11 +8,11 @@ import asyncio
 
 import msgspec
 import pytest
-from test_controller_fakes import FakeEnvHost, FakeReward, FakeTrainer, FakeWorker, make_scenario
 
+from helpers.fakes import FakeEnvHost, FakeReward, FakeTrainer, FakeWorker, make_scenario
 from rollart.controller import Backends, Cluster
 from rollart.controller.controller import ControllerStalledError
-from rollart.controller.proxy import PoolExhaustedError
+from rollart.controller.routing.proxy import PoolExhaustedError
 from rollart.launcher.progress import waste_summary
 from rollart.transport.errors import RollartError
 
@@ -21,7 +21,7 @@ def backends(env: FakeEnvHost, trainer: FakeTrainer | None = None,
              workers: tuple[FakeWorker, FakeWorker] | None = None,
              reward: FakeReward | None = None) -> Backends:
     w1, w2 = workers or (FakeWorker("w1"), FakeWorker("w2"))
-    from test_controller_fakes import TOK
+    from helpers.fakes import TOK
 
     return Backends(pools={"p1": [w1], "p2": [w2]}, trainer=trainer or FakeTrainer(),
                     tokenizer=TOK, env_hosts=[env], reward_service=reward or FakeReward())
@@ -228,7 +228,7 @@ async def test_every_trajectory_failing_is_fatal_not_a_hang() -> None:
 
 
 def test_last_failures_names_each_reason_once_with_its_count() -> None:
-    from rollart.controller.trajtasks import last_failures
+    from rollart.controller.rollout.tasks import last_failures
 
     assert last_failures(["env_error: a", "env_error: a", "env_error: b", "env_error: a"]) == (
         "3x 'env_error: a'; 'env_error: b'")

@@ -9,7 +9,11 @@ import time
 
 import pytest
 
-from rollart.controller.offloop import OffLoopBusyError, OffLoopCalls, UnrequestedCancelError
+from rollart.controller.rollout.offloop import (
+    OffLoopBusyError,
+    OffLoopCalls,
+    UnrequestedCancelError,
+)
 
 
 async def _wait_for(predicate, timeout_s: float = 30.0) -> None:

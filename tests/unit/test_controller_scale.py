@@ -8,7 +8,8 @@ import asyncio
 
 import msgspec
 import pytest
-from test_controller_fakes import (
+
+from helpers.fakes import (
     TOK,
     FakeEnvHost,
     FakeReward,
@@ -16,7 +17,6 @@ from test_controller_fakes import (
     FakeWorker,
     make_scenario,
 )
-
 from rollart.controller import Backends, Cluster
 
 
@@ -105,7 +105,7 @@ async def test_take_batch_runs_only_when_a_batch_can_have_become_ready() -> None
 def test_buffer_reports_forgotten_groups_and_counts_in_o1() -> None:
     from test_buffer import run
 
-    from rollart.controller.buffer import SampleBuffer
+    from rollart.controller.buffer.core import SampleBuffer
 
     forgotten: list[str] = []
     buf = SampleBuffer(alpha=0, batch_size=2, group_size=2, redundancy=1,

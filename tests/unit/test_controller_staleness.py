@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import msgspec
 import pytest
-from test_controller_fakes import FakeEnvHost, FakeTrainer, FakeWorker, make_scenario
 from test_controller_modes import backends, run_steps
 
+from helpers.fakes import FakeEnvHost, FakeTrainer, FakeWorker, make_scenario
 from rollart.config import validate_scenario
 from rollart.controller import Cluster
-from rollart.controller.pacing import Pacer
-from rollart.controller.proxy import LLMProxy
-from rollart.controller.sample import DomainCounts
+from rollart.controller.buffer.sample import DomainCounts
+from rollart.controller.rollout.pacing import Pacer
+from rollart.controller.routing.proxy import LLMProxy
 from rollart.transport.errors import ConfigError
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_controller_fakes import TOK, FakeTokenizer
 
-from rollart.controller.tokens import ChatTokens
+from helpers.fakes import TOK, FakeTokenizer
+from rollart.controller.rollout.tokens import ChatTokens
 from rollart.transport import tokenbytes as tb
 
 

@@ -9,10 +9,10 @@ import sys
 
 import msgspec
 import pytest
-from test_controller_fakes import FakeWorker
 
-from rollart.controller.sample import Sample
-from rollart.controller.training import RemoteTrainer, grpo_advantages, to_train_samples
+from helpers.fakes import FakeWorker
+from rollart.controller.buffer.sample import Sample
+from rollart.controller.training.advantages import RemoteTrainer, grpo_advantages, to_train_samples
 from rollart.transport import messages as m
 from rollart.transport import tokenbytes as tb
 from rollart.transport.errors import RollartError
@@ -187,8 +187,8 @@ def test_numpy_grpo_advantages_equal_the_trainers_torch_values() -> None:
 def test_the_controller_does_not_import_torch() -> None:
     # Importing the controller and computing a batch's advantages (torch's job until now).
     code = ("import sys; from types import SimpleNamespace as S; "
-            "import rollart.controller.controller, rollart.controller.weightsync; "
-            "from rollart.controller.training import grpo_advantages; "
+            "import rollart.controller.controller, rollart.controller.training.weightsync; "
+            "from rollart.controller.training.advantages import grpo_advantages; "
             "assert grpo_advantages([S(group_key='g', reward=1.0), "
             "S(group_key='g', reward=0.0)]) != [0.0, 0.0]; "
             "print('torch' in sys.modules)")
@@ -198,7 +198,7 @@ def test_the_controller_does_not_import_torch() -> None:
 
 
 def test_batch_reuses_the_completion_check_and_still_checks_the_advantage(monkeypatch) -> None:
-    from rollart.controller.training import trainable_problem
+    from rollart.controller.training.advantages import trainable_problem
 
     checked, unchecked = sample("a", "g", 1.0), sample("b", "g", 0.0)
     assert trainable_problem(checked) is None
@@ -214,7 +214,7 @@ def test_batch_reuses_the_completion_check_and_still_checks_the_advantage(monkey
     assert validations == ["b"]  # the sample checked at completion is not validated again
     assert a.advantage == pytest.approx(1.0, abs=1e-5) and b.advantage < 0
     assert tb.view_u8(a.loss_mask).tolist() == [0, 0, 0, 1, 1] and a.sample_id == "a"
-    monkeypatch.setattr("rollart.controller.training.grpo_advantages",
+    monkeypatch.setattr("rollart.controller.training.advantages.grpo_advantages",
                         lambda samples: [float("nan")] * len(samples))
     with pytest.raises(ValueError, match="advantage nan not finite"):
         to_train_samples([checked])  # a non-finite advantage still fails the checked sample

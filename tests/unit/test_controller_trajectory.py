@@ -6,18 +6,18 @@ import asyncio
 
 import msgspec
 import pytest
-from test_controller_fakes import TOK, FakeEnvHost, FakeReward, FakeWorker, make_scenario
 
-from rollart.controller.buffer import SampleBuffer
-from rollart.controller.proxy import LLMProxy
-from rollart.controller.services import EnvRouter, RewardRouter
-from rollart.controller.tokens import ChatTokens
-from rollart.controller.trajectory import (
+from helpers.fakes import TOK, FakeEnvHost, FakeReward, FakeWorker, make_scenario
+from rollart.controller.buffer.core import SampleBuffer
+from rollart.controller.rollout.tokens import ChatTokens
+from rollart.controller.rollout.trajectory import (
     TrajectoryContext,
     TrajectoryFailed,
     TrajectoryStale,
     run_trajectory,
 )
+from rollart.controller.routing.proxy import LLMProxy
+from rollart.controller.routing.routers import EnvRouter, RewardRouter
 from rollart.transport import tokenbytes as tb
 from rollart.transport.errors import RemoteError
 

@@ -7,10 +7,10 @@ import msgspec
 import pytest
 import torch
 
-from rollart.controller.buffer import SampleBuffer
-from rollart.controller.metrics import StepMetrics, step_metrics
-from rollart.controller.sample import Sample
-from rollart.controller.training import to_train_samples, trainable_problem
+from rollart.controller.buffer.core import SampleBuffer
+from rollart.controller.buffer.sample import Sample
+from rollart.controller.observe.metrics import StepMetrics, step_metrics
+from rollart.controller.training.advantages import to_train_samples, trainable_problem
 from rollart.launcher.sinks import step_scalars
 from rollart.transport import messages as m
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from rollart.controller.services import EnvHostsExhaustedError, EnvRouter, LocalEnvBackend
+from rollart.controller.routing.routers import EnvHostsExhaustedError, EnvRouter, LocalEnvBackend
 from rollart.transport import messages as m
 
 

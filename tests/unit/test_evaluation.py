@@ -12,11 +12,12 @@ from collections import Counter
 
 import msgspec
 import pytest
-from test_controller_fakes import TOK, FakeTrainer, FakeWorker
 
+from helpers.fakes import TOK, FakeTrainer, FakeWorker
 from rollart.config import EvalConfig, parse_scenario
 from rollart.controller import Backends, Cluster
-from rollart.controller.evalstats import (
+from rollart.controller.evaluation.runner import EVAL_SEED_END, TRAIN_SEED_END, eval_seeds
+from rollart.controller.evaluation.stats import (
     DomainEval,
     collapse_reason,
     eval_line,
@@ -24,7 +25,6 @@ from rollart.controller.evalstats import (
     pass_at_k,
     wilson_interval,
 )
-from rollart.controller.evaluation import EVAL_SEED_END, TRAIN_SEED_END, eval_seeds
 from rollart.transport import messages as m
 from rollart.transport import tokenbytes as tb
 
@@ -208,7 +208,7 @@ async def test_eval_set_is_disjoint_from_training_seeds() -> None:
 async def test_majority_baseline_is_measured_on_the_eval_set(caplog) -> None:
     sc = scenario("answer", size=60, pass_k=2)
     constant = FakeWorker("w1", lambda req: r"\boxed{3}")
-    with caplog.at_level(logging.WARNING, logger="rollart.controller.evaluation"):
+    with caplog.at_level(logging.WARNING, logger="rollart.controller.evaluation.runner"):
         steps = await train(cluster(sc, constant, "answer", FakeAnswerEnv), 2)
     records = [r for st in steps for r in st.metrics.eval]
     assert [r.at_step for r in records] == [0, 2]  # before step 1, and after the last
@@ -234,7 +234,7 @@ async def test_majority_baseline_is_measured_on_the_eval_set(caplog) -> None:
 
 async def test_no_collapse_warning_for_a_diverse_right_policy(caplog) -> None:
     sc = scenario("answer", size=60, pass_k=2)
-    with caplog.at_level(logging.WARNING, logger="rollart.controller.evaluation"):
+    with caplog.at_level(logging.WARNING, logger="rollart.controller.evaluation.runner"):
         steps = await train(cluster(sc, FakeWorker("w1", right_answer), "answer",
                                     FakeAnswerEnv), 2)
     last = steps[-1].metrics.eval[-1].domains["qa"]
@@ -365,7 +365,7 @@ async def test_collapse_warning_when_train_reward_rises_but_eval_stays_at_the_ba
 
     worker.respond = policy
     sc = scenario("answer", size=60, pass_k=0, collapse_distinct_floor=0.0)
-    with caplog.at_level(logging.WARNING, logger="rollart.controller.evaluation"):
+    with caplog.at_level(logging.WARNING, logger="rollart.controller.evaluation.runner"):
         steps = await train(cluster(sc, worker, "answer", FakeAnswerEnv), 4)
     rewards = [st.metrics.reward_mean_by_domain["qa"] for st in steps]
     assert rewards[-1] > rewards[0]
@@ -384,7 +384,7 @@ async def test_collapse_warning_when_train_reward_rises_but_eval_stays_at_the_ba
 async def test_an_eval_due_while_the_previous_one_runs_is_skipped(caplog) -> None:
     from types import SimpleNamespace
 
-    from rollart.controller.evaluation import Evaluator
+    from rollart.controller.evaluation.runner import Evaluator
 
     started = []
 

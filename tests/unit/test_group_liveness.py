@@ -20,13 +20,13 @@ import logging
 import random
 
 import pytest
-from test_controller_fakes import FakeEnvHost
 from test_controller_faults import backends, check_batches, scenario
 from test_controller_modes import run_steps
 
+from helpers.fakes import FakeEnvHost
 from rollart.config import parse_scenario
 from rollart.controller import Cluster
-from rollart.controller.buffer import Sample, SampleBuffer
+from rollart.controller.buffer.core import Sample, SampleBuffer
 from rollart.transport.errors import ConfigError
 
 

@@ -20,8 +20,8 @@ import math
 import pytest
 import torch
 
-from rollart.controller.sample import Sample
-from rollart.controller.training import grpo_advantages as numpy_advantages
+from rollart.controller.buffer.sample import Sample
+from rollart.controller.training.advantages import grpo_advantages as numpy_advantages
 from rollart.trainer.loss import decoupled_ppo_loss
 from rollart.trainer.loss import grpo_advantages as torch_advantages
 

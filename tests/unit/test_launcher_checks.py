@@ -7,8 +7,8 @@ import logging
 
 import msgspec
 import pytest
-from test_controller_fakes import FakeWorker, make_scenario
 
+from helpers.fakes import FakeWorker, make_scenario
 from rollart.launcher.local import _check_weight_transfer
 from rollart.transport import messages as m
 from rollart.transport.errors import RollartError
@@ -111,8 +111,7 @@ def test_preflight_refuses_an_env_no_env_host_can_make(env, expect) -> None:
 
 
 async def test_cluster_start_names_envs_nobody_serves() -> None:
-    from test_controller_fakes import TOK, FakeReward, FakeTrainer
-
+    from helpers.fakes import TOK, FakeReward, FakeTrainer
     from rollart.controller import Backends, Cluster
     from rollart.transport.errors import ConfigError
 

@@ -8,14 +8,14 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from test_controller_fakes import FakeEnvHost, FakeTrainer, FakeWorker, make_scenario
 from test_controller_modes import run_steps
 from test_controller_training import FakeTrainerClient, sample, worker
 
+from helpers.fakes import FakeEnvHost, FakeTrainer, FakeWorker, make_scenario
 from rollart.controller import Cluster
 from rollart.controller.driver import Backends
-from rollart.controller.proxy import LLMProxy, PoolExhaustedError
-from rollart.controller.training import RemoteTrainer
+from rollart.controller.routing.proxy import LLMProxy, PoolExhaustedError
+from rollart.controller.training.advantages import RemoteTrainer
 from rollart.launcher.peers import PeerLoss
 from rollart.launcher.procs import ServiceProcess
 from rollart.transport import messages as m
@@ -102,7 +102,7 @@ async def test_a_failed_push_to_a_dead_worker_is_not_an_error() -> None:
 def two_worker_cluster(env, trainer):
     a1, a2 = FakeMortalWorker("a1", latency_s=0.5), FakeMortalWorker("a2", latency_s=0.5)
     b1 = FakeMortalWorker("b1")
-    from test_controller_fakes import TOK, FakeReward
+    from helpers.fakes import TOK, FakeReward
 
     backends = Backends(pools={"p1": [a1, a2], "p2": [b1]}, trainer=trainer, tokenizer=TOK,
                         env_hosts=env, reward_service=FakeReward())

@@ -10,7 +10,7 @@ import msgspec
 from rich.console import Console
 
 from rollart.config import parse_scenario
-from rollart.controller.metrics import StepMetrics
+from rollart.controller.observe.metrics import StepMetrics
 from rollart.launcher.progress import Progress
 from rollart.launcher.rundir import write_summary
 

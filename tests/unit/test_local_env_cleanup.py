@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from rollart.controller.localenv import LocalEnvBackend
-from rollart.controller.offloop import OffLoopCalls
+from rollart.controller.rollout.localenv import LocalEnvBackend
+from rollart.controller.rollout.offloop import OffLoopCalls
 from rollart.transport.errors import EnvError, InvalidActionError
 
 WAIT_S = 60.0  # generous: the machine running the tests may be loaded

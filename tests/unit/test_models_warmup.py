@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from rollart.config import DomainConfig
-from rollart.controller.tokens import ChatTokens
+from rollart.controller.rollout.tokens import ChatTokens
 from rollart.models.sft import SFTConfig
 from rollart.models.tiny import TinyModelSpec, build_tiny_model
 from rollart.models.tokenizer import build_char_tokenizer

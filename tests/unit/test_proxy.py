@@ -7,9 +7,9 @@ import asyncio
 import logging
 
 import pytest
-from test_controller_fakes import FakeWorker
 
-from rollart.controller.proxy import LLMProxy, PoolExhaustedError
+from helpers.fakes import FakeWorker
+from rollart.controller.routing.proxy import LLMProxy, PoolExhaustedError
 from rollart.transport import messages as m
 from rollart.transport import tokenbytes as tb
 from rollart.transport.errors import ConfigError, RemoteError
@@ -112,7 +112,7 @@ async def test_a_worker_lost_while_the_run_stops_is_not_reported_again(caplog, s
     task = asyncio.create_task(proxy.generate("t1", "prefill_heavy", *req("r1")))
     for _ in range(10):
         await asyncio.sleep(0)
-    caplog.set_level(logging.INFO, logger="rollart.controller.proxy")
+    caplog.set_level(logging.INFO, logger="rollart.controller.routing.proxy")
     a1.kill()
     await task
     removals = [r for r in caplog.records if "worker a1 removed" in r.getMessage()]

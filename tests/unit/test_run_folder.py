@@ -12,8 +12,8 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from test_controller_fakes import FakeEnvHost, FakeReward, FakeTrainer, FakeWorker, make_scenario
 
+from helpers.fakes import FakeEnvHost, FakeReward, FakeTrainer, FakeWorker, make_scenario
 from rollart.cli import main as cli
 from rollart.controller import Backends, Cluster
 from rollart.launcher import rundir
@@ -25,7 +25,7 @@ MINIMAL = Path(__file__).resolve().parents[1] / "minimal_scenario.toml"
 
 async def _fake_run(run_dir: Path, steps: int = 12) -> list:
     """A short run over the fakes, written by a RunFolder step hook as a real run is."""
-    from test_controller_fakes import TOK
+    from helpers.fakes import TOK
 
     scenario = make_scenario(redundancy=1)
     folder = rundir.RunFolder(run_dir, scenario)

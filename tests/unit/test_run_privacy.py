@@ -19,7 +19,8 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
-from test_controller_fakes import (
+
+from helpers.fakes import (
     TOK,
     FakeEnvHost,
     FakeReward,
@@ -27,7 +28,6 @@ from test_controller_fakes import (
     FakeWorker,
     make_scenario,
 )
-
 from rollart.config import OutputConfig, load_scenario
 from rollart.controller import Backends, Cluster
 from rollart.filemodes import SHARE_ENV, apply_umask, restrict_tree

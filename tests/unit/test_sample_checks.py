@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 
-from rollart.controller.sample import Sample
+from rollart.controller.buffer.sample import Sample
 from rollart.transport import messages as m
 
 PROMPT = 1000

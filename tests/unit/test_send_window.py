@@ -7,11 +7,11 @@ import array
 import asyncio
 
 import pytest
-from test_controller_fakes import FakeWorker
 
-from rollart.controller.proxy import LLMProxy, PoolExhaustedError
-from rollart.controller.sendwindow import SendWindow
-from rollart.controller.workercheck import InvalidWorkerOutput, ViolationWindow
+from helpers.fakes import FakeWorker
+from rollart.controller.routing.proxy import LLMProxy, PoolExhaustedError
+from rollart.controller.routing.sendwindow import SendWindow
+from rollart.controller.routing.workercheck import InvalidWorkerOutput, ViolationWindow
 from rollart.transport import messages as m
 from rollart.transport.errors import RemoteTimeoutError
 

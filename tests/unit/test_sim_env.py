@@ -7,7 +7,7 @@ import statistics
 
 import pytest
 
-from rollart.controller.tokens import ChatTokens
+from rollart.controller.rollout.tokens import ChatTokens
 from rollart.sim.clock import run_virtual
 from rollart.sim.env import SimEnvHost, SimReward
 from rollart.sim.hardware import H800

@@ -52,7 +52,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from rollart.controller.buffer import Sample, SampleBuffer
+from rollart.controller.buffer.core import Sample, SampleBuffer
 
 configs = st.fixed_dictionaries(
     {

@@ -15,15 +15,15 @@ import msgspec
 import numpy as np
 import pytest
 import torch
-from test_controller_fakes import TOK, FakeEnvHost, FakeReward, FakeWorker, make_scenario
 
-from rollart.controller.buffer import SampleBuffer
-from rollart.controller.proxy import LLMProxy
-from rollart.controller.sample import Sample
-from rollart.controller.services import EnvRouter, RewardRouter
-from rollart.controller.tokens import ChatTokens
-from rollart.controller.training import to_train_samples
-from rollart.controller.trajectory import TrajectoryContext, run_trajectory
+from helpers.fakes import TOK, FakeEnvHost, FakeReward, FakeWorker, make_scenario
+from rollart.controller.buffer.core import SampleBuffer
+from rollart.controller.buffer.sample import Sample
+from rollart.controller.rollout.tokens import ChatTokens
+from rollart.controller.rollout.trajectory import TrajectoryContext, run_trajectory
+from rollart.controller.routing.proxy import LLMProxy
+from rollart.controller.routing.routers import EnvRouter, RewardRouter
+from rollart.controller.training.advantages import to_train_samples
 from rollart.inference.prefixes import PrefixStore
 from rollart.trainer.step import collate
 from rollart.transport import messages as m
@@ -369,7 +369,7 @@ def test_the_simulated_worker_resolves_delta_prompts_like_the_real_one() -> None
 
 
 async def test_a_reply_with_ragged_token_bytes_fails_the_trajectory_only() -> None:
-    from rollart.controller.trajectory import TrajectoryFailed
+    from rollart.controller.rollout.trajectory import TrajectoryFailed
 
     worker = FakeWorker("w1")
     real_generate = worker.generate
@@ -388,7 +388,7 @@ async def test_a_reply_with_ragged_token_bytes_fails_the_trajectory_only() -> No
 
 
 async def test_a_trajectory_with_no_generated_token_fails_instead_of_reaching_the_trainer() -> None:
-    from rollart.controller.trajectory import TrajectoryFailed
+    from rollart.controller.rollout.trajectory import TrajectoryFailed
 
     # A worker answering "stop" with no token at all: a Sample without one generated token
     # would make TrainSample refuse the whole batch (a fatal training step).

@@ -7,8 +7,8 @@ import array
 
 import pytest
 
-from rollart.controller.sample import spread_generated
-from rollart.controller.trajectory import _as_i32, _filled
+from rollart.controller.buffer.sample import spread_generated
+from rollart.controller.rollout.trajectory import _as_i32, _filled
 
 
 def test_filled_holds_n_copies_and_room_for_the_turns() -> None:

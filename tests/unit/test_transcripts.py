@@ -6,11 +6,11 @@ import asyncio
 import json
 
 import pytest
-from test_controller_fakes import FakeEnvHost, FakeReward, FakeTrainer, FakeWorker, make_scenario
 
+from helpers.fakes import FakeEnvHost, FakeReward, FakeTrainer, FakeWorker, make_scenario
 from rollart.controller import Backends, Cluster
-from rollart.controller.sample import Sample
-from rollart.controller.transcripts import TranscriptRecorder
+from rollart.controller.buffer.sample import Sample
+from rollart.controller.observe.transcripts import TranscriptRecorder
 from rollart.models.tokenizer import build_char_tokenizer
 
 TOKENIZER = build_char_tokenizer()
@@ -91,7 +91,7 @@ def test_rate_zero_and_max_pending_bound_what_is_followed(tmp_path) -> None:
 @pytest.mark.looptime
 async def test_controller_reports_trained_samples_to_the_recorder(tmp_path) -> None:
     path = tmp_path / "t.jsonl"
-    from test_controller_fakes import TOK
+    from helpers.fakes import TOK
 
     rec = TranscriptRecorder(path, TOK, per_step=100, rate=1.0)
     env = FakeEnvHost(turns=2)

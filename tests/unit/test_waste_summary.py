@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from rollart.controller.metrics import DomainStepMetrics, StepMetrics
+from rollart.controller.observe.metrics import DomainStepMetrics, StepMetrics
 from rollart.launcher.progress import _waste_word, step_waste, waste_summary, waste_text
 
 

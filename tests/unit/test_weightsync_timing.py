@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 
-from rollart.controller.weightsync import WeightSync
+from rollart.controller.training.weightsync import WeightSync
 
 
 class FakeTrainer:

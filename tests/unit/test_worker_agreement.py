@@ -10,13 +10,13 @@ import logging
 import msgspec
 import pytest
 import torch
-from test_controller_fakes import FakeTrainer, FakeWorker
 from test_train_step import SPEC, make_samples
 from test_worker_output import assert_accounting, make_controller
 
-from rollart.controller.agreement import WorkerDisagreementError, by_worker, offenders
+from helpers.fakes import FakeTrainer, FakeWorker
+from rollart.controller.buffer.sample import Sample
 from rollart.controller.ports import TrainResult
-from rollart.controller.sample import Sample
+from rollart.controller.training.agreement import WorkerDisagreementError, by_worker, offenders
 from rollart.inference.engine import SchedulerCounts
 from rollart.inference.worker import InferenceWorker
 from rollart.models.tiny import init_tiny_model
@@ -279,7 +279,7 @@ def test_behaviour_versions_are_checked_one_per_generated_token() -> None:
 
 
 def test_the_controllers_train_samples_carry_each_generated_tokens_version() -> None:
-    from rollart.controller.training import to_train_samples, trainable_problem
+    from rollart.controller.training.advantages import to_train_samples, trainable_problem
 
     fresh, checked = sample("a", ["w1"], 3), sample("b", ["w1"], 2)
     assert trainable_problem(checked) is None  # the path of a sample checked at completion

@@ -10,11 +10,11 @@ import asyncio
 
 import msgspec
 import pytest
-from test_controller_fakes import FakeWorker
 
-from rollart.controller.hangcheck import HangCheck
-from rollart.controller.proxy import TRANSIENT_RETRIES, LLMProxy, PoolExhaustedError
-from rollart.controller.workercheck import ViolationWindow
+from helpers.fakes import FakeWorker
+from rollart.controller.routing.hangcheck import HangCheck
+from rollart.controller.routing.proxy import TRANSIENT_RETRIES, LLMProxy, PoolExhaustedError
+from rollart.controller.routing.workercheck import ViolationWindow
 from rollart.transport import messages as m
 from rollart.transport.errors import RemoteError, RemoteTimeoutError
 
@@ -300,7 +300,7 @@ async def test_an_overload_that_outlasts_its_bound_stops_the_run() -> None:
     from test_controller_modes import run_steps
 
     from rollart.controller import Cluster
-    from rollart.controller.stall import ControllerStalledError
+    from rollart.controller.observe.stall import ControllerStalledError
 
     sc = scenario(generate_timeout_s=20.0, retry={"max_overload_s": 500.0})
     worker = FakeTimedWorker("w1", _slow_until(1e9))
@@ -312,10 +312,10 @@ async def test_an_overload_that_outlasts_its_bound_stops_the_run() -> None:
 
 @pytest.mark.looptime
 async def test_a_run_with_a_hung_worker_quarantines_it_and_fails_no_trajectory() -> None:
-    from test_controller_fakes import TOK, FakeEnvHost, FakeReward, FakeTrainer
     from test_controller_faults import check_batches, failed, scenario
     from test_controller_modes import run_steps
 
+    from helpers.fakes import TOK, FakeEnvHost, FakeReward, FakeTrainer
     from rollart.controller import Backends, Cluster
 
     sc = scenario(generate_timeout_s=20.0,

@@ -10,7 +10,8 @@ import logging
 
 import msgspec
 import pytest
-from test_controller_fakes import (
+
+from helpers.fakes import (
     TOK,
     FakeEnvHost,
     FakeReward,
@@ -18,12 +19,11 @@ from test_controller_fakes import (
     FakeWorker,
     make_scenario,
 )
-
-from rollart.controller.buffer import SampleBuffer
+from rollart.controller.buffer.core import SampleBuffer
 from rollart.controller.controller import Controller
-from rollart.controller.proxy import LLMProxy, PoolExhaustedError
-from rollart.controller.services import EnvRouter, RewardRouter
-from rollart.controller.workercheck import (
+from rollart.controller.routing.proxy import LLMProxy, PoolExhaustedError
+from rollart.controller.routing.routers import EnvRouter, RewardRouter
+from rollart.controller.routing.workercheck import (
     InvalidWorkerOutput,
     ViolationWindow,
     check_generate_result,
@@ -125,7 +125,7 @@ async def test_bad_replies_fail_the_turn_then_quarantine_the_worker(caplog) -> N
         await proxy.generate("t1", "d", "r1", prompt(), params)  # least loaded: bad (first)
     assert info.value.code == "bad_reply" and info.value.worker == "bad"
     assert proxy.quarantined == [] and proxy.num_invalid_replies == 1
-    with caplog.at_level(logging.WARNING, logger="rollart.controller.proxy"):
+    with caplog.at_level(logging.WARNING, logger="rollart.controller.routing.proxy"):
         with pytest.raises(InvalidWorkerOutput):
             await proxy.generate("t1", "d", "r2", prompt(), params)  # sticky: bad again
     assert proxy.quarantined == ["bad"]
@@ -285,7 +285,7 @@ async def test_requests_refused_as_bad_input_do_not_quarantine_a_worker() -> Non
 
 
 async def test_a_sample_the_trainer_would_refuse_fails_its_trajectory(monkeypatch) -> None:
-    import rollart.controller.trajtasks as trajtasks
+    import rollart.controller.rollout.tasks as trajtasks
 
     real = trajtasks.run_trajectory
     corrupted: list[str] = []

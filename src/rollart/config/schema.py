@@ -55,7 +55,7 @@ class RetryConfig(_Cfg):
 class WorkerChecksConfig(_Cfg):
     """What the controller does with inference workers whose output is wrong.
 
-    Every ``GenerateResult`` is checked where it arrives (``rollart.controller.workercheck``);
+    Every ``GenerateResult`` is checked where it arrives (``rollart.controller.routing.workercheck``);
     a violation fails that trajectory (reason ``invalid_worker_output``, retried, never scored).
     A request the worker's engine failed (``engine_error``; not one refused as bad input) fails
     its trajectory (``generation_error``) and counts as a violation too, unless the worker
@@ -97,7 +97,7 @@ class WorkerChecksConfig(_Cfg):
     #: other workers answered, is probed with a one-token ``Generate`` (``max_tokens = 1``)
     #: under this timeout, seconds; no answer (and no other reply from it meanwhile)
     #: quarantines it as hung and its requests go to the pool's other workers
-    #: (``rollart.controller.hangcheck``).
+    #: (``rollart.controller.routing.hangcheck``).
     hang_probe_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 30.0
 
 
@@ -153,7 +153,7 @@ class RunConfig(_Cfg):
     #: ``greedy``: start a group whenever the in-flight bound allows; ``paced``: hold a group
     #: back until the next weight apply when, by the measured batch period and the domain's
     #: measured group completion time, it would miss its staleness deadline now but meet it
-    #: then (``rollart.controller.pacing``); ``capacity``: start a group only while fewer
+    #: then (``rollart.controller.rollout.pacing``); ``capacity``: start a group only while fewer
     #: still-admissible groups are in flight than the batches it could join can take
     #: (``SampleBuffer.has_capacity``).
     admission: Literal["greedy", "paced", "capacity"] = "greedy"
@@ -489,7 +489,7 @@ class OutputConfig(_Cfg):
 
 
 class EvalConfig(_Cfg):
-    """Held-out evaluation during a run (``rollart.controller.evaluation``).
+    """Held-out evaluation during a run (``rollart.controller.evaluation.runner``).
 
     Each domain gets a fixed eval set of ``size`` env seeds drawn from ``[2**31, 2**32)``, a
     range training never draws from (group seeds are below ``2**31``). Every task is played

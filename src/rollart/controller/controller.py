@@ -1,13 +1,13 @@
 """The asyncio controller: admission of groups, trajectory tasks, and the training loop.
 
 One :class:`Controller` wires the LLM proxy, env and reward routers, the
-:class:`~rollart.controller.buffer.SampleBuffer` (pure state machine, driven from here) and the
+:class:`~rollart.controller.buffer.core.SampleBuffer` (pure state machine, driven from here) and the
 trainer. Background work:
 
 - the *admission loop* starts GRPO groups whenever the buffer's in-flight bound allows (and, in
   ``sync`` / ``sync_plus`` / ``one_off``, while at most one batch of groups is in flight), mixing
   domains by weight with a seeded RNG; each group gets one env seed shared by its members;
-- one task per trajectory (:func:`~rollart.controller.trajectory.run_trajectory`) whose outcome
+- one task per trajectory (:func:`~rollart.controller.rollout.trajectory.run_trajectory`) whose outcome
   becomes a buffer call (complete / fail -> retry / restart / cancel); siblings the buffer asks
   to cancel are cancelled (aborting generation, closing the env session);
 - the weight push of the newest version (trainer -> workers, staged), overlapping rollout;
@@ -15,7 +15,7 @@ trainer. Background work:
 
 Staleness policies (``rollart.config.RunConfig``; all keep the bound strict): ``admission``
 ``greedy`` (any free slot), ``capacity`` (a group starts only if some batch it could still
-join has room: ``SampleBuffer.has_capacity``) or ``paced`` (``rollart.controller.pacing``);
+join has room: ``SampleBuffer.has_capacity``) or ``paced`` (``rollart.controller.rollout.pacing``);
 ``domain_mix`` ``weight`` or ``yield`` (see :meth:`Controller.domain_weights`); ``fresh_start``
 and ``abort_stale`` (``SampleBuffer``); ``DomainConfig.alpha`` per-domain bounds. A domain
 held back by admission keeps its turn, so waiting never favours short domains.
@@ -45,24 +45,27 @@ from collections.abc import Callable
 from typing import Any
 
 from rollart.config import DomainConfig, Scenario
-from rollart.controller import admission, controllersnapshot, stall, trainstep
+from rollart.controller import snapshot as controllersnapshot
 from rollart.controller.agents.runner import AgentRunner
-from rollart.controller.buffer import SampleBuffer
-from rollart.controller.loophealth import LoopLagMonitor
-from rollart.controller.metrics import StepMetrics
+from rollart.controller.buffer.core import SampleBuffer
+from rollart.controller.buffer.sample import BufferStats, Sample
 from rollart.controller.modes import TurnBarrier, mode_spec
-from rollart.controller.pacing import Pacer
+from rollart.controller.observe import stall
+from rollart.controller.observe.loophealth import LoopLagMonitor
+from rollart.controller.observe.metrics import StepMetrics
+from rollart.controller.observe.stall import ControllerStalledError
+from rollart.controller.observe.transcripts import TranscriptRecorder
 from rollart.controller.ports import Tokenizer, TrainerBackend
-from rollart.controller.proxy import LLMProxy
-from rollart.controller.sample import BufferStats, Sample
-from rollart.controller.services import EnvRouter, RewardRouter
-from rollart.controller.stall import ControllerStalledError
-from rollart.controller.tokens import ChatTokens
-from rollart.controller.trajectory import TrajectoryContext
-from rollart.controller.trajtasks import launch_restarts
-from rollart.controller.transcripts import TranscriptRecorder
-from rollart.controller.weightsync import WeightSync
-from rollart.controller.workercheck import ViolationWindow
+from rollart.controller.rollout import admission
+from rollart.controller.rollout.pacing import Pacer
+from rollart.controller.rollout.tasks import launch_restarts
+from rollart.controller.rollout.tokens import ChatTokens
+from rollart.controller.rollout.trajectory import TrajectoryContext
+from rollart.controller.routing.proxy import LLMProxy
+from rollart.controller.routing.routers import EnvRouter, RewardRouter
+from rollart.controller.routing.workercheck import ViolationWindow
+from rollart.controller.training import step as trainstep
+from rollart.controller.training.weightsync import WeightSync
 from rollart.transport.errors import RollartError
 
 __all__ = ["Controller", "ControllerStalledError"]
@@ -100,11 +103,11 @@ class Controller:
         loop_lag: an event-loop lag monitor, started with the controller; each step reports
             its p99 / max (``None``: not measured; virtual-clock runs must not pass one).
         transcripts: told of every finished trajectory, discarded sample and batch
-            (``rollart.controller.transcripts``); ``None``: no transcripts.
+            (``rollart.controller.observe.transcripts``); ``None``: no transcripts.
         buffer_class: the sample buffer's class: ``SampleBuffer`` or a subclass overriding its
             admission (``try_start_group`` / ``has_room``) or batch assembly
             (``assemble_batch`` / ``batch_order``)
-            while keeping its protocol (``rollart.controller.buffer``); built with the same
+            while keeping its protocol (``rollart.controller.buffer.core``); built with the same
             keyword arguments and restored with its ``restore`` classmethod.
         agents: trajectory bodies of agent domains (``cluster.agent``); ``None``: none.
         stall_watchdog: log what ``get_batch`` waits on every ``run.stall_log_s`` (simulators

@@ -46,12 +46,13 @@ from typing import Any
 
 from rollart.config import Scenario, load_scenario, validate_scenario
 from rollart.controller.agents.runner import AgentFn, AgentRunner, AgentSpec
-from rollart.controller.buffer import SampleBuffer
+from rollart.controller.buffer.core import SampleBuffer
+from rollart.controller.buffer.sample import Sample
 from rollart.controller.controller import Controller
-from rollart.controller.evaluation import Evaluator
-from rollart.controller.loophealth import LoopLagMonitor
-from rollart.controller.metrics import StepMetrics
-from rollart.controller.offloop import OffLoopCalls
+from rollart.controller.evaluation.runner import Evaluator
+from rollart.controller.observe.loophealth import LoopLagMonitor
+from rollart.controller.observe.metrics import StepMetrics
+from rollart.controller.observe.transcripts import TranscriptRecorder
 from rollart.controller.ports import (
     EnvBackend,
     GenerationBackend,
@@ -59,10 +60,9 @@ from rollart.controller.ports import (
     Tokenizer,
     TrainerBackend,
 )
-from rollart.controller.proxy import LLMProxy
-from rollart.controller.sample import Sample
-from rollart.controller.services import EnvRouter, LocalEnvBackend, RewardFn, RewardRouter
-from rollart.controller.transcripts import TranscriptRecorder
+from rollart.controller.rollout.offloop import OffLoopCalls
+from rollart.controller.routing.proxy import LLMProxy
+from rollart.controller.routing.routers import EnvRouter, LocalEnvBackend, RewardFn, RewardRouter
 from rollart.transport.errors import ConfigError
 
 
@@ -282,7 +282,7 @@ class Cluster:
     async def train(self, steps: int | None = None) -> AsyncIterator[TrainStep]:
         """Run ``steps`` training steps (default ``run.steps``), yielding each as it ends.
 
-        With ``[eval] enabled`` (``rollart.controller.evaluation``): the first call evaluates
+        With ``[eval] enabled`` (``rollart.controller.evaluation.runner``): the first call evaluates
         before its first step (training waits for it, rollout goes on), every
         ``eval.every``-th step starts an evaluation that runs beside the next steps, and the
         last step of each call is followed by one that it waits for. Each step's

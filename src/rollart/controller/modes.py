@@ -21,7 +21,7 @@ so the rollout of step k+1 overlaps the training of step k and nothing more (bat
 ``staleness_control = "areal"`` (mode ``areal`` only): AReaL's policy, not rollart's bound.
 Alpha only enters AReaL's admission capacity ``(eta + v + 1) * B - (accepted + running)``;
 no sample is checked at a turn, at completion or at batch assembly, so samples that finish
-stale are trained (``rollart.controller.buffer``, module docstring; the step metrics'
+stale are trained (``rollart.controller.buffer.core``, module docstring; the step metrics'
 ``staleness_max`` shows how stale).
 """
 

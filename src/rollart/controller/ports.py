@@ -18,7 +18,7 @@ import msgspec
 from rollart.transport import messages as m
 
 if TYPE_CHECKING:
-    from rollart.controller.buffer import Sample
+    from rollart.controller.buffer.core import Sample
 
 
 @runtime_checkable

@@ -225,10 +225,10 @@ async def open_cluster(scenario: str | Path | Scenario, *, run_dir: str | Path |
     """
     from transformers import AutoConfig, AutoTokenizer
 
-    from rollart.controller.buffer import SampleBuffer
+    from rollart.controller.buffer.core import SampleBuffer
     from rollart.controller.driver import Backends, Cluster
-    from rollart.controller.loophealth import LoopLagMonitor
-    from rollart.controller.training import RemoteTrainer
+    from rollart.controller.observe.loophealth import LoopLagMonitor
+    from rollart.controller.training.advantages import RemoteTrainer
     from rollart.envhost.client import EnvClient
     from rollart.inference.client import InferenceClient
     from rollart.launcher import localmodule, rundir

@@ -121,7 +121,7 @@ def step_waste(metrics: Any) -> tuple[float, dict[str, float], int] | None:
 
     A token is *settled* in the step it is trained or wasted; ``share = wasted_tokens /
     (trained_tokens + wasted_tokens)``, in [0, 1] (each settled token is trained or wasted for
-    exactly one reason: ``rollart.controller.buffer``). Dividing by the step's own generated
+    exactly one reason: ``rollart.controller.buffer.core``). Dividing by the step's own generated
     tokens instead is not bounded: a step may settle tokens generated before it (in flight at
     the previous step's end, or held in the checkpoint a run resumed from), which
     ``carried_tokens = max(0, settled - buffer_generated_tokens)`` counts apart. Over a steady

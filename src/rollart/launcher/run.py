@@ -39,8 +39,8 @@ from pathlib import Path
 from typing import Any
 
 from rollart.config import Scenario, in_file, load_scenario
-from rollart.controller.evalstats import eval_line
-from rollart.controller.loophealth import freeze_startup_objects, tune_gc
+from rollart.controller.evaluation.stats import eval_line
+from rollart.controller.observe.loophealth import freeze_startup_objects, tune_gc
 from rollart.filemodes import apply_umask
 from rollart.launcher.procs import ProcessFailedError
 from rollart.launcher.progress import Progress, print_summary_block, summary_block
@@ -165,7 +165,7 @@ async def _train(cluster: Any, start_step: int, planned: int, progress: Progress
     folder = cluster.run_folder
     async with cluster:
         # Started: modules, config, clients and the controller exist; later collections need
-        # not traverse them again (rollart.controller.loophealth).
+        # not traverse them again (rollart.controller.observe.loophealth).
         freeze_startup_objects()
         try:
             async for out in cluster.train(steps=planned - start_step):

@@ -7,7 +7,7 @@
 - ``metrics.jsonl``: one ``StepMetrics`` object per step;
 - ``trained_samples.jsonl``: sample ids per step (exactly-once evidence across resumes);
 - ``transcripts.jsonl``: a sample of decoded trajectories per step
-  (``rollart.controller.transcripts``; ``[output]`` sets how many);
+  (``rollart.controller.observe.transcripts``; ``[output]`` sets how many);
 - ``tensorboard/``: TensorBoard event files of every step's scalars
   (``rollart.launcher.sinks.step_scalars``; ``tensorboard --logdir RUN_DIR/tensorboard``);
 - ``checkpoints/step_NNNNNN/``: trainer checkpoint + ``controller.json`` (:class:`RunState`)
@@ -168,7 +168,7 @@ class RunFolder:
     def transcript_recorder(self, tokenizer: Any) -> Any:
         """The run's ``TranscriptRecorder`` (``None`` when ``output.transcripts_per_step`` is
         0); give it to the cluster."""
-        from rollart.controller.transcripts import TranscriptRecorder
+        from rollart.controller.observe.transcripts import TranscriptRecorder
 
         out = self.scenario.output
         if out.transcripts_per_step and out.transcript_rate > 0:
@@ -261,7 +261,7 @@ def domain_rewards(rows: list[dict[str, Any]], window: int = SUMMARY_WINDOW
 
 def eval_summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per domain, its held-out evaluations (the ``eval`` records of the metrics rows,
-    ``rollart.controller.evaluation``): greedy accuracy of the ``first`` and ``last`` (at
+    ``rollart.controller.evaluation.runner``): greedy accuracy of the ``first`` and ``last`` (at
     ``first_step`` / ``last_step``), the last one's 95% interval ``last_ci95``,
     ``majority_baseline`` (the newest measured), ``distinct_answer_share_last``,
     ``pass_at_1_last`` / ``pass_at_k_last`` (with ``k``), ``evals`` (how many) and ``collapse``:

@@ -50,7 +50,7 @@ def prefix_store_notes(sc: Scenario) -> list[str]:
     worker that evicts a prefix makes that trajectory's next turn fail with
     ``prefix_unknown`` and go again with its whole context (issue 11: at 10k trajectories,
     ~every turn)."""
-    from rollart.controller.buffer import SampleBuffer
+    from rollart.controller.buffer.core import SampleBuffer
 
     run = sc.run
     groups = SampleBuffer.groups_bound(run.alpha, run.batch_size, run.group_size)
@@ -79,7 +79,7 @@ def agreement_notes(sc: Scenario) -> list[str]:
     ``stop``) while every batch after the first holds no token of the trainer's version
     (an overlapped mode with ``weight_apply = "at_batch"``: the version is applied once its
     batch was taken): each worker is then judged on all its tokens, which include the
-    policy's own change within alpha (``rollart.controller.agreement``)."""
+    policy's own change within alpha (``rollart.controller.training.agreement``)."""
     from rollart.controller.modes import mode_spec
 
     run = sc.run

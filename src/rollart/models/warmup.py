@@ -3,7 +3,7 @@
 `build_demonstrations` plays episodes of each task domain with the environments' own scripted
 solvers (`rollart.envhost.solvers`) and turns every assistant turn into one (prompt, completion)
 text pair. The prompt is the conversation so far rendered exactly as the controller renders it
-(`rollart.controller.trajectory` / `tokens`): the chat template of
+(`rollart.controller.rollout.trajectory` / `tokens`): the chat template of
 ``[system_prompt?] + user(prompt_template.format(observation=reset_obs)) + assistant(a_1) +
 user(turn_template.format(observation=obs_1)) + ...`` with the generation prompt; the completion
 is the solver's action text. `sft_warmup` appends the eos token (``<|im_end|>``), which is where

@@ -33,8 +33,8 @@ from rollart.config import (
     validate_scenario,
 )
 from rollart.controller.controller import Controller
-from rollart.controller.proxy import LLMProxy
-from rollart.controller.services import EnvRouter, RewardRouter
+from rollart.controller.routing.proxy import LLMProxy
+from rollart.controller.routing.routers import EnvRouter, RewardRouter
 from rollart.sim import costs
 from rollart.sim.clock import run_real, run_virtual
 from rollart.sim.env import ENV_PREFIX, SimEnvHost, SimReward
@@ -160,7 +160,7 @@ class SimScenario:
 class SimResult:
     """Metrics of one simulated run (``simulated`` is always True).
 
-    ``steps``: one dict per training step (``rollart.controller.metrics.StepMetrics`` fields);
+    ``steps``: one dict per training step (``rollart.controller.observe.metrics.StepMetrics`` fields);
     ``step_time_s``: mean step time over steps after ``warmup`` (seconds of simulated time);
     ``total_time_s``: simulated time of the whole run; ``wall_s``: real seconds it took.
     """

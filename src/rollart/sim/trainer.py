@@ -105,7 +105,7 @@ class SimTrainer:
 
     async def train(self, samples: Sequence[Any]) -> TrainResult:
         """One simulated update over every token of ``samples`` (objects with ``num_tokens``,
-        e.g. ``rollart.controller.sample.Sample``). Raises ``ValueError`` on an empty batch."""
+        e.g. ``rollart.controller.buffer.sample.Sample``). Raises ``ValueError`` on an empty batch."""
         if not samples:
             raise ValueError("SimTrainer.train: empty batch")
         num_tokens = sum(int(s.num_tokens) for s in samples)

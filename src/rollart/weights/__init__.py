@@ -25,7 +25,7 @@ ZeroMQ path (``[trainer] weight_transfer = "zmq"``, the default; cross-cluster):
 3. On the worker, ``receiver.WeightReceiver.weight_bucket`` has ``staging.WeightStager`` check the
    CRC, names and shapes (``buckets.decode_bucket``, ``staging.CheckpointLayout``) and write the
    bucket as a safetensors file under ``/dev/shm``; nothing is applied yet.
-4. The controller (``rollart.controller.weightsync``) asks ``WaitPublished(v, addresses)``: the
+4. The controller (``rollart.controller.training.weightsync``) asks ``WaitPublished(v, addresses)``: the
    trainer's ``WeightPublisher.ensure_staged`` waits for v's push and pushes v itself to any of
    those workers the push missed (a resumed run's, one registered later).
 5. At its pause point the controller sends ``ApplyWeights(v)``: ``WeightReceiver.apply_weights``
@@ -58,6 +58,6 @@ Modules: ``buckets`` (frames, bucketing, CRC32), ``delta`` (codec, wire dtype), 
 ``collective`` (trainer: collective broadcast), ``membership`` (the group's proof of the run
 key), ``staging`` and ``receiver`` (worker: staging and
 the request handlers), ``vllm_ext`` and ``vllm_engines`` (inside vLLM: reload and the gloo
-engine). The controller's side (``rollart.controller.weightsync`` and
-``rollart.controller.training.RemoteTrainer``) stays in the controller: no component imports it.
+engine). The controller's side (``rollart.controller.training.weightsync`` and
+``rollart.controller.training.advantages.RemoteTrainer``) stays in the controller: no component imports it.
 """

@@ -1,6 +1,6 @@
 """Token-exact capture of one agent conversation (OpenAI chat messages) as a training sequence.
 
-The sequence is built the way the gym path builds it (``rollart.controller.tokens``), never by
+The sequence is built the way the gym path builds it (``rollart.controller.rollout.tokens``), never by
 re-tokenising the conversation at the end:
 
 - the first request's messages (and ``tools``) are rendered with the model's chat template and
@@ -38,7 +38,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from rollart.controller.tokens import ChatTokens
+from rollart.controller.rollout.tokens import ChatTokens
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -141,7 +141,7 @@ class Conversation:
     ``token_ids`` / ``loss_mask`` are ``array.array`` of typecodes ``i`` / ``b`` (int32 ids,
     0/1 mask), one item per token; ``logprobs`` / ``versions`` are ``array.array`` ``f`` / ``i``
     (float32 behaviour logprobs, int32 policy versions) of the generated tokens only, in order,
-    as ``rollart.controller.sample.Sample`` keeps them.
+    as ``rollart.controller.buffer.sample.Sample`` keeps them.
     """
 
     def __init__(self, chat: ChatTokens) -> None:

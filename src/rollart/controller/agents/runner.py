@@ -39,15 +39,15 @@ from rollart.config import DomainConfig
 from rollart.controller.agents.capture import Conversation
 from rollart.controller.agents.server import AgentServer
 from rollart.controller.agents.session import AgentSession, Finished
-from rollart.controller.sample import Sample
-from rollart.controller.services import EnvHostsExhaustedError
-from rollart.controller.trajectory import (
+from rollart.controller.buffer.sample import Sample
+from rollart.controller.rollout.trajectory import (
     CLOSE_TIMEOUT_S,
     Activity,
     TrajectoryContext,
     TrajectoryFailed,
     env_failure,
 )
+from rollart.controller.routing.routers import EnvHostsExhaustedError
 from rollart.transport.errors import (
     InvalidActionError,
     PeerDeadError,

@@ -33,14 +33,14 @@ from typing import Any
 from rollart.config import DomainConfig
 from rollart.controller.agents.capture import Conversation, HistoryRewritten, TemplateRefused
 from rollart.controller.agents.params import ChatRequest
-from rollart.controller.trajectory import (
+from rollart.controller.rollout.trajectory import (
     Activity,
     TrajectoryContext,
     TrajectoryFailed,
     TrajectoryNotNeeded,
     TrajectoryStale,
 )
-from rollart.controller.workercheck import INVALID_OUTPUT_REASON, InvalidWorkerOutput
+from rollart.controller.routing.workercheck import INVALID_OUTPUT_REASON, InvalidWorkerOutput
 from rollart.transport import messages as m
 from rollart.transport import tokenbytes as tb
 from rollart.transport.errors import RemoteError, RemoteTimeoutError

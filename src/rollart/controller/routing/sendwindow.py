@@ -19,7 +19,7 @@ The wait has no timeout of its own. Every slot is released when its call ends (r
 or timeout); a worker that stops answering heartbeats is declared dead, which ends its calls,
 and its waiters are woken (:meth:`drop`) to route again. A worker alive to its heartbeats but
 answering nothing (a hung engine) is found by its first call to time out: the proxy probes it
-and quarantines it if the probe fails too (``rollart.controller.hangcheck``), which drops it
+and quarantines it if the probe fails too (``rollart.controller.routing.hangcheck``), which drops it
 from its pool and from here, so its waiters route again to other workers rather than each
 waiting for a slot that a timeout frees.
 

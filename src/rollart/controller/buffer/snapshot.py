@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from rollart.controller.buffergroups import new_traj, sweep_stale
-from rollart.controller.bufferrecords import Group, TrajState
-from rollart.controller.sample import BufferStats, DomainCounts, Sample
+from rollart.controller.buffer.groups import new_traj, sweep_stale
+from rollart.controller.buffer.records import Group, TrajState
+from rollart.controller.buffer.sample import BufferStats, DomainCounts, Sample
 from rollart.transport.errors import ConfigError
 
 if TYPE_CHECKING:
-    from rollart.controller.buffer import SampleBuffer
+    from rollart.controller.buffer.core import SampleBuffer
 
 SNAPSHOT_FORMAT = 2
 #: formats ``restore`` reads (see the module docstring)

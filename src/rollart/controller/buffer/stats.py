@@ -3,7 +3,7 @@
 The counters themselves are plain ints and dicts on the ``SampleBuffer`` (its hot paths bump
 them in place); this module names them and turns them, with one pass over the groups in
 flight for the gauges, into a ``BufferStats``. What each counts is in
-``rollart.controller.buffer``'s module docstring ("Waste and selection accounting").
+``rollart.controller.buffer.core``'s module docstring ("Waste and selection accounting").
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from rollart.controller.bufferrecords import LIVE
-from rollart.controller.sample import BufferStats
+from rollart.controller.buffer.records import LIVE
+from rollart.controller.buffer.sample import BufferStats
 
 if TYPE_CHECKING:
-    from rollart.controller.buffer import SampleBuffer
+    from rollart.controller.buffer.core import SampleBuffer
 
 #: the buffer's plain event counters (``SampleBuffer._c``), each from 0
 COUNTERS = (

@@ -5,7 +5,7 @@ in ``sync`` / ``sync_plus`` / ``one_off``, while at most one batch of groups is 
 picking domains by weight with the controller's seeded RNG (``run.domain_mix``); each group
 gets one env seed shared by its members. ``run.admission = "capacity"`` holds a group back
 while every batch it could join is spoken for (``SampleBuffer.has_capacity``), ``"paced"``
-while ``rollart.controller.pacing`` says so; a domain held back keeps its turn. A group not
+while ``rollart.controller.rollout.pacing`` says so; a domain held back keeps its turn. A group not
 complete ``run.group_timeout_s`` after its admission is dropped (``group_timeout``), so a
 group with a stuck member gives its place to a new one. Plain
 functions over the :class:`~rollart.controller.controller.Controller`'s state (it owns the
@@ -20,7 +20,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from rollart.config import DomainConfig
-from rollart.controller.trajtasks import cancel_traj, launch
+from rollart.controller.rollout.tasks import cancel_traj, launch
 
 if TYPE_CHECKING:
     from rollart.controller.controller import Controller

@@ -42,8 +42,8 @@ from typing import Any
 
 import numpy as np
 
+from rollart.controller.buffer.sample import Sample
 from rollart.controller.ports import Tokenizer
-from rollart.controller.sample import Sample
 
 
 class TranscriptRecorder:

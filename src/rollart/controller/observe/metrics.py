@@ -10,8 +10,8 @@ from collections.abc import Sequence
 
 import msgspec
 
-from rollart.controller.evalstats import EvalRecord
-from rollart.controller.sample import BufferStats, DomainCounts, Sample
+from rollart.controller.buffer.sample import BufferStats, DomainCounts, Sample
+from rollart.controller.evaluation.stats import EvalRecord
 
 
 class StepMetrics(msgspec.Struct, kw_only=True):
@@ -35,7 +35,7 @@ class StepMetrics(msgspec.Struct, kw_only=True):
     - ``wasted_tokens_by_reason``: the same by reason (``stale``, ``redundancy``, ``failed``,
       ``unselected``, ``retired``, ``shutdown``, ``resume``); ``buffer_generated_tokens``:
       tokens the sample buffer counted as generated in the step
-      (``rollart.controller.buffer``: each one is trained, wasted for exactly one reason, or
+      (``rollart.controller.buffer.core``: each one is trained, wasted for exactly one reason, or
       still in flight, so over a whole run, resumes included
       ``sum(wasted) + trained + in flight at the end == sum(buffer_generated_tokens)``);
       ``trained_tokens``: generated tokens of the batch; ``in_flight_tokens``: generated tokens of
@@ -53,7 +53,7 @@ class StepMetrics(msgspec.Struct, kw_only=True):
       ``quarantined_workers``: workers taken out of their pool during the step (bad output or
       engine/trainer disagreement); ``logprob_mismatch_by_worker`` /
       ``iw_capped_fraction_by_worker``: the batch's engine/trainer agreement per serving
-      worker (``rollart.controller.agreement``), over ``agreement_tokens_by_worker`` tokens:
+      worker (``rollart.controller.training.agreement``), over ``agreement_tokens_by_worker`` tokens:
       ``agreement_basis_by_worker`` ``"current"``, those generated under the weights the
       trainer recomputed with (older tokens also differ by the policy's change within the
       staleness bound), or ``"all"`` when it had fewer than
@@ -129,7 +129,7 @@ class StepMetrics(msgspec.Struct, kw_only=True):
     entropy_mean: float | None = None
     #: the same per task domain
     entropy_by_domain: dict[str, float] = {}
-    #: held-out evaluations that ended by this step's end (``rollart.controller.evaluation``;
+    #: held-out evaluations that ended by this step's end (``rollart.controller.evaluation.runner``;
     #: each names the step it started after in ``at_step``); empty on most steps
     eval: list[EvalRecord] = []
 

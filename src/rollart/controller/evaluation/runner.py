@@ -9,18 +9,18 @@ under other seeds: the guarantee is on seeds, the env's generator decides the re
 
 An evaluation plays every task once greedily (temperature 0) and ``eval.pass_k`` times with the
 domain's own sampling, as ordinary trajectories of the domain's env and reward
-(:func:`~rollart.controller.trajectory.run_trajectory` with a context of its own: an eval
+(:func:`~rollart.controller.rollout.trajectory.run_trajectory` with a context of its own: an eval
 trajectory never enters the sample buffer, is never trained, and its tokens are not counted
 in the step metrics). At most ``eval.max_concurrency`` run at once, beside rollout; a failed
 one is retried up to ``run.retry.max_attempts`` times, then left out (never scored as wrong).
 A trajectory is *correct* when its reward is at least ``eval.success_threshold``.
 
-Majority baseline (``rollart.controller.evalbaseline``, once per run, from the first step
+Majority baseline (``rollart.controller.evaluation.baseline``, once per run, from the first step
 after the first evaluation, in the background): the accuracy on the same eval set of the best fixed action sequence, one that
 ignores every observation, measured by playing it in the env and scoring it with the domain's
 reward (for a single-turn domain: the best constant answer); later records carry it.
 
-Collapse (``rollart.controller.evalstats.collapse_reason``): distinct greedy answers per task
+Collapse (``rollart.controller.evaluation.stats.collapse_reason``): distinct greedy answers per task
 below ``eval.collapse_distinct_floor``, or accuracy at or below the majority baseline while the
 domain's train reward rises; each evaluation logs a WARNING naming the domain and numbers.
 """
@@ -39,8 +39,9 @@ import msgspec
 import numpy as np
 
 from rollart.config import DomainConfig, EvalConfig, SamplingConfig
-from rollart.controller.evalbaseline import Baseline, BaselineSearch
-from rollart.controller.evalstats import (
+from rollart.controller.buffer.sample import Sample
+from rollart.controller.evaluation.baseline import Baseline, BaselineSearch
+from rollart.controller.evaluation.stats import (
     DomainEval,
     EvalRecord,
     answer_key,
@@ -49,8 +50,7 @@ from rollart.controller.evalstats import (
     reward_trend,
     wilson_interval,
 )
-from rollart.controller.sample import Sample
-from rollart.controller.trajectory import (
+from rollart.controller.rollout.trajectory import (
     TrajectoryContext,
     TrajectoryFailed,
     run_trajectory,
@@ -58,11 +58,11 @@ from rollart.controller.trajectory import (
 
 if TYPE_CHECKING:
     from rollart.controller.controller import Controller
-    from rollart.controller.metrics import StepMetrics
+    from rollart.controller.observe.metrics import StepMetrics
 
 log = logging.getLogger(__name__)
 
-#: training group seeds are drawn below this (``rollart.controller.admission``)
+#: training group seeds are drawn below this (``rollart.controller.rollout.admission``)
 TRAIN_SEED_END = 2**31
 #: eval seeds are below this (numpy's, and so GEM's, seed limit)
 EVAL_SEED_END = 2**32

@@ -15,20 +15,20 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
-from rollart.controller.admission import can_admit
-from rollart.controller.agreement import (
+from rollart.controller.buffer.sample import Sample
+from rollart.controller.observe.metrics import StepMetrics, step_metrics
+from rollart.controller.observe.stall import ControllerStalledError, stall_watchdog
+from rollart.controller.ports import TrainResult
+from rollart.controller.rollout.admission import can_admit
+from rollart.controller.rollout.tasks import launch_restarts
+from rollart.controller.training.advantages import INVALID_SAMPLE_REASON, trainable_problem
+from rollart.controller.training.agreement import (
     UNKNOWN_WORKER,
     WorkerAgreement,
     WorkerDisagreementError,
     by_worker,
     offenders,
 )
-from rollart.controller.metrics import StepMetrics, step_metrics
-from rollart.controller.ports import TrainResult
-from rollart.controller.sample import Sample
-from rollart.controller.stall import ControllerStalledError, stall_watchdog
-from rollart.controller.training import INVALID_SAMPLE_REASON, trainable_problem
-from rollart.controller.trajtasks import launch_restarts
 from rollart.transport.errors import RollartError
 
 if TYPE_CHECKING:
@@ -200,7 +200,7 @@ async def train(c: Controller, batch: list[Sample], version: int) -> tuple[Train
 
 def act_on_disagreement(c: Controller, agreement: dict[str, WorkerAgreement]) -> dict[str, str]:
     """Apply ``run.worker_checks.agreement_policy`` to the workers whose tokens disagree
-    with the trainer (see ``rollart.controller.agreement``); returns them -> why.
+    with the trainer (see ``rollart.controller.training.agreement``); returns them -> why.
 
     Raises:
         WorkerDisagreementError: policy ``stop``.

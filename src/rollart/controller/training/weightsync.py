@@ -33,7 +33,7 @@ import asyncio
 from collections.abc import Callable
 
 from rollart.controller.ports import TrainerBackend
-from rollart.controller.proxy import LLMProxy
+from rollart.controller.routing.proxy import LLMProxy
 
 
 class WeightSync:

@@ -24,14 +24,14 @@ from typing import Any
 import msgspec
 
 from rollart.config import DomainConfig, EvalConfig
-from rollart.controller.evalstats import action_key, last_boxed
-from rollart.controller.services import EnvHostsExhaustedError
-from rollart.controller.trajectory import (
+from rollart.controller.evaluation.stats import action_key, last_boxed
+from rollart.controller.rollout.trajectory import (
     TrajectoryContext,
     TrajectoryFailed,
     _close_session,
     env_failure,
 )
+from rollart.controller.routing.routers import EnvHostsExhaustedError
 from rollart.transport.errors import (
     EnvError,
     InvalidActionError,
@@ -40,7 +40,7 @@ from rollart.transport.errors import (
     RewardError,
 )
 
-log = logging.getLogger("rollart.controller.evaluation")
+log = logging.getLogger("rollart.controller.evaluation.runner")
 
 
 class Baseline(msgspec.Struct):

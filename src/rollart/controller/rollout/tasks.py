@@ -1,7 +1,7 @@
 """The controller's trajectory tasks: one asyncio task per trajectory, and what its outcome
 does to the sample buffer.
 
-A task runs :func:`~rollart.controller.trajectory.run_trajectory`; its outcome becomes a buffer
+A task runs :func:`~rollart.controller.rollout.trajectory.run_trajectory`; its outcome becomes a buffer
 call (complete / fail -> retry or give the group up / restart / cancel); siblings the buffer
 asks to cancel are cancelled (aborting generation, closing the env session); slots the buffer
 refilled on its own (stale replacements, a restore) get their tasks here. Plain functions over
@@ -17,15 +17,15 @@ import functools
 import logging
 from typing import TYPE_CHECKING, Any
 
-from rollart.controller.offloop import requested_cancel
-from rollart.controller.stall import ControllerStalledError
-from rollart.controller.training import INVALID_SAMPLE_REASON, trainable_problem
-from rollart.controller.trajectory import (
+from rollart.controller.observe.stall import ControllerStalledError
+from rollart.controller.rollout.offloop import requested_cancel
+from rollart.controller.rollout.trajectory import (
     TrajectoryFailed,
     TrajectoryNotNeeded,
     TrajectoryStale,
     run_trajectory,
 )
+from rollart.controller.training.advantages import INVALID_SAMPLE_REASON, trainable_problem
 
 if TYPE_CHECKING:
     from rollart.controller.controller import Controller

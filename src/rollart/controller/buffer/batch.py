@@ -3,7 +3,7 @@ bookkeeping of the batch handed to the trainer until ``advance_version``.
 
 ``ReadyGroup`` and ``BatchPlan`` are the types of the batch policy a ``SampleBuffer`` subclass
 may override (``assemble_batch`` / ``batch_order``, on the class in
-``rollart.controller.buffer``); the functions here run ``SampleBuffer.take_batch`` and
+``rollart.controller.buffer.core``); the functions here run ``SampleBuffer.take_batch`` and
 ``drop_consumed`` over the buffer's state.
 """
 
@@ -13,12 +13,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from rollart.controller.buffergroups import discard, maybe_forget, sweep_stale
-from rollart.controller.bufferrecords import Group, SampleBufferError, TrajState
-from rollart.controller.sample import Sample
+from rollart.controller.buffer.groups import discard, maybe_forget, sweep_stale
+from rollart.controller.buffer.records import Group, SampleBufferError, TrajState
+from rollart.controller.buffer.sample import Sample
 
 if TYPE_CHECKING:
-    from rollart.controller.buffer import SampleBuffer
+    from rollart.controller.buffer.core import SampleBuffer
 
 __all__ = ["BatchPlan", "ReadyGroup"]
 

@@ -11,7 +11,7 @@ Routing of one generate call for trajectory ``traj_id`` of domain ``d``:
    there or waiting for its send window (covers requests sent since that report). Ties go to
    the first worker in pool order.
 4. at most ``max_in_flight`` requests are outstanding on one worker (its send window,
-   ``rollart.controller.sendwindow``); more wait here in arrival order, and each one's timeout
+   ``rollart.controller.routing.sendwindow``); more wait here in arrival order, and each one's timeout
    starts when it is sent, so a burst is not failed by its own queue.
 
 Prompts travel as deltas (``Generate.prefix_len``): the proxy remembers, per trajectory, which
@@ -26,9 +26,9 @@ request is re-sent to another worker of the same pool; when a pool has no live w
 call raises :class:`PoolExhaustedError`, a fatal error for the run (distinct from per-request
 ``RemoteError``).
 
-Every reply is checked where it arrives (``rollart.controller.workercheck``): a reply that breaks
+Every reply is checked where it arrives (``rollart.controller.routing.workercheck``): a reply that breaks
 the ``GenerateResult`` contract (or did not decode: code ``bad_reply``) raises
-:class:`~rollart.controller.workercheck.InvalidWorkerOutput` for that turn only, and a worker
+:class:`~rollart.controller.routing.workercheck.InvalidWorkerOutput` for that turn only, and a worker
 that keeps doing it (``violations``) is quarantined. A request the worker's engine failed (code
 ``engine_error``) is judged by its ``fault``: ``transient`` (the engine refused it for now:
 paused, overloaded, aborted) is sent again after a pause (``TRANSIENT_BACKOFF_S``, doubling, at
@@ -39,7 +39,7 @@ send it everything. It is quarantined: :meth:`quarantine` takes it out of its po
 (one warning line naming it), exactly as :meth:`remove_worker` does for a dead one; a pool left
 without workers makes it raise ``PoolExhaustedError``. A worker whose calls time out with
 nothing answered while other workers answer is probed and quarantined when it fails the probe
-(``rollart.controller.hangcheck``).
+(``rollart.controller.routing.hangcheck``).
 
 Cancelling the awaiting task cancels the worker call, which aborts the request on the worker
 (the client's contract).
@@ -55,10 +55,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from rollart.controller.hangcheck import TIMEOUT, HangCheck
 from rollart.controller.ports import GenerationBackend
-from rollart.controller.sendwindow import SendWindow
-from rollart.controller.workercheck import (
+from rollart.controller.routing.hangcheck import TIMEOUT, HangCheck
+from rollart.controller.routing.sendwindow import SendWindow
+from rollart.controller.routing.workercheck import (
     BAD_REPLY,
     ENGINE_ERROR,
     InvalidWorkerOutput,
@@ -108,7 +108,7 @@ class LLMProxy:
             fails its turn, the worker is never quarantined for it).
         max_in_flight: generate requests outstanding on one worker at most
             (``run.max_generate_in_flight``); more wait in the proxy, in arrival order, and
-            their timeout starts when sent (``rollart.controller.sendwindow``). ``None``: no
+            their timeout starts when sent (``rollart.controller.routing.sendwindow``). ``None``: no
             bound.
 
     Raises:
@@ -438,7 +438,7 @@ class LLMProxy:
     async def _hung(self, worker: GenerationBackend, sent_at: int, token: int) -> bool:
         """A call to ``worker`` sent when ``hang.replies`` was ``sent_at`` timed out: whether it
         should be re-sent elsewhere because ``worker`` is hung (quarantined, perhaps by now:
-        ``rollart.controller.hangcheck``) or died. ``token``: a token id of its prompt, for
+        ``rollart.controller.routing.hangcheck``) or died. ``token``: a token id of its prompt, for
         the probe.
 
         Raises:

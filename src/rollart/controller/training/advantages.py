@@ -18,8 +18,8 @@ from typing import Protocol
 import msgspec
 import numpy as np
 
+from rollart.controller.buffer.sample import Sample
 from rollart.controller.ports import GenerationBackend, TrainResult
-from rollart.controller.sample import Sample
 from rollart.transport import messages as m
 from rollart.transport.errors import RollartError
 

@@ -2,7 +2,7 @@
 
 A worker whose engine hangs still answers heartbeats (its event loop runs), so it is never
 declared dead; without this check its calls time out one by one, each failing a trajectory.
-The LLM proxy (``rollart.controller.proxy``) keeps this record and acts on it:
+The LLM proxy (``rollart.controller.routing.proxy``) keeps this record and acts on it:
 
 Suspicion
     A generate call to worker ``W`` timed out, no reply (a result or an error) came from ``W``
@@ -41,7 +41,7 @@ from rollart.transport import messages as m
 from rollart.transport import tokenbytes as tb
 from rollart.transport.errors import PeerDeadError, RemoteError
 
-log = logging.getLogger("rollart.controller.proxy")
+log = logging.getLogger("rollart.controller.routing.proxy")
 #: ``run.worker_checks.hang_probe_timeout_s`` unless set, seconds
 DEFAULT_PROBE_TIMEOUT_S = 30.0
 #: probes of one suspicion at most, when a pause keeps interrupting them

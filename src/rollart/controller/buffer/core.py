@@ -129,9 +129,11 @@ import random
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
-from rollart.controller import bufferbatch, buffergroups, buffersnapshot
-from rollart.controller.bufferbatch import BatchPlan, ReadyGroup
-from rollart.controller.buffergroups import (
+from rollart.controller.buffer import batch as bufferbatch
+from rollart.controller.buffer import groups as buffergroups
+from rollart.controller.buffer import snapshot as buffersnapshot
+from rollart.controller.buffer.batch import BatchPlan, ReadyGroup
+from rollart.controller.buffer.groups import (
     cancel_surplus,
     drop,
     keep,
@@ -141,7 +143,7 @@ from rollart.controller.buffergroups import (
     replace_stale,
     sweep_stale,
 )
-from rollart.controller.bufferrecords import (
+from rollart.controller.buffer.records import (
     LIVE,
     Group,
     SampleBufferError,
@@ -149,8 +151,8 @@ from rollart.controller.bufferrecords import (
     TrajState,
     TurnVerdict,
 )
-from rollart.controller.bufferstats import COUNTERS, buffer_stats
-from rollart.controller.sample import BufferStats, DomainCounts, Sample
+from rollart.controller.buffer.sample import BufferStats, DomainCounts, Sample
+from rollart.controller.buffer.stats import COUNTERS, buffer_stats
 from rollart.transport.errors import ConfigError
 
 __all__ = ["BatchPlan", "BufferStats", "DomainCounts", "ReadyGroup", "Sample", "SampleBuffer",

@@ -21,7 +21,7 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from rollart.controller.offloop import OffLoopCalls
+from rollart.controller.rollout.offloop import OffLoopCalls
 from rollart.envhost.families import EnvContractError, check_reset, check_step
 from rollart.transport import messages as m
 from rollart.transport.errors import EnvError, InvalidActionError

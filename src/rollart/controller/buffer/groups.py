@@ -1,7 +1,7 @@
 """A group's life in the sample buffer: slots filled and closed, samples kept, dropped or
 selected, stale ones replaced, groups retired and forgotten.
 
-Plain functions over a ``SampleBuffer``'s state (``rollart.controller.buffer`` owns the state
+Plain functions over a ``SampleBuffer``'s state (``rollart.controller.buffer.core`` owns the state
 and calls them; the rules are in its module docstring). They are functions, not methods of
 another object, so that ``SampleBuffer.complete`` reaches them in one call, as it reached the
 methods they were: it runs once per finished trajectory.
@@ -12,10 +12,10 @@ from __future__ import annotations
 import random
 from typing import TYPE_CHECKING
 
-from rollart.controller.bufferrecords import LIVE, Group, SampleBufferError, Traj, TrajState
+from rollart.controller.buffer.records import LIVE, Group, SampleBufferError, Traj, TrajState
 
 if TYPE_CHECKING:
-    from rollart.controller.buffer import SampleBuffer
+    from rollart.controller.buffer.core import SampleBuffer
 
 
 def new_traj(buf: SampleBuffer, g: Group, slot: int, attempt: int,

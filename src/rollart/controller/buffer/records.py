@@ -1,9 +1,9 @@
 """The sample buffer's records: one per trajectory (``Traj``) and one per GRPO group (``Group``).
 
-Plain mutable records with no behaviour of their own: ``rollart.controller.buffer`` (the
+Plain mutable records with no behaviour of their own: ``rollart.controller.buffer.core`` (the
 ``SampleBuffer`` facade) and its helper modules (``buffergroups``, ``bufferbatch``,
 ``bufferstats``, ``buffersnapshot``) read and write them; nothing outside the buffer sees them.
-The protocol they record is in ``rollart.controller.buffer``'s module docstring.
+The protocol they record is in ``rollart.controller.buffer.core``'s module docstring.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Literal
 
-from rollart.controller.sample import Sample
+from rollart.controller.buffer.sample import Sample
 from rollart.transport.errors import RollartError
 
 __all__ = ["LIVE", "Group", "SampleBufferError", "Traj", "TrajState", "TurnVerdict"]

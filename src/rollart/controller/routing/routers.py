@@ -3,7 +3,7 @@
 - :class:`EnvRouter`: opens each session on the live env host with the fewest open sessions
   (from this controller), remembers which host holds it, and routes step / close there. Env
   names registered in-process (``Cluster.register_env``) are served by a
-  :class:`~rollart.controller.localenv.LocalEnvBackend` instead (closed on every path). A host
+  :class:`~rollart.controller.rollout.localenv.LocalEnvBackend` instead (closed on every path). A host
   that dies is skipped for new sessions; when none is left, :class:`EnvHostsExhaustedError`
   (fatal) is raised.
 - :class:`RewardRouter`: a domain's reward goes to the reward service (``reward_url =
@@ -19,9 +19,9 @@ from typing import Any
 
 import msgspec
 
-from rollart.controller.localenv import LocalEnvBackend
-from rollart.controller.offloop import OffLoopCalls
 from rollart.controller.ports import EnvBackend, RewardBackend, RewardOutcome
+from rollart.controller.rollout.localenv import LocalEnvBackend
+from rollart.controller.rollout.offloop import OffLoopCalls
 from rollart.reward.protocol import InvalidRewardError, validate_result
 from rollart.transport import messages as m
 from rollart.transport.errors import (

@@ -2,7 +2,7 @@
 ``Controller`` starts from.
 
 A controller snapshot (``format`` 1) wraps the sample buffer's own
-(``rollart.controller.buffersnapshot``) with what the buffer does not know: each held group's
+(``rollart.controller.buffer.snapshot``) with what the buffer does not know: each held group's
 domain and env seed, the group counter, the step count and the admission RNG's state, so a
 resumed run admits the same groups with the same seeds. Checkpoints already written must keep
 restoring: the layout changes only with a new format number.
@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 from typing import TYPE_CHECKING, Any
 
-from rollart.controller.buffersnapshot import carried_over, counts_since
+from rollart.controller.buffer.snapshot import carried_over, counts_since
 from rollart.transport.errors import RollartError
 
 if TYPE_CHECKING:

@@ -1,12 +1,12 @@
 """One coroutine per trajectory: env session -> turns (check, generate, env step) -> reward.
 
-:func:`run_trajectory` returns a token-exact :class:`~rollart.controller.sample.Sample` or raises
+:func:`run_trajectory` returns a token-exact :class:`~rollart.controller.buffer.sample.Sample` or raises
 one of three per-trajectory outcomes the controller turns into buffer calls:
 
 - :class:`TrajectoryFailed` (``reason``: ``env_error``, ``env_timeout``, ``env_not_found``,
   ``env_host_lost``, ``generation_error``, ``generation_timeout``, ``generation_aborted``,
   ``invalid_worker_output`` (the reply broke the ``GenerateResult`` contract, see
-  ``rollart.controller.workercheck``), ``reward_error``, ``reward_too_large``,
+  ``rollart.controller.routing.workercheck``), ``reward_error``, ``reward_too_large``,
   ``prompt_too_long``, ``trajectory_timeout`` (``run.trajectory_timeout_s``),
   ``invalid_action`` (only under the domain's ``invalid_action = "fail"``); agent trajectories
   (``rollart.controller.agents``) add ``agent_error`` and ``history_rewritten``): never a
@@ -44,12 +44,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollart.config import DomainConfig, RunConfig
+from rollart.controller.buffer.sample import Sample
 from rollart.controller.modes import TurnBarrier
-from rollart.controller.proxy import LLMProxy
-from rollart.controller.sample import Sample
-from rollart.controller.services import EnvHostsExhaustedError, EnvRouter, RewardRouter
-from rollart.controller.tokens import ChatTokens
-from rollart.controller.workercheck import INVALID_OUTPUT_REASON, InvalidWorkerOutput
+from rollart.controller.rollout.tokens import ChatTokens
+from rollart.controller.routing.proxy import LLMProxy
+from rollart.controller.routing.routers import EnvHostsExhaustedError, EnvRouter, RewardRouter
+from rollart.controller.routing.workercheck import INVALID_OUTPUT_REASON, InvalidWorkerOutput
 from rollart.transport import messages as m
 from rollart.transport import tokenbytes as tb
 from rollart.transport.errors import (

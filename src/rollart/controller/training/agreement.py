@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from rollart.config import WorkerChecksConfig
-from rollart.controller.sample import Sample
+from rollart.controller.buffer.sample import Sample
 from rollart.transport import messages as m
 from rollart.transport.errors import RollartError
 

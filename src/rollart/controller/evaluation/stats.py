@@ -1,5 +1,5 @@
 """Statistics of a held-out evaluation: accuracy with its Wilson interval, pass@k, final
-answers and their diversity, and the collapse rule (``rollart.controller.evaluation`` runs
+answers and their diversity, and the collapse rule (``rollart.controller.evaluation.runner`` runs
 the evaluation; these are the pure parts and the records it writes into ``metrics.jsonl``).
 """
 

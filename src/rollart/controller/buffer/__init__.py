@@ -1,0 +1,1 @@
+"""Sample buffer: the staleness-bounded store of trajectories and its version protocol."""

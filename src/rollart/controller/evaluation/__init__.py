@@ -1,0 +1,1 @@
+"""Held-out evaluation: eval sets, the majority baseline, accuracy statistics."""

@@ -1,0 +1,1 @@
+"""What a run reports: step metrics, transcripts, event-loop health, stall reports."""

@@ -1,0 +1,1 @@
+"""Rollout: admission of groups, one task per trajectory, token bookkeeping, local envs."""
