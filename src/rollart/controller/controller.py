@@ -42,7 +42,7 @@ import logging
 import random
 from collections import Counter
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 from rollart.config import DomainConfig, Scenario
 from rollart.controller import snapshot as controllersnapshot
@@ -113,6 +113,8 @@ class Controller:
         stall_watchdog: log what ``get_batch`` waits on every ``run.stall_log_s`` (simulators
             on a virtual clock turn it off: its timer would hide a deadlock from the clock's
             idle detection).
+        check: where the staleness bound is checked, overriding the mode's (``per_turn`` or
+            ``admission``; the simulator compares the two on one mode); ``None``: the mode's.
 
     Raises:
         ConfigError: a domain whose reward cannot be routed, or an unknown pool affinity.
@@ -134,6 +136,7 @@ class Controller:
         buffer_class: type[SampleBuffer] = SampleBuffer,
         stall_watchdog: bool = True,
         agents: AgentRunner | None = None,
+        check: Literal["per_turn", "admission"] | None = None,
     ) -> None:
         run = scenario.run
         self._stall_watchdog_on = stall_watchdog
@@ -156,7 +159,7 @@ class Controller:
             group_size=run.group_size,
             redundancy=run.redundancy,
             selection=run.selection,
-            check=self.spec.check,
+            check=check if check is not None else self.spec.check,
             on_stale=run.on_stale,
             max_attempts=run.retry.max_attempts,
             max_group_attempts=run.max_group_attempts,

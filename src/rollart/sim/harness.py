@@ -260,14 +260,12 @@ class SimCluster:
             {p.name: (p.hardware, self.workers[p.name]) for p in sim.pools},
             {d.spec.name: d.pool for d in sim.domains},
             max_in_flight=self.scenario.run.max_generate_in_flight)
+        if sim.check not in (None, "per_turn", "admission"):
+            raise ValueError(f"SimScenario.check must be per_turn or admission, got {sim.check!r}")
         self.controller = Controller(
             self.scenario, proxy=self.proxy, envs=EnvRouter(self.env_hosts),
             rewards=RewardRouter(service=self.reward), trainer=self.trainer,
-            tokenizer=SimTokenizer(self.table), stall_watchdog=False)
-        if sim.check not in (None, "per_turn", "admission"):
-            raise ValueError(f"SimScenario.check must be per_turn or admission, got {sim.check!r}")
-        if sim.check is not None:
-            self.controller.buffer.check = sim.check  # type: ignore[assignment]
+            tokenizer=SimTokenizer(self.table), stall_watchdog=False, check=sim.check)
         self.trainer.push_needs_pause = sim.push_at_pause
 
     async def run(self, steps: int | None = None) -> list[dict[str, Any]]:
