@@ -1,7 +1,11 @@
 """Developer sessions. Session names are part of the project's contract (README, .ci/run).
 
-- ``tests``: the whole suite, installing everything it needs (CPU build of vLLM included).
-- ``lint``: ruff.
+- ``tests``: the whole suite, installing everything it needs (CPU build of vLLM included); what
+  CI runs (.ci/run).
+- ``unit``: the fast CPU-only tier (``tests/unit``), same install; under 3 minutes on a 2-core
+  machine.
+- ``lint``: ruff on the code, then pyright (basic mode, ``[tool.pyright]`` in pyproject.toml) on
+  ``src/``; installs the package so pyright resolves its dependencies.
 - ``quickstart``: the README's main job on the embedded tiny model.
 - ``bench``: the paper-comparison benchmarks with ``--quick`` (``run_all``'s ``paper`` set: the
   simulated ones, two cheap measured ones and one small real-service ``--scenario`` proof);
@@ -40,17 +44,29 @@ def learning(session: nox.Session) -> None:
                 "runs/learning/learning.json", *session.posargs)
 
 
+# The slowest tests of every run are listed, so a test that grows slow shows in the log.
+_PYTEST = ("python", "-m", "pytest", "-q", "-ra", "--durations=25")
+
+
 @nox.session(python="3.11")
 def tests(session: nox.Session) -> None:
     _install_runtime(session)
-    args = session.posargs or ["tests"]
-    session.run("python", "-m", "pytest", "-q", "-ra", *args)
+    session.run(*_PYTEST, *(session.posargs or ["tests"]))
+
+
+@nox.session(python="3.11")
+def unit(session: nox.Session) -> None:
+    _install_runtime(session)
+    session.run(*_PYTEST, *(session.posargs or ["tests/unit"]))
 
 
 @nox.session(python="3.11")
 def lint(session: nox.Session) -> None:
-    session.install("ruff==0.17.5")
+    # pyright needs the imported packages (torch, vLLM, Ray, msgspec, ...) to check calls into
+    # them, so the lint environment is a full install; ruff and pyright are pinned in ``dev``.
+    _install_runtime(session)
     session.run("ruff", "check", "src", "tests", "benchmarks", "noxfile.py")
+    session.run("pyright")
 
 
 @nox.session(python="3.11")

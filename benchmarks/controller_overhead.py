@@ -126,6 +126,7 @@ from benchmarks import overhead_serve as srv
 from benchmarks.common import main_for, result
 from benchmarks.rpc_floor import measure_floor
 from rollart.controller.buffer.core import SampleBuffer
+from rollart.controller.build import Backends, build_controller
 from rollart.controller.controller import Controller
 from rollart.controller.observe.loophealth import (
     GcPauses,
@@ -133,8 +134,6 @@ from rollart.controller.observe.loophealth import (
     freeze_startup_objects,
     tune_gc,
 )
-from rollart.controller.routing.proxy import LLMProxy
-from rollart.controller.routing.routers import EnvRouter, RewardRouter
 from rollart.envhost.client import EnvClient
 from rollart.inference.client import InferenceClient
 from rollart.sim.env import SimReward
@@ -500,6 +499,16 @@ def prefix_bound(size: Size) -> int:
     return in_flight * (size.context_tokens + EXTRA_TOKENS)
 
 
+def _build(scenario: Any, worker: Any, env: Any, trainer: Any, table: DomainTable
+           ) -> Controller:
+    """The controller as a run builds it (``build_controller``: the run's default send window
+    ``run.max_generate_in_flight``, as in a real run) over one worker and one env host, scored
+    by the SIMULATED reward."""
+    return build_controller(scenario, Backends(
+        pools={"sim": [worker]}, trainer=trainer, tokenizer=SimTokenizer(table),
+        env_hosts=[env], reward_service=SimReward(rng=counter_rng)))
+
+
 async def _drive(size: Size, args: Namespace, worker_addr: str, env_addr: str, seed: int,
                  gc_policy: str, worker_pid: int, auth: Any, env_pid: int = 0
                  ) -> dict[str, Any]:
@@ -531,13 +540,7 @@ async def _drive_measured(split: ControllerSide | None, size: Size, args: Namesp
     trainer = SimTrainer(model=QWEN3_8B, hardware=H800, num_gpus=8, time_scale=0.0,
                          weights=lambda: [("w", torch.zeros(16))])
     scenario = scenario_of(sim, seed)
-    controller = Controller(
-        scenario,
-        # The run's default send window (``run.max_generate_in_flight``), as in a real run.
-        proxy=LLMProxy({"sim": ("h800", [TimedWorker(client, calls)])}, {"zero": "sim"},
-                       max_in_flight=scenario.run.max_generate_in_flight),
-        envs=EnvRouter([TimedEnv(env, calls)]), rewards=RewardRouter(service=SimReward(rng=counter_rng)),
-        trainer=trainer, tokenizer=SimTokenizer(table))
+    controller = _build(scenario, TimedWorker(client, calls), TimedEnv(env, calls), trainer, table)
     proxy = controller.proxy
 
     def turns_now() -> int:
@@ -563,7 +566,7 @@ async def _drive_measured(split: ControllerSide | None, size: Size, args: Namesp
     await controller.start()
     # Turns told to wait for weights (the staleness bound) wait by design: that wait is
     # taken out of the gaps below and reported on its own.
-    ctx = controller._ctx
+    ctx = controller.trajectory_context
     assert ctx is not None
     ctx.wait_for_weights = calls.record_weight_waits(ctx.wait_for_weights)
     if gc_policy != "default":

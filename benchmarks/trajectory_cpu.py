@@ -16,7 +16,8 @@ generated and 4 observation tokens per turn): what the lead profiled.
 
 Each repeat runs two child processes, one on this tree and one on ``REF`` (``git archive`` of its
 ``src/`` into a temporary folder, first on ``PYTHONPATH``; this benchmark's own code is the same
-in both), alternating which goes first. Each child measures:
+in both), alternating which goes first. Both build the controller with ``build_controller``
+(a ref that predates it gets the same wiring by hand, the run's send window included). Each child measures:
 
 - ``loop_cpu_us_per_turn``: ``time.thread_time()`` of the event-loop thread over ``steps``
   training steps after one warm-up step, divided by the generate calls in that window (so it
@@ -94,7 +95,7 @@ def _stand_ins(hold: asyncio.Event | None) -> tuple[Any, Any, Any, list[int], An
     """The worker, env and trainer stand-ins, ``counts`` = [generate calls, env steps parked
     on ``hold``] and the domain table."""
     from rollart.controller.ports import TrainResult
-    from rollart.controller.training.advantages import to_train_samples
+    from rollart.controller.training.remote import to_train_samples
     from rollart.sim.workload import DomainSpec, DomainTable, const, observation
     from rollart.transport import messages as m
     from rollart.transport import tokenbytes as tb
@@ -202,9 +203,6 @@ def _stand_ins(hold: asyncio.Event | None) -> tuple[Any, Any, Any, list[int], An
 
 def _controller(batch: int, alpha: int, steps: int, seed: int, hold: asyncio.Event | None
                 ) -> tuple[Any, list[int]]:
-    from rollart.controller.controller import Controller
-    from rollart.controller.routing.proxy import LLMProxy
-    from rollart.controller.routing.routers import EnvRouter, RewardRouter
     from rollart.sim.env import SimReward
     from rollart.sim.harness import SimDomain, SimPool, SimScenario, scenario_of
     from rollart.sim.workload import SimTokenizer, counter_rng
@@ -215,11 +213,28 @@ def _controller(batch: int, alpha: int, steps: int, seed: int, hold: asyncio.Eve
                       alpha=alpha, steps=steps, batch_size=batch, group_size=8,
                       max_turns=TURNS, max_tokens_per_turn=64,
                       max_tokens_per_trajectory=CONTEXT + 4096, env_hosts=1)
-    controller = Controller(
-        scenario_of(sim, seed), proxy=LLMProxy({"sim": ("h800", [worker])}, {"zero": "sim"}),
-        envs=EnvRouter([env]), rewards=RewardRouter(service=SimReward(rng=counter_rng)),
-        trainer=trainer, tokenizer=SimTokenizer(table))
-    return controller, counts
+    scenario = scenario_of(sim, seed)
+    reward, tokenizer = SimReward(rng=counter_rng), SimTokenizer(table)
+    try:
+        from rollart.controller.build import Backends, build_controller
+    except ImportError:  # a --baseline tree from before build_controller: wired as it wires
+        return _controller_by_hand(scenario, worker, env, reward, trainer, tokenizer), counts
+    backends = Backends(pools={"sim": [worker]}, trainer=trainer, tokenizer=tokenizer,
+                        env_hosts=[env], reward_service=reward)
+    return build_controller(scenario, backends), counts
+
+
+def _controller_by_hand(scenario: Any, worker: Any, env: Any, reward: Any, trainer: Any,
+                        tokenizer: Any) -> Any:
+    """``build_controller(scenario, backends)`` for baseline trees that predate it."""
+    from rollart.controller.controller import Controller
+    from rollart.controller.routing.proxy import LLMProxy
+    from rollart.controller.routing.routers import EnvRouter, RewardRouter
+
+    proxy = LLMProxy({"sim": ("h800", [worker])}, {"zero": "sim"},
+                     max_generate_in_flight=scenario.run.max_generate_in_flight)
+    return Controller(scenario, proxy=proxy, envs=EnvRouter([env]),
+                      rewards=RewardRouter(service=reward), trainer=trainer, tokenizer=tokenizer)
 
 
 async def _cpu(n_inflight: int, steps: int, seed: int) -> dict[str, float]:
@@ -300,7 +315,7 @@ def _completion_us(seed: int) -> float:
 
     from rollart.controller.buffer.sample import Sample
     from rollart.controller.rollout import trajectory as traj_mod
-    from rollart.controller.training.advantages import to_train_samples, trainable_problem
+    from rollart.controller.training.remote import to_train_samples, trainable_problem
 
     n = CONTEXT + TURNS * (RESPONSE + OBSERVATION)
     mask = array.array("b", bytes(n))

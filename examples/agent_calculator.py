@@ -12,6 +12,7 @@ import asyncio
 import json
 import operator
 import sys
+from pathlib import Path
 
 import openai
 
@@ -70,5 +71,9 @@ async def main(scenario: str, run_dir: str = "runs/agent-example", steps: int = 
     return trained
 
 
+#: the scenario run without an argument: domain "arith" with the tool-call warm-up (found beside
+#: this file's folder, whatever the working directory)
+DEFAULT_SCENARIO = Path(__file__).resolve().parents[1] / "scenarios" / "agent_calculator.toml"
+
 if __name__ == "__main__":
-    asyncio.run(main(sys.argv[1] if len(sys.argv) > 1 else "scenarios/quickstart.toml"))
+    asyncio.run(main(sys.argv[1] if len(sys.argv) > 1 else str(DEFAULT_SCENARIO)))

@@ -9,8 +9,8 @@ import rollart
 async def main(scenario: str) -> None:
     # Starts every service of the scenario on this machine; all of them stop when the block ends.
     async with rollart.open_cluster(scenario, run_dir="runs/driver-example") as cluster:
-        task = cluster.scenario.domains[-1].name  # the reasoning-gym task domain
-        cluster.set_affinity(task, "game")  # serve it from the game pool
+        first, last = cluster.scenario.domains[0], cluster.scenario.domains[-1]
+        cluster.set_affinity(last.name, first.pool)  # serve both domains from one pool
         async for step in cluster.train(steps=2):
             m = step.metrics
             print(f"step {step.step}: reward {m.reward_mean:.3f} {m.reward_mean_by_domain} "

@@ -7,9 +7,15 @@ service processes that never drive a cluster.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rollart import logredact
+
+if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers
+    from rollart.controller.driver import Backends, Cluster
+    from rollart.launcher.local import open_cluster
+    from rollart.transport.errors import InvalidActionError
+    from rollart.transport.security import run_credentials
 
 # Before any rollart code logs: tokens never reach a log line (rollart.logredact).
 logredact.install()

@@ -13,7 +13,7 @@ from polling import wait_for
 
 from rollart.config import parse_scenario
 from rollart.controller import Backends, Cluster
-from rollart.controller.training.advantages import RemoteTrainer
+from rollart.controller.training.remote import RemoteTrainer
 from rollart.envhost.client import EnvClient
 from rollart.inference.client import InferenceClient
 from rollart.reward.client import RewardClient

@@ -118,6 +118,19 @@ def _run(tmp_path: Path, argv: list[str], cache_dir: Path) -> str:
     return proc.stdout
 
 
+def _check_export(out: Path, base: Path, ckpt: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rollart.trainer.checkpoint import load_trainer
+
+    exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    load_trainer(ckpt, model, torch.optim.AdamW(model.parameters()))
+    want = model.state_dict()
+    assert set(exported) == set(want) and all(torch.equal(exported[k], want[k]) for k in want)
+
+
 def test_driver_script_with_its_own_env_and_reward_writes_the_run_folder(tmp_path,
                                                                         rollart_cache_dir):
     (tmp_path / "scenario.toml").write_text(SCENARIO)
@@ -140,6 +153,13 @@ def test_driver_script_with_its_own_env_and_reward_writes_the_run_folder(tmp_pat
     ckpts = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
     assert ckpts == ["step_000002", "step_000003"]
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_000003"
+    # The base model is recorded (the built tiny model in the cache): `rollart export` of an
+    # earlier step loads in transformers with the checkpoint's weights.
+    base = json.loads((run_dir / "base_model.json").read_text())
+    assert base["model_path"] == "tiny" and Path(base["path"]).is_relative_to(rollart_cache_dir)
+    _run(tmp_path, ["-m", "rollart.cli", "export", str(run_dir), "--step", "2",
+                    str(tmp_path / "export")], rollart_cache_dir)
+    _check_export(tmp_path / "export", Path(base["path"]), run_dir / "checkpoints" / "step_000002")
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 3 and summary["domains"]["echo"]["trained_share"] == 1.0
     assert summary["domains"]["echo"]["reward_first10_mean"] is not None

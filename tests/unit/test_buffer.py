@@ -9,6 +9,7 @@ import msgspec
 import pytest
 
 from rollart.controller.buffer.core import Sample, SampleBuffer, SampleBufferError
+from rollart.controller.buffer.groups import Group
 from rollart.controller.buffer.snapshot import carried_over
 from rollart.transport.errors import ConfigError
 
@@ -676,7 +677,7 @@ def test_staleness_control_is_validated() -> None:
 
 
 # ---------------------------------------------------------------------------------- cost
-def test_take_batch_checks_only_candidate_groups_while_nothing_is_stale() -> None:
+def test_take_batch_checks_only_candidate_groups_while_nothing_is_stale(monkeypatch) -> None:
     buf = SampleBuffer(alpha=100, batch_size=4, group_size=2)
     second = []
     for i in range(40):  # 40 groups with one member kept each: none complete
@@ -694,7 +695,7 @@ def test_take_batch_checks_only_candidate_groups_while_nothing_is_stale() -> Non
         return wrapped
 
     buf._ok = counting("ok", buf._ok)
-    buf._complete = counting("complete", buf._complete)
+    monkeypatch.setattr(Group, "is_complete", counting("complete", Group.is_complete))
     # What a completion's take_batch and a stats() call cost does not grow with the 40 groups
     # and 41 held samples in flight: no staleness re-check (nothing can be stale); take_batch
     # looks at no group while fewer complete groups than a batch needs are listed (default

@@ -217,11 +217,14 @@ async def test_trajectory_wall_clock_deadline() -> None:
 async def test_stall_watchdog_names_what_the_batch_waits_on(caplog) -> None:
     env = FakeEnvHost(turns=1, latency=lambda i, s: 100.0)
     sc = scenario(stall_log_s=30.0, env_timeout_s=1e6)
-    caplog.set_level(logging.WARNING, logger="rollart.controller.controller")
+    caplog.set_level(logging.WARNING, logger="rollart.controller.observe.stall")
     async with Cluster.from_scenario(sc, backends=backends(env)) as c:
         steps = await run_steps(c, 1)
     check_batches(steps)
     reports = [r.getMessage() for r in caplog.records if "no batch for" in r.getMessage()]
+    # logged under the watchdog's own module, which log configurations can key on
+    assert {r.name for r in caplog.records if "no batch for" in r.getMessage()} == {
+        "rollart.controller.observe.stall"}
     assert len(reports) >= 3  # at ~30, 60 and 90 s, then the batch came at ~100 s
     first = reports[0]
     assert "no batch for 30 s at version 0: 0/4 samples ready" in first
@@ -306,7 +309,7 @@ class FailSeedEnv(FakeEnvHost):
 async def test_failure_budget_drops_an_always_failing_group(caplog) -> None:
     env = FailSeedEnv(turns=1, latency=lambda i, s: 1.0)
     sc = scenario(retry={"max_attempts": 100, "max_failures_per_group": 3})
-    caplog.set_level(logging.WARNING, logger="rollart.controller.controller")
+    caplog.set_level(logging.WARNING, logger="rollart.controller.rollout.tasks")
     async with Cluster.from_scenario(sc, backends=backends(env)) as c:
         steps = await run_past_failure(c)
     check_batches(steps)
@@ -316,7 +319,8 @@ async def test_failure_budget_drops_an_always_failing_group(caplog) -> None:
             dropped[k] = dropped.get(k, 0) + v
     assert dropped == {"failure_budget": 1}
     assert failed(steps) == {"env_error": 3}
-    assert any("group g0 dropped: 3 failures" in r.getMessage() for r in caplog.records)
+    assert any("group g0 dropped: 3 failures" in r.getMessage()
+               and r.name == "rollart.controller.rollout.tasks" for r in caplog.records)
     assert all(s.group_key != "g0" for st in steps for s in st.samples)
 
 
@@ -333,7 +337,7 @@ class CancelOnceEnv(FakeEnvHost):
 @pytest.mark.looptime
 async def test_unrequested_cancelled_error_is_a_counted_retried_failure(caplog) -> None:
     env = CancelOnceEnv(turns=2)
-    caplog.set_level(logging.WARNING, logger="rollart.controller.controller")
+    caplog.set_level(logging.WARNING, logger="rollart.controller.rollout.tasks")
     async with Cluster.from_scenario(scenario(), backends=backends(env)) as c:
         steps = await run_past_failure(c)
     check_batches(steps)
@@ -469,7 +473,7 @@ async def test_an_in_process_env_breaking_the_contract_fails_its_session_not_the
 async def test_group_out_of_attempts_is_dropped_with_a_reason_and_a_warning(caplog) -> None:
     env = FailSeedEnv(turns=1, latency=lambda i, s: 1.0)
     sc = scenario(retry={"max_attempts": 2})
-    caplog.set_level(logging.WARNING, logger="rollart.controller.controller")
+    caplog.set_level(logging.WARNING, logger="rollart.controller.rollout.tasks")
     async with Cluster.from_scenario(sc, backends=backends(env)) as c:
         steps = await run_past_failure(c)
         steps += await run_steps(c, 2)

@@ -45,11 +45,11 @@ async def test_after_many_steps_only_groups_in_flight_are_held(selection, redund
         steps = await run_steps(c, 8)
         ctrl = c.controller
         assert ctrl is not None
-        started = int(ctrl._group_seq)
+        started = ctrl.groups.started
         # 8 steps of 2 groups each: far more groups than can be in flight at once.
         assert started >= 16 > ctrl.buffer.max_groups
-        assert len(ctrl._groups) == ctrl.buffer.groups_in_flight <= ctrl.buffer.max_groups
-        assert set(ctrl._finished) <= set(ctrl._groups)
+        assert len(ctrl.groups) == ctrl.buffer.groups_in_flight <= ctrl.buffer.max_groups
+        assert ctrl.tasks.finishing_groups <= set(ctrl.groups)
         # A snapshot still finds every held group's domain and seed.
         snap = msgspec.json.decode(msgspec.json.encode(c.snapshot()))
         assert set(snap["groups"]) == {g["key"] for g in snap["buffer"]["groups"]}
@@ -71,8 +71,8 @@ async def test_a_resumed_controller_forgets_restored_groups_too() -> None:
         await run_steps(c2, 6)
         ctrl = c2.controller
         assert ctrl is not None
-        assert len(ctrl._groups) == ctrl.buffer.groups_in_flight
-        assert not restored & set(ctrl._groups)  # trained (or dropped) long ago
+        assert len(ctrl.groups) == ctrl.buffer.groups_in_flight
+        assert not restored & set(ctrl.groups)  # trained (or dropped) long ago
 
 
 @pytest.mark.looptime

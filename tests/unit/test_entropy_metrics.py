@@ -10,7 +10,7 @@ import torch
 from rollart.controller.buffer.core import SampleBuffer
 from rollart.controller.buffer.sample import Sample
 from rollart.controller.observe.metrics import StepMetrics, step_metrics
-from rollart.controller.training.advantages import to_train_samples, trainable_problem
+from rollart.controller.training.remote import to_train_samples, trainable_problem
 from rollart.launcher.sinks import step_scalars
 from rollart.transport import messages as m
 

@@ -225,7 +225,7 @@ async def test_a_group_that_cannot_finish_is_dropped_at_its_timeout(caplog) -> N
     # group's own limit of 1000 s comes first.
     env = StuckPromptEnv(turns=2, latency=lambda i, s: 1.0)
     sc = scenario(trajectory_timeout_s=400.0, group_timeout_s=1000.0, env_timeout_s=1e8)
-    caplog.set_level(logging.WARNING, logger="rollart.controller.controller")
+    caplog.set_level(logging.WARNING, logger="rollart.controller.rollout.admission")
     async with Cluster.from_scenario(sc, backends=backends(env)) as c:
         t0 = asyncio.get_running_loop().time()
         steps: list = []
@@ -236,7 +236,8 @@ async def test_a_group_that_cannot_finish_is_dropped_at_its_timeout(caplog) -> N
         dropped_at = asyncio.get_running_loop().time() - t0
         steps += await run_steps(c, 2)  # the run goes on
         assert c.controller is not None
-        assert "g0" not in c.controller._groups and "g0" not in c.controller._group_timers
+        assert "g0" not in c.controller.groups
+        assert c.controller.admission.group_deadline("g0") is None
         st = c.controller.buffer.stats()
     check_batches(steps)
     assert 1000.0 <= dropped_at < 1100.0
@@ -283,7 +284,7 @@ async def test_every_mode_finishes_a_group_whose_member_was_slow_once(
         assert c.controller is not None
         ctl = c.controller
         async with asyncio.timeout(5000.0):
-            while "g0" in ctl._groups:
+            while "g0" in ctl.groups:
                 steps += await run_steps(c, 1, timeout_s=5000.0)
         steps += await run_steps(c, 1, timeout_s=5000.0)
         st = ctl.buffer.stats()

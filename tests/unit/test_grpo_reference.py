@@ -1,7 +1,7 @@
 """GRPO pinned to a hand-computed case, independent of the code it checks.
 
 Every expected number below is written out as a literal, worked by hand (the arithmetic is in
-the comments; `python -c` with `math` reproduces each), never computed by the trainer's code:
+the comments; `python -c` with `math` reproduces each), never computed by rollart's code:
 - advantages (Shao et al. 2024, DeepSeekMath Sec. 4.1): A_i = (r_i - mean) / (std + 1e-6), the
   population std (divide by n); a group of equal rewards gives 0, never NaN;
 - the decoupled PPO loss (Fu et al. 2025, AReaL Sec. 5.2; PPO clip of Schulman et al. 2017,
@@ -21,9 +21,8 @@ import pytest
 import torch
 
 from rollart.controller.buffer.sample import Sample
-from rollart.controller.training.advantages import grpo_advantages as numpy_advantages
+from rollart.controller.training.advantages import grpo_advantages
 from rollart.trainer.loss import decoupled_ppo_loss
-from rollart.trainer.loss import grpo_advantages as torch_advantages
 
 LN = math.log
 
@@ -48,18 +47,10 @@ def _sample(i: int, group: str, reward: float) -> Sample:
                   behaviour_logprobs=[-1.0, -1.0], versions=[0, 0], reward=reward)
 
 
-def test_controller_advantages_match_the_hand_computed_groups() -> None:
-    got = numpy_advantages([_sample(i, g, r) for i, (g, r) in enumerate(REWARDS)])
+def test_advantages_match_the_hand_computed_groups() -> None:
+    got = grpo_advantages([_sample(i, g, r) for i, (g, r) in enumerate(REWARDS)])
     assert got == pytest.approx(EXPECTED_ADV, abs=1e-8)
     assert got[4:7] == [0.0, 0.0, 0.0]  # exactly zero, not merely small
-
-
-def test_trainer_advantages_match_the_hand_computed_groups() -> None:
-    ids = torch.tensor([ord(g) for g, _ in REWARDS])
-    rewards = torch.tensor([r for _, r in REWARDS], dtype=torch.float64)
-    got = torch_advantages(rewards, group_ids=ids)
-    assert got.tolist() == pytest.approx(EXPECTED_ADV, abs=1e-8)
-    assert torch.equal(got[4:7], torch.zeros(3, dtype=torch.float64))
 
 
 # ---------------------------------------------------------------------------- the loss

@@ -9,7 +9,7 @@ import msgspec
 import pytest
 
 from helpers.fakes import FakeWorker, make_scenario
-from rollart.launcher.local import _check_weight_transfer
+from rollart.launcher.startup import check_weight_transfer
 from rollart.transport import messages as m
 from rollart.transport.errors import RollartError
 
@@ -33,9 +33,9 @@ def _scenario(kind: str):
 async def test_a_worker_without_the_collective_transfer_is_named() -> None:
     workers = [FakeTransferWorker("a", "gloo"), FakeTransferWorker("b", "zmq")]
     with pytest.raises(RollartError, match=r"\{'tcp://b:1': 'zmq'\}.*--weight-transfer gloo"):
-        await _check_weight_transfer(_scenario("gloo"), workers)
-    await _check_weight_transfer(_scenario("gloo"), workers[:1])
-    await _check_weight_transfer(_scenario("zmq"), workers)  # staged buckets: any worker
+        await check_weight_transfer(_scenario("gloo"), workers)
+    await check_weight_transfer(_scenario("gloo"), workers[:1])
+    await check_weight_transfer(_scenario("zmq"), workers)  # staged buckets: any worker
 
 
 def test_a_failure_far_above_the_log_tail_is_still_shown(tmp_path) -> None:

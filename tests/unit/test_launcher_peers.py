@@ -15,7 +15,7 @@ from helpers.fakes import FakeEnvHost, FakeTrainer, FakeWorker, make_scenario
 from rollart.controller import Cluster
 from rollart.controller.driver import Backends
 from rollart.controller.routing.proxy import LLMProxy, PoolExhaustedError
-from rollart.controller.training.advantages import RemoteTrainer
+from rollart.controller.training.remote import RemoteTrainer
 from rollart.launcher.peers import PeerLoss
 from rollart.launcher.procs import ServiceProcess
 from rollart.transport import messages as m
@@ -186,7 +186,7 @@ async def test_worker_and_env_host_liveness_comes_from_the_scenario() -> None:
 
     from rollart.config import parse_scenario
     from rollart.envhost.client import EnvClient
-    from rollart.launcher.local import peer_liveness
+    from rollart.launcher.startup import peer_liveness
     from rollart.transport.errors import ConfigError
     from rollart.transport.security import INSECURE
 

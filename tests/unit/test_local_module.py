@@ -126,3 +126,48 @@ def test_validate_counts_the_modules_names_and_names_a_broken_file(tmp_path: Pat
     localmodule._LOADED.clear()
     assert cli(["validate", "--quiet", str(scenario)]) == 2
     assert "run.local_module: " in capsys.readouterr().err
+
+
+def test_the_module_imports_modules_beside_it_wherever_the_cwd(tmp_path: Path, monkeypatch,
+                                                              capsys) -> None:
+    import sys
+
+    monkeypatch.setattr(sys, "path", list(sys.path))  # restored after the test
+    folder = tmp_path / "task_folder"
+    folder.mkdir()
+    (folder / "s.toml").write_text(_scenario_text("task4.py"))
+    # one helper imported at the top of the file, one only when the reward runs
+    (folder / "h8_top_helper.py").write_text("LETTERS = 'xyz'\n")
+    (folder / "h8_late_helper.py").write_text("def score(ok):\n    return 1.0 if ok else 0.0\n")
+    (folder / "task4.py").write_text(
+        TASK.replace('letters="abc"', "letters=LETTERS")
+        .replace("return float(reference in response)",
+                 "from h8_late_helper import score\n    return score(reference in response)")
+        .replace("class Echo", "from h8_top_helper import LETTERS\n\nclass Echo", 1))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    for name in ("h8_top_helper", "h8_late_helper"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    from rollart.cli import main as cli
+
+    # `rollart validate` / `rollart run` find it beside the scenario, cwd elsewhere
+    assert cli(["validate", "--quiet", str(folder / "s.toml")]) == 0, capsys.readouterr().err
+    regs = localmodule.load(parse_scenario(_scenario_text("task4.py"), "s.toml"), folder)
+    assert regs.envs["script:echo"]().reset(1) == ("say y", {"reference": "y"})
+    assert regs.rewards["mine"]("p", "say y", "y", {}) == 1.0  # the late import works too
+    for name in ("h8_top_helper", "h8_late_helper"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+
+
+def test_a_module_that_fails_to_import_leaves_sys_path_as_it_was(tmp_path: Path,
+                                                                 monkeypatch) -> None:
+    import sys
+
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    (tmp_path / "task5.py").write_text("import h8_no_such_helper\n")
+    before = list(sys.path)
+    with pytest.raises(ConfigError, match=r"ModuleNotFoundError: No module named "
+                                          r"'h8_no_such_helper'"):
+        localmodule.load(_scenario("task5.py"), tmp_path, "s.toml")
+    assert sys.path == before

@@ -7,74 +7,58 @@ import math
 import pytest
 import torch
 
-from rollart.trainer.loss import decoupled_ppo_loss, grpo_advantages
+from rollart.controller.buffer.sample import Sample
+from rollart.controller.training.advantages import grpo_advantages
+from rollart.trainer.loss import decoupled_ppo_loss
 
 EPS = 1e-6
 
 
 # ---------------------------------------------------------------- grpo_advantages
+# The trainer takes the advantages the controller computed (one implementation, numpy):
+# the cases below pin it on hand-computed values.
+
+
+def _batch(*groups: tuple[str, list[float]]) -> list[Sample]:
+    return [Sample(sample_id=f"{g}{k}", group_key=g, token_ids=[5, 6], loss_mask=[0, 1],
+                   behaviour_logprobs=[-1.0], versions=[0], reward=r)
+            for g, rewards in groups for k, r in enumerate(rewards)]
 
 
 def test_grpo_binary_group():
     # mean 0.5, population std 0.5 -> +-0.5 / (0.5 + eps)
-    adv = grpo_advantages(torch.tensor([[1.0, 0.0, 1.0, 0.0]]))
+    adv = grpo_advantages(_batch(("g", [1.0, 0.0, 1.0, 0.0])))
     a = 0.5 / (0.5 + EPS)
-    torch.testing.assert_close(adv, torch.tensor([[a, -a, a, -a]]))
+    assert adv == pytest.approx([a, -a, a, -a], rel=1e-12)
 
 
 def test_grpo_all_equal_group_is_exactly_zero_not_nan():
-    rewards = torch.tensor([[0.1, 0.1, 0.1], [7.0, 7.0, 7.0], [0.0, 0.0, 0.0]])
-    adv = grpo_advantages(rewards)
-    assert torch.equal(adv, torch.zeros(3, 3))
     # In float64, (0.1 + 0.1 + 0.1) / 3 = 0.10000000000000002 != 0.1, so a mean/std formula alone
     # would give -1.4e-11 here; equal groups must still give exact zeros.
-    r64 = torch.tensor([[0.1, 0.1, 0.1], [0.7] * 3], dtype=torch.float64)
-    adv64 = grpo_advantages(r64)
-    assert adv64.dtype == torch.float64 and torch.equal(
-        adv64, torch.zeros(2, 3, dtype=torch.float64)
-    )
+    adv = grpo_advantages(_batch(("a", [0.1] * 3), ("b", [7.0] * 3), ("c", [0.0] * 3),
+                                 ("d", [0.7] * 3)))
+    assert adv == [0.0] * 12
 
 
-def test_grpo_failed_member_is_excluded_from_baseline_and_gets_no_advantage():
-    # valid rewards 1, 0, 0: mean 1/3, population var ((2/3)^2 + 2 (1/3)^2) / 3 = 2/9,
-    # std sqrt(2)/3 = 0.4714045 -> advantages (2/3)/std = sqrt(2), (-1/3)/std = -1/sqrt(2).
-    rewards = torch.tensor([[1.0, 0.0, float("nan"), 0.0]])
-    valid = torch.tensor([[True, True, False, True]])
-    adv = grpo_advantages(rewards, valid)
-    std = math.sqrt(2) / 3
-    expected = torch.tensor(
-        [[(2 / 3) / (std + EPS), (-1 / 3) / (std + EPS), 0.0, (-1 / 3) / (std + EPS)]]
-    )
-    torch.testing.assert_close(adv, expected)
-    assert torch.isfinite(adv).all()
-    # Had the failed member counted as reward 0, the baseline would be 0.25 instead.
-    assert not torch.allclose(adv, grpo_advantages(torch.tensor([[1.0, 0.0, 0.0, 0.0]])))
+def test_grpo_single_member_group_gets_zero():
+    assert grpo_advantages(_batch(("g", [5.0]), ("h", [1.0, 2.0])))[0] == 0.0
 
 
-def test_grpo_single_valid_member_gets_zero():
-    adv = grpo_advantages(torch.tensor([[5.0, 1.0, 2.0]]), torch.tensor([[1, 0, 0]]))
-    assert torch.equal(adv, torch.zeros(1, 3))
-
-
-def test_grpo_flat_form_with_group_ids():
+def test_grpo_groups_keyed_in_any_order():
     # group 7: rewards 1, 0 -> +-1 (std 0.5); group 3: rewards 2, 2 -> 0; group 9: 4, 1, 1
     # (mean 2, var (4 + 1 + 1)/3 = 2, std sqrt 2).
-    rewards = torch.tensor([1.0, 2.0, 0.0, 2.0, 4.0, 1.0, 1.0])
-    groups = torch.tensor([7, 3, 7, 3, 9, 9, 9])
-    adv = grpo_advantages(rewards, group_ids=groups)
+    order = [("7", 1.0), ("3", 2.0), ("7", 0.0), ("3", 2.0), ("9", 4.0), ("9", 1.0), ("9", 1.0)]
+    batch = [_batch((g, [r]))[0] for g, r in order]
+    adv = grpo_advantages(batch)
     s = math.sqrt(2)
     h = 0.5 / (0.5 + EPS)
-    expected = torch.tensor([h, 0.0, -h, 0.0, 2 / (s + EPS), -1 / (s + EPS), -1 / (s + EPS)])
-    torch.testing.assert_close(adv, expected)
+    assert adv == pytest.approx([h, 0.0, -h, 0.0, 2 / (s + EPS), -1 / (s + EPS), -1 / (s + EPS)],
+                                rel=1e-12)
 
 
-def test_grpo_rejects_bad_input():
-    with pytest.raises(ValueError, match="group_ids"):
-        grpo_advantages(torch.zeros(4))
-    with pytest.raises(ValueError, match="valid_mask shape"):
-        grpo_advantages(torch.zeros(2, 2), torch.ones(4, dtype=torch.bool))
+def test_grpo_rejects_a_non_finite_reward():
     with pytest.raises(ValueError, match="finite"):
-        grpo_advantages(torch.tensor([[float("inf"), 0.0]]))
+        grpo_advantages(_batch(("g", [float("inf"), 0.0])))
 
 
 # ---------------------------------------------------------------- decoupled_ppo_loss

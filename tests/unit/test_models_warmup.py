@@ -1,27 +1,33 @@
 """Warm-up demonstrations: well formed, rendered as the controller renders them, deterministic;
-the recipe's warm-up changes the model."""
+the recipe's warm-up changes the model; the scenario's recipe fields are bounded and key the
+model cache."""
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import msgspec
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from rollart.config import DomainConfig
+from rollart.config import ConfigError, DomainConfig, parse_scenario
 from rollart.controller.rollout.tokens import ChatTokens
+from rollart.models import warmup
 from rollart.models.sft import SFTConfig
-from rollart.models.tiny import TinyModelSpec, build_tiny_model
+from rollart.models.tiny import TinyModelSpec, _cache_key, build_tiny_model, validate_spec
 from rollart.models.tokenizer import build_char_tokenizer
 from rollart.models.tooldemos import CALCULATOR, play_tool_episode, tool_call_text
 from rollart.models.warmup import (
     DEFAULT_RECIPE,
+    TOOL_CALL_RECIPE,
     WarmupRecipe,
     build_demonstrations,
+    ensure_quickstart_model,
     ensure_warm_tiny_model,
     render_prompt,
+    scenario_recipe,
     warmup_spec,
 )
 
@@ -163,3 +169,68 @@ def test_tool_calls_replace_the_arithmetic_demonstrations_only():
         p for p in plain if "Calculate" not in p[0]]
     calls = [c for _, c in tools if c.startswith("<tool_call>")]
     assert len(calls) == 2 and len(tools) - len(plain) == 2  # two pairs per arith episode
+
+
+GUESS_SCENARIO = """
+[run]
+batch_size = 8
+group_size = 4
+max_turns = 4
+[[pools]]
+name = "cpu"
+[[domains]]
+name = "guess"
+env = "game:GuessTheNumber-v0-easy"
+pool = "cpu"
+reward = "env_return"
+[model]
+path = "tiny"
+"""
+
+
+@pytest.mark.parametrize(("field", "bad"), [
+    ("tiny_warmup_episodes", "0"), ("tiny_warmup_episodes", "100001"),
+    ("tiny_warmup_epochs", "0"), ("tiny_warmup_epochs", "1001"),
+    ("tiny_warmup_lr", "0.0"), ("tiny_warmup_lr", "1.5"), ("tiny_warmup_lr", '"fast"'),
+])
+def test_warmup_recipe_fields_are_bounded_and_named_in_the_error(field, bad):
+    with pytest.raises(ConfigError, match=rf"model\.{field}"):
+        parse_scenario(GUESS_SCENARIO + f"{field} = {bad}\n")
+
+
+def test_scenario_recipe_defaults_to_the_embedded_recipes_and_takes_the_fields():
+    plain = parse_scenario(GUESS_SCENARIO)
+    assert plain.model.tiny_warmup_episodes is None
+    assert scenario_recipe(plain) == DEFAULT_RECIPE
+    set_ = parse_scenario(GUESS_SCENARIO + "tiny_warmup_episodes = 400\ntiny_warmup_epochs = 3\n"
+                          "tiny_warmup_lr = 1e-3\n")
+    recipe = scenario_recipe(set_)
+    assert (recipe.episodes_per_domain, recipe.sft.epochs, recipe.sft.lr) == (400, 3, 1e-3)
+    assert recipe.spec == DEFAULT_RECIPE.spec
+    assert msgspec.structs.replace(recipe.sft, epochs=1, lr=3e-3) == DEFAULT_RECIPE.sft
+    tools = parse_scenario(GUESS_SCENARIO + "tiny_warmup_tool_calls = true\ntiny_warmup_epochs = 4\n")
+    assert scenario_recipe(tools) == msgspec.structs.replace(
+        TOOL_CALL_RECIPE, sft=msgspec.structs.replace(TOOL_CALL_RECIPE.sft, epochs=4))
+
+
+def test_a_changed_recipe_never_reuses_a_model_cached_with_another(tmp_path, monkeypatch):
+    """The fields reach the tiny model's cache key (spec, SFT settings, demonstrations): the same
+    scenario finds the same entry, each changed field another; no model is built here."""
+    built: list[Path] = []
+
+    def entry(cache_dir, spec, *, demonstrations, sft):
+        demos = [(str(p), str(c)) for p, c in demonstrations]
+        built.append(Path(cache_dir) / f"tiny-{_cache_key(validate_spec(spec), sft, demos)}")
+        return built[-1]
+
+    monkeypatch.setattr(warmup, "ensure_tiny_model", entry)
+    extra = ["", "", "tiny_warmup_episodes = 101\n", "tiny_warmup_epochs = 2\n",
+             "tiny_warmup_lr = 1e-3\n"]
+    paths = [ensure_quickstart_model(tmp_path, parse_scenario(GUESS_SCENARIO + e))
+             for e in extra]
+    assert paths[0] == paths[1]
+    assert len(set(paths)) == 4, paths
+    # The default recipe's entry is the one the embedded default always had.
+    assert paths[0] == entry(tmp_path, warmup_spec(0).spec, demonstrations=build_demonstrations(
+        parse_scenario(GUESS_SCENARIO).domains, 100, DEFAULT_RECIPE.demo_seed, max_turns=4),
+        sft=DEFAULT_RECIPE.sft)

@@ -152,6 +152,27 @@ def test_a_half_written_last_line_is_left_out_by_report_summary_and_resume(
     assert "line 2 is not JSON" in capsys.readouterr().err
 
 
+def test_the_base_model_record_names_what_is_missing(tmp_path: Path) -> None:
+    from rollart.config import load_scenario
+    from rollart.transport.errors import ConfigError
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    run = tmp_path / "run"
+    run.mkdir()
+    with pytest.raises(ConfigError, match=r"base_model\.json: missing.*--base"):
+        rundir.base_model(run)
+    rundir.record_base_model(run, tmp_path / "." / "model", load_scenario(MINIMAL))
+    assert rundir.base_model(run) == model.resolve()
+    (model / "config.json").unlink()  # e.g. the cache was cleared
+    with pytest.raises(ConfigError, match=rf"{model.resolve()} is not a Hugging Face checkpoint"):
+        rundir.base_model(run)
+    (run / "base_model.json").write_text("[1]")
+    with pytest.raises(ConfigError, match=r"not a base model record"):
+        rundir.base_model(run)
+
+
 def test_resume_point_needs_a_checkpoint(tmp_path: Path) -> None:
     with pytest.raises(rundir.ConfigError, match="no complete checkpoint"):
         rundir.resume_point(tmp_path)

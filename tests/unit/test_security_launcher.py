@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from rollart.config import ConfigError, parse_scenario, scenario_to_json
-from rollart.launcher.local import _reward_tokens
 from rollart.launcher.services import env_allow_list, trainer_argv
+from rollart.launcher.startup import reward_tokens
 
 MINIMAL = (Path(__file__).parents[1] / "minimal_scenario.toml").read_text()
 FAAS = 'reward = "x"\nreward_url = "https://faas.example/{name}"\n'
@@ -58,17 +58,17 @@ def test_reward_token_for_a_started_service_needs_reward_url():
 def test_launcher_tokens_private_file_and_endpoint_tokens(tmp_path, monkeypatch):
     monkeypatch.setenv("FAAS_TOKEN", "faas-secret")
     sc = parse_scenario(_with_domain(FAAS + 'reward_token_env = "FAAS_TOKEN"'))
-    token, path, endpoints = _reward_tokens(sc, tmp_path)
+    token, path, endpoints = reward_tokens(sc, tmp_path)
     assert path == tmp_path / "secrets" / "reward.token"
     assert path.read_text().strip() == token and stat.S_IMODE(path.stat().st_mode) == 0o600
     assert endpoints == {"https://faas.example/{name}": "faas-secret"}
-    again, _, _ = _reward_tokens(sc, tmp_path)  # a resumed run: a fresh token
+    again, _, _ = reward_tokens(sc, tmp_path)  # a resumed run: a fresh token
     assert again != token
     resolved = scenario_to_json(sc).decode()
     assert "FAAS_TOKEN" in resolved and "faas-secret" not in resolved
     monkeypatch.delenv("FAAS_TOKEN")
     with pytest.raises(ConfigError, match="FAAS_TOKEN"):
-        _reward_tokens(sc, tmp_path)
+        reward_tokens(sc, tmp_path)
 
 
 def test_a_running_service_uses_the_token_its_entry_names(tmp_path):
@@ -77,6 +77,6 @@ def test_a_running_service_uses_the_token_its_entry_names(tmp_path):
     token_file.chmod(0o600)
     sc = parse_scenario(MINIMAL + f'[reward]\nurl = "http://10.0.0.2:8000"\n'
                         f'token_file = "{token_file}"\n')
-    token, path, endpoints = _reward_tokens(sc, tmp_path / "run")
+    token, path, endpoints = reward_tokens(sc, tmp_path / "run")
     assert (token, path, endpoints) == ("svc-secret", None, {})
     assert not (tmp_path / "run" / "secrets").exists()

@@ -1,4 +1,4 @@
-"""The proxy's per-worker send window (issue 11): at most ``max_in_flight`` generate requests
+"""The proxy's per-worker send window (issue 11): at most ``max_generate_in_flight`` generate requests
 outstanding per worker, the rest waiting in arrival order, timed only once sent."""
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ class HeldWorker(FakeWorker):
 
 async def test_requests_beyond_the_window_wait_and_go_in_arrival_order() -> None:
     w = HeldWorker("w")
-    proxy = LLMProxy({"P": ("cpu", [w])}, {"d": "P"}, max_in_flight=2)
+    proxy = LLMProxy({"P": ("cpu", [w])}, {"d": "P"}, max_generate_in_flight=2)
     tasks = [asyncio.create_task(proxy.generate(f"t{i}", "d", *req(f"r{i}"))) for i in range(5)]
     await until(lambda: len(w.gates) == 2 and proxy.num_window_waits == 3, "two sent")
     assert sorted(w.gates) == ["r0", "r1"]
@@ -89,7 +89,7 @@ async def test_without_a_limit_every_request_is_sent_at_once() -> None:
 
 async def test_the_timeout_of_a_waiting_request_starts_when_it_is_sent() -> None:
     w = HeldWorker("w")
-    proxy = LLMProxy({"P": ("cpu", [w])}, {"d": "P"}, max_in_flight=1)
+    proxy = LLMProxy({"P": ("cpu", [w])}, {"d": "P"}, max_generate_in_flight=1)
     first = asyncio.create_task(proxy.generate("t0", "d", *req("r0")))
     second = asyncio.create_task(proxy.generate("t1", "d", *req("r1"), timeout_s=0.05))
     await until(lambda: proxy.num_window_waits == 1, "second waits")
@@ -107,7 +107,7 @@ async def test_the_timeout_of_a_waiting_request_starts_when_it_is_sent() -> None
 
 async def test_a_cancelled_waiter_leaves_no_slot_behind() -> None:
     w = HeldWorker("w")
-    proxy = LLMProxy({"P": ("cpu", [w])}, {"d": "P"}, max_in_flight=1)
+    proxy = LLMProxy({"P": ("cpu", [w])}, {"d": "P"}, max_generate_in_flight=1)
     first = asyncio.create_task(proxy.generate("t0", "d", *req("r0")))
     waiter = asyncio.create_task(proxy.generate("t1", "d", *req("r1")))
     await until(lambda: proxy.num_window_waits == 1, "second waits")
@@ -141,7 +141,7 @@ async def test_a_slot_handed_to_a_waiter_cancelled_before_it_ran_passes_on() -> 
 
 async def test_waiters_of_a_removed_worker_route_to_the_rest_of_the_pool() -> None:
     a, b = HeldWorker("a"), HeldWorker("b")
-    proxy = LLMProxy({"P": ("cpu", [a, b])}, {"d": "P"}, max_in_flight=1)
+    proxy = LLMProxy({"P": ("cpu", [a, b])}, {"d": "P"}, max_generate_in_flight=1)
     a.finish("warm")
     await proxy.generate("t1", "d", *req("warm"))  # t1 is now sticky to a
     busy = asyncio.create_task(proxy.generate("t0", "d", *req("r0")))
@@ -156,7 +156,7 @@ async def test_waiters_of_a_removed_worker_route_to_the_rest_of_the_pool() -> No
     await busy
     # A pool left empty while requests wait fails them as fatal, not silently.
     c = HeldWorker("c")
-    solo = LLMProxy({"P": ("cpu", [c])}, {"d": "P"}, max_in_flight=1)
+    solo = LLMProxy({"P": ("cpu", [c])}, {"d": "P"}, max_generate_in_flight=1)
     held = asyncio.create_task(solo.generate("t0", "d", *req("r0")))
     waiting = asyncio.create_task(solo.generate("t1", "d", *req("r1")))
     await until(lambda: solo.num_window_waits == 1, "t1 waits for c")
@@ -173,7 +173,7 @@ async def test_a_slot_freed_by_the_reply_that_quarantines_its_worker_is_not_used
     a, b = HeldWorker("a"), HeldWorker("b")
     a.respond = lambda r: "ok"  # token ids >= 50: out of this vocabulary
     b.respond = lambda r: "\x01"
-    proxy = LLMProxy({"P": ("cpu", [a, b])}, {"d": "P"}, max_in_flight=1, vocab_size=50,
+    proxy = LLMProxy({"P": ("cpu", [a, b])}, {"d": "P"}, max_generate_in_flight=1, vocab_size=50,
                      violations=ViolationWindow(1, 1))
     t0 = asyncio.create_task(proxy.generate("t0", "d", *req("r0")))
     await until(lambda: "r0" in a.gates, "r0 on a")
@@ -196,7 +196,7 @@ async def test_a_slot_freed_by_the_reply_that_quarantines_its_worker_is_not_used
 async def test_a_worker_that_answers_keeps_its_waiters_through_a_timeout() -> None:
     # One request times out: the requests waiting behind it are sent in turn, not failed.
     w = HeldWorker("w")
-    proxy = LLMProxy({"P": ("cpu", [w])}, {"d": "P"}, max_in_flight=2)
+    proxy = LLMProxy({"P": ("cpu", [w])}, {"d": "P"}, max_generate_in_flight=2)
     slow = asyncio.create_task(proxy.generate("t0", "d", *req("r0"), timeout_s=0.3))
     fast = asyncio.create_task(proxy.generate("t1", "d", *req("r1")))
     waiter = asyncio.create_task(proxy.generate("t2", "d", *req("r2")))
@@ -212,7 +212,7 @@ async def test_a_worker_that_answers_keeps_its_waiters_through_a_timeout() -> No
 
 async def test_cancelled_waiters_are_not_routing_load() -> None:
     a, b = HeldWorker("a"), HeldWorker("b")
-    proxy = LLMProxy({"P": ("cpu", [a, b])}, {"d": "P"}, max_in_flight=1)
+    proxy = LLMProxy({"P": ("cpu", [a, b])}, {"d": "P"}, max_generate_in_flight=1)
     held = asyncio.create_task(proxy.generate("t0", "d", *req("r0")))
     await until(lambda: "r0" in a.gates, "r0 on a")
     a.finish("warm")

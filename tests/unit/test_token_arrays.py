@@ -23,7 +23,7 @@ from rollart.controller.rollout.tokens import ChatTokens
 from rollart.controller.rollout.trajectory import TrajectoryContext, run_trajectory
 from rollart.controller.routing.proxy import LLMProxy
 from rollart.controller.routing.routers import EnvRouter, RewardRouter
-from rollart.controller.training.advantages import to_train_samples
+from rollart.controller.training.remote import to_train_samples
 from rollart.inference.prefixes import PrefixStore
 from rollart.trainer.step import collate
 from rollart.transport import messages as m

@@ -112,3 +112,24 @@ async def test_controller_reports_trained_samples_to_the_recorder(tmp_path) -> N
     assert kept == set(trained)  # rate 1: every trained sample, in its step
     assert all(r["turns"] and r["turns"][0]["response"] for r in rows)
     assert {r["reference"] for r in rows} == {"ok"}  # the env's reference answer
+
+
+def test_every_step_writes_per_step_records_the_first_included(tmp_path) -> None:
+    # Seed 0's first 32 draws choose one trajectory at rate 0.25: step 1 wrote 1 record of a
+    # 32-sample batch, later steps 8. Every step is topped up from its batch to per_step.
+    path = tmp_path / "t.jsonl"
+    rec = TranscriptRecorder(path, TOKENIZER, per_step=8, rate=0.25, seed=0)
+    for step in (1, 2, 3):
+        batch = [two_turn_sample(f"g{step}{i // 4}/{i}#0") for i in range(32)]
+        for s in batch:
+            rec.finished(s)
+        assert rec.step(step, batch).result(timeout=60) == 8
+    # a batch smaller than per_step: all of it; a sample is never written twice in a step
+    small = [two_turn_sample(f"h0/{i}#0") for i in range(3)]
+    rec.finished(small[0])
+    assert rec.step(4, small).result(timeout=60) == 3
+    rec.close()
+    rows = [json.loads(x) for x in path.read_text().splitlines()]
+    assert [sum(r["step"] == k for r in rows) for k in (1, 2, 3, 4)] == [8, 8, 8, 3]
+    assert all(r["status"] == "kept" for r in rows)
+    assert len({(r["step"], r["sample_id"]) for r in rows}) == len(rows)

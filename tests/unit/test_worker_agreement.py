@@ -86,7 +86,7 @@ async def test_warn_names_the_worker_in_metrics_and_log(caplog) -> None:
     ctl, _, _ = make_controller([FakeWorker("m-drift"), FakeWorker("m-ok")], trainer=trainer,
                                 batch_size=8, group_size=2, seed=5)
     try:
-        with caplog.at_level(logging.WARNING, logger="rollart.controller.controller"):
+        with caplog.at_level(logging.WARNING, logger="rollart.controller.training.step"):
             metrics = [await ctl.step() for _ in range(2)]
     finally:
         await ctl.close()
@@ -279,7 +279,7 @@ def test_behaviour_versions_are_checked_one_per_generated_token() -> None:
 
 
 def test_the_controllers_train_samples_carry_each_generated_tokens_version() -> None:
-    from rollart.controller.training.advantages import to_train_samples, trainable_problem
+    from rollart.controller.training.remote import to_train_samples, trainable_problem
 
     fresh, checked = sample("a", ["w1"], 3), sample("b", ["w1"], 2)
     assert trainable_problem(checked) is None  # the path of a sample checked at completion

@@ -184,7 +184,7 @@ async def test_a_hung_worker_is_probed_quarantined_and_its_requests_served_elsew
         caplog) -> None:
     hung = FakeTimedWorker("a", lambda r: None)  # alive (never dead), answers nothing
     good = FakeTimedWorker("b", lambda r: 1.0)
-    proxy = LLMProxy({"p": ("cpu", [hung, good])}, {"d": "p"}, max_in_flight=2,
+    proxy = LLMProxy({"p": ("cpu", [hung, good])}, {"d": "p"}, max_generate_in_flight=2,
                      violations=ViolationWindow(3, 100))
     proxy.hang.probe_timeout_s = 5.0
     loop = asyncio.get_running_loop()
@@ -213,7 +213,7 @@ async def test_a_healthy_slow_worker_answers_its_probe_and_keeps_serving() -> No
     # included, takes 1 s. A window of 1: the requests behind the slow one wait for it.
     slow = FakeTimedWorker("a", lambda r: 100.0 if r.request_id == "r0" else 1.0)
     other = FakeTimedWorker("b", lambda r: 1.0)
-    proxy = LLMProxy({"p": ("cpu", [slow, other])}, {"d": "p"}, max_in_flight=1,
+    proxy = LLMProxy({"p": ("cpu", [slow, other])}, {"d": "p"}, max_generate_in_flight=1,
                      violations=ViolationWindow(3, 100))
     proxy.hang.probe_timeout_s = 5.0
     tasks = [asyncio.create_task(proxy.generate(f"t{i}", "d", f"r{i}", prompt(), PARAMS,

@@ -28,10 +28,13 @@ RayResource = Annotated[str, msgspec.Meta(min_length=1, max_length=64,
                                                   r"(:[A-Za-z0-9_.\-]+)?$")]
 
 class _Cfg(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
-    """Base: unknown fields are errors; instances are immutable."""
+    """Base: unknown fields are errors; instances are immutable.
+
+    Subclasses repeat ``frozen=True``: msgspec inherits it at run time, type checkers do not.
+    """
 
 
-class RetryConfig(_Cfg):
+class RetryConfig(_Cfg, frozen=True):
     """Per-trajectory retry policy after a failure (env error, generation or reward failure:
     every reason is counted; a staleness restart does not use up an attempt)."""
 
@@ -52,7 +55,7 @@ class RetryConfig(_Cfg):
     max_overload_s: PosFloat = 3600.0
 
 
-class WorkerChecksConfig(_Cfg):
+class WorkerChecksConfig(_Cfg, frozen=True):
     """What the controller does with inference workers whose output is wrong.
 
     Every ``GenerateResult`` is checked where it arrives (``rollart.controller.routing.workercheck``);
@@ -104,7 +107,7 @@ class WorkerChecksConfig(_Cfg):
 #: ``RunConfig.apply_waves`` unless set (any other value needs ``weight_apply = "eager"``)
 _DEFAULT_APPLY_WAVES = 2
 
-class RunConfig(_Cfg):
+class RunConfig(_Cfg, frozen=True):
     """What to run: algorithm shape, asynchrony mode, staleness bound and per-trajectory limits."""
 
     #: master seed: domain mixing, env seeds per group, unbiased selection.
@@ -229,7 +232,7 @@ class RunConfig(_Cfg):
     stall_log_s: PosFloat = 60.0
 
 
-class ModelConfig(_Cfg):
+class ModelConfig(_Cfg, frozen=True):
     """The policy checkpoint: ``"tiny"`` builds the project's tiny model, else a local HF dir."""
 
     #: ``"tiny"`` or a local Hugging Face checkpoint directory (no downloads).
@@ -245,11 +248,19 @@ class ModelConfig(_Cfg):
     #: 13 of 16 sampled first replies parse as a call; ~3 min of warm-up on a 2-core machine
     #: (README "Agents").
     tiny_warmup_tool_calls: bool = False
+    #: warm-up size: solver-played episodes per domain (a multi-turn episode gives one
+    #: demonstration per turn); ``None``: 100. A changed recipe builds (and caches) another model.
+    tiny_warmup_episodes: Annotated[int, msgspec.Meta(ge=1, le=100_000)] | None = None
+    #: passes of the warm-up over its demonstrations; ``None``: 1 (16 with
+    #: ``tiny_warmup_tool_calls``).
+    tiny_warmup_epochs: Annotated[int, msgspec.Meta(ge=1, le=1000)] | None = None
+    #: the warm-up's learning rate (AdamW); ``None``: 3e-3 (1e-2 with ``tiny_warmup_tool_calls``).
+    tiny_warmup_lr: Annotated[float, msgspec.Meta(gt=0, le=1.0)] | None = None
     #: data type of the weights in trainer and engine.
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
 
 
-class EngineConfig(_Cfg):
+class EngineConfig(_Cfg, frozen=True):
     """vLLM engine options of every worker of a pool (names follow the worker's
     ``rollart.inference.engine.EngineOptions``; the engine's seed is ``run.seed`` + worker index,
     its dtype ``model.dtype``)."""
@@ -273,7 +284,7 @@ class EngineConfig(_Cfg):
     gpu_memory_utilization: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
 
 
-class PoolConfig(_Cfg):
+class PoolConfig(_Cfg, frozen=True):
     """A pool of identical inference workers on one kind of hardware."""
 
     name: Name
@@ -291,7 +302,7 @@ class PoolConfig(_Cfg):
     ray_resource: RayResource | None = None
 
 
-class SamplingConfig(_Cfg):
+class SamplingConfig(_Cfg, frozen=True):
     """Sampling parameters of a domain's generations (vLLM names).
 
     The trainer recomputes logprobs under ``logits / temperature`` only, so ``top_p`` and
@@ -305,7 +316,7 @@ class SamplingConfig(_Cfg):
     top_k: Annotated[int, msgspec.Meta(ge=-1)] = -1
 
 
-class DomainConfig(_Cfg):
+class DomainConfig(_Cfg, frozen=True):
     """A task domain: which env, which pool serves it, how it is rewarded, how often sampled."""
 
     name: Name
@@ -360,7 +371,7 @@ class DomainConfig(_Cfg):
     alpha: Annotated[int, msgspec.Meta(ge=1, le=64)] | None = None
 
 
-class EnvHostConfig(_Cfg):
+class EnvHostConfig(_Cfg, frozen=True):
     """One environment host process (``rollart serve-env``; names follow its ``HostConfig``)."""
 
     name: Name
@@ -382,7 +393,7 @@ class EnvHostConfig(_Cfg):
     ray_resource: RayResource | None = None
 
 
-class RewardServiceConfig(_Cfg):
+class RewardServiceConfig(_Cfg, frozen=True):
     """The HTTP reward service (``rollart serve-reward``) and the controller's client limits."""
 
     #: service root URL of a running service; ``None``: the launcher starts one locally.
@@ -412,7 +423,7 @@ class RewardServiceConfig(_Cfg):
     ray_resource: RayResource | None = None
 
 
-class TrainerConfig(_Cfg):
+class TrainerConfig(_Cfg, frozen=True):
     """Optimisation (GRPO / decoupled PPO) and checkpointing; names mirror the trainer's."""
 
     lr: PosFloat = 1e-5
@@ -467,7 +478,7 @@ class TrainerConfig(_Cfg):
     ray_resource: RayResource | None = None
 
 
-class OutputConfig(_Cfg):
+class OutputConfig(_Cfg, frozen=True):
     """What a run writes beside ``metrics.jsonl`` (``rollart.launcher.rundir``)."""
 
     #: decoded trajectories written per step to ``transcripts.jsonl`` at most (0: none).
@@ -488,7 +499,7 @@ class OutputConfig(_Cfg):
     share_with_group: bool = False
 
 
-class EvalConfig(_Cfg):
+class EvalConfig(_Cfg, frozen=True):
     """Held-out evaluation during a run (``rollart.controller.evaluation.runner``).
 
     Each domain gets a fixed eval set of ``size`` env seeds drawn from ``[2**31, 2**32)``, a
@@ -523,7 +534,7 @@ class EvalConfig(_Cfg):
     baseline_candidates: Annotated[int, msgspec.Meta(ge=1, le=256)] = 8
 
 
-class Scenario(_Cfg):
+class Scenario(_Cfg, frozen=True):
     """A whole run. Use :func:`load_scenario`; a hand-built one goes through
     :func:`validate_scenario` before use."""
 

@@ -4,7 +4,10 @@
 are importable from here; they load lazily so that importing the pure buffer stays light.
 """
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers
+    from rollart.controller.driver import Backends, Cluster, TrainStep
 
 __all__ = ["Backends", "Cluster", "TrainStep"]
 

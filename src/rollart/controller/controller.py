@@ -28,11 +28,15 @@ re-raised by the next (or the pending) ``step`` call, never left to hang.
 
 Time is ``loop.time()`` unless a ``clock`` is injected, so a simulator's virtual clock works.
 
-This module wires the parts, starts and closes them and supervises the background tasks; the
-parts are plain functions over the controller's state in their own modules: ``admission``
-(the admission loop), ``trajtasks`` (trajectory tasks and their outcomes), ``trainstep`` (a
-training step), ``stall`` (the stall error and watchdog) and ``controllersnapshot``
-(checkpoint format).
+This module wires the parts, starts and closes them; each part owns its state:
+:class:`~rollart.controller.rollout.admission.Admission` (the admission loop, group timeouts,
+the admission RNG), :class:`~rollart.controller.rollout.admitted.AdmittedGroups` (each group's
+domain and env seed), :class:`~rollart.controller.rollout.tasks.TrajectoryTasks` (trajectory
+tasks, their outcomes, the supervision of background tasks),
+:class:`~rollart.controller.training.step.StepRunner` (a training step) with its
+:class:`~rollart.controller.observe.stepcounters.StepCounters` (the step's counting), and
+:class:`~rollart.controller.observe.stall.StallWatchdog`; ``rollart.controller.snapshot`` has
+the checkpoint format.
 """
 
 from __future__ import annotations
@@ -40,7 +44,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections import Counter
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -48,43 +51,30 @@ from rollart.config import DomainConfig, Scenario
 from rollart.controller import snapshot as controllersnapshot
 from rollart.controller.agents.runner import AgentRunner
 from rollart.controller.buffer.core import SampleBuffer
-from rollart.controller.buffer.sample import BufferStats, Sample
+from rollart.controller.buffer.sample import Sample
 from rollart.controller.modes import TurnBarrier, mode_spec
-from rollart.controller.observe import stall
 from rollart.controller.observe.loophealth import LoopLagMonitor
 from rollart.controller.observe.metrics import StepMetrics
-from rollart.controller.observe.stall import ControllerStalledError
+from rollart.controller.observe.stall import ControllerStalledError, StallWatchdog
+from rollart.controller.observe.stepcounters import StepCounters
 from rollart.controller.observe.transcripts import TranscriptRecorder
 from rollart.controller.ports import Tokenizer, TrainerBackend
-from rollart.controller.rollout import admission
+from rollart.controller.rollout.admission import Admission
+from rollart.controller.rollout.admitted import AdmittedGroups
 from rollart.controller.rollout.pacing import Pacer
-from rollart.controller.rollout.tasks import launch_restarts
+from rollart.controller.rollout.tasks import Signal, TrajectoryTasks
 from rollart.controller.rollout.tokens import ChatTokens
 from rollart.controller.rollout.trajectory import TrajectoryContext
 from rollart.controller.routing.proxy import LLMProxy
 from rollart.controller.routing.routers import EnvRouter, RewardRouter
 from rollart.controller.routing.workercheck import ViolationWindow
-from rollart.controller.training import step as trainstep
+from rollart.controller.training.step import StepRunner
 from rollart.controller.training.weightsync import WeightSync
 from rollart.transport.errors import RollartError
 
 __all__ = ["Controller", "ControllerStalledError"]
 
 log = logging.getLogger(__name__)
-
-
-class _Signal:
-    """Wake every current waiter on ``notify()`` (an Event re-armed after each notify)."""
-
-    def __init__(self) -> None:
-        self._event = asyncio.Event()
-
-    def notify(self) -> None:
-        self._event.set()
-        self._event = asyncio.Event()
-
-    async def wait(self) -> None:
-        await self._event.wait()
 
 
 class Controller:
@@ -118,6 +108,13 @@ class Controller:
 
     Raises:
         ConfigError: a domain whose reward cannot be routed, or an unknown pool affinity.
+        RollartError: a ``resume`` snapshot of an unknown format, other settings, another
+            version than the trainer's, or a group of a domain the scenario lacks.
+
+    Its parts (read them; the controller wires and drives them): ``buffer``, ``groups``
+    (:class:`AdmittedGroups`), ``tasks`` (:class:`TrajectoryTasks`), ``admission``
+    (:class:`Admission`), ``steps`` (:class:`StepRunner`, its ``counters``) and ``watchdog``
+    (:class:`StallWatchdog`).
     """
 
     def __init__(
@@ -139,9 +136,8 @@ class Controller:
         check: Literal["per_turn", "admission"] | None = None,
     ) -> None:
         run = scenario.run
-        self._stall_watchdog_on = stall_watchdog
         self.scenario, self.run = scenario, run
-        self.spec = mode_spec(run.mode)
+        self.spec = spec = mode_spec(run.mode)
         self.proxy, self.envs, self.rewards, self.trainer = proxy, envs, rewards, trainer
         #: agent domains' trajectory bodies (``rollart.controller.agents``); the owner starts
         #: and closes its endpoint
@@ -150,36 +146,63 @@ class Controller:
             wc = run.worker_checks
             proxy.violations = ViolationWindow(wc.max_invalid_replies, wc.invalid_window)
         proxy.hang.probe_timeout_s = run.worker_checks.hang_probe_timeout_s
-        self._rng = random.Random(run.seed)
         self.transcripts = transcripts
-        self._buffer_class = buffer_class
+        on_drop = transcripts.dropped if transcripts is not None else None
         self.buffer = buffer_class(
             alpha=run.alpha,
             batch_size=run.batch_size,
             group_size=run.group_size,
             redundancy=run.redundancy,
             selection=run.selection,
-            check=check if check is not None else self.spec.check,
+            check=check if check is not None else spec.check,
             on_stale=run.on_stale,
             max_attempts=run.retry.max_attempts,
             max_group_attempts=run.max_group_attempts,
             initial_version=trainer.version,
             rng=random.Random(run.seed + 1),
             on_forget=self._forget_group,
-            on_drop=transcripts.dropped if transcripts is not None else None,
+            on_drop=on_drop,
             fresh_start=run.fresh_start,
             abort_stale=run.abort_stale,
-            staleness_control=self.spec.staleness_control,
+            staleness_control=spec.staleness_control,
         )
         self.domains: dict[str, DomainConfig] = {d.name: d for d in scenario.domains}
-        self._groups: dict[str, tuple[DomainConfig, int]] = {}
-        self._group_seq = 0
-        self._step = 0
-        # the buffer's counters at the last step's end: the next step's metrics are deltas
-        # from them (a restore sets them to the carried-over counters)
-        self._stats_at_end: BufferStats | None = None
         if resume is not None:
-            controllersnapshot.restore(self, resume)
+            self.buffer = controllersnapshot.restore_buffer(
+                resume, scenario_buffer=self.buffer, buffer_class=buffer_class, seed=run.seed,
+                trainer_version=trainer.version, on_forget=self._forget_group,
+                on_drop=on_drop)
+        self._clock = clock
+        self._loop_lag = loop_lag
+        pacer = Pacer(run.group_size) if run.admission == "paced" else None
+        self._pacer = pacer
+        #: the groups in flight: each one's domain and env seed
+        self.groups = AdmittedGroups(self.domains)
+        #: the trajectory tasks and the supervision of every background task
+        self.tasks = TrajectoryTasks(run, self.buffer, self.groups, clock=self.clock,
+                                     transcripts=transcripts, agents=agents, pacer=pacer)
+        self._weights_changed = Signal()
+        #: the admission loop
+        self.admission = Admission(
+            run, spec, self.domains, buffer=self.buffer, proxy=proxy, tasks=self.tasks,
+            groups=self.groups, weights_changed=self._weights_changed, clock=self.clock,
+            pacer=pacer)
+        self._sync = WeightSync(
+            proxy, trainer, self.clock, reprefill=run.reprefill,
+            on_applied=self._on_applied, on_push_done=self.tasks.supervise,
+            eager=spec.overlap and run.weight_apply == "eager", waves=run.apply_waves,
+        )
+        #: what a slow batch waits on (``stall_report``)
+        self.watchdog = StallWatchdog(run, self.buffer, self.tasks, self.clock)
+        #: the training step
+        self.steps = StepRunner(
+            run, spec, buffer=self.buffer, proxy=proxy, trainer=trainer, tasks=self.tasks,
+            admission=self.admission, sync=self._sync,
+            counters=StepCounters(self.buffer, proxy, self.clock, loop_lag),
+            clock=self.clock, watchdog=self.watchdog if stall_watchdog else None,
+            pacer=pacer, transcripts=transcripts)
+        if resume is not None:
+            controllersnapshot.restore_parts(resume, self.admission, self.steps)
             # not part of the checkpoint's settings: the scenario's limit applies
             self.buffer.max_group_attempts = run.max_group_attempts
         for d in scenario.domains:
@@ -192,41 +215,9 @@ class Controller:
             if key not in by_kwargs:
                 by_kwargs[key] = ChatTokens(tokenizer, d.chat_template_kwargs)
             chats[d.name] = by_kwargs[key]
-        self._clock = clock
-        self._loop_lag = loop_lag
         self._chats = chats
         self._ctx: TrajectoryContext | None = None
-        self._finished: Counter[str] = Counter()
-        self._group_failures: Counter[str] = Counter()
-        #: per open group, its ``run.group_timeout_s`` timer (``admission.arm_group_timeout``)
-        self._group_timers: dict[str, asyncio.TimerHandle] = {}
-        self._exhausted_seen = self._attempts_seen = 0
-        self._tasks: dict[str, asyncio.Task[None]] = {}
-        self._cancelled: set[str] = set()
-        self._aux: set[asyncio.Task[Any]] = set()
-        self._changed: _Signal | None = None
-        self._weights_changed: _Signal | None = None
-        self._admission_open = True
-        self._fatal: BaseException | None = None
-        self._sync: WeightSync | None = None
-        self._align_s = 0.0
-        self._started_at = 0.0
-        self._failures_in_a_row = 0
-        #: when generate timeouts under overload began, with no trajectory finishing since
-        #: (``trajtasks.on_failed``); ``None``: not overloaded
-        self._overload_since: float | None = None
-        self._last_failures: list[str] = []
         self._started = False
-        self._closed = False
-        self._stopping = False
-        self._last_step_end = 0.0
-        # (version, kept-sample count) at the last take_batch that found no batch: until one
-        # changes no batch can be ready, so a wake-up does not rescan every group.
-        self._no_batch_at: tuple[int, int] | None = None
-        self._pacer = Pacer(run.group_size) if run.admission == "paced" else None
-        self._pending_domain: DomainConfig | None = None
-        #: the samples of the last training step
-        self.last_batch: list[Sample] = []
 
     # ------------------------------------------------------------------ lifecycle
     def clock(self) -> float:
@@ -240,10 +231,9 @@ class Controller:
         t_align = self.clock()
         await self._align_worker_versions()
         # A resumed run's first weight sync happens here; it is reported with the first step.
-        self._align_s = self.clock() - t_align
+        align_s = self.clock() - t_align
         self._started = True
-        self._changed, self._weights_changed = _Signal(), _Signal()
-        self._ctx = TrajectoryContext(
+        self._ctx = ctx = TrajectoryContext(
             run=self.run, proxy=self.proxy, envs=self.envs, rewards=self.rewards,
             chat=self._chats, buffer=self.buffer,
             # the loop's own clock, bound once (what ``clock`` reads, minus two calls per read)
@@ -251,19 +241,10 @@ class Controller:
             wait_for_weights=self._wait_for_weights,
             barrier=TurnBarrier() if self.spec.turn_barrier else None,
         )
-        self._sync = WeightSync(
-            self.proxy, self.trainer, self.clock, reprefill=self.run.reprefill,
-            on_applied=self._on_applied, on_push_done=self._on_done,
-            eager=self.spec.overlap and self.run.weight_apply == "eager",
-            waves=self.run.apply_waves,
-        )
-        self._last_step_end = self._started_at = self.clock()
-        if self._stats_at_end is None:
-            # Step 1's counters are deltas from here: rollout before the first step() call
-            # (the owner awaiting something else, e.g. a held-out evaluation) counts in it.
-            self._stats_at_end = self.buffer.stats()
-        self._spawn_aux(admission.admission_loop(self), "admission")
-        launch_restarts(self)
+        self.tasks.start(ctx)
+        self.steps.counters.start(ctx, align_s)
+        self.tasks.spawn(self.admission.loop(), "admission")
+        self.tasks.launch_restarts()
         if self._loop_lag is not None:
             self._loop_lag.start()
 
@@ -291,23 +272,17 @@ class Controller:
 
     async def close(self) -> None:
         """Cancel every trajectory and background task and wait for their cleanup."""
-        if self._closed:
+        if self.tasks.closed:
             return
-        self._closed = True
-        for timer in self._group_timers.values():
-            timer.cancel()
-        tasks = [*self._tasks.values(), *self._aux]
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        self.admission.close()
+        await self.tasks.close()
         if self._ctx is not None and self._ctx.closing:
             # A trajectory cancelled here while closing its env session ends at once; its
             # shielded close goes on (each bounded by CLOSE_TIMEOUT_S) and must end before the
             # owner closes the env clients under it (else: "client closed", a warning each).
             # asyncio.wait, not gather: if close() is itself cancelled, the closes go on.
             await asyncio.wait(list(self._ctx.closing))
-        if self._sync is not None:
-            await self._sync.close()
+        await self._sync.close()
         if self._loop_lag is not None:
             await self._loop_lag.stop()
 
@@ -315,7 +290,7 @@ class Controller:
         """The owner found a fatal fault outside the controller (e.g. a service process died)
         and is about to close it: failures that follow from that fault are neither reported as
         the run's error nor retried (the owner reports the cause, once)."""
-        self._stopping = True
+        self.tasks.stop_soon()
         self.proxy.stopping = True
 
     def remove_worker(self, name: str, why: str) -> int:
@@ -324,9 +299,29 @@ class Controller:
         live workers left in its pool (0: its domains cannot generate; the caller decides).
         Idempotent. Raises ConfigError if no worker has that name."""
         left = len(self.proxy.remove_worker(name, why).workers)
-        if self._started and left and not self._closed:
-            self._spawn_aux(self.trainer.set_workers(self.proxy.workers()), f"unregister-{name}")
+        if self._started and left and not self.tasks.closed:
+            self.tasks.spawn(self.trainer.set_workers(self.proxy.workers()), f"unregister-{name}")
         return left
+
+    @property
+    def step_index(self) -> int:
+        """Training steps done so far (a resumed run counts its checkpoint's steps too)."""
+        return self.steps.step_index
+
+    @property
+    def trajectory_context(self) -> TrajectoryContext | None:
+        """What every trajectory of this controller runs with (``None`` until :meth:`start`)."""
+        return self._ctx
+
+    @property
+    def chats(self) -> dict[str, ChatTokens]:
+        """Domain name -> its chat template over the policy's tokenizer (not to be changed)."""
+        return self._chats
+
+    @property
+    def last_batch(self) -> list[Sample]:
+        """The samples of the last training step."""
+        return self.steps.last_batch
 
     @property
     def barrier(self) -> TurnBarrier | None:
@@ -335,57 +330,28 @@ class Controller:
     @property
     def num_running(self) -> int:
         """Trajectory tasks alive now."""
-        return len(self._tasks)
+        return self.tasks.num_running
 
     def snapshot(self) -> dict[str, Any]:
         """JSON-able state for checkpoint/resume: the buffer's snapshot (between steps: no
         batch outstanding), the domain and seed of every group it holds, the admission RNG."""
-        return controllersnapshot.snapshot(self)
+        return controllersnapshot.snapshot(self.buffer, self.admission, self.steps)
 
     def _forget_group(self, key: str) -> None:
         """The buffer forgot group ``key`` (consumed or retired, no member live): so does the
         controller, so that its per-group state holds only groups in flight."""
-        self._groups.pop(key, None)
-        self._finished.pop(key, None)
-        self._group_failures.pop(key, None)
-        timer = self._group_timers.pop(key, None)
-        if timer is not None:
-            timer.cancel()
+        self.groups.forget(key)
+        self.tasks.forget(key)
+        self.admission.forget(key)
 
-    # ------------------------------------------------------------------ supervision
-    def _notify(self) -> None:
-        if self._changed is not None:
-            self._changed.notify()
-
-    def _on_done(self, task: asyncio.Task[Any]) -> None:
-        if task.cancelled():
-            return
-        exc = task.exception()
-        if exc is not None and self._fatal is None and not self._closed and not self._stopping:
-            log.error("fatal error in %s: %s: %s", task.get_name(), type(exc).__name__, exc)
-            self._fatal = exc
-        self._notify()
-
-    def _spawn_aux(self, coro: Any, name: str) -> asyncio.Task[Any]:
-        task = asyncio.create_task(coro, name=name)
-        self._aux.add(task)
-        task.add_done_callback(self._aux.discard)
-        task.add_done_callback(self._on_done)
-        return task
-
-    def _raise_if_fatal(self) -> None:
-        if self._fatal is not None:
-            raise self._fatal
-
+    # ------------------------------------------------------------------ weights
     def _on_applied(self) -> None:
         if self._pacer is not None:
             self._pacer.on_apply(self.clock())
-        assert self._weights_changed is not None
         self._weights_changed.notify()
-        self._notify()
+        self.tasks.notify()
 
     async def _wait_for_weights(self, version: int) -> None:
-        assert self._weights_changed is not None
         while self.proxy.version <= version:
             await self._weights_changed.wait()
 
@@ -401,12 +367,12 @@ class Controller:
         proportional to the weights, domain d must be started at a rate proportional to
         ``weight_d / yield_d`` (trained_d = started_d * yield_d).
         """
-        return admission.domain_weights(self)
+        return self.admission.domain_weights()
 
     def stall_report(self, waited_s: float, max_groups: int = 8, max_members: int = 8) -> str:
         """What the training loop's ``get_batch`` waits on: the open groups (oldest first) with
         their kept members, and what each running member is doing and for how long."""
-        return stall.stall_report(self, waited_s, max_groups, max_members)
+        return self.watchdog.report(waited_s, max_groups, max_members)
 
     async def step(self) -> StepMetrics:
         """Run one training step and return its metrics.
@@ -415,4 +381,6 @@ class Controller:
             the first fatal background error (PoolExhaustedError, EnvHostsExhaustedError,
             ControllerStalledError, a bug), or an error of the trainer / weight sync.
         """
-        return await trainstep.step(self)
+        if not self._started:
+            await self.start()
+        return await self.steps.step()

@@ -15,7 +15,7 @@
             def length_penalty(prompt, response, reference, metadata):
                 return -len(response) / 1000
 
-            cluster.set_affinity("letters", "game")    # move a domain to another pool
+            cluster.set_affinity("guess20", "short")   # move a domain to another pool
 
             @cluster.agent("swe")                      # an OpenAI-API agent runs this domain
             async def solve(client, task):             # client: openai.AsyncOpenAI
@@ -40,7 +40,7 @@ owner closes them after the cluster exits.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,41 +48,15 @@ from rollart.config import Scenario, load_scenario, validate_scenario
 from rollart.controller.agents.runner import AgentFn, AgentRunner, AgentSpec
 from rollart.controller.buffer.core import SampleBuffer
 from rollart.controller.buffer.sample import Sample
+from rollart.controller.build import Backends, build_controller
 from rollart.controller.controller import Controller
 from rollart.controller.evaluation.runner import Evaluator
-from rollart.controller.observe.loophealth import LoopLagMonitor
 from rollart.controller.observe.metrics import StepMetrics
 from rollart.controller.observe.transcripts import TranscriptRecorder
-from rollart.controller.ports import (
-    EnvBackend,
-    GenerationBackend,
-    RewardBackend,
-    Tokenizer,
-    TrainerBackend,
-)
-from rollart.controller.rollout.offloop import OffLoopCalls
-from rollart.controller.routing.proxy import LLMProxy
-from rollart.controller.routing.routers import EnvRouter, LocalEnvBackend, RewardFn, RewardRouter
+from rollart.controller.routing.routers import RewardFn
 from rollart.transport.errors import ConfigError
 
-
-@dataclass
-class Backends:
-    """The services a cluster drives. ``pools`` maps each scenario pool name to its workers;
-    ``reward_endpoints`` maps the http(s) URLs domains name to clients; ``clock`` overrides the
-    loop's monotonic clock (simulators); ``loop_lag``: an event-loop lag monitor whose p99 each
-    step reports (real-time runs only: its timer would keep a virtual clock from idling)."""
-
-    pools: dict[str, list[GenerationBackend]]
-    trainer: TrainerBackend
-    tokenizer: Tokenizer
-    env_hosts: list[EnvBackend] = field(default_factory=list)
-    reward_service: RewardBackend | None = None
-    reward_endpoints: dict[str, RewardBackend] = field(default_factory=dict)
-    clock: Callable[[], float] | None = None
-    loop_lag: LoopLagMonitor | None = None
-    #: the model's vocabulary size: generated token ids must be below it (None: unchecked)
-    vocab_size: int | None = None
+__all__ = ["Backends", "Cluster", "StepHook", "TrainStep"]
 
 
 @dataclass
@@ -104,12 +78,23 @@ class Cluster:
     def __init__(self, scenario: Scenario, backends: Backends,
                  resume: dict[str, Any] | None = None, *,
                  buffer_class: type[SampleBuffer] = SampleBuffer,
-                 transcripts: TranscriptRecorder | None = None) -> None:
+                 transcripts: TranscriptRecorder | None = None,
+                 run_dir: Path | None = None, run_folder: Any = None, run_key: Any = None,
+                 trainer_client: Any = None) -> None:
         self.scenario = validate_scenario(scenario)
         self.backends = backends
         self._resume = resume
         self.buffer_class = buffer_class
         self.transcripts = transcripts
+        # Set by ``open_cluster`` (None for a cluster over backends built otherwise):
+        #: the run folder
+        self.run_dir = run_dir
+        #: its writer (``rollart.launcher.rundir.RunFolder``: metrics, checkpoints, summary)
+        self.run_folder = run_folder
+        #: the run's key (``rollart.run_credentials``; ``INSECURE`` under ``insecure``)
+        self.run_key = run_key
+        #: the trainer service's client (checkpoints are saved through it)
+        self.trainer_client = trainer_client
         self._step_hooks: list[StepHook] = []
         missing = {p.name for p in scenario.pools} - set(backends.pools)
         if missing:
@@ -221,46 +206,24 @@ class Cluster:
         """Start the controller (``async with`` and ``train`` do this for you)."""
         if self.controller is not None:
             return
-        b, sc = self.backends, self.scenario
-        if not b.env_hosts:
-            missing = sorted({d.env for d in sc.domains} - set(self._local_envs))
-            if missing:
-                raise ConfigError(f"no env host, and envs {missing} are not registered "
-                                  f"in-process (register_env); registered: "
-                                  f"{sorted(self._local_envs)}")
-        hardware = {p.name: p.hardware for p in sc.pools}
-        proxy = LLMProxy(
-            {name: (hardware.get(name, "?"), workers) for name, workers in b.pools.items()},
-            self._affinity,
-            version=b.trainer.version,
-            vocab_size=b.vocab_size,
-            max_in_flight=sc.run.max_generate_in_flight,
-        )
         if self._agents and self._agent_runner is None:
             self._agent_runner = AgentRunner(self._agents)
             await self._agent_runner.start()
-        self.controller = Controller(
-            sc,
-            proxy=proxy,
-            envs=EnvRouter(b.env_hosts, LocalEnvBackend(
-                self._local_envs, OffLoopCalls(sc.run.local_threads, what="local env"))),
-            rewards=RewardRouter(
-                b.reward_service, b.reward_endpoints, self._local_rewards,
-                calls=OffLoopCalls(sc.run.local_threads, what="local reward"),
-                local_timeout_s=sc.run.local_reward_timeout_s,
-                max_details_bytes=sc.reward.max_details_bytes),
-            trainer=b.trainer,
-            tokenizer=b.tokenizer,
-            clock=b.clock,
-            resume=self._resume,
-            loop_lag=b.loop_lag,
-            transcripts=self.transcripts,
-            buffer_class=self.buffer_class,
-            agents=self._agent_runner,
-        )
+        try:
+            self.controller = build_controller(
+                self.scenario, self.backends, affinity=self._affinity,
+                local_rewards=self._local_rewards, local_envs=self._local_envs,
+                resume=self._resume, transcripts=self.transcripts,
+                buffer_class=self.buffer_class, agents=self._agent_runner)
+        except BaseException:
+            # ``async with`` calls no ``__aexit__`` when entering fails: nothing else closes it
+            if self._agent_runner is not None:
+                await self._agent_runner.close()
+                self._agent_runner = None
+            raise
         await self.controller.start()
-        if sc.eval.enabled:
-            self.evaluator = Evaluator(self.controller, sc.eval)
+        if self.scenario.eval.enabled:
+            self.evaluator = Evaluator(self.controller, self.scenario.eval)
 
     async def close(self) -> None:
         """Stop every trajectory and the controller's background work (idempotent)."""
@@ -295,7 +258,7 @@ class Cluster:
         ev = self.evaluator
         total = self.scenario.run.steps if steps is None else steps
         if ev is not None and not ev.has_run and total > 0:
-            ev.launch(self.controller._step)
+            ev.launch(self.controller.step_index)
             await ev.finish_pending()
         for i in range(total):
             metrics = await self.controller.step()

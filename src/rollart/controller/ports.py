@@ -83,10 +83,14 @@ class EnvBackend(Protocol):
 
 
 class RewardOutcome(Protocol):
-    """What a reward call returns (``rollart.reward.client.RewardResult`` fits)."""
+    """What a reward call returns (``rollart.reward.client.RewardResult`` fits). Read-only, so
+    frozen results fit."""
 
-    reward: float
-    details: dict[str, Any]
+    @property
+    def reward(self) -> float: ...
+
+    @property
+    def details(self) -> dict[str, Any]: ...
 
 
 @runtime_checkable

@@ -77,7 +77,7 @@ class EnvClient:
 
     # ``step``, the call of every turn, awaits the RPC future itself (no helper coroutine per
     # call: every coroutine layer is one more GC-tracked object alive for the whole call,
-    # issue 11); the rarer calls go through ``RpcClient.call``. ``error_type=EnvError`` makes
+    # measured at 10k trajectories); the rarer calls go through ``RpcClient.call``. ``error_type=EnvError`` makes
     # the RPC client raise the typed error directly. A cancelled call is forgotten at once
     # (``RpcClient.forget``): the host still finishes the step and its reply is ignored.
 

@@ -431,11 +431,11 @@ class ReasoningGymEnv:
 
     def reset(self, seed: int) -> tuple[str, dict[str, Any]]:
         self._ds = rg_dataset(self.dataset, seed, self.config)
-        self._entry = self._ds[0]
+        self._entry = entry = self._ds[0]
         self._done = False
         info = {"dataset": self.dataset, "seed": seed, "index": 0, "config": self.config,
-                "entry": self._entry, "reference": self._entry["answer"]}
-        return self._entry["question"] + RG_ANSWER_INSTRUCTION, plain_info(info, "rg")
+                "entry": entry, "reference": entry["answer"]}
+        return entry["question"] + RG_ANSWER_INSTRUCTION, plain_info(info, "rg")
 
     def step(self, action: str) -> StepResult:
         from gem.utils.parsing import extract_last_boxed_answer

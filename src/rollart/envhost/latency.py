@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Annotated, Literal
+from collections.abc import Mapping
+from typing import Annotated, Literal, TypeVar
 
 import msgspec
 import numpy as np
@@ -88,7 +89,10 @@ class LatencyModel:
         return float(min(max(delay, cfg.min_s), cfg.max_s)), fail
 
 
-def select_latency(latency: dict[str, LatencyConfig], env_name: str) -> LatencyConfig | None:
+_L = TypeVar("_L")
+
+
+def select_latency(latency: Mapping[str, _L], env_name: str) -> _L | None:
     """The config for ``env_name``: an exact env-name key, else its family (``game``, ``rg``,
     ``py``), else ``"*"``; ``None`` when nothing matches."""
     family = env_name.partition(":")[0]

@@ -118,9 +118,11 @@ def build_engine(opts: EngineOptions, counts: SchedulerCounts) -> AsyncLLM:
             backend=VLLM_BACKENDS[opts.weight_transfer])
     args = AsyncEngineArgs(
         model=opts.model,
-        dtype=opts.dtype,
+        # vLLM checks the name itself (its error names the bad value); its annotation is a
+        # Literal of the names it knows, ours a plain string from the scenario.
+        dtype=opts.dtype,  # pyright: ignore[reportArgumentType]
         seed=opts.seed,
-        max_model_len=opts.max_model_len,
+        **({"max_model_len": opts.max_model_len} if opts.max_model_len is not None else {}),
         max_num_seqs=opts.max_num_seqs,
         kv_cache_memory_bytes=None if opts.gpu_memory_utilization else opts.kv_cache_bytes,
         tensor_parallel_size=opts.tensor_parallel_size,
@@ -158,7 +160,7 @@ def to_vllm_sampling(s: m.SamplingParams) -> Any:
     )
 
 
-_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+_FINISH: dict[str, m.FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
 @dataclass
@@ -168,7 +170,7 @@ class Completion:
     token_ids: list[int]
     logprobs: list[float]
     versions: list[int]
-    finish_reason: str
+    finish_reason: m.FinishReason
     prompt_logprobs: list[float | None] | None
 
 
@@ -197,7 +199,10 @@ def completion_from_output(out: RequestOutput, fallback_version: int) -> Complet
             "engine_error",
             f"request {out.request_id}: {len(entries)} logprobs for {len(token_ids)} tokens",
         )
-    for tok, entry in zip(token_ids, entries, strict=True):
+    for i, (tok, entry) in enumerate(zip(token_ids, entries, strict=True)):
+        if entry is None:
+            raise RemoteError("engine_error", f"request {out.request_id}: no logprobs for "
+                                              f"generated token {i}")
         logprobs.append(float(entry[tok].logprob))
     versions = [fallback_version] * len(token_ids)
     for span in comp.weight_versions or []:

@@ -28,7 +28,7 @@ from rollart.transport.errors import RemoteError
 #: at 32k-token contexts)
 DEFAULT_MAX_PREFIX_TOKENS = 1 << 24
 #: default bound on held trajectories per worker: 64 Ki entries (~13 MiB of bookkeeping with
-#: 256-character ids), far above one worker's concurrent trajectories at issue 11's 10k scale
+#: 256-character ids), far above one worker's concurrent trajectories at a 10k-trajectory scale
 DEFAULT_MAX_PREFIX_ENTRIES = 1 << 16
 
 

@@ -50,7 +50,10 @@ def parse_tool_calls(
     text = tokenizer.decode(ids, skip_special_tokens=False)
     # A fresh parser per call: parsers keep streaming state between calls on an instance.
     parser = parser_cls(tokenizer)
-    info = parser.extract_tool_calls(text, ChatCompletionRequest(model="", messages=[]))
+    # pyright reads ``seed = Field(None, ...)`` (default given positionally) as required; it is
+    # optional at run time.
+    request = ChatCompletionRequest(model="", messages=[])  # pyright: ignore[reportCallIssue]
+    info = parser.extract_tool_calls(text, request)
     calls = [m.ToolCall(name=c.function.name, arguments=c.function.arguments)
              for c in info.tool_calls] if info.tools_called else []
     content = info.content if info.content else None

@@ -41,6 +41,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Literal
 
 from rollart.filemodes import apply_umask
 from rollart.inference.engine import (
@@ -56,7 +57,7 @@ from rollart.inference.toolcalls import parse_tool_calls
 from rollart.transport import messages as m
 from rollart.transport import tokenbytes as tb
 from rollart.transport.errors import ConfigError, RemoteError
-from rollart.transport.rpc import RpcServer
+from rollart.transport.rpc import Handler, RpcServer
 from rollart.transport.security import Auth, add_auth_args, service_auth
 from rollart.weights.basestate import WorkerBases
 from rollart.weights.membership import membership_key
@@ -100,7 +101,7 @@ class InferenceWorker(WeightReceiver):
         version: int,
         stager: WeightStager,
         counts: SchedulerCounts,
-        weight_transfer: str = "zmq",
+        weight_transfer: Literal["zmq", "nccl", "gloo"] = "zmq",
         num_ranks: int = 1,
         max_prefix_tokens: int = DEFAULT_MAX_PREFIX_TOKENS,
         membership_key: bytes | None = None,
@@ -108,7 +109,7 @@ class InferenceWorker(WeightReceiver):
         self.engine = engine
         self.membership_key = membership_key
         self.prefixes = PrefixStore(max_prefix_tokens)
-        self.weight_transfer = weight_transfer
+        self.weight_transfer: Literal["zmq", "nccl", "gloo"] = weight_transfer
         self.num_ranks = num_ranks
         #: version the model holds after a collective update, not yet applied (labelled)
         self.received_version: int | None = None
@@ -128,7 +129,7 @@ class InferenceWorker(WeightReceiver):
         # Pause / Resume / ApplyWeights change the engine's pause state: one at a time.
         self._control = asyncio.Lock()
 
-    def handlers(self) -> dict[type, object]:
+    def handlers(self) -> dict[type, Handler]:
         return {
             m.Generate: self.generate,
             m.Abort: self.abort,
@@ -151,7 +152,7 @@ class InferenceWorker(WeightReceiver):
             num_generated_tokens=self.generated_tokens,
             num_aborted=self.aborted_requests,
             num_ranks=self.num_ranks,
-            weight_transfer=self.weight_transfer,  # type: ignore[arg-type]
+            weight_transfer=self.weight_transfer,
         )
 
     def die(self, reason: str) -> None:

@@ -18,6 +18,9 @@ dicts exactly as ``open_cluster(rewards=..., envs=...)`` would::
     REWARDS = {"contains_reference": contains_reference}   # domains with reward_url = "local"
     ENVS = {"script:echo": Echo}                           # domains with env = "script:echo"
 
+The file's folder is put first on ``sys.path`` before it runs (as ``python task.py`` would
+do), so it can import the modules beside it (``from helpers import ...``).
+
 A driver script can import the same file and pass ``REWARDS`` / ``ENVS`` itself; a name given
 both ways is refused (which one would run would be a guess).
 
@@ -82,10 +85,18 @@ def _import(path: Path, source: str) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     # Registered before it runs, as any import is (dataclasses and pickling look it up).
     sys.modules[name] = module
+    # Its own folder first on sys.path, as `python task.py` has it: the file imports the
+    # modules beside it (at its top or later, inside a function), not ones of the cwd.
+    folder = str(path.parent)
+    added = folder not in sys.path
+    if added:
+        sys.path.insert(0, folder)
     try:
         spec.loader.exec_module(module)
     except (Exception, SystemExit) as exc:  # sys.exit() in the module: a named error too
         del sys.modules[name]
+        if added:
+            sys.path.remove(folder)
         raise ConfigError(f"{source}: {FIELD}: importing {path} failed: "
                           f"{type(exc).__name__}: {exc}") from exc
     _LOADED[path] = module

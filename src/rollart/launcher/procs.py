@@ -241,11 +241,14 @@ class Supervisor:
         deadline = time.monotonic() + timeout_s
         for svc in started:
             remaining = max(0.1, deadline - time.monotonic())
+            proc = svc.proc
+            if proc is None:  # never spawned: nothing to wait for
+                continue
             try:
-                await asyncio.wait_for(svc.proc.wait(), remaining)  # type: ignore[union-attr]
+                await asyncio.wait_for(proc.wait(), remaining)
             except TimeoutError:
                 svc.kill_group(signal.SIGKILL)
-                await svc.proc.wait()  # type: ignore[union-attr]
+                await proc.wait()
         grace_end = time.monotonic() + grace_s
         for svc in started:
             assert svc.proc is not None

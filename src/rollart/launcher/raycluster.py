@@ -45,6 +45,8 @@ from rollart.transport.errors import ConfigError, RollartError
 
 try:
     import ray
+    import ray.exceptions
+    from ray import ObjectRef
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 except ImportError as exc:  # pragma: no cover - depends on the environment
@@ -72,7 +74,7 @@ class RayService:
     name: str
     log_path: Path
     actor: Any = None
-    exit_ref: Any = None
+    exit_ref: ObjectRef[dict[str, Any]] | None = None
     proc: _Exit | None = None  # set once it exited
     address: str | None = None
     pid: int | None = None
@@ -281,7 +283,7 @@ class RaySupervisor:
         placed = [s for s in self.services.values() if s.actor is not None]
         for svc in placed:
             svc.expected_exit = True
-        refs = [svc.actor.stop.remote() for svc in placed]
+        refs: list[ObjectRef[bytes]] = [svc.actor.stop.remote() for svc in placed]
         if refs:
             await asyncio.to_thread(ray.wait, refs, num_returns=len(refs), timeout=timeout_s)
         for svc, ref in zip(placed, refs, strict=True):

@@ -218,7 +218,7 @@ def write_html(run_dir: Path, out: Path, rows: list[dict[str, Any]]) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="rollart report", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="rollart report", description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("run_dir", type=Path, help="a run folder (holds metrics.jsonl)")
     p.add_argument("--out", type=Path, help="where to write (default RUN_DIR/report)")
     args = p.parse_args(argv)

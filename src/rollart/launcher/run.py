@@ -52,7 +52,7 @@ log = logging.getLogger("rollart.run")
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="rollart run", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="rollart run", description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("scenario", type=Path, help="scenario TOML file")
     p.add_argument("--out", type=Path, help="run directory (default runs/<scenario>-<time>)")
     p.add_argument("--steps", type=int, help="total training steps (overrides run.steps)")

@@ -4,6 +4,9 @@
 ``RUN_DIR/``:
 
 - ``config.json``: the resolved scenario;
+- ``base_model.json``: the model the run started from, resolved (``path``: the local Hugging
+  Face checkpoint, for the tiny model its built copy in the cache; ``model_path``: the
+  scenario's ``model.path``): what ``rollart export`` builds on (:func:`record_base_model`);
 - ``metrics.jsonl``: one ``StepMetrics`` object per step;
 - ``trained_samples.jsonl``: sample ids per step (exactly-once evidence across resumes);
 - ``transcripts.jsonl``: a sample of decoded trajectories per step
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,12 +43,14 @@ from rollart.trainer.checkpoint import latest_checkpoint, mark_complete, read_js
 from rollart.transport.errors import ConfigError
 
 #: files and folders of a run (moved aside as a whole when a fresh run reuses the folder)
-RUN_OUTPUTS = ("config.json", "metrics.jsonl", "trained_samples.jsonl", "transcripts.jsonl",
+RUN_OUTPUTS = ("config.json", "base_model.json", "metrics.jsonl", "trained_samples.jsonl", "transcripts.jsonl",
                "summary.json", "tensorboard", "checkpoints", "logs", "ready", "report")
 #: per-step JSONL files (truncated to the checkpoint's step on resume)
 _STEP_FILES = ("metrics.jsonl", "trained_samples.jsonl", "transcripts.jsonl")
 #: steps at each end of the run whose rewards summary.json compares
 SUMMARY_WINDOW = 10
+#: the run's base model record (:func:`record_base_model`)
+BASE_MODEL_FILE = "base_model.json"
 
 
 class RunState(msgspec.Struct, kw_only=True):
@@ -66,6 +72,38 @@ def resume_point(run_dir: Path) -> tuple[Path, RunState]:
         raise ConfigError(f"resume {run_dir}: no complete checkpoint under "
                           f"{run_dir / 'checkpoints'}")
     return ckpt, msgspec.convert(read_json(ckpt / "controller.json"), RunState)
+
+
+def record_base_model(run_dir: Path, model_dir: Path, scenario: Scenario) -> None:
+    """Write ``run_dir/base_model.json``: ``path``, the absolute path of the checkpoint the
+    services loaded (``model_dir``), and ``model_path``, the scenario's ``model.path`` it was
+    resolved from (``"tiny"``: the built tiny model in the cache)."""
+    record = {"path": str(Path(model_dir).resolve()), "model_path": scenario.model.path}
+    (run_dir / BASE_MODEL_FILE).write_text(json.dumps(record, indent=2) + "\n")
+
+
+def base_model(run_dir: Path) -> Path:
+    """The base model :func:`record_base_model` recorded for ``run_dir``.
+
+    Raises:
+        ConfigError: no (readable) record, or the recorded folder is gone or holds no
+            ``config.json`` (a tiny model's cache cleared since: rebuild it by running the
+            scenario again, or ``rollart export --base``).
+    """
+    path = run_dir / BASE_MODEL_FILE
+    try:
+        recorded = Path(json.loads(path.read_text())["path"])
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: missing: the run folder does not record its base model "
+                          "(a run started before rollart recorded it); give it with --base "
+                          "DIR") from None
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"{path}: not a base model record ({exc})") from None
+    if not (recorded / "config.json").is_file():
+        raise ConfigError(f"{path}: the recorded base model {recorded} is not a Hugging Face "
+                          "checkpoint directory any more (no config.json); give one with "
+                          "--base DIR") from None
+    return recorded
 
 
 def prepare(run_dir: Path, resume_step: int | None) -> Path | None:
@@ -160,7 +198,7 @@ class RunFolder:
                                         msgspec.to_builtins(scenario)))
         self.transcripts: Any = None
         #: called with a line of text when a checkpoint is saved
-        self.on_note = lambda _text: None
+        self.on_note: Callable[[str], None] = lambda _text: None
         #: the newest checkpoint this process saved, and its step
         self.last_checkpoint: Path | None = None
         self.last_checkpoint_step: int | None = None
@@ -306,7 +344,7 @@ def write_summary(run_dir: Path, scenario: Scenario, started: float) -> dict[str
         "wall_time_s": time.time() - started,
         # waste by reason and per-domain selection bias, totals over the steps
         **waste_summary(rows, {d.name: d.weight for d in scenario.domains}),
-        # failed trajectories by reason, bad worker replies, quarantined workers (issue 13)
+        # failed trajectories by reason, bad worker replies, quarantined workers
         **failure_summary(rows),
     }
     for name, rw in domain_rewards(rows).items():

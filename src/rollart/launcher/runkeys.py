@@ -96,6 +96,7 @@ def run_auth(scenario: Scenario, run_dir: Path, *, insecure: bool = False,
         os.chmod(keys, 0o700)
         path = keys / f"{KEY_NAME}.key_secret"
         if Path(given).expanduser().resolve() != path.resolve():
-            shutil.copyfile(key.path, path)  # type: ignore[arg-type]
+            assert key.path is not None  # load_key_file sets it
+            shutil.copyfile(key.path, path)
             os.chmod(path, 0o600)
     return RunAuth(load_key_file(path), ["--key-file", str(path.resolve())])

@@ -114,10 +114,12 @@ class TensorBoardSink:
     def write(self, step: int, scalars: dict[str, float]) -> None:
         from tensorboard.compat.proto import event_pb2, summary_pb2
 
-        summary = summary_pb2.Summary(value=[
-            summary_pb2.Summary.Value(tag=k, simple_value=v) for k, v in sorted(scalars.items())])
-        self._writer.add_event(event_pb2.Event(wall_time=time.time(), step=step,
-                                               summary=summary))
+        # Generated protobuf classes, made at import: invisible to a type checker.
+        proto = summary_pb2.Summary  # pyright: ignore[reportAttributeAccessIssue]
+        summary = proto(value=[proto.Value(tag=k, simple_value=v)
+                               for k, v in sorted(scalars.items())])
+        event = event_pb2.Event  # pyright: ignore[reportAttributeAccessIssue]
+        self._writer.add_event(event(wall_time=time.time(), step=step, summary=summary))
 
     def flush(self) -> None:
         self._writer.flush()
@@ -135,7 +137,8 @@ class WandbSink:
 
     def __init__(self, project: str, run_dir: Path, config: dict[str, Any]) -> None:
         try:
-            import wandb  # optional: only when output.wandb is set
+            # optional (only when output.wandb is set), so absent where pyright runs
+            import wandb  # pyright: ignore[reportMissingImports]
         except ImportError:
             raise ConfigError("output.wandb: true, but the wandb package is not installed "
                               "(pip install wandb), or set it false") from None

@@ -48,7 +48,7 @@ def prefix_store_notes(sc: Scenario) -> list[str]:
     ``max_tokens_per_trajectory``, against ``engine.max_prefix_tokens`` (default 16 Mi). An
     upper bound (every trajectory on this pool, each at its longest): a note, not an error. A
     worker that evicts a prefix makes that trajectory's next turn fail with
-    ``prefix_unknown`` and go again with its whole context (issue 11: at 10k trajectories,
+    ``prefix_unknown`` and go again with its whole context (at 10k trajectories,
     ~every turn)."""
     from rollart.controller.buffer.core import SampleBuffer
 
@@ -138,7 +138,7 @@ def cost_notes(sc: Scenario) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="rollart validate", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="rollart validate", description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("scenario", type=Path, help="scenario TOML file")
     p.add_argument("--quiet", action="store_true", help="print nothing when it is valid")
     p.add_argument("--cluster", default="local", metavar="local|ray|ray://HOST:PORT",

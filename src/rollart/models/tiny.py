@@ -126,7 +126,8 @@ def init_tiny_model(spec: TinyModelSpec) -> Qwen2ForCausalLM:
         torch.manual_seed(spec.seed)
         model = Qwen2ForCausalLM(tiny_config(spec))
     model.generation_config = _generation_config()
-    return model.to(torch.float32)
+    # transformers wraps ``PreTrainedModel.to`` in a decorator pyright reads as unbound.
+    return model.to(torch.float32)  # pyright: ignore[reportArgumentType]
 
 
 def build_tiny_model(

@@ -233,7 +233,9 @@ def ensure_quickstart_model(cache_dir: str | Path, scenario: Scenario) -> Path:
     """The checkpoint for a scenario whose ``model.path`` is ``"tiny"``: the tiny model from
     ``model.tiny_seed``, warmed up on the scenario's domains when ``model.tiny_warmup`` (cached
     under ``cache_dir``; rebuilt when missing); with ``model.tiny_warmup_tool_calls`` on
-    calculator conversations (`TOOL_CALL_RECIPE`).
+    calculator conversations (`TOOL_CALL_RECIPE`); the recipe is `scenario_recipe`'s (its
+    episodes, epochs and learning rate key the cache entry, so a changed recipe never reuses a
+    model built with another).
 
     Raises:
         ValueError: warm-up requested but no domain has a solver.
@@ -244,4 +246,22 @@ def ensure_quickstart_model(cache_dir: str | Path, scenario: Scenario) -> Path:
     return ensure_warm_tiny_model(
         cache_dir, scenario.domains, model_seed=model.tiny_seed,
         max_turns=scenario.run.max_turns, tool_calls=model.tiny_warmup_tool_calls,
-        recipe=TOOL_CALL_RECIPE if model.tiny_warmup_tool_calls else DEFAULT_RECIPE)
+        recipe=scenario_recipe(scenario))
+
+
+def scenario_recipe(scenario: Scenario) -> WarmupRecipe:
+    """The warm-up recipe of a scenario: `TOOL_CALL_RECIPE` with ``model.tiny_warmup_tool_calls``,
+    else `DEFAULT_RECIPE`, with ``model.tiny_warmup_episodes`` / ``_epochs`` / ``_lr`` replacing
+    its episodes per domain, SFT epochs and SFT learning rate where set (not ``None``). The
+    model seed is not set here (`warmup_spec` does)."""
+    model = scenario.model
+    base = TOOL_CALL_RECIPE if model.tiny_warmup_tool_calls else DEFAULT_RECIPE
+    sft = base.sft
+    if model.tiny_warmup_epochs is not None:
+        sft = msgspec.structs.replace(sft, epochs=model.tiny_warmup_epochs)
+    if model.tiny_warmup_lr is not None:
+        sft = msgspec.structs.replace(sft, lr=model.tiny_warmup_lr)
+    episodes = model.tiny_warmup_episodes
+    return msgspec.structs.replace(
+        base, sft=sft,
+        episodes_per_domain=base.episodes_per_domain if episodes is None else episodes)

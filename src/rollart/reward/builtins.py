@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import math as _math
 import re
-from typing import Any
+from typing import Any, Literal
 
 from rollart.reward.registry import RewardInputError, reward_function
 
@@ -61,7 +61,8 @@ def _reference_text(reference: Any, fn: str) -> str:
     return text
 
 
-def _mv_parse(text: str, configs: list[Any], fallback_mode: str = "first_match") -> list[Any]:
+def _mv_parse(text: str, configs: list[Any],
+              fallback_mode: Literal["no_fallback", "first_match"] = "first_match") -> list[Any]:
     """math-verify parse; [] if nothing parses; TimeoutError if it ran out of time.
 
     ``fallback_mode="first_match"`` keeps the extracted string next to the sympy value (so a

@@ -31,7 +31,7 @@ Executor = Literal["inline", "thread", "process"]
 ``thread`` in the service's thread pool, ``process`` in its process pool (CPU-bound work such as
 sympy; the function must be importable by module path so it can be pickled by reference)."""
 
-_EXECUTORS: tuple[str, ...] = ("inline", "thread", "process")
+_EXECUTORS: tuple[Executor, ...] = ("inline", "thread", "process")
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 _MARK = "__rollart_reward__"
 
@@ -97,7 +97,7 @@ def _make_spec(
         name=_check_name(name),
         fn=fn,
         is_async=inspect.iscoroutinefunction(fn),
-        executor=executor,  # type: ignore[arg-type]
+        executor=executor,
         timeout_s=timeout_s,
         description=doc.strip().splitlines()[0] if doc.strip() else "",
     )

@@ -14,8 +14,8 @@ patch, so virtual runs use the standard loop. ``run_real`` runs the same corouti
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
 
 import looptime
 
@@ -48,7 +48,7 @@ def run_virtual(main: Callable[[], Awaitable[T]], *, idle_timeout_s: float = 1.0
         _shutdown(loop)
 
 
-def run_real(main: Callable[[], Awaitable[T]], *, use_uvloop: bool = True) -> T:
+def run_real(main: Callable[[], Coroutine[Any, Any, T]], *, use_uvloop: bool = True) -> T:
     """Run ``main()`` on a real-time loop (uvloop by default)."""
     if use_uvloop:
         import uvloop

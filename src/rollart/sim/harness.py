@@ -1,9 +1,9 @@
 """Run the REAL rollart controller against SIMULATED workers, envs, reward and trainer.
 
 ``run_simulated(sim, seed)`` builds a ``rollart.config.Scenario`` from a ``SimScenario``, the
-real ``LLMProxy`` / ``EnvRouter`` / ``RewardRouter`` / ``Controller`` over simulated backends
-(``rollart.sim.worker``, ``.env``, ``.trainer``), runs ``steps`` training steps and returns their
-metrics. With ``virtual=True`` (default) it runs on the looptime virtual clock, so hundreds of
+real ``Controller`` (``rollart.controller.build.build_controller``, as every run builds it) over
+simulated backends (``rollart.sim.worker``, ``.env``, ``.trainer``), runs ``steps`` training steps
+and returns their metrics. With ``virtual=True`` (default) it runs on the looptime virtual clock, so hundreds of
 simulated GPUs and thousands of trajectories finish in seconds of real time, deterministically
 for a seed; ``virtual=False`` runs the same code in real time (use small latencies).
 
@@ -17,6 +17,7 @@ import collections
 import dataclasses
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,9 +33,7 @@ from rollart.config import (
     TrainerConfig,
     validate_scenario,
 )
-from rollart.controller.controller import Controller
-from rollart.controller.routing.proxy import LLMProxy
-from rollart.controller.routing.routers import EnvRouter, RewardRouter
+from rollart.controller.build import Backends, build_controller
 from rollart.sim import costs
 from rollart.sim.clock import run_real, run_virtual
 from rollart.sim.env import ENV_PREFIX, SimEnvHost, SimReward
@@ -236,13 +235,15 @@ class SimCluster:
         self.env_hosts = [SimEnvHost(f"env-{i}", self.table, seed=seed, opens=opens,
                                      max_concurrent_steps=sim.env_max_concurrent_steps)
                           for i in range(sim.env_hosts)]
-        service = None
+        service: Callable[[str, str], float] | None = None
         if sim.reward_gpus:
             tok, reward_hw = SimTokenizer(self.table), get_hardware(sim.reward_hardware)
 
-            def service(prompt: str, response: str) -> float:
+            def judge_s(prompt: str, response: str) -> float:
                 n = len(tok.encode(prompt)) + _generated(response)
                 return costs.prefill_s(model, reward_hw, n, eff=sim.eff)
+
+            service = judge_s
 
         self.reward = SimReward(latency_s=sim.reward_latency_s, seed=seed,
                                 max_concurrency=sim.reward_gpus or None, service_s=service)
@@ -255,18 +256,18 @@ class SimCluster:
                                   delta_bytes_fraction=sim.weight_delta_fraction,
                                   full_every=sim.weight_full_every,
                                   delta_encode_bytes_per_s=sim.delta_encode_bytes_per_s,
-                                  delta_rebuild_bytes_per_s=sim.delta_rebuild_bytes_per_s)
-        self.proxy = LLMProxy(
-            {p.name: (p.hardware, self.workers[p.name]) for p in sim.pools},
-            {d.spec.name: d.pool for d in sim.domains},
-            max_in_flight=self.scenario.run.max_generate_in_flight)
+                                  delta_rebuild_bytes_per_s=sim.delta_rebuild_bytes_per_s,
+                                  push_needs_pause=sim.push_at_pause)
         if sim.check not in (None, "per_turn", "admission"):
             raise ValueError(f"SimScenario.check must be per_turn or admission, got {sim.check!r}")
-        self.controller = Controller(
-            self.scenario, proxy=self.proxy, envs=EnvRouter(self.env_hosts),
-            rewards=RewardRouter(service=self.reward), trainer=self.trainer,
-            tokenizer=SimTokenizer(self.table), stall_watchdog=False, check=sim.check)
-        self.trainer.push_needs_pause = sim.push_at_pause
+        # No stall watchdog: its timer would hide a deadlock from the virtual clock's idle
+        # detection. The loop's clock (virtual or not) is the controller's.
+        self.controller = build_controller(
+            self.scenario, Backends(pools=self.workers, trainer=self.trainer,
+                                    tokenizer=SimTokenizer(self.table),
+                                    env_hosts=self.env_hosts, reward_service=self.reward),
+            stall_watchdog=False, check=sim.check)
+        self.proxy = self.controller.proxy
 
     async def run(self, steps: int | None = None) -> list[dict[str, Any]]:
         """Run ``steps`` (default ``sim.steps``) training steps; metrics as dicts."""

@@ -22,12 +22,20 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, cast
 
 from rollart.controller.ports import GenerationBackend, TrainResult
 from rollart.sim import costs
 from rollart.sim.hardware import HardwareProfile
 from rollart.sim.models import ModelProfile
+
+
+class _Stager(Protocol):
+    """A worker that stages weights itself (``SimWorker``, ``InferenceClient``): the
+    controller's ``GenerationBackend`` port does not declare ``push_weights``."""
+
+    async def push_weights(self, version: int, named_tensors: Iterable[tuple[str, Any]], *,
+                           bucket_bytes: int) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -57,6 +65,8 @@ class SimTrainer:
             ``delta_encode_bytes_per_s`` / ``delta_rebuild_bytes_per_s``: the trainer's encode
             and a worker's rebuild rate of a delta version (bytes of the full version per
             second; None: free).
+        push_needs_pause: the controller pushes at the pause point, blocking, as for a
+            collective broadcast (default: overlapped with rollout).
 
     Attributes: ``version`` (updates applied), ``step_times_s`` (each step's simulated time),
     ``push_times_s`` (each push's duration, seconds).
@@ -69,7 +79,8 @@ class SimTrainer:
                  time_scale: float = 1.0, egress_bytes_per_s: float | None = None,
                  delta_bytes_fraction: float | None = None, full_every: int = 10,
                  delta_encode_bytes_per_s: float | None = None,
-                 delta_rebuild_bytes_per_s: float | None = None) -> None:
+                 delta_rebuild_bytes_per_s: float | None = None,
+                 push_needs_pause: bool = False) -> None:
         if egress_bytes_per_s is not None and egress_bytes_per_s <= 0:
             raise ValueError(f"egress_bytes_per_s must be > 0, got {egress_bytes_per_s}")
         if delta_bytes_fraction is not None and not 0 < delta_bytes_fraction <= 1:
@@ -97,7 +108,7 @@ class SimTrainer:
         self.num_tokens_trained = 0
         self.workers: list[GenerationBackend] = []
         #: True: the controller pushes at the pause point, blocking (not overlapped)
-        self.push_needs_pause = False
+        self.push_needs_pause = push_needs_pause
 
     @property
     def version(self) -> int:
@@ -151,8 +162,9 @@ class SimTrainer:
             await asyncio.gather(*(self._shared_push(version, w, len(live)) for w in live))
         else:
             await asyncio.gather(*(
-                w.push_weights(version, self._weights() if self._weights else self._buckets(),
-                               bucket_bytes=self.bucket_bytes)  # type: ignore[attr-defined]
+                cast(_Stager, w).push_weights(
+                    version, self._weights() if self._weights else self._buckets(),
+                    bucket_bytes=self.bucket_bytes)
                 for w in live))
         self.push_times_s.append(loop.time() - start)
 

@@ -476,7 +476,7 @@ class SimInferenceWorker:
             req = self._running.pop(rid)
             self._resolve(req, req.finish)
 
-    def _resolve(self, req: _Request, reason: str) -> None:
+    def _resolve(self, req: _Request, reason: m.FinishReason) -> None:
         self._ids.discard(req.rid)
         if req.fut.done():
             return

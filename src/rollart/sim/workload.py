@@ -53,6 +53,8 @@ class CounterRng(random.Random):
     which raise NotImplementedError.
     """
 
+    _ctr: int  # the SplitMix64 counter
+
     def seed(self, a: object = None, version: int = 2) -> None:  # called by __init__
         digest = hashlib.blake2b(str(a).encode(), digest_size=8).digest()
         self._ctr = int.from_bytes(digest, "little")
@@ -71,6 +73,8 @@ class CounterRng(random.Random):
         return self._ctr
 
     def setstate(self, state: object) -> None:
+        if not isinstance(state, int):
+            raise TypeError(f"CounterRng state must be the int getstate returned, got {state!r}")
         self._ctr = state
 
 
@@ -187,7 +191,7 @@ class DomainTable:
     def token_id(self, name: str) -> int:
         return self._token_of[self.by_name(name).name]
 
-    def for_prompt(self, prompt_token_ids: list[int]) -> DomainSpec | None:
+    def for_prompt(self, prompt_token_ids: Sequence[int]) -> DomainSpec | None:
         """The domain whose observation opens this prompt, or ``None`` if there is none."""
         for tok in prompt_token_ids[:64]:
             spec = self._by_token.get(tok)

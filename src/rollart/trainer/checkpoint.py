@@ -77,13 +77,13 @@ def save_trainer(path: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
     RNG states), after DCP's save returned, i.e. once every rank's shards are written.
     """
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint.state_dict_saver as dcp_save
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     start = time.perf_counter()
     path.mkdir(parents=True, exist_ok=True)
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path / "trainer"))
+    dcp_save.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path / "trainer"))
     if not dist.is_initialized() or dist.get_rank() == 0:
         state = TrainerState(version=version, step=step, **_rng_state())
         _atomic_write(path / "trainer.json", msgspec.json.encode(state))
@@ -100,14 +100,14 @@ def load_trainer(path: Path, model: torch.nn.Module,
     Raises:
         FileNotFoundError: ``path`` has no trainer checkpoint.
     """
-    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint.state_dict_loader as dcp_load
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     if not (path / "trainer.json").exists():
         raise FileNotFoundError(f"no trainer checkpoint in {path}")
     model_sd, optim_sd = get_state_dict(model, optimizer)
     sd = {"model": model_sd, "optim": optim_sd}
-    dcp.load(sd, checkpoint_id=str(path / "trainer"))
+    dcp_load.load(sd, checkpoint_id=str(path / "trainer"))
     set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     state = msgspec.json.decode((path / "trainer.json").read_bytes(), type=TrainerState)
     _set_rng_state(state)

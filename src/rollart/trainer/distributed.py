@@ -49,6 +49,7 @@ from rollart.transport.messages import TrainSample
 
 if TYPE_CHECKING:
     import torch
+    import torch.distributed
     from torch import nn
 
     from rollart.trainer.step import ReduceOp, TrainStepConfig
@@ -148,8 +149,8 @@ class RankGroup:
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=timeout)
         # new_group is collective: every rank creates the same groups in the same order.
-        self._control = dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
-        self._cpu = dist.new_group(backend="gloo", timeout=timeout)
+        self._control = _member_group(dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT))
+        self._cpu = _member_group(dist.new_group(backend="gloo", timeout=timeout))
         self.mesh = init_device_mesh(device.type, (world_size,))
 
     @classmethod
@@ -224,7 +225,17 @@ _LAYER_PATHS = ("model.layers", "model.decoder.layers", "transformer.h", "gpt_ne
                 "layers")
 
 
-def decoder_layers(model: nn.Module) -> Sequence[nn.Module]:
+def _member_group(group: object) -> torch.distributed.ProcessGroup:
+    """``group`` (from ``dist.new_group`` over all ranks), checked to be one this rank is in:
+    torch types the result ``ProcessGroup | int | None`` (a marker for non-members)."""
+    import torch.distributed as dist
+
+    if not isinstance(group, dist.ProcessGroup):
+        raise RuntimeError(f"torch.distributed.new_group gave {group!r}, not a process group")
+    return group
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The model's decoder layers (a non-empty ModuleList at a usual transformers path).
 
     Raises:

@@ -1,9 +1,10 @@
-"""GRPO advantages and the decoupled PPO loss (pure torch, device agnostic).
+"""The decoupled PPO loss (pure torch, device agnostic).
+
+The advantages it takes come with each sample (``TrainSample.advantage``), computed by the
+controller (``rollart.controller.training.advantages``, GRPO of Shao et al. 2024,
+"DeepSeekMath", Sec. 4.1): the same advantage for every generated token of a sample.
 
 Sources:
-- GRPO group-normalised advantages: Shao et al. 2024, "DeepSeekMath: Pushing the Limits of
-  Mathematical Reasoning in Open Language Models", Sec. 4.1 (outcome supervision:
-  A_i = (r_i - mean(r)) / std(r), the same advantage for every token of output i).
 - PPO clipped surrogate: Schulman et al. 2017, "Proximal Policy Optimization Algorithms", Eq. 7.
 - Decoupled PPO for asynchronous RL: Fu et al. 2025, "AReaL: A Large-Scale Asynchronous
   Reinforcement Learning System for Language Reasoning", Sec. 5.2 ("Decoupled PPO objective"):
@@ -23,95 +24,6 @@ import torch
 from torch import Tensor
 
 IWMode = Literal["truncate", "mask"]
-
-
-def grpo_advantages(
-    rewards: Tensor,
-    valid_mask: Tensor | None = None,
-    *,
-    group_ids: Tensor | None = None,
-    eps: float = 1e-6,
-) -> Tensor:
-    """Group-normalised GRPO advantages, (r - mean_g) / (std_g + eps) over the valid members.
-
-    Shao et al. 2024 (DeepSeekMath, Sec. 4.1). `std_g` is the population standard deviation
-    (divide by n, not n - 1) of the valid rewards of the group, computed in float64 as the root of
-    the mean squared deviation from the mean (two-pass, so it is never negative).
-
-    Invalid members (failed or cancelled trajectories) neither enter their group's mean/std nor
-    receive an advantage (their entry is 0). A group whose valid rewards are all equal (this
-    includes a group with a single valid member) gets exactly 0 for every member, never NaN.
-
-    Args:
-        rewards: float tensor, either [G, K] (G groups of K members; `group_ids` must be None)
-            or [N] flat with `group_ids` [N] (any integer labels).
-        valid_mask: bool or 0/1 tensor of the same shape as `rewards`; None means all valid.
-        group_ids: integer tensor [N] for the flat form.
-        eps: added to the std in the denominator (float, > 0).
-
-    Returns:
-        Tensor of the same shape and dtype as `rewards` (float32 for integer input).
-
-    Raises:
-        ValueError: shape mismatch, a 1-D `rewards` without `group_ids` (or 2-D with them),
-            non-finite valid rewards, or `eps <= 0`.
-    """
-    if eps <= 0:
-        raise ValueError(f"eps must be > 0, got {eps}")
-    out_dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
-    if valid_mask is None:
-        valid_mask = torch.ones_like(rewards, dtype=torch.bool)
-    if valid_mask.shape != rewards.shape:
-        raise ValueError(
-            f"valid_mask shape {tuple(valid_mask.shape)} != rewards shape {tuple(rewards.shape)}"
-        )
-    valid = valid_mask.to(torch.bool)
-    if rewards.dim() == 2:
-        if group_ids is not None:
-            raise ValueError("rewards is [G, K]: pass group_ids only with flat [N] rewards")
-        g, k = rewards.shape
-        inverse = torch.arange(g, device=rewards.device).repeat_interleave(k)
-        num_groups = g
-    elif rewards.dim() == 1:
-        if group_ids is None:
-            raise ValueError("flat [N] rewards need group_ids [N]")
-        if group_ids.shape != rewards.shape:
-            raise ValueError(
-                f"group_ids shape {tuple(group_ids.shape)} != rewards shape {tuple(rewards.shape)}"
-            )
-        if group_ids.is_floating_point():
-            raise ValueError("group_ids must be an integer tensor")
-        _, inverse = torch.unique(group_ids, return_inverse=True)
-        num_groups = int(inverse.max()) + 1 if inverse.numel() else 0
-    else:
-        raise ValueError(f"rewards must be [G, K] or [N], got shape {tuple(rewards.shape)}")
-
-    r = rewards.reshape(-1).to(torch.float64)
-    v = valid.reshape(-1)
-    if not torch.isfinite(r[v]).all():
-        raise ValueError("rewards of valid members must be finite")
-    r = torch.where(v, r, torch.zeros_like(r))  # NaN/inf of invalid members must not leak
-    vf = v.to(torch.float64)
-
-    count = torch.zeros(num_groups, dtype=torch.float64, device=r.device).index_add_(0, inverse, vf)
-    total = torch.zeros_like(count).index_add_(0, inverse, r * vf)
-    mean = total / count.clamp(min=1.0)
-    centered = (r - mean[inverse]) * vf
-    var = torch.zeros_like(count).index_add_(0, inverse, centered * centered) / count.clamp(min=1)
-    std = var.sqrt()
-    # "All equal" is decided exactly (max == min), not by std < tol: float rounding of the mean
-    # could otherwise leave a tiny non-zero r - mean divided by a tiny std.
-    big = torch.finfo(torch.float64).max
-    gmax = torch.full_like(count, -big).scatter_reduce_(
-        0, inverse, torch.where(v, r, torch.full_like(r, -big)), "amax"
-    )
-    gmin = torch.full_like(count, big).scatter_reduce_(
-        0, inverse, torch.where(v, r, torch.full_like(r, big)), "amin"
-    )
-    informative = (count >= 2) & (gmax > gmin)
-    adv = centered / (std[inverse] + eps)
-    adv = torch.where(v & informative[inverse], adv, torch.zeros_like(adv))
-    return adv.reshape(rewards.shape).to(out_dtype)
 
 
 def _as_bool_mask(mask: Tensor, name: str, shape: torch.Size) -> Tensor:

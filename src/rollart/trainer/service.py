@@ -30,7 +30,7 @@ import msgspec
 from rollart.filemodes import apply_umask
 from rollart.transport import messages as m
 from rollart.transport.errors import ConfigError, RemoteError
-from rollart.transport.rpc import RpcServer
+from rollart.transport.rpc import Handler, RpcServer
 from rollart.transport.security import INSECURE, Auth, add_auth_args, service_auth
 
 log = logging.getLogger("rollart.trainer")
@@ -106,8 +106,9 @@ class TrainerService:
             # The KL term's reference policy is the initial checkpoint (after a resume too):
             # a frozen full copy on each rank's device, costing one more model in memory.
             device = self.ranks.device if self.ranks is not None else opts.device
+            # transformers wraps ``PreTrainedModel.to`` in a decorator pyright reads as unbound.
             self.ref_model = AutoModelForCausalLM.from_pretrained(
-                model_path, dtype=dtype).to(device).eval().requires_grad_(False)
+                model_path, dtype=dtype).to(device).eval().requires_grad_(False)  # pyright: ignore[reportArgumentType]
         self.version = 0
         self.step = 0
 
@@ -115,7 +116,7 @@ class TrainerService:
             return InferenceClient(addr, auth=auth, name=f"worker@{addr}",
                                    default_timeout_s=600.0)
 
-        self.weight_transfer = opts.weight_transfer
+        self.weight_transfer: Literal["zmq", "nccl", "gloo"] = opts.weight_transfer
         from rollart.weights.sender import DeltaSender
 
         self.wire_dtype = opts.weight_wire_dtype
@@ -130,7 +131,8 @@ class TrainerService:
         self.runner = RankRunner(self.model, self.optimizer, self.step_cfg, self.ranks,
                                  ref_model=self.ref_model)
         self.collective = None
-        if opts.weight_transfer != "zmq" and (self.ranks is None or self.ranks.rank == 0):
+        kind = opts.weight_transfer
+        if kind != "zmq" and (self.ranks is None or self.ranks.rank == 0):
             from rollart.weights.collective import CollectivePublisher
             from rollart.weights.membership import membership_key
 
@@ -138,7 +140,7 @@ class TrainerService:
                 opts.weight_transfer, self.model, connect,
                 address=opts.weight_transfer_address, bucket_bytes=opts.bucket_bytes,
                 timeout_s=opts.weight_transfer_timeout_s, membership_key=membership_key(auth),
-                run_send=lambda send: self.runner.broadcast_weights(opts.weight_transfer, send))
+                run_send=lambda send: self.runner.broadcast_weights(kind, send))
         if resume is not None:  # collective under several ranks: all load at construction
             state = load_trainer(resume, self.model, self.optimizer)
             self.version, self.step = state.version, state.step
@@ -158,7 +160,7 @@ class TrainerService:
 
         return to_wire(self.runner.snapshot(), self.wire_dtype)
 
-    def handlers(self) -> dict[type, object]:
+    def handlers(self) -> dict[type, Handler]:
         return {
             m.TrainBatch: self.train, m.SetWorkers: self.set_workers,
             m.RegisterWorkers: self.register_workers,
@@ -176,7 +178,7 @@ class TrainerService:
 
         usable, dropped = split_batch(
             msg.samples, self.step_cfg,
-            vocab_size=self.model.get_input_embeddings().num_embeddings)
+            vocab_size=self._vocab_size())
         for sid, why in dropped.items():
             log.warning("version %d: dropped sample %s (%s)", msg.version, sid, why)
         if not usable:
@@ -281,6 +283,14 @@ class TrainerService:
                                               version=self.version, step=self.step)
         return m.CheckpointSaved(path=str(path), version=self.version, save_time_s=seconds)
 
+    def _vocab_size(self) -> int:
+        # The model is typed nn.Module, whose unknown attributes torch types Tensor | Module;
+        # a transformers model has get_input_embeddings, its num_embeddings is an int.
+        n = self.model.get_input_embeddings().num_embeddings  # pyright: ignore[reportCallIssue]
+        if not isinstance(n, int):
+            raise TypeError(f"the model's input embeddings have no integer num_embeddings: {n!r}")
+        return n
+
     async def status(self, _msg: m.GetTrainerState, _frames: object) -> m.TrainerStatus:
         n = sum(p.numel() for p in self.model.parameters())
         return m.TrainerStatus(version=self.version, step=self.step, num_parameters=n,
@@ -288,7 +298,7 @@ class TrainerService:
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="rollart serve-trainer", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="rollart serve-trainer", description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--model", required=True, type=Path, help="local Hugging Face checkpoint dir")
     p.add_argument("--address", default="tcp://127.0.0.1:0", help="ZMQ endpoint to bind")
     p.add_argument("--ready-file", type=Path, help="write the bound address here once serving")
@@ -337,9 +347,12 @@ async def _serve(args: argparse.Namespace, auth: Auth) -> int:
         exit_code = 1
         loop.call_later(1.0, stop.set)
 
-    service.runner.on_fatal = lambda _exc: loop.call_soon_threadsafe(fatal)
+    def on_fatal(_exc: BaseException) -> None:
+        loop.call_soon_threadsafe(fatal)
+
+    service.runner.on_fatal = on_fatal
     await service.start()
-    server = RpcServer(args.address, service.handlers(), name="trainer",  # type: ignore[arg-type]
+    server = RpcServer(args.address, service.handlers(), name="trainer",
                        auth=auth, max_message_bytes=args.max_message_bytes)
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)

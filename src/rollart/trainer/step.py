@@ -556,14 +556,13 @@ def train_step(
              for mb in minibatches]
     # Proximal policy = weights before any update of this batch (AReaL's pi_prox); None: the
     # single minibatch's training forward provides it (the lean path).
-    proximal: list[list[Tensor] | None] = (
-        [_recompute(model, p, cfg, pad) for p, pad in plans] if recompute_proximal
-        else [None])
-    reference = ([_recompute(ref_model, p, cfg, pad) for p, pad in plans]  # type: ignore[arg-type]
-                 if cfg.kl_coef > 0 else None)
-    if agreement is not None and recompute_proximal:
-        agreement.extend(sample_agreement(batch, plans, proximal, cfg, dp,  # type: ignore[arg-type]
-                                          weights_version))
+    recomputed = ([_recompute(model, p, cfg, pad) for p, pad in plans] if recompute_proximal
+                  else None)
+    proximal: list[list[Tensor] | None] = [None] if recomputed is None else list(recomputed)
+    reference = ([_recompute(ref_model, p, cfg, pad) for p, pad in plans]
+                 if cfg.kl_coef > 0 and ref_model is not None else None)  # checked above
+    if agreement is not None and recomputed is not None:
+        agreement.extend(sample_agreement(batch, plans, recomputed, cfg, dp, weights_version))
 
     acc = _MetricAccumulator(_domains(batch))
     grad_norm_max = 0.0

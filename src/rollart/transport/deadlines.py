@@ -2,7 +2,7 @@
 
 A loop timer per call (``loop.call_later``) keeps a ``TimerHandle`` (and on uvloop a ``UVTimer``)
 plus its argument tuple alive for the whole call: with env steps of ~10 s and 10k trajectories
-that is ~10k live GC-tracked objects per client, promoted through every generation (issue 11).
+that is ~10k live GC-tracked objects per client, promoted through every generation.
 ``DeadlineWheel`` instead files each call's 8-byte call id in a bucket keyed by
 ``(deadline tick, message kind, timeout)``: a ``bytearray`` (not GC-tracked) that grows by 8
 bytes per call. Buckets sit in a heap by tick; one loop timer is armed at the earliest tick.

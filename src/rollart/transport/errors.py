@@ -41,6 +41,10 @@ class RemoteError(RollartError):
             own fault) or ``""`` (not classified); ``rollart.transport.messages.FAULTS``.
     """
 
+    #: set by the LLM proxy on a generate timeout: it happened under overload (the worker
+    #: answered other calls meanwhile, or no worker answered anything), not a worker fault
+    overload: bool = False
+
     def __init__(self, code: str, message: str, *, fault: str = "") -> None:
         super().__init__(f"[{code}] {message}")
         self.code = code

@@ -64,7 +64,7 @@ class Msg(
 
     ``gc=False`` (inherited by every message): a decoded message cannot form a reference cycle,
     and at 10k trajectories the collector's scans of untracked-able structs were most of the
-    controller's GC time (issue 11).
+    controller's GC time.
     """
 
 
@@ -200,6 +200,10 @@ class ToolCall(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, gc=Fals
     arguments: str
 
 
+#: why generation of a turn ended: an eos / stop token, ``max_tokens``, or an abort
+FinishReason = Literal["stop", "length", "abort"]
+
+
 class GenerateResult(Msg):
     """The engine's continuation.
 
@@ -221,7 +225,7 @@ class GenerateResult(Msg):
     token_ids: bytes
     logprobs: bytes
     versions: bytes
-    finish_reason: Literal["stop", "length", "abort"]
+    finish_reason: FinishReason
     num_prompt_tokens: NonNegInt
     stats: WorkerStats
     prompt_logprobs: list[float | None] | None = None

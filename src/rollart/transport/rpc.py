@@ -10,7 +10,7 @@ What an in-flight call keeps alive is one future (``RpcClient.submit``): its dea
 the client's deadline wheel (``rollart.transport.deadlines``: 8 bytes, one loop timer per
 client), its entry in the pending table is keyed by the call id's wire bytes, and an error reply
 is raised through the future as the client's ``error_type``; at 10k+ calls in flight, each
-further object per call is one more for the garbage collector to traverse (issue 11). A call
+further object per call is one more for the garbage collector to traverse. A call
 leaves the pending table on its reply, its deadline, the peer's death, or ``forget``: a caller
 awaiting ``submit_call``'s future forgets it when cancelled (``call`` and the env and inference
 clients do), so a long run of cancelled calls (a redundant trajectory, an ``asyncio.timeout``)
@@ -43,7 +43,7 @@ import os
 import struct
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import zmq
@@ -75,7 +75,7 @@ DEFAULT_MAX_MESSAGE_BYTES = 1 << 31
 #: is to drop (ROUTER) or to refuse (DEALER), and RPC wants neither: every message in flight
 #: is a request some caller awaits or the reply to one, so their number is already bounded by
 #: the callers' own concurrency (trajectories, weight buckets), and a second, smaller bound
-#: here only turns load into lost replies (issue 11: 10k outstanding calls against the
+#: here only turns load into lost replies (measured: 10k outstanding calls against the
 #: default 1000). Memory is what those callers already hold: ~100 B of pipe per small message.
 #: Tests set it to 2 to force full pipes and the EAGAIN path (not 1: a CURVE server whose
 #: RCVHWM is 1 never delivers its first message, libzmq 4.3.5, measured).
@@ -224,7 +224,8 @@ class RpcServer:
     async def _run(self, handler: Handler, msg: Any, parts: list[Part], identity: Part,
                    call_id: Part) -> None:
         try:
-            result = await handler(msg, list(parts[3:]))  # type: ignore[arg-type]
+            # Frames past the first three arrive uncopied (copy_parts=3): memoryviews.
+            result = await handler(msg, cast("list[memoryview]", parts[3:]))
         except RemoteError as exc:
             result = m.ErrorReply(code=exc.code, message=exc.message, fault=exc.fault)
         except Exception as exc:  # a handler bug fails this request only
@@ -440,8 +441,9 @@ class RpcClient:
                 f"{self.name}: no reply to {kind} within {timeout:.3g} s"))
 
     def _on_reply(self, parts: list[Part]) -> None:
-        # Call ids are the 8 wire bytes themselves: no unpacking to match a reply.
-        fut = self._pending.pop(parts[0], None)
+        # Call ids are the 8 wire bytes themselves: no unpacking to match a reply. The pump
+        # copies the first two frames (copy_parts=2), so the id is bytes.
+        fut = self._pending.pop(cast(bytes, parts[0]), None)
         if fut is None:
             self._unmatched(parts)
             return

@@ -1,7 +1,7 @@
 """One plain (non-asyncio) ZeroMQ socket driven by an asyncio event loop, in bulk.
 
 pyzmq's ``zmq.asyncio`` layer costs a future, a poller registration and enum arithmetic per
-``recv_multipart`` / ``send_multipart``: ~100 us per RPC on the dev machine (issue 11). A
+``recv_multipart`` / ``send_multipart``: ~100 us per RPC on the dev machine. A
 ``SocketPump`` instead registers the socket's notification file descriptor with
 ``loop.add_reader`` and, each time it fires, receives every waiting message with ``NOBLOCK`` (up
 to ``RECV_BUDGET``, then yields the loop) and hands each to a plain callback; outgoing messages go
@@ -126,7 +126,7 @@ class SocketPump:
         #: received any, not per message); the pump's creation time before the first.
         self.last_received = time.monotonic()
         self._is_router = sock.socket_type == zmq.ROUTER
-        self._fd = sock.getsockopt(zmq.FD)
+        self._fd = int(sock.getsockopt(zmq.FD))  # typed int | bytes: FD is an int option
         # The socket's EVENTS are read with a zero-timeout ``zmq_poll`` on it (which reads
         # ZMQ_EVENTS inside libzmq, re-arming the descriptor the same way): pyzmq's
         # ``getsockopt`` converts the option to its enum on every call, which cost ~1.5 us

@@ -59,5 +59,5 @@ Modules: ``buckets`` (frames, bucketing, CRC32), ``delta`` (codec, wire dtype), 
 key), ``staging`` and ``receiver`` (worker: staging and
 the request handlers), ``vllm_ext`` and ``vllm_engines`` (inside vLLM: reload and the gloo
 engine). The controller's side (``rollart.controller.training.weightsync`` and
-``rollart.controller.training.advantages.RemoteTrainer``) stays in the controller: no component imports it.
+``rollart.controller.training.remote.RemoteTrainer``) stays in the controller: no component imports it.
 """

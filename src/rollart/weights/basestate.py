@@ -126,7 +126,7 @@ class WorkerBases:
                               f"{msg.version}: {exc}") from None
         views, offset = [], 0
         for meta in msg.tensors:
-            views.append(memoryview(rebuilt[offset:offset + meta.nbytes]))
+            views.append(rebuilt[offset:offset + meta.nbytes].data)
             offset += meta.nbytes
         bucket = m.WeightBucket(version=msg.version, bucket_index=msg.bucket_index,
                                 num_buckets=msg.num_buckets, tensors=msg.tensors,

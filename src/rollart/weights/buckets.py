@@ -41,7 +41,7 @@ def tensor_to_frame(name: str, tensor: torch.Tensor) -> tuple[TensorMeta, memory
         t = t.cpu()
     t = t.contiguous()
     raw = t.view(torch.uint8) if t.dim() > 0 else t.reshape(1).view(torch.uint8)
-    buf = memoryview(raw.numpy()).cast("B")
+    buf = raw.numpy().data.cast("B")
     dtype = str(t.dtype).removeprefix("torch.")
     return TensorMeta(name=name, dtype=dtype, shape=list(t.shape), nbytes=buf.nbytes), buf
 

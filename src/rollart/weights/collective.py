@@ -55,6 +55,11 @@ from rollart.weights.vllm_engines import open_gloo_group
 log = logging.getLogger(__name__)
 
 
+#: what ``InferenceClient.weight_transfer`` sends: one message of vLLM's weight-transfer protocol
+_TransferMsg = (m.WeightTransferInit | m.WeightTransferStart | m.WeightTransferUpdate
+                | m.WeightTransferFinish | m.WeightTransferShutdown)
+
+
 class WorkerGroupClient:
     """vLLM's ``VLLMWeightSyncClient`` over rollart RPC: every call fans out to all workers.
 
@@ -73,9 +78,9 @@ class WorkerGroupClient:
         self.timeout_s, self.nonce = timeout_s, nonce
         self.version = 0
 
-    def _each(self, make: Callable[[int], m.Msg]) -> None:
+    def _each(self, make: Callable[[int], _TransferMsg]) -> None:
         async def all_workers() -> None:
-            await asyncio.gather(*(w.weight_transfer(make(i), timeout_s=self.timeout_s)  # type: ignore[arg-type]
+            await asyncio.gather(*(w.weight_transfer(make(i), timeout_s=self.timeout_s)
                                    for i, w in enumerate(self.workers)))
 
         self._run(all_workers())
@@ -158,10 +163,10 @@ class RollartNCCLTrainerWeightTransferEngine(NCCLTrainerWeightTransferEngine):
     """vLLM's NCCL trainer engine whose ``trainer_init`` proves the group's membership (vLLM's
     joins the same way, without the proof); ``send_weights`` is vLLM's."""
 
-    init_info_cls = RollartNCCLTrainerInitInfo  # type: ignore[assignment]
+    init_info_cls = RollartNCCLTrainerInitInfo
 
     @classmethod
-    def trainer_init(cls, init_info: RollartNCCLTrainerInitInfo, *, client: Any,  # type: ignore[override]
+    def trainer_init(cls, init_info: RollartNCCLTrainerInitInfo, *, client: Any,
                      source: Any = None) -> Self:
         from vllm.distributed.weight_transfer.nccl_common import (
             NCCLWeightTransferInitInfo,
@@ -194,10 +199,10 @@ class GlooTrainerWeightTransferEngine(NCCLTrainerWeightTransferEngine):
     ``send_weights`` (start -> update concurrently with the broadcast -> finish) is vLLM's.
     """
 
-    init_info_cls = GlooTrainerInitInfo  # type: ignore[assignment]
+    init_info_cls = GlooTrainerInitInfo
 
     @classmethod
-    def trainer_init(cls, init_info: GlooTrainerInitInfo, *, client: Any,  # type: ignore[override]
+    def trainer_init(cls, init_info: GlooTrainerInitInfo, *, client: Any,
                      source: Any = None, listen_socket: socket.socket | None = None) -> Self:
         engine = cls(client=client, source=source, is_sender=init_info.is_sender, packed=False)
         if not engine.is_sender:
@@ -218,7 +223,9 @@ class GlooTrainerWeightTransferEngine(NCCLTrainerWeightTransferEngine):
             for _ in source:
                 pass
             return
-        group = self.model_update_group
+        # A gloo ProcessGroup (its broadcast returns a Work to wait on), not the NCCL
+        # communicator vLLM's base class declares.
+        group: Any = self.model_update_group
         for _name, tensor in self._checked_iter(source, meta):
             group.broadcast(tensor.detach().to("cpu").contiguous(), 0).wait()
 
@@ -234,7 +241,9 @@ def non_sender_engine(kind: str, model: Any) -> Any:
     the ``full_tensor()`` gathers of rank 0's broadcast, in the same parameter order."""
     cls = (GlooTrainerWeightTransferEngine if kind == "gloo"
            else RollartNCCLTrainerWeightTransferEngine)
-    return cls(client=None, source=ModuleSource(model), is_sender=False)  # type: ignore[arg-type]
+    # vLLM types ``client`` as required; a non-sender engine never calls it.
+    return cls(client=None, source=ModuleSource(model),  # pyright: ignore[reportArgumentType]
+               is_sender=False)
 
 
 def _listen_socket(host: str) -> socket.socket:
@@ -315,7 +324,7 @@ class CollectivePublisher:
                                f"{self.kind} broadcast (it writes into the serving model)")
         if self._engine is None or wanted != self._group_addresses:
             await self._form_group(wanted, stats)
-        assert self._client is not None
+        assert self._client is not None and self._engine is not None  # set by _form_group
         self._client.version = version
         start = time.perf_counter()
         try:

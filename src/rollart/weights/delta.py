@@ -143,7 +143,7 @@ def encode(base: np.ndarray, new: np.ndarray, encoding: Encoding, itemsize: int)
         raise ValueError(f"base has {base.size} bytes, new {new.size}")
     cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
     if encoding == "xor":
-        return cctx.compress(_xor(base, new))
+        return cctx.compress(_xor(base, new).data)
     if encoding != "sparse":
         raise ValueError(f"unknown delta encoding {encoding!r}")
     if new.size % itemsize:

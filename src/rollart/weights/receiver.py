@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from rollart.transport import messages as m
 from rollart.transport.errors import RemoteError
+from rollart.transport.rpc import Handler
 from rollart.weights.basestate import WorkerBases
 from rollart.weights.staging import TIED_LM_HEAD, WeightStager
 
@@ -68,7 +69,7 @@ class WeightReceiver:
 
         def stats(self) -> m.WorkerStats: ...
 
-    def weight_handlers(self) -> dict[type, object]:
+    def weight_handlers(self) -> dict[type, Handler]:
         return {
             m.WeightBucket: self.weight_bucket,
             m.WeightDelta: self.weight_delta,

@@ -101,7 +101,8 @@ class DeltaSender:
             raise ValueError(f"weight_delta must be off, xor or sparse, got {mode!r}")
         if full_every < 1:
             raise ValueError(f"full_every must be >= 1, got {full_every}")
-        self.mode, self.full_every, self.bucket_bytes = mode, full_every, bucket_bytes
+        self.mode: DeltaMode = mode
+        self.full_every, self.bucket_bytes = full_every, bucket_bytes
         #: worker address -> last version pushed to it completely
         self.held: dict[str, int] = {}
         #: version -> its tensors in the wire dtype (kept while a worker holds it, or latest)
@@ -145,11 +146,17 @@ class DeltaSender:
                     if k[0] not in self._versions or k[1] not in self._versions]:
             self._encoded.pop(key)
 
+    def _encoding(self) -> delta.Encoding:
+        mode = self.mode
+        if mode == "off":  # a delta is only built when deltas are on
+            raise RuntimeError("weight_delta is off: no delta encoding")
+        return mode
+
     def _encode(self, version: int, base: int) -> asyncio.Task[list[EncodedBucket]]:
         key = (version, base)
         task = self._encoded.get(key)
         if task is None:
-            encoding: delta.Encoding = self.mode  # type: ignore[assignment]
+            encoding = self._encoding()
             task = self._encoded[key] = asyncio.create_task(asyncio.to_thread(
                 encode_version, self._versions[base], self._versions[version], encoding,
                 self.bucket_bytes))
@@ -212,7 +219,7 @@ class DeltaSender:
         async def one(index: int, b: EncodedBucket) -> int:
             msg = m.WeightDelta(version=version, base_version=base, bucket_index=index,
                                 num_buckets=len(buckets), tensors=b.metas, checksum=b.checksum,
-                                encoding=self.mode)  # type: ignore[arg-type]
+                                encoding=self._encoding())
             async with slots:
                 if refused:  # the version goes in full anyway: stop sending deltas
                     return 0

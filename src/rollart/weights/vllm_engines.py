@@ -172,11 +172,15 @@ class GlooWeightTransferEngine(NCCLWeightTransferEngine):
     def receive_weights(self, update_info: Any) -> None:
         if self.model_update_group is None:
             raise RuntimeError("rollart_gloo: init_weight_transfer_engine was not called")
+        # vLLM's base class declares an NCCL communicator and a plain nn.Module; here they are a
+        # gloo ProcessGroup (broadcast returns a Work) and a vLLM model (has load_weights).
+        group: Any = self.model_update_group
+        model: Any = self.model
         for name, dtype_name, shape in zip(update_info.names, update_info.dtype_names,
                                            update_info.shapes, strict=True):
             buf = torch.empty(shape, dtype=getattr(torch, dtype_name), device="cpu")
-            self.model_update_group.broadcast(buf, 0).wait()
-            self.model.load_weights([(name, buf.to(self.device))])
+            group.broadcast(buf, 0).wait()
+            model.load_weights([(name, buf.to(self.device))])
 
     def shutdown(self) -> None:
         self.model_update_group = None
@@ -199,9 +203,9 @@ class RollartNCCLWeightTransferEngine(NCCLWeightTransferEngine):
     used unchecked.
     """
 
-    init_info_cls = RollartNCCLWeightTransferInitInfo  # type: ignore[assignment]
+    init_info_cls = RollartNCCLWeightTransferInitInfo
 
-    def init_transfer_engine(self, init_info: RollartNCCLWeightTransferInitInfo) -> None:  # type: ignore[override]
+    def init_transfer_engine(self, init_info: RollartNCCLWeightTransferInitInfo) -> None:
         super().init_transfer_engine(init_info)
         prove_worker_membership(self.model_update_group,
                                 group_rank(self.parallel_config, init_info.rank_offset),

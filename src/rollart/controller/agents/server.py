@@ -140,7 +140,8 @@ class AgentServer:
             return _error(exc)
         except Exception:  # a bug of ours: still an OpenAI-shaped reply, and logged
             # The route, not the path: the path holds the trajectory's secret.
+            resource = request.match_info.route.resource
             log.exception("agent endpoint: %s %s failed", request.method,
-                          request.match_info.route.resource.canonical)
+                          resource.canonical if resource is not None else "(no route)")
             return _error(ApiError(500, "internal_error", "the endpoint failed on this request "
                                    "(see the controller's log)", kind="server_error"))

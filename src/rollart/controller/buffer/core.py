@@ -3,11 +3,13 @@
 No I/O, no asyncio, no clocks: the asyncio controller drives it, and the hypothesis property
 tests (``tests/unit/test_staleness_protocol.py``) exercise this very class.
 
-``SampleBuffer`` here owns the state, the per-turn calls (``begin_turn``, ``record_tokens``,
-``complete``: no call layer in between) and the public API; its other work lives in helper
-modules that operate on its state: ``bufferrecords`` (trajectory and group records),
-``buffergroups`` (a group's life: slots, selection, retries, retirement), ``bufferbatch``
-(batch assembly), ``bufferstats`` (counters) and ``buffersnapshot`` (checkpoint format).
+``SampleBuffer`` here is the public API, the version protocol and the policy: which samples
+are admissible, the sweep of stale ones, admission room and batch assembly, each readable in
+this class. It delegates to parts that own their state: ``groups.GroupTable`` (the groups in
+flight and a record per running or held trajectory: slots, selection, retries, retirement;
+``groups.Group`` answers what one group wants), ``batch.BatchAssembler`` (a plan put into
+effect, the outstanding batch), ``stats.BufferCounters`` (every counter and ``stats()``) and
+``snapshot`` (the checkpoint format).
 
 Versions
     The trainer's version ``v`` (property ``version``) is the number of weight updates applied.
@@ -129,30 +131,12 @@ import random
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
-from rollart.controller.buffer import batch as bufferbatch
-from rollart.controller.buffer import groups as buffergroups
 from rollart.controller.buffer import snapshot as buffersnapshot
-from rollart.controller.buffer.batch import BatchPlan, ReadyGroup
-from rollart.controller.buffer.groups import (
-    cancel_surplus,
-    drop,
-    keep,
-    maybe_forget,
-    maybe_select,
-    new_traj,
-    replace_stale,
-    sweep_stale,
-)
-from rollart.controller.buffer.records import (
-    LIVE,
-    Group,
-    SampleBufferError,
-    Traj,
-    TrajState,
-    TurnVerdict,
-)
+from rollart.controller.buffer.batch import BatchAssembler, BatchPlan, ReadyGroup
+from rollart.controller.buffer.groups import GroupTable, Traj
+from rollart.controller.buffer.records import LIVE, SampleBufferError, TrajState, TurnVerdict
 from rollart.controller.buffer.sample import BufferStats, DomainCounts, Sample
-from rollart.controller.buffer.stats import COUNTERS, buffer_stats
+from rollart.controller.buffer.stats import BufferCounters
 from rollart.transport.errors import ConfigError
 
 __all__ = ["BatchPlan", "BufferStats", "DomainCounts", "ReadyGroup", "Sample", "SampleBuffer",
@@ -237,48 +221,30 @@ class SampleBuffer:
         self.alpha, self.batch_size, self.group_size = alpha, batch_size, group_size
         self.redundancy, self.selection, self.check = redundancy, selection, check
         self.on_stale, self.max_attempts = on_stale, max_attempts
-        self.max_group_attempts = max_group_attempts
         self.fresh_start = bool(fresh_start)
         self.abort_stale = bool(abort_stale)
         self.staleness_control = staleness_control
         self._areal = staleness_control == "areal"
-        #: groups admitted and not retired (AReaL's ``accepted + running``, in groups)
-        self._admitted_groups = 0
-        self._aborts: list[str] = []
-        #: live members of groups the buffer gave up on its own, for the caller to cancel
-        self._cancels: list[str] = []
-        # A lower bound of ``min_version + group alpha`` over every trajectory of an open group
-        # (None: no bound, sweep). While it is >= the version no trajectory is stale, so
-        # ``_sweep_stale`` has nothing to do and is skipped: take_batch runs once per kept
-        # sample, and a full sweep there made every completion O(trajectories).
-        self._fresh_bound: int | None = None
-        # Groups that reached group_size kept members (a superset of the complete ones: a
-        # group only becomes complete in _keep or restore), so finding complete groups costs
-        # O(candidates), not O(groups in flight), per take_batch.
-        self._ready: dict[str, Group] = {}
         self.max_groups = self.groups_bound(alpha, batch_size, group_size)
         self._version = initial_version
+        #: a batch was taken at this version; its update is not applied yet
         self._outstanding = False
-        self._rng = rng if rng is not None else random.Random(0)
-        self._on_drop = on_drop
-        self._on_forget = on_forget
-        self._groups: dict[str, Group] = {}
-        self._trajs: dict[str, Traj] = {}
-        self._next_seq = 0
-        self._group_seq = 0
-        self._restarts: list[str] = []
-        self._c: dict[str, int] = dict.fromkeys(COUNTERS, 0)
-        self._failed: dict[str, int] = {}
-        self._groups_dropped: dict[str, int] = {}
-        self._dropped: dict[str, int] = {}
-        self._wasted: dict[str, int] = {}
-        self._generated = 0
-        self._trained_tokens = 0
-        #: members of the outstanding batch: tid -> (tokens counted as trained, generated
-        #: tokens, turns, domain), for ``drop_consumed``
-        self._batch_members: dict[str, tuple[int, int, int, str]] = {}
-        self._domains: dict[str, DomainCounts] = {}
-        self._last_staleness: list[int] = []
+        #: running trajectories that went stale on a version bump (``abort_stale``)
+        self._aborts: list[str] = []
+        # A lower bound of ``min_version + group alpha`` over every trajectory of an open group
+        # (None: no bound, sweep). While it is >= the version no trajectory is stale, so
+        # ``_sweep`` has nothing to do and is skipped: take_batch runs once per kept sample,
+        # and a full sweep there made every completion O(trajectories).
+        self._fresh_bound: int | None = None
+        self._counters = BufferCounters()
+        self._table = GroupTable(
+            self._counters, group_size=group_size, selection=selection,
+            max_attempts=max_attempts, max_group_attempts=max_group_attempts,
+            rng=rng if rng is not None else random.Random(0), on_drop=on_drop,
+            on_forget=on_forget)
+        self._batch = BatchAssembler(self._table, self._counters, batch_size // group_size)
+        # The table's groups in flight and trajectory records (never rebound), by short names.
+        self._groups, self._trajs = self._table.groups, self._table.trajs
 
     # ------------------------------------------------------------------ properties / queries
     @property
@@ -292,6 +258,16 @@ class SampleBuffer:
         return self._outstanding
 
     @property
+    def max_group_attempts(self) -> int | None:
+        """Trajectories one group may start, per slot (``None``: no limit); may be changed
+        between calls."""
+        return self._table.max_group_attempts
+
+    @max_group_attempts.setter
+    def max_group_attempts(self, value: int | None) -> None:
+        self._table.max_group_attempts = value
+
+    @property
     def groups_in_flight(self) -> int:
         """Groups admitted and not yet forgotten (O(1); also in ``stats()``)."""
         return len(self._groups)
@@ -300,23 +276,7 @@ class SampleBuffer:
     def num_kept(self) -> int:
         """Samples kept into a group so far (cumulative; O(1)). A ``take_batch`` that found no
         batch finds none again until this grows or the version advances."""
-        return self._c["kept_members"]
-
-    def admissible(self, min_version: int | None, alpha: int | None = None) -> bool:
-        """Whether tokens whose oldest version is ``min_version`` may train at this version,
-        under bound ``alpha`` (default the buffer's; a group's own with ``_ok``)."""
-        a = self.alpha if alpha is None else alpha
-        return min_version is None or min_version >= self._version - a
-
-    def _ok(self, t: Traj) -> bool:
-        # AReaL's policy never rejects a sample for staleness once admitted.
-        return self._areal or self.admissible(t.min_version, t.group.alpha)
-
-    @staticmethod
-    def groups_bound(alpha: int, batch_size: int, group_size: int) -> int:
-        """``max_groups``: groups in flight the buffer admits, ``(alpha + 1) * batch_size //
-        group_size`` (each of ``group_size + redundancy`` trajectories)."""
-        return (alpha + 1) * batch_size // group_size
+        return self._counters.kept_members
 
     def is_live(self, traj_id: str) -> bool:
         """Whether ``traj_id`` is running (or aborting) now: started, and neither completed,
@@ -326,7 +286,9 @@ class SampleBuffer:
 
     def group_of(self, traj_id: str) -> str:
         """Group key of a live or held trajectory. Raises ``SampleBufferError`` otherwise."""
-        return self._get(traj_id, allow_forgotten=False).group.key
+        t = self._table.lookup(traj_id, allow_forgotten=False)
+        assert t is not None  # lookup raises instead
+        return t.group.key
 
     def held_sample_ids(self) -> set[str]:
         """Ids of completed samples still held (kept or awaiting selection), not consumed."""
@@ -338,7 +300,62 @@ class SampleBuffer:
 
     def ready_samples(self) -> int:
         """Samples in complete, unconsumed groups (all admissible after the last sweep)."""
-        return self.group_size * sum(1 for g in self._ready.values() if self._complete(g))
+        return self.group_size * sum(1 for g in self._table.ready.values() if g.is_complete())
+
+    def domain_counts(self) -> dict[str, DomainCounts]:
+        """Live per-domain counters (read-only view; ``stats().domains`` is a copy)."""
+        return self._counters.domains
+
+    def groups_in_flight_by_domain(self) -> dict[str, int]:
+        """Groups in flight (admitted, not yet consumed or retired, or with live members) per
+        domain."""
+        out: dict[str, int] = {}
+        for g in self._groups.values():
+            out[g.domain] = out.get(g.domain, 0) + 1
+        return out
+
+    def group_status(self, group_key: str) -> Literal["open", "consumed", "retired"] | None:
+        """``"open"`` (collecting members, or complete and waiting for a batch),
+        ``"consumed"`` or ``"retired"`` (in flight while a member is live), ``None`` once the
+        group is forgotten."""
+        g = self._groups.get(group_key)
+        return None if g is None else g.status
+
+    def live_members(self, group_key: str) -> list[str]:
+        """Ids of the live members of a group in flight (``[]`` once forgotten): the stragglers
+        of a consumed or retired group learn it at their next turn start, so a caller that
+        gives up waiting cancels them through this."""
+        g = self._groups.get(group_key)
+        return [] if g is None else [t.tid for t in g.live()]
+
+    def group_complete(self, group_key: str) -> bool:
+        """Whether group ``group_key`` holds ``group_size`` kept, admissible samples and waits
+        only for a batch to take it (``False`` for a group not in flight)."""
+        g = self._groups.get(group_key)
+        return g is not None and g.is_complete()
+
+    def open_groups(self) -> list[tuple[str, str, int, list[str]]]:
+        """``(key, domain, kept members, live member ids)`` of every group still collecting,
+        oldest first (what a batch waits on)."""
+        return [(g.key, g.domain, len(g.kept), [t.tid for t in g.live()])
+                for g in self._groups.values() if g.status == "open"]
+
+    def stats_dropped(self, reason: str) -> int:
+        """Groups given up for ``reason`` so far (O(1); ``stats().groups_dropped`` has all)."""
+        return self._counters.groups_dropped.get(reason, 0)
+
+    def drain_restarts(self) -> list[str]:
+        """Trajectory ids the buffer created on its own (stale replacements, restore); the
+        caller must start each (``group_of`` gives the group). Each id is returned once."""
+        out, self._table.restarts = self._table.restarts, []
+        return out
+
+    def drain_cancels(self) -> list[str]:
+        """Live trajectories of groups the buffer gave up on its own (``max_group_attempts``
+        reached, module docstring): the caller aborts each and calls ``cancel`` (a member
+        that ended meanwhile makes that a late call). Each id is returned once."""
+        out, self._table.cancels = self._table.cancels, []
+        return out
 
     def drain_aborts(self) -> list[str]:
         """With ``abort_stale``: running trajectories that went stale on a version bump (each
@@ -346,6 +363,61 @@ class SampleBuffer:
         and calls ``restart_trajectory``, instead of letting it run to its next turn start."""
         out, self._aborts = self._aborts, []
         return out
+
+    # ------------------------------------------------------------------ policy
+    # Staleness (admissible, _ok, _sweep), admission room (has_room, has_capacity) and batch
+    # assembly (assemble_batch, batch_order; take_batch below puts a plan into effect).
+    def admissible(self, min_version: int | None, alpha: int | None = None) -> bool:
+        """Whether tokens whose oldest version is ``min_version`` may train at this version,
+        under bound ``alpha`` (default the buffer's; a group's own with ``_ok``)."""
+        a = self.alpha if alpha is None else alpha
+        return min_version is None or min_version >= self._version - a
+
+    def _ok(self, t: Traj) -> bool:
+        # AReaL's policy never rejects a sample for staleness once admitted.
+        return self._areal or self.admissible(t.min_version, t.group.alpha)
+
+    def _sweep(self) -> None:
+        """Replace stale held samples (and abort stale running trajectories if configured).
+        Skipped while ``_fresh_bound`` proves no trajectory is stale (a sweep would do
+        nothing); a full sweep recomputes the bound."""
+        if self._fresh_bound is not None and self._fresh_bound >= self._version:
+            return
+        abort = self.abort_stale and self.check == "per_turn" and self.on_stale == "restart"
+        bound: int | None = None
+        for g in list(self._groups.values()):
+            if g.status != "open":
+                continue
+            for t in g.held():
+                if not self._ok(t) and t.state is TrajState.HELD:
+                    # (a replacement past the group's attempts gives the group up, and drops
+                    # the rest of this list with it)
+                    self._table.replace_stale(t)
+            for t in [*g.held(), *g.live()]:
+                if (abort and t.state is TrajState.RUNNING and not self._ok(t)
+                        and g.wants(t)):
+                    t.state = TrajState.ABORTING
+                    self._aborts.append(t.tid)
+                if t.min_version is not None:
+                    b = t.min_version + g.alpha
+                    bound = b if bound is None or b < bound else bound
+        # No trajectory with a version at all: any later one lowers the bound from here.
+        self._fresh_bound = self._version if bound is None else bound
+
+    @staticmethod
+    def groups_bound(alpha: int, batch_size: int, group_size: int) -> int:
+        """``max_groups``: groups in flight the buffer admits, ``(alpha + 1) * batch_size //
+        group_size`` (each of ``group_size + redundancy`` trajectories)."""
+        return (alpha + 1) * batch_size // group_size
+
+    def has_room(self) -> bool:
+        """Whether ``try_start_group`` would admit a group now: ``groups_in_flight <
+        max_groups``, or with ``staleness_control="areal"`` AReaL's capacity (module
+        docstring)."""
+        if self._areal:
+            cap = (self.alpha + self._version + 1) * (self.batch_size // self.group_size)
+            return self._table.admitted < cap
+        return len(self._groups) < self.max_groups
 
     def has_capacity(self, serving_version: int, alpha: int | None = None) -> bool:
         """Version-aware admission: whether a group started now on workers serving
@@ -375,252 +447,6 @@ class SampleBuffer:
                 eligible += 1
         return eligible < batches * (self.batch_size // self.group_size)
 
-    def has_room(self) -> bool:
-        """Whether ``try_start_group`` would admit a group now: ``groups_in_flight <
-        max_groups``, or with ``staleness_control="areal"`` AReaL's capacity (module
-        docstring)."""
-        if self._areal:
-            cap = (self.alpha + self._version + 1) * (self.batch_size // self.group_size)
-            return self._admitted_groups < cap
-        return len(self._groups) < self.max_groups
-
-    def domain_counts(self) -> dict[str, DomainCounts]:
-        """Live per-domain counters (read-only view; ``stats().domains`` is a copy)."""
-        return self._domains
-
-    def groups_in_flight_by_domain(self) -> dict[str, int]:
-        """Groups in flight (admitted, not yet consumed or retired, or with live members) per
-        domain."""
-        out: dict[str, int] = {}
-        for g in self._groups.values():
-            out[g.domain] = out.get(g.domain, 0) + 1
-        return out
-
-    def drain_cancels(self) -> list[str]:
-        """Live trajectories of groups the buffer gave up on its own (``max_group_attempts``
-        reached, module docstring): the caller aborts each and calls ``cancel`` (a member
-        that ended meanwhile makes that a late call). Each id is returned once."""
-        out, self._cancels = self._cancels, []
-        return out
-
-    def group_status(self, group_key: str) -> Literal["open", "consumed", "retired"] | None:
-        """``"open"`` (collecting members, or complete and waiting for a batch),
-        ``"consumed"`` or ``"retired"`` (in flight while a member is live), ``None`` once the
-        group is forgotten."""
-        g = self._groups.get(group_key)
-        return None if g is None else g.status
-
-    def live_members(self, group_key: str) -> list[str]:
-        """Ids of the live members of a group in flight (``[]`` once forgotten): the stragglers
-        of a consumed or retired group learn it at their next turn start, so a caller that
-        gives up waiting cancels them through this."""
-        g = self._groups.get(group_key)
-        return [] if g is None else [t.tid for t in g.live()]
-
-    def group_complete(self, group_key: str) -> bool:
-        """Whether group ``group_key`` holds ``group_size`` kept, admissible samples and waits
-        only for a batch to take it (``False`` for a group not in flight)."""
-        g = self._groups.get(group_key)
-        return g is not None and self._complete(g)
-
-    def drain_restarts(self) -> list[str]:
-        """Trajectory ids the buffer created on its own (stale replacements, restore); the
-        caller must start each (``group_of`` gives the group). Each id is returned once."""
-        out, self._restarts = self._restarts, []
-        return out
-
-    # ------------------------------------------------------------------ admission
-    def try_start_group(self, group_key: str, domain: str = "default",
-                        alpha: int | None = None) -> list[str] | None:
-        """Admit a group of ``group_size + redundancy`` trajectories of task ``domain``; their
-        ids, or ``None`` while ``groups_in_flight >= max_groups`` (admission paused).
-
-        ``alpha``: this group's staleness bound (a per-domain bound, >= the buffer's ``alpha``;
-        default the buffer's). Its samples are admissible only while every token is at most
-        ``alpha`` versions old; the in-flight bound stays the buffer's.
-
-        Raises:
-            SampleBufferError: ``group_key`` is already in flight, or ``alpha`` is below the
-                buffer's bound.
-        """
-        if group_key in self._groups:
-            raise SampleBufferError(f"group {group_key!r} is already in flight")
-        a = self.alpha if alpha is None else alpha
-        if not isinstance(a, int) or a < self.alpha:
-            raise SampleBufferError(
-                f"group {group_key!r}: alpha {alpha!r} must be an int >= the buffer's "
-                f"{self.alpha}")
-        if not self.has_room():
-            return None
-        self._admitted_groups += 1
-        g = Group(key=group_key, seq=self._group_seq, slots=[], domain=domain, alpha=a)
-        self._dom(domain).groups_started += 1
-        self._group_seq += 1
-        self._groups[group_key] = g
-        for i in range(self.group_size + self.redundancy):
-            g.slots.append(None)
-            new_traj(self, g, i, attempt=1)
-        return [t.tid for t in g.slots if t is not None]
-
-    # ------------------------------------------------------------------ per trajectory
-    def begin_turn(self, traj_id: str, serving_version: int) -> TurnVerdict:
-        """Staleness check at a turn start; ``serving_version`` is the worker's version now.
-
-        Returns a verdict (module docstring). Raises ``SampleBufferError`` if
-        ``serving_version`` is negative or ahead of the trainer, or the id was never issued.
-        """
-        t = self._get(traj_id)
-        if t is None or t.state not in LIVE:
-            self._c["late_calls"] += 1
-            return "cancel"
-        if not 0 <= serving_version <= self._version:
-            raise SampleBufferError(
-                f"trajectory {traj_id!r}: serving_version {serving_version} outside "
-                f"[0, trainer version {self._version}]"
-            )
-        if not self._slot_open(t):
-            return "cancel"
-        if t.state is TrajState.ABORTING:
-            return "restart"
-        if t.doomed:
-            return "drop"
-        if not self._areal and (self.check == "per_turn" or t.turns == 0):
-            if not self._ok(t):
-                if self.on_stale == "restart":
-                    t.state = TrajState.ABORTING
-                    return "restart"
-                t.doomed = True
-                return "drop"
-            if not self.admissible(serving_version, t.group.alpha):
-                return "wait"
-            if (self.fresh_start and t.min_version is None and t.group.alpha >= 1
-                    and not self.admissible(serving_version, t.group.alpha - 1)):
-                return "wait"
-        t.turns += 1
-        return "continue"
-
-    def record_tokens(self, traj_id: str, versions: Sequence[int]) -> None:
-        """Record the versions (ints in ``[0, version]``) of tokens just generated."""
-        t = self._get(traj_id)
-        if t is None or t.state not in LIVE:
-            self._c["late_calls"] += 1
-            return
-        if t.state is TrajState.ABORTING:
-            raise SampleBufferError(f"trajectory {traj_id!r} was told to restart; no tokens")
-        if not versions:
-            return
-        lo = min(versions)
-        if lo < 0 or max(versions) > self._version:
-            bad = [v for v in versions if not 0 <= v <= self._version]
-            raise SampleBufferError(
-                f"trajectory {traj_id!r}: token versions {bad[:3]} outside "
-                f"[0, trainer version {self._version}]"
-            )
-        t.min_version = lo if t.min_version is None else min(t.min_version, lo)
-        self._lower_bound(t)
-        self._add_tokens(t, len(versions))
-
-    def complete(self, traj_id: str, sample: Sample) -> list[str]:
-        """A trajectory finished with a reward. Returns the ids of running siblings the caller
-        must cancel (group just reached ``group_size`` kept members), usually ``[]``.
-
-        Raises:
-            SampleBufferError: ``sample.sample_id``/``group_key`` do not match, or the
-                trajectory was told to restart.
-        """
-        t = self._get(traj_id)
-        if t is None or t.state not in LIVE:
-            self._c["late_calls"] += 1
-            return []
-        g = t.group
-        if sample.sample_id != traj_id or sample.group_key != g.key:
-            raise SampleBufferError(
-                f"trajectory {traj_id!r} of group {g.key!r}: sample is "
-                f"{sample.sample_id!r} of group {sample.group_key!r}"
-            )
-        if t.state is TrajState.ABORTING:
-            raise SampleBufferError(f"trajectory {traj_id!r} was told to restart, not complete")
-        sv = sample.min_version
-        if sv is not None:
-            t.min_version = sv if t.min_version is None else min(t.min_version, sv)
-            self._lower_bound(t)
-        # A caller that did not report every token through record_tokens: count the rest now.
-        self._add_tokens(t, max(0, sample.num_generated - t.num_tokens))
-        t.sample, t.state = sample, TrajState.HELD
-        self._c["completed"] += 1
-        self._c["finished_members"] += 1
-        self._c["finished_len"] += sample.num_generated
-        d = self._dom(g.domain)
-        d.finished += 1
-        d.finished_tokens += sample.num_generated
-        d.finished_turns += sample.num_turns
-        if not self._slot_open(t):
-            drop(self, t, "retired" if g.status == "retired" else "unselected")
-            maybe_forget(self, g)
-            return []
-        if t.doomed or not self._ok(t):
-            replace_stale(self, t)
-            return []
-        if self.selection == "unbiased" and not g.selected:
-            g.finished.append(t)
-            return maybe_select(self, g, None)
-        keep(self, t)
-        return cancel_surplus(g) if len(g.kept) == self.group_size else []
-
-    def close_group(self, group_key: str, rng: random.Random | None = None) -> list[str]:
-        """Unbiased selection deadline: keep a random ``group_size`` of the finished members
-        (if enough) and return the running members to cancel; otherwise keep the next
-        finishers. No-op (``[]``) for ``"first"`` or a group already selected / gone."""
-        return buffergroups.close_group(self, group_key, rng)
-
-    def fail(self, traj_id: str, reason: str) -> str | None:
-        """Per-trajectory failure (counted by ``reason``, never a reward). Returns a retry id
-        (same slot, attempt + 1) if attempts remain and the group still collects members."""
-        return buffergroups.fail(self, traj_id, reason)
-
-    def drop_group(self, group_key: str, reason: str) -> list[str]:
-        """Give up on an open group (e.g. its failure budget is spent): retire it, counted in
-        ``stats().groups_dropped`` by ``reason``; its held samples are dropped (``"retired"``).
-        Returns its live members for the caller to cancel; ``[]`` if it is not open."""
-        return buffergroups.drop_group(self, group_key, reason)
-
-    def stats_dropped(self, reason: str) -> int:
-        """Groups given up for ``reason`` so far (O(1); ``stats().groups_dropped`` has all)."""
-        return self._groups_dropped.get(reason, 0)
-
-    def open_groups(self) -> list[tuple[str, str, int, list[str]]]:
-        """``(key, domain, kept members, live member ids)`` of every group still collecting,
-        oldest first (what a batch waits on)."""
-        return [(g.key, g.domain, len(g.kept), [t.tid for t in g.live()])
-                for g in self._groups.values() if g.status == "open"]
-
-    def cancel(self, traj_id: str, reason: str | None = None) -> None:
-        """The caller aborted a live trajectory (redundancy, shutdown, "cancel" verdict).
-        Its slot closes; a group that can no longer fill is retired. No-op if not live.
-
-        ``reason`` names the waste of its tokens (e.g. ``"shutdown"``); ``None`` derives it:
-        ``"retired"`` if its group was retired, ``"stale"`` if it was told to restart,
-        else ``"redundancy"`` (the group no longer needs it)."""
-        buffergroups.cancel(self, traj_id, reason)
-
-    def restart_trajectory(self, traj_id: str) -> str | None:
-        """After a ``"restart"`` verdict: a fresh id in the same slot (same attempt), or
-        ``None`` if the group no longer needs it. Raises if no such verdict was given."""
-        return buffergroups.restart_trajectory(self, traj_id)
-
-    # ------------------------------------------------------------------ trainer side
-    def take_batch(self) -> list[Sample] | None:
-        """Exactly ``batch_size`` samples of whole complete groups, each re-checked admissible
-        at ``version``, chosen by :meth:`assemble_batch` (default: oldest groups first); marks
-        them consumed. ``None`` if not enough (or the policy takes none yet).
-
-        Raises:
-            SampleBufferError: a batch is already outstanding for this version, or
-                ``assemble_batch`` returned a plan breaking its protocol.
-        """
-        default_policy = type(self).assemble_batch is SampleBuffer.assemble_batch
-        return bufferbatch.take_batch(self, default_policy)
-
     def assemble_batch(self, ready: Sequence[ReadyGroup], need: int) -> BatchPlan:
         """Batch assembly policy: which of the ``ready`` complete groups (each admissible now)
         the next batch trains on, and which to throw away. ``take_batch`` calls it whenever a
@@ -648,6 +474,190 @@ class SampleBuffer:
         group (fewest samples go stale). Override it to reorder batches without filtering."""
         return (min_version, seq)
 
+    # ------------------------------------------------------------------ admission
+    def try_start_group(self, group_key: str, domain: str = "default",
+                        alpha: int | None = None) -> list[str] | None:
+        """Admit a group of ``group_size + redundancy`` trajectories of task ``domain``; their
+        ids, or ``None`` while ``groups_in_flight >= max_groups`` (admission paused).
+
+        ``alpha``: this group's staleness bound (a per-domain bound, >= the buffer's ``alpha``;
+        default the buffer's). Its samples are admissible only while every token is at most
+        ``alpha`` versions old; the in-flight bound stays the buffer's.
+
+        Raises:
+            SampleBufferError: ``group_key`` is already in flight, or ``alpha`` is below the
+                buffer's bound.
+        """
+        if group_key in self._groups:
+            raise SampleBufferError(f"group {group_key!r} is already in flight")
+        a = self.alpha if alpha is None else alpha
+        if not isinstance(a, int) or a < self.alpha:
+            raise SampleBufferError(
+                f"group {group_key!r}: alpha {alpha!r} must be an int >= the buffer's "
+                f"{self.alpha}")
+        if not self.has_room():
+            return None
+        g = self._table.admit(group_key, domain, a, self.group_size + self.redundancy)
+        return [t.tid for t in g.slots if t is not None]
+
+    # ------------------------------------------------------------------ per trajectory
+    def begin_turn(self, traj_id: str, serving_version: int) -> TurnVerdict:
+        """Staleness check at a turn start; ``serving_version`` is the worker's version now.
+
+        Returns a verdict (module docstring). Raises ``SampleBufferError`` if
+        ``serving_version`` is negative or ahead of the trainer, or the id was never issued.
+        """
+        t = self._table.live(traj_id)
+        if t is None:
+            return "cancel"
+        if not 0 <= serving_version <= self._version:
+            raise SampleBufferError(
+                f"trajectory {traj_id!r}: serving_version {serving_version} outside "
+                f"[0, trainer version {self._version}]"
+            )
+        g = t.group
+        if not g.wants(t):
+            return "cancel"
+        if t.state is TrajState.ABORTING:
+            return "restart"
+        if t.doomed:
+            return "drop"
+        if not self._areal and (self.check == "per_turn" or t.turns == 0):
+            if not self._ok(t):
+                if self.on_stale == "restart":
+                    t.state = TrajState.ABORTING
+                    return "restart"
+                t.doomed = True
+                return "drop"
+            if not self.admissible(serving_version, g.alpha):
+                return "wait"
+            if (self.fresh_start and t.min_version is None and g.alpha >= 1
+                    and not self.admissible(serving_version, g.alpha - 1)):
+                return "wait"
+        t.turns += 1
+        return "continue"
+
+    def record_tokens(self, traj_id: str, versions: Sequence[int]) -> None:
+        """Record the versions (ints in ``[0, version]``) of tokens just generated."""
+        t = self._table.live(traj_id)
+        if t is None:
+            return
+        if t.state is TrajState.ABORTING:
+            raise SampleBufferError(f"trajectory {traj_id!r} was told to restart; no tokens")
+        if not versions:
+            return
+        lo = min(versions)
+        if lo < 0 or max(versions) > self._version:
+            bad = [v for v in versions if not 0 <= v <= self._version]
+            raise SampleBufferError(
+                f"trajectory {traj_id!r}: token versions {bad[:3]} outside "
+                f"[0, trainer version {self._version}]"
+            )
+        t.min_version = lo if t.min_version is None else min(t.min_version, lo)
+        self._lower_bound(t)
+        self._add_tokens(t, len(versions))
+
+    def complete(self, traj_id: str, sample: Sample) -> list[str]:
+        """A trajectory finished with a reward. Returns the ids of running siblings the caller
+        must cancel (group just reached ``group_size`` kept members), usually ``[]``.
+
+        Raises:
+            SampleBufferError: ``sample.sample_id``/``group_key`` do not match, or the
+                trajectory was told to restart.
+        """
+        t = self._table.live(traj_id)
+        if t is None:
+            return []
+        g = t.group
+        if sample.sample_id != traj_id or sample.group_key != g.key:
+            raise SampleBufferError(
+                f"trajectory {traj_id!r} of group {g.key!r}: sample is "
+                f"{sample.sample_id!r} of group {sample.group_key!r}"
+            )
+        if t.state is TrajState.ABORTING:
+            raise SampleBufferError(f"trajectory {traj_id!r} was told to restart, not complete")
+        sv = sample.min_version
+        if sv is not None:
+            t.min_version = sv if t.min_version is None else min(t.min_version, sv)
+            self._lower_bound(t)
+        # A caller that did not report every token through record_tokens: count the rest now.
+        self._add_tokens(t, max(0, sample.num_generated - t.num_tokens))
+        t.sample, t.state = sample, TrajState.HELD
+        c = self._counters
+        c.completed += 1
+        c.finished_members += 1
+        c.finished_len += sample.num_generated
+        d = c.domain(g.domain)
+        d.finished += 1
+        d.finished_tokens += sample.num_generated
+        d.finished_turns += sample.num_turns
+        if not g.wants(t):  # group complete, retired, or its slot taken over
+            self._table.unwanted(t)
+            return []
+        if t.doomed or not self._ok(t):
+            self._table.replace_stale(t)
+            return []
+        return self._table.hold(t)
+
+    def close_group(self, group_key: str, rng: random.Random | None = None) -> list[str]:
+        """Unbiased selection deadline: keep a random ``group_size`` of the finished members
+        (if enough) and return the running members to cancel; otherwise keep the next
+        finishers. No-op (``[]``) for ``"first"`` or a group already selected / gone."""
+        return self._table.close(group_key, rng)
+
+    def fail(self, traj_id: str, reason: str) -> str | None:
+        """Per-trajectory failure (counted by ``reason``, never a reward). Returns a retry id
+        (same slot, attempt + 1) if attempts remain and the group still collects members."""
+        t = self._table.live(traj_id)
+        return None if t is None else self._table.fail(t, reason)
+
+    def drop_group(self, group_key: str, reason: str) -> list[str]:
+        """Give up on an open group (e.g. its failure budget is spent): retire it, counted in
+        ``stats().groups_dropped`` by ``reason``; its held samples are dropped (``"retired"``).
+        Returns its live members for the caller to cancel; ``[]`` if it is not open."""
+        return self._table.drop_group(group_key, reason)
+
+    def cancel(self, traj_id: str, reason: str | None = None) -> None:
+        """The caller aborted a live trajectory (redundancy, shutdown, "cancel" verdict).
+        Its slot closes; a group that can no longer fill is retired. No-op if not live.
+
+        ``reason`` names the waste of its tokens (e.g. ``"shutdown"``); ``None`` derives it:
+        ``"retired"`` if its group was retired, ``"stale"`` if it was told to restart,
+        else ``"redundancy"`` (the group no longer needs it)."""
+        t = self._table.live(traj_id)
+        if t is not None:
+            self._table.cancel(t, reason)
+
+    def restart_trajectory(self, traj_id: str) -> str | None:
+        """After a ``"restart"`` verdict: a fresh id in the same slot (same attempt), or
+        ``None`` if the group no longer needs it. Raises if no such verdict was given."""
+        t = self._table.live(traj_id)
+        return None if t is None else self._table.restart(t)
+
+    # ------------------------------------------------------------------ trainer side
+    def take_batch(self) -> list[Sample] | None:
+        """Exactly ``batch_size`` samples of whole complete groups, each re-checked admissible
+        at ``version``, chosen by :meth:`assemble_batch` (default: oldest groups first); marks
+        them consumed. ``None`` if not enough (or the policy takes none yet).
+
+        Raises:
+            SampleBufferError: a batch is already outstanding for this version, or
+                ``assemble_batch`` returned a plan breaking its protocol.
+        """
+        if self._outstanding:
+            raise SampleBufferError(
+                f"a batch for version {self._version} is outstanding; call advance_version()"
+            )
+        self._batch.members.clear()
+        self._sweep()
+        default_policy = type(self).assemble_batch is SampleBuffer.assemble_batch
+        chosen = self._batch.choose(self.assemble_batch, self._version, default_policy)
+        if chosen is None:
+            return None
+        out = self._batch.consume(chosen, self._version, self._ok)
+        self._outstanding = True
+        return out
+
     def drop_consumed(self, sample_id: str, reason: str) -> None:
         """A sample of the outstanding batch that cannot be trained on after all (the train
         path's last check refused it): it counts as dropped and its tokens as wasted for
@@ -657,7 +667,7 @@ class SampleBuffer:
         Raises:
             SampleBufferError: ``sample_id`` is not in the outstanding batch (or was dropped).
         """
-        bufferbatch.drop_consumed(self, sample_id, reason)
+        self._batch.drop_consumed(sample_id, reason, self._outstanding)
 
     def advance_version(self) -> None:
         """The trainer applied the update of the outstanding batch: ``version += 1``; held
@@ -668,18 +678,22 @@ class SampleBuffer:
             )
         self._outstanding = False
         self._version += 1
-        sweep_stale(self)
+        self._sweep()
 
     # ------------------------------------------------------------------ stats / checkpoint
     def stats(self) -> BufferStats:
         """Counters and gauges (see ``BufferStats``)."""
-        return buffer_stats(self)
+        return self._counters.stats(
+            version=self._version, alpha=self.alpha, batch_size=self.batch_size,
+            group_size=self.group_size, redundancy=self.redundancy, max_groups=self.max_groups,
+            groups=self._groups.values(), ready_samples=self.ready_samples())
 
     def snapshot(self) -> dict[str, Any]:
         """JSON-able state for checkpoint/resume: config, version, every in-flight group's held
         samples and which slots were running (those are restarted on restore). A batch
         outstanding at snapshot time is not included (it was handed to the trainer)."""
-        return buffersnapshot.snapshot(self)
+        config = {k: getattr(self, k) for k in buffersnapshot.CONFIG_KEYS}
+        return buffersnapshot.snapshot(config, self._version, self._table)
 
     @classmethod
     def restore(
@@ -693,41 +707,20 @@ class SampleBuffer:
         """Rebuild from ``snapshot()``: held samples come back (then re-checked for staleness);
         each slot that was running gets a fresh trajectory id, listed by ``drain_restarts()``.
         Counters restart from zero. Raises ``ConfigError`` on an unknown snapshot format."""
-        return buffersnapshot.restore(cls, snap, rng=rng, on_drop=on_drop, on_forget=on_forget)
+        buffersnapshot.check_format(snap)
+        buf = cls(**snap["config"], initial_version=snap["version"], rng=rng, on_drop=on_drop,
+                  on_forget=on_forget)
+        buffersnapshot.restore_groups(
+            snap, buf._table, buf._counters, version=buf._version,
+            groups_per_batch=buf.batch_size // buf.group_size, alpha=buf.alpha)
+        buf._fresh_bound = None
+        buf._sweep()
+        return buf
 
     # ------------------------------------------------------------------ internals
-    def _get(self, tid: str, allow_forgotten: bool = True) -> Traj | None:
-        t = self._trajs.get(tid)
-        if t is not None:
-            return t
-        _, _, seq = tid.rpartition("/")
-        if allow_forgotten and seq.isdigit() and int(seq) < self._next_seq:
-            return None
-        raise SampleBufferError(f"unknown trajectory id {tid!r}")
-
-    def _mv(self, t: Traj) -> int:
-        return self._version if t.min_version is None else t.min_version
-
-    def _complete(self, g: Group) -> bool:
-        return g.status == "open" and len(g.kept) == self.group_size
-
-    def _slot_open(self, t: Traj) -> bool:
-        """Whether the group still wants this trajectory's slot filled."""
-        g = t.group
-        if g.status != "open" or g.slots[t.slot] is not t:
-            return False
-        return t in g.kept or len(g.kept) < self.group_size
-
-    def _dom(self, domain: str) -> DomainCounts:
-        d = self._domains.get(domain)
-        if d is None:
-            d = self._domains[domain] = DomainCounts()
-        return d
-
     def _add_tokens(self, t: Traj, n: int) -> None:
         t.num_tokens += n
-        self._generated += n
-        self._dom(t.group.domain).generated_tokens += n
+        self._counters.generated(t.group.domain, n)
 
     def _lower_bound(self, t: Traj) -> None:
         """``t.min_version`` was just lowered: keep ``_fresh_bound`` a lower bound."""

@@ -1,21 +1,16 @@
-"""The sample buffer's records: one per trajectory (``Traj``) and one per GRPO group (``Group``).
+"""The states of the sample buffer's trajectory records (``groups.Traj``) and its errors.
 
-Plain mutable records with no behaviour of their own: ``rollart.controller.buffer.core`` (the
-``SampleBuffer`` facade) and its helper modules (``buffergroups``, ``bufferbatch``,
-``bufferstats``, ``buffersnapshot``) read and write them; nothing outside the buffer sees them.
-The protocol they record is in ``rollart.controller.buffer.core``'s module docstring.
+Nothing outside the buffer sees them. The protocol they record is in ``rollart.controller.buffer.core``'s module docstring.
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
 from typing import Literal
 
-from rollart.controller.buffer.sample import Sample
 from rollart.transport.errors import RollartError
 
-__all__ = ["LIVE", "Group", "SampleBufferError", "Traj", "TrajState", "TurnVerdict"]
+__all__ = ["LIVE", "SampleBufferError", "TrajState", "TurnVerdict"]
 
 TurnVerdict = Literal["continue", "restart", "drop", "wait", "cancel"]
 
@@ -32,36 +27,3 @@ class TrajState(enum.Enum):
 
 
 LIVE = (TrajState.RUNNING, TrajState.ABORTING)
-
-
-@dataclass(slots=True, eq=False)
-class Traj:
-    tid: str
-    group: Group
-    slot: int
-    attempt: int
-    state: TrajState = TrajState.RUNNING
-    min_version: int | None = None
-    num_tokens: int = 0
-    turns: int = 0
-    doomed: bool = False
-    sample: Sample | None = None
-
-
-@dataclass(slots=True, eq=False)
-class Group:
-    key: str
-    seq: int
-    slots: list[Traj | None]  # None: slot closed for good
-    kept: list[Traj] = field(default_factory=list)
-    finished: list[Traj] = field(default_factory=list)  # unbiased candidates
-    selected: bool = False
-    closing: bool = False
-    status: Literal["open", "consumed", "retired"] = "open"
-    #: trajectories started for it so far (first attempts, retries, restarts, replacements)
-    started: int = 0
-    domain: str = "default"
-    alpha: int = 0
-
-    def live(self) -> list[Traj]:
-        return [t for t in self.slots if t is not None and t.state in LIVE]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import array
 import math
-from typing import Any
+from typing import Any, Literal, cast
 
 import msgspec
 import numpy as np
@@ -18,10 +18,11 @@ import numpy as np
 #: exceeds a loop over a few items)
 _SMALL = 64
 #: ``array.array`` typecode of each per-token field (int32, int8 0/1, float32, int32)
-TYPECODES = {"token_ids": "i", "loss_mask": "b", "behaviour_logprobs": "f", "versions": "i"}
+TYPECODES: dict[str, Literal["i", "b", "f"]] = {
+    "token_ids": "i", "loss_mask": "b", "behaviour_logprobs": "f", "versions": "i"}
 
 
-def _typed_view(sample_id: str, name: str, value: Any) -> memoryview:
+def _typed_view(sample_id: str, name: str, value: Any) -> memoryview[Any]:
     """``value`` as a 1-D memoryview of the field's typecode (no copy where it already is one).
 
     Raw bytes (a base64-decoded snapshot, wire bytes) are reinterpreted; other sequences (Python
@@ -105,7 +106,7 @@ class Sample(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, dict=True
     Only generated tokens have a logprob and a version, and at a 32k-token context they are a
     few hundred: keeping those alone saves 8 bytes per context token held until training and
     spares the completion two context-length arrays, whose fresh pages cost ~200 us at 32k
-    tokens on the event loop (issue 11). :meth:`full_behaviour_logprobs` /
+    tokens on the event loop. :meth:`full_behaviour_logprobs` /
     :meth:`full_versions` build the per-token form (0.0 / -1 off the generated tokens).
 
     Construct with ``array.array`` / memoryviews of those typecodes (no copy), raw bytes, or
@@ -143,13 +144,16 @@ class Sample(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, dict=True
 
     def __post_init__(self) -> None:
         sid = self.sample_id
-        for name in TYPECODES:
-            setattr(self, name, _typed_view(sid, name, getattr(self, name)))
+        self.token_ids = _typed_view(sid, "token_ids", self.token_ids)
+        self.loss_mask = loss_mask = _typed_view(sid, "loss_mask", self.loss_mask)
+        self.behaviour_logprobs = logprobs = _typed_view(sid, "behaviour_logprobs",
+                                                         self.behaviour_logprobs)
+        self.versions = versions = _typed_view(sid, "versions", self.versions)
         n = len(self.token_ids)
-        if len(self.loss_mask) != n:
+        if len(loss_mask) != n:
             raise ValueError(f"sample {sid!r}: token_ids/loss_mask lengths "
-                             f"{n}/{len(self.loss_mask)} differ")
-        mask = np.frombuffer(self.loss_mask, dtype=np.uint8)
+                             f"{n}/{len(loss_mask)} differ")
+        mask = np.frombuffer(loss_mask, dtype=np.uint8)
         # One pass finds the largest mask value and its first position: 0 means nothing was
         # generated; 1 is the first generated token, so the count starts there (the prompt,
         # most of a long context, is skipped); more than 1 is invalid.
@@ -159,7 +163,7 @@ class Sample(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, dict=True
             raise ValueError(f"sample {sid!r}: loss_mask values must be 0 or 1")
         gen = int(np.count_nonzero(mask[first:])) if top else 0
         self._num_generated = gen
-        nl, nv = len(self.behaviour_logprobs), len(self.versions)
+        nl, nv = len(logprobs), len(versions)
         if nl != gen or nv != gen:
             if nl != n or nv != n:
                 raise ValueError(
@@ -168,13 +172,13 @@ class Sample(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, dict=True
             # The per-token form: keep the generated tokens' items only.
             at = mask[first:].view(np.bool_)
             self.behaviour_logprobs = memoryview(array.array(
-                "f", np.frombuffer(self.behaviour_logprobs, np.float32)[first:][at].tobytes()))
-            self.versions = memoryview(array.array(
-                "i", np.frombuffer(self.versions, np.int32)[first:][at].tobytes()))
+                "f", np.frombuffer(logprobs, np.float32)[first:][at].tobytes()))
+            self.versions = versions = memoryview(array.array(
+                "i", np.frombuffer(versions, np.int32)[first:][at].tobytes()))
         self._min_version = None
         if gen:
             # a few turns' tokens: Python's min beats numpy's per-call overhead
-            vs = self.versions
+            vs = versions
             self._min_version = (min(vs) if gen <= _SMALL
                                  else int(np.frombuffer(vs, np.int32).min()))
             if self._min_version < 0:
@@ -205,13 +209,14 @@ class Sample(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, dict=True
         """float32 ``array.array`` of ``num_tokens`` items: the behaviour logprob of each
         generated token at its position, 0.0 elsewhere (a new array each call)."""
         return _spread(self.num_tokens, _generated_positions(self.loss_mask),
-                       np.frombuffer(self.behaviour_logprobs, np.float32), "f", 0.0)
+                       np.frombuffer(cast(memoryview, self.behaviour_logprobs), np.float32),
+                       "f", 0.0)
 
     def full_versions(self) -> array.array:
         """int32 ``array.array`` of ``num_tokens`` items: the policy version of each generated
         token at its position, -1 elsewhere (a new array each call)."""
         return _spread(self.num_tokens, _generated_positions(self.loss_mask),
-                       np.frombuffer(self.versions, np.int32), "i", -1)
+                       np.frombuffer(cast(memoryview, self.versions), np.int32), "i", -1)
 
 
 class BufferStats(msgspec.Struct, kw_only=True):

@@ -3,7 +3,7 @@
 A snapshot is a JSON-able dict (``format`` 2): the buffer's config, its version, the next
 trajectory sequence number, and every open group's slots with their held samples. Checkpoints
 already written must keep restoring: the layout changes only with a new ``SNAPSHOT_FORMAT``
-that ``restore`` tells apart. Format 2 (2026-12-02) holds each sample's behaviour logprobs and
+that ``restore`` tells apart. Format 2 holds each sample's behaviour logprobs and
 versions for its generated tokens only, and each running slot's generated tokens
 (``num_tokens``); format 1 held samples per token, and ``Sample`` reads both, so both restore.
 Token accounting across a resume: a held sample's tokens are carried over as generated and
@@ -14,19 +14,15 @@ sample's lengths.
 
 from __future__ import annotations
 
-import random
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 
-from rollart.controller.buffer.groups import new_traj, sweep_stale
-from rollart.controller.buffer.records import Group, TrajState
+from rollart.controller.buffer.groups import GroupTable
+from rollart.controller.buffer.records import TrajState
 from rollart.controller.buffer.sample import BufferStats, DomainCounts, Sample
+from rollart.controller.buffer.stats import BufferCounters, bump
 from rollart.transport.errors import ConfigError
-
-if TYPE_CHECKING:
-    from rollart.controller.buffer.core import SampleBuffer
 
 SNAPSHOT_FORMAT = 2
 #: formats ``restore`` reads (see the module docstring)
@@ -83,9 +79,10 @@ def carried_over(stats: BufferStats, since: dict[str, Any] | None = None) -> Buf
     for name in sorted(stats.domains.keys() | moved_domains.keys()):
         d = stats.domains.get(name, DomainCounts())
         moved = moved_domains.get(name, {})
-        fields = {f: (wasted(getattr(d, f), moved.get(f, {})) if f == "wasted_tokens"
-                      else getattr(d, f) - moved.get(f, 0))
-                  for f in d.__struct_fields__}
+        fields: dict[str, Any] = {
+            f: (wasted(getattr(d, f), moved.get(f, {})) if f == "wasted_tokens"
+                else getattr(d, f) - moved.get(f, 0))
+            for f in d.__struct_fields__}
         domains[name] = DomainCounts(**fields)
     return msgspec.structs.replace(
         stats, generated_tokens=stats.generated_tokens - since.get("generated_tokens", 0),
@@ -109,10 +106,12 @@ CONFIG_KEYS = (
 )
 
 
-def snapshot(buf: SampleBuffer) -> dict[str, Any]:
-    """``SampleBuffer.snapshot()`` (its docstring)."""
+def snapshot(config: dict[str, Any], version: int, table: GroupTable) -> dict[str, Any]:
+    """``SampleBuffer.snapshot()`` (its docstring): the buffer's ``config`` (``CONFIG_KEYS``),
+    ``version`` and every open group of ``table`` (admission order) with its slots (``None``:
+    closed, or no longer wanted)."""
     groups = []
-    for g in sorted(buf._groups.values(), key=lambda g: g.seq):
+    for g in sorted(table.groups.values(), key=lambda g: g.seq):
         if g.status != "open":
             continue
         groups.append(
@@ -124,7 +123,7 @@ def snapshot(buf: SampleBuffer) -> dict[str, Any]:
                 "closing": g.closing,
                 "slots": [
                     None
-                    if t is None or not buf._slot_open(t)
+                    if t is None or not g.wants(t)
                     else {
                         "attempt": t.attempt,
                         "state": "held" if t.state is TrajState.HELD else "running",
@@ -143,70 +142,54 @@ def snapshot(buf: SampleBuffer) -> dict[str, Any]:
         )
     return {
         "format": SNAPSHOT_FORMAT,
-        "config": {k: getattr(buf, k) for k in CONFIG_KEYS},
-        "version": buf._version,
-        "next_seq": buf._next_seq,
+        "config": config,
+        "version": version,
+        "next_seq": table.next_seq,
         "groups": groups,
     }
 
 
-def restore(
-    cls: type[SampleBuffer],
-    snap: dict[str, Any],
-    *,
-    rng: random.Random | None,
-    on_drop: Callable[[str, str], None] | None,
-    on_forget: Callable[[str], None] | None,
-) -> SampleBuffer:
-    """``SampleBuffer.restore()`` (its docstring): a ``cls`` built from ``snap``."""
+def check_format(snap: dict[str, Any]) -> None:
+    """Raises ``ConfigError`` unless ``snap`` is of a format this rollart reads."""
     if snap.get("format") not in READABLE_FORMATS:
         raise ConfigError(
             f"SampleBuffer.restore: unknown snapshot format {snap.get('format')!r} (this "
             f"rollart reads formats {list(READABLE_FORMATS)})"
         )
-    buf = cls(**snap["config"], initial_version=snap["version"], rng=rng, on_drop=on_drop,
-              on_forget=on_forget)
-    buf._next_seq = snap["next_seq"]
+
+
+def restore_groups(snap: dict[str, Any], table: GroupTable, counters: BufferCounters, *,
+                   version: int, groups_per_batch: int, alpha: int) -> None:
+    """Put the groups of ``snap`` back into a new buffer's ``table``: held samples as they
+    were, each running slot as a fresh trajectory (listed in ``table.restarts``); ``version``
+    is the restored buffer's, ``alpha`` its default bound. The caller re-checks staleness."""
+    table.next_seq = snap["next_seq"]
     # Every version's batch was admitted before it was trained; the open groups come back.
-    buf._admitted_groups = (buf._version * (buf.batch_size // buf.group_size)
-                            + len(snap["groups"]))
+    table.admitted = version * groups_per_batch + len(snap["groups"])
     for gs in snap["groups"]:
-        g = Group(
-            key=gs["key"],
-            seq=buf._group_seq,
-            slots=[None] * len(gs["slots"]),
-            selected=gs["selected"],
-            closing=gs["closing"],
-            domain=gs.get("domain", "default"),
-            alpha=gs.get("alpha", buf.alpha),
-        )
-        buf._group_seq += 1
-        buf._groups[g.key] = g
-        d = buf._dom(g.domain)
+        g = table.add_group(gs["key"], gs.get("domain", "default"), gs.get("alpha", alpha),
+                            len(gs["slots"]), selected=gs["selected"], closing=gs["closing"])
+        d = counters.domain(g.domain)
         for i, ss in enumerate(gs["slots"]):
             if ss is None:
                 continue
             if ss["state"] == "running":
-                buf._restarts.append(new_traj(buf, g, i, ss["attempt"]).tid)
+                table.restarts.append(table.new_traj(g, i, ss["attempt"]).tid)
                 # Generated before the checkpoint and lost with the restart: carried over as
                 # generated and wasted ("resume"), so the run's token totals add up.
                 lost = ss.get("num_tokens", 0)
-                buf._generated += lost
+                counters.generated_tokens += lost
                 d.generated_tokens += lost
-                buf._wasted[RESUME] = buf._wasted.get(RESUME, 0) + lost
-                d.wasted_tokens[RESUME] = d.wasted_tokens.get(RESUME, 0) + lost
+                bump(counters.wasted_tokens, RESUME, lost)
+                bump(d.wasted_tokens, RESUME, lost)
                 continue
-            t = new_traj(buf, g, i, ss["attempt"], tid=ss["sample"]["sample_id"])
+            t = table.new_traj(g, i, ss["attempt"], tid=ss["sample"]["sample_id"])
             t.sample = msgspec.convert(ss["sample"], Sample)
             t.state, t.min_version = TrajState.HELD, ss["min_version"]
             # Carried over as generated (before this process) and in flight, so a batch that
             # trains it counts its tokens as trained.
             t.num_tokens, t.turns = t.sample.num_generated, t.sample.num_turns
-            buf._generated += t.num_tokens
-            d.generated_tokens += t.num_tokens
+            counters.generated(g.domain, t.num_tokens)
             (g.kept if ss["kept"] else g.finished).append(t)
-        if len(g.kept) == buf.group_size:
-            buf._ready[g.key] = g
-    buf._fresh_bound = None
-    sweep_stale(buf)
-    return buf
+        if len(g.kept) == g.size:
+            table.ready[g.key] = g

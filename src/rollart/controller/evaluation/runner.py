@@ -127,7 +127,7 @@ class Evaluator:
         self.seeds = {d: eval_seeds(d, self.cfg.size, self.cfg.seed) for d in self.domains}
         self.ctx = TrajectoryContext(
             run=controller.run, proxy=controller.proxy, envs=controller.envs,
-            rewards=controller.rewards, chat=controller._chats, buffer=_EvalTurns(),
+            rewards=controller.rewards, chat=controller.chats, buffer=_EvalTurns(),
             clock=controller.clock, wait_for_weights=_never_waits, barrier=None)
         self._sem = asyncio.Semaphore(self.cfg.max_concurrency)
         self._count = 0
@@ -153,7 +153,7 @@ class Evaluator:
             for s in samples:
                 if s.domain in self._first_actions:
                     self._first_actions[s.domain].append(
-                        sample_actions(s, self.c._chats[s.domain].decode))
+                        sample_actions(s, self.c.chats[s.domain].decode))
             self._start_baseline()
 
     def _start_baseline(self) -> None:
@@ -312,7 +312,7 @@ class Evaluator:
             v = sample.versions
             return _Task(
                 reward=sample.reward, correct=sample.reward >= self.cfg.success_threshold,
-                actions=sample_actions(sample, self.c._chats[domain.name].decode),
+                actions=sample_actions(sample, self.c.chats[domain.name].decode),
                 num_generated=sample.num_generated, num_turns=sample.num_turns,
                 versions=(min(v), max(v)) if len(v) else None,
                 reference=sample.metadata.get("reference"))

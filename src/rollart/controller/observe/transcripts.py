@@ -6,7 +6,11 @@ The controller tells a :class:`TranscriptRecorder` about every finished trajecto
 ``unselected``, ``retired``) and every batch (:meth:`~TranscriptRecorder.step`). A finished
 trajectory is *chosen* with probability ``rate`` (seeded RNG) and followed until its fate is
 known: trained (``"kept"``) or thrown away (``"wasted"`` and why). At each step the first
-``per_step`` chosen trajectories whose fate became known are decoded and appended to the file.
+``per_step`` chosen trajectories whose fate became known are decoded and appended to the file;
+a step with fewer is topped up with trained samples of its batch drawn at random, so every step
+writes ``per_step`` records when its batch has that many (without the top-up a step's count
+was the luck of its ``rate`` draws: the first 32 draws of seed 0 choose one trajectory at 0.25,
+so step 1 of a 32-sample batch wrote one record where later steps wrote 8).
 
 Cost to the controller: ``finished`` / ``dropped`` are a dict operation each; decoding (the
 tokenizer) and writing run on one worker thread, so the event loop only hands over references to
@@ -53,7 +57,8 @@ class TranscriptRecorder:
         path: the JSONL file (appended to; its folder is created).
         tokenizer: the policy's tokenizer (``decode`` is called on the worker thread only).
         per_step: records written per step at most (>= 0).
-        rate: probability in [0, 1] that a finished trajectory is chosen.
+        rate: probability in [0, 1] that a finished trajectory is chosen (followed to its
+            fate, so wasted ones are seen too); 0: no records at all.
         max_chars: characters kept per decoded text (>= 16).
         seed: seed of the choosing RNG.
         max_pending: chosen trajectories waiting for their fate at most.
@@ -94,13 +99,21 @@ class TranscriptRecorder:
             self._resolved.append((sample, "wasted", reason))
 
     def step(self, step: int, batch: Sequence[Sample]) -> Future[int] | None:
-        """Batch of ``step`` taken: write the step's records on the worker thread.
+        """Batch of ``step`` taken: write the step's records on the worker thread (the
+        followed trajectories whose fate is known, topped up from ``batch`` to ``per_step``).
 
         Returns the future of the write (its result: records written), or ``None`` when there
         was nothing to write."""
+        followed = set()
         for s in batch:
             if self._pending.pop(s.sample_id, None) is not None:
                 self._resolved.append((s, "kept", None))
+                followed.add(s.sample_id)
+        short = self.per_step - len(self._resolved)
+        if short > 0 and self.rate > 0:
+            rest = [s for s in batch if s.sample_id not in followed]
+            self._resolved += [(s, "kept", None)
+                               for s in self._rng.sample(rest, min(short, len(rest)))]
         chosen, self._resolved = self._resolved[: self.per_step], []
         if not chosen:
             return None

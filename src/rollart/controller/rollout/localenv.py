@@ -220,7 +220,7 @@ def _close_sync_quietly(s: _LocalEnv) -> None:
         s.closed = True
     close = getattr(s.env, "close", None)
     try:
-        if close is not None and inspect.isawaitable(out := close()):
+        if close is not None and inspect.iscoroutine(out := close()):
             out.close()  # a coroutine nobody can run any more
     except Exception as exc:  # noqa: BLE001 - shutting down: log and go on
         log.warning("closing a local env failed: %s", exc)

@@ -22,8 +22,8 @@ templates that rewrite earlier turns (Qwen3 strips ``<think>`` blocks from histo
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, cast
 
 from rollart.controller.ports import Tokenizer
 from rollart.transport import tokenbytes as tb
@@ -53,7 +53,8 @@ class ChatTokens:
         self.eos_token_id: int = tokenizer.eos_token_id
         self.template_kwargs = dict(template_kwargs or {})
         fast = getattr(tokenizer, "encode_i32", None)
-        self._encode_i32 = fast if callable(fast) else None
+        # Duck-typed: a tokenizer's optional ``encode_i32(text) -> bytes`` (SimTokenizer).
+        self._encode_i32 = cast("Callable[[str], bytes]", fast) if callable(fast) else None
         self.observation_text("probe")  # fail at construction, not in the first trajectory
 
     def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:

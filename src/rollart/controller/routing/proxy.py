@@ -10,7 +10,7 @@ Routing of one generate call for trajectory ``traj_id`` of domain ``d``:
    ``WorkerStats`` (covers work from other clients), ``local`` = requests this proxy has in flight
    there or waiting for its send window (covers requests sent since that report). Ties go to
    the first worker in pool order.
-4. at most ``max_in_flight`` requests are outstanding on one worker (its send window,
+4. at most ``max_generate_in_flight`` requests are outstanding on one worker (its send window,
    ``rollart.controller.routing.sendwindow``); more wait here in arrival order, and each one's timeout
    starts when it is sent, so a burst is not failed by its own queue.
 
@@ -106,7 +106,7 @@ class LLMProxy:
             (``None``: not checked beyond ``>= 0``).
         violations: per-worker violation window deciding quarantine (``None``: a bad reply
             fails its turn, the worker is never quarantined for it).
-        max_in_flight: generate requests outstanding on one worker at most
+        max_generate_in_flight: generate requests outstanding on one worker at most
             (``run.max_generate_in_flight``); more wait in the proxy, in arrival order, and
             their timeout starts when sent (``rollart.controller.routing.sendwindow``). ``None``: no
             bound.
@@ -123,7 +123,7 @@ class LLMProxy:
         version: int = 0,
         vocab_size: int | None = None,
         violations: ViolationWindow | None = None,
-        max_in_flight: int | None = None,
+        max_generate_in_flight: int | None = None,
     ) -> None:
         self._pools: dict[str, Pool] = {}
         seen: set[str] = set()
@@ -138,7 +138,7 @@ class LLMProxy:
         self._affinity: dict[str, str] = {}
         for domain, pool in affinity.items():
             self.set_affinity(domain, pool)
-        self._window = SendWindow(seen, max_in_flight)
+        self._window = SendWindow(seen, max_generate_in_flight)
         self._sticky: dict[str, GenerationBackend] = {}
         #: trajectory -> (worker, number of its tokens that worker holds)
         self._held: dict[str, tuple[GenerationBackend, int]] = {}
@@ -414,7 +414,7 @@ class LLMProxy:
                 # Its worker answered other calls meanwhile (busy), or no worker answered
                 # anything (the controller's loop stalled, or every engine is slow): overload,
                 # which the controller does not count as a failure in a row.
-                timed_out.overload = not suspect  # type: ignore[attr-defined]
+                timed_out.overload = not suspect
                 try:
                     hung = await self._hung(worker, sent_at, prompt[0])
                 finally:

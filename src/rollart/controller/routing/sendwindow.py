@@ -1,6 +1,7 @@
-"""Per-worker send window: at most ``limit`` generate requests outstanding on one worker.
+"""Per-worker send window: at most ``max_generate_in_flight`` generate requests outstanding on
+one worker.
 
-Why (issue 11): a request's ``generate_timeout_s`` must measure the worker, not a queue. Without
+Why: a request's ``generate_timeout_s`` must measure the worker, not a queue. Without
 a window, a burst (a run's start, a weight apply releasing thousands of trajectories at once)
 puts every request on the wire at once; a worker that takes them in slower than they come
 holds a backlog in ZeroMQ's queues (high-water mark 0 by design: nothing is dropped), requests
@@ -10,10 +11,11 @@ trajectories x 32k tokens on one SIMULATED worker: 22,241 generate timeouts, mem
 21.4 GB when the run stopped (``ControllerStalledError``); with the window 0 timeouts
 (benchmarks/README.md, "Seventh round").
 
-With the window, requests beyond ``limit`` wait in the controller, in arrival order, and each
-one's timeout starts when it is sent. Waiting costs a future per waiting request only; below
-the limit :meth:`try_acquire` is a dict lookup and a compare. Keep ``limit`` above what the
-engine runs at once (vLLM's ``max_num_seqs``) so its scheduler never runs dry.
+With the window, requests beyond ``max_generate_in_flight`` wait in the controller, in arrival
+order, and each one's timeout starts when it is sent. Waiting costs a future per waiting request
+only; below the bound :meth:`try_acquire` is a dict lookup and a compare. Keep
+``max_generate_in_flight`` above what the engine runs at once (vLLM's ``max_num_seqs``) so its
+scheduler never runs dry.
 
 The wait has no timeout of its own. Every slot is released when its call ends (reply, error
 or timeout); a worker that stops answering heartbeats is declared dead, which ends its calls,
@@ -23,8 +25,8 @@ and quarantines it if the probe fails too (``rollart.controller.routing.hangchec
 from its pool and from here, so its waiters route again to other workers rather than each
 waiting for a slot that a timeout frees.
 
-"At most ``limit``" counts what the controller waits for: a timed-out request's slot is free
-at once, while its abort may still be on the way to the worker.
+"At most ``max_generate_in_flight``" counts what the controller waits for: a timed-out
+request's slot is free at once, while its abort may still be on the way to the worker.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ class SendWindow:
 
     Args:
         names: the workers' names.
-        limit: slots per worker (>= 1), or ``None`` for no bound.
+        max_generate_in_flight: slots per worker (>= 1; ``run.max_generate_in_flight``), or
+            ``None`` for no bound.
 
     Attributes:
         in_flight: worker name -> slots taken (requests sent and not ended, plus slots handed
@@ -47,10 +50,11 @@ class SendWindow:
         num_waits: requests that had to wait for a slot (a cumulative count).
     """
 
-    def __init__(self, names: Iterable[str], limit: int | None) -> None:
-        if limit is not None and limit < 1:
-            raise ValueError(f"send window limit must be >= 1 or None, got {limit}")
-        self.limit = limit
+    def __init__(self, names: Iterable[str], max_generate_in_flight: int | None) -> None:
+        if max_generate_in_flight is not None and max_generate_in_flight < 1:
+            raise ValueError("send window: max_generate_in_flight must be >= 1 or None, got "
+                             f"{max_generate_in_flight}")
+        self.max_generate_in_flight = max_generate_in_flight
         self.in_flight: dict[str, int] = {name: 0 for name in names}
         self._waiters: dict[str, deque[asyncio.Future[bool]]] = {
             name: deque() for name in self.in_flight}
@@ -73,7 +77,8 @@ class SendWindow:
         queue = self._waiters[name]
         while queue and queue[0].done():  # cancelled waiters left behind
             queue.popleft()
-        if self.limit is not None and (queue or self.in_flight[name] >= self.limit):
+        bound = self.max_generate_in_flight
+        if bound is not None and (queue or self.in_flight[name] >= bound):
             return False
         self.in_flight[name] += 1
         return True

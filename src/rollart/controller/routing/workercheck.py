@@ -1,5 +1,5 @@
 """Checks of inference workers' output where it enters the controller, and the per-worker
-record of violations that decides when a worker is quarantined (issue 13).
+record of violations that decides when a worker is quarantined.
 
 A ``GenerateResult`` that decoded (``GenerateResult.__post_init__`` already refused ragged
 lengths and NaN / infinite / positive logprobs on the wire) can still be wrong in ways only the

@@ -1,1 +1,2 @@
-"""Training from the controller's side: the step protocol, GRPO advantages, weight sync."""
+"""Training from the controller's side: the step protocol, GRPO advantages, the trainer-service
+adapter (``remote``), weight sync."""

@@ -1,4 +1,4 @@
-"""Engine/trainer agreement per serving worker, checked after every training step (issue 13).
+"""Engine/trainer agreement per serving worker, checked after every training step.
 
 The trainer recomputes the logprobs of every generated token under the weights the batch was
 trained from and reports, per sample, ``SampleAgreement`` (mean ``|log w|``, max ``w``, fraction

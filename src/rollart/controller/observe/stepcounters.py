@@ -1,0 +1,134 @@
+"""What a training step counts: the counters of the sample buffer, the LLM proxy and the
+trajectories at the step's start, diffed at its end into the step's
+:class:`~rollart.controller.observe.metrics.StepMetrics`.
+
+Counters between two steps (a checkpoint taken between them, rollout before the first step)
+land in the next step, so each trajectory counts in exactly one step; a resumed run's first
+step reports what the checkpoint carried over (:meth:`StepCounters.restore`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from rollart.controller.buffer.snapshot import carried_over, counts_since
+from rollart.controller.observe.metrics import StepMetrics, step_metrics
+
+if TYPE_CHECKING:
+    from rollart.controller.buffer.core import SampleBuffer
+    from rollart.controller.buffer.sample import BufferStats, Sample
+    from rollart.controller.observe.loophealth import LoopLagMonitor
+    from rollart.controller.rollout.trajectory import TrajectoryContext
+    from rollart.controller.routing.proxy import LLMProxy
+
+
+@dataclass(slots=True)
+class StepStart:
+    """The counters at a step's start (:meth:`StepCounters.begin`); ``t0``: clock, s."""
+
+    stats: BufferStats
+    tokens: int
+    invalid_actions: int
+    rerouted: int
+    prefix_resends: int
+    window_waits: int
+    invalid_replies: int
+    quarantined: int
+    t0: float
+
+
+class StepCounters:
+    """The counting of every training step (module docstring).
+
+    Args:
+        buffer: the sample buffer (its cumulative ``stats()``).
+        proxy: the LLM proxy (reroutes, prefix resends, send-window waits, invalid replies,
+            quarantined workers).
+        clock: monotonic seconds.
+        loop_lag: the event-loop lag monitor; ``None``: not measured.
+    """
+
+    def __init__(self, buffer: SampleBuffer, proxy: LLMProxy, clock: Callable[[], float],
+                 loop_lag: LoopLagMonitor | None = None) -> None:
+        self.buffer, self.proxy, self.clock, self.loop_lag = buffer, proxy, clock, loop_lag
+        # the buffer's counters at the last step's end: the next step's metrics are deltas
+        # from them (a restore sets them to the carried-over counters)
+        self._stats_at_end: BufferStats | None = None
+        self._ctx: TrajectoryContext | None = None
+        self._align_s = 0.0
+        self._started_at = 0.0
+        self._last_step_end = 0.0
+
+    def start(self, ctx: TrajectoryContext, align_s: float) -> None:
+        """The controller started: trajectories count in ``ctx``; ``align_s``, the weight
+        sync that aligned the workers' version, is reported with the first step."""
+        self._ctx, self._align_s = ctx, align_s
+        self._last_step_end = self._started_at = self.clock()
+        if self._stats_at_end is None:
+            # Step 1's counters are deltas from here: rollout before the first step (the
+            # owner awaiting something else, e.g. a held-out evaluation) counts in it.
+            self._stats_at_end = self.buffer.stats()
+
+    def since_last_step(self) -> dict[str, Any]:
+        """The checkpoint's part: buffer counters gained since the last step's metrics."""
+        return counts_since(self.buffer.stats(), self._stats_at_end)
+
+    def restore(self, since_last_step: dict[str, Any] | None) -> None:
+        """Continue from a checkpoint: its :meth:`since_last_step` (``None`` in older ones:
+        nothing is added) counts in the first step, with the restart's waste."""
+        self._stats_at_end = carried_over(self.buffer.stats(), since_last_step)
+
+    def begin(self) -> StepStart:
+        """The counters at a step's start."""
+        ctx, proxy = self._ctx, self.proxy
+        return StepStart(
+            # The previous step's end, so counters between steps land in this step.
+            stats=self._stats_at_end or self.buffer.stats(),
+            tokens=ctx.generated_tokens if ctx else 0,
+            invalid_actions=ctx.invalid_actions if ctx else 0,
+            rerouted=proxy.num_rerouted, prefix_resends=proxy.num_prefix_resends,
+            window_waits=proxy.num_window_waits, invalid_replies=proxy.num_invalid_replies,
+            quarantined=len(proxy.quarantined), t0=self.clock())
+
+    def metrics(self, start: StepStart, *, step: int, mode: str, policy_version: int,
+                batch: Sequence[Sample], t_batch: float, t_end: float, train_s: float,
+                sync_total_s: float, sync_exposed_s: float,
+                train_metrics: dict[str, float]) -> StepMetrics:
+        """The step's metrics: deltas from ``start`` to now. ``t_batch``: when the batch was
+        ready; ``t_end``: the step's end (clock, s)."""
+        ctx, proxy = self._ctx, self.proxy
+        lag = self.loop_lag.take() if self.loop_lag is not None else None
+        self._stats_at_end = after = self.buffer.stats()
+        metrics = step_metrics(
+            step=step,
+            mode=mode,
+            policy_version=policy_version,
+            batch=batch,
+            before=start.stats,
+            after=after,
+            step_time_s=t_end - self._last_step_end,
+            trainer_idle_s=t_batch - start.t0,
+            train_time_s=train_s,
+            weight_sync_total_s=sync_total_s + self._align_s,
+            weight_sync_exposed_s=sync_exposed_s + self._align_s,
+            num_generated_tokens=(ctx.generated_tokens if ctx else 0) - start.tokens,
+            num_rerouted=proxy.num_rerouted - start.rerouted,
+            num_prefix_resends=proxy.num_prefix_resends - start.prefix_resends,
+            num_window_waits=proxy.num_window_waits - start.window_waits,
+            train_metrics=train_metrics,
+            # Samples restored from a checkpoint started before this process did.
+            rollout_not_before=self._started_at,
+            loop_lag_p99_ms=lag.p99_ms if lag is not None else None,
+            loop_lag_max_ms=lag.max_ms if lag is not None else None,
+            num_invalid_actions=(ctx.invalid_actions if ctx else 0) - start.invalid_actions,
+        )
+        metrics.num_invalid_replies = proxy.num_invalid_replies - start.invalid_replies
+        return metrics
+
+    def end(self, metrics: StepMetrics, start: StepStart, t_end: float) -> None:
+        """Close the step: the workers quarantined during it go into ``metrics``."""
+        metrics.quarantined_workers = self.proxy.quarantined[start.quarantined:]
+        self._align_s = 0.0
+        self._last_step_end = t_end
