@@ -121,8 +121,16 @@ USES_REDUCED = frozenset({"ablations", "affinity", "env_tail", "modes", "redunda
 USES_SEEDS = USES_REDUCED | {"pd"}
 
 
-def parse_args(name: str, description: str, argv: list[str] | None = None) -> argparse.Namespace:
+def parse_args(name: str, description: str, argv: list[str] | None = None, *,
+               baseline: str | None = None) -> argparse.Namespace:
+    """The common options; ``baseline`` (a git ref) adds ``--baseline REF`` with that default,
+    for a benchmark that measures old code from git (``benchmarks.gitbaseline``)."""
     parser = argparse.ArgumentParser(prog=f"python -m benchmarks.{name}", description=description)
+    if baseline is not None:
+        parser.add_argument("--baseline", default=baseline, metavar="REF",
+                            help=f"git ref of the old code measured as the baseline (default "
+                                 f"{baseline}); skipped with a note when git or the ref is "
+                                 f"missing")
     parser.add_argument("--quick", action="store_true", help="smaller workload (CI / nox bench)")
     parser.add_argument("--json", type=Path, default=None, help="write the result JSON here")
     parser.add_argument("--seed", type=int, default=0, help="base seed of the simulation")

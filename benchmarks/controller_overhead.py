@@ -147,7 +147,7 @@ from rollart.transport.rpc import RpcClient
 from rollart.transport.security import create_key_file, load_key_file
 
 NAME = "controller_overhead"
-#: mean (and std) env step latency, s: issue 11's "realistic env latency"
+#: mean (and std) env step latency, s: a realistic agentic env step (the controller's goals)
 ENV_MEAN_S = 10.0
 GENERATE_TIMEOUT_S = 20.0
 #: ``max_tokens_per_trajectory`` = context + this (room for the turns' tokens)
@@ -755,8 +755,8 @@ def _one_size(size: Size, seed: int, gc_policy: str,
         keyed = ["--key-file", str(key_file)]
         try:
             # Room for every trajectory's whole sequence: a worker that evicts prefixes makes
-            # each later turn a refused call plus a resend of the whole context (issue 11's
-            # figures were measured that way until 2026-12-02: ~1 resend per turn at 10k).
+            # each later turn a refused call plus a resend of the whole context (~1 resend
+            # per turn at 10k with the old 16 Mi-token bound).
             if max_prefix_tokens is None:
                 max_prefix_tokens = prefix_bound(size)
             hold = ["--max-prefix-tokens", str(max_prefix_tokens)]

@@ -153,7 +153,8 @@ def train_rollart(s: LearningSettings, model_dir: Path, heldout: list[Task], see
 #: the other modes ``--time-to-score`` trains (beside ``rollart sync``)
 TTS_SIDES = ("rollart rollart", "rollart one_off")
 #: the held-out score time to score is measured on: sampled, because the greedy answer of the
-#: default task's tiny model stays the majority answer through a short run (benchmarks/README)
+#: default task's tiny model stays the majority answer through a short run
+#: (docs/performance/learning.md)
 TTS_METRIC = "sampled_accuracy"
 
 

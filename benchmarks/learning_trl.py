@@ -2,7 +2,7 @@
 generation on CPU, no vLLM) on the same checkpoint, prompts, scorer and settings as rollart.
 
 ``TRL_SETTINGS`` are the TRL options that bring its GRPO closest to rollart's (see
-``benchmarks/README.md``, "learning"); the JSON records them. Needs the ``learning`` extra
+``docs/performance/learning.md``); the JSON records them. Needs the ``learning`` extra
 (``pip install -e .[cpu,dev,learning]``).
 """
 

@@ -13,9 +13,10 @@ domains spread over every engine in proportion to pool size) and interrupt + re-
 running requests on each weight update. ``C - running`` (engine concurrency) is left to the
 engines' queues.
 
-A sixth simulated row, ``rollart_new_policy``, is rollart with issue 12's staleness policy
-(``staleness_waste.POLICIES["new"]``; not rollart's default, see benchmarks/README.md), with
-its own ``rollart_new_policy vs <baseline>`` ratios.
+A sixth simulated row, ``rollart_new_policy``, is rollart with the new staleness policy
+(``staleness_waste.POLICIES["new"]``; not rollart's default, see
+docs/performance/staleness-policy.md), with its own ``rollart_new_policy vs <baseline>``
+ratios.
 
 Real nodes: ``--scenario FILE`` runs every mode on that scenario instead (its pools, envs and
 rewards as real processes through ``rollart.launcher.local.open_cluster``, or the addresses of
@@ -40,7 +41,7 @@ from benchmarks.workloads import paper_cluster
 from rollart.sim.harness import MODE_ALPHA, SimScenario, run_simulated
 
 MODES = ("sync", "sync_plus", "one_off", "areal", "rollart")
-#: simulated rows: every mode, plus rollart with issue 12's staleness policy (eager staggered
+#: simulated rows: every mode, plus rollart with the new staleness policy (eager staggered
 #: apply, fresh_start, capacity admission, yield domain mix: ``staleness_waste.POLICIES["new"]``),
 #: which is not rollart's default (it is 6.7% slower in staleness_waste's rollout-bound regime)
 #: and so is reported beside the default rather than instead of it
@@ -101,7 +102,7 @@ def _mean(steps: list[dict], key: str) -> float:
     return sum(vals) / len(vals)
 
 
-#: rollart's own staleness policy (issue 12); the baselines run as their papers describe
+#: rollart's own staleness policy fields; the baselines run as their papers describe
 #: them, so they get RunConfig's defaults for these fields whatever the scenario sets.
 ROLLART_POLICY_FIELDS = ("weight_apply", "apply_waves", "fresh_start", "abort_stale",
                          "admission", "domain_mix")

@@ -52,10 +52,9 @@ MAX_MODEL_LEN = 1024
 #: slower on the 2-core machine).
 WARMUP_ROUNDS = 2
 
-# The quickstart's first two domains (docs/quickstart/quickstart-arith.toml; the quickstart now
-# counts letters instead, README "What the quickstart learns"): a systems workload, its step
-# times do not depend on what the policy learns. The warmed-up tiny model is cached under a
-# hash of these domains.
+# Two domains, a multi-turn game and single-turn arithmetic (an earlier quickstart's): a systems
+# workload, its step times do not depend on what the policy learns. The warmed-up tiny model is
+# cached under a hash of these domains.
 _SCENARIO = """
 [run]
 seed = {seed}

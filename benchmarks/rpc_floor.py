@@ -5,13 +5,16 @@ msgspec msgpack both ways) from one client in this process to one server in anot
 both on uvloop, at concurrency 1, 64 and 1024 (that many coroutines each calling in a loop):
 
 - ``new``: ``rollart.transport.rpc`` (plain ZeroMQ sockets pumped in bulk from the loop),
-  unauthenticated (``INSECURE``), as before issue 14.
-- ``curve``: the same transport with the run's CURVE key (``rollart.transport.security``): the
-  default since issue 14. Every message is encrypted and authenticated (NaCl crypto_box:
-  Curve25519 key agreement at the handshake, XSalsa20-Poly1305 per message) on both sides, in
-  ZeroMQ's I/O threads; ``curve/new`` is what that costs.
-- ``old``: the transport before issue 11 (``benchmarks/_rpc_before.py``: pyzmq's asyncio layer).
-- ``floor``: the physical floor of issue 11, a bare uvloop ``asyncio.Protocol`` over TCP with
+  unauthenticated (``INSECURE``).
+- ``curve``: the same transport with the run's CURVE key (``rollart.transport.security``), a
+  run's default. Every message is encrypted and authenticated (NaCl crypto_box: Curve25519 key
+  agreement at the handshake, XSalsa20-Poly1305 per message) on both sides, in ZeroMQ's I/O
+  threads; ``curve/new`` is what that costs.
+- ``old``: the transport before the bulk pump, ``src/rollart/transport/rpc.py`` at git
+  ``--baseline REF`` (default ``OLD.ref``: pyzmq's asyncio layer, default high-water marks,
+  ``ROUTER_MANDATORY`` off), read from git by ``benchmarks.gitbaseline``. Without git or the
+  ref (a shallow clone) it is skipped with a note and ``new/old`` is not reported.
+- ``floor``: the physical floor, a bare uvloop ``asyncio.Protocol`` over TCP with
   length-prefixed frames (4-byte length, 8-byte call id, msgpack body), one ``write`` per loop
   tick, a future per call and no task per request: no ZeroMQ, no heartbeats, no timeouts.
 
@@ -48,12 +51,18 @@ import msgspec
 import uvloop
 
 from benchmarks.common import emit, parse_args, result
+from benchmarks.gitbaseline import Baseline, BaselineUnavailable, Checkout, add_to_path, extract
 from rollart.transport import messages as m
 from rollart.transport.errors import RemoteTimeoutError
 from rollart.transport.security import INSECURE, Auth, create_key_file, load_key_file
 
 NAME = "rpc_floor"
 KINDS = ("new", "curve", "old", "floor")
+#: the ``old`` transport: ``rpc.py`` as it was before the bulk pump (pyzmq's asyncio layer);
+#: its parent commit 21fc2ec replaced it
+OLD = Baseline(ref="b80fd0d3c1f6bd5a7893037c782709b41243f1eb",
+               modules={"rpc": "src/rollart/transport/rpc.py"},
+               what="the RPC transport on pyzmq's asyncio layer")
 _key_dir: tempfile.TemporaryDirectory | None = None
 
 
@@ -172,14 +181,20 @@ class _FloorClient(_Framed):
 # ----------------------------------------------------------------------------------------------
 
 
-async def _serve(kind: str, key_file: Path | None) -> None:
+async def _serve(kind: str, extra: list[str]) -> None:
+    """Serve echoes; ``extra``: the key file for ``curve``, the baseline's directory and
+    package for ``old``."""
     if kind == "floor":
         server = await asyncio.get_running_loop().create_server(_FloorServer, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
         print(f"ADDRESS tcp://127.0.0.1:{port}", flush=True)
     else:
-        mod = importlib.import_module(
-            "benchmarks._rpc_before" if kind == "old" else "rollart.transport.rpc")
+        if kind == "old":
+            add_to_path(Path(extra[0]))
+            mod = importlib.import_module(f"{extra[1]}.rpc")
+        else:
+            mod = importlib.import_module("rollart.transport.rpc")
+        key_file = Path(extra[0]) if kind == "curve" else None
 
         async def step(msg: m.EnvStep, _frames: Any) -> m.EnvStepResult:
             return _echo(msg)
@@ -196,13 +211,19 @@ async def _serve(kind: str, key_file: Path | None) -> None:
         serving.cancel()
 
 
-def _spawn(kind: str) -> tuple[subprocess.Popen, str]:
+def _spawn(kind: str, old: Checkout | None = None) -> tuple[subprocess.Popen, str]:
+    """An echo server process of ``kind`` and its address (``old`` needs the baseline)."""
     root = Path(__file__).resolve().parent.parent
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(root / "src"), str(root), env.get("PYTHONPATH", "")) if p)
-    key = [str(_key_path())] if kind == "curve" else []
-    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.rpc_floor", "serve", kind, *key],
+    if kind == "old":
+        if old is None:
+            raise ValueError("the 'old' transport needs its baseline checkout (OLD)")
+        extra = [str(old.directory), old.package]
+    else:
+        extra = [str(_key_path())] if kind == "curve" else []
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.rpc_floor", "serve", kind, *extra],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
                             cwd=root)
     assert proc.stdout is not None
@@ -229,8 +250,8 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 #: Seconds an RPC echo call may wait for its reply before it counts as lost. The old transport
-#: drops replies past ZeroMQ's default high-water mark (issue 11); such a call then waits this
-#: long, which its calls/s includes, as a real caller's would.
+#: drops replies past ZeroMQ's default high-water mark; such a call then waits this long, which
+#: its calls/s includes, as a real caller's would.
 CALL_TIMEOUT_S = 10.0
 
 
@@ -264,10 +285,12 @@ async def _run_calls(call: Callable[[m.Msg], Awaitable[Any]], concurrency: int, 
 
 
 async def _measure(kind: str, address: str, concurrency: int, calls: int,
-                   lost: Lost | None = None, cpu_us: list[float] | None = None) -> float:
+                   lost: Lost | None = None, cpu_us: list[float] | None = None,
+                   old: Checkout | None = None) -> float:
     """calls/s of one transport at one concurrency (after a warm-up of a tenth of ``calls``);
     replies that never came are added to ``lost``; the client process's CPU microseconds
-    (``time.process_time``) per answered call are appended to ``cpu_us`` if given."""
+    (``time.process_time``) per answered call are appended to ``cpu_us`` if given. ``old``:
+    the baseline checkout, needed for kind ``old``."""
     lost = lost or Lost()
     if kind == "floor":
         host, port = address.removeprefix("tcp://").rsplit(":", 1)
@@ -277,8 +300,12 @@ async def _measure(kind: str, address: str, concurrency: int, calls: int,
             return await _timed_calls(client.call, concurrency, calls, lost, cpu_us)
         finally:
             transport.close()
-    mod = importlib.import_module(
-        "benchmarks._rpc_before" if kind == "old" else "rollart.transport.rpc")
+    if kind == "old":
+        if old is None:
+            raise ValueError("the 'old' transport needs its baseline checkout (OLD)")
+        mod = old.module("rpc")
+    else:
+        mod = importlib.import_module("rollart.transport.rpc")
     auth = {} if kind == "old" else {"auth": _auth(kind)}
     rpc = mod.RpcClient(address, name=kind, heartbeat_interval_s=0, **auth)
 
@@ -345,36 +372,56 @@ async def _floor_rates(address: str, concurrency: tuple[int, ...], repeats: int,
     return rates, cpu
 
 
-async def _all_rates(addresses: dict[str, str], repeats: int, quick: bool
+async def _all_rates(addresses: dict[str, str], repeats: int, quick: bool,
+                     old: Checkout | None
                      ) -> tuple[dict[tuple[str, int], list[float]], dict[tuple[str, int], Lost],
                                 dict[tuple[str, int], list[float]]]:
-    rates: dict[tuple[str, int], list[float]] = {(k, c): [] for k in KINDS for c in CONCURRENCY}
+    kinds = tuple(addresses)
+    rates: dict[tuple[str, int], list[float]] = {(k, c): [] for k in kinds for c in CONCURRENCY}
     lost = {key: Lost() for key in rates}
     cpu: dict[tuple[str, int], list[float]] = {key: [] for key in rates}
     for rep in range(repeats):
-        order = KINDS[rep % len(KINDS):] + KINDS[:rep % len(KINDS)]
+        order = kinds[rep % len(kinds):] + kinds[:rep % len(kinds)]
         for c in CONCURRENCY:
             for kind in order:
                 rates[kind, c].append(await _measure(
                     kind, addresses[kind], c, _calls_for(c, quick), lost[kind, c],
-                    cpu_us=cpu[kind, c]))
+                    cpu_us=cpu[kind, c], old=old))
     return rates, lost, cpu
 
 
-def run(quick: bool, seed: int) -> dict[str, Any]:
+def old_transport(ref: str) -> tuple[Checkout | None, dict[str, str]]:
+    """The ``old`` transport's checkout at ``ref`` and what ``meta["baseline"]`` records; when
+    it cannot be had, ``None`` and the reason (printed: the run goes on without it)."""
+    try:
+        old = extract(OLD, ref)
+        old.module("rpc")  # fails here, not in a server process, if it no longer imports
+    except BaselineUnavailable as e:
+        print(f"{NAME}: skipping the 'old' transport ({OLD.what}): {e}", file=sys.stderr)
+        return None, {"ref": ref, "skipped": str(e)}
+    return old, {"ref": ref, "commit": old.commit}
+
+
+def run(quick: bool, seed: int, baseline: str = OLD.ref) -> dict[str, Any]:
     started = time.perf_counter()
     repeats = 5 if quick else 10
     load_before = os.getloadavg()[0]
-    procs = {kind: _spawn(kind) for kind in KINDS}
+    old, baseline_meta = old_transport(baseline)
+    kinds = KINDS if old is not None else tuple(k for k in KINDS if k != "old")
+    procs: dict[str, tuple[subprocess.Popen, str]] = {}
     try:
+        for kind in kinds:
+            procs[kind] = _spawn(kind, old)
         rates, lost, cpu = uvloop.run(
-            _all_rates({k: a for k, (_, a) in procs.items()}, repeats, quick))
+            _all_rates({k: a for k, (_, a) in procs.items()}, repeats, quick, old))
     finally:
         for proc, _ in procs.values():
             _stop(proc)
+        if old is not None:
+            old.close()
     rows, ratios, intervals = [], {}, {}
     for c in CONCURRENCY:
-        for kind in KINDS:
+        for kind in kinds:
             mean, half = ci95(rates[kind, c])
             cpu_mean, cpu_half = ci95(cpu[kind, c])
             rows.append({"transport": kind, "concurrency": c, "calls_per_s": mean,
@@ -383,7 +430,7 @@ def run(quick: bool, seed: int) -> dict[str, Any]:
                          "client_cpu_us_per_call_ci95": cpu_half,
                          "lost_replies": lost[kind, c].count})
             ratios[f"lost_replies {kind} at c={c}"] = lost[kind, c].count
-        for other in ("old", "floor"):
+        for other in ("old", "floor") if old is not None else ("floor",):
             per_rep = [a / b for a, b in zip(rates["new", c], rates[other, c], strict=True)]
             mean, half = ci95(per_rep)
             key = f"new/{other} calls_per_s at c={c}"
@@ -407,16 +454,17 @@ def run(quick: bool, seed: int) -> dict[str, Any]:
     res["ci95"] = {k: [round(lo, 4), round(hi, 4)] for k, (lo, hi) in intervals.items()}
     res["meta"]["repeats"] = repeats
     res["meta"]["load_avg_1m"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
+    res["meta"]["baseline"] = baseline_meta
     return res
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:
-        uvloop.run(_serve(argv[1], Path(argv[2]) if len(argv) > 2 else None))
+        uvloop.run(_serve(argv[1], argv[2:]))
         return None
-    args = parse_args(NAME, __doc__.splitlines()[0], argv)
-    res = run(args.quick, args.seed)
+    args = parse_args(NAME, __doc__.splitlines()[0], argv, baseline=OLD.ref)
+    res = run(args.quick, args.seed, args.baseline)
     emit(res, args.json)
     return res
 

@@ -3,12 +3,16 @@
 What one RPC costs the calling process (the controller), through the real call path of its
 most frequent RPC, ``EnvClient.step`` (``rollart.envhost.client``; ``InferenceClient.generate``
 has the same shape), against one ``RpcServer`` echo in a child process. ``before`` is the client
-path on ``main`` at commit bdb946e, vendored in ``benchmarks/_rpc_prev.py`` (a loop timer per
-call, two helper coroutines per call, ``getsockopt(EVENTS)``); ``after`` is today's
-(``rollart.transport.rpc``: deadline wheel, ``RpcClient.submit`` awaited directly, call ids
-matched as wire bytes, EVENTS by ``zmq_poll``). Both speak the same wire format to the same
-server. Parts, each measured side by side in one run, ``before`` and ``after`` alternating in
-every repeat (their order swapped every other repeat):
+path at git ``--baseline REF`` (default ``BEFORE.ref``, the commit before the deadline wheel:
+a loop timer per call, two helper coroutines per call, ``getsockopt(EVENTS)``):
+``transport/zmqloop.py``, ``transport/rpc.py`` and ``envhost/client.py`` of that commit, read
+from git by ``benchmarks.gitbaseline``; ``after`` is today's (``rollart.transport.rpc``:
+deadline wheel, ``RpcClient.submit`` awaited directly, call ids matched as wire bytes, EVENTS
+by ``zmq_poll``). Both speak the same wire format to the same server. Without git or the ref
+(a shallow clone) ``before`` is skipped with a note: ``after``'s figures, the ``floor`` and
+the ``send`` / ``events`` parts are still measured, the after/before ratios are not. Parts,
+each measured side by side in one run, ``before`` and ``after`` alternating in every repeat
+(their order swapped every other repeat):
 
 - ``calls``: at 1, 1024 and 20000 calls in flight (that many coroutines each calling in a loop),
   the client's event-loop thread CPU (``time.thread_time``) and whole-process CPU
@@ -47,8 +51,8 @@ import uvloop
 import zmq
 from zmq.backend import zmq_poll
 
-from benchmarks import _rpc_prev
 from benchmarks.common import emit, parse_args, result
+from benchmarks.gitbaseline import Baseline, BaselineUnavailable, extract
 from benchmarks.rpc_floor import ci95
 from rollart.envhost.client import EnvClient
 from rollart.transport import messages as m
@@ -57,6 +61,12 @@ from rollart.transport.security import INSECURE
 
 NAME = "rpc_overhead"
 VARIANTS = ("before", "after")
+#: the ``before`` client path: the commit before b9a15c7 (deadline wheel, ``submit``)
+BEFORE = Baseline(ref="bdb946e9d7232e2ef342f217f6097ab316556f7c",
+                  modules={"zmqloop": "src/rollart/transport/zmqloop.py",
+                           "rpc": "src/rollart/transport/rpc.py",
+                           "client": "src/rollart/envhost/client.py"},
+                  what="the RPC client path before the deadline wheel")
 CONCURRENCY = (1, 1024, 20000)
 GC_IN_FLIGHT = (1024, 20000)
 SEND_SIZES = (16 << 10, 64 << 10, 128 << 10, 256 << 10, 1 << 20, 16 << 20)
@@ -140,8 +150,26 @@ def _stop(proc: subprocess.Popen) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-def _client(variant: str, address: str) -> Any:
-    cls = _rpc_prev.EnvClient if variant == "before" else EnvClient
+#: variant -> its ``EnvClient`` class (``before`` added by ``clients`` when the baseline loads)
+Clients = dict[str, type]
+
+
+def clients(ref: str) -> tuple[Clients, dict[str, str]]:
+    """``{"before": old EnvClient, "after": EnvClient}`` and what ``meta["baseline"]`` records;
+    without the baseline (reason printed) only ``after``."""
+    try:
+        before = extract(BEFORE, ref)
+        cls = before.module("client").EnvClient
+    except BaselineUnavailable as e:
+        print(f"{NAME}: skipping 'before' ({BEFORE.what}): {e}", file=sys.stderr)
+        return {"after": EnvClient}, {"ref": ref, "skipped": str(e)}
+    # The imported modules stay loaded; their files are no longer needed.
+    before.close()
+    return {"before": cls, "after": EnvClient}, {"ref": ref, "commit": before.commit}
+
+
+def _client(variant: str, address: str, classes: Clients) -> Any:
+    cls = EnvClient if variant == "floor" else classes[variant]
     return cls(address, auth=INSECURE, name=variant, heartbeat_interval_s=0)
 
 
@@ -159,10 +187,10 @@ async def _run_calls(client: Any, concurrency: int, calls: int) -> None:
     await asyncio.gather(*(worker() for _ in range(concurrency)))
 
 
-async def _cpu_per_call(variant: str, address: str, concurrency: int, calls: int
-                        ) -> tuple[float, float]:
+async def _cpu_per_call(variant: str, address: str, concurrency: int, calls: int,
+                        classes: Clients) -> tuple[float, float]:
     """(loop-thread CPU us, process CPU us) per call, after a warm-up of a tenth as many."""
-    client = _client(variant, address)
+    client = _client(variant, address, classes)
     try:
         await _run_calls(client, concurrency, max(concurrency, calls // 10))
         thread0, proc0 = time.thread_time(), time.process_time()
@@ -186,11 +214,11 @@ async def _park(fut: asyncio.Future) -> None:
     await fut
 
 
-async def _gc_per_call(variant: str, address: str, in_flight: int) -> float:
+async def _gc_per_call(variant: str, address: str, in_flight: int, classes: Clients) -> float:
     """GC-tracked objects alive per in-flight ``step`` (the caller's Task included); variant
     ``floor``: per Task awaiting a future of its own, the least any future-based call keeps."""
     loop = asyncio.get_running_loop()
-    client = _client("after" if variant == "floor" else variant, address)
+    client = _client(variant, address, classes)
     try:
         await client.step("s", "warm")
         gc.collect()
@@ -261,8 +289,8 @@ def _paired(values: dict[str, list[float]], num: str, den: str) -> tuple[float, 
     return mean, [mean - half, mean + half]
 
 
-async def _measure(rpc_address: str, sink_address: str, repeats: int, quick: bool
-                   ) -> dict[str, dict[str, list[float]]]:
+async def _measure(rpc_address: str, sink_address: str, repeats: int, quick: bool,
+                   classes: Clients) -> dict[str, dict[str, list[float]]]:
     """figure name -> variant -> one value per repeat."""
     data: dict[str, dict[str, list[float]]] = {}
 
@@ -277,17 +305,18 @@ async def _measure(rpc_address: str, sink_address: str, repeats: int, quick: boo
     send_total = (32 if quick else 128) << 20
     try:
         for rep in range(repeats):
-            order = VARIANTS if rep % 2 == 0 else VARIANTS[::-1]
+            variants = tuple(v for v in VARIANTS if v in classes)
+            order = variants if rep % 2 == 0 else variants[::-1]
             for c in CONCURRENCY:
                 for variant in order:
                     thread_us, proc_us = await _cpu_per_call(variant, rpc_address, c,
-                                                             _calls_for(c, quick))
+                                                             _calls_for(c, quick), classes)
                     add(f"loop_thread_cpu_us_per_call at c={c}", variant, thread_us)
                     add(f"process_cpu_us_per_call at c={c}", variant, proc_us)
             for n in GC_IN_FLIGHT:
                 for variant in (*order, "floor"):
                     add(f"gc_objects_per_in_flight_call at n={n}", variant,
-                        await _gc_per_call(variant, rpc_address, n))
+                        await _gc_per_call(variant, rpc_address, n, classes))
             for size in SEND_SIZES:
                 for copy in ((True, False) if rep % 2 == 0 else (False, True)):
                     mode = "copy" if copy else "zero_copy"
@@ -306,13 +335,14 @@ _PAIRS: dict[str, tuple[str, str]] = {"send": ("zero_copy", "copy"),
                                       "events": ("zmq_poll", "getsockopt")}
 
 
-def run(quick: bool, seed: int) -> dict[str, Any]:
+def run(quick: bool, seed: int, baseline: str = BEFORE.ref) -> dict[str, Any]:
     started = time.perf_counter()
     repeats = 4 if quick else 8
     load_before = os.getloadavg()[0]
+    classes, baseline_meta = clients(baseline)
     proc, rpc_address, sink_address = _spawn()
     try:
-        data = uvloop.run(_measure(rpc_address, sink_address, repeats, quick))
+        data = uvloop.run(_measure(rpc_address, sink_address, repeats, quick, classes))
     finally:
         _stop(proc)
     rows, ratios, intervals = [], {}, {}
@@ -320,15 +350,18 @@ def run(quick: bool, seed: int) -> dict[str, Any]:
         num, den = _PAIRS.get(figure.split()[0], ("after", "before"))
         row: dict[str, Any] = {"figure": figure}
         for side, variant in (("baseline", den), ("candidate", num)):
+            if variant not in by_variant:  # the baseline was skipped
+                continue
             mean, half = ci95(by_variant[variant])
             row[side] = variant
             row[f"{side}_mean"] = round(mean, 3)
             row[f"{side}_ci95"] = round(half, 3)
         if "floor" in by_variant:
             row["floor_mean"] = round(ci95(by_variant["floor"])[0], 3)
-        key = f"{num}/{den} {figure}"
-        ratios[key], intervals[key] = _paired(by_variant, num, den)
-        row["ratio"] = round(ratios[key], 4)
+        if den in by_variant:
+            key = f"{num}/{den} {figure}"
+            ratios[key], intervals[key] = _paired(by_variant, num, den)
+            row["ratio"] = round(ratios[key], 4)
         rows.append(row)
     res = result(NAME, simulated=False, rows=rows, ratios=ratios, quick=quick, seed=seed,
                  started=started, ci95=intervals,
@@ -337,6 +370,7 @@ def run(quick: bool, seed: int) -> dict[str, Any]:
                         f"{load_before:.2f} before / {os.getloadavg()[0]:.2f} after on "
                         f"{os.cpu_count()} cores"))
     res["meta"]["repeats"] = repeats
+    res["meta"]["baseline"] = baseline_meta
     return res
 
 
@@ -345,8 +379,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     if argv[:1] == ["serve"]:
         uvloop.run(_serve())
         return None
-    args = parse_args(NAME, __doc__.splitlines()[0], argv)
-    res = run(args.quick, args.seed)
+    args = parse_args(NAME, __doc__.splitlines()[0], argv, baseline=BEFORE.ref)
+    res = run(args.quick, args.seed, args.baseline)
     emit(res, args.json)
     return res
 

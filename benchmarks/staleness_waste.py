@@ -13,7 +13,7 @@ Policies (``rollart.config.RunConfig``; both strict: no trained token older than
   number of steps its trajectories are built to span (3), i.e. 4: under alpha = 1 such a
   trajectory can never be trained, by the rule itself. (``abort_stale`` and ``admission =
   "paced"`` are selectable too; in side runs they changed neither waste nor step time beyond
-  seed noise, so the new policy leaves them off: see benchmarks/README.md.)
+  seed noise, so the new policy leaves them off: see docs/performance/staleness-policy.md.)
 
 Regimes (pools and domains of ``benchmarks.workloads.paper_cluster``; ``--quick`` halves its
 quick cluster: 6 H800 + 2 H20 roll out, 2 H800 train, batch 32, group 8):

@@ -42,7 +42,7 @@ in both), alternating which goes first. Both build the controller with ``build_c
 - ``held_bytes_per_prompt_token``: memory the same parked trajectories hold, per trajectory and
   per prompt token (``tracemalloc`` of everything allocated from before the controller starts
   to the parked state, slope over the two in-flight counts, divided by ``CONTEXT``): the
-  per-token arrays of a running trajectory (issue 11's <= 16 bytes per held token), the
+  per-token arrays of a running trajectory (the controller's goal: <= 16 bytes per held token), the
   prompt's other copies (the worker stand-in keeps none) included.
 
 Ratios (before / after, per repeat, paired) are the mean over repeats with a Student-t 95%

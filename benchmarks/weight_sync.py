@@ -41,8 +41,8 @@ PAPER = {"qwen3-8b": (38.6, 1.4), "qwen3-14b": (84.1, 5.1), "qwen3-32b": (157.0,
 
 
 #: delta bytes / full bf16 bytes per version, measured by ``python -m benchmarks.weight_transfer
-#: --quick --parts delta`` (2026-12-01, the tiny model, GRPO, AdamW lr 1e-6, mean over versions
-#: 2-4: 0.031 [0.021, 0.042]; benchmarks/README.md, "Delta transfer")
+#: --quick --parts delta`` (the tiny model, GRPO, AdamW lr 1e-6, mean over versions 2-4:
+#: 0.031 [0.021, 0.042]; docs/performance/weight-transfer.md)
 DELTA_BYTES_FRACTION = 0.031
 
 

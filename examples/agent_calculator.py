@@ -5,7 +5,7 @@ reasoning-gym arithmetic: every trajectory of domain ``arith`` runs ``solve`` be
 The tool's schema and the system message come from ``rollart.models.tooldemos``: with
 ``model.tiny_warmup_tool_calls`` the tiny model's warm-up demonstrates this very conversation
 (call the calculator, read its result, answer in ``\\boxed{}``): measured, 13 of 16 sampled
-first replies of the 2-layer model then parse as a call (README "Agents")."""
+first replies of the 2-layer model then parse as a call (docs/agents.md)."""
 
 import ast
 import asyncio

@@ -4,8 +4,8 @@
 the source, where people edit). :func:`attach_field_docs` appends a ``Fields:`` section built
 from them to each Struct's docstring at import, so ``help(DomainConfig)`` shows every field
 with its type, default and text; :func:`scenario_reference` renders the same as the Markdown
-reference in README.md (``python -m rollart.configdoc`` prints it; a test keeps the README's
-copy in sync).
+reference in docs/scenario-reference.md (``python -m rollart.configdoc`` prints it; a test
+keeps that copy in sync).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-#: Scenario table -> Struct class name, in README order
+#: Scenario table -> Struct class name, in the reference's order
 TABLES = {
     "[run]": "RunConfig", "[run.retry]": "RetryConfig",
     "[run.worker_checks]": "WorkerChecksConfig", "[model]": "ModelConfig",
@@ -133,7 +133,7 @@ def attach_field_docs(module: ModuleType) -> None:
 
 
 def scenario_reference() -> str:
-    """The Markdown scenario reference: one table per scenario table (README.md)."""
+    """The scenario reference in Markdown, as docs/scenario-reference.md holds it."""
     from rollart.config import schema as config
 
     comments = field_comments(config)
@@ -141,7 +141,7 @@ def scenario_reference() -> str:
     for table, cls_name in TABLES.items():
         cls = getattr(config, cls_name)
         summary = inspect.cleandoc(cls.__doc__ or "").split("\n\nFields:")[0]
-        out += [f"#### `{table}`", "", " ".join(summary.split()), "",
+        out += [f"## `{table}`", "", " ".join(summary.split()), "",
                 "| field | type | default | meaning |", "| --- | --- | --- | --- |"]
         for fname, tp, default, text in field_table(cls, comments.get(cls_name, {})):
             cell, tp_cell = text.replace("|", "\\|"), tp.replace("|", "\\|")

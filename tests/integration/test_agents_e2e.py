@@ -209,8 +209,8 @@ async def test_the_calculator_agent_trains_token_exact_and_each_behaviour_holds(
     with_calls = [s for s in samples if any(m.get("tool_calls") for m in s.metadata["messages"])]
     print(f"{len(with_calls)} of {len(samples)} trained conversations hold a tool call; events "
           f"{events}; failed {[s.metrics.num_failed_by_reason for s in steps]}")
-    # The warmed model's first reply is a parseable call in 13 of 16 sampled probes (README
-    # "Agents"; warmup.TOOL_CALL_RECIPE's comment has what weaker warm-ups gave).
+    # The warmed model's first reply is a parseable call in 13 of 16 sampled probes
+    # (docs/agents.md; warmup.TOOL_CALL_RECIPE's comment has what weaker warm-ups gave).
     assert with_calls, "no trained conversation holds a tool call"
 
     # (b) bad requests: 400 naming the parameter, the trajectory going on.

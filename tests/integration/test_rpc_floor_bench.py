@@ -1,28 +1,53 @@
 """``benchmarks.rpc_floor`` runs end to end on tiny settings: every transport answers every echo
-call with the right reply across processes, and ``measure_floor`` returns its rows."""
+call with the right reply across processes (the ``old`` one read from git at ``OLD.ref``, or
+skipped when git or the ref is missing, as in a shallow clone), and ``measure_floor`` returns
+its rows."""
 
 from __future__ import annotations
 
 import math
 import os
 
+import pytest
 import uvloop
 from benchmarks import rpc_floor
 
 
-def test_every_transport_echoes_across_processes() -> None:
-    procs = {kind: rpc_floor._spawn(kind) for kind in rpc_floor.KINDS}
+def test_every_transport_echoes_across_processes(capsys: pytest.CaptureFixture[str]) -> None:
+    old, meta = rpc_floor.old_transport(rpc_floor.OLD.ref)
+    kinds = rpc_floor.KINDS if old is not None else tuple(
+        k for k in rpc_floor.KINDS if k != "old")
+    if old is None:  # no git history here: the run goes on without it and says why
+        assert "skipping the 'old' transport" in capsys.readouterr().err
+        assert meta["ref"] == rpc_floor.OLD.ref and meta["skipped"]
+    else:
+        assert meta == {"ref": rpc_floor.OLD.ref, "commit": rpc_floor.OLD.ref}
+    procs = {}
     try:
+        for kind in kinds:
+            procs[kind] = rpc_floor._spawn(kind, old)
+
         async def measure() -> dict[str, float]:
             # _run_calls raises on a wrong reply; every call must come back.
-            return {kind: await rpc_floor._measure(kind, address, 8, 400)
+            return {kind: await rpc_floor._measure(kind, address, 8, 400, old=old)
                     for kind, (_, address) in procs.items()}
 
         rates = uvloop.run(measure())
     finally:
         for proc, _ in procs.values():
             rpc_floor._stop(proc)
-    assert set(rates) == {"new", "curve", "old", "floor"} and all(r > 0 for r in rates.values())
+        if old is not None:
+            old.close()
+    assert set(rates) == set(kinds) and all(r > 0 for r in rates.values())
+
+
+def test_a_missing_baseline_ref_skips_the_old_transport_with_its_reason(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    old, meta = rpc_floor.old_transport("no-such-ref-anywhere")
+    assert old is None
+    err = capsys.readouterr().err
+    assert "skipping the 'old' transport" in err and "'no-such-ref-anywhere'" in err
+    assert meta["ref"] == "no-such-ref-anywhere" and "no-such-ref-anywhere" in meta["skipped"]
 
 
 def test_measure_floor_rows() -> None:

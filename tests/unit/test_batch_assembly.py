@@ -1,5 +1,5 @@
-"""Batch assembly is a policy (``SampleBuffer.assemble_batch``): the README's dynamic-sampling
-class filters flat groups out of batches, the buffer checks the plan it gets back, discarded
+"""Batch assembly is a policy (``SampleBuffer.assemble_batch``): the dynamic-sampling class of
+docs/policies.md filters flat groups out of batches, the buffer checks the plan it gets back, discarded
 tokens are accounted under the policy's reason, and a run over fake backends trains through it
 (``Cluster(buffer_class=...)``)."""
 
@@ -27,12 +27,12 @@ from rollart.controller.buffer.sample import Sample
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _readme_policy() -> type[SampleBuffer]:
-    section = (ROOT / "README.md").read_text().split("### Your own batch assembly", 1)[1]
-    section = section.split("\n## ", 1)[0].split("\n### ", 1)[0]
+def _docs_policy() -> type[SampleBuffer]:
+    page = (ROOT / "docs" / "policies.md").read_text()
+    section = page.split("## Your own batch assembly", 1)[1].split("\n## ", 1)[0]
     (code,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
     scope: dict = {}
-    exec(compile(code, "README.md", "exec"), scope)  # the README's own code, run as shown
+    exec(compile(code, "docs/policies.md", "exec"), scope)  # the page's own code, as shown
     return scope["DynamicSampling"]
 
 
@@ -47,13 +47,13 @@ def _fill(buf: SampleBuffer, groups: dict[str, list[float]], domain: str = "math
                                      reward=r, domain=domain))
 
 
-def test_the_readme_policy_discards_flat_groups_and_trains_the_rest() -> None:
+def test_the_docs_policy_discards_flat_groups_and_trains_the_rest() -> None:
     groups = {"g0": [0.0, 0.0], "g1": [1.0, 0.0], "g2": [1.0, 1.0], "g3": [0.5, 0.0]}
     default = SampleBuffer(alpha=1, batch_size=4, group_size=2)
     _fill(default, groups)
     assert [s.group_key for s in default.take_batch()] == ["g0", "g0", "g1", "g1"]
 
-    buf = _readme_policy()(alpha=1, batch_size=4, group_size=2)
+    buf = _docs_policy()(alpha=1, batch_size=4, group_size=2)
     _fill(buf, groups)
     assert [s.group_key for s in buf.take_batch()] == ["g1", "g1", "g3", "g3"]
     st = buf.stats()
@@ -64,7 +64,7 @@ def test_the_readme_policy_discards_flat_groups_and_trains_the_rest() -> None:
 
 
 def test_too_few_informative_groups_means_no_batch_yet() -> None:
-    buf = _readme_policy()(alpha=1, batch_size=4, group_size=2)
+    buf = _docs_policy()(alpha=1, batch_size=4, group_size=2)
     _fill(buf, {"g0": [1.0, 0.0], "g1": [1.0, 1.0]})
     assert buf.take_batch() is None
     assert buf.stats().groups_dropped == {"flat": 1}
@@ -94,7 +94,7 @@ def test_a_plan_breaking_the_protocol_is_named(plan, error) -> None:
 
 @pytest.mark.looptime
 async def test_a_run_trains_only_the_groups_the_policy_takes() -> None:
-    policy = _readme_policy()
+    policy = _docs_policy()
     answers = itertools.cycle(["ok", "ok", "no"])  # some groups flat, some not
     b = Backends(pools={"p1": [FakeWorker("w1", lambda req: next(answers))],
                         "p2": [FakeWorker("w2", lambda req: next(answers))]},

@@ -1,5 +1,5 @@
-"""Field docs of the scenario: visible in help(), rendered as the README's scenario reference
-(kept in sync), and the launcher's per-user cache dir and warm-up-set warning."""
+"""Field docs of the scenario: visible in help(), rendered as docs/scenario-reference.md (kept
+in sync), and the launcher's per-user cache dir and warm-up-set warning."""
 
 from __future__ import annotations
 
@@ -26,13 +26,13 @@ def test_help_shows_every_field_with_its_comment() -> None:
     assert "A turn that reaches it ends the episode" in run
 
 
-def test_readme_scenario_reference_is_generated_from_the_config() -> None:
-    readme = (ROOT / "README.md").read_text()
+def test_scenario_reference_page_is_generated_from_the_config() -> None:
+    page = (ROOT / "docs" / "scenario-reference.md").read_text()
     start, end = "<!-- scenario-reference:start -->\n", "<!-- scenario-reference:end -->"
-    assert start in readme and end in readme
-    copy = readme.split(start, 1)[1].split(end, 1)[0]
+    assert start in page and end in page
+    copy = page.split(start, 1)[1].split(end, 1)[0]
     assert copy == scenario_reference(), (
-        "README.md's scenario reference is out of date: regenerate it with "
+        "docs/scenario-reference.md is out of date: regenerate it with "
         "`python -m rollart.configdoc`")
 
 

@@ -2,7 +2,7 @@
 
 Every Struct rejects unknown fields and bounds are ``msgspec.Meta`` constraints; the
 ``#:`` comment above a field is its documentation (``rollart.configdoc`` reads it into
-the class docstrings and the README's scenario reference).
+the class docstrings and docs/scenario-reference.md).
 """
 
 from __future__ import annotations
@@ -246,7 +246,7 @@ class ModelConfig(_Cfg, frozen=True):
     #: ``\\boxed{}`` answer (``rollart.models.tooldemos``; ``examples/agent_calculator.py``).
     #: Its model's tokenizer has ``<tool_call>`` / ``</tool_call>`` as one token each. Measured:
     #: 13 of 16 sampled first replies parse as a call; ~3 min of warm-up on a 2-core machine
-    #: (README "Agents").
+    #: (docs/agents.md).
     tiny_warmup_tool_calls: bool = False
     #: warm-up size: solver-played episodes per domain (a multi-turn episode gives one
     #: demonstration per turn); ``None``: 100. A changed recipe builds (and caches) another model.

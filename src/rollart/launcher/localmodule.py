@@ -8,7 +8,7 @@ it once in the controller's process, before any service starts, and register its
 dicts exactly as ``open_cluster(rewards=..., envs=...)`` would::
 
     # task.py
-    class Echo:                      # the env contract: README "The env and reward contracts"
+    class Echo:                      # the env contract: README "Your own envs, ..."
         def reset(self, seed): ...
         def step(self, action): ...
 

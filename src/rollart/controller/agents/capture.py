@@ -17,7 +17,7 @@ re-tokenising the conversation at the end:
   an extension of the second. If the engine stopped without the end-of-turn token (``length``),
   it is inserted first, as the template would close the turn.
 
-History-rewrite policy (documented in README, "Agents"): a request that does not extend the
+History-rewrite policy (documented in docs/agents.md): a request that does not extend the
 conversation (the agent edited, dropped or reordered earlier messages, changed ``tools``, or the
 template renders earlier turns differently once later ones follow) raises
 :class:`HistoryRewritten`; the trajectory then *fails* with reason ``history_rewritten`` (counted,

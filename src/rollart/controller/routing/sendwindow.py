@@ -9,7 +9,7 @@ at its tail time out although the worker is healthy, their trajectories are retr
 retry adds a new request (a whole prompt, for a new trajectory) to the same backlog. At 50k
 trajectories x 32k tokens on one SIMULATED worker: 22,241 generate timeouts, memory in use
 21.4 GB when the run stopped (``ControllerStalledError``); with the window 0 timeouts
-(benchmarks/README.md, "Seventh round").
+(docs/performance/controller-overhead.md).
 
 With the window, requests beyond ``max_generate_in_flight`` wait in the controller, in arrival
 order, and each one's timeout starts when it is sent. Waiting costs a future per waiting request
