@@ -171,8 +171,13 @@ class Tokenizer(Protocol):
     (the same ids as little-endian int32 bytes), which ``ChatTokens`` prefers when present (it
     skips one Python int per token: ``SimTokenizer`` has it)."""
 
-    eos_token: str | None
-    eos_token_id: int | None
+    # Read-only in the protocol, so a tokenizer whose eos is a plain ``str`` / ``int``
+    # attribute fits (a mutable protocol member would have to accept None).
+    @property
+    def eos_token(self) -> str | None: ...
+
+    @property
+    def eos_token_id(self) -> int | None: ...
 
     def apply_chat_template(
         self,

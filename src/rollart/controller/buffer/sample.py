@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import array
 import math
-from typing import Any, Literal, cast
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import msgspec
 import numpy as np
@@ -20,6 +21,17 @@ _SMALL = 64
 #: ``array.array`` typecode of each per-token field (int32, int8 0/1, float32, int32)
 TYPECODES: dict[str, Literal["i", "b", "f"]] = {
     "token_ids": "i", "loss_mask": "b", "behaviour_logprobs": "f", "versions": "i"}
+
+if TYPE_CHECKING:
+    # After construction every per-token field is a typed memoryview; the wider types below
+    # are only what the constructor and msgspec's decoder accept (lists: older snapshots).
+    _IntView = memoryview
+    _FloatView = memoryview
+else:
+    _IntView = memoryview | list[int]
+    _FloatView = memoryview | list[float]
+#: what ``Sample(...)`` takes for a per-token field (see the class docstring)
+ArrayInput = memoryview | bytes | bytearray | array.array | Sequence[int] | Sequence[float]
 
 
 def _typed_view(sample_id: str, name: str, value: Any) -> memoryview[Any]:
@@ -131,16 +143,23 @@ class Sample(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, dict=True
 
     sample_id: str
     group_key: str
-    token_ids: memoryview | list[int]
-    loss_mask: memoryview | list[int]
-    behaviour_logprobs: memoryview | list[float]
-    versions: memoryview | list[int]
+    token_ids: _IntView
+    loss_mask: _IntView
+    behaviour_logprobs: _FloatView
+    versions: _IntView
     reward: float
     domain: str = "default"
     num_turns: int = 1
     finish_reason: str = "stop"
     metadata: dict[str, Any] = {}
     turn_workers: list[str] = []
+
+    if TYPE_CHECKING:
+        def __init__(self, *, sample_id: str, group_key: str, token_ids: ArrayInput,
+                     loss_mask: ArrayInput, behaviour_logprobs: ArrayInput,
+                     versions: ArrayInput, reward: float, domain: str = ...,
+                     num_turns: int = ..., finish_reason: str = ...,
+                     metadata: dict[str, Any] = ..., turn_workers: list[str] = ...) -> None: ...
 
     def __post_init__(self) -> None:
         sid = self.sample_id
