@@ -150,6 +150,10 @@ class TrajectoryTasks:
         that follow are neither reported as fatal nor retried."""
         self._stopping = True
 
+    def counted_groups(self) -> set[str]:
+        """Keys of the groups whose failures are counted now (the buffer still knows each)."""
+        return set(self._group_failures)
+
     def forget(self, key: str) -> None:
         """The buffer forgot group ``key``: drop its counters."""
         self._finished.pop(key, None)
@@ -335,6 +339,14 @@ class TrajectoryTasks:
                 f"{last_failures(self._last_failures)}"
             ) from exc
         retry = self.buffer.fail(tid, exc.reason)
+        if self.buffer.group_status(key) is None:
+            # The failure ended the group (attempts exhausted): the buffer forgot it and
+            # ``forget`` dropped its counters; counting now would leave one behind for good.
+            if self.buffer.stats_dropped("attempts_exhausted") > self._exhausted_seen:
+                self._exhausted_seen += 1
+                log.warning("group %s dropped: a member failed run.retry.max_attempts = %d "
+                            "times; last: %s", key, run.retry.max_attempts, exc)
+            return
         self._group_failures[key] += 1
         budget = run.retry.max_failures_per_group
         if budget is not None and self._group_failures[key] >= budget:
