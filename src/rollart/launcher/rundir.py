@@ -180,13 +180,15 @@ class RunFolder:
         final_step: the planned last step (always checkpointed); ``None``: only every
             ``checkpoint_every`` steps.
         started: wall-clock start (``time.time()``) for ``summary.json``'s ``wall_time_s``.
+        on_note: called with a line of text when a checkpoint is saved; ``None``: nothing.
 
     Raises:
         ConfigError: ``output.wandb`` is set but ``wandb`` is not installed.
     """
 
     def __init__(self, run_dir: Path, scenario: Scenario, *, final_step: int | None = None,
-                 started: float | None = None) -> None:
+                 started: float | None = None,
+                 on_note: Callable[[str], None] | None = None) -> None:
         self.run_dir, self.scenario, self.final_step = run_dir, scenario, final_step
         self.started = time.time() if started is None else started
         out = scenario.output
@@ -197,8 +199,7 @@ class RunFolder:
             self.sinks.append(WandbSink(out.wandb_project, run_dir,
                                         msgspec.to_builtins(scenario)))
         self.transcripts: Any = None
-        #: called with a line of text when a checkpoint is saved
-        self.on_note: Callable[[str], None] = lambda _text: None
+        self.on_note: Callable[[str], None] = on_note or (lambda _text: None)
         #: the newest checkpoint this process saved, and its step
         self.last_checkpoint: Path | None = None
         self.last_checkpoint_step: int | None = None

@@ -103,14 +103,14 @@ def open_run_folder(plan: Plan, run_dir: Path, point: tuple[Path, RunState] | No
         rundir.prepare(run_dir, point[1].step if point else None)
         restrict_tree(run_dir, share)
         (run_dir / "config.json").write_bytes(scenario_to_json(scenario))
-        folder = rundir.RunFolder(run_dir, scenario, final_step=final_step, started=started)
+        folder = rundir.RunFolder(run_dir, scenario, final_step=final_step, started=started,
+                                  on_note=note)
         keyed = run_auth(scenario, run_dir, insecure=insecure, key_file=key_file)
     except BaseException as exc:
         os.umask(old_umask)
         if isinstance(exc, ConfigError):
             raise in_file(plan.source, exc) from None
         raise
-    folder.on_note = note
     live = Live(run_dir, folder, keyed, old_umask)
     if plan.ray_address is None:
         live.sup = Supervisor(run_dir, env={SHARE_ENV: "1" if share else "0"})
