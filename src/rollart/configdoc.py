@@ -21,7 +21,8 @@ import msgspec
 #: Scenario table -> Struct class name, in the reference's order
 TABLES = {
     "[run]": "RunConfig", "[run.retry]": "RetryConfig",
-    "[run.worker_checks]": "WorkerChecksConfig", "[model]": "ModelConfig",
+    "[run.worker_checks]": "WorkerChecksConfig",
+    "[run.adaptive_affinity]": "AdaptiveAffinityConfig", "[model]": "ModelConfig",
     "[[pools]]": "PoolConfig", "[pools.engine]": "EngineConfig", "[[domains]]": "DomainConfig",
     "[domains.sampling]": "SamplingConfig", "[[env_hosts]]": "EnvHostConfig",
     "[reward]": "RewardServiceConfig", "[trainer]": "TrainerConfig", "[output]": "OutputConfig",

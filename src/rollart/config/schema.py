@@ -55,6 +55,28 @@ class RetryConfig(_Cfg, frozen=True):
     max_overload_s: PosFloat = 3600.0
 
 
+class AdaptiveAffinityConfig(_Cfg, frozen=True):
+    """Online hardware affinity (``rollart.controller.routing.spill``): when a domain's pool
+    saturates while another pool has room, that domain's *new* trajectories start on the pool
+    with room (a live trajectory never moves: its prefix lives on its worker), and come back
+    when the home pool has room again. A pool's pressure is the share of the requests its
+    engines hold that wait (no KV room or batch slot; the controller's send-window queue
+    counted too) and its KV-cache usage where workers report it. Every move is logged and
+    counted per step (``num_spilled_by_domain``)."""
+
+    #: route by pressure; ``false``: each domain always uses its scenario pool.
+    enabled: bool = False
+    #: a pool whose waiting share reaches this is saturated (0, 1].
+    saturated_waiting_share: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.25
+    #: a pool whose waiting share is at most this has room; below ``saturated_waiting_share``
+    #: (the gap between the two is the hysteresis).
+    room_waiting_share: Annotated[float, msgspec.Meta(ge=0.0, lt=1.0)] = 0.05
+    #: mean KV-cache usage at which a pool is saturated, (0, 1] (workers that report it).
+    kv_usage_high: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.95
+    #: seconds a spill lasts at least before its domain may return home.
+    min_hold_s: NonNegFloat = 10.0
+
+
 class WorkerChecksConfig(_Cfg, frozen=True):
     """What the controller does with inference workers whose output is wrong.
 
@@ -200,6 +222,9 @@ class RunConfig(_Cfg, frozen=True):
     key_file: str | None = None
     #: checks of inference workers' output and of engine/trainer agreement.
     worker_checks: WorkerChecksConfig = msgspec.field(default_factory=WorkerChecksConfig)
+    #: online hardware affinity: saturated pools spill new trajectories (``[run.adaptive_affinity]``).
+    adaptive_affinity: AdaptiveAffinityConfig = msgspec.field(
+        default_factory=AdaptiveAffinityConfig)
     #: wall-clock limit of one trajectory, seconds (env open to reward), ``None``: none; past
     #: it the trajectory fails with reason ``trajectory_timeout`` (retried like any failure).
     #: The default bounds a trajectory stuck on a call that never ends (with

@@ -79,6 +79,14 @@ def validate_scenario(scenario: Scenario, source: str = "<scenario>") -> Scenari
         raise _fail(source, "run.worker_checks.invalid_window",
                     f"{wc.invalid_window} < max_invalid_replies {wc.max_invalid_replies}: no "
                     "worker could ever be quarantined")
+    aa = run.adaptive_affinity
+    if aa.room_waiting_share >= aa.saturated_waiting_share:
+        raise _fail(source, "run.adaptive_affinity.room_waiting_share",
+                    f"{aa.room_waiting_share} >= saturated_waiting_share "
+                    f"{aa.saturated_waiting_share}: a pool would have room while saturated")
+    if aa.enabled and len(scenario.pools) < 2:
+        raise _fail(source, "run.adaptive_affinity.enabled",
+                    "needs at least two pools: there is nowhere to spill to")
     if run.mode in ("sync", "sync_plus") and run.alpha != 0:
         raise _fail(source, "run.alpha", f"mode {run.mode!r} is on-policy: alpha must be 0")
     if run.mode == "one_off" and run.alpha != 1:

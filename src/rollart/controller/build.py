@@ -17,6 +17,7 @@ on the built controller or its parts afterwards.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -38,6 +39,7 @@ from rollart.controller.rollout.localenv import LocalEnvBackend
 from rollart.controller.rollout.offloop import OffLoopCalls
 from rollart.controller.routing.proxy import LLMProxy
 from rollart.controller.routing.routers import EnvRouter, RewardFn, RewardRouter
+from rollart.controller.routing.spill import SpillPolicy
 from rollart.transport.errors import ConfigError
 
 __all__ = ["Backends", "build_controller"]
@@ -118,12 +120,20 @@ def build_controller(
             raise ConfigError(f"no env host, and envs {remote} are not registered "
                               f"in-process (register_env); registered: {sorted(local_envs)}")
     hardware = {p.name: p.hardware for p in scenario.pools}
+    home = dict(affinity) if affinity is not None else {d.name: d.pool for d in scenario.domains}
+    aa = run.adaptive_affinity
+    clock = backends.clock or (lambda: asyncio.get_running_loop().time())
+    spill = SpillPolicy(
+        saturated_waiting_share=aa.saturated_waiting_share,
+        room_waiting_share=aa.room_waiting_share, kv_usage_high=aa.kv_usage_high,
+        min_hold_s=aa.min_hold_s, clock=clock) if aa.enabled else None
     proxy = LLMProxy(
         {name: (hardware.get(name, "?"), workers) for name, workers in backends.pools.items()},
-        affinity if affinity is not None else {d.name: d.pool for d in scenario.domains},
+        home,
         version=backends.trainer.version,
         vocab_size=backends.vocab_size,
         max_generate_in_flight=run.max_generate_in_flight,
+        spill=spill,
     )
     envs = EnvRouter(list(backends.env_hosts), LocalEnvBackend(
         local_envs, OffLoopCalls(run.local_threads, what="local env")))

@@ -49,11 +49,13 @@ class EngineOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class SchedulerCounts:
-    """Latest running / waiting request counts reported by the engine's scheduler."""
+    """Latest running / waiting request counts and KV-cache usage (share of blocks in use,
+    ``None`` until reported) from the engine's scheduler."""
 
     def __init__(self) -> None:
         self.running = 0
         self.waiting = 0
+        self.kv_usage: float | None = None
 
 
 def _stats_logger_factory(counts: SchedulerCounts) -> Any:
@@ -68,6 +70,9 @@ def _stats_logger_factory(counts: SchedulerCounts) -> Any:
             if scheduler_stats is not None:
                 counts.running = scheduler_stats.num_running_reqs
                 counts.waiting = scheduler_stats.num_waiting_reqs
+                usage = getattr(scheduler_stats, "kv_cache_usage", None)
+                if usage is not None:
+                    counts.kv_usage = min(1.0, max(0.0, float(usage)))
 
         def log_engine_initialized(self) -> None:
             pass

@@ -153,6 +153,7 @@ class InferenceWorker(WeightReceiver):
             num_aborted=self.aborted_requests,
             num_ranks=self.num_ranks,
             weight_transfer=self.weight_transfer,
+            kv_cache_usage=self.counts.kv_usage,
         )
 
     def die(self, reason: str) -> None:

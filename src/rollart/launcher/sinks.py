@@ -41,7 +41,8 @@ def step_scalars(row: dict[str, Any]) -> dict[str, float]:
     domain's groups in the batch whose rewards are all equal: no GRPO gradient);
     ``response_len/<domain>`` (mean generated tokens per trajectory of the domain's samples);
     ``entropy_mean`` and ``entropy/<domain>`` (the policy's mean entropy per generated token,
-    nats).
+    nats); ``spilled/<domain>`` and ``affinity_moves`` (online affinity: trajectories started
+    away from the domain's pool, moves of domains between pools).
     ``None`` values are left out; a row's evaluations are :func:`eval_scalars`' (they belong
     to the step each started after, not to this one).
     """
@@ -75,6 +76,10 @@ def step_scalars(row: dict[str, Any]) -> dict[str, float]:
         out[f"response_len/{d}"] = float(v)
     for d, v in row.get("entropy_by_domain", {}).items():
         out[f"entropy/{d}"] = float(v)
+    if "affinity_moves" in row:  # online affinity: spills per domain, moves in the step
+        for d, v in row.get("num_spilled_by_domain", {}).items():
+            out[f"spilled/{d}"] = float(v)
+        out["affinity_moves"] = float(len(row["affinity_moves"]))
     return out
 
 

@@ -317,7 +317,8 @@ class SimInferenceWorker:
         self.last_stats = m.WorkerStats(
             worker=self.name, num_running=len(self._running), num_waiting=len(self._waiting),
             version=self.version, paused=self.paused,
-            num_generated_tokens=self.num_generated_tokens)
+            num_generated_tokens=self.num_generated_tokens,
+            kv_cache_usage=min(1.0, self._kv_used() / self.capacity) if self.capacity else None)
         return self.last_stats
 
     def _ensure_engine(self) -> None:

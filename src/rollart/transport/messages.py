@@ -159,6 +159,8 @@ class WorkerStats(Msg):
     num_ranks: PosInt = 1
     #: how this worker receives weights: ``zmq`` (staged buckets), ``nccl`` or ``gloo``.
     weight_transfer: Literal["zmq", "nccl", "gloo"] = "zmq"
+    #: share of the engine's KV cache in use, in [0, 1]; ``None``: not reported.
+    kv_cache_usage: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | None = None
 
 
 class Generate(Msg):

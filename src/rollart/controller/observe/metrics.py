@@ -129,6 +129,12 @@ class StepMetrics(msgspec.Struct, kw_only=True):
     entropy_mean: float | None = None
     #: the same per task domain
     entropy_by_domain: dict[str, float] = {}
+    #: online affinity (``run.adaptive_affinity``): per task domain, trajectories started
+    #: during the step on a pool other than the domain's own, because that pool was saturated
+    num_spilled_by_domain: dict[str, int] = {}
+    #: online affinity's moves during the step, in order, each
+    #: ``"<domain>: <from pool> -> <to pool> (<why>)"``
+    affinity_moves: list[str] = []
     #: held-out evaluations that ended by this step's end (``rollart.controller.evaluation.runner``;
     #: each names the step it started after in ``at_step``); empty on most steps
     eval: list[EvalRecord] = []

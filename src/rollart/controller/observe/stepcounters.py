@@ -37,6 +37,9 @@ class StepStart:
     invalid_replies: int
     quarantined: int
     t0: float
+    #: online affinity's per-domain spill counts and number of moves so far
+    spilled: dict[str, int]
+    moves: int
 
 
 class StepCounters:
@@ -90,7 +93,9 @@ class StepCounters:
             invalid_actions=ctx.invalid_actions if ctx else 0,
             rerouted=proxy.num_rerouted, prefix_resends=proxy.num_prefix_resends,
             window_waits=proxy.num_window_waits, invalid_replies=proxy.num_invalid_replies,
-            quarantined=len(proxy.quarantined), t0=self.clock())
+            quarantined=len(proxy.quarantined), t0=self.clock(),
+            spilled=dict(proxy.spill.num_spilled) if proxy.spill else {},
+            moves=proxy.spill.num_moves if proxy.spill else 0)
 
     def metrics(self, start: StepStart, *, step: int, mode: str, policy_version: int,
                 batch: Sequence[Sample], t_batch: float, t_end: float, train_s: float,
@@ -125,6 +130,14 @@ class StepCounters:
             num_invalid_actions=(ctx.invalid_actions if ctx else 0) - start.invalid_actions,
         )
         metrics.num_invalid_replies = proxy.num_invalid_replies - start.invalid_replies
+        if proxy.spill is not None:
+            now = proxy.spill.num_spilled
+            metrics.num_spilled_by_domain = {
+                d: now[d] - start.spilled.get(d, 0) for d in sorted(now)
+                if now[d] > start.spilled.get(d, 0)}
+            new = min(proxy.spill.num_moves - start.moves, len(proxy.spill.transitions))
+            metrics.affinity_moves = [f"{t.domain}: {t.from_pool} -> {t.to_pool} ({t.why})"
+                                      for t in list(proxy.spill.transitions)[-new:]] if new else []
         return metrics
 
     def end(self, metrics: StepMetrics, start: StepStart, t_end: float) -> None:

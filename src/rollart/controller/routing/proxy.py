@@ -2,7 +2,10 @@
 
 Routing of one generate call for trajectory ``traj_id`` of domain ``d``:
 
-1. the pool is ``affinity[d]`` (from the scenario; ``set_affinity`` changes it at run time);
+1. the pool is ``affinity[d]`` (from the scenario; ``set_affinity`` changes it at run time),
+   unless online affinity (``spill``, ``rollart.controller.routing.spill``) sends the
+   trajectory's first turn to another pool because ``affinity[d]`` is saturated; a trajectory
+   stays on the pool its first turn went to;
 2. if the trajectory already has a worker in that pool that is alive, it goes there again
    (sticky: its previous turns are in that worker's prefix cache);
 3. otherwise the least-loaded live worker of the pool, load being
@@ -58,6 +61,7 @@ from typing import Literal
 from rollart.controller.ports import GenerationBackend
 from rollart.controller.routing.hangcheck import TIMEOUT, HangCheck
 from rollart.controller.routing.sendwindow import SendWindow
+from rollart.controller.routing.spill import PoolPressure, SpillPolicy, pool_pressure
 from rollart.controller.routing.workercheck import (
     BAD_REPLY,
     ENGINE_ERROR,
@@ -110,6 +114,8 @@ class LLMProxy:
             (``run.max_generate_in_flight``); more wait in the proxy, in arrival order, and
             their timeout starts when sent (``rollart.controller.routing.sendwindow``). ``None``: no
             bound.
+        spill: online affinity (``run.adaptive_affinity``): where a new trajectory goes when
+            its domain's pool is saturated; ``None``: the static ``affinity`` only.
 
     Raises:
         ConfigError: an empty pool, a duplicate worker name, or affinity to an unknown pool.
@@ -124,6 +130,7 @@ class LLMProxy:
         vocab_size: int | None = None,
         violations: ViolationWindow | None = None,
         max_generate_in_flight: int | None = None,
+        spill: SpillPolicy | None = None,
     ) -> None:
         self._pools: dict[str, Pool] = {}
         seen: set[str] = set()
@@ -139,6 +146,9 @@ class LLMProxy:
         for domain, pool in affinity.items():
             self.set_affinity(domain, pool)
         self._window = SendWindow(seen, max_generate_in_flight)
+        self.spill = spill
+        #: trajectory -> the pool its first turn went to (kept only with ``spill``)
+        self._started_on: dict[str, Pool] = {}
         self._sticky: dict[str, GenerationBackend] = {}
         #: trajectory -> (worker, number of its tokens that worker holds)
         self._held: dict[str, tuple[GenerationBackend, int]] = {}
@@ -197,6 +207,24 @@ class LLMProxy:
             raise ConfigError(
                 f"domain {domain!r} has no pool affinity; domains: {sorted(self._affinity)}"
             ) from None
+
+    def pool_pressure(self, name: str) -> PoolPressure:
+        """Pool ``name``'s pressure now (``rollart.controller.routing.spill``)."""
+        return pool_pressure(self._pools[name].workers, self._window.waiting)
+
+    def pool_of_trajectory(self, traj_id: str, domain: str) -> Pool:
+        """The pool ``traj_id`` (of ``domain``) generates on: its domain's, or with online
+        affinity the one its first turn went to. Raises ConfigError for a domain without
+        affinity."""
+        home = self.pool_of(domain)
+        if self.spill is None or not traj_id:
+            return home
+        pool = self._started_on.get(traj_id)
+        if pool is None:
+            live = [name for name, p in self._pools.items() if p.workers]
+            pool = self._pools[self.spill.pool_for(domain, home.name, self.pool_pressure, live)]
+            self._started_on[traj_id] = pool
+        return pool
 
     def workers(self) -> list[GenerationBackend]:
         """Every live worker of every pool (workers found dead are removed first, so a weight
@@ -292,7 +320,7 @@ class LLMProxy:
         Raises:
             PoolExhaustedError: no live worker in the domain's pool.
         """
-        pool = self.pool_of(domain)
+        pool = self.pool_of_trajectory(traj_id, domain)
         for w in pool.workers:
             if w.dead:  # rare: only then is a list of the dead ones built
                 for dead in [w for w in pool.workers if w.dead]:
@@ -340,7 +368,7 @@ class LLMProxy:
             if not self._window.try_acquire(worker.name):
                 if not await self._window.wait(worker.name):
                     continue  # the worker left its pool while this request waited
-                if worker not in self.pool_of(domain).workers:
+                if worker not in self.pool_of_trajectory(traj_id, domain).workers:
                     # Handed a slot just before its worker left (the reply that freed the slot
                     # quarantined it): route again.
                     self._window.release(worker.name)
@@ -469,6 +497,7 @@ class LLMProxy:
         """Forget ``traj_id``'s sticky worker (the trajectory ended); that worker is told to
         drop the trajectory's prefix with its next ``Generate``."""
         self._sticky.pop(traj_id, None)
+        self._started_on.pop(traj_id, None)
         held_by, _ = self._held.pop(traj_id, (None, 0))
         if held_by is not None:
             self._releases[held_by.name].append(traj_id)
