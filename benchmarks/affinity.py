@@ -23,13 +23,23 @@ named by ``--splits A B ...`` (workers of pool A). Same rows, ratios (``best mix
 <pool>_only``) and ci95 with ``--seeds`` >= 2. On one machine whose pools share the same CPUs
 (hardware ``cpu``) a layout changes only how many engines serve which domain, not the hardware,
 so it measures routing and isolation, not hardware affinity.
+
+``--adaptive``: online affinity (``[run.adaptive_affinity]``, its defaults) on the paper's
+layout (the first mixed split) against the best static layout of the same budget, found by
+running every layout of the sweep above, at load x1, x2 and x8 (trajectories per step times the
+benchmark's batch, same pools) and under a drifting task mix (the agentic domain's share of new
+groups 30% -> 70% a third of the way in, load x2). Ratios ``adaptive vs best static at load
+xK`` / ``under drift`` (best static's step time over adaptive's, per seed) and ``adaptive vs
+static <paper layout>`` (the same layout without it); rows count spilled trajectories and moves.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -96,6 +106,77 @@ def run(quick: bool, seed: int) -> dict:
                   ci95=ci, seeds=seeds, quick=quick, seed=seed, started=started,
                   notes=f"best mixed split: {best}; paper: 1.30-1.68x vs H20-only, "
                   "1.12-1.37x vs H800-only (Fig. 11a)")
+
+
+#: load multipliers of ``--adaptive`` (trajectories per step x the benchmark's own batch)
+LOADS = (1, 2, 8)
+#: ``--adaptive``'s drift: the prefill-heavy (agentic) domain's share of new groups goes from
+#: 30% to 70% after step ``steps // 3``, at load x2
+DRIFT = (0.3, 0.7)
+DRIFT_LOAD = 2
+
+
+def _adaptive_config() -> Any:
+    from rollart.config import AdaptiveAffinityConfig
+
+    return AdaptiveAffinityConfig(enabled=True)  # its documented defaults: nothing tuned here
+
+
+def _drifting(sc: SimScenario) -> SimScenario:
+    """``sc`` with the agentic domain at ``DRIFT[0]`` of the mix, then ``DRIFT[1]``."""
+    lo, hi = DRIFT
+    steps = 2 * sc.steps
+    doms = tuple(dataclasses.replace(d, weight=lo if d.spec.name == "agentic" else 1 - lo)
+                 for d in sc.domains)
+    after = steps // 3
+    return sc.replace(steps=steps, domains=doms, weight_changes=(
+        (after, "agentic", hi), (after, "reasoning", 1 - hi)))
+
+
+def run_adaptive(quick: bool, seed: int) -> dict:
+    """Online affinity on the paper's layout vs the best static layout of the same budget
+    (module docstring, ``--adaptive``)."""
+    started = time.perf_counter()
+    seeds = seeds_for(quick, seed)
+    all_layouts = layouts(quick)
+    paper = next(k for k in all_layouts if k not in ("h800_only", "h20_only"))
+    rows: list[dict[str, Any]] = []
+    samples: dict[str, list[float]] = {}
+    cases = [(f"load x{k}", k, False) for k in LOADS] + [("drift", DRIFT_LOAD, True)]
+    for case, load, drift in cases:
+        times: dict[str, list[float]] = {}
+        for layout, (h800, h20) in [*all_layouts.items(), ("adaptive", all_layouts[paper])]:
+            for sd in seeds:
+                sc = scenario(h800, h20, quick)
+                sc = sc.replace(batch_size=sc.batch_size * load)
+                if drift:
+                    sc = _drifting(sc)
+                if layout == "adaptive":
+                    sc = sc.replace(adaptive_affinity=_adaptive_config())
+                res = run_simulated(sc, sd)
+                times.setdefault(layout, []).append(res.step_time_s)
+                rows.append({
+                    "case": case, "layout": layout if layout != "adaptive"
+                    else f"adaptive on {paper}", "step_time_s": res.step_time_s,
+                    "spilled": sum(sum(st.get("num_spilled_by_domain", {}).values())
+                                   for st in res.steps),
+                    "moves": sum(len(st.get("affinity_moves", [])) for st in res.steps)})
+        static = [k for k in times if k != "adaptive"]
+        best = min(static, key=lambda k: statistics.fmean(times[k]))
+        name = f"adaptive vs best static at {case}" if not drift else \
+            "adaptive vs best static under drift"
+        samples[name] = [b / a for b, a in zip(times[best], times["adaptive"], strict=True)]
+        samples[f"adaptive vs static {paper} at {case}"] = [
+            b / a for b, a in zip(times[paper], times["adaptive"], strict=True)]
+        rows.append({"case": case, "layout": f"best static: {best}",
+                     "step_time_s": statistics.fmean(times[best])})
+    ratios, ci = summarize(samples)
+    return result(NAME, simulated=True, rows=mean_rows(rows, ("case", "layout")),
+                  ratios=ratios, ci95=ci, seeds=seeds, quick=quick, seed=seed, started=started,
+                  notes=f"adaptive: online affinity ([run.adaptive_affinity] defaults) on the "
+                  f"paper's layout {paper}; best static: the fastest of every static layout "
+                  f"of the same budget, per case (a sweep the adaptive run does not need); "
+                  f"drift: agentic share {DRIFT[0]} -> {DRIFT[1]} at load x{DRIFT_LOAD}")
 
 
 def _best_mixed(times: dict[str, list[float]], ends: tuple[str, str]
@@ -215,6 +296,10 @@ def _scenario_args(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--adaptive" in argv:
+        argv.remove("--adaptive")
+        return main_for(NAME, __doc__ or "", run_adaptive, argv)
     return scenario_main(NAME, argv, lambda rest: main_for(NAME, __doc__ or "", run, rest),
                          run_on_scenario, _scenario_args)
 

@@ -365,3 +365,24 @@ def test_a_size_option_a_benchmark_does_not_use_is_refused() -> None:
     assert common.parse_args("modes", "", ["--models", "qwen3-8b", "--seeds", "3"]).seeds == 3
     assert common.parse_args("pd", "", ["--seeds", "4"]).seeds == 4
     common.parse_args("pd", "", [])  # leave SIZE as the other tests expect it
+
+
+def test_adaptive_affinity_spills_under_load_and_the_drift_moves_the_mix() -> None:
+    from benchmarks import affinity
+
+    from rollart.sim.harness import run_simulated
+
+    base = affinity.scenario(6, 9, quick=True)
+    drift = affinity._drifting(base)
+    lo, hi = affinity.DRIFT
+    assert {d.spec.name: d.weight for d in drift.domains} == {"agentic": lo,
+                                                              "reasoning": 1 - lo}
+    assert drift.weight_changes == ((drift.steps // 3, "agentic", hi),
+                                    (drift.steps // 3, "reasoning", 1 - hi))
+    # At load x8 the paper's H800 pool saturates: agentic trajectories spill to the H20s.
+    loaded = base.replace(batch_size=base.batch_size * 8,
+                          adaptive_affinity=affinity._adaptive_config())
+    res = run_simulated(loaded, 0)
+    moves = [mv for st in res.steps for mv in st["affinity_moves"]]
+    assert any(mv.startswith("agentic: h800 -> h20") for mv in moves), moves
+    assert sum(st["num_spilled_by_domain"].get("agentic", 0) for st in res.steps) > 0

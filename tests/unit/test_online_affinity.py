@@ -195,3 +195,16 @@ def test_spills_and_moves_become_scalars() -> None:
     row = {"num_spilled_by_domain": {"d": 3}, "affinity_moves": ["d: A -> B (x)"]}
     scalars = step_scalars(row)
     assert scalars["spilled/d"] == 3.0 and scalars["affinity_moves"] == 1.0
+
+
+def test_a_paused_pool_is_neither_saturated_nor_roomy() -> None:
+    # During a weight update every request waits for the pause, not for room: no move.
+    clock = Clock()
+    p = policy(clock)
+    assert p.pool_for("d", "A", pressures(A=(1.0, None, True), B=(0.0, None)), ["A", "B"]) == "A"
+    assert p.pool_for("d", "A", pressures(A=(0.9, None), B=(0.0, None, True)), ["A", "B"]) == "A"
+    assert p.num_moves == 0
+    a = FakeWorker("a")
+    a.last_stats = m.WorkerStats(worker="a", num_running=0, num_waiting=5, version=0,
+                                 paused=True)
+    assert pool_pressure([a], lambda _: 0).paused

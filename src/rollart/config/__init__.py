@@ -26,6 +26,7 @@ import msgspec
 import msgspec.inspect
 
 from rollart.config.schema import (
+    AdaptiveAffinityConfig,
     DomainConfig,
     EngineConfig,
     EnvHostConfig,
@@ -45,6 +46,7 @@ from rollart.config.validate import suggest, validate_scenario
 from rollart.transport.errors import ConfigError
 
 __all__ = [
+    "AdaptiveAffinityConfig",
     "ConfigError",
     "DomainConfig",
     "EngineConfig",

@@ -43,9 +43,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Literal
+
+import msgspec
 
 from rollart.config import DomainConfig, Scenario
 from rollart.controller import snapshot as controllersnapshot
@@ -70,7 +73,7 @@ from rollart.controller.routing.routers import EnvRouter, RewardRouter
 from rollart.controller.routing.workercheck import ViolationWindow
 from rollart.controller.training.step import StepRunner
 from rollart.controller.training.weightsync import WeightSync
-from rollart.transport.errors import RollartError
+from rollart.transport.errors import ConfigError, RollartError
 
 __all__ = ["Controller", "ControllerStalledError"]
 
@@ -356,6 +359,15 @@ class Controller:
             await self._weights_changed.wait()
 
     # ------------------------------------------------------------------ admission, training
+    def set_domain_weight(self, domain: str, weight: float) -> None:
+        """Change ``domain``'s relative admission weight (``domains.weight``) from its next
+        group on; groups in flight are untouched. Raises ConfigError for an unknown domain or
+        a weight that is not a finite number > 0."""
+        check_domain_weight(domain, weight, self.domains)
+        # The dict is shared with admission, which reads it per group.
+        self.domains[domain] = msgspec.structs.replace(self.domains[domain],
+                                                       weight=float(weight))
+
     def domain_weights(self) -> list[float]:
         """Admission weight of each domain (in ``self.domains`` order).
 
@@ -384,3 +396,16 @@ class Controller:
         if not self._started:
             await self.start()
         return await self.steps.step()
+
+
+def check_domain_weight(domain: str, weight: float, names: Iterable[str]) -> None:
+    """Raise ConfigError unless ``domain`` is among ``names`` and ``weight`` is a finite
+    number > 0 (``set_domain_weight``'s arguments)."""
+    names = list(names)
+    if domain not in names:
+        raise ConfigError(f"set_domain_weight: unknown domain {domain!r}; "
+                          f"domains: {sorted(names)}")
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not (
+            math.isfinite(weight) and weight > 0):
+        raise ConfigError(f"set_domain_weight: weight of {domain!r} must be a finite "
+                          f"number > 0, got {weight!r}")

@@ -44,12 +44,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from rollart.config import Scenario, load_scenario, validate_scenario
 from rollart.controller.agents.runner import AgentFn, AgentRunner, AgentSpec
 from rollart.controller.buffer.core import SampleBuffer
 from rollart.controller.buffer.sample import Sample
 from rollart.controller.build import Backends, build_controller
-from rollart.controller.controller import Controller
+from rollart.controller.controller import Controller, check_domain_weight
 from rollart.controller.evaluation.runner import Evaluator
 from rollart.controller.observe.metrics import StepMetrics
 from rollart.controller.observe.transcripts import TranscriptRecorder
@@ -187,6 +189,19 @@ class Cluster:
             return fn
 
         return deco
+
+    def set_domain_weight(self, domain: str, weight: float) -> None:
+        """Change ``domain``'s share of new groups (its ``weight``, relative to the other
+        domains') from the next group admitted: a curriculum, or a drifting task mix. Before
+        the cluster starts it changes the scenario's weight. Raises ConfigError for an unknown
+        domain or a weight that is not a finite number > 0."""
+        if self.controller is not None:
+            self.controller.set_domain_weight(domain, weight)
+            return
+        check_domain_weight(domain, weight, [d.name for d in self.scenario.domains])
+        self.scenario = msgspec.structs.replace(self.scenario, domains=[
+            msgspec.structs.replace(d, weight=float(weight)) if d.name == domain else d
+            for d in self.scenario.domains])
 
     def set_affinity(self, domain: str, pool: str) -> None:
         """Route ``domain``'s generations to ``pool`` (takes effect at the next turn).

@@ -24,6 +24,7 @@ from typing import Any
 import msgspec
 
 from rollart.config import (
+    AdaptiveAffinityConfig,
     DomainConfig,
     EngineConfig,
     PoolConfig,
@@ -143,6 +144,11 @@ class SimScenario:
     reward_hardware: str = "h800"
     check: str | None = None
     push_at_pause: bool = False
+    #: online affinity (``RunConfig.adaptive_affinity``); ``None``: the static mapping
+    adaptive_affinity: AdaptiveAffinityConfig | None = None
+    #: a drifting task mix: ``(k, domain, weight)`` sets that domain's weight after step k
+    #: (``Controller.set_domain_weight``)
+    weight_changes: tuple[tuple[int, str, float], ...] = ()
 
     def engine_hardware(self, name: str) -> HardwareProfile:
         """The profile ``name`` with this scenario's bandwidth overrides applied."""
@@ -201,6 +207,7 @@ def scenario_of(sim: SimScenario, seed: int) -> Scenario:
         domain_mix=sim.domain_mix, fresh_start=sim.fresh_start,  # type: ignore[arg-type]
         abort_stale=sim.abort_stale, admission=sim.admission,  # type: ignore[arg-type]
         retry=RetryConfig(max_attempts=sim.max_attempts),
+        adaptive_affinity=sim.adaptive_affinity or AdaptiveAffinityConfig(),
     )
     pools = [PoolConfig(name=p.name, hardware=p.hardware, num_workers=p.num_workers,
                         engine=EngineConfig(max_num_seqs=p.max_batch, tensor_parallel_size=p.tp))
@@ -273,9 +280,12 @@ class SimCluster:
         """Run ``steps`` (default ``sim.steps``) training steps; metrics as dicts."""
         out = []
         try:
-            for _ in range(steps if steps is not None else self.sim.steps):
+            for k in range(1, (steps if steps is not None else self.sim.steps) + 1):
                 metrics = await self.controller.step()
                 out.append(_as_dict(metrics))
+                for after, domain, weight in self.sim.weight_changes:
+                    if after == k:
+                        self.controller.set_domain_weight(domain, weight)
         finally:
             await self.controller.close()
         return out

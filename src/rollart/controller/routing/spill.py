@@ -12,6 +12,9 @@ each pool's pressure, as its workers report it with every reply
   in the controller's send window counted as waiting too;
 - ``kv_cache_usage``: the mean share of KV-cache blocks in use, over the workers that report it.
 
+A pool with a paused worker (a weight update under way: requests wait for it, not for room) is
+judged neither saturated nor roomy, so no domain moves on account of a pause.
+
 A pool is **saturated** when ``waiting_share >= saturated_waiting_share`` or its KV usage
 ``>= kv_usage_high``; it has **room** when ``waiting_share <= room_waiting_share`` and its KV
 usage is below ``kv_usage_high``. A domain whose home pool is saturated while another has room
@@ -43,6 +46,8 @@ MAX_KEPT_MOVES = 256
 
 class _Stats(Protocol):
     @property
+    def paused(self) -> bool: ...
+    @property
     def num_running(self) -> int: ...
     @property
     def num_waiting(self) -> int: ...
@@ -59,11 +64,13 @@ class _Worker(Protocol):
 
 @dataclass(frozen=True)
 class PoolPressure:
-    """One pool's pressure now: ``waiting_share`` in [0, 1] (0 with nothing held), and the mean
-    ``kv_usage`` in [0, 1] over the workers that report it (``None``: none does)."""
+    """One pool's pressure now: ``waiting_share`` in [0, 1] (0 with nothing held), the mean
+    ``kv_usage`` in [0, 1] over the workers that report it (``None``: none does), and whether a
+    worker is ``paused``."""
 
     waiting_share: float
     kv_usage: float | None
+    paused: bool = False
 
 
 @dataclass(frozen=True)
@@ -84,17 +91,20 @@ def pool_pressure(workers: Sequence[_Worker], window_waiting: Callable[[str], in
     worker waiting in the controller's send window."""
     running = waiting = 0
     kv: list[float] = []
+    paused = False
     for w in workers:
         stats = w.last_stats
         queued = window_waiting(w.name)
         if stats is not None:
+            paused = paused or stats.paused
             running += stats.num_running
             waiting += stats.num_waiting
             if stats.kv_cache_usage is not None:
                 kv.append(stats.kv_cache_usage)
         waiting += queued
     held = running + waiting
-    return PoolPressure(waiting / held if held else 0.0, sum(kv) / len(kv) if kv else None)
+    return PoolPressure(waiting / held if held else 0.0, sum(kv) / len(kv) if kv else None,
+                        paused)
 
 
 class SpillPolicy:
@@ -136,11 +146,11 @@ class SpillPolicy:
         self.num_moves = 0
 
     def saturated(self, p: PoolPressure) -> bool:
-        return (p.waiting_share >= self.saturated_waiting_share
+        return not p.paused and (p.waiting_share >= self.saturated_waiting_share
                 or (p.kv_usage is not None and p.kv_usage >= self.kv_usage_high))
 
     def has_room(self, p: PoolPressure) -> bool:
-        return (p.waiting_share <= self.room_waiting_share
+        return not p.paused and (p.waiting_share <= self.room_waiting_share
                 and (p.kv_usage is None or p.kv_usage < self.kv_usage_high))
 
     def spilled_to(self, domain: str) -> str | None:
