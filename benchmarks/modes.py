@@ -18,6 +18,15 @@ A sixth simulated row, ``rollart_new_policy``, is rollart with the new staleness
 docs/performance/staleness-policy.md), with its own ``rollart_new_policy vs <baseline>``
 ratios.
 
+Every row reports its regime (``regime_of``): rollout share of a step (Sync+'s is the
+paper's "rollout share"), trainer idle share, engine utilisation per pool, prefix-hit share
+and stale share; ``ratios`` add ``<model>: sync_plus rollout share``, ``<model>: rollart stale
+share`` and every ratio per trained token.
+
+``--regime``: rollart vs each baseline across regimes, trainer throughput x1/x2/x4, load
+x1/x2/x8 and prefix cache on/off (``run_regime``: the whole grid, or one factor at a time with
+``--quick``), a table row per regime with 95% intervals, per step and per trained token.
+
 Real nodes: ``--scenario FILE`` runs every mode on that scenario instead (its pools, envs and
 rewards as real processes through ``rollart.launcher.local.open_cluster``, or the addresses of
 running workers it names), same table and JSON (``simulated: false``). Each mode starts a
@@ -28,6 +37,9 @@ trains 3 steps per mode (the first is a warm-up), otherwise the scenario's own s
 
 from __future__ import annotations
 
+import dataclasses
+import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -43,7 +55,8 @@ from rollart.sim.harness import MODE_ALPHA, SimScenario, run_simulated
 MODES = ("sync", "sync_plus", "one_off", "areal", "rollart")
 #: simulated rows: every mode, plus rollart with the new staleness policy (eager staggered
 #: apply, fresh_start, capacity admission, yield domain mix: ``staleness_waste.POLICIES["new"]``),
-#: which is not rollart's default (it is 6.7% slower in staleness_waste's rollout-bound regime)
+#: which is not rollart's default (it still wastes ~15% of tokens as stale in staleness_waste's
+#: rollout-bound regime: docs/performance/staleness-policy.md)
 #: and so is reported beside the default rather than instead of it
 ROLLART_NEW_POLICY = "rollart_new_policy"
 NAME = "modes"
@@ -56,23 +69,69 @@ def run(quick: bool, seed: int) -> dict:
     models = SIZE.models or (("qwen3-32b",) if quick else ("qwen3-8b", "qwen3-14b", "qwen3-32b"))
     for model in models:
         for sd in seeds:
-            times = {}
+            times, regime = {}, {}
             for mode in (*MODES, ROLLART_NEW_POLICY):
-                res = run_simulated(sim_for(model, mode, quick), sd)
-                times[mode] = res.step_time_s
+                sim = sim_for(model, mode, quick)
+                res = run_simulated(sim, sd)
+                times[mode], regime[mode] = res.step_time_s, regime_of(sim, res)
                 rows.append({"model": model, "mode": mode, "step_time_s": res.step_time_s,
                              "trainer_idle_s": _mean(res.steps, "trainer_idle_s"),
                              "staleness_mean": _mean(res.steps, "staleness_mean"),
                              "staleness_max": max(s["staleness_max"] for s in res.steps),
-                             "stale_waste_share": res.buffer["wasted_tokens"].get("stale", 0)
-                             / max(1, res.buffer["generated_tokens"]),
-                             "wall_s": res.wall_s})
+                             **regime[mode], "wall_s": res.wall_s})
             _add_ratios(samples, model, times)
+            _add_regime(samples, model, regime, times)
     ratios, ci = summarize(samples)
     return result(NAME, simulated=True, rows=mean_rows(rows, ("model", "mode")),
                   ratios=ratios, ci95=ci, seeds=seeds, quick=quick, seed=seed,
                   started=started, notes="paper (32B): 2.05x vs sync_plus, 1.35x vs one_off, "
                   "1.31x vs areal; step time = mean over steps after the first")
+
+
+def regime_of(sim: SimScenario, res: Any) -> dict[str, float]:
+    """The regime one run ran in, over the steps after the first: ``rollout_share``
+    (rollout seconds / step seconds; in ``sync_plus``, which does not overlap them, the share
+    of a step spent rolling out), ``trainer_idle_share`` (trainer idle / step seconds),
+    ``util_<pool>`` (engine busy seconds / (run seconds x engines) per pool),
+    ``prefix_hit_share`` (prompt tokens served from the prefix cache / prompt tokens),
+    ``stale_waste_share`` (generated tokens wasted as stale / generated tokens) and
+    ``trained_tokens`` (per step)."""
+    step = _mean(res.steps, "step_time_s") or float("nan")
+    out = {"rollout_share": _mean(res.steps, "rollout_time_s") / step,
+           "trainer_idle_share": _mean(res.steps, "trainer_idle_s") / step}
+    for pool in sim.pools:
+        busy = [w for name, w in res.workers.items() if name.startswith(f"{pool.name}-")]
+        out[f"util_{pool.name}"] = (sum(w["busy_s"] for w in busy)
+                                    / max(res.total_time_s * len(busy), 1e-9))
+    hits = sum(w["prefix_hit_tokens"] for w in res.workers.values())
+    prompt = hits + sum(w["prefill_tokens"] for w in res.workers.values())
+    out["prefix_hit_share"] = hits / prompt if prompt else 0.0
+    out["stale_waste_share"] = (res.buffer["wasted_tokens"].get("stale", 0)
+                                / max(1, res.buffer["generated_tokens"]))
+    out["trained_tokens"] = _mean(res.steps, "trained_tokens")
+    return out
+
+
+def _add_regime(samples: dict[str, list[float]], label: str,
+                regime: dict[str, dict[str, float]], times: dict[str, float]) -> None:
+    """Append one seed's regime figures (``<label>: sync_plus rollout share``, ``<label>:
+    rollart stale share``, and ``rollart_new_policy``'s where it ran) and its
+    per-trained-token ratios (``<label>: rollart vs <baseline>
+    per trained token``: the baseline's seconds per trained token over rollart's)."""
+    if "sync_plus" in regime:
+        samples.setdefault(f"{label}: sync_plus rollout share", []).append(
+            regime["sync_plus"]["rollout_share"])
+    for ours in ("rollart", ROLLART_NEW_POLICY):
+        if ours in regime:
+            samples.setdefault(f"{label}: {ours} stale share", []).append(
+                regime[ours]["stale_waste_share"])
+    if "rollart" in regime:
+        ours = regime["rollart"]
+        for base in ("sync", "sync_plus", "one_off", "areal"):
+            if base in regime:
+                samples.setdefault(f"{label}: rollart vs {base} per trained token", []).append(
+                    (times[base] / max(regime[base]["trained_tokens"], 1.0))
+                    / (times["rollart"] / max(ours["trained_tokens"], 1.0)))
 
 
 def sim_for(model: str, row: str, quick: bool) -> SimScenario:
@@ -95,6 +154,90 @@ def _add_ratios(samples: dict[str, list[float]], label: str, times: dict[str, fl
         for base in ("sync", "sync_plus", "one_off", "areal"):
             samples.setdefault(f"{label}: {ours} vs {base}", []).append(
                 times[base] / times[ours])
+
+
+#: ``--regime`` sweep: trainer throughput (x trainer GPUs; the push keeps its NICs), load
+#: (x trajectories per step: x batch size) and the engines' prefix cache
+TRAINER_X = (1, 2, 4)
+LOAD_X = (1, 2, 8)
+#: the regime ratios: rollart against each baseline, per step and per trained token
+REGIME_BASES = ("sync", "sync_plus", "one_off", "areal")
+
+
+def regime_grid(quick: bool) -> list[tuple[int, int, bool]]:
+    """(trainer x, load x, prefix cache) of the sweep: the whole grid, or with ``quick`` one
+    factor at a time from (1, 1, on)."""
+    if not quick:
+        return [(t, k, c) for c in (True, False) for t in TRAINER_X for k in LOAD_X]
+    return [(1, 1, True), *((t, 1, True) for t in TRAINER_X[1:]),
+            *((1, k, True) for k in LOAD_X[1:]), (1, 1, False)]
+
+
+def regime_label(trainer_x: int, load_x: int, cache: bool) -> str:
+    return f"trainer x{trainer_x}, load x{load_x}, cache {'on' if cache else 'off'}"
+
+
+def regime_sim(sim: SimScenario, trainer_x: int, load_x: int, cache: bool) -> SimScenario:
+    """``sim`` in one regime of the sweep. The trainer's GPUs are multiplied with its GPUs
+    per node, so the weight push keeps the same NICs (only training gets faster)."""
+    return sim.replace(trainer_gpus=sim.trainer_gpus * trainer_x,
+                       gpus_per_node=sim.gpus_per_node * trainer_x,
+                       batch_size=sim.batch_size * load_x, prefix_cache=cache)
+
+
+def regime_base(model: str, mode: str, quick: bool) -> SimScenario:
+    """The sweep's x1 cluster of ``mode``: the ``--quick`` cluster (an eighth of the paper's)
+    with the full size's 11 steps, or with ``quick`` its 3 steps and half of it (engines,
+    trainer GPUs and batch: 32 samples)."""
+    sim = sim_for(model, mode, True)
+    if not quick:
+        return sim.replace(steps=11)
+    return sim.replace(pools=tuple(dataclasses.replace(p, num_workers=max(1, p.num_workers // 2))
+                                   for p in sim.pools),
+                       batch_size=sim.batch_size // 2, trainer_gpus=max(1, sim.trainer_gpus // 2))
+
+
+def run_regime(quick: bool, seed: int) -> dict:
+    """``--regime``: every mode in every regime of ``regime_grid``; one row per regime with
+    its figures (``regime_of``: Sync+ rollout share, rollart's trainer idle share, engine
+    utilisation, prefix hits, stale share) and rollart's ratios against each baseline with
+    their 95% intervals, per step and per trained token. ``--quick`` runs Qwen3-8B on the
+    halved quick cluster, one factor at a time; otherwise Qwen3-32B on the quick cluster,
+    the whole grid (``--models`` picks the profile)."""
+    started = time.perf_counter()
+    seeds = seeds_for(quick, seed)
+    model = SIZE.models[0] if SIZE.models else ("qwen3-8b" if quick else "qwen3-32b")
+    rows, samples = [], {}
+    for trainer_x, load_x, cache in regime_grid(quick):
+        label = regime_label(trainer_x, load_x, cache)
+        figures: dict[str, list[dict[str, float]]] = {}
+        for sd in seeds:
+            times, regime = {}, {}
+            for mode in MODES:
+                sim = regime_sim(regime_base(model, mode, quick), trainer_x, load_x, cache)
+                res = run_simulated(sim, sd)
+                times[mode], regime[mode] = res.step_time_s, regime_of(sim, res)
+                figures.setdefault(mode, []).append(regime[mode])
+            _add_ratios(samples, label, times)
+            _add_regime(samples, label, regime, times)
+        ratios, ci = summarize({k: v for k, v in samples.items() if k.startswith(label + ":")})
+        row: dict[str, Any] = {"name": label}
+        for key, mode in (("rollout_share", "sync_plus"), ("trainer_idle_share", "rollart"),
+                          ("prefix_hit_share", "rollart"), ("stale_waste_share", "rollart")):
+            row[f"{mode} {key}"] = statistics.fmean(f[key] for f in figures[mode])
+        for pool in {k for f in figures["rollart"] for k in f if k.startswith("util_")}:
+            row[f"rollart {pool}"] = statistics.fmean(f[pool] for f in figures["rollart"])
+        for base in ("sync_plus", "one_off", "areal"):
+            for per in ("", " per trained token"):
+                key = f"{label}: rollart vs {base}{per}"
+                low, high = ci[key]
+                row[f"vs {base}{per}"] = f"{ratios[key]:.2f} [{low:.2f}, {high:.2f}]"
+        rows.append(row)
+    ratios, ci = summarize(samples)
+    return result(NAME, simulated=True, rows=rows, ratios=ratios, ci95=ci, seeds=seeds,
+                  quick=quick, seed=seed, started=started,
+                  notes=f"--regime, {model}: rollart vs each baseline per regime (step time "
+                  "ratio; 'per trained token': seconds per trained token); > 1: rollart faster")
 
 
 def _mean(steps: list[dict], key: str) -> float:
@@ -152,6 +295,14 @@ def run_on_scenario(path: Path, quick: bool, seed: int, *, num_seeds: int, cache
 
 
 def main(argv: list[str] | None = None) -> dict:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "--regime" in args:
+        args.remove("--regime")
+        if "--scenario" in args:
+            print("benchmarks.modes: --regime runs the simulated cluster; it takes no "
+                  "--scenario", file=sys.stderr)
+            raise SystemExit(2)
+        return main_for(NAME, __doc__ or "", run_regime, args)
     return scenario_main(NAME, argv, lambda rest: main_for(NAME, __doc__ or "", run, rest),
                          run_on_scenario)
 

@@ -386,3 +386,87 @@ def test_adaptive_affinity_spills_under_load_and_the_drift_moves_the_mix() -> No
     moves = [mv for st in res.steps for mv in st["affinity_moves"]]
     assert any(mv.startswith("agentic: h800 -> h20") for mv in moves), moves
     assert sum(st["num_spilled_by_domain"].get("agentic", 0) for st in res.steps) > 0
+
+
+def _tiny_paper_cluster(monkeypatch) -> None:
+    """``benchmarks.modes`` on a tiny cluster: one engine per pool, batch 8, group 4."""
+    import dataclasses
+
+    from benchmarks import modes
+    from benchmarks.workloads import paper_cluster
+
+    def tiny(model: str, **kw):
+        sim = paper_cluster("qwen3-8b", **{**kw, "quick": True})
+        return sim.replace(pools=tuple(dataclasses.replace(p, num_workers=1) for p in sim.pools),
+                           batch_size=8, group_size=4, trainer_gpus=2, steps=3)
+
+    monkeypatch.setattr(modes, "paper_cluster", tiny)
+
+
+def test_modes_reports_regime_and_rollart_stale_share(tmp_path: Path, monkeypatch) -> None:
+    from benchmarks import modes
+
+    _tiny_paper_cluster(monkeypatch)
+    out = tmp_path / "modes.json"
+    try:
+        modes.main(["--quick", "--seeds", "2", "--json", str(out)])
+    finally:
+        from benchmarks.common import parse_args
+
+        parse_args("x", "", [])
+    data = json.loads(out.read_text())
+    ratios, ci = data["ratios"], data["ci95"]
+    for key in ("qwen3-32b: sync_plus rollout share", "qwen3-32b: rollart stale share",
+                "qwen3-32b: rollart vs sync_plus", "qwen3-32b: rollart vs one_off",
+                "qwen3-32b: rollart vs areal", "qwen3-32b: rollart vs sync_plus per trained token",
+                "qwen3-32b: rollart_new_policy stale share"):
+        assert ratios[key] is not None and len(ci[key]) == 2, key
+    assert 0 < ratios["qwen3-32b: sync_plus rollout share"] < 1  # no overlap in sync_plus
+    assert 0 <= ratios["qwen3-32b: rollart stale share"] < 1
+    for row in data["rows"]:
+        assert {"rollout_share", "trainer_idle_share", "util_h800", "util_h20",
+                "prefix_hit_share", "stale_waste_share", "trained_tokens"} <= set(row), row
+        assert 0 < row["util_h800"] <= 1 and 0 <= row["prefix_hit_share"] <= 1
+    # the per-step stale share of the rollart row is the ratio's mean over seeds
+    (rollart,) = [r for r in data["rows"] if r["mode"] == "rollart"]
+    assert rollart["stale_waste_share"] == pytest.approx(
+        ratios["qwen3-32b: rollart stale share"], abs=1e-3)
+
+
+def test_modes_regime_sweep_prints_a_row_per_regime(tmp_path: Path, monkeypatch,
+                                                    capsys) -> None:
+    from benchmarks import modes
+
+    _tiny_paper_cluster(monkeypatch)
+    assert len(modes.regime_grid(False)) == 18 and len(modes.regime_grid(True)) == 6
+    sim = modes.regime_sim(modes.sim_for("qwen3-8b", "rollart", True), 4, 8, False)
+    base = modes.sim_for("qwen3-8b", "rollart", True)
+    assert (sim.trainer_gpus, sim.gpus_per_node, sim.batch_size, sim.prefix_cache) == (
+        base.trainer_gpus * 4, base.gpus_per_node * 4, base.batch_size * 8, False)
+    grid = [(1, 1, True), (2, 1, False)]
+    monkeypatch.setattr(modes, "regime_grid", lambda quick: grid)
+    out = tmp_path / "regime.json"
+    try:
+        modes.main(["--regime", "--quick", "--seeds", "2", "--json", str(out)])
+    finally:
+        from benchmarks.common import parse_args
+
+        parse_args("x", "", [])
+    data = json.loads(out.read_text())
+    labels = [modes.regime_label(*g) for g in grid]
+    assert [row["name"] for row in data["rows"]] == labels
+    printed = capsys.readouterr().out
+    for label in labels:
+        for base in modes.REGIME_BASES:
+            for per in ("", " per trained token"):
+                key = f"{label}: rollart vs {base}{per}"
+                low, high = data["ci95"][key]
+                assert low <= data["ratios"][key] <= high, key
+        row = data["rows"][labels.index(label)]
+        assert row["vs one_off per trained token"].count("[") == 1
+        assert label.split(",")[0] in printed
+    # the cache-off regime serves no prompt token from the prefix cache
+    assert data["rows"][1]["rollart prefix_hit_share"] == 0
+    assert data["rows"][0]["rollart prefix_hit_share"] > 0
+    with pytest.raises(SystemExit):
+        modes.main(["--regime", "--scenario", "x.toml"])

@@ -197,10 +197,13 @@ def test_validate_notes_a_py_env_whose_package_is_not_on_the_path() -> None:
     assert py_env_notes(scenario("rg:basic_arithmetic")) == []
 
 
-def test_open_cluster_leaves_env_names_to_the_script(monkeypatch) -> None:
+@pytest.mark.parametrize("env_hosts", [True, False])
+def test_open_cluster_leaves_env_names_to_the_script(monkeypatch, env_hosts) -> None:
     # A driver script may register an in-process env on the yielded cluster (register_env)
-    # before its first step, so open_cluster does not refuse a name no env host can make;
-    # `rollart run` and `rollart validate` (which know every env) do.
+    # before its first step, so open_cluster does not refuse a name no env host can make,
+    # nor a scenario without [[env_hosts]] (the cluster's start names an env nobody serves:
+    # test_cluster_start_names_envs_nobody_serves); `rollart run` and `rollart validate`
+    # (which know every env) do.
     import asyncio
 
     from rollart.config import parse_scenario
@@ -215,7 +218,7 @@ def test_open_cluster_leaves_env_names_to_the_script(monkeypatch) -> None:
     monkeypatch.setattr(local, "parse_cluster", stop_here)
     sc = parse_scenario('[[pools]]\nname = "cpu"\n[[domains]]\nname = "d"\n'
                         'env = "local_count"\npool = "cpu"\nreward = "env_return"\n'
-                        '[[env_hosts]]\nname = "e"\n', "s.toml")
+                        + ('[[env_hosts]]\nname = "e"\n' if env_hosts else ""), "s.toml")
 
     async def open_it():
         async with local.open_cluster(sc):
@@ -223,6 +226,47 @@ def test_open_cluster_leaves_env_names_to_the_script(monkeypatch) -> None:
 
     with pytest.raises(ReachedTheStart):
         asyncio.run(open_it())
+
+
+_WARMUP_SCENARIO = ('[[pools]]\nname = "cpu"\n[[domains]]\nname = "mine"\nenv = "local_count"\n'
+                    'pool = "cpu"\nreward = "env_return"\n')
+
+
+def test_the_tiny_warm_up_of_only_user_envs_says_to_turn_it_off(tmp_path) -> None:
+    # The documented driver pattern with the default model (tiny, warmed up): the warm-up has
+    # no solver for a user's env, and the error must say which line to add; before any process
+    # starts (open_cluster's model phase comes before its services).
+    import asyncio
+
+    from rollart.config import parse_scenario
+    from rollart.launcher import local
+    from rollart.transport.errors import ConfigError
+
+    sc = parse_scenario(_WARMUP_SCENARIO, "s.toml")
+
+    async def open_it():
+        async with local.open_cluster(sc, source="s.toml", cache_dir=tmp_path,
+                                      run_dir=tmp_path / "run"):
+            pass
+
+    with pytest.raises(ConfigError, match=r"^s\.toml: model\.tiny_warmup: .*no domain has one: "
+                       r"mine \(local_count\); set tiny_warmup = false under \[model\]"):
+        asyncio.run(open_it())
+    assert not (tmp_path / "run").exists()
+    off = parse_scenario(_WARMUP_SCENARIO + "[model]\ntiny_warmup = false\n", "s.toml")
+    local.check_warmup_domains(off)
+
+
+def test_the_tiny_warm_up_skips_user_envs_beside_built_in_ones_with_a_line(caplog) -> None:
+    from rollart.config import parse_scenario
+    from rollart.launcher.local import check_warmup_domains
+
+    sc = parse_scenario(_WARMUP_SCENARIO + '[[domains]]\nname = "arith"\nenv = '
+                        '"rg:basic_arithmetic"\npool = "cpu"\nreward = "env_return"\n', "s.toml")
+    with caplog.at_level("WARNING", logger="rollart"):
+        check_warmup_domains(sc)
+    (line,) = [r.getMessage() for r in caplog.records if "tiny_warmup" in r.getMessage()]
+    assert "no scripted solver for mine (local_count)" in line and "arith" not in line
 
 
 def test_checking_a_gem_env_name_leaves_the_root_logger_as_it_was() -> None:

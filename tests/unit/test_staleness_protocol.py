@@ -113,6 +113,7 @@ class StalenessProtocol(RuleBasedStateMachine):
             fresh_start=cfg["fresh_start"],
             abort_stale=cfg["abort_stale"],
             max_group_attempts=cfg["max_group_attempts"],
+            staleness_control=cfg.get("staleness_control", "bound"),
         )
         self.cap = (self.alpha + 1) * self.B + self.k * self.buf.max_groups
         self.live: set[str] = set()
@@ -196,7 +197,7 @@ class StalenessProtocol(RuleBasedStateMachine):
             return False
         ids = self.buf.try_start_group(key, "long" if long else "short", alpha)
         if ids is None:
-            assert self.buf.stats().groups_in_flight >= self.buf.max_groups
+            self._check_refusal()
             return False
         self.galpha[key] = alpha
         self.deadline[key] = self.now + GROUP_TIMEOUT
@@ -272,11 +273,24 @@ class StalenessProtocol(RuleBasedStateMachine):
             assert tid in self.completed and tid not in self.failed_or_cancelled
             assert tid not in self.consumed, f"{tid} trained twice"
             assert tid not in self.dropped
-            assert all(v >= version - self.galpha[s.group_key] for v in self.tokens[tid]), (
-                f"{tid} versions {self.tokens[tid]} trained at version {version}"
-            )
+            self._check_trained(tid, version)
             self.consumed.add(tid)
         return True
+
+    def _check_trained(self, tid: str, version: int) -> None:
+        """The staleness bound of a sample trained at ``version``."""
+        assert all(v >= version - self.galpha[self.group[tid]] for v in self.tokens[tid]), (
+            f"{tid} versions {self.tokens[tid]} trained at version {version}"
+        )
+
+    def _check_refusal(self) -> None:
+        """Admission pauses only at the in-flight bound."""
+        assert self.buf.stats().groups_in_flight >= self.buf.max_groups
+
+    def _check_held(self, tid: str) -> None:
+        """Held samples are re-checked on every version bump: all admissible now."""
+        floor = self.buf.version - self.galpha[self.group[tid]]
+        assert all(v >= floor for v in self.tokens[tid])
 
     # ------------------------------------------------------------------ rules
     @rule(long=st.booleans())
@@ -483,10 +497,8 @@ class StalenessProtocol(RuleBasedStateMachine):
         s = self.buf.stats()
         assert s.consumed == len(self.consumed) - self.base_consumed
         assert sum(s.dropped.values()) == len(self.dropped) - self.base_dropped
-        # Held samples are re-checked on every version bump: all admissible now.
         for tid in held:
-            floor = self.buf.version - self.galpha[self.group[tid]]
-            assert all(v >= floor for v in self.tokens[tid])
+            self._check_held(tid)
 
     @invariant()
     def progress(self) -> None:

@@ -252,5 +252,6 @@ def test_the_simulated_trainer_charges_the_lean_step() -> None:
     for t in (lean, full):
         asyncio.run(t.train(batch))
     assert lean.step_times_s[0] == pytest.approx(
-        scale * costs.train_step_s(QWEN3_8B, H800, 100_000, num_gpus=8, extra_forward=False))
+        scale * costs.train_step_s(QWEN3_8B, H800, 100_000, num_gpus=8, extra_forward=False,
+                                   seq_lens=[100_000]))
     assert lean.step_times_s[0] / full.step_times_s[0] == pytest.approx(6 / 8)

@@ -26,7 +26,10 @@
     asyncio.run(main())
 
 Register local rewards and envs before the cluster starts (``async with`` or the first
-``train``): the controller checks at start that every domain's reward and env exist.
+``train``): the controller checks at start that every domain's reward and env exist. A
+scenario whose envs are all registered so needs no ``[[env_hosts]]``; with the default tiny
+model it must set ``[model] tiny_warmup = false`` (the warm-up imitates the built-in envs'
+scripted solvers only; ``open_cluster`` refuses it otherwise, naming that line).
 ``rollart.open_cluster(scenario)`` builds the backends from a scenario by starting its services
 on this machine; ``Cluster.from_scenario(scenario, backends=...)`` takes backends built
 otherwise (``rollart.sim`` builds simulated ones).

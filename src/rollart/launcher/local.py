@@ -65,8 +65,9 @@ def preflight(scenario: Scenario, source: str = "<scenario>", *,
             unknown yet, a driver script may still register them: not checked here, the
             controller checks them when the cluster starts).
         local_envs: env names the caller serves in-process.
-        check_env_names: check the names of the envs not in ``local_envs`` (off for
-            ``open_cluster``, whose driver script may still register envs on the cluster).
+        check_env_names: check the names of the envs not in ``local_envs``, and that an env
+            host runs them (off for ``open_cluster``, whose driver script may still register
+            envs on the cluster: the cluster's start names any env nobody serves).
 
     Raises:
         ConfigError: no env host to open a domain's sessions on; a domain's env, served by
@@ -75,7 +76,7 @@ def preflight(scenario: Scenario, source: str = "<scenario>", *,
             the run); or (``local_rewards`` given) a domain scored by a local reward function
             nobody registers.
     """
-    if not scenario.env_hosts:
+    if not scenario.env_hosts and check_env_names:
         remote = sorted({d.env for d in scenario.domains} - set(local_envs))
         if remote:
             raise ConfigError(f"{source}: env_hosts: at least one [[env_hosts]] is needed to "
@@ -122,10 +123,36 @@ def resolve_model(scenario: Scenario, cache_dir: Path, *, resume: bool = False) 
     changed = warmup_set_change(cache_dir, scenario, resume=resume)
     if changed:
         log.warning("%s", changed)
+    check_warmup_domains(scenario)
     try:
         return ensure_quickstart_model(cache_dir, scenario)
-    except ValueError as exc:  # e.g. warm-up requested but no domain has a solver
+    except ValueError as exc:
         raise ConfigError(f"model.tiny_warmup: {exc}") from None
+
+
+def check_warmup_domains(scenario: Scenario) -> None:
+    """The tiny model's warm-up (``model.tiny_warmup``) imitates the scripted solvers of the
+    built-in envs (``rollart.envhost.solvers``): a domain of any other env (your own, served
+    in-process or by a ``py:`` class) gets no demonstrations, said in one log line.
+
+    Raises:
+        ConfigError: the warm-up is on and no domain's env has a solver (nothing to warm up
+            on): set ``tiny_warmup = false`` under ``[model]``.
+    """
+    from rollart.envhost.solvers import has_solver
+
+    model = scenario.model
+    if model.path != "tiny" or not model.tiny_warmup:
+        return
+    without = [f"{d.name} ({d.env})" for d in scenario.domains if not has_solver(d.env)]
+    if len(without) == len(scenario.domains):
+        raise ConfigError(
+            f"model.tiny_warmup: the tiny model's warm-up imitates the built-in envs' scripted "
+            f"solvers (game:GuessTheNumber-*, rg:*) and no domain has one: {', '.join(without)}; "
+            "set tiny_warmup = false under [model] to start from the untrained tiny model")
+    if without:
+        log.warning("model.tiny_warmup: no scripted solver for %s: the warm-up demonstrates "
+                    "only the other domains", ", ".join(without))
 
 
 def default_cache_dir() -> Path:

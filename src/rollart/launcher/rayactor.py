@@ -4,6 +4,10 @@
 
 The actor (an async Ray actor: ``start``, ``wait_exit`` and ``stop`` run concurrently):
 
+- narrows its process's umask as ``rollart run`` does (``rollart.filemodes.apply_umask``, from
+  the run's ``output.share_with_group``), so the node's log and every file the service writes
+  are private, or group-readable when the run shares with its group; the service is told the
+  same through ``ROLLART_SHARE_WITH_GROUP``;
 - makes a private run folder on the node (``tempfile.mkdtemp``: mode 0700, in the node's temp
   dir) holding the service's log, ready file and its files (``files``: the run's CURVE key, the
   reward service's token), each written with mode 0600; the file contents come from a Ray object
@@ -34,6 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rollart.filemodes import SHARE_ENV, apply_umask
 from rollart.launcher.procs import ProcessFailedError, Supervisor, log_tail
 
 #: The last bytes of a service's log the driver copies into its run folder.
@@ -46,10 +51,16 @@ class ServiceHost:
     Args:
         name: the service's name (``worker-h20-0``).
         files: driver path -> content of each file the command line names (mode 0600 here).
+        share_with_group: the run's ``output.share_with_group`` (the umask of this process and
+            of the service it starts).
     """
 
-    def __init__(self, name: str, files: dict[str, bytes]) -> None:
+    def __init__(self, name: str, files: dict[str, bytes],
+                 share_with_group: bool = False) -> None:
         self.name = name
+        self.share_with_group = share_with_group
+        # Before anything is written: the actor's process is Ray's, not `rollart run`'s.
+        apply_umask(share_with_group)
         self.dir = Path(tempfile.mkdtemp(prefix=f"rollart-{name}-"))
         self.paths: dict[str, str] = {}
         keys = self.dir / "files"
@@ -81,6 +92,7 @@ class ServiceHost:
 
         ip = ray.util.get_node_ip_address()
         env = {k: v for k, v in env.items() if k != "CUDA_VISIBLE_DEVICES"}
+        env[SHARE_ENV] = "1" if self.share_with_group else "0"
         self._starting = True
         try:
             address = await self.sup.start(self.name, self.node_argv(argv, bind, ip), env=env,

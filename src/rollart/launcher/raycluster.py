@@ -121,6 +121,7 @@ class RaySupervisor:
         self.prefix = f"rollart-{run_dir.name}-{time.time_ns()}"
         self.plan: Plan = plan_placement(scenario, self.prefix)
         self.placement_timeout_s = placement_timeout_s
+        self.share_with_group = scenario.output.share_with_group
         self.owns_connection = connect(address)
         self.services: dict[str, RayService] = {}
         self._groups: dict[str, asyncio.Future[Any]] = {}
@@ -196,7 +197,7 @@ class RaySupervisor:
             max_restarts=0, max_concurrency=8, name=f"{self.prefix}/{name}",
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 pg, placement_group_bundle_index=slot.bundle),
-        ).remote(name, files)
+        ).remote(name, files, self.share_with_group)
         try:
             # The actor's own ready timeout answers first; this bounds an actor that never
             # runs (its worker process failing to start).

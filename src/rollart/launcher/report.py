@@ -15,8 +15,18 @@ Reads ``RUN_DIR/metrics.jsonl`` (and ``summary.json`` when present) and writes, 
 - ``eval_<domain>.png`` (runs with ``[eval] enabled``): per domain, held-out greedy accuracy
   with its 95% interval and pass@k at each evaluation's step, and the majority baseline (the
   best constant answer's accuracy on the same eval set) as a line;
-- ``index.html``: the images and, from ``summary.json``, each domain's reward over its
-  first and last 10 steps and trained share, and its held-out evaluation.
+- ``loss.png``, ``kl.png``, ``grad_norm.png``: the trainer's loss, KL to the reference policy
+  and gradient norm of each step (``train_metrics``);
+- ``entropy.png``: the policy's mean entropy per generated token (nats), overall and per domain;
+- ``response_length.png``: per domain, mean generated tokens per trajectory;
+- ``index.html``: the images; from ``summary.json``, each domain's reward over its first and
+  last 10 steps and trained share, its held-out evaluation, and every other summary field
+  (dict values as tables).
+
+The noisy per-step series (reward, loss, KL, gradient norm, entropy, response length) are drawn
+raw as faint lines with their rolling mean (:func:`rolling_mean`, ``--smooth N`` points) on top.
+A series the run did not record (from a trainer that does not report it, e.g. the simulated one)
+has no plot: one line says which was skipped.
 
 Exit codes: 0 written, 2 no metrics to plot (missing or empty ``metrics.jsonl``).
 """
@@ -27,6 +37,7 @@ import argparse
 import html
 import json
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +53,69 @@ PLOTS = {
     "throughput.png": "Throughput",
     "signal.png": "Groups without learning signal (all rewards equal), per domain",
 }
+
+#: the PNGs of per-step training series, drawn when the run recorded them: name -> (title, y
+#: label, overall scalar or None, per-domain scalar prefix or None), names of ``step_scalars``
+SERIES_PLOTS: dict[str, tuple[str, str, str | None, str | None]] = {
+    "loss.png": ("Training loss", "loss", "train/loss", None),
+    "kl.png": ("KL divergence to the reference policy", "KL (nats)", "train/kl", None),
+    "grad_norm.png": ("Gradient norm", "L2 norm", "train/grad_norm", None),
+    "entropy.png": ("Policy entropy per generated token", "nats", "entropy_mean", "entropy/"),
+    "response_length.png": ("Mean response length per domain", "tokens per trajectory", None,
+                            "response_len/"),
+}
+
+#: default ``--smooth``: points in the rolling mean drawn over each noisy series
+DEFAULT_SMOOTH = 5
+
+
+def rolling_mean(values: Sequence[float], window: int) -> list[float]:
+    """Trailing rolling mean: element ``i`` is the mean of ``values[max(0, i - window + 1)
+    : i + 1]`` (fewer points at the start, so the line begins at the first value).
+
+    Raises:
+        ValueError: ``window < 1``.
+    """
+    if window < 1:
+        raise ValueError(f"rolling mean window must be >= 1, got {window}")
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def _noisy(ax: Any, steps: Sequence[int], values: Sequence[float], label: str, color: str,
+           smooth: int, lw: float = 1.5) -> None:
+    """The raw per-step line, faint, and its rolling mean of ``smooth`` points on top."""
+    if smooth <= 1 or len(values) < 2:
+        ax.plot(steps, values, marker=".", color=color, lw=lw, label=label)
+        return
+    ax.plot(steps, values, color=color, lw=0.8, alpha=0.3)
+    ax.plot(steps, rolling_mean(values, smooth), color=color, lw=lw,
+            label=f"{label} (mean of {smooth})")
+
+
+def _series(scal: Sequence[dict[str, float]], steps: Sequence[int], key: str
+            ) -> tuple[list[int], list[float]]:
+    pts = [(st, s[key]) for st, s in zip(steps, scal, strict=True) if key in s]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def series_plots(rows: list[dict[str, Any]]) -> dict[str, list[str]]:
+    """Per :data:`SERIES_PLOTS` name, the ``step_scalars`` keys ``rows`` hold for it (the
+    overall one first, then one per domain, sorted); names with none are left out."""
+    keys = {k for r in rows for k in step_scalars(r)}
+    out = {}
+    for name, (_, _, overall, prefix) in SERIES_PLOTS.items():
+        found = [overall] if overall in keys else []
+        if prefix:
+            found += sorted(k for k in keys if k.startswith(prefix))
+        if found:
+            out[name] = found
+    return out
 
 
 def _rows(run_dir: Path) -> list[dict[str, Any]]:
@@ -78,19 +152,21 @@ def _save(fig: Any, path: Path) -> None:
     plt.close(fig)
 
 
-def write_plots(rows: list[dict[str, Any]], out: Path) -> list[Path]:
-    """Write :data:`PLOTS` for metrics ``rows`` into ``out``; returns their paths."""
+def write_plots(rows: list[dict[str, Any]], out: Path, *, smooth: int = DEFAULT_SMOOTH,
+                note: Callable[[str], None] = print) -> list[Path]:
+    """Write :data:`PLOTS`, the :data:`SERIES_PLOTS` the run recorded and the eval plots for
+    metrics ``rows`` into ``out``; returns their paths. ``smooth``: points of the rolling mean
+    over noisy series (1: raw lines only). ``note`` is told, one line each, which series
+    plots were skipped (not recorded by the run)."""
     out.mkdir(parents=True, exist_ok=True)
     steps = [r["step"] for r in rows]
     scal = [step_scalars(r) for r in rows]
 
     fig, ax = _figure(PLOTS["reward.png"], "mean reward")
-    ax.plot(steps, [r["reward_mean"] for r in rows], color="black", lw=2, label="all")
+    _noisy(ax, steps, [r["reward_mean"] for r in rows], "all", "black", smooth, lw=2)
     domains = sorted({d for r in rows for d in r.get("reward_mean_by_domain", {})})
-    for d in domains:
-        pts = [(r["step"], r["reward_mean_by_domain"][d]) for r in rows
-               if d in r.get("reward_mean_by_domain", {})]
-        ax.plot(*zip(*pts, strict=True), marker=".", label=d)
+    for i, d in enumerate(domains):
+        _noisy(ax, *_series(scal, steps, f"reward/{d}"), d, f"C{i}", smooth)
     _save(fig, out / "reward.png")
 
     fig, ax = _figure(PLOTS["waste.png"], "share of generated tokens")
@@ -134,7 +210,24 @@ def write_plots(rows: list[dict[str, Any]], out: Path) -> list[Path]:
             ax.plot(*zip(*pts, strict=True), marker=".", label=d)
     ax.set_ylim(-0.05, 1.05)
     _save(fig, out / "signal.png")
-    return [out / name for name in PLOTS] + write_eval_plots(rows, out)
+
+    found = series_plots(rows)
+    for name, (title, ylabel, overall, prefix) in SERIES_PLOTS.items():
+        if name not in found:
+            want = " or ".join(x for x in (overall, prefix and f"{prefix}<domain>") if x)
+            note(f"rollart report: {name} skipped: metrics.jsonl has no {want} series")
+            continue
+        fig, ax = _figure(title, ylabel)
+        for i, key in enumerate(found[name]):
+            label = "all" if key == overall else key.removeprefix(prefix or "")
+            # a domain keeps its reward plot's colour across plots
+            color = ("black" if key == overall else
+                     f"C{domains.index(label)}" if label in domains else f"C{i}")
+            _noisy(ax, *_series(scal, steps, key), label, color, smooth,
+                   lw=2 if key == overall else 1.5)
+        _save(fig, out / name)
+    return ([out / name for name in PLOTS] + [out / name for name in found]
+            + write_eval_plots(rows, out))
 
 
 def eval_points(rows: list[dict[str, Any]]) -> dict[str, list[tuple[int, dict[str, Any]]]]:
@@ -175,11 +268,33 @@ def write_eval_plots(rows: list[dict[str, Any]], out: Path) -> list[Path]:
 
 
 def _fmt(v: Any) -> str:
-    return "-" if v is None else f"{v:.3f}" if isinstance(v, float) else html.escape(str(v))
+    """One value as HTML: a dict as a key / value table (nested dicts nested), a list of
+    dicts as a table with a column per key, any other list comma-separated, a float to 3
+    decimals, ``None`` as ``-``."""
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.3f}"
+    if isinstance(v, dict):
+        if not v:
+            return "-"
+        body = "".join(f"<tr><th>{html.escape(str(k))}</th><td>{_fmt(x)}</td></tr>"
+                       for k, x in v.items())
+        return f"<table border=1 cellpadding=3>{body}</table>"
+    if isinstance(v, list):
+        if v and all(isinstance(x, dict) for x in v):
+            cols = list(dict.fromkeys(k for x in v for k in x))
+            head = "".join(f"<th>{html.escape(str(c))}</th>" for c in cols)
+            body = "".join("<tr>" + "".join(f"<td>{_fmt(x.get(c))}</td>" for c in cols)
+                           + "</tr>" for x in v)
+            return f"<table border=1 cellpadding=3><tr>{head}</tr>{body}</table>"
+        return ", ".join(_fmt(x) for x in v) if v else "-"
+    return html.escape(str(v))
 
 
 def write_html(run_dir: Path, out: Path, rows: list[dict[str, Any]]) -> Path:
-    """``out/index.html``: the plots (relative links) and the per-domain summary table."""
+    """``out/index.html``: the plots (relative links), the per-domain summary and evaluation
+    tables and the rest of ``summary.json`` (dict values as tables)."""
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     table = ""
@@ -204,7 +319,11 @@ def write_html(run_dir: Path, out: Path, rows: list[dict[str, Any]]) -> Path:
             for name, d in sorted(evals.items()))
         table += (f"<h2>Held-out evaluation (greedy accuracy)</h2><table border=1 "
                   f"cellpadding=4><tr>{head}</tr>{body}</table>")
-    plots = {**PLOTS, **{f"eval_{d}.png": f"Held-out eval: {d}" for d in eval_points(rows)}}
+    rest = {k: v for k, v in summary.items() if k not in ("domains", "eval")}
+    if rest:
+        table += f"<h2>Run summary</h2>{_fmt(rest)}"
+    plots = {**PLOTS, **{name: SERIES_PLOTS[name][0] for name in series_plots(rows)},
+             **{f"eval_{d}.png": f"Held-out eval: {d}" for d in eval_points(rows)}}
     figs = "".join(f'<h2>{html.escape(title)}</h2><img src="{name}" alt="{html.escape(title)}">'
                    for name, title in plots.items())
     page = (f"<!doctype html><html><head><meta charset='utf-8'><title>rollart report: "
@@ -221,7 +340,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="rollart report", description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("run_dir", type=Path, help="a run folder (holds metrics.jsonl)")
     p.add_argument("--out", type=Path, help="where to write (default RUN_DIR/report)")
+    p.add_argument("--smooth", type=int, default=DEFAULT_SMOOTH, metavar="N",
+                   help="points in the rolling mean drawn over each noisy per-step series "
+                        f"(1: raw lines only; default {DEFAULT_SMOOTH})")
     args = p.parse_args(argv)
+    if args.smooth < 1:
+        p.error(f"--smooth: must be >= 1, got {args.smooth}")
     try:
         rows = _rows(args.run_dir)
     except ValueError as exc:
@@ -234,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or args.run_dir / "report"
     # Part of the run folder: as private as the run made it (rollart.filemodes).
     apply_umask(run_shares_with_group(args.run_dir))
-    write_plots(rows, out)
+    write_plots(rows, out, smooth=args.smooth)
     page = write_html(args.run_dir, out, rows)
     print(f"rollart report: {len(rows)} steps -> {page}")
     return 0

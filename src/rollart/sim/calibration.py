@@ -32,13 +32,37 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from rollart.sim.clock import run_virtual
 from rollart.sim.hardware import HardwareProfile
-from rollart.sim.models import get_model
-from rollart.sim.worker import SimInferenceWorker
-from rollart.sim.workload import DomainSpec, DomainTable, SimTokenizer, const, observation
-from rollart.transport import messages as m
-from rollart.transport import tokenbytes as tb
+
+# Cost constants the simulator reads (``rollart.sim.costs`` takes its defaults from here, so a
+# test pinning these pins what runs). Each names its source and conditions, or says it is an
+# assumption. None is fitted to the RollArt paper's end-to-end ratios.
+
+#: Training MFU (model FLOPs / peak, bf16). Source: NVIDIA Megatron-LM README
+#: (https://github.com/NVIDIA/Megatron-LM, "up to 47% Model FLOP Utilization (MFU) on H100
+#: clusters", GPT models 2B-462B, weak scaling); the upper end of a tuned pretraining run, so
+#: an RL trainer with variable-length batches reaches at most this. Was 0.4 (assumption).
+TRAIN_MFU = 0.47
+
+#: Prefill MFU of the inference engine. ASSUMPTION (no like-for-like public measurement
+#: found): Splitwise (ISCA'24) and vLLM report prefill as compute-bound at 40-60% of peak;
+#: the middle is used.
+PREFILL_MFU = 0.5
+
+#: Share of peak HBM bandwidth a decode step achieves. ASSUMPTION checked against a public
+#: measurement: NVIDIA NIM benchmarking, "Performance" page
+#: (https://docs.nvidia.com/nim/benchmarking/llm/1.0.0/performance), Llama-3.1-8B-Instruct on
+#: H100 80G, concurrency 1, ITL 4.37-4.63 ms (NIM 1.3.0 / 1.8.0). An 8B model's weights read
+#: in 4.4-4.6 ms need 1.7-1.8 TB/s at 1 byte per parameter (fp8; bf16 would exceed the
+#: 3.35 TB/s peak), i.e. 0.52-0.55 of peak including per-step overheads the roofline leaves
+#: out; 0.7 is the kernels' share, the rest is scheduling overhead the simulator does not
+#: model. Kept at 0.7.
+DECODE_BW_EFFICIENCY = 0.7
+
+#: Forward FLOPs per parameter per token (Kaplan et al. 2020, "Scaling Laws", §2.1, C_forward
+#: = 2N); backward is twice the forward (C = 6N for forward + backward).
+FORWARD_FLOPS_PER_PARAM = 2.0
+BACKWARD_OVER_FORWARD = 2.0
 
 
 @dataclass(frozen=True)
@@ -64,6 +88,15 @@ def makespan_s(workload: EngineWorkload, model: str, hardware: HardwareProfile, 
     """Simulated seconds one ``tp`` x ``hardware`` engine serving ``model`` needs to finish
     every request of ``workload`` (all arrive at once). Raises ``ValueError`` if the model does
     not fit on ``tp`` devices."""
+    # Imported here: ``rollart.sim.costs`` imports this module's constants, and the worker
+    # imports ``costs``.
+    from rollart.sim.clock import run_virtual
+    from rollart.sim.models import get_model
+    from rollart.sim.worker import SimInferenceWorker
+    from rollart.sim.workload import DomainSpec, DomainTable, SimTokenizer, const, observation
+    from rollart.transport import messages as m
+    from rollart.transport import tokenbytes as tb
+
     table = DomainTable([DomainSpec(workload.name,
                                     response_tokens=const(workload.response_tokens))])
     tok = SimTokenizer(table)

@@ -14,31 +14,33 @@ compute-bound. An engine spans ``tp`` devices (tensor parallel): their FLOP/s an
   parameters (``ModelProfile.weight_bytes_read``, ``active_params``).
 - prefill_s / decode_step_s: ``step_s`` with only prefill / only decode.
 - transfer_s = bytes / link_bytes_per_s + latency_s
-- train_step_s = flops_per_token x active_params x num_tokens / (num_gpus x flops x train_mfu),
-  with 6 FLOPs per parameter per token for forward + backward (Kaplan et al. 2020, §2.1), plus
-  2 more when the loss needs a separate forward for old / proximal logprobs.
+- train_step_s = passes x (2 x active_params x num_tokens + causal attention FLOPs) /
+  (num_gpus x flops x train_mfu), 3 passes for forward + backward (Kaplan et al. 2020, §2.1),
+  one more for a separate forward for old / proximal logprobs, one more for the reference
+  model's forward when the loss has a KL term.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from rollart.sim import calibration
 from rollart.sim.hardware import HardwareProfile
 from rollart.sim.models import ModelProfile
 
 
 @dataclass(frozen=True)
 class Efficiency:
-    """Achieved fractions of peak (SIMULATED assumptions, not measurements).
+    """Achieved fractions of peak (SIMULATED).
 
-    Defaults: prefill MFU 0.5 and decode bandwidth efficiency 0.7 are typical of vLLM on Hopper
-    (vLLM and Splitwise papers report 40-60% MFU for prefill and 60-80% of HBM bandwidth for
-    decode); training MFU 0.4 (Megatron-LM reports 40-50% on large runs).
+    Defaults come from ``rollart.sim.calibration`` (``PREFILL_MFU``, ``DECODE_BW_EFFICIENCY``,
+    ``TRAIN_MFU``), where each names its source or says it is an assumption.
     """
 
-    mfu: float = 0.5
-    bw_efficiency: float = 0.7
-    train_mfu: float = 0.4
+    mfu: float = calibration.PREFILL_MFU
+    bw_efficiency: float = calibration.DECODE_BW_EFFICIENCY
+    train_mfu: float = calibration.TRAIN_MFU
 
     def __post_init__(self) -> None:
         for field in ("mfu", "bw_efficiency", "train_mfu"):
@@ -148,17 +150,26 @@ def transfer_s(num_bytes: float, bytes_per_s: float, *, latency_s: float = 0.0) 
 
 
 def train_step_s(model: ModelProfile, hw: HardwareProfile, num_tokens: int, *, num_gpus: int,
-                 extra_forward: bool = True, eff: Efficiency = DEFAULT_EFFICIENCY) -> float:
+                 extra_forward: bool = True, ref_forward: bool = False,
+                 seq_lens: Sequence[int] = (), eff: Efficiency = DEFAULT_EFFICIENCY) -> float:
     """Seconds for one optimizer step over ``num_tokens`` tokens on ``num_gpus`` devices.
 
-    ``extra_forward``: add a forward pass (2 FLOPs/param/token) for old or proximal logprobs.
+    FLOPs = passes x (2 x active_params x num_tokens + causal attention FLOPs of each sequence
+    in ``seq_lens``, ``ModelProfile.attention_flops(n, 0)``), where the training forward +
+    backward counts 3 passes (``calibration.BACKWARD_OVER_FORWARD``), ``extra_forward`` (old or
+    proximal logprobs in a separate no-grad pass) one more and ``ref_forward`` (the reference
+    model's forward for a KL term) one more. ``seq_lens`` empty: attention is not charged.
+    Raises ``ValueError`` on negative counts or ``num_gpus < 1``.
     """
     if num_gpus < 1:
         raise ValueError(f"num_gpus must be >= 1, got {num_gpus}")
-    if num_tokens < 0:
-        raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-    flops_per_token = (8.0 if extra_forward else 6.0) * model.active_params
-    return flops_per_token * num_tokens / (num_gpus * hw.flops * eff.train_mfu)
+    if num_tokens < 0 or any(n < 0 for n in seq_lens):
+        raise ValueError(f"num_tokens and seq_lens must be >= 0, got {num_tokens}, "
+                         f"{list(seq_lens)}")
+    passes = 1.0 + calibration.BACKWARD_OVER_FORWARD + extra_forward + ref_forward
+    forward = (calibration.FORWARD_FLOPS_PER_PARAM * model.active_params * num_tokens
+               + sum(model.attention_flops(n, 0) for n in seq_lens))
+    return passes * forward / (num_gpus * hw.flops * eff.train_mfu)
 
 
 def kv_capacity_tokens(model: ModelProfile, hw: HardwareProfile, *, tp: int = 1,

@@ -132,6 +132,9 @@ class SimScenario:
     gpus_per_node: int = 8
     #: engines' chunked-prefill token budget (vLLM ``max_num_batched_tokens``)
     max_num_batched_tokens: int = 8192
+    #: engines reuse a previous turn's KV (vLLM automatic prefix caching); False: every turn
+    #: prefills its whole prompt
+    prefix_cache: bool = True
     #: ablation knobs (simulation only). ``reward_gpus`` > 0: rewards are scored on that many
     #: dedicated ``reward_hardware`` GPUs, one call at a time each, a call costing one prefill
     #: of its prompt + final response on the policy's model profile (an LLM judge of the
@@ -234,7 +237,8 @@ class SimCluster:
             p.name: [SimInferenceWorker(f"{p.name}-{i}", hardware=sim.engine_hardware(p.hardware),
                                         model=model, domains=self.table, seed=seed, tp=p.tp,
                                         max_batch=p.max_batch, eff=sim.eff,
-                                        max_num_batched_tokens=sim.max_num_batched_tokens)
+                                        max_num_batched_tokens=sim.max_num_batched_tokens,
+                                        prefix_cache=sim.prefix_cache)
                      for i in range(p.num_workers)]
             for p in sim.pools
         }

@@ -67,6 +67,8 @@ class SimTrainer:
             second; None: free).
         push_needs_pause: the controller pushes at the pause point, blocking, as for a
             collective broadcast (default: overlapped with rollout).
+        ref_forward: charge the reference model's forward pass (a KL term in the loss).
+        Each sample is charged its causal attention FLOPs (``costs.train_step_s``).
 
     Attributes: ``version`` (updates applied), ``step_times_s`` (each step's simulated time),
     ``push_times_s`` (each push's duration, seconds).
@@ -80,7 +82,7 @@ class SimTrainer:
                  delta_bytes_fraction: float | None = None, full_every: int = 10,
                  delta_encode_bytes_per_s: float | None = None,
                  delta_rebuild_bytes_per_s: float | None = None,
-                 push_needs_pause: bool = False) -> None:
+                 push_needs_pause: bool = False, ref_forward: bool = False) -> None:
         if egress_bytes_per_s is not None and egress_bytes_per_s <= 0:
             raise ValueError(f"egress_bytes_per_s must be > 0, got {egress_bytes_per_s}")
         if delta_bytes_fraction is not None and not 0 < delta_bytes_fraction <= 1:
@@ -102,6 +104,7 @@ class SimTrainer:
         self.model, self.hardware, self.num_gpus = model, hardware, num_gpus
         self.bucket_bytes, self.extra_forward, self.eff = bucket_bytes, extra_forward, eff
         self._weights, self.time_scale = weights, time_scale
+        self.ref_forward = ref_forward
         self._version = 0
         self.step_times_s: list[float] = []
         self.push_times_s: list[float] = []
@@ -119,10 +122,12 @@ class SimTrainer:
         e.g. ``rollart.controller.buffer.sample.Sample``). Raises ``ValueError`` on an empty batch."""
         if not samples:
             raise ValueError("SimTrainer.train: empty batch")
-        num_tokens = sum(int(s.num_tokens) for s in samples)
+        seq_lens = [int(s.num_tokens) for s in samples]
+        num_tokens = sum(seq_lens)
         dur = self.time_scale * costs.train_step_s(
             self.model, self.hardware, num_tokens, num_gpus=self.num_gpus,
-            extra_forward=self.extra_forward, eff=self.eff)
+            extra_forward=self.extra_forward, ref_forward=self.ref_forward,
+            seq_lens=seq_lens, eff=self.eff)
         await asyncio.sleep(dur)
         self._version += 1
         self.step_times_s.append(dur)

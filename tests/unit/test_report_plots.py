@@ -1,0 +1,129 @@
+"""``rollart report`` on a synthetic ``metrics.jsonl`` (field names of the controller's
+``StepMetrics``): the rolling mean over noisy series, the training-series plots (a series the
+run did not record is skipped with one line), and dict-valued summary fields as HTML tables."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rollart.controller.observe.metrics import StepMetrics
+from rollart.launcher import report
+from rollart.launcher.report import PLOTS, SERIES_PLOTS, rolling_mean
+
+REWARD_A = [0.0, 1.0, 0.0, 1.0, 1.0, 0.0]
+
+
+def _row(step: int, *, kl: bool = True) -> dict[str, Any]:
+    train = {"loss": 0.5 / step, "pg_loss": 0.4 / step, "grad_norm": 1.0 + step % 2}
+    if kl:
+        train["kl"] = 0.01 * step
+    return {
+        "step": step, "mode": "rollart", "policy_version": step,
+        "reward_mean": 0.5 * REWARD_A[step - 1] + 0.25,
+        "reward_mean_by_domain": {"a": REWARD_A[step - 1], "b": 0.5},
+        "num_samples": 8, "step_time_s": 2.0, "rollout_time_s": 1.0, "train_time_s": 0.5,
+        "weight_sync_total_s": 0.1, "weight_sync_exposed_s": 0.1, "trainer_idle_s": 0.2,
+        "staleness_max": 1, "staleness_mean": 0.5, "num_generated_tokens": 400,
+        "wasted_tokens": 40, "wasted_tokens_by_reason": {"redundancy": 30, "aborted": 10},
+        "buffer_generated_tokens": 400, "trained_tokens": 300, "train_metrics": train,
+        "groups_by_domain": {"a": 2, "b": 2}, "flat_groups_by_domain": {"a": 1, "b": 0},
+        "by_domain": {"a": {"trained": 4}, "b": {"trained": 4}},
+        "response_len_mean_by_domain": {"a": 10.0 + step, "b": 20.0},
+        "entropy_mean": 0.3 - 0.01 * step, "entropy_by_domain": {"a": 0.2, "b": 0.4},
+    }
+
+
+def _run_dir(tmp_path: Path, *, kl: bool = True) -> Path:
+    rows = [_row(i, kl=kl) for i in range(1, len(REWARD_A) + 1)]
+    assert set(rows[0]) <= set(StepMetrics.__struct_fields__)  # the controller's names
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    summary = {"steps": 6, "mode": "rollart", "wasted_share": 0.1,
+               "wasted_tokens_by_reason": {"redundancy": 180, "aborted": 60},
+               "domains": {"a": {"reward_first10_mean": 0.5, "wasted_tokens": {"aborted": 7}}},
+               "eval": {"a": {"first": 0.25, "last": 0.5, "last_ci95": [0.4, 0.6]}}}
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    return tmp_path
+
+
+def test_rolling_mean_is_the_trailing_mean_of_the_window() -> None:
+    assert rolling_mean([1.0, 2.0, 3.0, 4.0, 10.0], 3) == pytest.approx(
+        [1.0, 1.5, 2.0, 3.0, 17 / 3])
+    assert rolling_mean([1.0, 5.0], 1) == [1.0, 5.0]
+    assert rolling_mean([], 4) == []
+    with pytest.raises(ValueError, match="window must be >= 1"):
+        rolling_mean([1.0], 0)
+
+
+def test_the_reward_plot_draws_the_rolling_mean_over_the_raw_line(tmp_path, monkeypatch) -> None:
+    drawn: dict[str, list] = {}
+    save = report._save
+
+    def keep(fig, path):
+        drawn[path.name] = [(ln.get_label(), list(ln.get_ydata())) for ln in fig.axes[0].lines]
+        save(fig, path)
+
+    monkeypatch.setattr(report, "_save", keep)
+    run = _run_dir(tmp_path)
+    assert report.main([str(run), "--smooth", "3"]) == 0
+    lines = dict(drawn["reward.png"])
+    # 0,1,0,1,1,0 -> trailing means of up to 3: 0, 1/2, 1/3, 2/3, 2/3, 2/3
+    assert lines["a (mean of 3)"] == pytest.approx([0, 1 / 2, 1 / 3, 2 / 3, 2 / 3, 2 / 3])
+    raw = [y for label, y in drawn["reward.png"] if label.startswith("_")]  # unlabelled, faint
+    assert REWARD_A in raw
+    loss = dict(drawn["loss.png"])["all (mean of 3)"]
+    assert loss == pytest.approx(rolling_mean([0.5 / s for s in range(1, 7)], 3))
+
+    drawn.clear()
+    assert report.main([str(run), "--smooth", "1", "--out", str(tmp_path / "raw")]) == 0
+    assert dict(drawn["reward.png"])["a"] == REWARD_A  # no smoothing: the raw line only
+
+
+def test_every_plot_is_written_and_in_the_page(tmp_path) -> None:
+    from matplotlib.image import imread
+
+    run = _run_dir(tmp_path)
+    assert report.main([str(run)]) == 0
+    out = run / "report"
+    page = (out / "index.html").read_text()
+    srcs = re.findall(r'<img src="([^"]+)"', page)
+    assert sorted(srcs) == sorted([*PLOTS, *SERIES_PLOTS])
+    for name in srcs:
+        img = imread(out / name)
+        assert img.ndim == 3 and img.std() > 0.01, f"{name} is blank"
+    for title, *_ in SERIES_PLOTS.values():
+        assert f"<h2>{title}</h2>" in page
+
+
+def test_a_series_the_run_did_not_record_is_skipped_with_one_line(tmp_path, capsys) -> None:
+    run = _run_dir(tmp_path, kl=False)
+    assert report.main([str(run)]) == 0
+    out = capsys.readouterr().out
+    assert [x for x in out.splitlines() if "skipped" in x] == [
+        "rollart report: kl.png skipped: metrics.jsonl has no train/kl series"]
+    assert not (run / "report" / "kl.png").exists()
+    page = (run / "report" / "index.html").read_text()
+    assert 'src="kl.png"' not in page and 'src="grad_norm.png"' in page
+
+
+def test_dict_valued_fields_are_tables_not_dict_text(tmp_path) -> None:
+    run = _run_dir(tmp_path)
+    assert report.main([str(run)]) == 0
+    page = (run / "report" / "index.html").read_text()
+    assert "{'" not in page and "{&#x27;" not in page and "[0.4" not in page
+    # summary.json's waste by reason: a nested key / value table in the run summary
+    assert re.search(r"<th>wasted_tokens_by_reason</th><td><table[^>]*><tr><th>redundancy"
+                     r"</th><td>180</td></tr><tr><th>aborted</th><td>60</td>", page)
+    # a dict inside the per-domain table, a list in the eval table
+    assert "<table border=1 cellpadding=3><tr><th>aborted</th><td>7</td>" in page
+    assert "<td>0.400, 0.600</td>" in page
+
+
+def test_smooth_below_one_is_refused(tmp_path, capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        report.main([str(_run_dir(tmp_path)), "--smooth", "0"])
+    assert exc.value.code == 2 and "--smooth: must be >= 1" in capsys.readouterr().err
