@@ -245,7 +245,8 @@ async def test_no_collapse_warning_for_a_diverse_right_policy(caplog) -> None:
     assert not [r for r in caplog.records if "collapsed" in r.getMessage()]
     first = steps[0].metrics.eval[0]
     assert eval_line(first).startswith("held-out eval before step 1 (policy versions 0-0")
-    assert "qa 1.000 (95% " in eval_line(first) and "pass@2 1.000" in eval_line(first)
+    assert "qa greedy 1.000 (95% " in eval_line(first) and "pass@2 1.000" in eval_line(first)
+    assert "sampled pass@1 1.000 (95% 1.000-1.000)" in eval_line(first)
 
 
 async def test_failed_eval_tasks_are_left_out_not_scored_wrong() -> None:
@@ -404,3 +405,41 @@ async def test_an_eval_due_while_the_previous_one_runs_is_skipped(caplog) -> Non
     assert Evaluator.launch(ev, 3) is True
     await asyncio.gather(*ev._pending)
     assert started == [1, 3]
+
+
+def test_mean_interval_is_over_tasks_and_checks_its_input() -> None:
+    from rollart.controller.evaluation.stats import mean_interval
+
+    # 100 tasks, half always right, half always wrong: sd = sqrt(25/99), half width
+    # 1.959964 * sd / 10 (hand-computed)
+    lo, hi = mean_interval([1.0] * 50 + [0.0] * 50)
+    assert (lo, hi) == pytest.approx((0.401508, 0.598492), abs=1e-6)
+    assert mean_interval([0.5] * 10) == pytest.approx((0.5, 0.5))  # every task alike
+    assert mean_interval([1.0, 0.0]) == (0.0, 1.0)  # clipped to [0, 1]
+    for bad in ([], [1.5], [-0.1]):
+        with pytest.raises(ValueError, match="mean_interval"):
+            mean_interval(bad)
+
+
+def test_the_sampled_headline_judges_the_run_by_pass_at_1() -> None:
+    from rollart.config import ConfigError, parse_scenario
+    from rollart.launcher.rundir import eval_summary
+
+    def rec(step: int, acc: float, p1: float) -> dict:
+        return {"at_step": step, "domains": {"qa": {
+            "accuracy": acc, "ci95": [acc - 0.05, acc + 0.05], "pass_k": 4, "pass_at_1": p1,
+            "pass_at_1_ci95": [p1 - 0.04, p1 + 0.04], "majority_baseline": 0.3}}}
+
+    rows = [{"step": 1, "eval": [rec(0, 0.10, 0.30)]}, {"step": 2, "eval": [rec(2, 0.12, 0.50)]}]
+    greedy = eval_summary(rows)["qa"]
+    assert (greedy["first"], greedy["last"]) == (0.10, 0.12)
+    assert greedy["last_ci95"] == pytest.approx([0.07, 0.17])
+    sampled = eval_summary(rows, "sampled")["qa"]
+    assert (sampled["first"], sampled["last"]) == (0.30, 0.50)
+    assert sampled["last_ci95"] == pytest.approx([0.46, 0.54]) and sampled["headline"] == "sampled"
+    assert (sampled["greedy_first"], sampled["greedy_last"]) == (0.10, 0.12)
+    text = ('[[pools]]\nname = "p"\n[[domains]]\nname = "qa"\nenv = "rg:leg_counting"\n'
+            'pool = "p"\nreward = "reasoning_gym"\n[eval]\nheadline = "sampled"\n')
+    with pytest.raises(ConfigError, match=r"eval\.headline: .*pass_k >= 1"):
+        parse_scenario(text + "pass_k = 0\n", "s.toml")
+    assert parse_scenario(text + "pass_k = 2\n", "s.toml").eval.headline == "sampled"

@@ -78,6 +78,26 @@ def test_preflight_lets_a_driver_script_bring_its_own_reward_and_env() -> None:
                   local_envs={"script:echo"})
 
 
+@pytest.mark.parametrize("reward", ["env_return", "env_success"])
+def test_the_env_derived_rewards_are_built_in_locally(reward) -> None:
+    import asyncio
+
+    from rollart.config import parse_scenario
+    from rollart.controller.routing.routers import RewardRouter
+    from rollart.launcher.local import preflight
+
+    sc = parse_scenario('[[pools]]\nname = "cpu"\n[[domains]]\nname = "d"\nenv = '
+                        '"game:GuessTheNumber-v0-easy"\npool = "cpu"\nreward = '
+                        f'"{reward}"\nreward_url = "local"\n[[env_hosts]]\nname = "e"\n',
+                        "s.toml")
+    preflight(sc, "s.toml", local_rewards=())  # `rollart run` registers nothing else
+    router = RewardRouter()
+    router.check("d", reward, "local")
+    lost = asyncio.run(router.score(reward, "local", "p", "r", None, {"env_return": 0.8}))
+    won = asyncio.run(router.score(reward, "local", "p", "r", None, {"env_return": 1.0}))
+    assert (lost.reward, won.reward) == ((0.8, 1.0) if reward == "env_return" else (0.0, 1.0))
+
+
 @pytest.mark.parametrize(("env", "expect"), [
     ("game:GuessTheNumbr-v0-easy", r"domains\[0\]\.env: unknown GEM env "
      r"'game:GuessTheNumbr-v0-easy' \(did you mean 'game:GuessTheNumber-v0-easy'\?\); "
@@ -253,6 +273,7 @@ def test_the_tiny_warm_up_of_only_user_envs_says_to_turn_it_off(tmp_path) -> Non
                        r"mine \(local_count\); set tiny_warmup = false under \[model\]"):
         asyncio.run(open_it())
     assert not (tmp_path / "run").exists()
+    assert not list(tmp_path.glob("warmup-set-*"))  # a refused set is not the last one
     off = parse_scenario(_WARMUP_SCENARIO + "[model]\ntiny_warmup = false\n", "s.toml")
     local.check_warmup_domains(off)
 

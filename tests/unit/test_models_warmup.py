@@ -192,6 +192,7 @@ path = "tiny"
     ("tiny_warmup_episodes", "0"), ("tiny_warmup_episodes", "100001"),
     ("tiny_warmup_epochs", "0"), ("tiny_warmup_epochs", "1001"),
     ("tiny_warmup_lr", "0.0"), ("tiny_warmup_lr", "1.5"), ("tiny_warmup_lr", '"fast"'),
+    ("tiny_warmup_explore", "-0.1"), ("tiny_warmup_explore", "1.5"),
 ])
 def test_warmup_recipe_fields_are_bounded_and_named_in_the_error(field, bad):
     with pytest.raises(ConfigError, match=rf"model\.{field}"):
@@ -225,12 +226,38 @@ def test_a_changed_recipe_never_reuses_a_model_cached_with_another(tmp_path, mon
 
     monkeypatch.setattr(warmup, "ensure_tiny_model", entry)
     extra = ["", "", "tiny_warmup_episodes = 101\n", "tiny_warmup_epochs = 2\n",
-             "tiny_warmup_lr = 1e-3\n"]
+             "tiny_warmup_lr = 1e-3\n", "tiny_warmup_explore = 0.5\n"]
     paths = [ensure_quickstart_model(tmp_path, parse_scenario(GUESS_SCENARIO + e))
              for e in extra]
     assert paths[0] == paths[1]
-    assert len(set(paths)) == 4, paths
+    assert len(set(paths)) == 5, paths
     # The default recipe's entry is the one the embedded default always had.
     assert paths[0] == entry(tmp_path, warmup_spec(0).spec, demonstrations=build_demonstrations(
         parse_scenario(GUESS_SCENARIO).domains, 100, DEFAULT_RECIPE.demo_seed, max_turns=4),
         sft=DEFAULT_RECIPE.sft)
+
+
+def _consistent(prompt: str) -> tuple[int, int]:
+    lo, hi = 1, 10
+    for guess, hint in re.findall(r"you guessed (\d+), and the target number is (higher|lower)",
+                                  prompt):
+        lo, hi = (max(lo, int(guess) + 1), hi) if hint == "higher" else (lo, min(hi, int(guess) - 1))
+    return lo, hi
+
+
+def test_exploring_demonstrations_draw_consistent_guesses_and_leave_the_rest_alone():
+    plain = build_demonstrations([GUESS, ARITH], 40, seed=0, max_turns=4)
+    assert build_demonstrations([GUESS, ARITH], 40, seed=0, max_turns=4, explore=0.0) == plain
+    explored = build_demonstrations([GUESS, ARITH], 40, seed=0, max_turns=4, explore=1.0)
+    assert explored == build_demonstrations([GUESS, ARITH], 40, seed=0, max_turns=4, explore=1.0)
+    games = [(p, c) for p, c in explored if "Guess The Number" in p]
+    bisect = [(lo + hi) // 2 for lo, hi in (_consistent(p) for p, _ in games)]
+    guesses = [int(c[len("\\boxed{"):-1]) for _, c in games]
+    for (prompt, _), guess in zip(games, guesses, strict=True):
+        lo, hi = _consistent(prompt)
+        assert lo <= guess <= hi, (prompt[-200:], guess)  # every exploring guess can still win
+    assert sum(g != b for g, b in zip(guesses, bisect, strict=True)) > len(games) // 3
+    # Arithmetic has no exploring move: its demonstrations stay the reference answers.
+    assert [c for p, c in explored if "Calculate" in p] == [c for p, c in plain if "Calculate" in p]
+    recipe = scenario_recipe(parse_scenario(GUESS_SCENARIO + "tiny_warmup_explore = 0.25\n"))
+    assert recipe.explore == 0.25 and scenario_recipe(parse_scenario(GUESS_SCENARIO)).explore == 0.0

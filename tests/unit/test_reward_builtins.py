@@ -189,7 +189,8 @@ def test_reasoning_gym_bad_metadata_is_an_input_error(metadata: dict, match: str
 
 def test_builtins_are_marked_with_their_executors() -> None:
     specs = {marked_spec(f).name: marked_spec(f) for f in vars(builtins).values() if marked_spec(f)}
-    assert set(specs) == {"math", "reasoning_gym", "exact_match", "boxed_format", "env_return"}
+    assert set(specs) == {"math", "reasoning_gym", "exact_match", "boxed_format", "env_return",
+                          "env_success"}
     # sympy-backed scoring must never run on the event loop.
     assert specs["math"].executor == "process"
     assert specs["reasoning_gym"].executor == "process"
@@ -206,3 +207,43 @@ def test_env_return_is_the_envs_own_return_and_rejects_garbage():
                 {"env_return": True}):
         with pytest.raises(RewardInputError, match="env_return"):
             env_return_reward("p", "r", None, bad)
+
+
+def _play_guess10(seed: int, guesses: list[int]) -> float:
+    """GEM's GuessTheNumber (1..10, 4 turns) played with fixed guesses: the summed step rewards."""
+    from rollart.envhost.families import make_env
+
+    env = make_env("game:GuessTheNumber-v0-easy", {})
+    env.reset(seed)
+    total = 0.0
+    for g in guesses:
+        _obs, reward, term, trunc, _info = env.step(f"\\boxed{{{g}}}")
+        total += reward
+        if term or trunc:
+            break
+    env.close()
+    return total
+
+
+def test_env_success_scores_the_outcome_not_gems_shaping():
+    from rollart.controller.routing.routers import env_success_reward as local_success
+    from rollart.reward.builtins import env_success_reward
+
+    # Guessing 5, 6, 4, 7 without reading a hint: GEM pays 1 - |guess - target| / 9 for the last
+    # guess of a lost game, so env_return rewards the ignorant player; env_success does not.
+    lost = [s for s in range(40) if 0 < _play_guess10(s, [5, 6, 4, 7]) < 1]
+    won = [s for s in range(40) if _play_guess10(s, [5, 6, 4, 7]) >= 1]
+    assert lost and won
+    for seed, want in ((lost[0], 0.0), (won[0], 1.0)):
+        ret = _play_guess10(seed, [5, 6, 4, 7])
+        meta = {"env_return": ret, "num_turns": 4}
+        assert env_success_reward("p", "r", None, meta) == (want, {"env_return": ret,
+                                                                   "num_turns": 4})
+        assert local_success("p", "r", None, meta) == want
+    assert 0.5 < _play_guess10(lost[0], [5, 6, 4, 7]) < 1.0  # the shaping env_return pays
+    # GEM's format error (-0.1) stays worse than a lost game: the format is never traded away
+    assert env_success_reward("p", "r", None, {"env_return": -0.1})[0] == -0.1
+    assert local_success("p", "r", None, {"env_return": -0.1}) == -0.1
+    for bad in ({}, {"env_return": None}, {"env_return": float("inf")}, {"env_return": False}):
+        with pytest.raises(RewardInputError, match="env_success"):
+            env_success_reward("p", "r", None, bad)

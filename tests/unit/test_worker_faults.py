@@ -12,8 +12,9 @@ import msgspec
 import pytest
 
 from helpers.fakes import FakeWorker
+from rollart.controller.observe.stall import ControllerStalledError
 from rollart.controller.routing.hangcheck import HangCheck
-from rollart.controller.routing.proxy import TRANSIENT_RETRIES, LLMProxy, PoolExhaustedError
+from rollart.controller.routing.proxy import TRANSIENT_RETRIES, LLMProxy
 from rollart.controller.routing.workercheck import ViolationWindow
 from rollart.transport import messages as m
 from rollart.transport.errors import RemoteError, RemoteTimeoutError
@@ -242,17 +243,107 @@ async def test_nobody_is_suspected_when_every_worker_is_silent() -> None:
     assert proxy.hang.num_probes == 0 and proxy.quarantined == []
 
 
+def _silent_until(until_s: float | None, then_s: float = 1.0):
+    """Answers nothing (``None``) until loop time ``until_s`` (``None``: ever), then in
+    ``then_s`` seconds; judged when a request is sent."""
+    def delay(request):
+        if until_s is None or asyncio.get_running_loop().time() < until_s:
+            return None
+        return then_s
+    return delay
+
+
+async def _time_out_while_another_answers(proxy: LLMProxy, i: int) -> BaseException | None:
+    """One call of domain ``d`` (pool ``p``) with a 10 s timeout, while a call of domain ``e``
+    (another worker) is answered: what the ``d`` call raised (``None``: it was answered)."""
+    silent = asyncio.create_task(proxy.generate(f"t{i}", "d", f"r{i}", prompt(), PARAMS,
+                                                timeout_s=10.0))
+    await proxy.generate(f"u{i}", "e", f"s{i}", prompt(), PARAMS, timeout_s=10.0)
+    try:
+        await silent
+    except Exception as exc:
+        return exc
+    return None
+
+
+def _kept_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "kept as overloaded" in r.getMessage()]
+
+
 @pytest.mark.looptime
-async def test_a_hung_last_worker_of_a_pool_stops_the_run() -> None:
-    hung = FakeTimedWorker("a", lambda r: None)
-    other = FakeTimedWorker("b", lambda r: 1.0)  # another pool's worker answers
-    proxy = LLMProxy({"p": ("cpu", [hung]), "q": ("cpu", [other])}, {"d": "p", "e": "q"})
+@pytest.mark.parametrize("pool_of_two", [False, True])
+async def test_a_hung_last_worker_of_a_pool_is_kept_as_overloaded(caplog, pool_of_two) -> None:
+    # Pool p's only live worker a answers nothing until t = 100 s; pool q's b answers. With
+    # pool_of_two, p also had c, quarantined already: a is the last one all the same.
+    hung = FakeTimedWorker("a", _silent_until(100.0))
+    other = FakeTimedWorker("b", lambda r: 1.0)
+    p = [hung, FakeWorker("c")] if pool_of_two else [hung]
+    proxy = LLMProxy({"p": ("cpu", p), "q": ("cpu", [other])}, {"d": "p", "e": "q"})
+    if pool_of_two:
+        proxy.quarantine("c", "bad output")
     proxy.hang.probe_timeout_s = 5.0
-    first = asyncio.create_task(proxy.generate("t0", "d", "r0", prompt(), PARAMS,
-                                               timeout_s=10.0))
-    await proxy.generate("t1", "e", "r1", prompt(), PARAMS, timeout_s=10.0)
-    with pytest.raises(PoolExhaustedError, match="'a' was quarantined \\(hung"):
-        await first
+    proxy.hang.max_overload_s = 1000.0
+    for i in range(3):  # three timeouts, each probed, each probe failed
+        exc = await _time_out_while_another_answers(proxy, i)
+        assert isinstance(exc, RemoteTimeoutError) and exc.overload  # not a failure in a row
+    assert proxy.hang.num_probes_failed == 3
+    assert proxy.quarantined == (["c"] if pool_of_two else []) and not proxy.hang.hung
+    assert [w.name for w in proxy.pools["p"].workers] == ["a"]
+    warned = _kept_warnings(caplog)  # the decision is logged once, not per call
+    assert len(warned) == 1 and "pool p: worker a" in warned[0]
+    assert "run.retry.max_overload_s = 1000" in warned[0]
+    await asyncio.sleep(max(0.0, 100.0 - asyncio.get_running_loop().time()))
+    r = await proxy.generate("t9", "d", "r9", prompt(), PARAMS, timeout_s=10.0)
+    assert r.request_id == "r9" and "r9" in [q.request_id for q in hung.requests]
+
+
+@pytest.mark.looptime
+async def test_a_last_worker_silent_past_max_overload_s_stops_the_run_naming_it() -> None:
+    hung = FakeTimedWorker("a", _silent_until(None))
+    other = FakeTimedWorker("b", lambda r: 1.0)
+    proxy = LLMProxy({"p": ("gpu-x", [hung]), "q": ("cpu", [other])}, {"d": "p", "e": "q"})
+    proxy.hang.probe_timeout_s = 5.0
+    proxy.hang.max_overload_s = 30.0
+    loop = asyncio.get_running_loop()
+    outcomes = []
+    for i in range(10):
+        exc = await _time_out_while_another_answers(proxy, i)
+        outcomes.append(type(exc).__name__)
+        if isinstance(exc, ControllerStalledError):
+            break
+    # first failed probe at 15 s; later ones every 15 s (a 10 s timeout, a 5 s probe): the
+    # one at 45 s is 30 s after it
+    assert outcomes == ["RemoteTimeoutError"] * 2 + ["ControllerStalledError"]
+    assert loop.time() == pytest.approx(45.0, abs=2.0)
+    msg = str(exc)
+    assert "pool 'p' (gpu-x)" in msg and "last worker 'a'" in msg
+    assert "run.retry.max_overload_s = 30" in msg
+    assert proxy.quarantined == [] and [w.name for w in proxy.pools["p"].workers] == ["a"]
+
+
+@pytest.mark.looptime
+async def test_a_reply_from_the_kept_worker_restarts_its_overload_clock(caplog) -> None:
+    # Silent, answers once, silent again: each silence is an episode of its own, measured
+    # from its own first failed probe (and warned about once).
+    loop = asyncio.get_running_loop()
+
+    def delay(request):
+        return 1.0 if 40.0 <= loop.time() < 40.5 else None
+
+    hung = FakeTimedWorker("a", delay)
+    proxy = LLMProxy({"p": ("cpu", [hung]), "q": ("cpu", [FakeTimedWorker("b", lambda r: 1.0)])},
+                     {"d": "p", "e": "q"})
+    proxy.hang.probe_timeout_s = 5.0
+    proxy.hang.max_overload_s = 25.0
+    for i in range(2):  # failed probes at 15 s and 30 s: 15 s into the episode
+        assert isinstance(await _time_out_while_another_answers(proxy, i), RemoteTimeoutError)
+    await asyncio.sleep(40.0 - loop.time())
+    assert await _time_out_while_another_answers(proxy, 2) is None  # answered at 41 s
+    for i in range(3, 5):  # failed probes at ~56 s and ~71 s: a new episode, 15 s into it
+        assert isinstance(await _time_out_while_another_answers(proxy, i), RemoteTimeoutError)
+    assert len(_kept_warnings(caplog)) == 2
+    exc = await _time_out_while_another_answers(proxy, 5)  # ~86 s: 30 s into it
+    assert isinstance(exc, ControllerStalledError) and "last worker 'a'" in str(exc)
 
 
 @pytest.mark.looptime
@@ -333,6 +424,63 @@ async def test_a_run_with_a_hung_worker_quarantines_it_and_fails_no_trajectory()
     assert failed(steps) == {}  # its calls went to w2 instead of failing
     assert [w for s in steps for w in s.metrics.quarantined_workers] == ["w1"]
     assert len(probes(hung)) == 1
+
+
+def _two_pools(w1: FakeWorker, w2: FakeWorker):
+    from helpers.fakes import TOK, FakeEnvHost, FakeReward, FakeTrainer
+    from rollart.controller import Backends
+
+    # make_scenario: domain "game" on pool p1 (w1), "math" on p2 (w2)
+    return Backends(pools={"p1": [w1], "p2": [w2]}, trainer=FakeTrainer(), tokenizer=TOK,
+                    env_hosts=[FakeEnvHost(turns=2, latency=lambda i, s: 1.0)],
+                    reward_service=FakeReward())
+
+
+@pytest.mark.looptime
+async def test_a_run_whose_pool_has_one_hung_worker_slows_down_and_goes_on(caplog) -> None:
+    # w1, pool p1's only worker, answers nothing for its first 400 s while w2 (pool p2)
+    # answers: its probes fail, but it stays; its domain's timeouts do not count toward
+    # max_failures_in_a_row = 3, and once it answers again its trajectories train.
+    from test_controller_faults import failed
+
+    from helpers.fakes import make_scenario
+    from rollart.controller import Cluster
+
+    sc = make_scenario(generate_timeout_s=20.0, worker_checks={"hang_probe_timeout_s": 5.0},
+                       retry={"max_failures_in_a_row": 3, "max_overload_s": 3000.0})
+    hung = FakeTimedWorker("w1", _silent_until(400.0, then_s=0.5))
+    good = FakeTimedWorker("w2", lambda r: 0.5)
+    steps: list = []
+    async with Cluster.from_scenario(sc, backends=_two_pools(hung, good)) as c:
+        async with asyncio.timeout(20_000):
+            while not any("w1" in s.turn_workers for st in steps for s in st.samples):
+                async for st in c.train(steps=1):
+                    steps.append(st)
+        assert c.controller is not None
+        assert c.controller.proxy.quarantined == []
+        assert [w.name for w in c.controller.proxy.pools["p1"].workers] == ["w1"]
+    assert failed(steps).get("generation_timeout", 0) > 3
+    assert len(probes(hung)) >= 2 and len(_kept_warnings(caplog)) == 1
+    assert not [w for st in steps for w in st.metrics.quarantined_workers]
+    assert any(s.domain == "game" for st in steps for s in st.samples)
+
+
+@pytest.mark.looptime
+async def test_a_run_whose_pool_last_worker_stays_hung_stops_past_max_overload_s() -> None:
+    from test_controller_modes import run_steps
+
+    from helpers.fakes import make_scenario
+    from rollart.controller import Cluster
+
+    sc = make_scenario(generate_timeout_s=20.0, worker_checks={"hang_probe_timeout_s": 5.0},
+                       retry={"max_overload_s": 200.0})
+    hung = FakeTimedWorker("w1", _silent_until(None))
+    good = FakeTimedWorker("w2", lambda r: 0.5)
+    async with Cluster.from_scenario(sc, backends=_two_pools(hung, good)) as c:
+        with pytest.raises(ControllerStalledError, match=r"pool 'p1' \(cpu\): its last worker "
+                           r"'w1' has answered no generate call for 2\d\d s .*"
+                           r"run.retry.max_overload_s = 200"):
+            await run_steps(c, 1000, timeout_s=20_000.0)
 
 
 async def test_a_fault_crosses_the_wire_with_its_error() -> None:

@@ -281,6 +281,11 @@ class ModelConfig(_Cfg, frozen=True):
     tiny_warmup_epochs: Annotated[int, msgspec.Meta(ge=1, le=1000)] | None = None
     #: the warm-up's learning rate (AdamW); ``None``: 3e-3 (1e-2 with ``tiny_warmup_tool_calls``).
     tiny_warmup_lr: Annotated[float, msgspec.Meta(gt=0, le=1.0)] | None = None
+    #: share of the warm-up's demonstrated moves replaced by an exploring one (GuessTheNumber: a
+    #: guess drawn uniformly from the range the hints leave; other envs have none): the
+    #: warmed-up policy then still samples alternatives, which GRPO needs (a group whose
+    #: members all play the same moves has no advantage to learn from).
+    tiny_warmup_explore: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
     #: data type of the weights in trainer and engine.
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
 
@@ -351,8 +356,9 @@ class DomainConfig(_Cfg, frozen=True):
     #: pool (by name) whose workers generate for this domain (hardware affinity).
     pool: Name
     #: reward function name: a function of the reward service (``reasoning_gym``, ``math``, ...),
-    #: or a local one (``env_return`` = the env's summed step rewards, or one registered with
-    #: ``Cluster.register_reward``).
+    #: or a local one (``env_return`` = the env's summed step rewards, shaping included;
+    #: ``env_success`` = the game's outcome, 1 won, 0 lost, a negative return kept; or one
+    #: registered with ``Cluster.register_reward``).
     reward: Annotated[str, msgspec.Meta(min_length=1)]
     #: ``"service"``: the scenario's reward service; ``"local"``: in-process; or an http(s) URL
     #: of any endpoint speaking the reward contract (``{name}`` is replaced by the function name).
@@ -546,6 +552,11 @@ class EvalConfig(_Cfg, frozen=True):
     seed: NonNegInt = 0
     #: sampled trajectories per task for pass@k (k = this; 0: greedy only).
     pass_k: Annotated[int, msgspec.Meta(ge=0, le=64)] = 4
+    #: the accuracy a run is judged by (``summary.json``'s ``eval`` first / last / last_ci95,
+    #: the collapse check): ``"greedy"`` (temperature 0) or ``"sampled"`` (pass@1 of the
+    #: ``pass_k`` samples at the domain's own sampling: the policy as it is trained; needs
+    #: ``pass_k >= 1``). Both are always recorded.
+    headline: Literal["greedy", "sampled"] = "greedy"
     #: a trajectory with a reward at least this is correct (accuracy, pass@k, baseline).
     success_threshold: Annotated[float, msgspec.Meta(ge=-1e6, le=1e6)] = 1.0 - 1e-6
     #: eval trajectories running at once, all domains together.

@@ -87,6 +87,9 @@ def validate_scenario(scenario: Scenario, source: str = "<scenario>") -> Scenari
     if aa.enabled and len(scenario.pools) < 2:
         raise _fail(source, "run.adaptive_affinity.enabled",
                     "needs at least two pools: there is nowhere to spill to")
+    if scenario.eval.headline == "sampled" and scenario.eval.pass_k < 1:
+        raise _fail(source, "eval.headline", "'sampled' judges the run by pass@1 of the sampled "
+                    "eval trajectories: set eval.pass_k >= 1 (or headline = 'greedy')")
     if run.mode in ("sync", "sync_plus") and run.alpha != 0:
         raise _fail(source, "run.alpha", f"mode {run.mode!r} is on-policy: alpha must be 0")
     if run.mode == "one_off" and run.alpha != 1:

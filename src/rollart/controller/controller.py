@@ -149,6 +149,7 @@ class Controller:
             wc = run.worker_checks
             proxy.violations = ViolationWindow(wc.max_invalid_replies, wc.invalid_window)
         proxy.hang.probe_timeout_s = run.worker_checks.hang_probe_timeout_s
+        proxy.hang.max_overload_s = run.retry.max_overload_s  # a pool's last worker, hung
         self.transcripts = transcripts
         on_drop = transcripts.dropped if transcripts is not None else None
         self.buffer = buffer_class(

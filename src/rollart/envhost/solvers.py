@@ -13,6 +13,7 @@ dataset (the entry's reference answer).
 
 from __future__ import annotations
 
+import random
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -63,6 +64,33 @@ def bisection_guess(observations: Sequence[str]) -> int:
     Raises:
         NoSolverError: the first observation states no range, or the hints contradict each other.
     """
+    lo, hi = consistent_range(observations)
+    return (lo + hi) // 2
+
+
+def exploring_action(
+    env_name: str, observations: Sequence[str], rng: random.Random
+) -> str | None:
+    """A uniformly random move that is still sensible, for exploring demonstrations: for
+    ``game:GuessTheNumber-*`` a guess drawn uniformly from the range the hints leave (every such
+    guess can win); ``None`` for envs without one (``rg:*``: a random answer is not a move).
+
+    Raises:
+        NoSolverError: as `bisection_guess`.
+    """
+    if not env_name.startswith("game:GuessTheNumber-"):
+        return None
+    lo, hi = consistent_range(observations)
+    return f"\\boxed{{{rng.randint(lo, hi)}}}"
+
+
+def consistent_range(observations: Sequence[str]) -> tuple[int, int]:
+    """The inclusive range ``(lo, hi)`` of targets still consistent with GuessTheNumber's
+    hints.
+
+    Raises:
+        NoSolverError: the first observation states no range, or the hints contradict each other.
+    """
     found = _RANGE.search(observations[0])
     if found is None:
         raise NoSolverError("GuessTheNumber: the first observation states no 'between A and B'")
@@ -75,7 +103,7 @@ def bisection_guess(observations: Sequence[str]) -> int:
                 hi = min(hi, int(guess) - 1)
     if lo > hi:
         raise NoSolverError(f"GuessTheNumber: hints leave an empty range [{lo}, {hi}]")
-    return (lo + hi) // 2
+    return lo, hi
 
 
 def reasoning_gym_answer(env_name: str, info: Mapping[str, Any] | None) -> str:

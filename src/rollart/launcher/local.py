@@ -95,12 +95,12 @@ def preflight(scenario: Scenario, source: str = "<scenario>", *,
             raise ConfigError(f"{source}: domains[{i}].env: {exc.message}{served}") from None
     if local_rewards is None:
         return
-    known = {"env_return", *local_rewards}
+    known = {"env_return", "env_success", *local_rewards}
     for i, dom in enumerate(scenario.domains):
         if dom.reward_url == "local" and dom.reward not in known:
             raise ConfigError(
                 f"{source}: domains[{i}].reward: local reward {dom.reward!r} is not built in "
-                "(only 'env_return' is) and nothing registers one: name your file in "
+                "(only 'env_return' and 'env_success' are) and nothing registers one: name your file in "
                 "run.local_module (with a REWARDS dict), serve it from the reward service "
                 "(reward_url = \"service\", loaded with reward.modules) or run the scenario "
                 f"from a script: rollart.open_cluster(scenario, rewards={{{dom.reward!r}: fn}})")
@@ -120,10 +120,10 @@ def resolve_model(scenario: Scenario, cache_dir: Path, *, resume: bool = False) 
         return path
     from rollart.models.warmup import ensure_quickstart_model
 
+    check_warmup_domains(scenario)  # first: a refused set is not remembered as the last one
     changed = warmup_set_change(cache_dir, scenario, resume=resume)
     if changed:
         log.warning("%s", changed)
-    check_warmup_domains(scenario)
     try:
         return ensure_quickstart_model(cache_dir, scenario)
     except ValueError as exc:

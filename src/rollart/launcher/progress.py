@@ -277,7 +277,9 @@ def summary_block(summary: dict[str, Any], run_dir: Path, *, checkpoint: Path | 
                 lines.append(f"{head}{name}: {_num(d[first_key])} -> {_num(d.get(last_key))}")
     for i, (name, e) in enumerate(sorted((summary.get("eval") or {}).items())):
         base = e.get("majority_baseline")
-        lines.append(f"{'eval        ' if i == 0 else ' ' * 12}{name}: {_num(e.get('first'))} -> "
+        kind = "sampled pass@1 " if e.get("headline") == "sampled" else ""
+        lines.append(f"{'eval        ' if i == 0 else ' ' * 12}{name}: {kind}"
+                     f"{_num(e.get('first'))} -> "
                      f"{_num(e.get('last'))}{_ci(e.get('last_ci95'))}"
                      + ("" if base is None else f" (majority baseline {base:.3f})")
                      + _collapse_words(e.get("collapse")))

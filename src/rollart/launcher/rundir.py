@@ -298,10 +298,14 @@ def domain_rewards(rows: list[dict[str, Any]], window: int = SUMMARY_WINDOW
     return out
 
 
-def eval_summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def eval_summary(rows: list[dict[str, Any]],
+                 headline: str = "greedy") -> dict[str, dict[str, Any]]:
     """Per domain, its held-out evaluations (the ``eval`` records of the metrics rows,
-    ``rollart.controller.evaluation.runner``): greedy accuracy of the ``first`` and ``last`` (at
-    ``first_step`` / ``last_step``), the last one's 95% interval ``last_ci95``,
+    ``rollart.controller.evaluation.runner``): the ``headline`` accuracy (``eval.headline``:
+    greedy accuracy, or sampled pass@1) of the ``first`` and ``last`` (at
+    ``first_step`` / ``last_step``), the last one's 95% interval ``last_ci95``, the other kind
+    beside them (``greedy_first`` / ``greedy_last`` / ``pass_at_1_first`` and the last ones'
+    intervals),
     ``majority_baseline`` (the newest measured), ``distinct_answer_share_last``,
     ``pass_at_1_last`` / ``pass_at_k_last`` (with ``k``), ``evals`` (how many) and ``collapse``:
     the last evaluation's collapse finding, or ``None``. ``{}`` when the run had none."""
@@ -309,11 +313,18 @@ def eval_summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for d in sorted({d for e in records for d in e["domains"]}):
         mine = [(e["at_step"], e["domains"][d]) for e in records if d in e["domains"]]
-        scored = [(s, x) for s, x in mine if x.get("accuracy") is not None]
+        key, ci = ("pass_at_1", "pass_at_1_ci95") if headline == "sampled" else ("accuracy",
+                                                                               "ci95")
+        scored = [(s, x) for s, x in mine if x.get(key) is not None]
         (s0, first), (s1, last) = (scored[0], scored[-1]) if scored else ((None, {}), (None, {}))
         out[d] = {
-            "first": first.get("accuracy"), "last": last.get("accuracy"),
-            "first_step": s0, "last_step": s1, "last_ci95": last.get("ci95"),
+            "headline": headline,
+            "first": first.get(key), "last": last.get(key),
+            "first_step": s0, "last_step": s1, "last_ci95": last.get(ci),
+            "greedy_first": first.get("accuracy"), "greedy_last": last.get("accuracy"),
+            "greedy_last_ci95": last.get("ci95"),
+            "pass_at_1_first": first.get("pass_at_1"),
+            "pass_at_1_last_ci95": last.get("pass_at_1_ci95"),
             "majority_baseline": next((x["majority_baseline"] for _, x in reversed(mine)
                                        if x.get("majority_baseline") is not None), None),
             "distinct_answer_share_last": last.get("distinct_answer_share"),
@@ -350,6 +361,6 @@ def write_summary(run_dir: Path, scenario: Scenario, started: float) -> dict[str
     }
     for name, rw in domain_rewards(rows).items():
         summary["domains"].setdefault(name, {}).update(rw)
-    summary["eval"] = eval_summary(rows)
+    summary["eval"] = eval_summary(rows, scenario.eval.headline)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary

@@ -26,7 +26,7 @@ import msgspec
 
 from rollart.config import DomainConfig, Scenario
 from rollart.envhost.families import make_env
-from rollart.envhost.solvers import has_solver, next_action
+from rollart.envhost.solvers import exploring_action, has_solver, next_action
 from rollart.models.sft import SFTConfig
 from rollart.models.tiny import TinyModelSpec, ensure_tiny_model
 from rollart.models.tokenizer import build_char_tokenizer
@@ -46,6 +46,10 @@ class WarmupRecipe(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_o
     #: seed of the demonstration env seeds (independent of the model seed).
     demo_seed: Annotated[int, msgspec.Meta(ge=0)] = 1234
     sft: SFTConfig = msgspec.field(default_factory=lambda: SFTConfig(epochs=1, lr=3e-3))
+    #: share of demonstrated moves replaced by an exploring move (`exploring_action`: a guess
+    #: drawn uniformly from the range GuessTheNumber's hints leave), so that the warmed-up
+    #: policy keeps sampling alternatives where it would otherwise always repeat one move.
+    explore: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
 
 
 # Chosen by measurement on the 2-core machine with the quickstart's two domains
@@ -130,9 +134,11 @@ def render_prompt(
 
 
 def play_episode(
-    domain: DomainConfig, seed: int, tokenizer: Any, *, max_turns: int
+    domain: DomainConfig, seed: int, tokenizer: Any, *, max_turns: int, explore: float = 0.0
 ) -> list[tuple[str, str]]:
-    """Play one episode of `domain` with its scripted solver from env `seed`.
+    """Play one episode of `domain` with its scripted solver from env `seed`; each move is
+    replaced with probability `explore` by `exploring_action` (where the env has one), drawn
+    from a generator seeded by `seed`.
 
     Returns:
         One (prompt, completion) pair per assistant turn, at most `max_turns`, in turn order.
@@ -145,8 +151,11 @@ def play_episode(
     try:
         obs, info = env.reset(seed)
         observations, actions, pairs = [obs], [], []
+        rng = random.Random(seed)
         for _ in range(max_turns):
             action = next_action(domain.env, observations, actions, info)
+            if explore and rng.random() < explore:
+                action = exploring_action(domain.env, observations, rng) or action
             pairs.append((render_prompt(tokenizer, domain, observations, actions), action))
             obs, _, terminated, truncated, _ = env.step(action)
             actions.append(action)
@@ -166,6 +175,7 @@ def build_demonstrations(
     max_turns: int = 8,
     tokenizer: Any = None,
     tool_calls: bool = False,
+    explore: float = 0.0,
 ) -> list[tuple[str, str]]:
     """Solver demonstrations for every domain that has a scripted solver.
 
@@ -178,6 +188,7 @@ def build_demonstrations(
         tool_calls: ``rg:basic_arithmetic`` domains play the calculator agent's conversation
             (`rollart.models.tooldemos.play_tool_episode`: two pairs per episode) instead of
             the gym loop.
+        explore: share of moves replaced by an exploring move (`play_episode`).
 
     Returns:
         (prompt_text, completion_text) pairs, domains in the given order, episodes in seed
@@ -202,7 +213,8 @@ def build_demonstrations(
             if tool_calls and domain.env == CALCULATOR_ENV:
                 pairs.extend(play_tool_episode(domain, env_seed, tokenizer))
             else:
-                pairs.extend(play_episode(domain, env_seed, tokenizer, max_turns=turns))
+                pairs.extend(play_episode(domain, env_seed, tokenizer, max_turns=turns,
+                                          explore=explore))
     return pairs
 
 
@@ -225,7 +237,7 @@ def ensure_warm_tiny_model(
     recipe = warmup_spec(model_seed, recipe)
     demos = build_demonstrations(
         domains, recipe.episodes_per_domain, recipe.demo_seed, max_turns=max_turns,
-        tool_calls=tool_calls)
+        tool_calls=tool_calls, explore=recipe.explore)
     return ensure_tiny_model(cache_dir, recipe.spec, demonstrations=demos, sft=recipe.sft)
 
 
@@ -252,7 +264,8 @@ def ensure_quickstart_model(cache_dir: str | Path, scenario: Scenario) -> Path:
 def scenario_recipe(scenario: Scenario) -> WarmupRecipe:
     """The warm-up recipe of a scenario: `TOOL_CALL_RECIPE` with ``model.tiny_warmup_tool_calls``,
     else `DEFAULT_RECIPE`, with ``model.tiny_warmup_episodes`` / ``_epochs`` / ``_lr`` replacing
-    its episodes per domain, SFT epochs and SFT learning rate where set (not ``None``). The
+    its episodes per domain, SFT epochs and SFT learning rate where set (not ``None``), and
+    ``model.tiny_warmup_explore`` its share of exploring moves. The
     model seed is not set here (`warmup_spec` does)."""
     model = scenario.model
     base = TOOL_CALL_RECIPE if model.tiny_warmup_tool_calls else DEFAULT_RECIPE
@@ -263,5 +276,5 @@ def scenario_recipe(scenario: Scenario) -> WarmupRecipe:
         sft = msgspec.structs.replace(sft, lr=model.tiny_warmup_lr)
     episodes = model.tiny_warmup_episodes
     return msgspec.structs.replace(
-        base, sft=sft,
+        base, sft=sft, explore=model.tiny_warmup_explore,
         episodes_per_domain=base.episodes_per_domain if episodes is None else episodes)

@@ -1,5 +1,5 @@
 """Built-in reward functions: ``math``, ``reasoning_gym``, ``exact_match``, ``boxed_format``,
-``env_return``.
+``env_return``, ``env_success``.
 
 All take ``(prompt, response, reference, metadata)`` and return ``(reward, details)`` with reward
 in ``{0.0, 1.0}`` (``reasoning_gym`` may return partial credit in ``[0, 1]`` when the dataset's own
@@ -236,14 +236,48 @@ def env_return_reward(
     prompt: str, response: str, reference: Any, metadata: dict
 ) -> tuple[float, dict]:
     """The environment's own return: ``metadata["env_return"]``, the sum of the env's per-step
-    rewards over the trajectory (the controller sends it). For multi-turn games whose score is
-    the game's outcome (e.g. GEM's GuessTheNumber: 1 when the number is found).
+    rewards over the trajectory (the controller sends it), shaping included. GEM's games shape
+    it: GuessTheNumber pays ``1 - |guess - target| / range`` for a lost game's last guess, so a
+    policy that guesses the middle every turn already earns ~0.7 on 1..10 without reading a
+    hint; use ``env_success`` to train on the outcome alone.
 
     Raises RewardInputError when ``env_return`` is missing or not a finite number.
     """
+    return _env_return(metadata, "env_return"), {"num_turns": metadata.get("num_turns")}
+
+
+#: the return that marks a won episode: GEM's ``LanguageGameReward.success_reward`` (1.0); the
+#: partial credit GEM's games pay for a lost episode stays below it.
+ENV_SUCCESS_RETURN = 1.0
+
+
+@reward_function("env_success", executor="inline")
+def env_success_reward(
+    prompt: str, response: str, reference: Any, metadata: dict
+) -> tuple[float, dict]:
+    """The outcome of a multi-turn game, free of the env's shaping: 1.0 when the episode was
+    won (``metadata["env_return"] >= ENV_SUCCESS_RETURN``: 1.0, GEM's success reward); the
+    return itself when it is negative (GEM ends an episode whose reply it cannot parse with
+    -0.1: a broken format stays worse than a lost game, so training never trades one for the
+    other); else 0.0. A constant answer earns only its win rate.
+
+    Raises RewardInputError when ``env_return`` is missing or not a finite number.
+    """
+    value = _env_return(metadata, "env_success")
+    return env_outcome(value), {"env_return": value, "num_turns": metadata.get("num_turns")}
+
+
+def env_outcome(env_return: float) -> float:
+    """``env_success``'s score of a finite env return (see `env_success_reward`)."""
+    if env_return >= ENV_SUCCESS_RETURN:
+        return 1.0
+    return min(env_return, 0.0)
+
+
+def _env_return(metadata: dict, fn: str) -> float:
     value = metadata.get("env_return")
     if isinstance(value, bool) or not isinstance(value, int | float) or not _math.isfinite(value):
         raise RewardInputError(
-            f"env_return: metadata.env_return must be a finite number, got {value!r:.80}"
+            f"{fn}: metadata.env_return must be a finite number, got {value!r:.80}"
         )
-    return float(value), {"num_turns": metadata.get("num_turns")}
+    return float(value)

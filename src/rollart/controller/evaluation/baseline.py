@@ -40,7 +40,7 @@ from rollart.transport.errors import (
     RewardError,
 )
 
-log = logging.getLogger("rollart.controller.evaluation.runner")
+log = logging.getLogger(__name__)
 
 
 class Baseline(msgspec.Struct):

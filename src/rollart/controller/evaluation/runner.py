@@ -46,6 +46,7 @@ from rollart.controller.evaluation.stats import (
     EvalRecord,
     answer_key,
     collapse_reason,
+    mean_interval,
     pass_at_k,
     reward_trend,
     wilson_interval,
@@ -263,7 +264,7 @@ class Evaluator:
         correct = sum(r.correct for r in greedy if r)
         keys = Counter(answer_key(r.actions) for r in greedy if r)
         top = keys.most_common(1)[0] if keys else None
-        p1 = pk = None
+        p1 = pk = p1_ci = None
         if k:
             full = [[t[j] for j in range(k)] for t in tasks.values()
                     if all(t.get(j) is not None for j in range(k))]
@@ -271,6 +272,8 @@ class Evaluator:
                 cs = [sum(r.correct for r in s if r) for s in full]
                 p1 = sum(pass_at_k(k, c, 1) for c in cs) / len(cs)
                 pk = sum(pass_at_k(k, c, k) for c in cs) / len(cs)
+                lo, hi = mean_interval([c / k for c in cs])
+                p1_ci = [round(lo, 6), round(hi, 6)]
         base = self.baselines.get(name)
         ci = wilson_interval(correct, n) if n else None
         d = DomainEval(
@@ -279,14 +282,15 @@ class Evaluator:
             failed=len(tasks) - n,
             reward_mean=sum(r.reward for r in greedy if r) / n if n else None,
             response_len_mean=sum(r.num_generated for r in greedy if r) / n if n else None,
-            pass_k=k, pass_at_1=p1, pass_at_k=pk,
+            pass_k=k, pass_at_1=p1, pass_at_k=pk, pass_at_1_ci95=p1_ci,
             distinct_answer_share=len(keys) / n if n else None,
             top_answer=top[0][:200] if top else None,
             top_answer_share=top[1] / n if top else None,
             majority_baseline=base.accuracy if base else None,
             baseline_actions=base.actions if base else None)
         trend = reward_trend(self._train_rewards.get(name, []))
-        d.collapse = collapse_reason(d, self.cfg.collapse_distinct_floor, trend)
+        d.collapse = collapse_reason(d, self.cfg.collapse_distinct_floor, trend,
+                                     self.cfg.headline)
         if d.collapse is not None:
             log.warning("eval: domain %s looks collapsed (%s): accuracy %s, distinct answer "
                         "share %s (floor %s), top answer %r on %s of tasks, majority baseline "

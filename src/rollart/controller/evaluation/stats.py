@@ -29,7 +29,9 @@ class DomainEval(msgspec.Struct, kw_only=True):
       interval ``[lo, hi]``.
     - ``pass_k``: sampled trajectories per task (the domain's own sampling); ``pass_at_1`` and
       ``pass_at_k``: the unbiased pass@1 and pass@k over tasks with all ``pass_k`` samples
-      (:func:`pass_at_k`); ``None`` when ``pass_k`` is 0.
+      (:func:`pass_at_k`); ``None`` when ``pass_k`` is 0. ``pass_at_1_ci95``: the 95% interval
+      of ``pass_at_1`` (:func:`mean_interval` over the tasks' own correct shares: samples of one
+      task are not independent of each other).
     - ``distinct_answer_share``: distinct greedy final answers / tasks (:func:`answer_key`);
       ``top_answer`` / ``top_answer_share``: the most frequent one and its share of tasks.
     - ``reward_mean``: mean greedy reward; ``response_len_mean``: generated tokens per greedy
@@ -50,6 +52,7 @@ class DomainEval(msgspec.Struct, kw_only=True):
     pass_k: int = 0
     pass_at_1: float | None = None
     pass_at_k: float | None = None
+    pass_at_1_ci95: list[float] | None = None
     distinct_answer_share: float | None = None
     top_answer: str | None = None
     top_answer_share: float | None = None
@@ -156,8 +159,37 @@ MIN_REWARD_RISE = 0.02
 TOP_ANSWER_SHARE = 0.9
 
 
+def mean_interval(shares: Sequence[float], z: float = Z95) -> tuple[float, float]:
+    """The 95% normal-approximation interval of the mean of per-task shares in [0, 1] (one
+    share per task: its correct samples over its samples), clipped to [0, 1]: ``mean -+ z *
+    sd / sqrt(n)`` with the sample standard deviation (the central limit theorem over tasks,
+    the unit that is drawn independently; a one-task set gives the point).
+
+    Raises:
+        ValueError: no shares, or a share outside [0, 1].
+    """
+    n = len(shares)
+    if n < 1 or any(not 0.0 <= x <= 1.0 for x in shares):
+        raise ValueError(f"mean_interval: need n >= 1 shares in [0, 1], got {n}")
+    mean = sum(shares) / n
+    if n == 1:
+        return mean, mean
+    sd = math.sqrt(sum((x - mean) ** 2 for x in shares) / (n - 1))
+    half = z * sd / math.sqrt(n)
+    return max(0.0, mean - half), min(1.0, mean + half)
+
+
+def headline(d: DomainEval, which: str) -> tuple[float | None, list[float] | None]:
+    """The accuracy a run is judged by and its 95% interval: greedy (``which == "greedy"``:
+    ``accuracy``, ``ci95``) or sampled (``"sampled"``: ``pass_at_1``, ``pass_at_1_ci95``)."""
+    if which == "sampled":
+        return d.pass_at_1, d.pass_at_1_ci95
+    return d.accuracy, d.ci95
+
+
 def collapse_reason(d: DomainEval, floor: float,
-                    trend: tuple[float, float] | None) -> dict[str, Any] | None:
+                    trend: tuple[float, float] | None,
+                    which: str = "greedy") -> dict[str, Any] | None:
     """Why domain result ``d`` looks like a collapse, or ``None``:
 
     - ``distinct_answer_share < floor`` and a single greedy answer covers most tasks
@@ -166,7 +198,7 @@ def collapse_reason(d: DomainEval, floor: float,
       half of the tasks;
     - train reward rising by more than ``MIN_REWARD_RISE`` (``trend``: first / last window
       means) while the accuracy is at or below a majority baseline above 0
-      (``reason: "at_or_below_baseline"``): a domain whose accuracy and baseline are both 0
+      (``reason: "at_or_below_baseline"``; the accuracy is ``which``'s, :func:`headline`): a domain whose accuracy and baseline are both 0
       has learned nothing, which is not a collapse onto an answer.
 
     Both may hold: ``reasons`` lists them; the numbers are in the returned dict.
@@ -180,10 +212,11 @@ def collapse_reason(d: DomainEval, floor: float,
         out.update(distinct_answer_share=share, floor=floor, top_answer=d.top_answer,
                    top_answer_share=d.top_answer_share)
     base = d.majority_baseline
+    acc = headline(d, which)[0]
     if (trend is not None and trend[1] - trend[0] > MIN_REWARD_RISE and base is not None
-            and base > 0 and d.accuracy is not None and d.accuracy <= base):
+            and base > 0 and acc is not None and acc <= base):
         reasons.append("at_or_below_baseline")
-        out.update(accuracy=d.accuracy, majority_baseline=base,
+        out.update(accuracy=acc, majority_baseline=base,
                    train_reward_first=round(trend[0], 6), train_reward_last=round(trend[1], 6))
     if not reasons:
         return None
@@ -194,10 +227,14 @@ def eval_line(rec: EvalRecord) -> str:
     """One line of text for an evaluation record (``rollart run``'s progress notes)."""
     parts = []
     for d, r in rec.domains.items():
-        text = f"{d} " + ("n/a" if r.accuracy is None else f"{r.accuracy:.3f}")
+        text = f"{d} greedy " + ("n/a" if r.accuracy is None else f"{r.accuracy:.3f}")
         if r.ci95:
             text += f" (95% {r.ci95[0]:.3f}-{r.ci95[1]:.3f})"
-        if r.pass_at_k is not None:
+        if r.pass_at_1 is not None:
+            text += f", sampled pass@1 {r.pass_at_1:.3f}"
+            if r.pass_at_1_ci95:
+                text += f" (95% {r.pass_at_1_ci95[0]:.3f}-{r.pass_at_1_ci95[1]:.3f})"
+        if r.pass_at_k is not None and r.pass_k > 1:
             text += f", pass@{r.pass_k} {r.pass_at_k:.3f}"
         if r.majority_baseline is not None:
             text += f", baseline {r.majority_baseline:.3f}"

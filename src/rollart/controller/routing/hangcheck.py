@@ -24,9 +24,17 @@ Verdict
     A failed probe quarantines ``W`` (``LLMProxy.quarantine``): it leaves its pool first, so its
     send-window waiters, woken, route to the pool's other workers (least-loaded routing can no
     longer pick it), and each of its calls still in flight is re-sent elsewhere when its
-    timeout ends instead of failing its trajectory. The last worker of a pool stops the run
-    (``PoolExhaustedError``). A healthy slow worker answers the probe and keeps serving; its
-    timed-out call fails its trajectory as before (and is retried).
+    timeout ends instead of failing its trajectory. A healthy slow worker answers the probe and
+    keeps serving; its timed-out call fails its trajectory as before (and is retried).
+
+The last worker of a pool
+    is never quarantined on a failed probe: nothing could serve its pool's domains after it,
+    and an engine that is only swamped (a long prefill queue) fails a probe like a hung one. It
+    is kept serving as *overloaded*: its timed-out calls fail their trajectories as overload
+    (retried, not counted toward ``run.retry.max_failures_in_a_row``) and one warning says so.
+    If it answers nothing for ``max_overload_s`` (``run.retry.max_overload_s``) after its first
+    failed probe, the next failed probe stops the run (``ControllerStalledError`` naming the
+    worker, its pool and the bound); any reply from it ends the episode.
 """
 
 from __future__ import annotations
@@ -41,13 +49,15 @@ from rollart.transport import messages as m
 from rollart.transport import tokenbytes as tb
 from rollart.transport.errors import PeerDeadError, RemoteError
 
-log = logging.getLogger("rollart.controller.routing.proxy")
+log = logging.getLogger(__name__)
 #: ``run.worker_checks.hang_probe_timeout_s`` unless set, seconds
 DEFAULT_PROBE_TIMEOUT_S = 30.0
 #: probes of one suspicion at most, when a pause keeps interrupting them
 MAX_PROBE_TRIES = 3
 #: ``RemoteError.code`` of a call that got no reply within its timeout
 TIMEOUT = "timeout"
+#: ``run.retry.max_overload_s`` unless set, seconds
+DEFAULT_MAX_OVERLOAD_S = 3600.0
 
 
 class HangCheck:
@@ -55,6 +65,8 @@ class HangCheck:
 
     Args:
         probe_timeout_s: timeout of one probe, seconds (> 0).
+        max_overload_s: how long a pool's last worker may stay silent after its first failed
+            probe before the run stops, seconds (> 0).
 
     Attributes:
         replies: replies received from any worker so far (a count; a call's ``sent_at``).
@@ -62,10 +74,17 @@ class HangCheck:
         num_probes / num_probes_failed: probes sent / failed so far.
     """
 
-    def __init__(self, probe_timeout_s: float = DEFAULT_PROBE_TIMEOUT_S) -> None:
+    def __init__(self, probe_timeout_s: float = DEFAULT_PROBE_TIMEOUT_S,
+                 max_overload_s: float = DEFAULT_MAX_OVERLOAD_S) -> None:
         if not probe_timeout_s > 0:
             raise ValueError(f"probe_timeout_s must be > 0, got {probe_timeout_s}")
+        if not max_overload_s > 0:
+            raise ValueError(f"max_overload_s must be > 0, got {max_overload_s}")
         self.probe_timeout_s = probe_timeout_s
+        self.max_overload_s = max_overload_s
+        #: last workers of their pools kept as overloaded: name -> (loop time of the episode's
+        #: first failed probe, the worker's ``_last`` then; a later reply ends the episode)
+        self._overloaded: dict[str, tuple[float, int]] = {}
         self.replies = 0
         self._last: dict[str, int] = {}
         self.hung: set[str] = set()
@@ -85,6 +104,17 @@ class HangCheck:
         """Whether a call to ``name`` sent when ``replies`` was ``sent_at`` and now timed out
         makes ``name`` suspect: nothing came from it since, something came from another."""
         return self._last.get(name, 0) <= sent_at < self.replies
+
+    def overloaded(self, name: str, now: float) -> tuple[bool, float]:
+        """Worker ``name``, the last of its pool, failed a probe at loop time ``now`` (seconds)
+        and is kept serving. Returns (whether this starts an episode: no earlier failed probe
+        of it, or it replied since; seconds since the episode's first failed probe)."""
+        episode = self._overloaded.get(name)
+        last = self._last.get(name, 0)
+        if episode is None or episode[1] != last:
+            self._overloaded[name] = (now, last)
+            return True, 0.0
+        return False, now - episode[0]
 
     def pausing(self, names: Iterable[str]) -> None:
         """The controller pauses these workers (a weight update): no probe meanwhile."""

@@ -41,7 +41,8 @@ the same window: a worker failing every request answers fastest, so least-loaded
 send it everything. It is quarantined: :meth:`quarantine` takes it out of its pool
 (one warning line naming it), exactly as :meth:`remove_worker` does for a dead one; a pool left
 without workers makes it raise ``PoolExhaustedError``. A worker whose calls time out with
-nothing answered while other workers answer is probed and quarantined when it fails the probe
+nothing answered while other workers answer is probed and quarantined when it fails the probe,
+unless it is its pool's last: that one is kept as overloaded, bounded by ``hang.max_overload_s``
 (``rollart.controller.routing.hangcheck``).
 
 Cancelling the awaiting task cancels the worker call, which aborts the request on the worker
@@ -58,6 +59,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from rollart.controller.observe.stall import ControllerStalledError
 from rollart.controller.ports import GenerationBackend
 from rollart.controller.routing.hangcheck import TIMEOUT, HangCheck
 from rollart.controller.routing.sendwindow import SendWindow
@@ -444,7 +446,7 @@ class LLMProxy:
                 # which the controller does not count as a failure in a row.
                 timed_out.overload = not suspect
                 try:
-                    hung = await self._hung(worker, sent_at, prompt[0])
+                    hung = await self._hung(worker, sent_at, prompt[0], timed_out)
                 finally:
                     if suspect:
                         self._window.release(worker.name)
@@ -463,18 +465,26 @@ class LLMProxy:
                 max_version=self.max_version, vocab_size=self.vocab_size))
             return result
 
-    async def _hung(self, worker: GenerationBackend, sent_at: int, token: int) -> bool:
-        """A call to ``worker`` sent when ``hang.replies`` was ``sent_at`` timed out: whether it
-        should be re-sent elsewhere because ``worker`` is hung (quarantined, perhaps by now:
-        ``rollart.controller.routing.hangcheck``) or died. ``token``: a token id of its prompt, for
-        the probe.
+    async def _hung(self, worker: GenerationBackend, sent_at: int, token: int,
+                    timed_out: RemoteError) -> bool:
+        """A call to ``worker`` sent when ``hang.replies`` was ``sent_at`` timed out (with
+        ``timed_out``): whether it should be re-sent elsewhere because ``worker`` is hung
+        (quarantined, perhaps by now: ``rollart.controller.routing.hangcheck``) or died.
+        ``token``: a token id of its prompt, for the probe. A pool's last worker that fails the
+        probe stays in its pool: ``timed_out`` is then marked ``overload``.
 
         Raises:
-            PoolExhaustedError: the hung worker was its pool's last.
+            ControllerStalledError: the pool's last worker has failed its probes, answering
+                nothing, for ``hang.max_overload_s`` seconds.
         """
         name = worker.name
         if name not in self.hang.hung and self.hang.suspect(name, sent_at):
             if await self.hang.probe(worker, token):
+                pool = next((p for p in self._pools.values() if worker in p.workers), None)
+                if pool is not None and pool.workers == [worker]:
+                    self._overloaded(pool, worker)
+                    timed_out.overload = True
+                    return False
                 self.hang.hung.add(name)
                 # Every caller sharing the probe gets here; quarantine is idempotent (and
                 # raises PoolExhaustedError for each, should the pool be left empty).
@@ -486,6 +496,31 @@ class LLMProxy:
             self.remove_worker(name, "dead")
             return True
         return name in self.hang.hung
+
+    def _overloaded(self, pool: Pool, worker: GenerationBackend) -> None:
+        """``worker``, ``pool``'s last, failed its hang probe: keep it, as overloaded (its pool
+        could not generate without it); one warning per episode (until it replies again).
+
+        Raises:
+            ControllerStalledError: it has answered nothing since its first failed probe
+                ``hang.max_overload_s`` or more seconds ago.
+        """
+        bound = self.hang.max_overload_s
+        first, silent_s = self.hang.overloaded(worker.name, asyncio.get_running_loop().time())
+        if first:
+            log.warning(
+                "pool %s: worker %s timed out and failed a %g s probe while other workers "
+                "answered; kept as overloaded since it is the pool's last worker (the run "
+                "stops if it stays silent for run.retry.max_overload_s = %g s)",
+                pool.name, worker.name, self.hang.probe_timeout_s, bound)
+        elif silent_s >= bound:
+            raise ControllerStalledError(
+                f"pool {pool.name!r} ({pool.hardware}): its last worker {worker.name!r} has "
+                f"answered no generate call for {silent_s:.0f} s since its first failed hang "
+                f"probe while other workers answered (run.retry.max_overload_s = {bound:g}); "
+                f"hung or overloaded beyond the bound (removed from the pool earlier: "
+                f"{pool.removed})"
+            )
 
     def served_by(self, traj_id: str) -> str | None:
         """Name of the worker that served ``traj_id``'s last (not aborted) turn, until

@@ -8,7 +8,8 @@
   (fatal) is raised.
 - :class:`RewardRouter`: a domain's reward goes to the reward service (``reward_url =
   "service"``), to any endpoint speaking the reward contract (an http(s) URL), or to a local
-  function (``"local"``): ``env_return`` (the env's summed step rewards) or one registered with
+  function (``"local"``): ``env_return`` (the env's summed step rewards), ``env_success`` (the
+  game's outcome: 1 won, 0 lost) or one registered with
   ``Cluster.register_reward``.
 """
 
@@ -22,6 +23,7 @@ import msgspec
 from rollart.controller.ports import EnvBackend, RewardBackend, RewardOutcome
 from rollart.controller.rollout.localenv import LocalEnvBackend
 from rollart.controller.rollout.offloop import OffLoopCalls
+from rollart.reward.builtins import env_outcome
 from rollart.reward.protocol import InvalidRewardError, validate_result
 from rollart.transport import messages as m
 from rollart.transport.errors import (
@@ -116,6 +118,17 @@ def env_return_reward(prompt: str, response: str, reference: Any, metadata: dict
     return float(metadata["env_return"])
 
 
+def env_success_reward(prompt: str, response: str, reference: Any, metadata: dict) -> float:
+    """The game's outcome (1.0 won, 0.0 lost, a negative return kept): the reward service's
+    ``env_success``, computed in place."""
+    return env_outcome(float(metadata["env_return"]))
+
+
+#: the env-derived rewards every router has, computed on the event loop (trivial)
+ENV_REWARDS: dict[str, RewardFn] = {"env_return": env_return_reward,
+                                    "env_success": env_success_reward}
+
+
 class RewardRouter:
     """Scores a domain's trajectories at its configured endpoint.
 
@@ -123,7 +136,8 @@ class RewardRouter:
         service: client of the scenario's reward service (``reward_url = "service"``).
         endpoints: URL -> client for domains naming an http(s) URL.
         local: name -> function ``fn(prompt, response, reference, metadata)`` returning a float
-            or ``(float, details)`` (sync or async); ``env_return`` is always available.
+            or ``(float, details)`` (sync or async); ``env_return`` and ``env_success`` are
+            always available.
             Sync ones run off the event loop (``calls``), each within ``local_timeout_s``.
         calls: the bounded threads local functions run on.
         local_timeout_s: deadline of one local reward call, seconds (``None``: none).
@@ -142,7 +156,7 @@ class RewardRouter:
         self.calls = calls or OffLoopCalls(what="local reward")
         self.local_timeout_s = local_timeout_s
         self.max_details_bytes = max_details_bytes
-        self.local: dict[str, RewardFn] = {"env_return": env_return_reward, **(local or {})}
+        self.local: dict[str, RewardFn] = {**ENV_REWARDS, **(local or {})}
 
     def register(self, name: str, fn: RewardFn) -> None:
         self.local[name] = fn
@@ -173,7 +187,7 @@ class RewardRouter:
         if fn is None:
             raise RewardError(f"no local reward function {name!r}")
         try:
-            if fn is env_return_reward:  # trivial: not worth a thread
+            if fn in ENV_REWARDS.values():  # trivial: not worth a thread
                 out = fn(prompt, response, reference, metadata)
             else:
                 out = await self.calls.run(fn, prompt, response, reference, metadata,
