@@ -13,6 +13,25 @@ domains spread over every engine in proportion to pool size) and interrupt + re-
 running requests on each weight update. ``C - running`` (engine concurrency) is left to the
 engines' queues.
 
+Like for like, per mode (simulated rows; the real rows share the scenario's pools):
+
+==========  ======================  ===========================  ==============================
+mode        reward                  hardware affinity            re-prefill after an update
+==========  ======================  ===========================  ==============================
+sync        serverless, same cost   yes (domain -> pool)         no (no update mid-trajectory)
+sync_plus   serverless, same cost   yes (domain -> pool)         no (no update mid-trajectory)
+one_off     serverless, same cost   yes (domain -> pool)         yes (in-flight KV recomputed)
+areal       serverless, same cost   no (every engine, by size)   yes (in-flight KV recomputed)
+rollart     serverless, same cost   yes (domain -> pool)         yes (in-flight KV recomputed)
+==========  ======================  ===========================  ==============================
+
+Reward: every mode scores through the same simulated reward service (``SimScenario``'s
+``reward_latency_s``, no dedicated reward GPUs), so reward placement costs every mode the same.
+Re-prefill: every overlapping mode (``REPREFILL_MODES``) applies new weights while trajectories
+are in flight, so each one recomputes the KV of its running requests after an update, as the
+paper's weight sync does (§6.2, "recompute KV of in-flight requests"); ``sync`` and
+``sync_plus`` pause generation before training and start every batch on the new weights.
+
 A sixth simulated row, ``rollart_new_policy``, is rollart with the new staleness policy
 (``staleness_waste.POLICIES["new"]``; not rollart's default, see
 docs/performance/staleness-policy.md), with its own ``rollart_new_policy vs <baseline>``
@@ -32,7 +51,8 @@ rewards as real processes through ``rollart.launcher.local.open_cluster``, or th
 running workers it names), same table and JSON (``simulated: false``). Each mode starts a
 cluster, so ``--seeds`` defaults to 1 there (no interval; pass 3 or more for one); ``--quick``
 trains 3 steps per mode (the first is a warm-up), otherwise the scenario's own steps. The real
-``areal`` row changes the mode and turns on re-prefill; pools stay as the scenario declares.
+rows change the mode and turn on re-prefill in every overlapping mode (``REPREFILL_MODES``);
+pools stay as the scenario declares.
 """
 
 from __future__ import annotations
@@ -50,9 +70,13 @@ from benchmarks.common import SIZE, main_for, mean_rows, result, seeds_for, smal
 from benchmarks.on_scenario import mean_after_first, scenario_main, steps_for, train
 from benchmarks.staleness_waste import POLICIES
 from benchmarks.workloads import paper_cluster
+from rollart.controller.modes import MODES as CONTROLLER_MODES
 from rollart.sim.harness import MODE_ALPHA, SimScenario, run_simulated
 
 MODES = ("sync", "sync_plus", "one_off", "areal", "rollart")
+#: the modes that apply weights while trajectories are in flight (``ModeSpec.overlap``): each
+#: recomputes its running requests' KV after an update (paper §6.2), rollart included
+REPREFILL_MODES = tuple(m for m in MODES if CONTROLLER_MODES[m].overlap)
 #: simulated rows: every mode, plus rollart with the new staleness policy (eager staggered
 #: apply, fresh_start, capacity admission, yield domain mix: ``staleness_waste.POLICIES["new"]``),
 #: which is not rollart's default (it still wastes ~15% of tokens as stale in staleness_waste's
@@ -136,12 +160,11 @@ def _add_regime(samples: dict[str, list[float]], label: str,
 
 def sim_for(model: str, row: str, quick: bool) -> SimScenario:
     """The simulated cluster of one row (a mode of ``MODES`` or ``ROLLART_NEW_POLICY``)."""
-    # AReaL as the paper ran it: no hardware affinity (one homogeneous pool), interrupt +
-    # re-prefill of running requests on every weight update.
-    areal = row == "areal"
-    sim = paper_cluster(model, quick=small(quick),
-                        mode="rollart" if row == ROLLART_NEW_POLICY else row,
-                        steps=3 if quick else 11, affinity=not areal, reprefill=areal)
+    # AReaL as the paper ran it: no hardware affinity (one homogeneous pool). Every mode that
+    # updates weights under in-flight trajectories re-prefills them (module table).
+    mode = "rollart" if row == ROLLART_NEW_POLICY else row
+    sim = paper_cluster(model, quick=small(quick), mode=mode, steps=3 if quick else 11,
+                        affinity=row != "areal", reprefill=mode in REPREFILL_MODES)
     return sim.replace(**POLICIES["new"]) if row == ROLLART_NEW_POLICY else sim
 
 
@@ -265,7 +288,7 @@ def scenario_for_mode(base: Any, mode: str, *, seed: int, steps: int | None) -> 
     run = msgspec.structs.replace(
         base.run, mode=mode, alpha=max(1, base.run.alpha) if fixed is None else fixed,
         seed=seed, steps=steps or base.run.steps,
-        reprefill=True if mode == "areal" else base.run.reprefill, **policy)
+        reprefill=True if mode in REPREFILL_MODES else base.run.reprefill, **policy)
     return validate_scenario(msgspec.structs.replace(base, run=run), f"<modes {mode}>")
 
 

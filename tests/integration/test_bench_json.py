@@ -85,7 +85,10 @@ def test_modes_switches_a_real_scenario_to_every_mode() -> None:
         "sync": ("sync", 0, 3, 5), "sync_plus": ("sync_plus", 0, 3, 5),
         "one_off": ("one_off", 1, 3, 5), "areal": ("areal", 1, 3, 5),
         "rollart": ("rollart", 1, 3, 5)}
-    assert got["areal"].run.reprefill and not got["rollart"].run.reprefill
+    # Every mode that applies weights under in-flight trajectories pays re-prefill (the
+    # quickstart itself sets reprefill = false); sync and sync_plus keep the scenario's.
+    assert {m: s.run.reprefill for m, s in got.items()} == {
+        "sync": False, "sync_plus": False, "one_off": True, "areal": True, "rollart": True}
     assert got["rollart"].pools == base.pools
     # The quickstart sets rollart's staleness policy; the baselines run without it.
     assert got["rollart"].run.weight_apply == "eager" and got["rollart"].run.fresh_start
@@ -108,6 +111,19 @@ def test_affinity_sweeps_equal_cost_splits() -> None:
     mixed = affinity.scenario(6, 9, quick=True)
     assert {d.spec.name: d.pool for d in mixed.domains} == {"agentic": "h800",
                                                             "reasoning": "h20"}
+
+
+def test_simulated_modes_pay_reprefill_like_for_like() -> None:
+    from benchmarks.modes import MODES, ROLLART_NEW_POLICY, sim_for
+
+    got = {m: sim_for("qwen3-32b", m, True) for m in (*MODES, ROLLART_NEW_POLICY)}
+    assert {m: s.reprefill for m, s in got.items()} == {
+        "sync": False, "sync_plus": False, "one_off": True, "areal": True, "rollart": True,
+        ROLLART_NEW_POLICY: True}
+    # Only AReaL runs without hardware affinity (one domain copy per pool).
+    assert {m: len(s.domains) for m, s in got.items()} == {
+        "sync": 2, "sync_plus": 2, "one_off": 2, "areal": 4, "rollart": 2,
+        ROLLART_NEW_POLICY: 2}
 
 
 def test_areal_runs_without_affinity_and_with_reprefill() -> None:
