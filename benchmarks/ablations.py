@@ -123,10 +123,13 @@ def run(quick: bool, seed: int, workloads: tuple[str, ...] | None = None) -> dic
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=None)
-    known, rest = parser.parse_known_args(argv)
+    parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=None,
+                        help="workloads to run (default: paper with --quick, else all; "
+                             "long_horizon adds ~2.5 min on 2 cores)")
+    known, _ = parser.parse_known_args(argv)
     wl = tuple(known.workloads) if known.workloads else None
-    return main_for(NAME, __doc__ or "", functools.partial(run, workloads=wl), rest)
+    return main_for(NAME, __doc__ or "", functools.partial(run, workloads=wl), argv,
+                    parents=[parser])
 
 
 if __name__ == "__main__":

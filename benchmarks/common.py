@@ -122,10 +122,13 @@ USES_SEEDS = USES_REDUCED | {"pd"}
 
 
 def parse_args(name: str, description: str, argv: list[str] | None = None, *,
-               baseline: str | None = None) -> argparse.Namespace:
+               baseline: str | None = None,
+               parents: list[argparse.ArgumentParser] | None = None) -> argparse.Namespace:
     """The common options; ``baseline`` (a git ref) adds ``--baseline REF`` with that default,
-    for a benchmark that measures old code from git (``benchmarks.gitbaseline``)."""
-    parser = argparse.ArgumentParser(prog=f"python -m benchmarks.{name}", description=description)
+    for a benchmark that measures old code from git (``benchmarks.gitbaseline``); ``parents``:
+    parsers (``add_help=False``) of a benchmark's own options, so ``--help`` lists them."""
+    parser = argparse.ArgumentParser(prog=f"python -m benchmarks.{name}", description=description,
+                                     parents=parents or [])
     if baseline is not None:
         parser.add_argument("--baseline", default=baseline, metavar="REF",
                             help=f"git ref of the old code measured as the baseline (default "
@@ -249,9 +252,11 @@ def emit(res: dict[str, Any], json_path: Path | None, console: Console | None = 
 
 
 def main_for(name: str, description: str, run: Callable[[bool, int], dict[str, Any]],
-             argv: list[str] | None = None) -> dict[str, Any]:
-    """Parse arguments, call ``run(quick, seed)`` and emit its result."""
-    args = parse_args(name, description, argv)
+             argv: list[str] | None = None, *,
+             parents: list[argparse.ArgumentParser] | None = None) -> dict[str, Any]:
+    """Parse arguments (the common ones and ``parents``', see `parse_args`), call
+    ``run(quick, seed)`` and emit its result."""
+    args = parse_args(name, description, argv, parents=parents)
     res = run(args.quick, args.seed)
     emit(res, args.json)
     return res

@@ -42,6 +42,9 @@ def _scenario_text(module: str | None, env_hosts: bool = False) -> str:
         text += f'[run]\nlocal_module = "{module}"\n'
     text += ('[[pools]]\nname = "cpu"\n[[domains]]\nname = "d"\nenv = "script:echo"\n'
              'pool = "cpu"\nreward = "mine"\nreward_url = "local"\n')
+    # The tiny model's warm-up has nothing to imitate in a user's env: `rollart run` refuses
+    # it on (test_validate_refusals), so these scenarios turn it off as the message says.
+    text += "[model]\ntiny_warmup = false\n"
     if env_hosts:
         text += '[[env_hosts]]\nname = "e"\n'
     return text
@@ -112,9 +115,7 @@ def test_validate_counts_the_modules_names_and_names_a_broken_file(tmp_path: Pat
     from rollart.cli import main as cli
 
     scenario = tmp_path / "s.toml"
-    scenario.write_text('[run]\nlocal_module = "task3.py"\n[[pools]]\nname = "cpu"\n'
-                        '[[domains]]\nname = "d"\nenv = "script:echo"\npool = "cpu"\n'
-                        'reward = "mine"\nreward_url = "local"\n')
+    scenario.write_text(_scenario_text("task3.py"))
     (tmp_path / "task3.py").write_text(TASK)
     assert cli(["validate", "--quiet", str(scenario)]) == 0
     assert "would refuse" not in capsys.readouterr().err  # env and reward are served

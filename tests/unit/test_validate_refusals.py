@@ -186,3 +186,48 @@ def test_an_inference_worker_refuses_mismatched_companions_before_its_engine(
     err = capsys.readouterr().err
     assert "w0: FATAL: installed packages: torchvision 0.24.0" in err
     assert "`pip uninstall -y torchvision torchaudio torchcodec`" in err
+
+
+USER_ENV = '''
+class Echo:
+    def reset(self, seed):
+        return "say a", {"reference": "a"}
+    def step(self, action):
+        return "", float("a" in action), True, False, {}
+
+ENVS = {"script:echo": Echo}
+'''
+
+
+def test_a_tiny_warm_up_with_only_user_envs_is_refused_by_both(tmp_path, capsys, monkeypatch,
+                                                               no_launch) -> None:
+    # The default model (tiny, warmed up) on domains of user envs only (run.local_module's
+    # ENVS): the warm-up has nothing to imitate, so `rollart run` refuses; validate must too.
+    monkeypatch.setenv("ROLLART_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "task.py").write_text(USER_ENV)
+    text = MINIMAL.read_text().replace(
+        "[run]\n", '[run]\nlocal_module = "task.py"\n').replace(
+        "rg:basic_arithmetic", "script:echo").replace('"reasoning_gym"', '"env_return"')
+    sc = tmp_path / "mine.toml"
+    sc.write_text(text)
+    expect = [f"{sc}: model.tiny_warmup: ", "no domain has one: arith (script:echo)",
+              "set tiny_warmup = false under [model]"]
+    assert cli(["validate", "--quiet", str(sc)]) == 1
+    err = capsys.readouterr().err
+    for part in ["rollart validate: error: `rollart run` would refuse it: ", *expect]:
+        assert part in err, (part, err)
+    before = _children()
+    assert cli(["run", str(sc), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rollart run: config error: "), err
+    for part in expect:
+        assert part in err, (part, err)
+    assert no_launch == [] and not (tmp_path / "run").exists()
+    assert _children() <= before
+    assert not (tmp_path / "cache").exists()  # a refused warm-up set is not remembered
+    # The fix the message names makes both accept it.
+    sc.write_text(text + "\n[model]\ntiny_warmup = false\n")
+    assert cli(["validate", "--quiet", str(sc)]) == 0
+    assert "error" not in capsys.readouterr().err
+    assert cli(["run", str(sc), "--out", str(tmp_path / "run")]) == 0
+    assert no_launch == [tmp_path / "run"]

@@ -202,13 +202,17 @@ def main(argv: list[str] | None = None) -> int:
         # closed) is private, or group-readable with output.share_with_group.
         apply_umask(scenario.output.share_with_group)
         from rollart.launcher import localmodule
-        from rollart.launcher.local import preflight
+        from rollart.launcher.local import check_warmup_domains, preflight
 
         # The scenario's own module registers local rewards / envs (imported once, here, so
         # a missing name fails before any process starts; open_cluster reuses the import).
         regs = localmodule.load(scenario, args.scenario.parent, str(args.scenario))
         preflight(scenario, str(args.scenario), local_rewards=regs.rewards,
                   local_envs=regs.envs)
+        try:  # the model phase's check, before the banner (as `rollart validate` does)
+            check_warmup_domains(scenario)
+        except ConfigError as exc:
+            raise in_file(str(args.scenario), exc) from None
         from rollart.launcher.machine import refusals
 
         # What this machine must give (reward names the service serves, CUDA, wandb, Ray,

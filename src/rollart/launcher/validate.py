@@ -5,8 +5,9 @@ prints the resolved scenario (every default filled in) as JSON: what ``config.js
 would hold. Then it checks everything ``rollart run`` (``--cluster``, default local) would refuse
 before starting a process: an env host for the domains' envs, env names an env host can make (a
 known family, GEM game or reasoning-gym dataset), local rewards something registers
-(``rollart.launcher.local.preflight``), and what this machine must give
-(``rollart.launcher.machine``: reward functions the reward service serves, ``trainer.device =
+(``rollart.launcher.local.preflight``), a warm-up of the tiny model with a domain to imitate
+(``check_warmup_domains``: else ``tiny_warmup = false`` under ``[model]``), and what this
+machine must give (``rollart.launcher.machine``: reward functions the reward service serves, ``trainer.device =
 "cuda"`` on a torch with CUDA, ``wandb`` installed for ``output.wandb``, a reachable Ray
 cluster, a local ``model.path``, no torchvision / torchaudio / torchcodec built for another
 torch). A ``run.local_module`` is imported (it is the operator's own file) and its ``REWARDS`` /
@@ -145,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="check as `rollart run --cluster` would (default local)")
     args = p.parse_args(argv)
     from rollart.launcher import localmodule, machine
-    from rollart.launcher.local import preflight
+    from rollart.launcher.local import check_warmup_domains, preflight
     from rollart.launcher.runkeys import check_run_auth
 
     source = str(args.scenario)
@@ -162,6 +163,10 @@ def main(argv: list[str] | None = None) -> int:
         preflight(scenario, source, local_rewards=regs.rewards, local_envs=regs.envs)
     except ConfigError as exc:
         refusals.append(str(exc))
+    try:  # `rollart run`'s model phase: a warm-up of the tiny model with nothing to imitate
+        check_warmup_domains(scenario)
+    except ConfigError as exc:
+        refusals.append(str(in_file(source, exc)))
     refusals += [str(in_file(source, ConfigError(text)))
                  for text in machine.refusals(scenario, args.cluster)]
     notes += [f"{source}: {note}"
