@@ -41,6 +41,8 @@ def test_quickstart_meets_the_issue() -> None:
     run = sc.run
     assert run.mode == "rollart" and run.alpha == 1
     assert run.group_size >= 4 and run.redundancy >= 1
+    # "first" would train on the members that finish first: in a game, the short (won) ones
+    assert run.selection == "unbiased"
     assert sc.model.path == "tiny"
     assert len(sc.domains) >= 2 and sc.run.max_turns > 1  # multi-task, multi-turn
     assert any(d.env.startswith("game:") for d in sc.domains)
@@ -49,6 +51,10 @@ def test_quickstart_meets_the_issue() -> None:
     assert sc.model.tiny_warmup and None not in (
         sc.model.tiny_warmup_episodes, sc.model.tiny_warmup_epochs, sc.model.tiny_warmup_lr)
     assert any(d.reward_url == "service" for d in sc.domains)
+    # the game's outcome, not GEM's shaped return (which a guess that ignores every hint farms),
+    # judged by the policy as it is trained (sampled pass@1) against the best fixed sequence
+    assert {d.reward for d in sc.domains} == {"env_success"}
+    assert sc.eval.headline == "sampled" and sc.eval.pass_k >= 1
     assert len({d.pool for d in sc.domains}) >= 2
     assert sum(p.num_workers for p in sc.pools) >= 2
 
@@ -131,6 +137,12 @@ def test_minimal_defaults() -> None:
         (("[run]", "[run]\napply_waves = 0"), "run.apply_waves: Expected `int` >= 1"),
         (("[run]", "[run]\napply_waves = 4"),
          "run.apply_waves: 4 is used by weight_apply = 'eager' only"),
+        (("[run]", '[run]\nhold_batch_for_groups = true\nmode = "areal"'),
+         "run.hold_batch_for_groups: needs mode 'rollart', got mode 'areal'"),
+        (("[run]", "[run]\nhold_batch_max_s = 5.0"),
+         "run.hold_batch_max_s: 5 s is used by run.hold_batch_for_groups = true only"),
+        (("[run]", "[run]\nhold_batch_for_groups = true\nhold_batch_max_s = 0.0"),
+         "run.hold_batch_max_s: Expected `float` > 0.0"),
     ],
 )
 def test_bad_configs_name_file_field_and_reason(edit: tuple[str, str], message: str) -> None:

@@ -245,7 +245,7 @@ def _consistent(prompt: str) -> tuple[int, int]:
     return lo, hi
 
 
-def test_exploring_demonstrations_draw_consistent_guesses_and_leave_the_rest_alone():
+def test_exploring_demonstrations_guess_at_random_and_leave_the_rest_alone():
     plain = build_demonstrations([GUESS, ARITH], 40, seed=0, max_turns=4)
     assert build_demonstrations([GUESS, ARITH], 40, seed=0, max_turns=4, explore=0.0) == plain
     explored = build_demonstrations([GUESS, ARITH], 40, seed=0, max_turns=4, explore=1.0)
@@ -253,10 +253,11 @@ def test_exploring_demonstrations_draw_consistent_guesses_and_leave_the_rest_alo
     games = [(p, c) for p, c in explored if "Guess The Number" in p]
     bisect = [(lo + hi) // 2 for lo, hi in (_consistent(p) for p, _ in games)]
     guesses = [int(c[len("\\boxed{"):-1]) for _, c in games]
-    for (prompt, _), guess in zip(games, guesses, strict=True):
-        lo, hi = _consistent(prompt)
-        assert lo <= guess <= hi, (prompt[-200:], guess)  # every exploring guess can still win
+    assert all(1 <= g <= 10 for g in guesses)
     assert sum(g != b for g, b in zip(guesses, bisect, strict=True)) > len(games) // 3
+    # the exploring guess ignores the hints: some fall outside the range they leave
+    assert any(not lo <= g <= hi for g, (lo, hi) in zip(
+        guesses, (_consistent(p) for p, _ in games), strict=True))
     # Arithmetic has no exploring move: its demonstrations stay the reference answers.
     assert [c for p, c in explored if "Calculate" in p] == [c for p, c in plain if "Calculate" in p]
     recipe = scenario_recipe(parse_scenario(GUESS_SCENARIO + "tiny_warmup_explore = 0.25\n"))

@@ -128,6 +128,8 @@ class WorkerChecksConfig(_Cfg, frozen=True):
 
 #: ``RunConfig.apply_waves`` unless set (any other value needs ``weight_apply = "eager"``)
 _DEFAULT_APPLY_WAVES = 2
+#: ``RunConfig.hold_batch_max_s`` unless set (any other value needs ``hold_batch_for_groups``)
+_DEFAULT_HOLD_BATCH_MAX_S = 60.0
 
 class RunConfig(_Cfg, frozen=True):
     """What to run: algorithm shape, asynchrony mode, staleness bound and per-trajectory limits."""
@@ -175,6 +177,16 @@ class RunConfig(_Cfg, frozen=True):
     #: trajectory stale, abort its generation at once and restart its slot (else it runs on
     #: until its next turn start, generating tokens that can never be trained).
     abort_stale: bool = False
+    #: mode ``rollart`` only: while a batch is ready but an open, incomplete group has a token
+    #: that the batch's update would make stale (older than ``version + 1 - alpha``), the
+    #: trainer waits for that group instead of the rollout throwing it away (fewer wasted
+    #: tokens at alpha = 1; ``SampleBuffer.holds_batch``). Off: the batch goes at once.
+    hold_batch_for_groups: bool = False
+    #: longest a ready batch is held for ``hold_batch_for_groups``, seconds: past it the batch
+    #: goes ahead and the group it waited for goes stale as without the option, so a hung
+    #: group never stalls training longer.
+    hold_batch_max_s: Annotated[float, msgspec.Meta(gt=0, le=86400.0)] = (
+        _DEFAULT_HOLD_BATCH_MAX_S)
     #: ``greedy``: start a group whenever the in-flight bound allows; ``paced``: hold a group
     #: back until the next weight apply when, by the measured batch period and the domain's
     #: measured group completion time, it would miss its staleness deadline now but meet it
@@ -282,9 +294,9 @@ class ModelConfig(_Cfg, frozen=True):
     #: the warm-up's learning rate (AdamW); ``None``: 3e-3 (1e-2 with ``tiny_warmup_tool_calls``).
     tiny_warmup_lr: Annotated[float, msgspec.Meta(gt=0, le=1.0)] | None = None
     #: share of the warm-up's demonstrated moves replaced by an exploring one (GuessTheNumber: a
-    #: guess drawn uniformly from the range the hints leave; other envs have none): the
-    #: warmed-up policy then still samples alternatives, which GRPO needs (a group whose
-    #: members all play the same moves has no advantage to learn from).
+    #: guess drawn uniformly from the game's whole range, hints ignored; other envs have none):
+    #: the warmed-up policy then keeps a random-guessing habit that RL can teach it to drop,
+    #: and groups whose members differ (GRPO learns nothing from a group of equal rewards).
     tiny_warmup_explore: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
     #: data type of the weights in trainer and engine.
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"

@@ -71,16 +71,19 @@ def bisection_guess(observations: Sequence[str]) -> int:
 def exploring_action(
     env_name: str, observations: Sequence[str], rng: random.Random
 ) -> str | None:
-    """A uniformly random move that is still sensible, for exploring demonstrations: for
-    ``game:GuessTheNumber-*`` a guess drawn uniformly from the range the hints leave (every such
-    guess can win); ``None`` for envs without one (``rg:*``: a random answer is not a move).
+    """A random move for exploring demonstrations, one that ignores the conversation: for
+    ``game:GuessTheNumber-*`` a guess drawn uniformly from the game's whole range (stated in
+    the first observation), whatever the hints say. A habit that needs no reading of the
+    hints is one a small policy can learn from demonstrations exactly, and one that reward
+    alone can teach it to drop; ``None`` for envs without one (``rg:*``: a random answer is
+    not a move).
 
     Raises:
-        NoSolverError: as `bisection_guess`.
+        NoSolverError: the first observation states no range.
     """
     if not env_name.startswith("game:GuessTheNumber-"):
         return None
-    lo, hi = consistent_range(observations)
+    lo, hi = consistent_range(observations[:1])
     return f"\\boxed{{{rng.randint(lo, hi)}}}"
 
 

@@ -47,7 +47,7 @@ class WarmupRecipe(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_o
     demo_seed: Annotated[int, msgspec.Meta(ge=0)] = 1234
     sft: SFTConfig = msgspec.field(default_factory=lambda: SFTConfig(epochs=1, lr=3e-3))
     #: share of demonstrated moves replaced by an exploring move (`exploring_action`: a guess
-    #: drawn uniformly from the range GuessTheNumber's hints leave), so that the warmed-up
+    #: drawn uniformly from GuessTheNumber's whole range, hints ignored), so that the warmed-up
     #: policy keeps sampling alternatives where it would otherwise always repeat one move.
     explore: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
 
