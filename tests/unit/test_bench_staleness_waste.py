@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import msgspec
 import pytest
 from benchmarks.staleness_waste import LONG, LONG_ALPHA, apply_policy, mean_ci, regimes
 
@@ -30,3 +31,12 @@ def test_only_the_new_policy_changes_the_staleness_options() -> None:
         "eager", "capacity", "yield")
     assert new.run.fresh_start and new.run.alpha == 1
     assert {d.name: d.alpha for d in new.domains} == {"reasoning": None, LONG: LONG_ALPHA}
+
+
+def test_new_hold_is_the_new_policy_holding_batches_for_groups() -> None:
+    sims = regimes(quick=True)
+    new = scenario_of(apply_policy(sims["long_horizon"], "new"), 0)
+    hold = scenario_of(apply_policy(sims["long_horizon"], "new_hold"), 0)
+    assert not new.run.hold_batch_for_groups and hold.run.hold_batch_for_groups
+    assert msgspec.structs.replace(hold.run, hold_batch_for_groups=False) == new.run
+    assert hold.domains == new.domains

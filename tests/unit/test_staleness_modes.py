@@ -19,7 +19,8 @@ behaviour, within what ``rollart.config.validate`` accepts for that mode: alpha 
 on-policy modes, 1 for one_off, 1..2 for areal and rollart), a per-domain larger bound (areal
 and rollart), ``on_stale`` restart / drop, ``abort_stale`` (restart, per-turn-check modes),
 ``fresh_start`` (eager, overlap modes), ``admission = "capacity"`` (``has_capacity``),
-``weight_apply``, ``selection``, ``redundancy``, ``max_group_attempts``, ``retry.max_attempts``.
+``weight_apply``, ``selection``, ``redundancy``, ``max_group_attempts``, ``retry.max_attempts``,
+``hold_batch_for_groups`` (rollart).
 
 Checked on top of the base machine's invariants (safety: no sample trained twice or lost,
 whole groups, every token accounted for, rollart's bound on every trained token except under
@@ -70,6 +71,7 @@ def mode_configs(draw: st.DrawFn) -> dict:
         "capacity": draw(st.booleans()),
         "weight_apply": weight_apply,
         "max_group_attempts": draw(st.sampled_from([1, 2, 4, 8])),
+        "hold": mode == "rollart" and draw(st.booleans()),
     }
 
 
@@ -89,8 +91,8 @@ class ModeLiveness(StalenessProtocol):
             return False  # Admission.can_admit
         return StalenessProtocol._start_group(self, long)
 
-    def _take(self) -> bool:
-        if not StalenessProtocol._take(self):
+    def _take(self, release: bool = False) -> bool:
+        if not StalenessProtocol._take(self, release):
             return False
         if self.cfg["weight_apply"] == "at_batch":
             # The pause of this batch applies the trainer's newest weights on every worker.

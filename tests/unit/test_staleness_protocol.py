@@ -28,7 +28,9 @@ trajectory's token versions, built only from what it fed the buffer, and checks:
 ``fresh_start`` (a first token waits for a version of headroom), ``abort_stale`` (running
 trajectories made stale by a bump are aborted and restarted at once) and version-aware admission
 (``capacity``: a group starts only if ``has_capacity`` for the newest serving worker) are drawn
-per example; liveness must hold under each.
+per example, and so is ``hold_for_groups`` (a ready batch is held exactly while an open group
+still collecting has a token the next version would make stale; ``take_batch``'s ``release``
+stands for the controller's hold bound); liveness must hold under each.
 Weights reach two simulated workers by *eager, staggered apply* (``apply_on_worker``: any worker
 may take the trainer's newest version at any time, one at a time, independently of batches), and
 a turn may straddle an apply (its first tokens at the old version, the rest at the new one).
@@ -69,6 +71,7 @@ configs = st.fixed_dictionaries(
         "abort_stale": st.booleans(),
         "capacity": st.booleans(),
         "max_group_attempts": st.sampled_from([None, 1, 2, 4]),
+        "hold": st.booleans(),
     }
 )
 #: the group time limit in the model's time units (``time_passes``); a complete group found
@@ -99,6 +102,9 @@ class StalenessProtocol(RuleBasedStateMachine):
         self.G = cfg["group_size"]
         self.B = cfg["group_size"] * cfg["groups_per_batch"]
         self.k = cfg["redundancy"]
+        # hold_for_groups: only with the per-turn check and the strict bound (SampleBuffer)
+        self.hold = bool(cfg.get("hold")) and cfg["check"] == "per_turn" and cfg.get(
+            "staleness_control", "bound") == "bound"
         self.buf = SampleBuffer(
             alpha=self.alpha,
             batch_size=self.B,
@@ -114,6 +120,7 @@ class StalenessProtocol(RuleBasedStateMachine):
             abort_stale=cfg["abort_stale"],
             max_group_attempts=cfg["max_group_attempts"],
             staleness_control=cfg.get("staleness_control", "bound"),
+            hold_for_groups=self.hold,
         )
         self.cap = (self.alpha + 1) * self.B + self.k * self.buf.max_groups
         self.live: set[str] = set()
@@ -256,12 +263,31 @@ class StalenessProtocol(RuleBasedStateMachine):
             self.failed_or_cancelled.add(tid)
             self._drain()
 
-    def _take(self) -> bool:
+    def _at_risk(self) -> bool:
+        """The model's view of ``holds_batch``: an open group still collecting has a member
+        (running or held) with a token that the next version makes stale."""
+        held = self.completed - self.consumed - set(self.dropped)
+        nxt = self.buf.version + 1
+        for key, *_ in self.buf.open_groups():
+            if self.buf.group_complete(key):
+                continue
+            members = [t for t in (self.live | held) if self.group[t] == key]
+            if any(v < nxt - self.galpha[key] for t in members for v in self.tokens[t]):
+                return True
+        return False
+
+    def _take(self, release: bool = False) -> bool:
+        """Take a batch; ``release``: the controller's hold bound has passed (``hold``)."""
         version = self.buf.version
-        batch = self.buf.take_batch()
+        at_risk = self._at_risk()
+        batch = self.buf.take_batch(hold=not release)
         self._drain()
         if batch is None:
+            if self.buf.holding:
+                assert self.hold and not release and at_risk, "held a batch for no group"
+                event("batch held for a group")
             return False
+        assert not (self.hold and not release and at_risk), "took a batch a group is held for"
         assert len(batch) == self.B
         event(f"batch at version {min(version, 3)}{'+' if version >= 3 else ''}")
         counts = Counter(s.group_key for s in batch)
@@ -348,9 +374,9 @@ class StalenessProtocol(RuleBasedStateMachine):
             self._cancel(c)
 
     @precondition(lambda self: not self.buf.batch_outstanding)
-    @rule()
-    def take_batch(self) -> None:
-        self._take()
+    @rule(release=st.booleans())
+    def take_batch(self, release: bool) -> None:
+        self._take(release)
 
     @precondition(lambda self: self.buf.batch_outstanding)
     @rule()
@@ -369,6 +395,7 @@ class StalenessProtocol(RuleBasedStateMachine):
         self.buf = SampleBuffer.restore(snap, rng=random.Random(self.seed), on_drop=self._on_drop)
         # Not a checkpointed setting: the caller's (the controller sets the scenario's).
         self.buf.max_group_attempts = self.cfg["max_group_attempts"]
+        self.buf.hold_for_groups = self.hold
         self.failed_or_cancelled |= self.live
         self.live.clear()
         self.stuck.clear()
@@ -402,7 +429,8 @@ class StalenessProtocol(RuleBasedStateMachine):
         while self._start_group():
             pass
         self._run_all(skip={slow})
-        if self._take():
+        # Held for the slow member (``hold``) until the controller's hold bound passes.
+        if self._take() or self._take(release=True):
             self.buf.advance_version()
             self._drain()
 
@@ -462,6 +490,9 @@ class StalenessProtocol(RuleBasedStateMachine):
                 pass
             self._run_all(skip=set())
             if self.buf.ready_samples() >= self.B and self._take():
+                return
+            # Stuck members may hold the batch: the controller's hold bound releases it.
+            if self.buf.ready_samples() >= self.B and self._take(release=True):
                 return
             self.time_passes(GROUP_TIMEOUT)
         raise AssertionError(f"no batch after driving all work: {self.buf.stats()}")

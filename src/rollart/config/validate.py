@@ -8,7 +8,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Sequence
 
-from rollart.config.schema import _DEFAULT_APPLY_WAVES, Scenario
+from rollart.config.schema import _DEFAULT_APPLY_WAVES, _DEFAULT_HOLD_BATCH_MAX_S, Scenario
 from rollart.transport.errors import ConfigError
 
 # A name and its negation are close in spelling and opposite in meaning ('async' / 'sync'):
@@ -115,6 +115,13 @@ def validate_scenario(scenario: Scenario, source: str = "<scenario>") -> Scenari
         raise _fail(source, "run.abort_stale", "needs on_stale = 'restart' and a mode with the "
                     f"per-turn staleness check (sync, sync_plus, rollart); got on_stale "
                     f"{run.on_stale!r}, mode {run.mode!r}, where it would do nothing")
+    if run.hold_batch_for_groups and run.mode != "rollart":
+        raise _fail(source, "run.hold_batch_for_groups", f"needs mode 'rollart', got mode "
+                    f"{run.mode!r}: only there does a batch's update make groups still "
+                    "generating stale (one batch in flight, or staleness checked at admission)")
+    if run.hold_batch_max_s != _DEFAULT_HOLD_BATCH_MAX_S and not run.hold_batch_for_groups:
+        raise _fail(source, "run.hold_batch_max_s", f"{run.hold_batch_max_s:g} s is used by "
+                    "run.hold_batch_for_groups = true only")
     if (run.group_timeout_s is not None and run.trajectory_timeout_s is not None
             and run.group_timeout_s < run.trajectory_timeout_s):
         raise _fail(source, "run.group_timeout_s", f"{run.group_timeout_s:g} s is below "

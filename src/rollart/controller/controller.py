@@ -169,6 +169,7 @@ class Controller:
             fresh_start=run.fresh_start,
             abort_stale=run.abort_stale,
             staleness_control=spec.staleness_control,
+            hold_for_groups=run.hold_batch_for_groups,
         )
         self.domains: dict[str, DomainConfig] = {d.name: d for d in scenario.domains}
         if resume is not None:

@@ -113,6 +113,9 @@ class SimScenario:
     domain_mix: str = "weight"
     fresh_start: bool = False
     abort_stale: bool = False
+    #: ``RunConfig.hold_batch_for_groups`` / ``hold_batch_max_s`` (mode ``rollart`` only)
+    hold_batch_for_groups: bool = False
+    hold_batch_max_s: float = 60.0
     admission: str = "greedy"
     generate_timeout_s: float = 1e6
     env_timeout_s: float = 1e6
@@ -209,6 +212,8 @@ def scenario_of(sim: SimScenario, seed: int) -> Scenario:
         weight_apply=sim.weight_apply, apply_waves=sim.apply_waves,  # type: ignore[arg-type]
         domain_mix=sim.domain_mix, fresh_start=sim.fresh_start,  # type: ignore[arg-type]
         abort_stale=sim.abort_stale, admission=sim.admission,  # type: ignore[arg-type]
+        hold_batch_for_groups=sim.hold_batch_for_groups,
+        hold_batch_max_s=sim.hold_batch_max_s,
         retry=RetryConfig(max_attempts=sim.max_attempts),
         adaptive_affinity=sim.adaptive_affinity or AdaptiveAffinityConfig(),
     )

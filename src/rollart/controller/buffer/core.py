@@ -167,6 +167,11 @@ class SampleBuffer:
         staleness_control: ``"bound"`` (alpha bounds every trained sample) or ``"areal"``
             (alpha only enters AReaL's admission capacity; stale samples are kept; module
             docstring).
+        hold_for_groups: ``take_batch`` holds a batch while an open, incomplete group would
+            go stale at the next version (:meth:`holds_batch`), so the trainer waits for it
+            instead of the rollout throwing it away; the caller bounds the wait
+            (``take_batch(hold=False)``). For the per-turn check with ``"bound"`` control.
+            Not in :meth:`snapshot` (it changes no state): :meth:`restore` leaves it off.
 
     Raises:
         ConfigError: any argument out of range, naming it.
@@ -191,6 +196,7 @@ class SampleBuffer:
         fresh_start: bool = False,
         abort_stale: bool = False,
         staleness_control: Literal["bound", "areal"] = "bound",
+        hold_for_groups: bool = False,
     ) -> None:
         for name, val, lo in (
             ("alpha", alpha, 0),
@@ -225,6 +231,14 @@ class SampleBuffer:
         self.abort_stale = bool(abort_stale)
         self.staleness_control = staleness_control
         self._areal = staleness_control == "areal"
+        if hold_for_groups and (check != "per_turn" or staleness_control != "bound"):
+            raise ConfigError(
+                "SampleBuffer: hold_for_groups needs check 'per_turn' and staleness_control "
+                f"'bound' (got {check!r}, {staleness_control!r}): nothing else goes stale "
+                "at a version bump")
+        self.hold_for_groups = bool(hold_for_groups)
+        #: the last ``take_batch`` found a batch but held it (``hold_for_groups``)
+        self.holding = False
         self.max_groups = self.groups_bound(alpha, batch_size, group_size)
         self._version = initial_version
         #: a batch was taken at this version; its update is not applied yet
@@ -635,10 +649,14 @@ class SampleBuffer:
         return None if t is None else self._table.restart(t)
 
     # ------------------------------------------------------------------ trainer side
-    def take_batch(self) -> list[Sample] | None:
+    def take_batch(self, *, hold: bool = True) -> list[Sample] | None:
         """Exactly ``batch_size`` samples of whole complete groups, each re-checked admissible
         at ``version``, chosen by :meth:`assemble_batch` (default: oldest groups first); marks
-        them consumed. ``None`` if not enough (or the policy takes none yet).
+        them consumed. ``None`` if not enough (or the policy takes none yet), or, with
+        ``hold_for_groups`` and ``hold``, while :meth:`holds_batch` (then ``holding`` is true
+        until a later call takes a batch or finds none; what the policy discards is discarded
+        all the same). ``hold=False``: the caller's bound on the wait has passed; the batch
+        goes ahead and the group it waited for goes stale at the next version as without it.
 
         Raises:
             SampleBufferError: a batch is already outstanding for this version, or
@@ -651,12 +669,39 @@ class SampleBuffer:
         self._batch.members.clear()
         self._sweep()
         default_policy = type(self).assemble_batch is SampleBuffer.assemble_batch
-        chosen = self._batch.choose(self.assemble_batch, self._version, default_policy)
+        held: list[bool] = []
+
+        def holding_policy(ready: Sequence[ReadyGroup], need: int) -> BatchPlan:
+            plan = self.assemble_batch(ready, need)
+            if plan.take and self.holds_batch({g.key for g in ready}):
+                held.append(True)
+                return BatchPlan(discard=plan.discard)
+            return plan
+
+        policy = holding_policy if self.hold_for_groups and hold else self.assemble_batch
+        chosen = self._batch.choose(policy, self._version, default_policy)
+        self.holding = bool(held)
         if chosen is None:
             return None
         out = self._batch.consume(chosen, self._version, self._ok)
         self._outstanding = True
         return out
+
+    def holds_batch(self, ready: set[str]) -> bool:
+        """Whether a batch taken now would make an open group that is not among the ``ready``
+        keys stale: one of its trajectories (kept, finished or running) has a token of a
+        version below ``version + 1 - alpha`` (its group's alpha), so once the batch's update
+        is applied it can no longer be trained on and its tokens are wasted. A group with no
+        token yet is never waited for (it loses nothing)."""
+        nxt = self._version + 1
+        for g in self._groups.values():
+            if g.status != "open" or g.key in ready:
+                continue
+            versions = [t.min_version for t in (*g.kept, *g.finished, *g.live())
+                        if t.min_version is not None]
+            if versions and min(versions) < nxt - g.alpha:
+                return True
+        return False
 
     def drop_consumed(self, sample_id: str, reason: str) -> None:
         """A sample of the outstanding batch that cannot be trained on after all (the train

@@ -134,13 +134,31 @@ class StepRunner:
         # step, not a timer per wake-up: get_batch wakes on every trajectory outcome).
         watchdog = (asyncio.create_task(self.watchdog.watch(), name="stall-watchdog")
                     if self.watchdog is not None else None)
+        # run.hold_batch_for_groups: when this step's batch was first held; past
+        # run.hold_batch_max_s it goes ahead (a hung group must not stall training).
+        held_since: float | None = None
         try:
             while True:
                 tasks.raise_if_fatal()
-                batch = self._try_take_batch()
+                release = (held_since is not None
+                           and self.clock() - held_since >= self.run.hold_batch_max_s)
+                batch = self._try_take_batch(hold=not release)
                 tasks.launch_restarts()
                 if batch is not None:
                     return batch
+                if buffer.holding:
+                    # A group the batch would make stale is still generating: wait for it,
+                    # up to the bound (a timer, as nothing may change before it passes).
+                    if held_since is None:
+                        held_since = self.clock()
+                    left = held_since + self.run.hold_batch_max_s - self.clock()
+                    try:
+                        await asyncio.wait_for(tasks.changed.wait(), max(left, 0.0))
+                    except TimeoutError:
+                        log.info("batch at version %d: held %.1f s for a group still "
+                                 "generating (run.hold_batch_max_s); it goes ahead",
+                                 buffer.version, self.run.hold_batch_max_s)
+                    continue
                 if not tasks.num_running and not (buffer.has_room()
                                                   and self.admission.can_admit()):
                     raise ControllerStalledError(
@@ -152,15 +170,17 @@ class StepRunner:
             if watchdog is not None:
                 watchdog.cancel()
 
-    def _try_take_batch(self) -> list[Sample] | None:
+    def _try_take_batch(self, hold: bool = True) -> list[Sample] | None:
         # A batch becomes ready only when a sample is kept or the version advances (held
         # samples only become stale then, and advance_version sweeps them itself), so
         # take_batch, which scans every group, runs once per such change, not per wake-up.
+        # A held batch is not cached: the group it waits for may leave without a sample kept
+        # (dropped, given up), and the hold's bound must reach take_batch.
         at = (self.buffer.version, self.buffer.num_kept)
-        if at == self._no_batch_at:
+        if at == self._no_batch_at and hold:
             return None
-        batch = self.buffer.take_batch()
-        self._no_batch_at = at if batch is None else None
+        batch = self.buffer.take_batch(hold=hold)
+        self._no_batch_at = at if batch is None and not self.buffer.holding else None
         return batch
 
     def _screen(self, batch: list[Sample]) -> list[Sample]:
