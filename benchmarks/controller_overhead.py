@@ -55,6 +55,10 @@ Per N it reports:
   estimate only).
 - ``loop_lag_p99_ms`` (:class:`~rollart.controller.observe.loophealth.LoopLagMonitor`) and garbage
   collection pause seconds per generation / longest pause (``gc.callbacks``).
+- ``load_processes`` / ``loadavg_1min`` (rows and ratios): ``--load N`` starts N pure-Python
+  busy loops (other processes, normal priority) for the whole run, to show that overload
+  slows the controller but loses no reply; the 1-minute load average (``/proc/loadavg``) is
+  read at the end of each size.
 - the floor beside it (``benchmarks.rpc_floor.measure_floor``): a bare uvloop
   ``asyncio.Protocol`` echo of length-prefixed msgspec frames in a child process, the client's
   CPU per call at 256 in flight (``floor_cpu_us_per_rpc``) and at one in flight
@@ -97,11 +101,14 @@ its cores to itself, as far as a small machine allows.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
+import functools
 import gc
 import logging
 import math
+import multiprocessing
 import os
 import random
 import re
@@ -113,7 +120,7 @@ import sys
 import tempfile
 import time
 from argparse import Namespace
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -816,7 +823,41 @@ def _floor(quick: bool) -> dict[str, Any]:
             "floor_rtt_mean_ms": 1e-3 * low["us_per_call"]}
 
 
-def run(quick: bool, seed: int) -> dict:
+def _spin() -> None:
+    while True:
+        pass
+
+
+@contextlib.contextmanager
+def cpu_load(n: int) -> Iterator[list[multiprocessing.Process]]:
+    """``n`` busy processes (a pure-Python spin loop each, normal priority) while the block
+    runs; they are stopped on every way out of it (an exception, ``KeyboardInterrupt``)."""
+    procs = [multiprocessing.get_context("fork").Process(target=_spin, daemon=True,
+                                                         name=f"cpu-load-{i}")
+             for i in range(n)]
+    try:
+        for p in procs:
+            p.start()
+        yield procs
+    finally:
+        for p in procs:
+            if p.pid is not None and p.is_alive():
+                p.terminate()
+        for p in procs:
+            if p.pid is not None:
+                p.join(10)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+
+
+def run(quick: bool, seed: int, load: int = 0) -> dict:
+    """The benchmark's result; ``load``: busy processes competing for the cores meanwhile."""
+    with cpu_load(load):
+        return _run(quick, seed, load)
+
+
+def _run(quick: bool, seed: int, load: int) -> dict:
     started = time.perf_counter()
     gc_policy = os.environ.get("CONTROLLER_OVERHEAD_GC", "tuned")
     if gc_policy not in ("tuned", "default") and not re.fullmatch(r"\d+,\d+,\d+", gc_policy):
@@ -837,12 +878,14 @@ def run(quick: bool, seed: int) -> dict:
             continue
         # Fresh backend processes per size: the worker keeps the weight version a run reached.
         row = _one_size(size, seed, gc_policy)
+        row["load_processes"], row["loadavg_1min"] = load, os.getloadavg()[0]
         rows.append(row)
         if row["rss_bytes_per_token"] > 0:
             per_token = max(per_token / 4, row["rss_bytes_per_token"])
         # The worker's RSS includes its start-up (~0.1 GiB), so small sizes overstate it.
         worker_per_token = max(worker_per_token / 4, row["worker_rss_bytes_per_token"])
     ratios, ci95 = ratios_of(rows, floor)
+    ratios["load_processes"], ratios["loadavg_1min"] = load, os.getloadavg()[0]
     return result(NAME, simulated=False, rows=rows, ratios=ratios, ci95=ci95, quick=quick,
                   seed=seed, started=started, notes=f"measured; gc policy {gc_policy}; backends "
                   "are SIMULATED processes (zero-latency worker, env lognormal mean 10 s; the "
@@ -883,5 +926,16 @@ def ratios_of(rows: list[dict[str, Any]], floor: dict[str, float]
     return ratios, ci95
 
 
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--load", type=int, default=0, metavar="N",
+                        help="N busy processes competing for the cores during the run")
+    known, _ = parser.parse_known_args(argv)
+    if known.load < 0:
+        raise SystemExit(f"--load must be >= 0, got {known.load}")
+    return main_for(NAME, __doc__ or "", functools.partial(run, load=known.load), argv,
+                    parents=[parser])
+
+
 if __name__ == "__main__":
-    main_for(NAME, __doc__ or "", run)
+    main()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import multiprocessing
 import os
 from pathlib import Path
 
@@ -196,3 +197,30 @@ def test_controller_side_records_pair_replies_with_the_next_request() -> None:
     assert ("t1/t1", -1, 5.002, 5.2) in gen.calls and len(gen.calls) == 2
     after_env, after_gen, _ = co._gaps(gen, env, {"s1": "t1"}, (0.0, 10.0), {})
     assert after_env == pytest.approx([2.0]) and after_gen == pytest.approx([200.0])
+
+
+def test_under_two_busy_processes_no_reply_is_lost_and_every_figure_reported(
+        monkeypatch) -> None:
+    # Overload slows the controller but must not stop it: both cores stay busy with other
+    # processes for the whole run, at the smallest size; no timing is asserted.
+    monkeypatch.setattr(co, "QUICK", (co.Size(64, 1024, 2, 25.0, 5.0),))
+    monkeypatch.setattr(co, "_floor", lambda quick: {"floor_cpu_us_per_rpc": 10.0,
+                                                      "floor_cpu_us_per_rpc_ci95": 1.5})
+    res = co.main(["--quick", "--load", "2"])
+    (row,) = res["rows"]
+    assert row["lost_replies"] == 0 and row["failed"] == {}
+    assert row["turns"] > 0 and row["added_latency_samples"] > 0
+    assert row["load_processes"] == 2 == res["ratios"]["load_processes"]
+    assert row["loadavg_1min"] > 0 and res["ratios"]["loadavg_1min"] > 0
+    for key in ("lost_replies at 64", "cpu_us_per_turn at 64", "added_latency_p99_ms at 64",
+                "loop_lag_p99_ms at 64", "turns_per_s at 64", "loop_sleeps_per_turn at 64"):
+        assert not math.isnan(res["ratios"][key])
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("cpu-load")]
+
+
+def test_the_load_processes_stop_when_the_run_raises() -> None:
+    with pytest.raises(RuntimeError), co.cpu_load(2) as procs:
+        assert all(p.is_alive() for p in procs)
+        raise RuntimeError("the run failed")
+    assert not any(p.is_alive() for p in procs)
+    assert all(p.exitcode is not None for p in procs)

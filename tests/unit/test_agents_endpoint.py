@@ -24,7 +24,14 @@ from rollart.controller.agents.capture import Conversation
 from rollart.controller.agents.params import parse_request
 from rollart.controller.agents.session import AgentSession, ApiError
 from rollart.controller.rollout.tokens import ChatTokens
-from rollart.controller.rollout.trajectory import Activity, TrajectoryContext, TrajectoryStale
+from rollart.controller.rollout.trajectory import (
+    Activity,
+    TrajectoryContext,
+    TrajectoryFailed,
+    TrajectoryStale,
+)
+from rollart.controller.routing.proxy import PoolExhaustedError
+from rollart.transport.errors import RemoteTimeoutError
 from rollart.transport.messages import ToolCall
 
 CALC = {"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}
@@ -344,6 +351,67 @@ async def test_a_stale_trajectory_is_restarted_and_the_agent_told() -> None:
     assert isinstance(session.ended.result(), TrajectoryStale)
     with pytest.raises(ApiError, match="ended"):
         await session.complete(req)
+
+
+class FakeContinueBuffer:
+    """A buffer whose staleness check lets every turn go on."""
+
+    def begin_turn(self, traj_id, version):
+        return "continue"
+
+
+async def test_a_generate_timeout_fails_the_trajectory_with_the_timeout_as_its_cause() -> None:
+    # The run loop judges overload by the cause's ``overload`` mark: without the chained cause an
+    # agent's generate timeouts would always count toward max_failures_in_a_row.
+    timeout = RemoteTimeoutError("no worker answered")
+    timeout.overload = True  # type: ignore[attr-defined]
+
+    class TimingOutProxy:
+        version = 1
+
+        async def generate(self, *args, **kwargs):
+            raise timeout
+
+    scenario = make_scenario()
+    domain = next(d for d in scenario.domains if d.name == "math")
+    ctx = TrajectoryContext(run=scenario.run, proxy=TimingOutProxy(), envs=None, rewards=None,
+                            chat={"math": ChatTokens(TOK)}, buffer=FakeContinueBuffer(),
+                            clock=lambda: 0.0, wait_for_weights=None)
+    session = AgentSession(ctx, "g0/0", domain, Conversation(ChatTokens(TOK)),
+                           Activity("g0", "x", 0.0), "hermes")
+    req = parse_request({"messages": [{"role": "user", "content": "hi"}]}, 1.0)
+    with pytest.raises(ApiError) as err:
+        await session.complete(req)
+    assert (err.value.status, err.value.code) == (502, "generation_failed")
+    failed = session.ended.result()
+    assert isinstance(failed, TrajectoryFailed)
+    assert failed.reason == "generation_timeout"
+    assert failed.__cause__ is timeout
+
+
+async def test_a_fatal_generate_error_ends_the_session_with_it_so_the_run_stops() -> None:
+    # The runner raises a non-Finished ending out of the trajectory, where it is fatal; a fatal
+    # error swallowed into one HTTP 500 would leave the run spinning on a dead pool.
+    fatal = PoolExhaustedError("every worker of pool 'gpu' is dead")
+
+    class DeadPoolProxy:
+        version = 1
+
+        async def generate(self, *args, **kwargs):
+            raise fatal
+
+    scenario = make_scenario()
+    domain = next(d for d in scenario.domains if d.name == "math")
+    ctx = TrajectoryContext(run=scenario.run, proxy=DeadPoolProxy(), envs=None, rewards=None,
+                            chat={"math": ChatTokens(TOK)}, buffer=FakeContinueBuffer(),
+                            clock=lambda: 0.0, wait_for_weights=None)
+    session = AgentSession(ctx, "g0/0", domain, Conversation(ChatTokens(TOK)),
+                           Activity("g0", "x", 0.0), "hermes")
+    req = parse_request({"messages": [{"role": "user", "content": "hi"}]}, 1.0)
+    with pytest.raises(ApiError) as err:
+        await session.complete(req)
+    assert (err.value.status, err.value.code) == (503, "run_stopped")
+    assert session.ended.result() is fatal
 
 
 def test_the_readme_shows_the_example_agent() -> None:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import Callable
 from typing import Any
 
 from rollart.config import DomainConfig
@@ -224,9 +223,15 @@ class AgentSession:
                         req: ChatRequest) -> m.GenerateResult:
         ctx, tid, n0 = self.ctx, self.traj_id, self.conv.num_generated
         self._calls += 1
-        fail: Callable[[str, BaseException], ApiError] = lambda reason, exc: self._fail(  # noqa: E731
-            TrajectoryFailed(reason, str(exc), n0),
-            ApiError(502, "generation_failed", f"{reason}: {exc}", kind="server_error"))
+
+        def fail(reason: str, exc: BaseException) -> ApiError:
+            failed = TrajectoryFailed(reason, str(exc), n0)
+            # The run loop reads the cause: a generate timeout under overload
+            # (``exc.overload``) is not a failure in a row.
+            failed.__cause__ = exc
+            return self._fail(failed, ApiError(502, "generation_failed", f"{reason}: {exc}",
+                                               kind="server_error"))
+
         try:
             return await ctx.proxy.generate(
                 # Unique per call: a call sent again after a disconnect must not collide with
@@ -241,4 +246,11 @@ class AgentSession:
             raise fail(INVALID_OUTPUT_REASON, exc) from exc
         except RemoteError as exc:
             raise fail("generation_error", exc) from exc
+        except Exception as exc:
+            # Fatal (PoolExhaustedError, ControllerStalledError, ...): ending the session with it
+            # makes the runner raise it, so it stops the run as it does from a gym trajectory
+            # instead of becoming one failed HTTP call.
+            raise self._fail(exc, ApiError(
+                503, "run_stopped", f"the run stopped: {type(exc).__name__}: {exc}",
+                kind="server_error")) from exc
 
