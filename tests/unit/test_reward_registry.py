@@ -161,6 +161,7 @@ def test_module_path_with_name_is_rejected(user_module: str) -> None:
 def test_build_registry_has_builtins_and_named_user_functions(user_module: str) -> None:
     registry = build_registry([f"mine={user_module}:length", user_module])
     assert registry.names() == sorted(
-        ["boxed_format", "env_return", "exact_match", "math", "reasoning_gym", "mine", "fake_len", "fake_async"]
+        ["boxed_format", "env_return", "env_success", "exact_match", "math", "reasoning_gym",
+         "mine", "fake_len", "fake_async"]
     )
     assert registry.get("mine").fn is registry.get("fake_len").fn

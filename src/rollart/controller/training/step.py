@@ -179,7 +179,8 @@ class StepRunner:
         at = (self.buffer.version, self.buffer.num_kept)
         if at == self._no_batch_at and hold:
             return None
-        batch = self.buffer.take_batch(hold=hold)
+        # take_batch() when holding: a buffer policy overriding it without `hold` still works
+        batch = self.buffer.take_batch() if hold else self.buffer.take_batch(hold=False)
         self._no_batch_at = at if batch is None and not self.buffer.holding else None
         return batch
 
