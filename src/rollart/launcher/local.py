@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from rollart.config import Scenario, in_file, load_scenario
+from rollart.launcher.modelbuild import prepare_model
 from rollart.launcher.placement import parse_cluster
 from rollart.launcher.procs import ProcessFailedError
 from rollart.launcher.startup import (
@@ -255,9 +256,11 @@ async def open_cluster(scenario: str | Path | Scenario, *, run_dir: str | Path |
     started = time.time() if started is None else started
     run_dir = Path(run_dir) if run_dir else Path("runs") / f"driver-{time.strftime('%Y%m%d-%H%M%S')}"
     point = rundir.resume_point(run_dir) if resume else None
-    model_dir = _model(plan, cache_dir, resume=resume)
     # A driver script that gives no on_note still hears about the minute or two of start-up.
     note = on_note or (lambda text: print(f"rollart: {text}", file=sys.stderr, flush=True))
+    model_dir = await prepare_model(
+        plan.scenario, plan.source, Path(cache_dir) if cache_dir else default_cache_dir(),
+        resume=resume, note=note)
     live = open_run_folder(plan, run_dir, point, final_step=steps or plan.scenario.run.steps,
                            started=started, note=note, insecure=insecure, key_file=key_file)
     failed: list[ProcessFailedError] = []
@@ -333,17 +336,3 @@ async def _preflight(scenario: str | Path | Scenario, *, source: str | None,
     except ConfigError as exc:
         raise in_file(source, exc) from None
     return Plan(scenario, source, rewards_, envs_, ray_address)
-
-
-def _model(plan: Plan, cache_dir: str | Path | None, *, resume: bool) -> Path:
-    """Phase 2: the policy checkpoint the services load (:func:`resolve_model`: a local
-    checkpoint, or the tiny model, built and cached under ``cache_dir`` if missing).
-
-    Raises:
-        ConfigError: about ``model.*``, naming the scenario file.
-    """
-    try:
-        return resolve_model(plan.scenario,
-                             Path(cache_dir) if cache_dir else default_cache_dir(), resume=resume)
-    except ConfigError as exc:
-        raise in_file(plan.source, exc) from None

@@ -1,0 +1,115 @@
+"""The policy checkpoint of a run, prepared off the event loop.
+
+Building the embedded tiny model (``model.path = "tiny"``) runs its supervised warm-up the
+first time (minutes on a CPU; cached after). Run on the event loop, it would leave the loop deaf
+to SIGTERM / Ctrl-C and the user without a line of progress for that long. So it runs in a child
+process (``python -m rollart.launcher.modelbuild``, the scenario on its stdin as JSON: a fresh
+interpreter, so a driver script needs no ``__main__`` guard) that the caller awaits: a cancelled
+wait (a signal, the end of a driver script) terminates the child, and a progress note is given
+every ``note_every_s`` seconds. A local checkpoint directory is only checked for its
+``config.json``, on the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import msgspec
+
+from rollart.config import Scenario, in_file
+from rollart.transport.errors import ConfigError
+
+#: seconds between two "still preparing" notes
+NOTE_EVERY_S = 30.0
+
+
+class _Job(msgspec.Struct, frozen=True):
+    scenario: Scenario
+    source: str
+    cache_dir: str
+    resume: bool
+    result: str
+
+
+class _Result(msgspec.Struct, frozen=True):
+    kind: str  # "ok" (value: the path), "error" (a ConfigError's message), "crash" (traceback)
+    value: str
+
+
+def main() -> int:
+    """Child process: read a `_Job` from stdin, resolve the model, write a `_Result`."""
+    from rollart.launcher.local import resolve_model
+
+    job = msgspec.json.decode(sys.stdin.buffer.read(), type=_Job)
+    try:
+        out = _Result("ok", str(resolve_model(job.scenario, Path(job.cache_dir),
+                                              resume=job.resume)))
+    except ConfigError as exc:
+        out = _Result("error", str(in_file(job.source, exc)))
+    except Exception:  # noqa: BLE001 - reported to the parent, which raises it
+        out = _Result("crash", traceback.format_exc())
+    Path(job.result).write_bytes(msgspec.json.encode(out))
+    return 0
+
+
+async def prepare_model(scenario: Scenario, source: str, cache_dir: Path, *, resume: bool,
+                        note: Callable[[str], None],
+                        note_every_s: float = NOTE_EVERY_S) -> Path:
+    """The checkpoint directory the services load (`rollart.launcher.local.resolve_model`),
+    the tiny model built in a child process.
+
+    Raises:
+        ConfigError: about ``model.*`` (naming ``source``), or the child ended without a result.
+        RuntimeError: the build raised something else (its traceback in the message).
+        asyncio.CancelledError: the wait was cancelled; the child is terminated first.
+    """
+    from rollart.launcher.local import resolve_model
+
+    if scenario.model.path != "tiny":
+        try:
+            return resolve_model(scenario, cache_dir, resume=resume)
+        except ConfigError as exc:
+            raise in_file(source, exc) from None
+    with tempfile.TemporaryDirectory(prefix="rollart-model-") as tmp:
+        result = Path(tmp) / "result.json"
+        job = _Job(scenario, source, str(cache_dir), resume, str(result))
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "rollart.launcher.modelbuild", stdin=asyncio.subprocess.PIPE)
+        t0 = time.monotonic()
+        note(f"preparing the tiny model under {cache_dir} (a first run warms it up: minutes; "
+             "cached after)")
+        try:
+            assert proc.stdin is not None
+            proc.stdin.write(msgspec.json.encode(job))
+            await proc.stdin.drain()
+            proc.stdin.close()
+            ended = asyncio.ensure_future(proc.wait())
+            while True:
+                done, _ = await asyncio.wait({ended}, timeout=note_every_s)
+                if done:
+                    break
+                note(f"still preparing the tiny model ({time.monotonic() - t0:.0f} s)")
+        except BaseException:
+            if proc.returncode is None:
+                proc.terminate()
+                await asyncio.shield(proc.wait())
+            raise
+        if not result.exists():
+            raise ConfigError(f"{source}: model: the process preparing the tiny model ended "
+                              f"without a result (exit code {proc.returncode})")
+        out = msgspec.json.decode(result.read_bytes(), type=_Result)
+    if out.kind == "ok":
+        return Path(out.value)
+    if out.kind == "error":
+        raise ConfigError(out.value)
+    raise RuntimeError(f"preparing the tiny model failed:\n{out.value}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

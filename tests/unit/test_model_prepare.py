@@ -1,0 +1,56 @@
+"""The run's model is prepared off the event loop: a signal can stop a long warm-up."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+
+import pytest
+
+from rollart.config import parse_scenario
+from rollart.launcher.local import resolve_model
+from rollart.launcher.modelbuild import prepare_model
+from rollart.transport.errors import ConfigError
+
+GUESS = ('[[pools]]\nname = "p"\n[[domains]]\nname = "g"\nenv = "game:GuessTheNumber-v0-easy"\n'
+         'pool = "p"\nreward = "env_success"\n[[env_hosts]]\nname = "e"\n')
+
+
+def _builders() -> list[str]:
+    out = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True)
+    return [line for line in out.stdout.splitlines() if "rollart.launcher.modelbuild" in line]
+
+
+async def test_the_tiny_model_is_built_in_a_child_and_is_the_one_resolve_model_gives(tmp_path):
+    sc = parse_scenario(GUESS + "[model]\ntiny_warmup = false\n", "s.toml")
+    notes: list[str] = []
+    got = await prepare_model(sc, "s.toml", tmp_path, resume=False, note=notes.append)
+    assert got == resolve_model(sc, tmp_path) and (got / "config.json").exists()
+    assert notes and "preparing the tiny model" in notes[0] and not _builders()
+
+
+async def test_cancelling_the_wait_stops_a_long_warm_up(tmp_path):
+    # 100000 demonstration games take minutes to play before any training starts
+    sc = parse_scenario(GUESS + "[model]\ntiny_warmup_episodes = 100000\n", "s.toml")
+    first_note = asyncio.Event()
+    notes: list[str] = []
+
+    def note(text: str) -> None:
+        notes.append(text)
+        first_note.set()
+
+    task = asyncio.create_task(prepare_model(sc, "s.toml", tmp_path, resume=False, note=note,
+                                             note_every_s=0.5))
+    await first_note.wait()
+    assert _builders()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert not _builders()
+    assert not any(tmp_path.glob("tiny-*/config.json"))
+
+
+async def test_a_local_path_without_a_checkpoint_is_refused_naming_the_file(tmp_path):
+    sc = parse_scenario(GUESS + f'[model]\npath = "{tmp_path}"\n', "s.toml")
+    with pytest.raises(ConfigError, match=r"^s\.toml: model\.path: .*no config\.json"):
+        await prepare_model(sc, "s.toml", tmp_path, resume=False, note=print)
