@@ -360,25 +360,31 @@ class FakeContinueBuffer:
         return "continue"
 
 
+def _session_whose_generate_raises(exc: BaseException) -> AgentSession:
+    """An agent session (domain "math") whose proxy raises ``exc`` on every generate call."""
+
+    class RaisingProxy:
+        version = 1
+
+        async def generate(self, *args, **kwargs):
+            raise exc
+
+    scenario = make_scenario()
+    domain = next(d for d in scenario.domains if d.name == "math")
+    ctx = TrajectoryContext(run=scenario.run, proxy=RaisingProxy(), envs=None, rewards=None,
+                            chat={"math": ChatTokens(TOK)}, buffer=FakeContinueBuffer(),
+                            clock=lambda: 0.0, wait_for_weights=None)
+    return AgentSession(ctx, "g0/0", domain, Conversation(ChatTokens(TOK)),
+                        Activity("g0", "x", 0.0), "hermes")
+
+
 async def test_a_generate_timeout_fails_the_trajectory_with_the_timeout_as_its_cause() -> None:
     # The run loop judges overload by the cause's ``overload`` mark: without the chained cause an
     # agent's generate timeouts would always count toward max_failures_in_a_row.
     timeout = RemoteTimeoutError("no worker answered")
     timeout.overload = True  # type: ignore[attr-defined]
 
-    class TimingOutProxy:
-        version = 1
-
-        async def generate(self, *args, **kwargs):
-            raise timeout
-
-    scenario = make_scenario()
-    domain = next(d for d in scenario.domains if d.name == "math")
-    ctx = TrajectoryContext(run=scenario.run, proxy=TimingOutProxy(), envs=None, rewards=None,
-                            chat={"math": ChatTokens(TOK)}, buffer=FakeContinueBuffer(),
-                            clock=lambda: 0.0, wait_for_weights=None)
-    session = AgentSession(ctx, "g0/0", domain, Conversation(ChatTokens(TOK)),
-                           Activity("g0", "x", 0.0), "hermes")
+    session = _session_whose_generate_raises(timeout)
     req = parse_request({"messages": [{"role": "user", "content": "hi"}]}, 1.0)
     with pytest.raises(ApiError) as err:
         await session.complete(req)
@@ -394,19 +400,7 @@ async def test_a_fatal_generate_error_ends_the_session_with_it_so_the_run_stops(
     # error swallowed into one HTTP 500 would leave the run spinning on a dead pool.
     fatal = PoolExhaustedError("every worker of pool 'gpu' is dead")
 
-    class DeadPoolProxy:
-        version = 1
-
-        async def generate(self, *args, **kwargs):
-            raise fatal
-
-    scenario = make_scenario()
-    domain = next(d for d in scenario.domains if d.name == "math")
-    ctx = TrajectoryContext(run=scenario.run, proxy=DeadPoolProxy(), envs=None, rewards=None,
-                            chat={"math": ChatTokens(TOK)}, buffer=FakeContinueBuffer(),
-                            clock=lambda: 0.0, wait_for_weights=None)
-    session = AgentSession(ctx, "g0/0", domain, Conversation(ChatTokens(TOK)),
-                           Activity("g0", "x", 0.0), "hermes")
+    session = _session_whose_generate_raises(fatal)
     req = parse_request({"messages": [{"role": "user", "content": "hi"}]}, 1.0)
     with pytest.raises(ApiError) as err:
         await session.complete(req)
