@@ -11,6 +11,14 @@ size. Ratios are step-time ratios on the same seed; the best mixed split is the 
 lowest mean step time over seeds (a max over splits, so slightly optimistic), compared with the
 homogeneous layouts. Paper Fig. 11a: affinity 1.30-1.68x vs H20-only, 1.12-1.37x vs H800-only.
 
+Every layout's row reports its regime (``benchmarks.modes.regime_of``, over the steps after the
+first): ``rollout_share`` (a batch's rollout seconds / step seconds; rollart overlaps rollout
+with training, so it can exceed 1), ``trainer_idle_share`` (high: rollout-bound, low:
+trainer-bound), ``util_<pool>`` (engine busy seconds / (run seconds x engines) per pool),
+``prefix_hit_share`` (prompt tokens served from the prefix cache), ``stale_waste_share``
+(generated tokens discarded as stale) and ``trained_tokens`` per step. Sync+'s rollout share (the paper's "rollout share") is not run
+here: ``modes`` and the ``staleness`` alpha 0 row report it for the paper's cluster.
+
 Real nodes: ``--scenario FILE`` (``benchmarks.on_scenario``) sweeps pool layouts of that
 scenario instead (rollart mode, its own alpha and domains). The scenario has exactly two pools
 of local workers (a pool given by worker addresses has a fixed size: refused); each pool costs
@@ -30,7 +38,8 @@ running every layout of the sweep above, at load x1, x2 and x8 (trajectories per
 benchmark's batch, same pools) and under a drifting task mix (the agentic domain's share of new
 groups 30% -> 70% a third of the way in, load x2). Ratios ``adaptive vs best static at load
 xK`` / ``under drift`` (best static's step time over adaptive's, per seed) and ``adaptive vs
-static <paper layout>`` (the same layout without it); rows count spilled trajectories and moves.
+static <paper layout>`` (the same layout without it); rows count spilled trajectories and moves
+and report each run's regime as above.
 """
 
 from __future__ import annotations
@@ -47,6 +56,7 @@ from typing import Any
 import msgspec
 
 from benchmarks.common import main_for, mean_rows, result, seeds_for, small, summarize
+from benchmarks.modes import regime_of
 from benchmarks.on_scenario import mean_after_first, scenario_main, steps_for, train
 from benchmarks.workloads import agentic, reasoning
 from rollart.sim.harness import SimDomain, SimPool, SimScenario, run_simulated
@@ -62,6 +72,8 @@ REDUCED_SPLITS = (8, 6, 4, 2)
 def scenario(h800: int, h20: int, quick: bool) -> SimScenario:
     pools = tuple(SimPool(hw, hw, n, max_batch=128) for hw, n in (("h800", h800), ("h20", h20))
                   if n)
+    # 1 s env steps: ASSUMED, a lighter env than ``workloads.agentic``'s default (see the
+    # scale references beside ``workloads.AGENTIC_STEP_LATENCY_S``).
     pre, dec = agentic(latency_mean_s=1.0, latency_std_s=1.0), reasoning()
     if h800 and h20:
         domains = (SimDomain(pre, "h800"), SimDomain(dec, "h20"))
@@ -89,17 +101,15 @@ def run(quick: bool, seed: int) -> dict:
     rows, times = [], {}
     for layout, (h800, h20) in layouts(quick).items():
         for sd in seeds:
-            res = run_simulated(scenario(h800, h20, quick), sd)
+            sim = scenario(h800, h20, quick)
+            res = run_simulated(sim, sd)
             times.setdefault(layout, []).append(res.step_time_s)
             busy = [w["busy_s"] / res.total_time_s for w in res.workers.values()]
-            prefill = sum(w["prefill_tokens"] for w in res.workers.values())
-            hits = sum(w["prefix_hit_tokens"] for w in res.workers.values())
             rows.append({"layout": layout, "h800": h800, "h20": h20,
                          "cost_h800_units": h800 + h20 / 3, "step_time_s": res.step_time_s,
                          "rollout_time_s": statistics.fmean(s["rollout_time_s"]
                                                             for s in res.steps[1:]),
-                         "mean_engine_busy": statistics.fmean(busy),
-                         "prefix_hit_share": hits / (hits + prefill) if hits + prefill else 0.0})
+                         "mean_engine_busy": statistics.fmean(busy), **regime_of(sim, res)})
     best, samples = _best_mixed(times, ("h20_only", "h800_only"))
     ratios, ci = summarize(samples)
     return result(NAME, simulated=True, rows=mean_rows(rows, ("layout",)), ratios=ratios,
@@ -160,7 +170,8 @@ def run_adaptive(quick: bool, seed: int) -> dict:
                     else f"adaptive on {paper}", "step_time_s": res.step_time_s,
                     "spilled": sum(sum(st.get("num_spilled_by_domain", {}).values())
                                    for st in res.steps),
-                    "moves": sum(len(st.get("affinity_moves", [])) for st in res.steps)})
+                    "moves": sum(len(st.get("affinity_moves", [])) for st in res.steps),
+                    **regime_of(sc, res)})
         static = [k for k in times if k != "adaptive"]
         best = min(static, key=lambda k: statistics.fmean(times[k]))
         name = f"adaptive vs best static at {case}" if not drift else \

@@ -540,7 +540,11 @@ async def _drive_measured(split: ControllerSide | None, size: Size, args: Namesp
                       max_turns=size.turns, max_tokens_per_turn=64,
                       max_tokens_per_trajectory=size.context_tokens + EXTRA_TOKENS,
                       generate_timeout_s=GENERATE_TIMEOUT_S,
-                      env_timeout_s=args.env_max_s + 30.0, env_hosts=1)
+                      env_timeout_s=args.env_max_s + 30.0, env_hosts=1,
+                      # the previous default staleness policy, spelled out: the size measured
+                      # is the greedy in-flight bound (alpha + 1) x batch, kept full
+                      weight_apply="at_batch", fresh_start=False, admission="greedy",
+                      domain_mix="weight", hold_batch_for_groups=False)
     calls = Calls()
     client = InferenceClient(worker_addr, auth=auth, name="w0", liveness_timeout_s=120.0)
     env = EnvClient(env_addr, auth=auth, name="env", liveness_timeout_s=120.0)

@@ -44,7 +44,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-BENCHMARKS = ("env_tail", "modes", "ablations", "affinity", "redundancy", "staleness", "staleness_waste",
+BENCHMARKS = ("env_tail", "modes", "ablations", "affinity", "plan", "redundancy", "staleness", "staleness_waste",
               "weight_sync", "pd", "controller_overhead", "rpc_floor", "real_engine",
               "weight_transfer", "token_path", "rpc_overhead")
 _CPU_SCENARIO = ["--scenario", "scenarios/cpu-two-pools.toml", "--steps", "2"]

@@ -55,6 +55,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import gc
 import json
 import os
@@ -201,6 +202,12 @@ def _stand_ins(hold: asyncio.Event | None) -> tuple[Any, Any, Any, list[int], An
     return Worker(), Env(), Trainer(), counts, table
 
 
+#: ``SimScenario`` fields of the previous default staleness policy (greedy admission, weights
+#: applied at the pause, no fresh start, no hold)
+LAZY_POLICY = {"weight_apply": "at_batch", "fresh_start": False, "admission": "greedy",
+               "domain_mix": "weight", "hold_batch_for_groups": False}
+
+
 def _controller(batch: int, alpha: int, steps: int, seed: int, hold: asyncio.Event | None
                 ) -> tuple[Any, list[int]]:
     from rollart.sim.env import SimReward
@@ -208,11 +215,15 @@ def _controller(batch: int, alpha: int, steps: int, seed: int, hold: asyncio.Eve
     from rollart.sim.workload import SimTokenizer, counter_rng
 
     worker, env, trainer, counts, table = _stand_ins(hold)
+    # The previous default staleness policy, spelled out where the tree has the field: what
+    # is measured runs the greedy (alpha + 1) x batch in flight, the same in both trees.
+    known = {f.name for f in dataclasses.fields(SimScenario)}
+    lazy = {k: v for k, v in LAZY_POLICY.items() if k in known}
     sim = SimScenario(pools=(SimPool("sim", "h800", 1),),
                       domains=(SimDomain(table.domains[0], "sim"),), mode="rollart",
                       alpha=alpha, steps=steps, batch_size=batch, group_size=8,
                       max_turns=TURNS, max_tokens_per_turn=64,
-                      max_tokens_per_trajectory=CONTEXT + 4096, env_hosts=1)
+                      max_tokens_per_trajectory=CONTEXT + 4096, env_hosts=1, **lazy)
     scenario = scenario_of(sim, seed)
     reward, tokenizer = SimReward(rng=counter_rng), SimTokenizer(table)
     try:

@@ -20,6 +20,7 @@ scale accordingly.
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 from rollart.sim.harness import SimDomain, SimPool, SimScenario
 from rollart.sim.workload import Dist, DomainSpec, const
@@ -28,23 +29,75 @@ from rollart.sim.workload import Dist, DomainSpec, const
 TP = {"qwen3-8b": 1, "qwen3-14b": 2, "qwen3-32b": 4, "qwen3-30b-a3b": 2}
 
 
-def reasoning(name: str = "reasoning", mean_len: float = 4000, std_len: float = 3000
-              ) -> DomainSpec:
-    """Decode-heavy: 512-token prompt, lognormal response, single turn."""
-    return DomainSpec(name, prompt_tokens=const(512),
+# Where each number of the two domains comes from. A number with no public source says so;
+# none is fitted to the RollArt paper's end-to-end results.
+#
+# reasoning (thinking mode, one turn):
+#: prompt: ASSUMED, no public source found for the paper's math / code prompts (a competition
+#: problem plus the chat template is a few hundred tokens).
+REASONING_PROMPT_TOKENS = 512
+#: mean response in thinking mode: Qwen3 chains of thought on GPQA Diamond average ~4,639
+#: tokens for Qwen3-14B and 14,566 for Qwen3-0.6B (Khalafyan, "Better Thinking or a Bigger
+#: Model? Thinking-Answering Shuffles with Qwen3 on GPQA", MPCS journal,
+#: https://mpcs.sci.am/index.php/mpcs/article/view/903, abstract; smaller thinkers run
+#: longer). 4,000 sits at the 14B figure, below it for the harder 32B tasks of the paper;
+#: the paper's §3 decode-heavy example uses 8k (``rollart.sim.calibration.DECODE_HEAVY``).
+REASONING_MEAN_TOKENS = 4000
+#: std of the response length: ASSUMED, no public source found for Qwen3's length spread
+#: (the lognormal's long right tail stands in for it).
+REASONING_STD_TOKENS = 3000
+#
+# agentic (non-thinking actions, many turns):
+#: first prompt (system prompt, tool schemas, task): ASSUMED, no public per-turn token counts
+#: found for the paper's agentic tasks. Published SWE-bench trajectory studies report totals
+#: only (Bai et al., "How Do AI Agents Spend Your Money?", arXiv 2604.22750: agentic coding is
+#: input-token dominated, ~1000x a chat's tokens).
+AGENTIC_PROMPT_TOKENS = 6000
+#: each later observation (tool output): ASSUMED, no public source found (as above).
+AGENTIC_OBS_TOKENS = 1500
+#: action (response) length, mean / std: ASSUMED, no public source found (a tool call with a
+#: short rationale, thinking off).
+AGENTIC_RESPONSE_MEAN, AGENTIC_RESPONSE_STD = 200, 150
+#: turns per episode: ASSUMED (a short-horizon task). For scale, SWE-agent trajectories on
+#: SWE-Bench Pro have a median of 29-78 steps per task depending on the model (nilenso,
+#: "SWE-Bench Pro trajectory analysis", https://nilenso.github.io/
+#: swe-bench-pro-cost-token-time-analysis/reference.html, §1 "Trajectory Metadata"); the
+#: simulated domain is an eight-turn task, not SWE-bench.
+AGENTIC_TURNS = 8
+#: env step latency, mean / std seconds: ASSUMED (an action that runs code or tests). For
+#: scale, a scripted SWE-agent-style 50-action trajectory took 12.9 s (Daytona sandboxes),
+#: 20.1 s (Kubernetes), 30.5 s (EC2) and 161.5 s (ECS/Fargate) end to end, i.e. 0.26-3.2 s per
+#: action including provisioning (Daytona, "The hidden infrastructure tax in coding-agent RL",
+#: https://www.daytona.io/dotfiles/the-hidden-infrastructure-tax-in-coding-agent-rl, TL;DR);
+#: real test runs take longer than those scripted commands.
+AGENTIC_STEP_LATENCY_S = 3.0
+#: env reset latency seconds: ASSUMED, a warm sandbox (no public measurement found that
+#: matches a pooled RL env).
+AGENTIC_RESET_LATENCY_S = 0.5
+
+
+def reasoning(name: str = "reasoning", mean_len: float = REASONING_MEAN_TOKENS,
+              std_len: float = REASONING_STD_TOKENS) -> DomainSpec:
+    """Decode-heavy: short prompt, lognormal response, single turn (sources above)."""
+    return DomainSpec(name, prompt_tokens=const(REASONING_PROMPT_TOKENS),
                       response_tokens=Dist("lognormal", mean_len, std_len, 16, 1e9),
                       num_turns=const(1), step_latency_s=const(0.0))
 
 
-def agentic(name: str = "agentic", *, latency_mean_s: float = 3.0, latency_std_s: float = 3.0,
-            kind: str = "lognormal", turns: float = 8, prompt: float = 6000,
-            obs: float = 1500, failure_prob: float = 0.0) -> DomainSpec:
-    """Prefill-heavy: long prompt, long observations, short responses, ``turns`` turns."""
+def agentic(name: str = "agentic", *, latency_mean_s: float = AGENTIC_STEP_LATENCY_S,
+            latency_std_s: float = AGENTIC_STEP_LATENCY_S,
+            kind: Literal["const", "normal", "lognormal", "uniform"] = "lognormal",
+            turns: float = AGENTIC_TURNS, prompt: float = AGENTIC_PROMPT_TOKENS,
+            obs: float = AGENTIC_OBS_TOKENS, failure_prob: float = 0.0) -> DomainSpec:
+    """Prefill-heavy: long prompt, long observations, short responses, ``turns`` turns
+    (uniform, std ``turns / 4``: ASSUMED spread), env latency (sources above)."""
     return DomainSpec(name, prompt_tokens=const(prompt), obs_tokens=const(obs),
-                      response_tokens=Dist("lognormal", 200, 150, 8, 1e9),
+                      response_tokens=Dist("lognormal", AGENTIC_RESPONSE_MEAN,
+                                           AGENTIC_RESPONSE_STD, 8, 1e9),
                       num_turns=Dist("uniform", turns, turns / 4, 1, 1e9),
                       step_latency_s=Dist(kind, latency_mean_s, latency_std_s, 0.0, 1e9),
-                      reset_latency_s=const(0.5), step_failure_prob=failure_prob)
+                      reset_latency_s=const(AGENTIC_RESET_LATENCY_S),
+                      step_failure_prob=failure_prob)
 
 
 def paper_cluster(model: str, *, quick: bool, mode: str = "rollart", alpha: int = 1,

@@ -14,6 +14,7 @@ from rollart import logredact
 if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers
     from rollart.controller.driver import Backends, Cluster
     from rollart.launcher.local import open_cluster
+    from rollart.planner import plan
     from rollart.transport.errors import InvalidActionError
     from rollart.transport.security import run_credentials
 
@@ -22,7 +23,7 @@ logredact.install()
 
 __version__ = "0.1.0"
 __all__ = ["Backends", "Cluster", "InvalidActionError", "__version__", "open_cluster",
-           "run_credentials"]
+           "plan", "run_credentials"]
 
 
 def __getattr__(name: str) -> Any:
@@ -38,6 +39,10 @@ def __getattr__(name: str) -> Any:
         from rollart.launcher.local import open_cluster
 
         return open_cluster
+    if name == "plan":  # the layout planner (imports the simulator and the controller)
+        from rollart.planner import plan
+
+        return plan
     if name == "run_credentials":
         from rollart.transport.security import run_credentials
 

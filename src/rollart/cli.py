@@ -14,6 +14,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("rollart.launcher", "run a scenario end to end (all processes, locally)"),
     "report": ("rollart.launcher.report", "plot a run folder's metrics (PNGs + one HTML page)"),
     "validate": ("rollart.launcher.validate", "check a scenario and print it resolved"),
+    "plan": ("rollart.planner.command", "choose a scenario's layout with the simulator"),
     "export": ("rollart.trainer.export",
                "write a run's checkpoint as a Hugging Face folder (transformers, vLLM)"),
     "serve-inference": ("rollart.inference.worker", "serve a vLLM inference worker over ZMQ"),

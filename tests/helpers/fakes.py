@@ -296,6 +296,15 @@ class FakeTrainer:
         self.pushed.append(version)
 
 
+#: the previous default staleness policy, spelled out ([run] fields): weights applied at the
+#: next step's pause, greedy admission, domains by weight, no fresh start, no hold. Tests of
+#: what goes stale (restarts, AReaL's stale samples, held samples) ask for it explicitly, as
+#: the default policy leaves little to go stale.
+LAZY_POLICY: dict[str, Any] = {
+    "weight_apply": "at_batch", "fresh_start": False, "admission": "greedy",
+    "domain_mix": "weight", "hold_batch_for_groups": False}
+
+
 def make_scenario(**run: Any) -> Scenario:
     """A two-pool, two-domain scenario over the fakes; ``run`` overrides [run] fields."""
     base = {"mode": "rollart", "alpha": 1, "batch_size": 4, "group_size": 2, "max_turns": 4,

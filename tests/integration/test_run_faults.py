@@ -246,12 +246,12 @@ def test_interrupt_kill_resume_and_worker_loss_train_every_sample_once(tmp_path,
         assert r["num_failed"] == 0, r.get("num_failed_by_reason")
         assert r["logprob_mismatch_by_worker"] and r["disagreeing_workers"] == []
         # A worker is judged on its tokens of the trainer's version only when it has
-        # min_current_tokens of them; under this scenario's weight_apply = "at_batch" a batch
-        # after the first holds none (the new version is applied once the batch was taken),
-        # so it is judged on all its tokens, and at alpha = 1 that includes the policy's own
-        # change over one version: 0 at the steps whose update changed nothing (every reward
-        # of a group equal), 0.033 nats/token at one step after an update that did (a CI
-        # rehearsal, 2026-12-02). Engine/trainer agreement alone, at 1e-2, is test_run_e2e's
+        # min_current_tokens of them, else on all its tokens, and at alpha = 1 those include
+        # the policy's own change over one version: 0 at the steps whose update changed
+        # nothing (every reward of a group equal), 0.033 nats/token at one step after an
+        # update that did (a CI rehearsal under weight_apply = "at_batch", 2026-12-02, where
+        # every batch after the first was judged on all its tokens; the default eager apply
+        # puts tokens of the trainer's version in more batches). Engine/trainer agreement alone, at 1e-2, is test_run_e2e's
         # step 1. Here the bound catches a worker serving weights that are no recent version
         # of the policy (a push that wrote wrong tensors).
         assert max(r["logprob_mismatch_by_worker"].values()) < 0.1, r

@@ -19,24 +19,30 @@ def test_mean_ci_is_the_95_percent_t_interval() -> None:
     assert all(math.isnan(x) for x in mean_ci([]))
 
 
-def test_only_the_new_policy_changes_the_staleness_options() -> None:
+def _policy(run) -> tuple:
+    return (run.effective_weight_apply, run.effective_fresh_start, run.effective_hold_batch,
+            run.admission, run.domain_mix)
+
+
+def test_lazy_spells_the_previous_policy_and_default_sets_nothing() -> None:
     sims = regimes(quick=True)
     assert set(sims) == {"rollout_bound", "trainer_bound", "long_horizon"}
-    today = scenario_of(apply_policy(sims["long_horizon"], "today"), 0)
-    new = scenario_of(apply_policy(sims["long_horizon"], "new"), 0)
-    assert (today.run.weight_apply, today.run.admission, today.run.domain_mix) == (
-        "at_batch", "greedy", "weight")
-    assert not today.run.fresh_start and all(d.alpha is None for d in today.domains)
-    assert (new.run.weight_apply, new.run.admission, new.run.domain_mix) == (
-        "eager", "capacity", "yield")
-    assert new.run.fresh_start and new.run.alpha == 1
-    assert {d.name: d.alpha for d in new.domains} == {"reasoning": None, LONG: LONG_ALPHA}
+    lazy = scenario_of(apply_policy(sims["long_horizon"], "lazy"), 0)
+    default = scenario_of(apply_policy(sims["long_horizon"], "default"), 0)
+    assert _policy(lazy.run) == ("at_batch", False, False, "greedy", "weight")
+    assert all(d.alpha is None for d in lazy.domains)
+    # the default column is RunConfig's default: no policy field written
+    assert (default.run.weight_apply, default.run.fresh_start,
+            default.run.hold_batch_for_groups) == (None, None, None)
+    assert _policy(default.run) == ("eager", True, True, "capacity", "yield")
+    assert default.run.alpha == 1
+    assert {d.name: d.alpha for d in default.domains} == {"reasoning": None, LONG: LONG_ALPHA}
 
 
-def test_new_hold_is_the_new_policy_holding_batches_for_groups() -> None:
+def test_no_hold_is_the_default_without_holding_batches_for_groups() -> None:
     sims = regimes(quick=True)
-    new = scenario_of(apply_policy(sims["long_horizon"], "new"), 0)
-    hold = scenario_of(apply_policy(sims["long_horizon"], "new_hold"), 0)
-    assert not new.run.hold_batch_for_groups and hold.run.hold_batch_for_groups
-    assert msgspec.structs.replace(hold.run, hold_batch_for_groups=False) == new.run
-    assert hold.domains == new.domains
+    default = scenario_of(apply_policy(sims["long_horizon"], "default"), 0)
+    no_hold = scenario_of(apply_policy(sims["long_horizon"], "no_hold"), 0)
+    assert default.run.effective_hold_batch and not no_hold.run.effective_hold_batch
+    assert msgspec.structs.replace(no_hold.run, hold_batch_for_groups=None) == default.run
+    assert no_hold.domains == default.domains

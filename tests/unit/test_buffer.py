@@ -659,15 +659,52 @@ def test_areal_capacity_formula_counts_admitted_groups_until_the_version_advance
 def test_areal_retired_group_frees_its_capacity_and_restore_keeps_the_count() -> None:
     buf = SampleBuffer(alpha=0, batch_size=2, group_size=2, max_attempts=1,
                        staleness_control="areal")
-    a, _ = buf.try_start_group("g")
+    a, b = buf.try_start_group("g")
     assert buf.try_start_group("h") is None
     buf.fail(a, "env_error")  # the group can no longer fill: retired, "rejected" in AReaL
     assert buf.stats().groups_retired == 1
+    # Out of AReaL's count, but in flight (max_groups 1) until its live member is cancelled.
+    assert buf.try_start_group("h") is None
+    assert buf.begin_turn(b, 0) == "cancel"
+    buf.cancel(b)
     assert buf.try_start_group("h") is not None
     snap = msgspec.json.decode(msgspec.json.encode(buf.snapshot()))
     back = SampleBuffer.restore(snap)
     assert back.staleness_control == "areal"
     assert back.try_start_group("k") is None
+
+
+def test_areal_admission_keeps_the_in_flight_bound_while_a_retired_group_has_live_members(
+) -> None:
+    # AReaL refunds a retired group's capacity at once, but its straggler keeps it in flight:
+    # admitting on the refund alone put 3 groups in flight with max_groups 2.
+    buf = SampleBuffer(alpha=1, batch_size=2, group_size=2, redundancy=1, max_attempts=1,
+                       check="admission", staleness_control="areal")
+    assert buf.max_groups == 2
+    for key in ("g0", "g1"):
+        first, second, third = buf.try_start_group(key)
+        run(buf, first, [0])
+        assert run(buf, second, [0]) == [third]  # selection "first": surplus cancelled
+        buf.cancel(third)
+    assert {s.group_key for s in buf.take_batch()} == {"g0"}
+    buf.advance_version()  # version 1; g1 complete and held
+    snap = msgspec.json.decode(msgspec.json.encode(buf.snapshot()))
+    buf = SampleBuffer.restore(snap)  # admitted 1 * 1 + 1 of a capacity (1 + 1 + 1) * 1
+    a, b, c = buf.try_start_group("g2")
+    buf.cancel(a)
+    assert buf.begin_turn(b, 1) == "continue"
+    buf.record_tokens(b, [1])
+    buf.cancel(b)  # g2 can no longer fill: retired, c still running
+    assert buf.stats().groups_retired == 1 and buf.is_live(c)
+    assert buf.groups_in_flight == 2 and not buf.has_room()
+    assert buf.try_start_group("g3") is None
+    st = buf.stats()
+    assert st.groups_in_flight <= st.max_groups
+    assert st.in_flight <= st.in_flight_bound <= 2 * 2 + 1 * buf.max_groups
+    assert buf.begin_turn(c, 1) == "cancel"
+    buf.cancel(c)  # g2 leaves: room again, within AReaL's capacity
+    assert buf.groups_in_flight == 1 and buf.try_start_group("g3") is not None
+    assert buf.try_start_group("g4") is None
 
 
 def test_staleness_control_is_validated() -> None:

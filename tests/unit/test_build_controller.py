@@ -12,7 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from helpers.fakes import TOK, FakeEnvHost, FakeReward, FakeTrainer, FakeWorker, make_scenario
+from helpers.fakes import (
+    LAZY_POLICY,
+    TOK,
+    FakeEnvHost,
+    FakeReward,
+    FakeTrainer,
+    FakeWorker,
+    make_scenario,
+)
 from rollart.controller import build
 from rollart.controller.buffer.core import SampleBuffer
 from rollart.controller.build import Backends, build_controller
@@ -55,6 +63,38 @@ def test_inputs_reach_the_controller() -> None:
     assert c.envs.local.factories == {"mine": dict}
     assert c.envs.local.calls.max_threads == 3
     assert c.clock() == 5.0
+
+
+def _policy_of(c: Controller) -> tuple:
+    return (c._sync.eager, c._sync.waves, c.buffer.fresh_start, c.buffer.hold_for_groups,
+            c.run.admission, c.run.domain_mix)
+
+
+@pytest.mark.parametrize(("mode", "alpha", "policy"), [
+    ("rollart", 1, (True, 2, True, True, "capacity", "yield")),
+    ("areal", 1, (True, 2, True, False, "capacity", "yield")),
+    ("one_off", 1, (True, 2, True, False, "capacity", "yield")),
+    ("sync_plus", 0, (False, 2, False, False, "capacity", "yield")),
+    ("sync", 0, (False, 2, False, False, "capacity", "yield")),
+])
+def test_a_scenario_without_policy_fields_runs_the_waste_free_default(mode, alpha,
+                                                                      policy) -> None:
+    c = build_controller(make_scenario(mode=mode, alpha=alpha), _backends())
+    assert _policy_of(c) == policy
+    # under a check override to "admission" (a simulator ablation) the default hold, which
+    # needs the per-turn check, does not apply; an explicit one is refused
+    if mode == "rollart":
+        assert not build_controller(make_scenario(), _backends(),
+                                    check="admission").buffer.hold_for_groups
+        with pytest.raises(ConfigError, match="hold_for_groups needs check 'per_turn'"):
+            build_controller(make_scenario(hold_batch_for_groups=True), _backends(),
+                             check="admission")
+
+
+@pytest.mark.parametrize(("mode", "alpha"), [("rollart", 1), ("areal", 1), ("sync", 0)])
+def test_the_previous_lazy_policy_runs_when_spelled_out(mode, alpha) -> None:
+    c = build_controller(make_scenario(mode=mode, alpha=alpha, **LAZY_POLICY), _backends())
+    assert _policy_of(c) == (False, 2, False, False, "greedy", "weight")
 
 
 async def test_the_send_window_is_the_runs() -> None:

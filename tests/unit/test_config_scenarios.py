@@ -57,11 +57,66 @@ def test_quickstart_meets_the_issue() -> None:
     assert sc.eval.headline == "sampled" and sc.eval.pass_k >= 1
     assert len({d.pool for d in sc.domains}) >= 2
     assert sum(p.num_workers for p in sc.pools) >= 2
+    # the staleness policy is the default, not spelled out
+    assert (run.weight_apply, run.fresh_start, run.hold_batch_for_groups) == (None, None, None)
+    assert _policy(run) == DEFAULT_POLICY["rollart"]
 
 
 def test_minimal_defaults() -> None:
     sc = parse_scenario(MINIMAL)
     assert sc.run.mode == "rollart" and sc.domains[0].reward_url == "service"
+
+
+#: the staleness policy's fields as a scenario that sets none of them gets them, per mode
+#: (weight_apply, fresh_start, hold_batch_for_groups, apply_waves, admission, domain_mix)
+DEFAULT_POLICY = {
+    "rollart": ("eager", True, True, 2, "capacity", "yield"),
+    "areal": ("eager", True, False, 2, "capacity", "yield"),
+    "one_off": ("eager", True, False, 2, "capacity", "yield"),
+    "sync_plus": ("at_batch", False, False, 2, "capacity", "yield"),
+    "sync": ("at_batch", False, False, 2, "capacity", "yield"),
+}
+MODE_ALPHA = {"rollart": 1, "areal": 2, "one_off": 1, "sync_plus": 0, "sync": 0}
+
+
+def _policy(run) -> tuple:
+    return (run.effective_weight_apply, run.effective_fresh_start, run.effective_hold_batch,
+            run.apply_waves, run.admission, run.domain_mix)
+
+
+@pytest.mark.parametrize("mode", sorted(DEFAULT_POLICY))
+def test_a_scenario_without_policy_fields_gets_the_waste_free_policy(mode: str) -> None:
+    text = MINIMAL.replace("[run]", f'[run]\nmode = "{mode}"\nalpha = {MODE_ALPHA[mode]}', 1)
+    run = parse_scenario(text).run
+    # unset: on where it applies; the fields themselves stay unset (nothing rewritten)
+    assert (run.weight_apply, run.fresh_start, run.hold_batch_for_groups) == (None, None, None)
+    assert _policy(run) == DEFAULT_POLICY[mode]
+
+
+LAZY = ('weight_apply = "at_batch"\nfresh_start = false\nadmission = "greedy"\n'
+        'domain_mix = "weight"\nhold_batch_for_groups = false')
+
+
+@pytest.mark.parametrize("mode", sorted(DEFAULT_POLICY))
+def test_the_previous_lazy_policy_can_still_be_chosen_in_every_mode(mode: str) -> None:
+    text = MINIMAL.replace(
+        "[run]", f'[run]\nmode = "{mode}"\nalpha = {MODE_ALPHA[mode]}\n{LAZY}', 1)
+    run = parse_scenario(text).run
+    assert _policy(run) == ("at_batch", False, False, 2, "greedy", "weight")
+    assert (run.weight_apply, run.fresh_start, run.hold_batch_for_groups) == (
+        "at_batch", False, False)
+
+
+def test_an_explicit_policy_value_is_kept_over_the_mode_default() -> None:
+    run = parse_scenario(MINIMAL.replace(
+        "[run]", '[run]\nweight_apply = "at_batch"', 1)).run
+    # at_batch in rollart: fresh_start (unset) no longer applies, the hold still does
+    assert _policy(run) == ("at_batch", False, True, 2, "capacity", "yield")
+    run = parse_scenario(MINIMAL.replace("[run]", "[run]\nfresh_start = false", 1)).run
+    assert _policy(run) == ("eager", False, True, 2, "capacity", "yield")
+    run = parse_scenario(MINIMAL.replace(
+        "[run]", '[run]\napply_waves = 4\nhold_batch_max_s = 5.0', 1)).run
+    assert (run.apply_waves, run.hold_batch_max_s, run.effective_hold_batch) == (4, 5.0, True)
 
 
 @pytest.mark.parametrize(
@@ -135,11 +190,23 @@ def test_minimal_defaults() -> None:
          "run.abort_stale: needs on_stale = 'restart'"),
         (("[run]", '[run]\nadmission = "fifo"'), "run.admission: Invalid enum value 'fifo'"),
         (("[run]", "[run]\napply_waves = 0"), "run.apply_waves: Expected `int` >= 1"),
-        (("[run]", "[run]\napply_waves = 4"),
+        (("[run]", '[run]\napply_waves = 4\nweight_apply = "at_batch"'),
          "run.apply_waves: 4 is used by weight_apply = 'eager' only"),
+        # unset, weight_apply is at_batch in the on-policy modes: waves mean nothing there
+        (("[run]", '[run]\napply_waves = 4\nmode = "sync"\nalpha = 0'),
+         "run.apply_waves: 4 is used by weight_apply = 'eager' only"),
+        (("[run]", '[run]\nfresh_start = true\nweight_apply = "at_batch"'),
+         "run.fresh_start: needs weight_apply = 'eager' in an overlap mode (got 'at_batch', "
+         "mode 'rollart')"),
+        (("[run]", '[run]\nfresh_start = true\nmode = "sync_plus"\nalpha = 0'),
+         "run.fresh_start: needs weight_apply = 'eager' in an overlap mode (got 'at_batch', "
+         "mode 'sync_plus')"),
         (("[run]", '[run]\nhold_batch_for_groups = true\nmode = "areal"'),
          "run.hold_batch_for_groups: needs mode 'rollart', got mode 'areal'"),
-        (("[run]", "[run]\nhold_batch_max_s = 5.0"),
+        (("[run]", "[run]\nhold_batch_max_s = 5.0\nhold_batch_for_groups = false"),
+         "run.hold_batch_max_s: 5 s is used by run.hold_batch_for_groups = true only"),
+        # unset, the hold is on in mode rollart only
+        (("[run]", '[run]\nhold_batch_max_s = 5.0\nmode = "areal"'),
          "run.hold_batch_max_s: 5 s is used by run.hold_batch_for_groups = true only"),
         (("[run]", "[run]\nhold_batch_for_groups = true\nhold_batch_max_s = 0.0"),
          "run.hold_batch_max_s: Expected `float` > 0.0"),

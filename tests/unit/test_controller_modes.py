@@ -9,7 +9,14 @@ import asyncio
 import msgspec
 import pytest
 
-from helpers.fakes import FakeEnvHost, FakeReward, FakeTrainer, FakeWorker, make_scenario
+from helpers.fakes import (
+    LAZY_POLICY,
+    FakeEnvHost,
+    FakeReward,
+    FakeTrainer,
+    FakeWorker,
+    make_scenario,
+)
 from rollart.controller import Backends, Cluster
 from rollart.controller.controller import ControllerStalledError
 from rollart.controller.routing.proxy import PoolExhaustedError
@@ -163,7 +170,9 @@ async def test_one_off_overlaps_rollout_of_the_next_batch_with_training() -> Non
 async def test_areal_keeps_stale_samples_that_rollart_drops(mode) -> None:
     env = FakeEnvHost(turns=3, latency=lambda i, s: 5.0)
     trainer = FakeTrainer(train_s=20.0)
-    scenario = make_scenario(mode=mode, alpha=1, batch_size=4, group_size=2)
+    # the lazy policy: greedy admission fills the (alpha + 1) x batch bound, and samples go
+    # stale (the default policy starts no group its batches cannot take)
+    scenario = make_scenario(mode=mode, alpha=1, batch_size=4, group_size=2, **LAZY_POLICY)
     async with Cluster.from_scenario(scenario, backends=backends(env, trainer)) as c:
         await run_steps(c, 1)
         buf = c.controller.buffer
@@ -185,8 +194,9 @@ async def test_long_trajectories_are_restarted_when_they_would_exceed_alpha() ->
     # 6 turns of 10 s each while the trainer steps every ~few seconds: tokens get too old.
     env = FakeEnvHost(turns=6, latency=lambda i, s: 10.0 if i % 4 == 0 else 0.5)
     trainer = FakeTrainer(train_s=1.0)
+    # the lazy policy: trajectories started on old weights and no hold, so some go stale
     scenario = make_scenario(mode="rollart", alpha=1, batch_size=4, group_size=2, max_turns=8,
-                             max_tokens_per_trajectory=1024)
+                             max_tokens_per_trajectory=1024, **LAZY_POLICY)
     async with Cluster.from_scenario(scenario, backends=backends(env, trainer)) as c:
         steps = await run_steps(c, 6)
     assert sum(s.metrics.num_aborted for s in steps) >= 1
@@ -290,7 +300,9 @@ async def test_snapshot_resume_keeps_held_samples_and_group_seeds() -> None:
     env = FakeEnvHost(turns=2, latency=lambda i, s: 1.0 if i % 2 else 3.0)
     trainer = FakeTrainer(train_s=5.0)
     w1, w2 = FakeWorker("w1"), FakeWorker("w2")
-    scenario = make_scenario(mode="rollart", alpha=1, batch_size=4, group_size=2)
+    # the lazy policy: greedy admission leaves samples held in the buffer at the checkpoint
+    scenario = make_scenario(mode="rollart", alpha=1, batch_size=4, group_size=2,
+                             **LAZY_POLICY)
     async with Cluster.from_scenario(scenario, backends=backends(env, trainer, (w1, w2))) as c:
         first = await run_steps(c, 2)
         snap = msgspec.json.decode(msgspec.json.encode(c.snapshot()))  # JSON round trip
@@ -320,7 +332,7 @@ async def test_snapshot_resume_keeps_held_samples_and_group_seeds() -> None:
     assert all(d["trained"] <= d["finished"] for d in totals["domains"].values())
     # A scenario edited since the snapshot is refused by name, not silently overridden.
     edited = make_scenario(mode="rollart", alpha=2, batch_size=4, group_size=2,
-                           abort_stale=True)
+                           abort_stale=True, **LAZY_POLICY)
     with pytest.raises(RollartError) as info:
         async with Cluster.from_scenario(edited, backends=backends(env, trainer, (w1, w2)),
                                          resume=snap):

@@ -80,6 +80,10 @@ async def test_yield_mix_starts_less_productive_domains_more_often() -> None:
         counts["math"] = DomainCounts(groups_started=10 + in_flight.get("math", 0), trained=4)
         # yield = (trained + G) / (G * resolved + G): game 22/22, math 6/22.
         assert ctl.domain_weights() == pytest.approx([1.0, 22 / 6])
+        # A domain that trains nothing is boosted at most MAX_YIELD_BOOST (4) times, not
+        # (G * resolved + G) / G = 11 times.
+        counts["math"] = DomainCounts(groups_started=10 + in_flight.get("math", 0), trained=0)
+        assert ctl.domain_weights() == pytest.approx([1.0, 4.0])
 
 
 @pytest.mark.looptime
@@ -160,7 +164,8 @@ def test_pacer_holds_a_group_back_only_when_the_next_apply_would_save_it() -> No
 @pytest.mark.parametrize(
     ("run", "domain_alpha", "message"),
     [
-        ({"fresh_start": True}, None, "run.fresh_start: needs weight_apply = 'eager'"),
+        ({"fresh_start": True, "weight_apply": "at_batch"}, None,
+         "run.fresh_start: needs weight_apply = 'eager'"),
         ({"mode": "sync", "alpha": 0, "fresh_start": True, "weight_apply": "eager"}, None,
          "run.fresh_start: needs weight_apply = 'eager' in an overlap mode"),
         ({"alpha": 2}, 1, "domains[0].alpha: 1: a per-domain bound needs mode 'areal' or "
@@ -193,8 +198,10 @@ async def test_capacity_admission_stops_generating_batches_that_cannot_be_traine
     # Trainer-bound: rollout fills every slot long before the 20 s update ends.
     env = FakeEnvHost(turns=2, latency=lambda i, s: 1.0)
     trainer = FakeTrainer(train_s=20.0, push_s=0.5)
+    # the hold off: admission alone decides what goes stale here
     scenario = make_scenario(mode="rollart", alpha=1, batch_size=4, group_size=2,
-                             weight_apply="eager", fresh_start=True, admission=admission)
+                             weight_apply="eager", fresh_start=True, admission=admission,
+                             hold_batch_for_groups=False)
     async with Cluster.from_scenario(scenario, backends=backends(env, trainer)) as c:
         steps = await run_steps(c, 5)
     stale = sum(s.metrics.wasted_tokens_by_reason.get("stale", 0) for s in steps)

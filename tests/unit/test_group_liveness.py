@@ -23,7 +23,7 @@ import pytest
 from test_controller_faults import backends, check_batches, scenario
 from test_controller_modes import run_steps
 
-from helpers.fakes import FakeEnvHost
+from helpers.fakes import LAZY_POLICY, FakeEnvHost
 from rollart.config import parse_scenario
 from rollart.controller import Cluster
 from rollart.controller.buffer.core import Sample, SampleBuffer
@@ -266,18 +266,23 @@ async def test_a_complete_group_waiting_for_the_trainer_is_not_timed_out() -> No
 
 
 @pytest.mark.looptime
-@pytest.mark.parametrize(("mode", "alpha", "on_stale", "outcome"), [
-    ("rollart", 1, "restart", "group_attempts"), ("rollart", 1, "drop", "group_attempts"),
-    ("areal", 1, "restart", "trained"), ("one_off", 1, "restart", "trained"),
-    ("sync_plus", 0, "restart", "trained"), ("sync", 0, "restart", "trained")])
+@pytest.mark.parametrize(("mode", "alpha", "on_stale", "policy", "outcome"), [
+    ("rollart", 1, "restart", "lazy", "group_attempts"),
+    ("rollart", 1, "drop", "lazy", "group_attempts"),
+    ("rollart", 1, "restart", "default", "trained"),
+    ("areal", 1, "restart", "default", "trained"), ("one_off", 1, "restart", "default", "trained"),
+    ("sync_plus", 0, "restart", "default", "trained"),
+    ("sync", 0, "restart", "default", "trained")])
 async def test_every_mode_finishes_a_group_whose_member_was_slow_once(
-        mode: str, alpha: int, on_stale: str, outcome: str) -> None:
+        mode: str, alpha: int, on_stale: str, policy: str, outcome: str) -> None:
     # Session 0 (a member of g0) takes 300 s for its first step; every other step 1 s, and
     # the trainer is instant. The group ends, trained or dropped with a counted reason (in
-    # rollart mode its siblings go stale while it waits, past max_group_attempts), and the
-    # run trains on. AReaL's policy trains it however stale; the modes without overlap wait.
+    # rollart mode under the lazy policy its siblings go stale while it waits, past
+    # max_group_attempts; under the default policy it is trained), and the run trains on.
+    # AReaL's policy trains it however stale; the modes without overlap wait.
     env = FakeEnvHost(turns=2, latency=lambda i, s: 300.0 if i == 0 and s == 0 else 1.0)
-    sc = scenario(mode=mode, alpha=alpha, on_stale=on_stale, env_timeout_s=1e6)
+    sc = scenario(mode=mode, alpha=alpha, on_stale=on_stale, env_timeout_s=1e6,
+                  **(LAZY_POLICY if policy == "lazy" else {}))
     loop_time = asyncio.get_running_loop().time
     async with Cluster.from_scenario(sc, backends=backends(env)) as c:
         steps = await run_steps(c, 1, timeout_s=5000.0)

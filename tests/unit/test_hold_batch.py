@@ -141,14 +141,14 @@ class FakeAdmission:
         return True
 
 
-def runner(buf: SampleBuffer, max_s: float) -> tuple[StepRunner, FakeTasks]:
+def runner(buf: SampleBuffer, max_s: float, clock: Any = None) -> tuple[StepRunner, FakeTasks]:
     run = RunConfig(hold_batch_for_groups=True, hold_batch_max_s=max_s)
     tasks = FakeTasks()
     loop = asyncio.get_running_loop()
     unused: Any = None
     return StepRunner(run, MODES["rollart"], buffer=buf, proxy=unused, trainer=unused,
                       tasks=tasks, admission=FakeAdmission(),  # type: ignore[arg-type]
-                      sync=unused, counters=unused, clock=loop.time), tasks
+                      sync=unused, counters=unused, clock=clock or loop.time), tasks
 
 
 @pytest.mark.looptime
@@ -190,3 +190,19 @@ async def test_step_holds_a_batch_at_most_hold_batch_max_s() -> None:
     assert loop.time() - t0 == pytest.approx(30.0, abs=0.5)
     buf.advance_version()
     assert buf.begin_turn(a, buf.version) == "restart"  # stale as without the option
+
+
+@pytest.mark.looptime
+@pytest.mark.timeout(120)
+async def test_a_hold_bound_the_clock_reads_as_not_quite_passed_still_releases_it() -> None:
+    """Held from t = 0.1 s for at most 0.2 s: when the timer fires the loop's clock reads 0.3,
+    and 0.3 - 0.1 < 0.2 in floating point while 0.1 + 0.2 - 0.3 is 5.6e-17 s. Re-reading the
+    clock must not make the step wait again on a timer the loop runs at once (virtual time
+    then never advances: the run hangs)."""
+    buf, a = at_risk(hold=True)
+    steps, tasks = runner(buf, max_s=0.2)
+    loop = asyncio.get_running_loop()
+    await asyncio.sleep(0.1 - loop.time())
+    batch = await steps._get_batch()  # group a hangs: never completes
+    assert [s.group_key for s in batch] == ["c"]
+    assert loop.time() == pytest.approx(0.3)

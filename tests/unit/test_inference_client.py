@@ -207,3 +207,37 @@ async def test_dead_worker_raises_peer_dead_and_skips_abort(served):
             await client.stats()
     finally:
         await client.close()
+
+
+async def test_resume_clears_the_paused_flag_of_the_last_stats() -> None:
+    # Pause and Resume answer with an Ack (no stats): the last stats seen, from the weight
+    # apply in between, say paused; read so after the resume, online affinity would judge the
+    # pool neither saturated nor roomy until its next generate reply.
+    paused_stats = m.WorkerStats(worker="w", num_running=3, num_waiting=5, version=1, paused=True)
+
+    async def apply(msg, _frames):
+        return m.WeightsApplied(version=msg.version, apply_time_s=0.0, stats=paused_stats)
+
+    async def ack(_msg, _frames):
+        return m.Ack()
+
+    server = RpcServer("tcp://127.0.0.1:0", {m.ApplyWeights: apply, m.Pause: ack,
+                                             m.Resume: ack},
+                       name="w", auth=env_credentials())
+    task = asyncio.create_task(server.serve_forever())
+    client = InferenceClient(server.address, name="w", heartbeat_interval_s=0,
+                             auth=env_credentials())
+    try:
+        await client.pause()
+        assert client.last_stats is None  # nothing seen yet: nothing to mark
+        await client.apply_weights(1)
+        assert client.last_stats == paused_stats
+        await client.resume()
+        assert client.last_stats is not None and not client.last_stats.paused
+        assert (client.last_stats.num_running, client.last_stats.num_waiting) == (3, 5)
+        await client.pause()
+        assert client.last_stats.paused
+    finally:
+        await client.close()
+        await server.close()
+        task.cancel()

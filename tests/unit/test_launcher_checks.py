@@ -183,10 +183,13 @@ def test_validate_notes_prefix_stores_too_small_for_the_trajectories_in_flight()
 
 
 @pytest.mark.parametrize(("run", "noted"), [
-    ({"worker_checks": {"agreement_policy": "stop"}}, True),
-    ({"worker_checks": {"agreement_policy": "quarantine"}, "mode": "areal"}, True),
-    ({"worker_checks": {"agreement_policy": "warn"}}, False),
+    ({"worker_checks": {"agreement_policy": "stop"}, "weight_apply": "at_batch"}, True),
+    ({"worker_checks": {"agreement_policy": "quarantine"}, "mode": "areal",
+      "weight_apply": "at_batch"}, True),
+    ({"worker_checks": {"agreement_policy": "warn"}, "weight_apply": "at_batch"}, False),
     ({"worker_checks": {"agreement_policy": "stop"}, "weight_apply": "eager"}, False),
+    # the default applies eagerly in overlap modes: nothing to note
+    ({"worker_checks": {"agreement_policy": "stop"}}, False),
     ({"worker_checks": {"agreement_policy": "stop"}, "mode": "sync", "alpha": 0}, False),
 ])
 def test_validate_notes_an_agreement_check_judged_on_all_tokens(run, noted) -> None:

@@ -193,6 +193,7 @@ path = "tiny"
     ("tiny_warmup_epochs", "0"), ("tiny_warmup_epochs", "1001"),
     ("tiny_warmup_lr", "0.0"), ("tiny_warmup_lr", "1.5"), ("tiny_warmup_lr", '"fast"'),
     ("tiny_warmup_explore", "-0.1"), ("tiny_warmup_explore", "1.5"),
+    ("tiny_warmup_explore_turns", "0"), ("tiny_warmup_explore_turns", "65"),
 ])
 def test_warmup_recipe_fields_are_bounded_and_named_in_the_error(field, bad):
     with pytest.raises(ConfigError, match=rf"model\.{field}"):
@@ -226,11 +227,12 @@ def test_a_changed_recipe_never_reuses_a_model_cached_with_another(tmp_path, mon
 
     monkeypatch.setattr(warmup, "ensure_tiny_model", entry)
     extra = ["", "", "tiny_warmup_episodes = 101\n", "tiny_warmup_epochs = 2\n",
-             "tiny_warmup_lr = 1e-3\n", "tiny_warmup_explore = 0.5\n"]
+             "tiny_warmup_lr = 1e-3\n", "tiny_warmup_explore = 0.5\n",
+             "tiny_warmup_explore = 0.5\ntiny_warmup_explore_turns = 1\n"]
     paths = [ensure_quickstart_model(tmp_path, parse_scenario(GUESS_SCENARIO + e))
              for e in extra]
     assert paths[0] == paths[1]
-    assert len(set(paths)) == 5, paths
+    assert len(set(paths)) == 6, paths
     # The default recipe's entry is the one the embedded default always had.
     assert paths[0] == entry(tmp_path, warmup_spec(0).spec, demonstrations=build_demonstrations(
         parse_scenario(GUESS_SCENARIO).domains, 100, DEFAULT_RECIPE.demo_seed, max_turns=4),
@@ -262,3 +264,18 @@ def test_exploring_demonstrations_guess_at_random_and_leave_the_rest_alone():
     assert [c for p, c in explored if "Calculate" in p] == [c for p, c in plain if "Calculate" in p]
     recipe = scenario_recipe(parse_scenario(GUESS_SCENARIO + "tiny_warmup_explore = 0.25\n"))
     assert recipe.explore == 0.25 and scenario_recipe(parse_scenario(GUESS_SCENARIO)).explore == 0.0
+
+
+def test_exploring_only_the_opening_randomises_the_first_guess_and_bisects_after_it():
+    """explore_turns = 1: each game opens with a uniformly random guess, every later move is
+    the bisection midpoint of the range the hints leave."""
+    opened = build_demonstrations([GUESS], 200, seed=0, max_turns=4, explore=1.0,
+                                  explore_turns=1)
+    first = [int(c[len("\\boxed{"):-1]) for p, c in opened if "you guessed" not in p]
+    later = [(p, int(c[len("\\boxed{"):-1])) for p, c in opened if "you guessed" in p]
+    assert len(first) == 200 and set(first) == set(range(1, 11))
+    assert later and all(g == sum(_consistent(p)) // 2 for p, g in later)
+    recipe = scenario_recipe(parse_scenario(
+        GUESS_SCENARIO + "tiny_warmup_explore = 1.0\ntiny_warmup_explore_turns = 1\n"))
+    assert (recipe.explore, recipe.explore_turns) == (1.0, 1)
+    assert scenario_recipe(parse_scenario(GUESS_SCENARIO)).explore_turns is None

@@ -55,7 +55,8 @@ def test_policy_spills_holds_and_returns_with_hysteresis() -> None:
     assert p.pool_for("d", "A", pressures(A=(0.05, None), B=(0.1, None)), pools) == "A"
     assert p.spilled_to("d") is None and p.num_spilled == {"d": 3}
     assert [(t.from_pool, t.to_pool) for t in p.transitions] == [("A", "B"), ("B", "A")]
-    assert p.num_moves == 2
+    assert p.num_moves == 2 and {t.home for t in p.transitions} == {"A"}
+    assert p.num_spills == {"d": {"B": 1}} and p.num_returns == {"d": 1}
 
 
 def test_policy_returns_at_once_when_the_target_saturates_and_never_spills_without_room() -> None:
@@ -176,6 +177,48 @@ async def test_a_saturated_pool_spills_and_the_step_metrics_say_so(caplog) -> No
             assert len({w[0] for w in s.turn_workers}) == 1, s.turn_workers
 
 
+class DrainingWorker(FakeWorker):
+    """Reports ``waiting`` requests held back with every reply (deep while ``waiting`` > 0)."""
+
+    waiting = 8
+
+    def _stats(self) -> m.WorkerStats:
+        return m.WorkerStats(worker=self.name, num_running=max(1, self.in_flight),
+                             num_waiting=self.waiting, version=self.version)
+
+
+@pytest.mark.looptime
+async def test_the_step_metrics_count_spills_per_pool_and_returns() -> None:
+    sc = parse_scenario(scenario_text(), "affinity.toml")
+    a, b = DrainingWorker("a"), FakeWorker("b")
+    backends = Backends(pools={"A": [a], "B": [b]}, trainer=FakeTrainer(), tokenizer=TOK,
+                        env_hosts=[FakeEnvHost(turns=2)], reward_service=FakeReward())
+    steps = []
+    async with Cluster.from_scenario(sc, backends=backends) as c:
+        async for st in c.train(steps=4):
+            steps.append(st)
+            if st.step == 1:
+                # Pool A's queue drained (as a stats poll would report it).
+                a.waiting = 0
+                a.last_stats = a._stats()
+    rows = [st.metrics for st in steps]
+    moves = [mv for r in rows for mv in r.affinity_moves]
+    assert moves[0].startswith("d: A -> B (pool 'A' saturated")
+    assert any(mv.startswith("d: B -> A (pool 'A' has room again") for mv in moves), moves
+    spills = sum(r.affinity_spills_by_domain.get("d", {}).get("B", 0) for r in rows)
+    returns = sum(r.affinity_returns_by_domain.get("d", 0) for r in rows)
+    # A saturated during step 1 only: one spill and, once it drained, one return
+    assert (spills, returns) == (1, 1), [(r.affinity_spills_by_domain,
+                                          r.affinity_returns_by_domain) for r in rows]
+    assert rows[0].affinity_spills_by_domain == {"d": {"B": 1}}
+    assert all(set(r.affinity_spills_by_domain.get("d", {})) <= {"B"} for r in rows)
+    # each step's counts agree with the moves it lists
+    for r in rows:
+        assert len(r.affinity_moves) == sum(sum(to.values()) for to in
+                                            r.affinity_spills_by_domain.values()) + sum(
+            r.affinity_returns_by_domain.values())
+
+
 @pytest.mark.looptime
 async def test_switched_off_the_saturated_pool_keeps_its_domain() -> None:
     sc = parse_scenario(scenario_text(enabled=False), "affinity.toml")
@@ -186,15 +229,19 @@ async def test_switched_off_the_saturated_pool_keeps_its_domain() -> None:
         steps = await run_steps(c, 2)
     assert not b.requests and a.requests
     assert all(not st.metrics.num_spilled_by_domain and not st.metrics.affinity_moves
-               for st in steps)
+               and not st.metrics.affinity_spills_by_domain
+               and not st.metrics.affinity_returns_by_domain for st in steps)
 
 
 def test_spills_and_moves_become_scalars() -> None:
     from rollart.launcher.sinks import step_scalars
 
-    row = {"num_spilled_by_domain": {"d": 3}, "affinity_moves": ["d: A -> B (x)"]}
+    row = {"num_spilled_by_domain": {"d": 3}, "affinity_moves": ["d: A -> B (x)"] * 3,
+           "affinity_spills_by_domain": {"d": {"B": 1, "C": 1}},
+           "affinity_returns_by_domain": {"d": 1}}
     scalars = step_scalars(row)
-    assert scalars["spilled/d"] == 3.0 and scalars["affinity_moves"] == 1.0
+    assert scalars["spilled/d"] == 3.0 and scalars["affinity_moves"] == 3.0
+    assert scalars["affinity_spills/d"] == 2.0 and scalars["affinity_returns/d"] == 1.0
 
 
 def test_a_paused_pool_is_neither_saturated_nor_roomy() -> None:

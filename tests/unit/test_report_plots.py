@@ -4,6 +4,7 @@ run did not record is skipped with one line), and dict-valued summary fields as 
 
 from __future__ import annotations
 
+import html
 import json
 import re
 from pathlib import Path
@@ -127,3 +128,71 @@ def test_smooth_below_one_is_refused(tmp_path, capsys) -> None:
     with pytest.raises(SystemExit) as exc:
         report.main([str(_run_dir(tmp_path)), "--smooth", "0"])
     assert exc.value.code == 2 and "--smooth: must be >= 1" in capsys.readouterr().err
+
+
+def _affinity_run_dir(tmp_path: Path) -> Path:
+    """Six steps: domain a spills to pool B at step 2 (and to C at step 3 after a return),
+    returns at steps 3 and 5."""
+    run = _run_dir(tmp_path)
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    spilled = [0, 3, 2, 4, 1, 0]
+    spills = {2: {"B": 1}, 3: {"C": 1}}
+    returns = {3: 1, 5: 1}
+    moves = {2: ["a: A -> B (pool 'A' saturated)"],
+             3: ["a: B -> A (pool 'A' has room again)", "a: A -> C (pool 'A' saturated)"],
+             5: ["a: C -> A (pool 'A' has room again)"]}
+    for r in rows:
+        st = r["step"]
+        r["num_spilled_by_domain"] = {"a": spilled[st - 1]} if spilled[st - 1] else {}
+        r["affinity_moves"] = moves.get(st, [])
+        r["affinity_spills_by_domain"] = {"a": spills[st]} if st in spills else {}
+        r["affinity_returns_by_domain"] = {"a": returns[st]} if st in returns else {}
+    assert set(rows[0]) <= set(StepMetrics.__struct_fields__)  # the controller's names
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return run
+
+
+def test_online_affinity_moves_are_drawn_per_domain_and_listed(tmp_path, monkeypatch) -> None:
+    from matplotlib.image import imread
+
+    drawn: dict[str, list] = {}
+    notes: dict[str, list[str]] = {}
+    save = report._save
+
+    def keep(fig, path):
+        ax = fig.axes[0]
+        drawn[path.name] = [(ln.get_label(), list(ln.get_xdata()), list(ln.get_ydata()))
+                            for ln in ax.lines]
+        notes[path.name] = [t.get_text() for t in ax.texts]
+        save(fig, path)
+
+    monkeypatch.setattr(report, "_save", keep)
+    run = _affinity_run_dir(tmp_path)
+    assert report.main([str(run)]) == 0
+    name, title = report.AFFINITY_PLOT
+    lines = {label: (x, y) for label, x, y in drawn[name]}
+    assert lines["a: spilled trajectories"] == ([1, 2, 3, 4, 5, 6], [0, 3, 2, 4, 1, 0])
+    # a spill marker on the line at each step with spills, a return marker at each return
+    assert lines["a: spilled"] == ([2, 3], [3, 2])
+    assert lines["a: returned"] == ([3, 5], [2, 1])
+    assert sorted(notes[name]) == ["-> B x1", "-> C x1"]
+    out = run / "report"
+    img = imread(out / name)
+    assert img.ndim == 3 and img.std() > 0.01
+    page = (out / "index.html").read_text()
+    assert f'<img src="{name}"' in page and f"<h2>{html.escape(title)}</h2>" in page
+    # every decision listed with its step
+    assert "<h2>Online affinity moves</h2>" in page
+    assert "<td>3</td><td>a: A -&gt; C (pool &#x27;A&#x27; saturated)</td>" in page
+    assert page.count("<td>a: ") == 4
+
+
+def test_a_run_without_affinity_moves_has_no_affinity_plot(tmp_path) -> None:
+    run = _run_dir(tmp_path)
+    rows = [{**json.loads(x), "affinity_moves": [], "num_spilled_by_domain": {},
+             "affinity_spills_by_domain": {}, "affinity_returns_by_domain": {}}
+            for x in (run / "metrics.jsonl").read_text().splitlines()]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert report.main([str(run)]) == 0
+    assert not (run / "report" / report.AFFINITY_PLOT[0]).exists()
+    assert "Online affinity" not in (run / "report" / "index.html").read_text()

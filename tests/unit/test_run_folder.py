@@ -209,9 +209,10 @@ def test_validate_ends_on_its_notes_and_says_run_would_refuse(tmp_path: Path) ->
 
 def test_rollart_run_says_what_validate_notes(tmp_path: Path, capsys) -> None:
     sc = tmp_path / "stop.toml"
+    # at_batch spelled out: the default (eager) gives no agreement note
     sc.write_text(MINIMAL.read_text().replace(
         "[[pools]]", '[run.worker_checks]\nagreement_policy = "stop"\n[[env_hosts]]\n'
-        'name = "e"\n[[pools]]', 1))
+        'name = "e"\n[[pools]]', 1).replace("[run]", '[run]\nweight_apply = "at_batch"', 1))
     assert cli(["run", str(sc), "--steps", "0"]) == 2  # refused after the notes
     err = capsys.readouterr().err
     assert "rollart run: note: " in err and "weight_apply = 'at_batch'" in err

@@ -61,8 +61,10 @@ def test_dedicated_reward_gpus_report_utilisation_and_slow_nothing_down_when_idl
 def test_push_at_pause_exposes_the_whole_push() -> None:
     # A ~9 s push against ~40 s of rollout and a fast trainer: overlapped, it hides behind the
     # rollout (step 2 onwards; step 1's batch was ready before any push).
+    # at_batch (the paper's order): each step's weights go out at its pause, so a blocking
+    # push shows whole in every step's exposed sync time
     slow = dict(link_bytes_per_s=2e9, shared_trainer_egress=False, env_s=20.0, trainer_gpus=8,
-                steps=4)
+                steps=4, weight_apply="at_batch")
     over = run_simulated(_scenario(**slow), seed=2)
     blocking = run_simulated(_scenario(push_at_pause=True, **slow), seed=2)
     push = min(blocking.push_times_s)

@@ -18,7 +18,7 @@ from rollart.sim.calibration import (
     makespan_s,
     per_cost_ratio,
 )
-from rollart.sim.hardware import H20, H800
+from rollart.sim.hardware import H20, H20_DECODE_BW_EFFICIENCY, H800
 from rollart.sim.models import QWEN3_8B, QWEN3_30B_A3B
 
 #: (model, tp) pairs the paper trains (§7): Qwen3-8B on one GPU, Qwen3-32B on four.
@@ -36,24 +36,30 @@ def test_prefill_heavy_h800_vs_h20_per_cost(model: str, tp: int) -> None:
 @pytest.mark.parametrize(("model", "tp"), DENSE)
 def test_decode_heavy_h20_vs_h800_per_cost(model: str, tp: int) -> None:
     """Target: paper §3, a decode-heavy workload takes ~0.49-0.79x the time on H20 as on H800
-    (per cost). Tolerance: 0.15 below the band, none above. Measured when written: 0.36 (8B),
-    0.42 (32B, TP 4): the roofline puts H20 somewhat MORE favourable for decode than the paper
-    measured (it gives both GPUs the same MFU / bandwidth efficiency; small decode GEMMs on the
-    H20's few SMs likely reach less), but on the right side of 1 and within 0.15."""
+    (per cost). Tolerance: the band. Measured when written: 0.60 (8B), 0.51 (32B, TP 4), with
+    the H20's measured decode bandwidth share (``hardware.H20_DECODE_BW_EFFICIENCY``, from a
+    batch-1 measurement, not from this ratio); with the 0.7 of the other GPUs it was 0.36 / 0.42,
+    below the band."""
     ratio = per_cost_ratio(DECODE_HEAVY, model, H20, H800, tp=tp)
-    assert 0.49 - 0.15 <= ratio <= 0.79
+    assert 0.49 <= ratio <= 0.79
 
 
-def test_per_gpu_h20_is_slower_on_prefill_and_not_much_faster_on_decode() -> None:
+def test_per_gpu_h20_is_slower_on_prefill_and_decodes_at_its_achieved_bandwidth() -> None:
     """Datasheet bounds per GPU (8B): prefill cannot beat the 989/148 = 6.7x FLOP ratio, and a
     bandwidth-bound decode cannot beat the 4.0/3.35 = 1.19x HBM ratio (the H20's larger memory
-    allows bigger batches, so allow 1.3x)."""
+    allows bigger batches, so allow 1.3x). At a small batch the decode speed ratio is the ratio
+    of ACHIEVED bandwidths, 4.0 x 0.34 / (3.35 x 0.7) = 0.58 (the H20's measured share against
+    the engine's): the H20 is the slower decoder per GPU, as the paper's §3 per-GPU reading of
+    its decode-heavy ratio (1.5-2.4x slower) also says. Measured when written: 0.57."""
     pre = makespan_s(PREFILL_HEAVY, "qwen3-8b", H20) / makespan_s(PREFILL_HEAVY, "qwen3-8b",
                                                                    H800)
     assert 1.0 < pre <= 989 / 148
     small = EngineWorkload("decode-small-batch", 512, 2000, num_requests=8, max_batch=8)
     dec = makespan_s(small, "qwen3-8b", H800) / makespan_s(small, "qwen3-8b", H20)
-    assert 1.0 < dec <= 1.3
+    achieved = (H20.hbm_bytes_per_s * H20_DECODE_BW_EFFICIENCY
+                / (H800.hbm_bytes_per_s * costs.DEFAULT_EFFICIENCY.bw_efficiency))
+    assert dec == pytest.approx(achieved, rel=0.05)
+    assert dec <= 1.3
 
 
 def test_moe_decode_reads_only_routed_experts() -> None:

@@ -472,8 +472,11 @@ async def test_a_run_whose_pool_last_worker_stays_hung_stops_past_max_overload_s
     from helpers.fakes import make_scenario
     from rollart.controller import Cluster
 
+    # domain_mix "weight": under the default "yield" the hung pool's domain, which trains
+    # nothing, is started ever more often, so no trajectory finishes anywhere and the run
+    # stops on the overload rule (same bound) before this pool-specific one.
     sc = make_scenario(generate_timeout_s=20.0, worker_checks={"hang_probe_timeout_s": 5.0},
-                       retry={"max_overload_s": 200.0})
+                       retry={"max_overload_s": 200.0}, domain_mix="weight")
     hung = FakeTimedWorker("w1", _silent_until(None))
     good = FakeTimedWorker("w2", lambda r: 0.5)
     async with Cluster.from_scenario(sc, backends=_two_pools(hung, good)) as c:

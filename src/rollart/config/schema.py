@@ -131,8 +131,25 @@ _DEFAULT_APPLY_WAVES = 2
 #: ``RunConfig.hold_batch_max_s`` unless set (any other value needs ``hold_batch_for_groups``)
 _DEFAULT_HOLD_BATCH_MAX_S = 60.0
 
+#: modes whose rollout overlaps training (``rollart.controller.modes``: ``ModeSpec.overlap``)
+OVERLAP_MODES = ("one_off", "areal", "rollart")
+
+
 class RunConfig(_Cfg, frozen=True):
-    """What to run: algorithm shape, asynchrony mode, staleness bound and per-trajectory limits."""
+    """What to run: algorithm shape, asynchrony mode, staleness bound and per-trajectory limits.
+
+    Staleness policy: a scenario that sets none of its fields gets the one that wastes no
+    generated tokens as stale at alpha = 1 (docs/staleness.md): weights applied as soon as they
+    are pushed, in ``apply_waves`` waves (``weight_apply``), a trajectory's first token only on a
+    version with headroom (``fresh_start``), version-aware admission (``admission =
+    "capacity"``), a yield-corrected domain mix (``domain_mix = "yield"``) and, in mode
+    ``rollart``, a ready batch held for a group it would make stale (``hold_batch_for_groups``).
+    The fields that only apply in some modes are unset (``None``) by default and mean "on where
+    it applies" (the ``effective_*`` properties); a value written in the scenario is checked
+    against the mode, never changed. The previous default, spelled out: ``weight_apply =
+    "at_batch"``, ``fresh_start = false``, ``admission = "greedy"``, ``domain_mix = "weight"``,
+    ``hold_batch_for_groups = false``.
+    """
 
     #: master seed: domain mixing, env seeds per group, unbiased selection.
     seed: NonNegInt = 0
@@ -162,16 +179,19 @@ class RunConfig(_Cfg, frozen=True):
     #: overlap modes: when a trained version reaches the workers. ``at_batch``: at the pause of
     #: the next step, once its batch is taken (the paper's §6.2 order); ``eager``: as soon as its
     #: push completes, in ``apply_waves`` waves, so tokens generated while the next batch fills
-    #: are already of the new version (fewer go stale at alpha = 1).
-    weight_apply: Literal["at_batch", "eager"] = "at_batch"
+    #: are already of the new version (fewer go stale at alpha = 1). Unset: ``eager`` in the
+    #: overlap modes (``one_off``, ``areal``, ``rollart``), ``at_batch`` in ``sync`` /
+    #: ``sync_plus`` (which apply while generation is paused anyway); ``effective_weight_apply``.
+    weight_apply: Literal["at_batch", "eager"] | None = None
     #: eager apply: workers of each pool are paused and updated in this many successive waves,
     #: so a pool never stops generating all at once (1 = every worker together).
     apply_waves: Annotated[int, msgspec.Meta(ge=1, le=64)] = _DEFAULT_APPLY_WAVES
     #: a trajectory generates its first token only once the workers serve a version with one
     #: version of headroom (``> trainer version - alpha``); otherwise it waits for the next
     #: apply instead of starting work that could only join the very next batch and is mostly
-    #: wasted. Needs ``weight_apply = "eager"`` (the wait must not depend on a batch).
-    fresh_start: bool = False
+    #: wasted. Needs ``weight_apply = "eager"`` (the wait must not depend on a batch). Unset:
+    #: on wherever the weights are applied eagerly (``effective_fresh_start``).
+    fresh_start: bool | None = None
     #: modes with the per-turn check (``rollart``, ``sync``, ``sync_plus``) and
     #: ``on_stale = "restart"`` only: when a version bump makes a running
     #: trajectory stale, abort its generation at once and restart its slot (else it runs on
@@ -180,8 +200,9 @@ class RunConfig(_Cfg, frozen=True):
     #: mode ``rollart`` only: while a batch is ready but an open, incomplete group has a token
     #: that the batch's update would make stale (older than ``version + 1 - alpha``), the
     #: trainer waits for that group instead of the rollout throwing it away (fewer wasted
-    #: tokens at alpha = 1; ``SampleBuffer.holds_batch``). Off: the batch goes at once.
-    hold_batch_for_groups: bool = False
+    #: tokens at alpha = 1; ``SampleBuffer.holds_batch``). Off: the batch goes at once. Unset:
+    #: on in mode ``rollart``, off in the others (``effective_hold_batch``).
+    hold_batch_for_groups: bool | None = None
     #: longest a ready batch is held for ``hold_batch_for_groups``, seconds: past it the batch
     #: goes ahead and the group it waited for goes stale as without the option, so a hung
     #: group never stalls training longer.
@@ -193,12 +214,12 @@ class RunConfig(_Cfg, frozen=True):
     #: then (``rollart.controller.rollout.pacing``); ``capacity``: start a group only while fewer
     #: still-admissible groups are in flight than the batches it could join can take
     #: (``SampleBuffer.has_capacity``).
-    admission: Literal["greedy", "paced", "capacity"] = "greedy"
+    admission: Literal["greedy", "paced", "capacity"] = "capacity"
     #: domain of each admitted group: ``weight`` draws by ``domain.weight``; ``yield`` divides
     #: each weight by the domain's measured yield (samples trained per trajectory slot started),
     #: so domains whose trajectories are more often wasted (long horizon) are started more often
     #: and reach their configured share of trained samples.
-    domain_mix: Literal["weight", "yield"] = "weight"
+    domain_mix: Literal["weight", "yield"] = "yield"
     #: maximum assistant turns per trajectory.
     max_turns: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 8
     #: generated tokens per turn (the engine's ``max_tokens``). A turn that reaches it ends the
@@ -268,6 +289,27 @@ class RunConfig(_Cfg, frozen=True):
     #: trajectories, what each is doing and since when), and again every as long, seconds.
     stall_log_s: PosFloat = 60.0
 
+    @property
+    def effective_weight_apply(self) -> Literal["at_batch", "eager"]:
+        """``weight_apply`` as set, else ``eager`` in an overlap mode, ``at_batch`` otherwise."""
+        if self.weight_apply is not None:
+            return self.weight_apply
+        return "eager" if self.mode in OVERLAP_MODES else "at_batch"
+
+    @property
+    def effective_fresh_start(self) -> bool:
+        """``fresh_start`` as set, else whether the weights are applied eagerly."""
+        if self.fresh_start is not None:
+            return self.fresh_start
+        return self.effective_weight_apply == "eager" and self.mode in OVERLAP_MODES
+
+    @property
+    def effective_hold_batch(self) -> bool:
+        """``hold_batch_for_groups`` as set, else whether the mode is ``rollart``."""
+        if self.hold_batch_for_groups is not None:
+            return self.hold_batch_for_groups
+        return self.mode == "rollart"
+
 
 class ModelConfig(_Cfg, frozen=True):
     """The policy checkpoint: ``"tiny"`` builds the project's tiny model, else a local HF dir."""
@@ -298,6 +340,13 @@ class ModelConfig(_Cfg, frozen=True):
     #: the warmed-up policy then keeps a random-guessing habit that RL can teach it to drop,
     #: and groups whose members differ (GRPO learns nothing from a group of equal rewards).
     tiny_warmup_explore: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
+    #: exploring moves replace only the first N moves of each demonstrated episode (the later
+    #: moves stay the solver's); ``None``: any move. With ``tiny_warmup_explore = 1.0`` and 1,
+    #: every demonstrated game opens with a uniformly random guess and then bisects. Measured on
+    #: the quickstart's domains: the warmed policy then plays worse after the opening too
+    #: (sampled win rate 0.27 / 0.19 against 0.62 / 0.53 with bisection openings), and 75 RL
+    #: steps did not teach it to open in the middle.
+    tiny_warmup_explore_turns: Annotated[int, msgspec.Meta(ge=1, le=64)] | None = None
     #: data type of the weights in trainer and engine.
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
 

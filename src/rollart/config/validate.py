@@ -8,7 +8,12 @@ from __future__ import annotations
 import difflib
 from collections.abc import Sequence
 
-from rollart.config.schema import _DEFAULT_APPLY_WAVES, _DEFAULT_HOLD_BATCH_MAX_S, Scenario
+from rollart.config.schema import (
+    _DEFAULT_APPLY_WAVES,
+    _DEFAULT_HOLD_BATCH_MAX_S,
+    OVERLAP_MODES,
+    Scenario,
+)
 from rollart.transport.errors import ConfigError
 
 # A name and its negation are close in spelling and opposite in meaning ('async' / 'sync'):
@@ -98,16 +103,18 @@ def validate_scenario(scenario: Scenario, source: str = "<scenario>") -> Scenari
         raise _fail(
             source, "run.alpha", f"mode {run.mode!r} overlaps rollout and training: alpha >= 1"
         )
-    if run.fresh_start and (run.weight_apply != "eager" or run.mode not in (
-            "one_off", "areal", "rollart")):
+    # Unset policy fields (None) mean "on where it applies" (RunConfig.effective_*), so only
+    # a value written in the scenario can break these rules.
+    if run.fresh_start and (run.effective_weight_apply != "eager"
+                            or run.mode not in OVERLAP_MODES):
         raise _fail(source, "run.fresh_start", "needs weight_apply = 'eager' in an overlap mode "
-                    f"(got {run.weight_apply!r}, mode {run.mode!r}): a trajectory waiting for "
-                    "new weights must not wait for the batch that brings them")
-    if run.weight_apply == "eager" and run.mode not in ("one_off", "areal", "rollart"):
+                    f"(got {run.effective_weight_apply!r}, mode {run.mode!r}): a trajectory "
+                    "waiting for new weights must not wait for the batch that brings them")
+    if run.weight_apply == "eager" and run.mode not in OVERLAP_MODES:
         raise _fail(source, "run.weight_apply", f"'eager' needs an overlap mode (one_off, areal, "
                     f"rollart), got mode {run.mode!r}: without overlap the weights are applied "
                     "while generation is paused anyway")
-    if run.apply_waves != _DEFAULT_APPLY_WAVES and run.weight_apply != "eager":
+    if run.apply_waves != _DEFAULT_APPLY_WAVES and run.effective_weight_apply != "eager":
         raise _fail(source, "run.apply_waves", f"{run.apply_waves} is used by weight_apply = "
                     "'eager' only (at_batch applies on every worker at the pause)")
     if run.abort_stale and (run.on_stale != "restart" or run.mode not in (
@@ -119,7 +126,7 @@ def validate_scenario(scenario: Scenario, source: str = "<scenario>") -> Scenari
         raise _fail(source, "run.hold_batch_for_groups", f"needs mode 'rollart', got mode "
                     f"{run.mode!r}: only there does a batch's update make groups still "
                     "generating stale (one batch in flight, or staleness checked at admission)")
-    if run.hold_batch_max_s != _DEFAULT_HOLD_BATCH_MAX_S and not run.hold_batch_for_groups:
+    if run.hold_batch_max_s != _DEFAULT_HOLD_BATCH_MAX_S and not run.effective_hold_batch:
         raise _fail(source, "run.hold_batch_max_s", f"{run.hold_batch_max_s:g} s is used by "
                     "run.hold_batch_for_groups = true only")
     if (run.group_timeout_s is not None and run.trajectory_timeout_s is not None

@@ -11,9 +11,11 @@ trainer. Background work:
   becomes a buffer call (complete / fail -> retry / restart / cancel); siblings the buffer asks
   to cancel are cancelled (aborting generation, closing the env session);
 - the weight push of the newest version (trainer -> workers, staged), overlapping rollout;
-  with ``run.weight_apply = "eager"`` it is applied as soon as it is staged, in waves.
+  with ``run.weight_apply = "eager"`` (the default in overlap modes) it is applied as soon as it
+  is staged, in waves.
 
-Staleness policies (``rollart.config.RunConfig``; all keep the bound strict): ``admission``
+Staleness policies (``rollart.config.RunConfig``, whose docstring names the default; all keep
+the bound strict): ``admission``
 ``greedy`` (any free slot), ``capacity`` (a group starts only if some batch it could still
 join has room: ``SampleBuffer.has_capacity``) or ``paced`` (``rollart.controller.rollout.pacing``);
 ``domain_mix`` ``weight`` or ``yield`` (see :meth:`Controller.domain_weights`); ``fresh_start``
@@ -152,13 +154,18 @@ class Controller:
         proxy.hang.max_overload_s = run.retry.max_overload_s  # a pool's last worker, hung
         self.transcripts = transcripts
         on_drop = transcripts.dropped if transcripts is not None else None
+        check = check if check is not None else spec.check
+        # Unset, the hold applies where a version bump makes running groups stale: not under
+        # a check override to "admission" (a simulator ablation), which SampleBuffer refuses.
+        hold = (run.hold_batch_for_groups if run.hold_batch_for_groups is not None
+                else run.effective_hold_batch and check == "per_turn")
         self.buffer = buffer_class(
             alpha=run.alpha,
             batch_size=run.batch_size,
             group_size=run.group_size,
             redundancy=run.redundancy,
             selection=run.selection,
-            check=check if check is not None else spec.check,
+            check=check,
             on_stale=run.on_stale,
             max_attempts=run.retry.max_attempts,
             max_group_attempts=run.max_group_attempts,
@@ -166,10 +173,10 @@ class Controller:
             rng=random.Random(run.seed + 1),
             on_forget=self._forget_group,
             on_drop=on_drop,
-            fresh_start=run.fresh_start,
+            fresh_start=run.effective_fresh_start,
             abort_stale=run.abort_stale,
             staleness_control=spec.staleness_control,
-            hold_for_groups=run.hold_batch_for_groups,
+            hold_for_groups=hold,
         )
         self.domains: dict[str, DomainConfig] = {d.name: d for d in scenario.domains}
         if resume is not None:
@@ -195,7 +202,8 @@ class Controller:
         self._sync = WeightSync(
             proxy, trainer, self.clock, reprefill=run.reprefill,
             on_applied=self._on_applied, on_push_done=self.tasks.supervise,
-            eager=spec.overlap and run.weight_apply == "eager", waves=run.apply_waves,
+            eager=spec.overlap and run.effective_weight_apply == "eager",
+            waves=run.apply_waves,
         )
         #: what a slow batch waits on (``stall_report``)
         self.watchdog = StallWatchdog(run, self.buffer, self.tasks, self.clock)
@@ -379,7 +387,9 @@ class Controller:
         worth of prior so a new domain starts at 1; groups still in flight are left out, or a
         long-horizon domain would look unproductive while its groups run): for trained shares
         proportional to the weights, domain d must be started at a rate proportional to
-        ``weight_d / yield_d`` (trained_d = started_d * yield_d).
+        ``weight_d / yield_d`` (trained_d = started_d * yield_d). The factor ``1 / yield`` is
+        capped at ``rollout.admission.MAX_YIELD_BOOST`` (4): a domain whose groups keep failing
+        is not started ever more often at the expense of the others.
         """
         return self.admission.domain_weights()
 

@@ -14,6 +14,8 @@ import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Literal, TypeVar
 
+import msgspec
+
 from rollart.transport import messages as m
 from rollart.transport.errors import PeerDeadError, RemoteError, RemoteTimeoutError
 from rollart.transport.rpc import RpcClient
@@ -43,7 +45,10 @@ class InferenceClient:
         abort_timeout_s: timeout of the background ``Abort`` sent for a cancelled generate.
 
     Attributes:
-        last_stats: the most recent ``WorkerStats`` seen in any reply (``None`` before the first).
+        last_stats: the most recent ``WorkerStats`` seen in any reply (``None`` before the first),
+            its ``paused`` flag set by an acknowledged ``pause`` and cleared by an acknowledged
+            ``resume`` (their replies carry no stats; a pool read as paused after its resume
+            would hold online affinity still until the next generate reply).
     """
 
     def __init__(
@@ -157,10 +162,16 @@ class InferenceClient:
         """Pause generation. ``keep``: in-flight requests wait with their KV cache; ``abort``:
         they are aborted and return what they produced. New requests queue until ``resume``."""
         await self._call(m.Pause(mode=mode), m.Ack)
+        self._set_paused(True)
 
     async def resume(self) -> None:
         """Resume generation after ``pause``."""
         await self._call(m.Resume(), m.Ack)
+        self._set_paused(False)
+
+    def _set_paused(self, paused: bool) -> None:
+        if self.last_stats is not None and self.last_stats.paused != paused:
+            self.last_stats = msgspec.structs.replace(self.last_stats, paused=paused)
 
     async def stats(self) -> m.WorkerStats:
         """The worker's current ``WorkerStats`` (also stored in ``last_stats``)."""

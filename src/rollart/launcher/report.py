@@ -19,6 +19,10 @@ Reads ``RUN_DIR/metrics.jsonl`` (and ``summary.json`` when present) and writes, 
   and gradient norm of each step (``train_metrics``);
 - ``entropy.png``: the policy's mean entropy per generated token (nats), overall and per domain;
 - ``response_length.png``: per domain, mean generated tokens per trajectory;
+- ``affinity.png`` (runs whose online affinity, ``[run.adaptive_affinity]``, moved a domain):
+  per domain, the new trajectories started away from its own pool in each step, a marker at
+  each step where the domain spilled (up, with the pool it went to and how many times) and
+  where it returned (down); the page lists every move with its step and reason;
 - ``index.html``: the images; from ``summary.json``, each domain's reward over its first and
   last 10 steps and trained share, its held-out evaluation, and every other summary field
   (dict values as tables).
@@ -64,6 +68,9 @@ SERIES_PLOTS: dict[str, tuple[str, str, str | None, str | None]] = {
     "response_length.png": ("Mean response length per domain", "tokens per trajectory", None,
                             "response_len/"),
 }
+
+#: the online-affinity plot, drawn when a domain moved or spilled trajectories
+AFFINITY_PLOT = ("affinity.png", "Online affinity per domain (\u25b2 spill, \u25bc return)")
 
 #: default ``--smooth``: points in the rolling mean drawn over each noisy series
 DEFAULT_SMOOTH = 5
@@ -227,7 +234,54 @@ def write_plots(rows: list[dict[str, Any]], out: Path, *, smooth: int = DEFAULT_
                    lw=2 if key == overall else 1.5)
         _save(fig, out / name)
     return ([out / name for name in PLOTS] + [out / name for name in found]
-            + write_eval_plots(rows, out))
+            + write_affinity_plot(rows, out) + write_eval_plots(rows, out))
+
+
+def affinity_domains(rows: list[dict[str, Any]]) -> list[str]:
+    """The domains online affinity moved or spilled trajectories of in ``rows``, sorted
+    (none: the run had it off, or nothing saturated)."""
+    return sorted({d for r in rows for key in ("num_spilled_by_domain",
+                   "affinity_spills_by_domain", "affinity_returns_by_domain")
+                   for d, v in r.get(key, {}).items() if v})
+
+
+def write_affinity_plot(rows: list[dict[str, Any]], out: Path) -> list[Path]:
+    """:data:`AFFINITY_PLOT` when :func:`affinity_domains` finds any; returns its path.
+
+    Per domain: the trajectories started away from its pool per step (a line), a ``^``
+    marker on it at each step with spills (labelled ``-> pool xN``) and a ``v`` marker at
+    each step with returns (``xN`` when more than one)."""
+    domains = affinity_domains(rows)
+    if not domains:
+        return []
+    name, title = AFFINITY_PLOT
+    fig, ax = _figure(title, "new trajectories off their pool")
+    steps = [r["step"] for r in rows]
+    for i, d in enumerate(domains):
+        spilled = [r.get("num_spilled_by_domain", {}).get(d, 0) for r in rows]
+        ax.plot(steps, spilled, marker=".", color=f"C{i}", label=f"{d}: spilled trajectories")
+        ups = [(st, y, r["affinity_spills_by_domain"][d]) for st, y, r
+               in zip(steps, spilled, rows, strict=True)
+               if r.get("affinity_spills_by_domain", {}).get(d)]
+        downs = [(st, y, r["affinity_returns_by_domain"][d]) for st, y, r
+                 in zip(steps, spilled, rows, strict=True)
+                 if r.get("affinity_returns_by_domain", {}).get(d)]
+        for pts, marker, what in ((ups, "^", "spilled"), (downs, "v", "returned")):
+            if not pts:
+                continue
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], ls="none", marker=marker,
+                    ms=9, color=f"C{i}", label=f"{d}: {what}")
+            for st, y, n in pts:
+                text = (", ".join(f"-> {pool} x{k}" for pool, k in sorted(n.items()))
+                        if isinstance(n, dict) else f"x{n}" if n > 1 else "")
+                if text:
+                    ax.annotate(text, (st, y), textcoords="offset points", fontsize=7,
+                                xytext=(4, 6 if marker == "^" else -10), color=f"C{i}")
+    ax.margins(y=0.2)  # room for the labels above the highest marker
+    ax.set_ylim(bottom=0)
+    path = out / name
+    _save(fig, path)
+    return [path]
 
 
 def eval_points(rows: list[dict[str, Any]]) -> dict[str, list[tuple[int, dict[str, Any]]]]:
@@ -322,7 +376,11 @@ def write_html(run_dir: Path, out: Path, rows: list[dict[str, Any]]) -> Path:
     rest = {k: v for k, v in summary.items() if k not in ("domains", "eval")}
     if rest:
         table += f"<h2>Run summary</h2>{_fmt(rest)}"
+    moves = [{"step": r["step"], "move": mv} for r in rows for mv in r.get("affinity_moves", [])]
+    if moves:
+        table += f"<h2>Online affinity moves</h2>{_fmt(moves)}"
     plots = {**PLOTS, **{name: SERIES_PLOTS[name][0] for name in series_plots(rows)},
+             **(dict([AFFINITY_PLOT]) if affinity_domains(rows) else {}),
              **{f"eval_{d}.png": f"Held-out eval: {d}" for d in eval_points(rows)}}
     figs = "".join(f'<h2>{html.escape(title)}</h2><img src="{name}" alt="{html.escape(title)}">'
                    for name, title in plots.items())

@@ -42,7 +42,9 @@ def step_scalars(row: dict[str, Any]) -> dict[str, float]:
     ``response_len/<domain>`` (mean generated tokens per trajectory of the domain's samples);
     ``entropy_mean`` and ``entropy/<domain>`` (the policy's mean entropy per generated token,
     nats); ``spilled/<domain>`` and ``affinity_moves`` (online affinity: trajectories started
-    away from the domain's pool, moves of domains between pools).
+    away from the domain's pool, moves of domains between pools), ``affinity_spills/<domain>``
+    and ``affinity_returns/<domain>`` (the domain's moves away from its pool, to any pool, and
+    back).
     ``None`` values are left out; a row's evaluations are :func:`eval_scalars`' (they belong
     to the step each started after, not to this one).
     """
@@ -80,6 +82,10 @@ def step_scalars(row: dict[str, Any]) -> dict[str, float]:
         for d, v in row.get("num_spilled_by_domain", {}).items():
             out[f"spilled/{d}"] = float(v)
         out["affinity_moves"] = float(len(row["affinity_moves"]))
+        for d, to in row.get("affinity_spills_by_domain", {}).items():
+            out[f"affinity_spills/{d}"] = float(sum(to.values()))
+        for d, v in row.get("affinity_returns_by_domain", {}).items():
+            out[f"affinity_returns/{d}"] = float(v)
     return out
 
 

@@ -85,7 +85,8 @@ def agreement_notes(sc: Scenario) -> list[str]:
 
     run = sc.run
     if (run.worker_checks.agreement_policy in ("quarantine", "stop")
-            and mode_spec(run.mode).overlap and run.weight_apply == "at_batch"):
+            and mode_spec(run.mode).overlap
+            and run.effective_weight_apply == "at_batch"):
         return [f"run.worker_checks.agreement_policy = {run.worker_checks.agreement_policy!r} "
                 f"with mode {run.mode!r} and weight_apply = 'at_batch': after the first step "
                 "no batch holds tokens of the trainer's version, so workers are judged on all "

@@ -50,6 +50,8 @@ class WarmupRecipe(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_o
     #: drawn uniformly from GuessTheNumber's whole range, hints ignored), so that the warmed-up
     #: policy keeps sampling alternatives where it would otherwise always repeat one move.
     explore: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
+    #: exploring moves replace only an episode's first `explore_turns` moves; ``None``: any.
+    explore_turns: Annotated[int, msgspec.Meta(ge=1)] | None = None
 
 
 # Chosen by measurement on the 2-core machine with the quickstart's two domains
@@ -134,11 +136,12 @@ def render_prompt(
 
 
 def play_episode(
-    domain: DomainConfig, seed: int, tokenizer: Any, *, max_turns: int, explore: float = 0.0
+    domain: DomainConfig, seed: int, tokenizer: Any, *, max_turns: int, explore: float = 0.0,
+    explore_turns: int | None = None,
 ) -> list[tuple[str, str]]:
-    """Play one episode of `domain` with its scripted solver from env `seed`; each move is
-    replaced with probability `explore` by `exploring_action` (where the env has one), drawn
-    from a generator seeded by `seed`.
+    """Play one episode of `domain` with its scripted solver from env `seed`; each of the first
+    `explore_turns` moves (``None``: every move) is replaced with probability `explore` by
+    `exploring_action` (where the env has one), drawn from a generator seeded by `seed`.
 
     Returns:
         One (prompt, completion) pair per assistant turn, at most `max_turns`, in turn order.
@@ -152,9 +155,10 @@ def play_episode(
         obs, info = env.reset(seed)
         observations, actions, pairs = [obs], [], []
         rng = random.Random(seed)
-        for _ in range(max_turns):
+        for turn in range(max_turns):
             action = next_action(domain.env, observations, actions, info)
-            if explore and rng.random() < explore:
+            may_explore = explore_turns is None or turn < explore_turns
+            if explore and may_explore and rng.random() < explore:
                 action = exploring_action(domain.env, observations, rng) or action
             pairs.append((render_prompt(tokenizer, domain, observations, actions), action))
             obs, _, terminated, truncated, _ = env.step(action)
@@ -176,6 +180,7 @@ def build_demonstrations(
     tokenizer: Any = None,
     tool_calls: bool = False,
     explore: float = 0.0,
+    explore_turns: int | None = None,
 ) -> list[tuple[str, str]]:
     """Solver demonstrations for every domain that has a scripted solver.
 
@@ -189,6 +194,8 @@ def build_demonstrations(
             (`rollart.models.tooldemos.play_tool_episode`: two pairs per episode) instead of
             the gym loop.
         explore: share of moves replaced by an exploring move (`play_episode`).
+        explore_turns: only an episode's first `explore_turns` moves may be replaced
+            (`play_episode`); ``None``: any move.
 
     Returns:
         (prompt_text, completion_text) pairs, domains in the given order, episodes in seed
@@ -214,7 +221,7 @@ def build_demonstrations(
                 pairs.extend(play_tool_episode(domain, env_seed, tokenizer))
             else:
                 pairs.extend(play_episode(domain, env_seed, tokenizer, max_turns=turns,
-                                          explore=explore))
+                                          explore=explore, explore_turns=explore_turns))
     return pairs
 
 
@@ -237,7 +244,7 @@ def ensure_warm_tiny_model(
     recipe = warmup_spec(model_seed, recipe)
     demos = build_demonstrations(
         domains, recipe.episodes_per_domain, recipe.demo_seed, max_turns=max_turns,
-        tool_calls=tool_calls, explore=recipe.explore)
+        tool_calls=tool_calls, explore=recipe.explore, explore_turns=recipe.explore_turns)
     return ensure_tiny_model(cache_dir, recipe.spec, demonstrations=demos, sft=recipe.sft)
 
 
@@ -265,7 +272,8 @@ def scenario_recipe(scenario: Scenario) -> WarmupRecipe:
     """The warm-up recipe of a scenario: `TOOL_CALL_RECIPE` with ``model.tiny_warmup_tool_calls``,
     else `DEFAULT_RECIPE`, with ``model.tiny_warmup_episodes`` / ``_epochs`` / ``_lr`` replacing
     its episodes per domain, SFT epochs and SFT learning rate where set (not ``None``), and
-    ``model.tiny_warmup_explore`` its share of exploring moves. The
+    ``model.tiny_warmup_explore`` / ``_explore_turns`` its share of exploring moves and the
+    turns they may replace. The
     model seed is not set here (`warmup_spec` does)."""
     model = scenario.model
     base = TOOL_CALL_RECIPE if model.tiny_warmup_tool_calls else DEFAULT_RECIPE
@@ -277,4 +285,5 @@ def scenario_recipe(scenario: Scenario) -> WarmupRecipe:
     episodes = model.tiny_warmup_episodes
     return msgspec.structs.replace(
         base, sft=sft, explore=model.tiny_warmup_explore,
+        explore_turns=model.tiny_warmup_explore_turns,
         episodes_per_domain=base.episodes_per_domain if episodes is None else episodes)

@@ -8,6 +8,8 @@ compute-bound. An engine spans ``tp`` devices (tensor parallel): their FLOP/s an
 - step_s (one engine iteration, decode and chunked prefill together) = max(
       (weight bytes read + KV bytes read) / (tp x hbm_bytes_per_s x bw_efficiency),
       (2 x active_params x tokens + attention FLOPs) / (tp x flops x mfu))
+  (bw_efficiency: the GPU's measured one where its profile has one,
+  ``HardwareProfile.bw_efficiency``, else the engine's ``Efficiency.bw_efficiency``)
   + TP all-reduce (2 per layer, ring; Shoeybi et al. 2019). 2 FLOPs per parameter per token
   for a forward pass (Kaplan et al. 2020, §2.1); attention FLOPs grow with context
   (``ModelProfile.attention_flops``); MoE reads only routed experts and computes only active
@@ -107,7 +109,8 @@ def step_s(model: ModelProfile, hw: HardwareProfile, *, decode_seqs: int,
         return 0.0
     bytes_read = (model.weight_bytes_read(tokens)
                   + (decode_kv_tokens + prefill_kv_read) * model.kv_bytes_per_token)
-    memory_s = bytes_read / (tp * hw.hbm_bytes_per_s * eff.bw_efficiency)
+    bw_eff = eff.bw_efficiency if hw.bw_efficiency is None else hw.bw_efficiency
+    memory_s = bytes_read / (tp * hw.hbm_bytes_per_s * bw_eff)
     attn = 4.0 * model.num_layers * model.q_dim * (decode_kv_tokens + prefill_keys)
     compute_s = (2.0 * model.active_params * tokens + attn) / (tp * hw.flops * eff.mfu)
     return max(memory_s, compute_s) + allreduce_s(model, hw, tokens, tp=tp)

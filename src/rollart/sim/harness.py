@@ -107,16 +107,17 @@ class SimScenario:
     eff: costs.Efficiency = costs.DEFAULT_EFFICIENCY
     max_attempts: int = 3
     reprefill: bool = False
-    #: ``RunConfig.weight_apply`` / ``apply_waves`` / ``domain_mix``
-    weight_apply: str = "at_batch"
-    apply_waves: int = 2
-    domain_mix: str = "weight"
-    fresh_start: bool = False
+    #: the staleness policy: ``RunConfig.weight_apply`` / ``apply_waves`` / ``domain_mix`` /
+    #: ``fresh_start`` / ``hold_batch_for_groups`` / ``hold_batch_max_s`` / ``admission``;
+    #: ``None``: ``RunConfig``'s default (the waste-free policy, where it applies)
+    weight_apply: str | None = None
+    apply_waves: int | None = None
+    domain_mix: str | None = None
+    fresh_start: bool | None = None
     abort_stale: bool = False
-    #: ``RunConfig.hold_batch_for_groups`` / ``hold_batch_max_s`` (mode ``rollart`` only)
-    hold_batch_for_groups: bool = False
-    hold_batch_max_s: float = 60.0
-    admission: str = "greedy"
+    hold_batch_for_groups: bool | None = None
+    hold_batch_max_s: float | None = None
+    admission: str | None = None
     generate_timeout_s: float = 1e6
     env_timeout_s: float = 1e6
     #: override every engine's weight-transfer link / host-to-device bandwidth (bytes/s)
@@ -197,6 +198,11 @@ class SimResult:
     simulated: bool = True
 
 
+#: ``SimScenario``'s staleness policy fields, passed to ``RunConfig`` where not ``None``
+POLICY_FIELDS = ("weight_apply", "apply_waves", "domain_mix", "fresh_start",
+                 "hold_batch_for_groups", "hold_batch_max_s", "admission")
+
+
 def scenario_of(sim: SimScenario, seed: int) -> Scenario:
     """The controller's ``Scenario`` for ``sim`` (validated; raises ``ConfigError``)."""
     alpha = MODE_ALPHA.get(sim.mode, sim.alpha)
@@ -209,13 +215,9 @@ def scenario_of(sim: SimScenario, seed: int) -> Scenario:
         max_turns=sim.max_turns, max_tokens_per_turn=sim.max_tokens_per_turn,
         max_tokens_per_trajectory=sim.max_tokens_per_trajectory, reprefill=sim.reprefill,
         generate_timeout_s=sim.generate_timeout_s, env_timeout_s=sim.env_timeout_s,
-        weight_apply=sim.weight_apply, apply_waves=sim.apply_waves,  # type: ignore[arg-type]
-        domain_mix=sim.domain_mix, fresh_start=sim.fresh_start,  # type: ignore[arg-type]
-        abort_stale=sim.abort_stale, admission=sim.admission,  # type: ignore[arg-type]
-        hold_batch_for_groups=sim.hold_batch_for_groups,
-        hold_batch_max_s=sim.hold_batch_max_s,
-        retry=RetryConfig(max_attempts=sim.max_attempts),
+        abort_stale=sim.abort_stale, retry=RetryConfig(max_attempts=sim.max_attempts),
         adaptive_affinity=sim.adaptive_affinity or AdaptiveAffinityConfig(),
+        **{f: v for f in POLICY_FIELDS if (v := getattr(sim, f)) is not None},
     )
     pools = [PoolConfig(name=p.name, hardware=p.hardware, num_workers=p.num_workers,
                         engine=EngineConfig(max_num_seqs=p.max_batch, tensor_parallel_size=p.tp))

@@ -140,6 +140,10 @@ def const(value: float) -> Dist:
 class DomainSpec:
     """One simulated task domain.
 
+    The field defaults are placeholders (ASSUMED, no source): the benchmarks' domains, each
+    number with its public source or marked assumed, are ``benchmarks.workloads.reasoning``
+    and ``.agentic``.
+
     Attributes:
         name: domain name; the env name is ``"sim:" + name``.
         prompt_tokens: first-observation length (tokens).

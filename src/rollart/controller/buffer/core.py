@@ -110,7 +110,9 @@ AReaL's policy (``staleness_control="areal"``; mode ``areal`` only)
     admission while ``admitted - retired < (alpha + v + 1) * batch_size / group_size`` groups
     (the formula in groups, AReaL's unit of a rollout: ``accepted + running`` counts every
     group admitted and not rejected, and ``v`` only grows at ``advance_version``, i.e. after
-    training, so a consumed batch frees no room until its update is applied). ``C - running``
+    training, so a consumed batch frees no room until its update is applied), and while
+    ``groups_in_flight < max_groups`` as in every policy (a retired group leaves AReaL's count
+    at once but stays in flight until its live members are cancelled). ``C - running``
     (the engines' concurrency) is left to the workers' own queues. The staleness really
     trained at is in ``stats().last_batch_max_staleness``.
 
@@ -426,12 +428,16 @@ class SampleBuffer:
 
     def has_room(self) -> bool:
         """Whether ``try_start_group`` would admit a group now: ``groups_in_flight <
-        max_groups``, or with ``staleness_control="areal"`` AReaL's capacity (module
+        max_groups``, and with ``staleness_control="areal"`` also AReaL's capacity (module
         docstring)."""
+        if len(self._groups) >= self.max_groups:
+            # Also under AReaL's capacity: a retired group leaves it at once but stays in
+            # flight until its members are cancelled.
+            return False
         if self._areal:
             cap = (self.alpha + self._version + 1) * (self.batch_size // self.group_size)
             return self._table.admitted < cap
-        return len(self._groups) < self.max_groups
+        return True
 
     def has_capacity(self, serving_version: int, alpha: int | None = None) -> bool:
         """Version-aware admission: whether a group started now on workers serving

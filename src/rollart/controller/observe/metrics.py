@@ -135,6 +135,12 @@ class StepMetrics(msgspec.Struct, kw_only=True):
     #: online affinity's moves during the step, in order, each
     #: ``"<domain>: <from pool> -> <to pool> (<why>)"``
     affinity_moves: list[str] = []
+    #: online affinity's decisions during the step: per task domain, per pool, the times the
+    #: domain's new trajectories were sent away from its own pool to that one
+    affinity_spills_by_domain: dict[str, dict[str, int]] = {}
+    #: the same for the returns: per task domain, the times its new trajectories came back to
+    #: its own pool (the pressure fell, or the pool spilled to saturated in turn)
+    affinity_returns_by_domain: dict[str, int] = {}
     #: held-out evaluations that ended by this step's end (``rollart.controller.evaluation.runner``;
     #: each names the step it started after in ``at_step``); empty on most steps
     eval: list[EvalRecord] = []

@@ -37,9 +37,12 @@ class StepStart:
     invalid_replies: int
     quarantined: int
     t0: float
-    #: online affinity's per-domain spill counts and number of moves so far
+    #: online affinity's per-domain spilled trajectories, number of moves, spills per domain
+    #: and pool, returns per domain, so far
     spilled: dict[str, int]
     moves: int
+    spills: dict[str, dict[str, int]]
+    returns: dict[str, int]
 
 
 class StepCounters:
@@ -95,7 +98,10 @@ class StepCounters:
             window_waits=proxy.num_window_waits, invalid_replies=proxy.num_invalid_replies,
             quarantined=len(proxy.quarantined), t0=self.clock(),
             spilled=dict(proxy.spill.num_spilled) if proxy.spill else {},
-            moves=proxy.spill.num_moves if proxy.spill else 0)
+            moves=proxy.spill.num_moves if proxy.spill else 0,
+            spills={d: dict(to) for d, to in proxy.spill.num_spills.items()}
+            if proxy.spill else {},
+            returns=dict(proxy.spill.num_returns) if proxy.spill else {})
 
     def metrics(self, start: StepStart, *, step: int, mode: str, policy_version: int,
                 batch: Sequence[Sample], t_batch: float, t_end: float, train_s: float,
@@ -138,6 +144,18 @@ class StepCounters:
             new = min(proxy.spill.num_moves - start.moves, len(proxy.spill.transitions))
             metrics.affinity_moves = [f"{t.domain}: {t.from_pool} -> {t.to_pool} ({t.why})"
                                       for t in list(proxy.spill.transitions)[-new:]] if new else []
+            spills = {}
+            for d, to in sorted(proxy.spill.num_spills.items()):
+                before = start.spills.get(d, {})
+                gained = {p: n - before.get(p, 0) for p, n in sorted(to.items())
+                          if n > before.get(p, 0)}
+                if gained:
+                    spills[d] = gained
+            metrics.affinity_spills_by_domain = spills
+            metrics.affinity_returns_by_domain = {
+                d: n - start.returns.get(d, 0)
+                for d, n in sorted(proxy.spill.num_returns.items())
+                if n > start.returns.get(d, 0)}
         return metrics
 
     def end(self, metrics: StepMetrics, start: StepStart, t_end: float) -> None:

@@ -34,6 +34,11 @@ log = logging.getLogger(__name__)
 #: a complete group found at its deadline (it waits for the trainer) is checked again after
 #: this share of ``run.group_timeout_s``
 RECHECK_SHARE = 0.1
+#: ``domain_mix = "yield"`` starts a domain at most this many times as often as its weight
+#: says: a domain whose groups keep failing (a hung pool, a broken env) would otherwise be
+#: started ever more often and starve the healthy ones.
+MAX_YIELD_BOOST = 4.0
+
 #: trajectories admitted in one pass of the event loop before admission yields to it
 ADMIT_PER_PASS = 32
 
@@ -171,7 +176,8 @@ class Admission:
             dc = counts.get(d.name)
             trained, groups = (dc.trained, dc.groups_started) if dc is not None else (0, 0)
             resolved = max(0, groups - in_flight.get(d.name, 0))
-            out.append(d.weight * (g * resolved + g) / (trained + g))
+            boost = (g * resolved + g) / (trained + g)
+            out.append(d.weight * min(boost, MAX_YIELD_BOOST))
         return out
 
     def _pick_domain(self) -> DomainConfig:

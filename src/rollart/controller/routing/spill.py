@@ -26,8 +26,10 @@ a pool at the edge from flapping), or at once when its spill target saturates in
 nothing saturates the static mapping is the rule.
 
 Every transition is logged (INFO) and counted, the latest kept
-(:attr:`SpillPolicy.transitions`, :attr:`SpillPolicy.num_moves`); trajectories
-routed away from their home pool are counted per domain (:attr:`SpillPolicy.num_spilled`).
+(:attr:`SpillPolicy.transitions`, :attr:`SpillPolicy.num_moves`), spills per domain and target
+pool (:attr:`SpillPolicy.num_spills`) and returns per domain (:attr:`SpillPolicy.num_returns`);
+trajectories routed away from their home pool are counted per domain
+(:attr:`SpillPolicy.num_spilled`).
 """
 
 from __future__ import annotations
@@ -83,6 +85,8 @@ class Transition:
     from_pool: str
     to_pool: str
     why: str
+    #: the domain's pool in the static affinity: a move to it is a return, any other a spill
+    home: str
 
 
 def pool_pressure(workers: Sequence[_Worker], window_waiting: Callable[[str], int]
@@ -144,6 +148,10 @@ class SpillPolicy:
         self.transitions: deque[Transition] = deque(maxlen=MAX_KEPT_MOVES)
         #: moves so far
         self.num_moves = 0
+        #: per domain, per pool spilled to: spills so far (moves away from home)
+        self.num_spills: dict[str, dict[str, int]] = {}
+        #: per domain: returns home so far
+        self.num_returns: dict[str, int] = {}
 
     def saturated(self, p: PoolPressure) -> bool:
         return not p.paused and (p.waiting_share >= self.saturated_waiting_share
@@ -201,9 +209,12 @@ class SpillPolicy:
     def _move(self, now: float, domain: str, src: str, dst: str, home: str, why: str) -> None:
         if dst == home:
             self._spilled.pop(domain, None)
+            self.num_returns[domain] = self.num_returns.get(domain, 0) + 1
         else:
             self._spilled[domain] = (dst, now)
-        self.transitions.append(Transition(now, domain, src, dst, why))
+            to = self.num_spills.setdefault(domain, {})
+            to[dst] = to.get(dst, 0) + 1
+        self.transitions.append(Transition(now, domain, src, dst, why, home))
         self.num_moves += 1
         log.info("affinity: domain %s's new trajectories go to pool %s (from %s): %s",
                  domain, dst, src, why)

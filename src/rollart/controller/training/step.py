@@ -137,24 +137,30 @@ class StepRunner:
         # run.hold_batch_for_groups: when this step's batch was first held; past
         # run.hold_batch_max_s it goes ahead (a hung group must not stall training).
         held_since: float | None = None
+        # Set once, by the timer or the clock: a timer may fire up to the loop's clock
+        # resolution before its deadline, so re-reading the clock alone could find the bound
+        # not yet passed and wait again on a timer due at once, forever (virtual time never
+        # advances while a timer is ready).
+        released = False
         try:
             while True:
                 tasks.raise_if_fatal()
-                release = (held_since is not None
-                           and self.clock() - held_since >= self.run.hold_batch_max_s)
-                batch = self._try_take_batch(hold=not release)
+                batch = self._try_take_batch(hold=not released)
                 tasks.launch_restarts()
                 if batch is not None:
                     return batch
-                if buffer.holding:
+                if buffer.holding and not released:
                     # A group the batch would make stale is still generating: wait for it,
                     # up to the bound (a timer, as nothing may change before it passes).
                     if held_since is None:
                         held_since = self.clock()
                     left = held_since + self.run.hold_batch_max_s - self.clock()
                     try:
-                        await asyncio.wait_for(tasks.changed.wait(), max(left, 0.0))
+                        if left <= 0:
+                            raise TimeoutError
+                        await asyncio.wait_for(tasks.changed.wait(), left)
                     except TimeoutError:
+                        released = True
                         log.info("batch at version %d: held %.1f s for a group still "
                                  "generating (run.hold_batch_max_s); it goes ahead",
                                  buffer.version, self.run.hold_batch_max_s)

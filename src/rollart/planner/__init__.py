@@ -1,0 +1,106 @@
+"""``rollart plan``: choose the layout that is fastest for a scenario's work (SIMULATED).
+
+``plan(scenario)`` reads the GPUs the scenario uses, its model and task domains
+(``rollart.planner.inputs``), searches the trainer vs rollout split, the pools per hardware
+label, each domain's pool, alpha and redundancy with the simulator by successive halving
+(``rollart.planner.search``) within a wall-clock budget, and returns the candidates of the
+last rung, best first, with the chosen layout as a scenario (``rollart.planner.layout``).
+Predictions are simulated step times: the real controller over simulated engines, envs and
+trainer, with the workload profiles stated in ``rollart.planner.inputs``.
+
+Modules: ``inputs`` (inventory, model, profiles, refusals), ``search`` (candidates,
+successive halving), ``layout`` (the scenario TOML), ``command`` (the CLI).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rollart.config import Scenario, load_scenario
+from rollart.planner.inputs import PlanError, PlanInputs, raw_of, read_inputs
+from rollart.planner.layout import layout_dict, scenario_toml
+from rollart.planner.search import Candidate, Score, SearchLog, successive_halving
+from rollart.sim.workload import DomainSpec
+
+__all__ = ["Candidate", "PlanError", "PlanResult", "Score", "plan"]
+
+#: the default search budget (wall seconds of the planning process)
+DEFAULT_BUDGET_S = 300.0
+
+
+@dataclass
+class PlanResult:
+    """A plan: ``ranked`` scores of the last rung, best first (``best`` is the chosen one),
+    ``scenario`` / ``toml`` the chosen layout, ``log`` what the search ran, ``inputs`` what
+    it read. Every step time is SIMULATED (seconds of simulated time)."""
+
+    ranked: list[Score]
+    scenario: Scenario
+    toml: str
+    log: SearchLog
+    inputs: PlanInputs
+    budget_s: float
+
+    @property
+    def best(self) -> Score:
+        return self.ranked[0]
+
+    def table(self, top: int = 5) -> str:
+        """The best ``top`` candidates, one line each, and a summary line."""
+        lines = [f"{'rank':>4}  {'step s':>9}  {'rollout':>7}  {'idle':>5}  {'cost':>6}  layout"]
+        for i, s in enumerate(self.ranked[:top], 1):
+            share = s.candidate.rollout_share(self.inputs)
+            lines.append(f"{i:>4}  {s.step_time_s:>9.1f}  {share:>7.0%}  "
+                         f"{s.trainer_idle_share:>5.0%}  {s.cost:>6.1f}  "
+                         f"{s.candidate.describe(self.inputs)}")
+        lg = self.log
+        lines.append(f"(SIMULATED step times; rollout: share of the GPUs rolling out; idle: "
+                     f"the trainer's idle share of a step; cost in H800 units; searched {lg.runs} runs over "
+                     f"{lg.space} layouts, rungs {lg.per_rung}, {lg.wall_s:.0f} s of "
+                     f"{self.budget_s:g} s)")
+        return "\n".join(lines)
+
+    def write(self, path: str | Path) -> None:
+        """Write the chosen layout's scenario TOML to ``path``."""
+        Path(path).write_text(self.toml)
+
+
+def plan(scenario: str | Path | Scenario, *, budget_s: float = DEFAULT_BUDGET_S,
+         seeds: tuple[int, ...] = (0, 1), model: str | None = None,
+         profiles: dict[str, DomainSpec] | None = None,
+         alphas: tuple[int, ...] | None = None, redundancies: tuple[int, ...] | None = None,
+         progress: Any = None) -> PlanResult:
+    """Plan the layout of ``scenario`` (a path to a scenario TOML or a ``Scenario``).
+
+    ``budget_s``: wall seconds the search may take (it stops starting runs before); ``seeds``:
+    simulation seeds (the first ranks the early rungs, all of them the last); ``model``: the
+    simulated model profile (default: from ``model.path``); ``profiles``: workload per domain
+    name (default: assumed from each domain's env, ``rollart.planner.inputs``); ``alphas`` /
+    ``redundancies``: the values to search (default 1-2 / 0-1 and the scenario's own);
+    ``progress``: a callable given one line per rung.
+
+    Raises PlanError naming what is short or unknown (hardware that cannot hold the model,
+    fewer GPUs than the trainer plus one engine per domain, a budget too small for one
+    simulated run, a model or hardware without a simulated profile) and ConfigError for an
+    invalid scenario file.
+    """
+    if isinstance(scenario, Scenario):
+        sc, raw, source = scenario, raw_of(scenario), "<scenario>"
+    else:
+        import tomllib
+
+        sc, source = load_scenario(scenario), str(scenario)
+        raw = tomllib.loads(Path(scenario).read_text())
+    inputs = dataclasses.replace(read_inputs(sc, model=model, profiles=profiles),
+                                 alphas=alphas, redundancies=redundancies)
+    ranked, log = successive_halving(inputs, budget_s=budget_s, seeds=tuple(seeds),
+                                     progress=progress)
+    text, chosen = scenario_toml(layout_dict(raw, inputs, ranked[0].candidate),
+                                 f"plan of {source}")
+    header = (f"# Layout planned by `rollart plan` for {source} (SIMULATED step time "
+              f"{ranked[0].step_time_s:.1f} s):\n# {ranked[0].candidate.describe(inputs)}\n")
+    return PlanResult(ranked=ranked, scenario=chosen, toml=header + text, log=log,
+                      inputs=inputs, budget_s=budget_s)

@@ -1,0 +1,302 @@
+"""The planner's search: candidate layouts, scored by the simulator, by successive halving.
+
+A candidate (``Candidate``) is a trainer size, a pool per domain (by hardware label), alpha
+and redundancy; every label some domain maps to gets one pool of all its GPUs left after
+the trainer (``Candidate.pools``). It is scored by its mean step time (seconds of simulated
+time) from ``rollart.sim.harness.run_simulated``: the real controller over simulated
+engines, envs and trainer, as the benchmarks run it.
+
+Successive halving (Jamieson and Talwalkar, AISTATS 2016; Li et al., Hyperband, JMLR 2018):
+rung 0 runs every (trainer size, mapping) on a short horizon with one seed, in a seeded random
+order after the scenario's own layout; the best third (at least ``MIN_KEEP``) go on with every
+alpha and redundancy at rung 1 (a longer horizon), and the best third of those at rung 2 on
+every seed. A run longer than ``STRAGGLER_X`` times its rung's median is stopped and its
+candidate dropped (a run that stops advancing its clock, or a layout that queues long on its
+engines). Each rung may use a share of the budget (``RUNG_SHARES``, cumulative), in seconds
+of the planning process's wall clock; a run that would not end inside its rung's share is not
+started (or is stopped), so candidates not run at a rung are dropped, never compared on a
+shorter horizon.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import math
+import random
+import signal
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollart.controller.observe.stall import ControllerStalledError
+from rollart.planner.inputs import PlanError, PlanInputs
+from rollart.sim.harness import SimDomain, SimPool, SimResult, SimScenario, run_simulated
+
+log = logging.getLogger(__name__)
+
+#: (steps, warmup) per rung: step times are means over the steps after ``warmup``
+RUNGS = ((2, 1), (3, 1), (4, 1))
+#: cumulative share of the budget each rung may have used by its end
+RUNG_SHARES = (0.45, 0.75, 0.95)
+#: survivors of a rung: the best ``1 / ETA``, at least ``MIN_KEEP``
+ETA = 3
+MIN_KEEP = 2
+#: the trainer's ranks run on one node of this many GPUs (``rollart.launcher.placement``)
+GPUS_PER_NODE = 8
+#: a run longer than this many times its rung's median run so far is stopped (a straggler)
+STRAGGLER_X = 4.0
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One layout: ``trainer_gpus`` on the trainer's label, ``mapping[i]`` the hardware label
+    of domain i's pool, the run's ``alpha`` and ``redundancy``."""
+
+    trainer_gpus: int
+    mapping: tuple[str, ...]
+    alpha: int
+    redundancy: int
+
+    def pools(self, inputs: PlanInputs) -> dict[str, int]:
+        """Workers per used label: its GPUs left after the trainer, divided by its TP."""
+        out = {}
+        for label in dict.fromkeys(self.mapping):
+            left = inputs.gpus[label] - (self.trainer_gpus if label == inputs.trainer_label
+                                         else 0)
+            out[label] = left // inputs.tp[label]
+        return out
+
+    def rollout_share(self, inputs: PlanInputs) -> float:
+        """Share of the GPUs in use that roll out (the rest train)."""
+        rollout = sum(n * inputs.tp[lb] for lb, n in self.pools(inputs).items())
+        return rollout / (rollout + self.trainer_gpus)
+
+    def cost(self, inputs: PlanInputs) -> float:
+        """GPUs in use x ``relative_cost`` (H800 units, ``rollart.sim.hardware``)."""
+        hw = inputs.hardware
+        return (self.trainer_gpus * hw(inputs.trainer_label).relative_cost
+                + sum(n * inputs.tp[lb] * hw(lb).relative_cost
+                      for lb, n in self.pools(inputs).items()))
+
+    def describe(self, inputs: PlanInputs) -> str:
+        pools = " + ".join(f"{n}x{lb}" + (f" (tp {inputs.tp[lb]})" if inputs.tp[lb] > 1 else "")
+                           for lb, n in self.pools(inputs).items())
+        doms = ", ".join(f"{d}->{lb}" for d, lb in zip(inputs.domain_names, self.mapping,
+                                                        strict=True))
+        return (f"trainer {self.trainer_gpus}x{inputs.trainer_label}; pools {pools}; {doms}; "
+                f"alpha {self.alpha}, redundancy {self.redundancy}")
+
+
+@dataclass
+class Score:
+    """A candidate's simulated figures at its highest rung: ``step_times_s`` (one per seed),
+    ``trainer_idle_share`` (seconds the trainer waited for a batch / step seconds, over the
+    steps after the warm-up and the seeds: high when rollout binds, near 0 when the trainer
+    does)."""
+
+    candidate: Candidate
+    rung: int
+    step_times_s: list[float]
+    trainer_idle_share: float
+    cost: float
+
+    @property
+    def step_time_s(self) -> float:
+        return statistics.fmean(self.step_times_s)
+
+
+@dataclass
+class SearchLog:
+    """What the search ran: candidates per rung and simulated runs, wall seconds spent."""
+
+    space: int = 0
+    per_rung: list[int] = field(default_factory=list)
+    runs: int = 0
+    wall_s: float = 0.0
+
+
+def sim_of(inputs: PlanInputs, c: Candidate, steps: int) -> SimScenario:
+    """The simulated run of candidate ``c`` for ``steps`` steps."""
+    sc, run = inputs.scenario, inputs.scenario.run
+    pools = tuple(SimPool(inputs.pool_names[lb], lb, n, tp=inputs.tp[lb],
+                          max_batch=inputs.max_batch[lb]) for lb, n in c.pools(inputs).items())
+    domains = tuple(SimDomain(spec, inputs.pool_names[lb], weight=d.weight, alpha=d.alpha)
+                    for spec, lb, d in zip(inputs.profiles, c.mapping, sc.domains, strict=True))
+    return SimScenario(
+        pools=pools, domains=domains, model=inputs.model.name, mode=run.mode, alpha=c.alpha,
+        steps=steps, batch_size=run.batch_size, group_size=run.group_size,
+        redundancy=c.redundancy, selection=run.selection, max_turns=run.max_turns,
+        max_tokens_per_turn=run.max_tokens_per_turn,
+        max_tokens_per_trajectory=run.max_tokens_per_trajectory,
+        trainer_hardware=inputs.trainer_label, trainer_gpus=c.trainer_gpus,
+        env_hosts=max(1, len(sc.env_hosts)), reprefill=run.reprefill,
+        weight_apply=run.weight_apply, domain_mix=run.domain_mix, admission=run.admission)
+
+
+def space(inputs: PlanInputs) -> tuple[list[Candidate], list[tuple[int, int]]]:
+    """(rung-0 candidates at the scenario's alpha and redundancy, the (alpha, redundancy)
+    pairs rung 1 tries on each survivor). The scenario's own layout comes first when it is
+    one of them; no candidate leaves a used pool without an engine."""
+    run, sc = inputs.scenario.run, inputs.scenario
+    lab = inputs.trainer_label
+    own_trainer = sc.trainer.num_processes
+    most = inputs.gpus[lab]
+    sizes = {inputs.trainer_min * 2 ** k for k in range(8)} | {own_trainer}
+    # torchrun's ranks run on one node, and every rank needs its share of each minibatch
+    # (``trainer.num_processes x num_minibatches <= run.batch_size``).
+    most = min(most - 1, GPUS_PER_NODE, run.batch_size // sc.trainer.num_minibatches)
+    sizes = {t for t in sizes if inputs.trainer_min <= t <= most}
+    mappings = list(itertools.product(inputs.labels, repeat=len(sc.domains)))
+    own = tuple(next(p.hardware.lower() for p in sc.pools if p.name == d.pool)
+                for d in sc.domains)
+    out = [Candidate(t, m, run.alpha, run.redundancy) for t in sorted(sizes) for m in mappings]
+    out = [c for c in out if all(n >= 1 for n in c.pools(inputs).values())]
+    if not out:
+        raise PlanError(f"no layout leaves an engine for every used pool after the trainer "
+                        f"({inputs.trainer_min} x {lab} at least); GPUs: {inputs.gpus}")
+    first = Candidate(own_trainer, own, run.alpha, run.redundancy)
+    out.sort(key=lambda c: c != first)
+    alphas = sorted(inputs.alphas or {1, 2, run.alpha}) if inputs.searches_alpha else [run.alpha]
+    reds = sorted(inputs.redundancies or {0, 1, run.redundancy})
+    return out, [(a, r) for a in alphas for r in reds]
+
+
+class _Overrun(KeyboardInterrupt):
+    """A simulated run past its wall-clock cap. A KeyboardInterrupt, because asyncio hands
+    any other exception raised inside a callback to the loop's exception handler instead of
+    letting it end the run."""
+
+
+def _is_not_overrun(record: logging.LogRecord) -> bool:
+    exc = record.exc_info[1] if record.exc_info else None
+    return not isinstance(exc, _Overrun)
+
+
+def _quiet_overruns() -> None:
+    """Keep asyncio from logging "Task exception was never retrieved" for the tasks a stopped
+    run leaves holding the ``_Overrun`` (the run is dropped on purpose)."""
+    log = logging.getLogger("asyncio")
+    if _is_not_overrun not in log.filters:
+        log.addFilter(_is_not_overrun)
+
+
+def run_capped(sim: SimScenario, seed: int, warmup: int, cap_s: float) -> SimResult | None:
+    """``run_simulated(sim, seed)``, or None when it takes more than ``cap_s`` wall seconds
+    (enforced by a SIGALRM timer in the main thread; elsewhere not enforced) or its
+    controller stalls (``ControllerStalledError``: e.g. trajectories past
+    ``run.trajectory_timeout_s`` on a layout far too small for the load)."""
+    try:
+        return _run_timed(sim, seed, warmup, cap_s)
+    except ControllerStalledError as exc:
+        log.info("simulated layout stalled, dropped: %s", exc)
+        return None
+
+
+def _run_timed(sim: SimScenario, seed: int, warmup: int, cap_s: float) -> SimResult | None:
+    if threading.current_thread() is not threading.main_thread():
+        return run_simulated(sim, seed, warmup=warmup)
+
+    overran: list[bool] = []
+
+    def fire(signum: int, frame: Any) -> None:
+        overran.append(True)
+        # Stop the simulation's event loop rather than raise into it: an exception raised
+        # inside one of its callbacks is only logged by the loop, and the run would go on.
+        try:
+            asyncio.get_running_loop().stop()
+        except RuntimeError:  # between loops (set-up, teardown)
+            raise _Overrun from None
+
+    _quiet_overruns()
+    previous = signal.signal(signal.SIGALRM, fire)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, max(cap_s, 1e-3))
+        try:
+            return run_simulated(sim, seed, warmup=warmup)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+    except _Overrun:
+        return None
+    except RuntimeError:
+        if overran:  # "Event loop stopped before Future completed."
+            return None
+        raise
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+
+
+def successive_halving(inputs: PlanInputs, *, budget_s: float, seeds: tuple[int, ...],
+                       progress: Callable[[str], None] | None = None
+                       ) -> tuple[list[Score], SearchLog]:
+    """Scores of the last rung's candidates, best first, and what was run (module
+    docstring). A run longer than ``STRAGGLER_X`` x the median of its rung's runs so far, or
+    past its rung's share of the budget, is stopped and its candidate dropped (a run that
+    stops advancing its virtual clock, or a layout whose engines queue long). Raises PlanError when
+    ``budget_s`` cannot cover one simulated run."""
+    if not budget_s > 0:
+        raise PlanError(f"budget_s must be > 0, got {budget_s}")
+    if not seeds:
+        raise PlanError("seeds: need at least one")
+    t0 = time.perf_counter()
+    first, pairs = space(inputs)
+    rng = random.Random(seeds[0])
+    rest = first[1:]
+    rng.shuffle(rest)
+    pending = [first[0], *rest]
+    log = SearchLog(space=len(first) * len(pairs))
+    ranked: list[Score] = []
+    for rung, ((steps, warmup), share) in enumerate(zip(RUNGS, RUNG_SHARES, strict=True)):
+        rung_seeds = seeds if rung == len(RUNGS) - 1 else seeds[:1]
+        end = t0 + budget_s * share
+        walls: list[float] = []  # this rung's completed runs
+        scores: list[Score] = []
+        for c in pending:
+            now = time.perf_counter()
+            est = statistics.median(walls) * len(rung_seeds) if walls else 0.0
+            if (scores or rung > 0) and now + est > end:
+                break
+            times, shares = [], []
+            for sd in rung_seeds:
+                cap = (end if scores or rung > 0 else t0 + budget_s) - time.perf_counter()
+                if len(walls) >= 2:
+                    cap = min(cap, STRAGGLER_X * statistics.median(walls))
+                w0 = time.perf_counter()
+                res = run_capped(sim_of(inputs, c, steps), sd, warmup, cap)
+                log.runs += 1
+                if res is None:
+                    break
+                walls.append(time.perf_counter() - w0)
+                times.append(res.step_time_s)
+                kept = res.steps[warmup:]
+                shares.append(sum(s["trainer_idle_s"] for s in kept)
+                              / max(sum(s["step_time_s"] for s in kept), 1e-9))
+            if len(times) == len(rung_seeds):
+                scores.append(Score(c, rung, times, statistics.fmean(shares), c.cost(inputs)))
+            elif rung == 0 and not scores and time.perf_counter() >= t0 + budget_s:
+                raise PlanError(
+                    f"budget_s={budget_s:g} is too small: one simulated candidate "
+                    f"({steps} steps of batch {inputs.scenario.run.batch_size}) did not end "
+                    f"within it; give a larger budget")
+        if not scores:  # this rung's share ran out: the previous rung's ranking stands
+            break
+        scores.sort(key=lambda s: (s.step_time_s, s.cost))
+        ranked = scores
+        log.per_rung.append(len(scores))
+        if progress:
+            progress(f"rung {rung}: {len(scores)} candidate(s) x {len(rung_seeds)} seed(s) "
+                     f"at {steps} steps, best {scores[0].step_time_s:.1f} s/step, "
+                     f"{time.perf_counter() - t0:.0f} s used")
+        keep = max(MIN_KEEP, math.ceil(len(scores) / ETA))
+        survivors = [s.candidate for s in scores[:keep]]
+        if rung == 0:
+            survivors = list(dict.fromkeys(
+                Candidate(c.trainer_gpus, c.mapping, a, r) for c in survivors
+                for a, r in [(c.alpha, c.redundancy), *pairs]))
+        pending = survivors
+    log.wall_s = time.perf_counter() - t0
+    return ranked, log

@@ -1,0 +1,72 @@
+"""``affinity`` and ``staleness`` rows report the regime each run ran in (as ``modes`` does):
+rollout share, trainer idle share, engine utilisation per pool, prefix-hit share, stale share."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+REGIME_KEYS = {"rollout_share", "trainer_idle_share", "prefix_hit_share", "stale_waste_share",
+               "trained_tokens"}
+
+
+def fake_run(sim, seed, warmup=0):
+    """A finished run with known figures: 3 steps of 10 s, 6 s of rollout and 2 s of trainer
+    idle each, every engine busy half the 30 s run, 1 prefix-hit token per 3 prefilled ones,
+    1 stale token per 10 generated."""
+    step = {"step_time_s": 10.0, "rollout_time_s": 6.0, "trainer_idle_s": 2.0,
+            "trained_tokens": 100.0, "staleness_max": sim.alpha}
+    workers = {f"{p.name}-{i}": {"busy_s": 15.0, "prefix_hit_tokens": 1, "prefill_tokens": 3}
+               for p in sim.pools for i in range(p.num_workers)}
+    return SimpleNamespace(step_time_s=10.0, steps=[dict(step) for _ in range(3)],
+                           total_time_s=30.0, workers=workers,
+                           buffer={"restarted_stale": 0, "generated_tokens": 10,
+                                   "wasted_tokens": {"stale": 1}})
+
+
+def _check_regime(row: dict, pools: set[str]) -> None:
+    assert REGIME_KEYS <= set(row), row
+    assert row["rollout_share"] == pytest.approx(0.6)
+    assert row["trainer_idle_share"] == pytest.approx(0.2)
+    assert row["prefix_hit_share"] == pytest.approx(0.25)
+    assert row["stale_waste_share"] == pytest.approx(0.1)
+    for pool in pools:
+        assert row[f"util_{pool}"] == pytest.approx(0.5)
+
+
+def test_affinity_rows_report_the_regime(monkeypatch) -> None:
+    from benchmarks import affinity
+
+    monkeypatch.setattr(affinity, "run_simulated", fake_run)
+    res = affinity.run(True, 0)
+    by_layout = {row["layout"]: row for row in res["rows"]}
+    _check_regime(by_layout["h800_only"], {"h800"})
+    _check_regime(by_layout["h20_only"], {"h20"})
+    mixed = [k for k in by_layout if k not in ("h800_only", "h20_only")]
+    assert mixed
+    for layout in mixed:
+        _check_regime(by_layout[layout], {"h800", "h20"})
+
+
+def test_affinity_adaptive_rows_report_the_regime(monkeypatch) -> None:
+    from benchmarks import affinity
+
+    monkeypatch.setattr(affinity, "run_simulated", fake_run)
+    res = affinity.run_adaptive(True, 0)
+    runs = [row for row in res["rows"] if not row["layout"].startswith("best static")]
+    assert runs
+    for row in runs:
+        _check_regime(row, set())
+
+
+def test_staleness_rows_report_the_regime(monkeypatch) -> None:
+    from benchmarks import staleness
+
+    monkeypatch.setattr(staleness, "run_simulated", fake_run)
+    res = staleness.run(True, 0)
+    assert res["rows"]
+    for row in res["rows"]:
+        _check_regime(row, {"h800", "h20"})
+    # the alpha 0 row is sync_plus: its rollout share is the paper's Sync+ rollout share
+    assert any(row["alpha"] == 0 and row["mode"] == "sync_plus" for row in res["rows"])

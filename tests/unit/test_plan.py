@@ -1,0 +1,162 @@
+"""The layout planner (``rollart plan``): search, scenario file, refusals, CLI (SIMULATED)."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+import pytest
+
+from rollart.cli import main as cli_main
+from rollart.config import load_scenario, parse_scenario
+from rollart.launcher.validate import main as validate_main
+from rollart.planner import PlanError, plan
+from rollart.planner.inputs import read_inputs
+from rollart.planner.layout import to_toml
+from rollart.planner.search import RUNGS, run_capped, sim_of, space
+from rollart.sim.harness import run_simulated
+
+#: two pools on two hardware labels, the tiny model (so `rollart validate` passes here); the
+#: planner simulates it as Qwen3-8B (``model="qwen3-8b"``)
+SCENARIO = """
+[run]
+steps = 3
+batch_size = 8
+group_size = 4
+max_turns = 3
+max_tokens_per_turn = 16
+max_tokens_per_trajectory = 1100
+
+[model]
+path = "tiny"
+tiny_warmup = false
+dtype = "float32"
+
+[[pools]]
+name = "fast"
+hardware = "h800"
+num_workers = {fast}
+[pools.engine]
+enforce_eager = true
+max_model_len = 1152
+
+[[pools]]
+name = "wide"
+hardware = "{wide_hw}"
+num_workers = 2
+[pools.engine]
+enforce_eager = true
+max_model_len = 1152
+
+[[domains]]
+name = "guess"
+env = "game:GuessTheNumber-v0-easy"
+pool = "fast"
+reward = "env_return"
+
+[[domains]]
+name = "arith"
+env = "rg:basic_arithmetic"
+pool = "wide"
+reward = "reasoning_gym"
+
+[[env_hosts]]
+name = "envhost"
+threads = 4
+
+[trainer]
+num_processes = 2
+"""
+
+SEEDS = (0, 1)
+
+
+def write(tmp_path: Path, *, fast: int = 3, wide_hw: str = "h20") -> Path:
+    path = tmp_path / "scenario.toml"
+    path.write_text(SCENARIO.format(fast=fast, wide_hw=wide_hw))
+    return path
+
+
+def test_plan_finds_the_exhaustive_best_and_writes_a_valid_scenario(tmp_path, capsys):
+    path = write(tmp_path)
+    res = plan(path, budget_s=120.0, seeds=SEEDS, model="qwen3-8b")
+    # Exhaustive: every layout of the same space on the last rung's horizon and seeds.
+    inputs = read_inputs(load_scenario(path), model="qwen3-8b")
+    first, pairs = space(inputs)
+    steps, warmup = RUNGS[-1]
+    best = min(statistics.fmean(run_simulated(sim_of(inputs, c.__class__(
+        c.trainer_gpus, c.mapping, a, r), steps), sd, warmup=warmup).step_time_s
+        for sd in SEEDS) for c in first for a, r in pairs)
+    assert res.log.runs < len(first) * len(pairs) * len(SEEDS)  # a search, not a sweep
+    assert res.best.step_time_s <= 1.05 * best
+    # The written layout is the chosen one, and `rollart validate` accepts it.
+    out = tmp_path / "plan.toml"
+    res.write(out)
+    chosen = res.best.candidate
+    sc = load_scenario(out)
+    assert sc.trainer.num_processes == chosen.trainer_gpus
+    assert (sc.run.alpha, sc.run.redundancy) == (chosen.alpha, chosen.redundancy)
+    by_label = {"h800": "fast", "h20": "wide"}
+    assert [d.pool for d in sc.domains] == [by_label[lb] for lb in chosen.mapping]
+    assert {p.name: p.num_workers for p in sc.pools} == {
+        by_label[lb]: n for lb, n in chosen.pools(inputs).items()}
+    assert validate_main([str(out), "--quiet"]) == 0
+    assert "guess->" in res.table()
+
+
+def test_refuses_hardware_that_cannot_hold_the_model(tmp_path):
+    path = write(tmp_path, wide_hw="cpu")
+    with pytest.raises(PlanError, match=r"hardware 'cpu' cannot hold model 'qwen3-32b'.*GB"):
+        plan(path, budget_s=5.0, model="qwen3-32b")
+
+
+def test_refuses_too_few_gpus_for_one_engine_per_domain(tmp_path):
+    # 1 H800 worker + 2 trainer ranks: Qwen3-8B's trainer needs 2 H800, leaving one engine
+    # for two domains (the 2 H20 workers are dropped to h800 here by using one label).
+    path = tmp_path / "s.toml"
+    text = SCENARIO.format(fast=1, wide_hw="h800").replace(
+        'name = "wide"\nhardware = "h800"\nnum_workers = 2', 'name = "wide"\nhardware = "h800"\n'
+        'num_workers = 1')
+    path.write_text(text.replace("num_processes = 2", "num_processes = 1"))
+    with pytest.raises(PlanError, match=r"fewer than one per domain \(2\): short by 1 engine"):
+        plan(path, budget_s=5.0, model="qwen3-8b")
+
+
+def test_refuses_a_budget_too_small_for_one_candidate(tmp_path):
+    with pytest.raises(PlanError, match=r"budget_s=0.001 is too small"):
+        plan(write(tmp_path), budget_s=0.001, model="qwen3-8b")
+
+
+def test_refuses_an_unknown_model_profile(tmp_path):
+    with pytest.raises(PlanError, match=r"model.path 'tiny'.*--model"):
+        plan(write(tmp_path), budget_s=5.0)
+
+
+def test_cli_writes_the_plan(tmp_path, capsys):
+    out = tmp_path / "plan.toml"
+    assert cli_main(["plan", str(write(tmp_path)), "--out", str(out), "--budget-s", "20",
+                     "--model", "qwen3-8b", "--seeds", "1"]) == 0
+    assert "SIMULATED" in capsys.readouterr().out
+    assert validate_main([str(out), "--quiet"]) == 0
+    assert cli_main(["plan", str(write(tmp_path)), "--out", str(out), "--budget-s", "5"]) == 2
+    assert "rollart plan: error: model.path 'tiny'" in capsys.readouterr().err
+
+
+def test_a_run_past_its_cap_is_stopped_and_the_next_runs(tmp_path):
+    inputs = read_inputs(load_scenario(write(tmp_path)), model="qwen3-8b")
+    sim = sim_of(inputs, space(inputs)[0][0], steps=3)
+    assert run_capped(sim, 0, 1, cap_s=1e-3) is None
+    res = run_capped(sim, 0, 1, cap_s=600.0)
+    assert res is not None and res.step_time_s > 0
+
+
+def test_to_toml_round_trips_nested_tables_and_strings():
+    raw = {"run": {"steps": 2, "seed": 1}, "model": {"path": "tiny"},
+           "pools": [{"name": "a", "engine": {"max_num_seqs": 4}}],
+           "domains": [{"name": "d", "env": "game:X", "pool": "a", "reward": "env_return",
+                        "system_prompt": 'say "hi"\n\tthen \x7f stop',
+                        "chat_template_kwargs": {"enable_thinking": False}}]}
+    sc = parse_scenario(to_toml(raw))
+    assert sc.domains[0].system_prompt == 'say "hi"\n\tthen \x7f stop'
+    assert sc.domains[0].chat_template_kwargs == {"enable_thinking": False}
+    assert sc.pools[0].engine.max_num_seqs == 4
