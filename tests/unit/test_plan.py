@@ -138,8 +138,44 @@ def test_cli_writes_the_plan(tmp_path, capsys):
                      "--model", "qwen3-8b", "--seeds", "1"]) == 0
     assert "SIMULATED" in capsys.readouterr().out
     assert validate_main([str(out), "--quiet"]) == 0
-    assert cli_main(["plan", str(write(tmp_path)), "--out", str(out), "--budget-s", "5"]) == 2
+    assert cli_main(["plan", str(write(tmp_path)), "--out", str(out), "--budget-s", "5",
+                     "--force"]) == 2
     assert "rollart plan: error: model.path 'tiny'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("out", "message"), [
+    ("scenario", "is the input scenario"),
+    ("existing", "exists; pass --force"),
+    ("dir", "is a directory"),
+    ("missing/p.toml", "does not exist"),
+])
+def test_cli_refuses_an_out_it_cannot_or_must_not_write_before_searching(
+        tmp_path, capsys, out, message):
+    scenario = write(tmp_path)
+    before = scenario.read_text()
+    (tmp_path / "existing").write_text("keep me")
+    (tmp_path / "dir").mkdir()
+    target = scenario if out == "scenario" else tmp_path / out
+    # budget 1e-9: had the search run, it would have refused the budget instead
+    assert cli_main(["plan", str(scenario), "--out", str(target), "--budget-s", "1e-9",
+                     "--model", "qwen3-8b"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "budget" not in err, err
+    assert scenario.read_text() == before and (tmp_path / "existing").read_text() == "keep me"
+
+
+@pytest.mark.parametrize("budget", [float("inf"), 1e12, float("nan")])
+def test_refuses_a_budget_that_is_not_a_finite_positive_number_of_seconds(tmp_path, budget):
+    with pytest.raises(PlanError, match=r"budget_s must be > 0 and <= 604800"):
+        plan(write(tmp_path), budget_s=budget, model="qwen3-8b")
+
+
+def test_a_search_where_every_layout_stalls_is_refused_naming_it(tmp_path, monkeypatch):
+    import rollart.planner as planner
+
+    monkeypatch.setattr(planner, "successive_halving", lambda *a, **k: ([], None))
+    with pytest.raises(PlanError, match=r"no layout of .* could be simulated to the end"):
+        plan(write(tmp_path), budget_s=5.0, model="qwen3-8b")
 
 
 def test_a_run_past_its_cap_is_stopped_and_the_next_runs(tmp_path):

@@ -98,6 +98,12 @@ def plan(scenario: str | Path | Scenario, *, budget_s: float = DEFAULT_BUDGET_S,
                                  alphas=alphas, redundancies=redundancies)
     ranked, log = successive_halving(inputs, budget_s=budget_s, seeds=tuple(seeds),
                                      progress=progress)
+    if not ranked:
+        raise PlanError(
+            f"no layout of {source} could be simulated to the end: every candidate tried "
+            f"stalled (trajectories past run.trajectory_timeout_s) or overran its share of the "
+            f"budget; the GPUs are likely too few for model {inputs.model!r} at this batch size, "
+            f"or the budget ({budget_s:g} s) too small")
     text, chosen = scenario_toml(layout_dict(raw, inputs, ranked[0].candidate),
                                  f"plan of {source}")
     header = (f"# Layout planned by `rollart plan` for {source} (SIMULATED step time "

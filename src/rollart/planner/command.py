@@ -1,8 +1,8 @@
-"""``rollart plan SCENARIO --out PLAN.toml [--budget-s S] [--model PROFILE] [--seeds N]``.
+"""``rollart plan SCENARIO --out PLAN.toml [--budget-s S] [--model PROFILE] [--seeds N] [--force]``.
 
 Searches the scenario's layout with the simulator (``rollart.planner``), prints the best
 candidates (SIMULATED step time, rollout share of a step, cost in H800 units) and writes the
-chosen layout as a scenario file. Exit codes: 0 written; 2 a scenario or request the planner
+chosen layout as a scenario file. Exit codes: 0 written; 2 a scenario, request or --out the planner
 refuses (one line ``rollart plan: error: ...`` naming what is short or unknown).
 """
 
@@ -27,9 +27,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="simulated model profile (default: from model.path, e.g. qwen3-8b)")
     p.add_argument("--seeds", type=int, default=2,
                    help="simulation seeds of the last rung (default 2)")
+    p.add_argument("--force", action="store_true",
+                   help="overwrite an existing --out file (never the input scenario)")
     args = p.parse_args(argv)
     if args.seeds < 1:
         p.error(f"--seeds must be >= 1, got {args.seeds}")
+    # Checked before the search, which takes minutes: the plan must have somewhere to go.
+    problem = _out_problem(args.scenario, args.out, args.force)
+    if problem is not None:
+        print(f"rollart plan: error: --out {args.out}: {problem}", file=sys.stderr)
+        return 2
     try:
         res = plan(args.scenario, budget_s=args.budget_s, model=args.model,
                    seeds=tuple(range(args.seeds)),
@@ -38,7 +45,25 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rollart plan: error: {exc}", file=sys.stderr)
         return 2
     print(res.table())
-    res.write(args.out)
+    try:
+        res.write(args.out)
+    except OSError as exc:
+        print(f"rollart plan: error: --out {args.out}: cannot write: {exc}", file=sys.stderr)
+        return 2
     print(f"rollart plan: wrote {args.out}: {res.best.candidate.describe(res.inputs)}",
           file=sys.stderr)
     return 0
+
+
+def _out_problem(scenario: Path, out: Path, force: bool) -> str | None:
+    """What stops the plan being written to ``out``, or None."""
+    if out.exists() and scenario.exists() and out.resolve() == scenario.resolve():
+        return "is the input scenario; write the plan to another file"
+    if out.is_dir():
+        return "is a directory; name a file"
+    if out.exists() and not force:
+        return "exists; pass --force to overwrite it"
+    parent = out.parent if str(out.parent) else Path(".")
+    if not parent.is_dir():
+        return f"its directory {parent} does not exist"
+    return None

@@ -230,6 +230,10 @@ def _run_timed(sim: SimScenario, seed: int, warmup: int, cap_s: float) -> SimRes
         signal.signal(signal.SIGALRM, previous)
 
 
+#: the longest search budget accepted, seconds (the run cap's timer takes finite values only)
+MAX_BUDGET_S = 7 * 24 * 3600.0
+
+
 def successive_halving(inputs: PlanInputs, *, budget_s: float, seeds: tuple[int, ...],
                        progress: Callable[[str], None] | None = None
                        ) -> tuple[list[Score], SearchLog]:
@@ -238,8 +242,8 @@ def successive_halving(inputs: PlanInputs, *, budget_s: float, seeds: tuple[int,
     past its rung's share of the budget, is stopped and its candidate dropped (a run that
     stops advancing its virtual clock, or a layout whose engines queue long). Raises PlanError when
     ``budget_s`` cannot cover one simulated run."""
-    if not budget_s > 0:
-        raise PlanError(f"budget_s must be > 0, got {budget_s}")
+    if not 0 < budget_s <= MAX_BUDGET_S:
+        raise PlanError(f"budget_s must be > 0 and <= {MAX_BUDGET_S:g} (a week), got {budget_s}")
     if not seeds:
         raise PlanError("seeds: need at least one")
     t0 = time.perf_counter()
