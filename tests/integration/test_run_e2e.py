@@ -52,7 +52,10 @@ def test_short_run_writes_metrics_and_stops_every_process(tmp_path, cache_dir):
     `test_run_faults.test_interrupt_kill_resume_and_worker_loss_train_every_sample_once`."""
     scenario = tmp_path / "gloo.toml"
     # A small held-out evaluation rides along: before step 1, after each step (beside rollout).
-    scenario.write_text(SCENARIO.read_text() + '\nweight_transfer = "gloo"\nnum_processes = 2\n'
+    # weight_apply "at_batch": the paper's order, so that the exposed share of the weight sync
+    # below is all of it (the default applies eagerly, hiding part of it behind rollout).
+    text = SCENARIO.read_text().replace("[run]\n", '[run]\nweight_apply = "at_batch"\n', 1)
+    scenario.write_text(text + '\nweight_transfer = "gloo"\nnum_processes = 2\n'
                         + "\n[eval]\nenabled = true\nevery = 1\nsize = 12\npass_k = 2\n")
     out = tmp_path / "run"
     proc = subprocess.run(_rollart("--out", str(out), "--steps", "2", "--cache-dir",
