@@ -62,6 +62,23 @@ def test_quickstart_meets_the_issue() -> None:
     assert _policy(run) == DEFAULT_POLICY["rollart"]
 
 
+def test_the_smoke_test_stays_small_and_whole(capsys) -> None:
+    # README "Smoke test": every process of a real run, started once, in about a minute.
+    from rollart.cli import main as cli
+
+    path = Path(__file__).parents[2] / "scenarios" / "smoke.toml"
+    sc = load_scenario(path)
+    assert sc.model.path == "tiny" and not sc.model.tiny_warmup  # nothing to build first
+    assert len(sc.pools) == 1 and sc.pools[0].num_workers == 1
+    assert sc.pools[0].engine.enforce_eager  # torch.compile is most of an engine's start
+    assert sc.run.steps == 2 and sc.run.batch_size <= 8
+    assert {d.env.split(":")[0] for d in sc.domains} == {"game", "rg"}
+    assert all(d.reward_url == "service" for d in sc.domains) and sc.env_hosts
+    assert sc.eval.enabled and sc.eval.size <= 8
+    assert cli(["validate", "--quiet", str(path)]) == 0
+    assert capsys.readouterr() == ("", "")
+
+
 def test_minimal_defaults() -> None:
     sc = parse_scenario(MINIMAL)
     assert sc.run.mode == "rollart" and sc.domains[0].reward_url == "service"

@@ -246,7 +246,8 @@ async def test_no_collapse_warning_for_a_diverse_right_policy(caplog) -> None:
     first = steps[0].metrics.eval[0]
     assert eval_line(first).startswith("held-out eval before step 1 (policy versions 0-0")
     assert "qa greedy 1.000 (95% " in eval_line(first) and "pass@2 1.000" in eval_line(first)
-    assert "sampled pass@1 1.000 (95% 1.000-1.000)" in eval_line(first)
+    # Wilson at 60 of 60 tasks: [60 / (60 + z^2), 1], never the point [1, 1]
+    assert "sampled pass@1 1.000 (95% 0.940-1.000)" in eval_line(first)
 
 
 async def test_failed_eval_tasks_are_left_out_not_scored_wrong() -> None:
@@ -407,18 +408,39 @@ async def test_an_eval_due_while_the_previous_one_runs_is_skipped(caplog) -> Non
     assert started == [1, 3]
 
 
-def test_mean_interval_is_over_tasks_and_checks_its_input() -> None:
-    from rollart.controller.evaluation.stats import mean_interval
+def test_share_interval_is_wilson_over_tasks_and_never_a_point() -> None:
+    from rollart.controller.evaluation.stats import share_interval
 
-    # 100 tasks, half always right, half always wrong: sd = sqrt(25/99), half width
-    # 1.959964 * sd / 10 (hand-computed)
-    lo, hi = mean_interval([1.0] * 50 + [0.0] * 50)
-    assert (lo, hi) == pytest.approx((0.401508, 0.598492), abs=1e-6)
-    assert mean_interval([0.5] * 10) == pytest.approx((0.5, 0.5))  # every task alike
-    assert mean_interval([1.0, 0.0]) == (0.0, 1.0)  # clipped to [0, 1]
+    # 0 of 8 tasks: Wilson's upper bound z^2 / (8 + z^2) = 0.324, as the greedy interval
+    assert share_interval([0.0] * 8) == pytest.approx((0.0, 0.324408), abs=1e-6)
+    assert share_interval([0.0] * 8) == wilson_interval(0, 8)
+    assert share_interval([1.0] * 8) == pytest.approx((0.675592, 1.0), abs=1e-6)
+    # one sample per task: exactly Wilson's interval of the correct tasks
+    assert share_interval([1.0] * 8 + [0.0] * 2) == pytest.approx(wilson_interval(8, 10))
+    # every task alike at 0.5 (hand-computed Wilson at p = 0.5, n = 10): not the point 0.5
+    assert share_interval([0.5] * 10) == pytest.approx((0.236593, 0.763407), abs=1e-6)
     for bad in ([], [1.5], [-0.1]):
-        with pytest.raises(ValueError, match="mean_interval"):
-            mean_interval(bad)
+        with pytest.raises(ValueError, match="share_interval"):
+            share_interval(bad)
+
+
+async def test_an_all_wrong_sampled_eval_has_a_wilson_interval_in_line_and_summary(
+        tmp_path) -> None:
+    from rollart.launcher.rundir import RunFolder
+
+    sc = scenario("answer", size=8, pass_k=2, headline="sampled")
+    c = cluster(sc, FakeWorker("w1", lambda req: r"\boxed{9}"), "answer", FakeAnswerEnv)
+    folder = RunFolder(tmp_path, sc)
+    c.add_step_hook(folder.on_step)
+    steps = await train(c, 1)
+    folder.close()
+    last = steps[-1].metrics.eval[-1]
+    assert last.domains["qa"].pass_at_1 == 0.0
+    assert last.domains["qa"].pass_at_1_ci95 == pytest.approx([0.0, 0.324408], abs=1e-6)
+    assert "sampled pass@1 0.000 (95% 0.000-0.324)" in eval_line(last)
+    ev = json.loads((tmp_path / "summary.json").read_text())["eval"]["qa"]
+    assert ev["headline"] == "sampled" and ev["last"] == 0.0
+    assert ev["last_ci95"] == pytest.approx([0.0, 0.324408], abs=1e-6)
 
 
 def test_the_sampled_headline_judges_the_run_by_pass_at_1() -> None:

@@ -327,3 +327,66 @@ def test_validate_notes_engines_that_run_more_sequences_than_the_send_window() -
     assert "none queued" in equal and "full batch" not in equal
     assert window_notes(scenario(255, window=256)) == []
     assert window_notes(scenario(None, window=1)) == []  # vLLM's own default: not known here
+
+
+_ECHO_MODULE = '''
+class Echo:
+    def reset(self, seed):
+        return "say a", {}
+    def step(self, action):
+        return "", 0.0, True, False, {}
+
+ENVS = {"script:echo": Echo}
+'''
+
+
+def test_rollart_run_says_the_warm_up_note_once(tmp_path, monkeypatch, caplog, capsys) -> None:
+    # `rollart run` checks the warm-up before its banner and open_cluster checks it again in
+    # its preflight; the model phase (a child process) checks it a third time: one line.
+    import gc
+    import os
+
+    from rollart.launcher import local
+    from rollart.launcher.run import main
+    from rollart.models import warmup
+    from rollart.transport.errors import ConfigError
+
+    async def model_phase(scenario, source, cache_dir, **kwargs):
+        # the child's resolve_model, here (its log records reach caplog), the build skipped
+        monkeypatch.setattr(warmup, "ensure_quickstart_model", lambda cache, sc: tmp_path)
+        local.resolve_model(scenario, cache_dir)
+        raise ConfigError("the model phase was reached")
+
+    monkeypatch.setattr(local, "prepare_model", model_phase)
+    (tmp_path / "task.py").write_text(_ECHO_MODULE)
+    sc = tmp_path / "s.toml"
+    sc.write_text('[run]\nlocal_module = "task.py"\n[[pools]]\nname = "cpu"\n'
+                  '[[domains]]\nname = "arith"\nenv = "rg:basic_arithmetic"\npool = "cpu"\n'
+                  'reward = "env_return"\nreward_url = "local"\n'
+                  '[[domains]]\nname = "mine"\nenv = "script:echo"\npool = "cpu"\n'
+                  'reward = "env_return"\nreward_url = "local"\n[[env_hosts]]\nname = "e"\n')
+    umask, thresholds = os.umask(0o022), gc.get_threshold()
+    try:
+        with caplog.at_level("WARNING", logger="rollart"):
+            rc = main([str(sc), "--out", str(tmp_path / "out"),
+                       "--cache-dir", str(tmp_path / "cache")])
+    finally:
+        os.umask(umask)
+        gc.set_threshold(*thresholds)
+    assert rc == 2 and "the model phase was reached" in capsys.readouterr().err
+    said = [r.getMessage() for r in caplog.records if "no scripted solver" in r.getMessage()]
+    assert len(said) == 1 and "mine (script:echo)" in said[0]
+
+
+def test_the_model_phase_does_not_repeat_the_warm_up_note(tmp_path, monkeypatch,
+                                                          caplog) -> None:
+    from rollart.config import parse_scenario
+    from rollart.launcher.local import resolve_model
+    from rollart.models import warmup
+
+    monkeypatch.setattr(warmup, "ensure_quickstart_model", lambda cache, sc: tmp_path)
+    sc = parse_scenario(_WARMUP_SCENARIO + '[[domains]]\nname = "arith"\nenv = '
+                        '"rg:basic_arithmetic"\npool = "cpu"\nreward = "env_return"\n', "s.toml")
+    with caplog.at_level("WARNING", logger="rollart"):
+        assert resolve_model(sc, tmp_path / "cache") == tmp_path
+    assert not [r for r in caplog.records if "no scripted solver" in r.getMessage()]

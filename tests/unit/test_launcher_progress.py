@@ -81,3 +81,38 @@ def test_progress_in_a_log_is_key_value_words_under_100_columns(capsys) -> None:
             "lag_p99_ms=-"} <= set(words)
     assert {f"reward.{n}=0.250" for n in long_names[:5]} | {f"reward.{long_names[5]}=-"} \
         <= set(words)
+
+
+async def test_eval_lines_are_printed_in_the_order_the_evaluations_ran() -> None:
+    # Step 1's metrics carry the evaluation before step 1 (ended before the step began);
+    # step 2's, the last, carry one started after step 1 and the one after step 2.
+    from rollart.controller import TrainStep
+    from rollart.controller.evaluation.stats import DomainEval, EvalRecord
+    from rollart.launcher.run import _train
+
+    def record(at: int) -> EvalRecord:
+        return EvalRecord(at_step=at, version_min=at, version_max=at, wall_s=1.0, domains={
+            "qa": DomainEval(tasks=8, correct=0, accuracy=0.0, ci95=[0.0, 0.324])})
+
+    evals = {1: [record(0)], 2: [record(1), record(2)]}
+
+    class FakeCluster:
+        run_folder = None
+
+        async def __aenter__(self): return self
+        async def __aexit__(self, *exc): return False
+
+        async def train(self, steps):
+            for s in range(1, steps + 1):
+                m = metrics(s, None)
+                m.eval = evals[s]
+                yield TrainStep(s, m, [])
+
+    progress = Progress(scenario(), 2)
+    progress.console, progress.tty = Console(record=True, width=200), True
+    assert await _train(FakeCluster(), 0, 2, progress) == 0
+    lines = [ln.strip() for ln in progress.console.export_text().splitlines()]
+    order = [ln.split(" (")[0] if ln.startswith("held-out") else ln.split()[0]
+             for ln in lines if ln.startswith(("held-out", "1/2", "2/2"))]
+    assert order == ["held-out eval before step 1", "1/2", "held-out eval after step 1", "2/2",
+                     "held-out eval after step 2"]

@@ -27,6 +27,9 @@ async def test_the_tiny_model_is_built_in_a_child_and_is_the_one_resolve_model_g
     got = await prepare_model(sc, "s.toml", tmp_path, resume=False, note=notes.append)
     assert got == resolve_model(sc, tmp_path) and (got / "config.json").exists()
     assert notes and "preparing the tiny model" in notes[0] and not _builders()
+    # no warm-up: the note says what happens (a build, seconds), not a warm-up of minutes
+    assert "warms it up" not in notes[0] and "tiny_warmup = false" in notes[0]
+    assert "seconds" in notes[0]
 
 
 async def test_cancelling_the_wait_stops_a_long_warm_up(tmp_path):
@@ -43,6 +46,7 @@ async def test_cancelling_the_wait_stops_a_long_warm_up(tmp_path):
                                              note_every_s=0.5))
     await first_note.wait()
     assert _builders()
+    assert "a first run warms it up: minutes" in notes[0]
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task

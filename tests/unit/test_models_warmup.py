@@ -194,6 +194,8 @@ path = "tiny"
     ("tiny_warmup_lr", "0.0"), ("tiny_warmup_lr", "1.5"), ("tiny_warmup_lr", '"fast"'),
     ("tiny_warmup_explore", "-0.1"), ("tiny_warmup_explore", "1.5"),
     ("tiny_warmup_explore_turns", "0"), ("tiny_warmup_explore_turns", "65"),
+    ("tiny_hidden_size", "16"), ("tiny_num_layers", "0"), ("tiny_num_layers", "17"),
+    ("tiny_num_heads", "0"),
 ])
 def test_warmup_recipe_fields_are_bounded_and_named_in_the_error(field, bad):
     with pytest.raises(ConfigError, match=rf"model\.{field}"):
@@ -228,11 +230,12 @@ def test_a_changed_recipe_never_reuses_a_model_cached_with_another(tmp_path, mon
     monkeypatch.setattr(warmup, "ensure_tiny_model", entry)
     extra = ["", "", "tiny_warmup_episodes = 101\n", "tiny_warmup_epochs = 2\n",
              "tiny_warmup_lr = 1e-3\n", "tiny_warmup_explore = 0.5\n",
-             "tiny_warmup_explore = 0.5\ntiny_warmup_explore_turns = 1\n"]
+             "tiny_warmup_explore = 0.5\ntiny_warmup_explore_turns = 1\n",
+             "tiny_num_layers = 4\n", "tiny_num_heads = 4\n", "tiny_hidden_size = 256\n"]
     paths = [ensure_quickstart_model(tmp_path, parse_scenario(GUESS_SCENARIO + e))
              for e in extra]
     assert paths[0] == paths[1]
-    assert len(set(paths)) == 6, paths
+    assert len(set(paths)) == 9, paths
     # The default recipe's entry is the one the embedded default always had.
     assert paths[0] == entry(tmp_path, warmup_spec(0).spec, demonstrations=build_demonstrations(
         parse_scenario(GUESS_SCENARIO).domains, 100, DEFAULT_RECIPE.demo_seed, max_turns=4),
@@ -279,3 +282,19 @@ def test_exploring_only_the_opening_randomises_the_first_guess_and_bisects_after
         GUESS_SCENARIO + "tiny_warmup_explore = 1.0\ntiny_warmup_explore_turns = 1\n"))
     assert (recipe.explore, recipe.explore_turns) == (1.0, 1)
     assert scenario_recipe(parse_scenario(GUESS_SCENARIO)).explore_turns is None
+
+
+def test_the_architecture_fields_shape_the_tiny_model_and_default_to_the_spec():
+    recipe = scenario_recipe(parse_scenario(
+        GUESS_SCENARIO + "tiny_num_layers = 4\ntiny_num_heads = 4\ntiny_hidden_size = 256\n"))
+    assert (recipe.spec.num_layers, recipe.spec.num_heads, recipe.spec.hidden_size) == (4, 4, 256)
+    assert msgspec.structs.replace(recipe.spec, num_layers=2, num_heads=2, hidden_size=128) == \
+        DEFAULT_RECIPE.spec
+    assert scenario_recipe(parse_scenario(GUESS_SCENARIO)).spec == DEFAULT_RECIPE.spec
+
+
+@pytest.mark.parametrize("fields", ["tiny_num_heads = 3\n",
+                                    "tiny_hidden_size = 64\ntiny_num_heads = 4\n"])
+def test_a_head_size_vllm_cpu_cannot_run_is_refused_at_validation(fields):
+    with pytest.raises(ConfigError, match=r"model\.tiny_num_heads.*head size"):
+        parse_scenario(GUESS_SCENARIO + fields)

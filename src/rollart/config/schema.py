@@ -347,6 +347,13 @@ class ModelConfig(_Cfg, frozen=True):
     #: (sampled win rate 0.27 / 0.19 against 0.62 / 0.53 with bisection openings), and 75 RL
     #: steps did not teach it to open in the middle.
     tiny_warmup_explore_turns: Annotated[int, msgspec.Meta(ge=1, le=64)] | None = None
+    #: the tiny model's architecture (`rollart.models.tiny.TinyModelSpec`): width, depth and
+    #: attention heads; ``None``: the spec's default (128, 2, 2). The head size
+    #: ``tiny_hidden_size / tiny_num_heads`` must be an integer in [32, 512] (vLLM's CPU
+    #: attention). A changed architecture builds (and caches) another model.
+    tiny_hidden_size: Annotated[int, msgspec.Meta(ge=32, le=1024)] | None = None
+    tiny_num_layers: Annotated[int, msgspec.Meta(ge=1, le=16)] | None = None
+    tiny_num_heads: Annotated[int, msgspec.Meta(ge=1, le=32)] | None = None
     #: data type of the weights in trainer and engine.
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
 

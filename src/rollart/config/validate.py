@@ -92,6 +92,13 @@ def validate_scenario(scenario: Scenario, source: str = "<scenario>") -> Scenari
     if aa.enabled and len(scenario.pools) < 2:
         raise _fail(source, "run.adaptive_affinity.enabled",
                     "needs at least two pools: there is nowhere to spill to")
+    model = scenario.model
+    hidden = model.tiny_hidden_size if model.tiny_hidden_size is not None else 128
+    heads = model.tiny_num_heads if model.tiny_num_heads is not None else 2
+    if model.path == "tiny" and (hidden % heads or not 32 <= hidden // heads <= 512):
+        raise _fail(source, "model.tiny_num_heads", f"the head size tiny_hidden_size / "
+                    f"tiny_num_heads = {hidden} / {heads} must be an integer in [32, 512] "
+                    "(vLLM's CPU attention)")
     if scenario.eval.headline == "sampled" and scenario.eval.pass_k < 1:
         raise _fail(source, "eval.headline", "'sampled' judges the run by pass@1 of the sampled "
                     "eval trajectories: set eval.pass_k >= 1 (or headline = 'greedy')")

@@ -121,7 +121,9 @@ def resolve_model(scenario: Scenario, cache_dir: Path, *, resume: bool = False) 
         return path
     from rollart.models.warmup import ensure_quickstart_model
 
-    check_warmup_domains(scenario)  # first: a refused set is not remembered as the last one
+    # First: a refused set is not remembered as the last one. Its note was said by the
+    # preflight (open_cluster's, before this phase): said again here it would show twice.
+    check_warmup_domains(scenario, note=lambda _text: None)
     changed = warmup_set_change(cache_dir, scenario, resume=resume)
     if changed:
         log.warning("%s", changed)
@@ -131,10 +133,12 @@ def resolve_model(scenario: Scenario, cache_dir: Path, *, resume: bool = False) 
         raise ConfigError(f"model.tiny_warmup: {exc}") from None
 
 
-def check_warmup_domains(scenario: Scenario) -> None:
+def check_warmup_domains(scenario: Scenario,
+                         note: Callable[[str], None] | None = None) -> None:
     """The tiny model's warm-up (``model.tiny_warmup``) imitates the scripted solvers of the
     built-in envs (``rollart.envhost.solvers``): a domain of any other env (your own, served
-    in-process or by a ``py:`` class) gets no demonstrations, said in one log line.
+    in-process or by a ``py:`` class) gets no demonstrations, said in one line given to
+    ``note`` (default: a WARNING log record; ``rollart validate`` prints it as its notes).
 
     Raises:
         ConfigError: the warm-up is on and no domain's env has a solver (nothing to warm up
@@ -152,8 +156,12 @@ def check_warmup_domains(scenario: Scenario) -> None:
             f"solvers (game:GuessTheNumber-*, rg:*) and no domain has one: {', '.join(without)}; "
             "set tiny_warmup = false under [model] to start from the untrained tiny model")
     if without:
-        log.warning("model.tiny_warmup: no scripted solver for %s: the warm-up demonstrates "
-                    "only the other domains", ", ".join(without))
+        text = (f"model.tiny_warmup: no scripted solver for {', '.join(without)}: the warm-up "
+                "demonstrates only the other domains")
+        if note is None:
+            log.warning("%s", text)
+        else:
+            note(text)
 
 
 def default_cache_dir() -> Path:
@@ -307,7 +315,9 @@ async def _preflight(scenario: str | Path | Scenario, *, source: str | None,
                      insecure: bool) -> Plan:
     """Phase 1, before any process starts or any file is written: load the scenario and its
     ``run.local_module``, then refuse what would fail later (:func:`preflight`, ``--cluster``
-    with ``insecure``, reward names the reward service would not know, an unreachable Ray).
+    with ``insecure``, reward names the reward service would not know, an unreachable Ray, a
+    tiny-model warm-up with nothing to imitate: :func:`check_warmup_domains`, whose note on
+    the domains it skips is logged here, once).
 
     Raises:
         ConfigError: naming ``source`` (the scenario file) first.
@@ -333,6 +343,10 @@ async def _preflight(scenario: str | Path | Scenario, *, source: str | None,
         # off the loop: a child process lists reward.modules' names, a TCP connect asks Ray
         await asyncio.to_thread(machine.service_rewards, scenario)
         await asyncio.to_thread(machine.ray_reachable, ray_address)
+    except ConfigError as exc:
+        raise in_file(source, exc) from None
+    try:  # the model phase's refusal and its note, said once (resolve_model is quiet)
+        check_warmup_domains(scenario)
     except ConfigError as exc:
         raise in_file(source, exc) from None
     return Plan(scenario, source, rewards_, envs_, ray_address)

@@ -1,8 +1,9 @@
 """The policy checkpoint of a run, prepared off the event loop.
 
 Building the embedded tiny model (``model.path = "tiny"``) runs its supervised warm-up the
-first time (minutes on a CPU; cached after). Run on the event loop, it would leave the loop deaf
-to SIGTERM / Ctrl-C and the user without a line of progress for that long. So it runs in a child
+first time (``model.tiny_warmup``: minutes on a CPU; without it, seconds; cached after). Run
+on the event loop, it would leave the loop deaf to SIGTERM / Ctrl-C and the user without a
+line of progress for that long. So it runs in a child
 process (``python -m rollart.launcher.modelbuild``, the scenario on its stdin as JSON: a fresh
 interpreter, so a driver script needs no ``__main__`` guard) that the caller awaits: a cancelled
 wait (a signal, the end of a driver script) terminates the child, and a progress note is given
@@ -58,6 +59,17 @@ def main() -> int:
     return 0
 
 
+def preparing_note(scenario: Scenario, cache_dir: Path) -> str:
+    """The line said when the tiny model's preparation starts: what a first run costs, which
+    depends on ``model.tiny_warmup`` (a supervised warm-up takes minutes on a CPU; without it
+    the model is only built from its seed, in seconds)."""
+    if scenario.model.tiny_warmup:
+        cost = "a first run warms it up: minutes"
+    else:
+        cost = "tiny_warmup = false: built without a warm-up, seconds"
+    return f"preparing the tiny model under {cache_dir} ({cost}; cached after)"
+
+
 async def prepare_model(scenario: Scenario, source: str, cache_dir: Path, *, resume: bool,
                         note: Callable[[str], None],
                         note_every_s: float = NOTE_EVERY_S) -> Path:
@@ -82,8 +94,7 @@ async def prepare_model(scenario: Scenario, source: str, cache_dir: Path, *, res
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "rollart.launcher.modelbuild", stdin=asyncio.subprocess.PIPE)
         t0 = time.monotonic()
-        note(f"preparing the tiny model under {cache_dir} (a first run warms it up: minutes; "
-             "cached after)")
+        note(preparing_note(scenario, cache_dir))
         try:
             assert proc.stdin is not None
             proc.stdin.write(msgspec.json.encode(job))

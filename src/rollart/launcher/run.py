@@ -169,9 +169,16 @@ async def _train(cluster: Any, start_step: int, planned: int, progress: Progress
         freeze_startup_objects()
         try:
             async for out in cluster.train(steps=planned - start_step):
+                # In the order things happened: an evaluation that started before this step
+                # ended (the one before step 1: before it began) is printed before its row,
+                # the one after the last step after it.
+                for record in out.metrics.eval:
+                    if record.at_step < out.step:
+                        progress.note(eval_line(record))
                 progress.step(out.step, out.metrics)
                 for record in out.metrics.eval:
-                    progress.note(eval_line(record))
+                    if record.at_step >= out.step:
+                        progress.note(eval_line(record))
                 if stop is not None and stop.signum is not None and out.step < planned:
                     path = folder.last_checkpoint
                     if folder.last_checkpoint_step != out.step:  # not due by checkpoint_every
@@ -209,8 +216,9 @@ def main(argv: list[str] | None = None) -> int:
         regs = localmodule.load(scenario, args.scenario.parent, str(args.scenario))
         preflight(scenario, str(args.scenario), local_rewards=regs.rewards,
                   local_envs=regs.envs)
-        try:  # the model phase's check, before the banner (as `rollart validate` does)
-            check_warmup_domains(scenario)
+        try:  # the model phase's check, before the banner (as `rollart validate` does);
+            # its note is said once, by open_cluster's preflight
+            check_warmup_domains(scenario, note=lambda _text: None)
         except ConfigError as exc:
             raise in_file(str(args.scenario), exc) from None
         from rollart.launcher.machine import refusals

@@ -23,10 +23,13 @@ send windows too small, and (``--cluster local``) a scenario ``--cluster ray`` c
 run`` would (``runkeys.check_run_auth``): ``run.key_file`` must exist and be readable by its
 owner only, and a scenario naming services started by hand needs a key.
 
-Exit codes: 0 valid; 1 valid as a file, but ``rollart run`` would refuse it here (one line
-``rollart validate: error: ...`` per reason, naming the field and the fix); 2 invalid, with one
-line ``SCENARIO: field.path: reason`` on stderr (e.g. ``domains[1].weight: Expected `float` >=
-...``).
+The resolved scenario goes to stdout (not with ``--quiet``); every other line goes to stderr,
+starting ``rollart validate: `` (then ``note: ``, ``error: `` or ``config error: ``, each
+naming the file and the field), and a closing ``rollart validate: SCENARIO: ...`` line says
+the verdict (not with ``--quiet`` when valid). Exit codes (``EXIT_CODES``): 0 valid, notes or
+not; 1 valid as a file, but ``rollart run`` would refuse it here (one ``error:`` line per
+reason, naming the field and the fix); 2 invalid: one ``config error:`` line naming the field
+(e.g. ``domains[1].weight: Expected `float` >= ...``), or a command-line usage error.
 """
 
 from __future__ import annotations
@@ -40,6 +43,18 @@ from pathlib import Path
 from rollart.config import Scenario, in_file, load_scenario, scenario_to_json
 from rollart.inference.prefixes import DEFAULT_MAX_PREFIX_TOKENS
 from rollart.transport.errors import ConfigError
+
+#: ``rollart validate``'s exit statuses, as its ``--help`` shows them.
+EXIT_CODES = """\
+exit status:
+  0  valid: `rollart run` would start it here (notes, if any, name what would cost the run)
+  1  valid as a file, but `rollart run` would refuse it here: one `error:` line per reason
+  2  invalid: unreadable, a field or cross-field rule broken, run.local_module failing to
+     import, or an unusable run key (one `config error:` line); or a usage error
+
+Every line on stderr starts `rollart validate: ` (then `note: `, `error: ` or `config error: `,
+each naming SCENARIO and the field); the last says the verdict. The resolved scenario (JSON)
+goes to stdout."""
 
 
 def prefix_store_notes(sc: Scenario) -> list[str]:
@@ -140,9 +155,13 @@ def cost_notes(sc: Scenario) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="rollart validate", description=(__doc__ or "").split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="rollart validate",
+                                description=(__doc__ or "").split("\n\n")[0], epilog=EXIT_CODES,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("scenario", type=Path, help="scenario TOML file")
-    p.add_argument("--quiet", action="store_true", help="print nothing when it is valid")
+    p.add_argument("--quiet", action="store_true",
+                   help="print neither the resolved scenario nor the closing line when it is "
+                        "valid (notes and errors are still printed)")
     p.add_argument("--cluster", default="local", metavar="local|ray|ray://HOST:PORT",
                    help="check as `rollart run --cluster` would (default local)")
     args = p.parse_args(argv)
@@ -165,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         refusals.append(str(exc))
     try:  # `rollart run`'s model phase: a warm-up of the tiny model with nothing to imitate
-        check_warmup_domains(scenario)
+        check_warmup_domains(scenario, note=lambda text: notes.append(f"{source}: {text}"))
     except ConfigError as exc:
         refusals.append(str(in_file(source, exc)))
     refusals += [str(in_file(source, ConfigError(text)))

@@ -28,7 +28,7 @@ from rollart.config import DomainConfig, Scenario
 from rollart.envhost.families import make_env
 from rollart.envhost.solvers import exploring_action, has_solver, next_action
 from rollart.models.sft import SFTConfig
-from rollart.models.tiny import TinyModelSpec, ensure_tiny_model
+from rollart.models.tiny import TinyModelSpec, ensure_tiny_model, validate_spec
 from rollart.models.tokenizer import build_char_tokenizer
 from rollart.models.tooldemos import CALCULATOR_ENV, play_tool_episode
 
@@ -261,7 +261,8 @@ def ensure_quickstart_model(cache_dir: str | Path, scenario: Scenario) -> Path:
     """
     model = scenario.model
     if not model.tiny_warmup:
-        return ensure_tiny_model(cache_dir, TinyModelSpec(seed=model.tiny_seed))
+        spec = msgspec.structs.replace(scenario_recipe(scenario).spec, seed=model.tiny_seed)
+        return ensure_tiny_model(cache_dir, validate_spec(spec))
     return ensure_warm_tiny_model(
         cache_dir, scenario.domains, model_seed=model.tiny_seed,
         max_turns=scenario.run.max_turns, tool_calls=model.tiny_warmup_tool_calls,
@@ -283,7 +284,11 @@ def scenario_recipe(scenario: Scenario) -> WarmupRecipe:
     if model.tiny_warmup_lr is not None:
         sft = msgspec.structs.replace(sft, lr=model.tiny_warmup_lr)
     episodes = model.tiny_warmup_episodes
+    arch = {name: value for name, value in (
+        ("hidden_size", model.tiny_hidden_size), ("num_layers", model.tiny_num_layers),
+        ("num_heads", model.tiny_num_heads)) if value is not None}
+    spec = msgspec.structs.replace(base.spec, **arch) if arch else base.spec
     return msgspec.structs.replace(
-        base, sft=sft, explore=model.tiny_warmup_explore,
+        base, spec=spec, sft=sft, explore=model.tiny_warmup_explore,
         explore_turns=model.tiny_warmup_explore_turns,
         episodes_per_domain=base.episodes_per_domain if episodes is None else episodes)

@@ -46,9 +46,9 @@ from rollart.controller.evaluation.stats import (
     EvalRecord,
     answer_key,
     collapse_reason,
-    mean_interval,
     pass_at_k,
     reward_trend,
+    share_interval,
     wilson_interval,
 )
 from rollart.controller.rollout.trajectory import (
@@ -272,7 +272,7 @@ class Evaluator:
                 cs = [sum(r.correct for r in s if r) for s in full]
                 p1 = sum(pass_at_k(k, c, 1) for c in cs) / len(cs)
                 pk = sum(pass_at_k(k, c, k) for c in cs) / len(cs)
-                lo, hi = mean_interval([c / k for c in cs])
+                lo, hi = share_interval([c / k for c in cs])
                 p1_ci = [round(lo, 6), round(hi, 6)]
         base = self.baselines.get(name)
         ci = wilson_interval(correct, n) if n else None

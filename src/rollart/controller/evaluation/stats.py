@@ -30,8 +30,9 @@ class DomainEval(msgspec.Struct, kw_only=True):
     - ``pass_k``: sampled trajectories per task (the domain's own sampling); ``pass_at_1`` and
       ``pass_at_k``: the unbiased pass@1 and pass@k over tasks with all ``pass_k`` samples
       (:func:`pass_at_k`); ``None`` when ``pass_k`` is 0. ``pass_at_1_ci95``: the 95% interval
-      of ``pass_at_1`` (:func:`mean_interval` over the tasks' own correct shares: samples of one
-      task are not independent of each other).
+      of ``pass_at_1`` (:func:`share_interval` over the tasks' own correct shares: samples of
+      one task are not independent of each other; with ``pass_k = 1`` it is the Wilson
+      interval of the correct tasks, as ``ci95``).
     - ``distinct_answer_share``: distinct greedy final answers / tasks (:func:`answer_key`);
       ``top_answer`` / ``top_answer_share``: the most frequent one and its share of tasks.
     - ``reward_mean``: mean greedy reward; ``response_len_mean``: generated tokens per greedy
@@ -86,7 +87,10 @@ def wilson_interval(successes: int, n: int, z: float = Z95) -> tuple[float, floa
     if n < 1 or not 0 <= successes <= n:
         raise ValueError(f"wilson_interval: need 0 <= successes <= n and n >= 1, got "
                          f"{successes} of {n}")
-    p = successes / n
+    return _wilson(successes / n, n, z)
+
+
+def _wilson(p: float, n: int, z: float) -> tuple[float, float]:
     denom = 1 + z * z / n
     center = (p + z * z / (2 * n)) / denom
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
@@ -159,24 +163,27 @@ MIN_REWARD_RISE = 0.02
 TOP_ANSWER_SHARE = 0.9
 
 
-def mean_interval(shares: Sequence[float], z: float = Z95) -> tuple[float, float]:
-    """The 95% normal-approximation interval of the mean of per-task shares in [0, 1] (one
-    share per task: its correct samples over its samples), clipped to [0, 1]: ``mean -+ z *
-    sd / sqrt(n)`` with the sample standard deviation (the central limit theorem over tasks,
-    the unit that is drawn independently; a one-task set gives the point).
+def share_interval(shares: Sequence[float], z: float = Z95) -> tuple[float, float]:
+    """The 95% interval of the mean of per-task shares in [0, 1] (one share per task: its
+    correct samples over its samples; the task is the unit drawn independently): the Wilson
+    score interval (:func:`wilson_interval`) with ``p`` the mean share and ``n`` the number of
+    tasks.
+
+    Why it holds: a variable in [0, 1] with mean ``mu`` has variance at most ``mu (1 - mu)``
+    (Bhatia and Davis 2000, "A better bound on the variance", Amer. Math. Monthly 107(4)),
+    the Bernoulli variance, so the score test ``|mean - mu| <= z sqrt(mu (1 - mu) / n)``
+    that Wilson inverts is conservative for shares; with one sample per task the shares are
+    0 or 1 and it is Wilson's interval of the correct tasks exactly. Unlike a normal interval
+    with the sample standard deviation it never collapses to a point when every task has the
+    same share (all wrong: ``[0, z^2 / (n + z^2)]``, 0.324 for 8 tasks).
 
     Raises:
         ValueError: no shares, or a share outside [0, 1].
     """
     n = len(shares)
     if n < 1 or any(not 0.0 <= x <= 1.0 for x in shares):
-        raise ValueError(f"mean_interval: need n >= 1 shares in [0, 1], got {n}")
-    mean = sum(shares) / n
-    if n == 1:
-        return mean, mean
-    sd = math.sqrt(sum((x - mean) ** 2 for x in shares) / (n - 1))
-    half = z * sd / math.sqrt(n)
-    return max(0.0, mean - half), min(1.0, mean + half)
+        raise ValueError(f"share_interval: need n >= 1 shares in [0, 1], got {n}")
+    return _wilson(min(1.0, sum(shares) / n), n, z)
 
 
 def headline(d: DomainEval, which: str) -> tuple[float | None, list[float] | None]:
