@@ -4,6 +4,8 @@ nothing saturates; moves are counted in the step metrics."""
 
 from __future__ import annotations
 
+import array
+import asyncio
 import logging
 from typing import Any
 
@@ -14,7 +16,7 @@ from helpers.fakes import TOK, FakeEnvHost, FakeReward, FakeTrainer, FakeWorker,
 from rollart.config import parse_scenario
 from rollart.controller import Backends, Cluster
 from rollart.controller.routing.proxy import LLMProxy
-from rollart.controller.routing.spill import PoolPressure, SpillPolicy, pool_pressure
+from rollart.controller.routing.spill import PoolGauge, PoolPressure, SpillPolicy, pool_pressure
 from rollart.transport import messages as m
 from rollart.transport.errors import ConfigError
 
@@ -32,8 +34,10 @@ def policy(clock: Clock, hold_s: float = 10.0) -> SpillPolicy:
                        kv_usage_high=0.95, min_hold_s=hold_s, clock=clock)
 
 
-def pressures(**by_pool: tuple[float, float | None]):
-    return lambda name: PoolPressure(*by_pool[name])
+def pressures(**by_pool: tuple[float, float | None] | tuple[float, float | None, bool]):
+    """``pool -> PoolPressure(waiting_share, kv_usage[, paused])``."""
+    return lambda name: PoolPressure(by_pool[name][0], by_pool[name][1],
+                                     True in by_pool[name][2:])
 
 
 def test_policy_spills_holds_and_returns_with_hysteresis() -> None:
@@ -96,6 +100,65 @@ def test_pool_pressure_counts_engine_and_send_window_waiting_and_kv_usage() -> N
     assert p.waiting_share == pytest.approx(4 / 14)
     assert p.kv_usage == pytest.approx(0.5)  # b does not report it
     assert pool_pressure([FakeWorker("c")], lambda _: 0) == PoolPressure(0.0, None)
+
+
+def test_requests_sent_since_the_last_stats_are_held_running_up_to_the_seen_capacity() -> None:
+    a = FakeWorker("a")
+    gauge = PoolGauge()
+    # No capacity seen yet (a run's first burst): nothing to call waiting.
+    assert gauge.pressure([a], lambda _: 0, lambda _: 10).waiting_share == 0.0
+    a.last_stats = stats("a", 4, 0)  # seen running 4 at once
+    assert gauge.pressure([a], lambda _: 0, lambda _: 4).waiting_share == 0.0
+    a.last_stats = stats("a", 0, 0)  # drained at the end of a step ...
+    # ... then a burst of 10: 4 run (the capacity seen), 6 wait.
+    assert gauge.pressure([a], lambda _: 0, lambda _: 10).waiting_share == pytest.approx(0.6)
+    # The stats showed waiting: the engine was full, so every newer request waits too.
+    a.last_stats = stats("a", 4, 2)
+    assert gauge.pressure([a], lambda _: 1, lambda _: 10).waiting_share == pytest.approx(
+        (2 + 4 + 1) / 11)
+
+
+class ArrivingWorker(FakeWorker):
+    """Sets ``all_arrived`` once ``expect`` requests reached it and its peers (``arrived`` is
+    shared), each then held or answered as a ``FakeWorker`` does."""
+
+    def __init__(self, name: str, arrived: list[str], all_arrived: asyncio.Event,
+                 expect: int) -> None:
+        super().__init__(name)
+        self.arrived, self.all_arrived, self.expect = arrived, all_arrived, expect
+
+    async def generate(self, request: m.Generate, *, timeout_s=None) -> m.GenerateResult:
+        self.arrived.append(self.name)
+        if len(self.arrived) == self.expect:
+            self.all_arrived.set()
+        return await super().generate(request, timeout_s=timeout_s)
+
+
+@pytest.mark.looptime
+async def test_a_burst_sent_since_the_last_stats_spills_once_past_the_seen_capacity() -> None:
+    """At a step's burst the home pool's last stats still show it drained: the requests sent
+    since are what saturates it. Seen running 2 at once, A takes the burst's first 3 new
+    trajectories (the third waits: share 1/3 >= 0.25, saturated) and the rest spill to B;
+    read from the stats alone, A would look drained and take all 8."""
+    arrived: list[str] = []
+    all_arrived = asyncio.Event()
+    a, b = ArrivingWorker("a", arrived, all_arrived, 8), ArrivingWorker("b", arrived,
+                                                                        all_arrived, 8)
+    proxy = LLMProxy({"A": ("h800", [a]), "B": ("h20", [b])}, {"d": "A"},
+                     spill=policy(Clock()))
+    a.last_stats = stats("a", 2, 0)
+    assert proxy.route("seen", "d") is a  # the proxy has seen a run 2 at once
+    a.last_stats = stats("a", 0, 0)  # drained at the end of the last step
+    a._running.clear()  # a's engine holds the burst (its replies, and new stats, come later)
+    sp = m.SamplingParams(max_tokens=8)
+    burst = [asyncio.create_task(proxy.generate(f"t{i}", "d", f"r{i}", array.array(
+        "i", [1, 2, 3]), sp)) for i in range(8)]
+    await all_arrived.wait()
+    assert a.last_stats == stats("a", 0, 0) and a.in_flight == 3
+    assert proxy.pool_pressure("A").waiting_share == pytest.approx(1 / 3)
+    a._running.set()
+    await asyncio.gather(*burst)
+    assert (len(a.requests), len(b.requests)) == (3, 5)
 
 
 def spilling_proxy(clock: Clock) -> tuple[LLMProxy, FakeWorker, FakeWorker]:
@@ -165,12 +228,17 @@ async def test_a_saturated_pool_spills_and_the_step_metrics_say_so(caplog) -> No
                         env_hosts=[FakeEnvHost(turns=2)], reward_service=FakeReward())
     async with Cluster.from_scenario(sc, backends=backends) as c:
         steps = await run_steps(c, 3)
+        assert c.controller is not None
+        policy_ = c.controller.proxy.spill
     spilled = sum(st.metrics.num_spilled_by_domain.get("d", 0) for st in steps)
     moves = [mv for st in steps for mv in st.metrics.affinity_moves]
-    assert spilled > 0 and b.requests
+    assert spilled > 0 and b.requests and policy_ is not None
     assert moves and moves[0].startswith("d: A -> B (pool 'A' saturated")
-    assert any("domain d's new trajectories go to pool B" in r.getMessage()
-               for r in caplog.records)
+    # One WARNING line per move (seen at `rollart run`'s default level), not per trajectory.
+    lines = [r for r in caplog.records if "new trajectories go to pool" in r.getMessage()]
+    assert any("domain d's new trajectories go to pool B" in r.getMessage() for r in lines)
+    assert len(lines) == policy_.num_moves < spilled
+    assert {r.levelno for r in lines} == {logging.WARNING}
     # Every trajectory kept one pool for all its turns (its prefix lived there).
     for st in steps:
         for s in st.samples:

@@ -432,3 +432,20 @@ def test_prefix_cache_takes_int32_bytes_and_lists_alike() -> None:
     # A prompt sharing only the head is no hit; a shorter prompt cannot hold the entry.
     assert cache.lookup(tb.pack_i32([*seq[:50], 7, *seq[51:], 1])) is None
     assert cache.lookup(tb.pack_i32(seq[:99])) is None
+
+
+def test_pause_and_resume_update_the_stats_routing_reads() -> None:
+    """Routing reads ``last_stats``; after a resume a pool must not read as paused until its
+    next reply (online affinity never moves a paused pool's domain), as a real worker's
+    client does on Pause / Resume."""
+    async def main():
+        w = _worker()
+        await w.generate(_req("a"))
+        assert w.last_stats is not None and not w.last_stats.paused
+        await w.pause()
+        assert w.last_stats.paused
+        await w.resume()
+        return w.last_stats
+
+    stats = run_virtual(main)
+    assert stats is not None and not stats.paused

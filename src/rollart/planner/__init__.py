@@ -48,19 +48,34 @@ class PlanResult:
     def best(self) -> Score:
         return self.ranked[0]
 
+    @property
+    def warnings(self) -> list[str]:
+        """What the user should know about how far the search got (one line each)."""
+        lg, out = self.log, []
+        ran = lg.per_rung[0] if lg.per_rung else 0
+        if ran < lg.first_rung_space:
+            out.append(f"the budget ({self.budget_s:g} s) simulated only {ran} of the "
+                       f"{lg.first_rung_space} trainer / pool mappings to the end of the "
+                       f"first round (of {lg.space} layouts): the plan is the best of those, "
+                       f"not of all; give a larger --budget-s (budget_s=)")
+        return out
+
     def table(self, top: int = 5) -> str:
         """The best ``top`` candidates, one line each, and a summary line."""
-        lines = [f"{'rank':>4}  {'step s':>9}  {'rollout':>7}  {'idle':>5}  {'cost':>6}  layout"]
+        lines = [f"{'rank':>4}  {'step s':>9}  {'+-':>5}  {'rollout':>7}  {'idle':>5}  "
+                 f"{'cost':>6}  layout"]
         for i, s in enumerate(self.ranked[:top], 1):
             share = s.candidate.rollout_share(self.inputs)
-            lines.append(f"{i:>4}  {s.step_time_s:>9.1f}  {share:>7.0%}  "
+            lines.append(f"{i:>4}  {s.step_time_s:>9.1f}  {s.se_s:>5.1f}  {share:>7.0%}  "
                          f"{s.trainer_idle_share:>5.0%}  {s.cost:>6.1f}  "
                          f"{s.candidate.describe(self.inputs)}")
         lg = self.log
-        lines.append(f"(SIMULATED step times; rollout: share of the GPUs rolling out; idle: "
-                     f"the trainer's idle share of a step; cost in H800 units; searched {lg.runs} runs over "
-                     f"{lg.space} layouts, rungs {lg.per_rung}, {lg.wall_s:.0f} s of "
+        lines.append(f"(SIMULATED step times; +-: their standard error; rollout: share of the "
+                     f"GPUs rolling out; idle: the trainer's idle share of a step; cost in H800 "
+                     f"units; searched {lg.runs} runs over {lg.space} layouts, rungs "
+                     f"{lg.per_rung}, {lg.race_seeds} racing seed(s), {lg.wall_s:.0f} s of "
                      f"{self.budget_s:g} s)")
+        lines += [f"warning: {w}" for w in self.warnings]
         return "\n".join(lines)
 
     def write(self, path: str | Path) -> None:
@@ -76,14 +91,16 @@ def plan(scenario: str | Path | Scenario, *, budget_s: float = DEFAULT_BUDGET_S,
     """Plan the layout of ``scenario`` (a path to a scenario TOML or a ``Scenario``).
 
     ``budget_s``: wall seconds the search may take (it stops starting runs before); ``seeds``:
-    simulation seeds (the first ranks the early rungs, all of them the last); ``model``: the
+    simulation seeds (the first ranks the early rungs, all of them the last; racing adds
+    ``max(seeds) + 1``, ... while budget is left, ``rollart.planner.noise``); ``model``: the
     simulated model profile (default: from ``model.path``); ``profiles``: workload per domain
     name (default: assumed from each domain's env, ``rollart.planner.inputs``); ``alphas`` /
     ``redundancies``: the values to search (default 1-2 / 0-1 and the scenario's own);
     ``progress``: a callable given one line per rung.
 
     Raises PlanError naming what is short or unknown (hardware that cannot hold the model,
-    fewer GPUs than the trainer plus one engine per domain, a budget too small for one
+    fewer GPUs than the trainer plus one engine per domain, a trainer larger than one node
+    or than a minibatch's rows, CPU pools, a budget too small for one
     simulated run, a model or hardware without a simulated profile) and ConfigError for an
     invalid scenario file.
     """
@@ -108,5 +125,7 @@ def plan(scenario: str | Path | Scenario, *, budget_s: float = DEFAULT_BUDGET_S,
                                  f"plan of {source}")
     header = (f"# Layout planned by `rollart plan` for {source} (SIMULATED step time "
               f"{ranked[0].step_time_s:.1f} s):\n# {ranked[0].candidate.describe(inputs)}\n")
-    return PlanResult(ranked=ranked, scenario=chosen, toml=header + text, log=log,
-                      inputs=inputs, budget_s=budget_s)
+    res = PlanResult(ranked=ranked, scenario=chosen, toml=header + text, log=log,
+                     inputs=inputs, budget_s=budget_s)
+    res.toml = "".join(f"# warning: {w}\n" for w in res.warnings) + res.toml
+    return res

@@ -45,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rollart plan: error: {exc}", file=sys.stderr)
         return 2
     print(res.table())
+    for line in res.warnings:  # also on stderr: seen when stdout goes to a file
+        print(f"rollart plan: warning: {line}", file=sys.stderr)
     try:
         res.write(args.out)
     except OSError as exc:

@@ -43,6 +43,8 @@ TP_CHOICES = (1, 2, 4, 8)
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 #: trainer bytes per parameter (mixed-precision Adam, ZeRO §3.1)
 TRAIN_BYTES_PER_PARAM = 16
+#: the trainer's ranks run on one node of this many GPUs (``rollart.launcher.placement``)
+GPUS_PER_NODE = 8
 
 
 class PlanError(ValueError):
@@ -92,12 +94,35 @@ class PlanInputs:
 def model_profile(scenario: Scenario, model: str | None) -> ModelProfile:
     """The simulated profile ``model`` or the one named by ``model.path``'s last component
     (``/models/Qwen3-8B`` -> ``qwen3-8b``). Raises PlanError naming the known profiles."""
-    name = model or scenario.model.path.rstrip("/").rsplit("/", 1)[-1].lower()
+    if model is not None:
+        try:
+            return get_model(model)
+        except KeyError:
+            raise PlanError(f"--model (model=) {model!r}: no simulated model profile of that "
+                            f"name; known: {sorted(MODELS)}") from None
+    name = scenario.model.path.rstrip("/").rsplit("/", 1)[-1].lower()
     try:
         return get_model(name)
     except KeyError:
         raise PlanError(f"model.path {scenario.model.path!r}: no simulated model profile "
                         f"{name!r}; pass model= (--model) one of {sorted(MODELS)}") from None
+
+
+#: hardware labels the planner lays out: the simulator's GPU profiles
+GPU_LABELS = tuple(sorted(k for k in HARDWARE if k != "cpu"))
+
+
+def _refuse_cpu(scenario: Scenario, model: str | None) -> None:
+    """Raise PlanError for a scenario with CPU pools, or the CPU test model without
+    ``model``: the planner lays out simulated GPU hardware; a CPU run has no GPUs to split."""
+    cpu = [p.name for p in scenario.pools if p.hardware.lower() == "cpu"]
+    if cpu or (scenario.model.path == "tiny" and model is None):
+        what = (f"pools {cpu} run on hardware 'cpu'" if cpu
+                else "model.path 'tiny' is the project's CPU test model")
+        raise PlanError(f"{what}: the planner plans layouts of simulated GPU hardware profiles "
+                        f"({', '.join(GPU_LABELS)}) for simulated models ({', '.join(sorted(MODELS))}); "
+                        f"give each pool one of these hardware labels (and --model for a model.path "
+                        f"without a profile)")
 
 
 def engine_tp(model: ModelProfile, hw: HardwareProfile, *, utilisation: float,
@@ -145,7 +170,9 @@ def read_inputs(scenario: Scenario, *, model: str | None = None,
     """The planner's inputs from a validated ``scenario`` (module docstring). Raises
     PlanError: a pool given by worker addresses (its size is not the planner's to change), a
     hardware label or model without a simulated profile, hardware that cannot hold the
-    model, or fewer GPUs than the trainer plus one engine per domain."""
+    model, fewer GPUs than the trainer plus one engine per domain, or CPU pools (the
+    planner plans GPU layouts)."""
+    _refuse_cpu(scenario, model)
     mdl = model_profile(scenario, model)
     run = scenario.run
     gpus: dict[str, int] = {}
@@ -159,7 +186,7 @@ def read_inputs(scenario: Scenario, *, model: str | None = None,
         label = pool.hardware.lower()
         if label not in HARDWARE:
             raise PlanError(f"pools.{pool.name}.hardware: no simulated profile {label!r}; "
-                            f"known: {sorted(HARDWARE)}")
+                            f"known: {list(GPU_LABELS)}")
         util = pool.engine.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
         need = engine_tp(mdl, get_hardware(label), utilisation=util,
                          max_tokens=run.max_tokens_per_trajectory,
@@ -208,6 +235,25 @@ def _check_enough(gpus: dict[str, int], tp: dict[str, int], trainer_label: str,
             f"{have} GPUs hold the trainer ({trainer_min} x {trainer_label}) and {engines} "
             f"engine(s) (tensor parallel {tp}), fewer than one per domain ({num_domains}): "
             f"short by {num_domains - engines} engine(s)")
+
+
+def check_trainer_limits(inputs: PlanInputs, rows: int) -> None:
+    """Raise PlanError when the trainer's fewest GPUs (``inputs.trainer_min``) exceed what
+    a trainer may have: one node of ``GPUS_PER_NODE``, or ``rows`` (one rank per row of a
+    minibatch: ``run.batch_size // trainer.num_minibatches``)."""
+    sc, need = inputs.scenario, inputs.trainer_min
+    why = (f"model {inputs.model.name!r} needs at least {need} trainer GPUs "
+           f"({inputs.trainer_label}, {TRAIN_BYTES_PER_PARAM} bytes per parameter)")
+    if need > GPUS_PER_NODE:
+        raise PlanError(f"trainer: {why}, more than one node of {GPUS_PER_NODE}: the "
+                        f"trainer's ranks run on one node; use GPUs with more memory or a "
+                        f"smaller model")
+    if need > rows:
+        raise PlanError(
+            f"trainer: {why}, but run.batch_size // trainer.num_minibatches = "
+            f"{sc.run.batch_size} // {sc.trainer.num_minibatches} = {rows} row(s) per "
+            f"minibatch, and every rank needs at least one: raise run.batch_size to "
+            f"{need * sc.trainer.num_minibatches} or lower trainer.num_minibatches")
 
 
 def raw_of(scenario: Scenario) -> dict[str, Any]:

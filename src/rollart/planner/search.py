@@ -2,20 +2,24 @@
 
 A candidate (``Candidate``) is a trainer size, a pool per domain (by hardware label), alpha
 and redundancy; every label some domain maps to gets one pool of all its GPUs left after
-the trainer (``Candidate.pools``). It is scored by its mean step time (seconds of simulated
-time) from ``rollart.sim.harness.run_simulated``: the real controller over simulated
-engines, envs and trainer, as the benchmarks run it.
+the trainer (``Candidate.pools``). It is scored by its mean step time over the steps after
+the warm-up (seconds of simulated time) from ``rollart.sim.harness.run_simulated``: the real
+controller over simulated engines, envs and trainer, as the benchmarks run it.
 
 Successive halving (Jamieson and Talwalkar, AISTATS 2016; Li et al., Hyperband, JMLR 2018):
 rung 0 runs every (trainer size, mapping) on a short horizon with one seed, in a seeded random
-order after the scenario's own layout; the best third (at least ``MIN_KEEP``) go on with every
-alpha and redundancy at rung 1 (a longer horizon), and the best third of those at rung 2 on
-every seed. A run longer than ``STRAGGLER_X`` times its rung's median is stopped and its
-candidate dropped (a run that stops advancing its clock, or a layout that queues long on its
-engines). Each rung may use a share of the budget (``RUNG_SHARES``, cumulative), in seconds
-of the planning process's wall clock; a run that would not end inside its rung's share is not
-started (or is stopped), so candidates not run at a rung are dropped, never compared on a
-shorter horizon.
+order after the scenario's own layout; the best third (at least ``MIN_KEEP``) and as many
+again of the candidates within the noise of that cut (``rollart.planner.noise.cut``) go on
+with every alpha and redundancy at rung 1 (a longer horizon), and the same cut of those to
+rung 2 on every seed.
+Every candidate of a rung runs on the same seeds. While budget is left after rung 2, the
+leader and the candidates within its noise race on further common seeds
+(``rollart.planner.noise``). A run longer than ``STRAGGLER_X`` times its rung's median is
+stopped and its candidate dropped (a run that stops advancing its clock, or a layout that
+queues long on its engines). Each rung may use a share of the budget (``RUNG_SHARES``,
+cumulative), in seconds of the planning process's wall clock; a run that would not end
+inside its rung's share is not started (or is stopped), so candidates not run at a rung are
+dropped, never compared on a shorter horizon.
 """
 
 from __future__ import annotations
@@ -34,20 +38,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollart.controller.observe.stall import ControllerStalledError
-from rollart.planner.inputs import PlanError, PlanInputs
+from rollart.planner import noise
+from rollart.planner.inputs import GPUS_PER_NODE, PlanError, PlanInputs, check_trainer_limits
 from rollart.sim.harness import SimDomain, SimPool, SimResult, SimScenario, run_simulated
 
 log = logging.getLogger(__name__)
 
-#: (steps, warmup) per rung: step times are means over the steps after ``warmup``
-RUNGS = ((2, 1), (3, 1), (4, 1))
+#: (steps, warmup) per rung: step times are means over the steps after ``warmup``; rung 0
+#: has two such steps so that a run gives its own noise estimate
+RUNGS = ((3, 1), (4, 1), (5, 1))
 #: cumulative share of the budget each rung may have used by its end
 RUNG_SHARES = (0.45, 0.75, 0.95)
 #: survivors of a rung: the best ``1 / ETA``, at least ``MIN_KEEP``
 ETA = 3
 MIN_KEEP = 2
-#: the trainer's ranks run on one node of this many GPUs (``rollart.launcher.placement``)
-GPUS_PER_NODE = 8
 #: a run longer than this many times its rung's median run so far is stopped (a straggler)
 STRAGGLER_X = 4.0
 
@@ -94,20 +98,28 @@ class Candidate:
 
 @dataclass
 class Score:
-    """A candidate's simulated figures at its highest rung: ``step_times_s`` (one per seed),
-    ``trainer_idle_share`` (seconds the trainer waited for a batch / step seconds, over the
-    steps after the warm-up and the seeds: high when rollout binds, near 0 when the trainer
-    does)."""
+    """A candidate's simulated figures at its highest rung: ``step_times_s`` (one mean per
+    seed), ``samples_s`` (every step time after the warm-up, all seeds), ``se_s`` (the
+    standard error of ``step_time_s``, ``rollart.planner.noise``), ``trainer_idle_share``
+    (seconds the trainer waited for a batch / step seconds, over the steps after the warm-up
+    and the seeds: high when rollout binds, near 0 when the trainer does)."""
 
     candidate: Candidate
     rung: int
     step_times_s: list[float]
     trainer_idle_share: float
     cost: float
+    samples_s: list[float] = field(default_factory=list)
+    se_s: float = 0.0
+    #: trainer idle and step seconds summed over the kept steps (to extend with more seeds)
+    idle_s: float = 0.0
+    busy_s: float = 0.0
 
     @property
     def step_time_s(self) -> float:
-        return statistics.fmean(self.step_times_s)
+        """Mean step time over the kept steps of every seed (seconds, SIMULATED)."""
+        return statistics.fmean(self.samples_s) if self.samples_s else statistics.fmean(
+            self.step_times_s)
 
 
 @dataclass
@@ -115,8 +127,12 @@ class SearchLog:
     """What the search ran: candidates per rung and simulated runs, wall seconds spent."""
 
     space: int = 0
+    #: (trainer size, mapping) candidates rung 0 has to run (``per_rung[0]`` ran to the end)
+    first_rung_space: int = 0
     per_rung: list[int] = field(default_factory=list)
     runs: int = 0
+    #: seeds the racing added after the last rung
+    race_seeds: int = 0
     wall_s: float = 0.0
 
 
@@ -149,7 +165,9 @@ def space(inputs: PlanInputs) -> tuple[list[Candidate], list[tuple[int, int]]]:
     sizes = {inputs.trainer_min * 2 ** k for k in range(8)} | {own_trainer}
     # torchrun's ranks run on one node, and every rank needs its share of each minibatch
     # (``trainer.num_processes x num_minibatches <= run.batch_size``).
-    most = min(most - 1, GPUS_PER_NODE, run.batch_size // sc.trainer.num_minibatches)
+    rows = run.batch_size // sc.trainer.num_minibatches
+    check_trainer_limits(inputs, rows)
+    most = min(most - 1, GPUS_PER_NODE, rows)
     sizes = {t for t in sizes if inputs.trainer_min <= t <= most}
     mappings = list(itertools.product(inputs.labels, repeat=len(sc.domains)))
     own = tuple(next(p.hardware.lower() for p in sc.pools if p.name == d.pool)
@@ -252,36 +270,25 @@ def successive_halving(inputs: PlanInputs, *, budget_s: float, seeds: tuple[int,
     rest = first[1:]
     rng.shuffle(rest)
     pending = [first[0], *rest]
-    log = SearchLog(space=len(first) * len(pairs))
+    log = SearchLog(space=len(first) * len(pairs), first_rung_space=len(first))
     ranked: list[Score] = []
-    for rung, ((steps, warmup), share) in enumerate(zip(RUNGS, RUNG_SHARES, strict=True)):
+    walls: list[float] = []
+    for rung, ((steps, _warmup), share) in enumerate(zip(RUNGS, RUNG_SHARES, strict=True)):
         rung_seeds = seeds if rung == len(RUNGS) - 1 else seeds[:1]
         end = t0 + budget_s * share
-        walls: list[float] = []  # this rung's completed runs
+        walls = []  # this rung's completed runs
         scores: list[Score] = []
         for c in pending:
             now = time.perf_counter()
             est = statistics.median(walls) * len(rung_seeds) if walls else 0.0
             if (scores or rung > 0) and now + est > end:
                 break
-            times, shares = [], []
-            for sd in rung_seeds:
-                cap = (end if scores or rung > 0 else t0 + budget_s) - time.perf_counter()
-                if len(walls) >= 2:
-                    cap = min(cap, STRAGGLER_X * statistics.median(walls))
-                w0 = time.perf_counter()
-                res = run_capped(sim_of(inputs, c, steps), sd, warmup, cap)
-                log.runs += 1
-                if res is None:
-                    break
-                walls.append(time.perf_counter() - w0)
-                times.append(res.step_time_s)
-                kept = res.steps[warmup:]
-                shares.append(sum(s["trainer_idle_s"] for s in kept)
-                              / max(sum(s["step_time_s"] for s in kept), 1e-9))
-            if len(times) == len(rung_seeds):
-                scores.append(Score(c, rung, times, statistics.fmean(shares), c.cost(inputs)))
-            elif rung == 0 and not scores and time.perf_counter() >= t0 + budget_s:
+            first_ever = not scores and rung == 0
+            score = _score(inputs, c, rung, rung_seeds, walls, log,
+                           end=t0 + budget_s if first_ever else end)
+            if score is not None:
+                scores.append(score)
+            elif first_ever and time.perf_counter() >= t0 + budget_s:
                 raise PlanError(
                     f"budget_s={budget_s:g} is too small: one simulated candidate "
                     f"({steps} steps of batch {inputs.scenario.run.batch_size}) did not end "
@@ -289,18 +296,87 @@ def successive_halving(inputs: PlanInputs, *, budget_s: float, seeds: tuple[int,
         if not scores:  # this rung's share ran out: the previous rung's ranking stands
             break
         scores.sort(key=lambda s: (s.step_time_s, s.cost))
+        noise.set_standard_errors(scores)
         ranked = scores
         log.per_rung.append(len(scores))
+        keep = max(MIN_KEEP, math.ceil(len(scores) / ETA))
+        kept = [scores[i] for i in noise.cut(scores, keep)]
         if progress:
             progress(f"rung {rung}: {len(scores)} candidate(s) x {len(rung_seeds)} seed(s) "
-                     f"at {steps} steps, best {scores[0].step_time_s:.1f} s/step, "
-                     f"{time.perf_counter() - t0:.0f} s used")
-        keep = max(MIN_KEEP, math.ceil(len(scores) / ETA))
-        survivors = [s.candidate for s in scores[:keep]]
+                     f"at {steps} steps, best {scores[0].step_time_s:.1f} "
+                     f"+- {scores[0].se_s:.1f} s/step, kept the best {keep} and {len(kept) - keep} "
+                     f"within their noise, {time.perf_counter() - t0:.0f} s used")
+        survivors = [s.candidate for s in kept]
         if rung == 0:
             survivors = list(dict.fromkeys(
                 Candidate(c.trainer_gpus, c.mapping, a, r) for c in survivors
                 for a, r in [(c.alpha, c.redundancy), *pairs]))
         pending = survivors
+    if len(log.per_rung) == len(RUNGS):
+        ranked = _race(inputs, ranked, seeds, walls, log, end=t0 + budget_s * RUNG_SHARES[-1],
+                       progress=progress)
     log.wall_s = time.perf_counter() - t0
     return ranked, log
+
+
+def _score(inputs: PlanInputs, c: Candidate, rung: int, seeds: tuple[int, ...],
+           walls: list[float], log: SearchLog, *, end: float,
+           into: Score | None = None) -> Score | None:
+    """Candidate ``c`` run on every seed of ``seeds`` at ``rung``'s horizon (appended to
+    ``into`` when given), or None when a run is stopped (past ``end``, a straggler of
+    ``walls``) or stalls. Appends each completed run's wall seconds to ``walls``."""
+    steps, warmup = RUNGS[rung]
+    times, samples, idle_s, busy_s = [], [], 0.0, 0.0
+    for sd in seeds:
+        cap = end - time.perf_counter()
+        if len(walls) >= 2:
+            cap = min(cap, STRAGGLER_X * statistics.median(walls))
+        w0 = time.perf_counter()
+        res = run_capped(sim_of(inputs, c, steps), sd, warmup, cap)
+        log.runs += 1
+        if res is None:
+            return None
+        walls.append(time.perf_counter() - w0)
+        kept = res.steps[warmup:]
+        times.append(res.step_time_s)
+        samples += [s["step_time_s"] for s in kept]
+        idle_s += sum(s["trainer_idle_s"] for s in kept)
+        busy_s += sum(s["step_time_s"] for s in kept)
+    if into is not None:
+        times, samples = into.step_times_s + times, into.samples_s + samples
+        idle_s, busy_s = into.idle_s + idle_s, into.busy_s + busy_s
+    return Score(c, rung, times, idle_s / max(busy_s, 1e-9), c.cost(inputs), samples,
+                 idle_s=idle_s, busy_s=busy_s)
+
+
+def _race(inputs: PlanInputs, ranked: list[Score], seeds: tuple[int, ...],
+          walls: list[float], log: SearchLog, *, end: float,
+          progress: Callable[[str], None] | None) -> list[Score]:
+    """The last rung's ``ranked`` with the leader and every candidate within its noise run on
+    further common seeds (``max(seeds) + 1``, ...) while ``end`` allows and
+    ``rollart.planner.noise.unresolved`` says so. A seed that does not end for every racer
+    (past ``end``, a straggler) is left out for all of them, and the race ends: the seeds
+    stay common. Best first."""
+    rung = len(RUNGS) - 1
+    for extra in range(max(seeds) + 1, max(seeds) + 1 + noise.MAX_RACE_SEEDS):
+        group = noise.racers(ranked, noise.RACE_WIDTH)
+        need = statistics.median(walls) * len(group) if walls else 0.0
+        if len(group) < 2 or time.perf_counter() + need > end:
+            break
+        racing = {id(ranked[i]) for i in group}
+        out = []
+        for s in ranked:
+            more = s if id(s) not in racing else _score(
+                inputs, s.candidate, rung, (extra,), walls, log, end=end, into=s)
+            if more is None:
+                return ranked
+            out.append(more)
+        out.sort(key=lambda s: (s.step_time_s, s.cost))
+        noise.set_standard_errors(out)
+        ranked = out
+        log.race_seeds += 1
+        if progress:
+            progress(f"race: seed {extra} on {len(racing)} candidate(s) within the noise of "
+                     f"the best, best {ranked[0].step_time_s:.1f} +- {ranked[0].se_s:.1f} "
+                     f"s/step")
+    return ranked

@@ -37,6 +37,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import msgspec
+
 from rollart.inference.prefixes import DEFAULT_MAX_PREFIX_TOKENS, PrefixStore
 from rollart.sim import costs
 from rollart.sim.hardware import HardwareProfile
@@ -223,7 +225,7 @@ class SimInferenceWorker:
         """Stop generating at the next step boundary. ``keep``: requests wait (KV kept);
         ``abort``: every request returns now with ``finish_reason="abort"``."""
         self._check_alive()
-        self.paused = True
+        self._set_paused(True)
         if mode == "abort":
             for rid in [*self._running, *(r.rid for r in self._waiting)]:
                 await self.abort(rid)
@@ -233,8 +235,16 @@ class SimInferenceWorker:
 
     async def resume(self) -> None:
         self._check_alive()
-        self.paused = False
+        self._set_paused(False)
         self._wake()
+
+    def _set_paused(self, paused: bool) -> None:
+        # ``last_stats`` is what routing reads; a real worker's client updates its flag on
+        # Pause / Resume (``rollart.inference.client``), so a pool is not judged paused, and
+        # kept from spilling, until its next reply.
+        self.paused = paused
+        if self.last_stats is not None and self.last_stats.paused != paused:
+            self.last_stats = msgspec.structs.replace(self.last_stats, paused=paused)
 
     async def stats(self) -> m.WorkerStats:
         self._check_alive()

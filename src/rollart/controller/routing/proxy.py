@@ -47,34 +47,35 @@ unless it is its pool's last: that one is kept as overloaded, bounded by ``hang.
 
 Cancelling the awaiting task cancels the worker call, which aborts the request on the worker
 (the client's contract).
+
+Parts: ``LLMProxy`` here routes and generates; it is also a
+``rollart.controller.routing.fleet.FleetCalls`` (pause, resume, weights on every worker) and
+a ``rollart.controller.routing.health.WorkerHealth`` (removal, quarantine, hung workers).
 """
 
 from __future__ import annotations
 
 import array
 import asyncio
-import logging
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Literal
 
-from rollart.controller.observe.stall import ControllerStalledError
 from rollart.controller.ports import GenerationBackend
+from rollart.controller.routing.fleet import FleetCalls
 from rollart.controller.routing.hangcheck import TIMEOUT, HangCheck
+from rollart.controller.routing.health import Pool, PoolExhaustedError
 from rollart.controller.routing.sendwindow import SendWindow
-from rollart.controller.routing.spill import PoolPressure, SpillPolicy, pool_pressure
+from rollart.controller.routing.spill import PoolGauge, PoolPressure, SpillPolicy
 from rollart.controller.routing.workercheck import (
     BAD_REPLY,
     ENGINE_ERROR,
-    InvalidWorkerOutput,
     ViolationWindow,
     check_generate_result,
 )
 from rollart.transport import messages as m
 from rollart.transport.errors import ConfigError, PeerDeadError, RemoteError
 
-log = logging.getLogger(__name__)
+__all__ = ["LLMProxy", "Pool", "PoolExhaustedError", "TRANSIENT_RETRIES"]
 
 
 #: finished trajectory ids kept per worker until a Generate carries them; beyond this the
@@ -87,21 +88,7 @@ TRANSIENT_BACKOFF_S = 0.05
 TRANSIENT_RETRIES = 6
 
 
-class PoolExhaustedError(PeerDeadError):
-    """Fatal: every worker of a pool is dead, so a domain mapped to it cannot generate."""
-
-
-@dataclass
-class Pool:
-    """Workers of one hardware kind. ``workers`` holds the live ones, in declaration order."""
-
-    name: str
-    hardware: str
-    workers: list[GenerationBackend]
-    removed: list[str] = field(default_factory=list)
-
-
-class LLMProxy:
+class LLMProxy(FleetCalls):
     """Routes generate calls of trajectories to inference workers.
 
     Args:
@@ -149,6 +136,7 @@ class LLMProxy:
             self.set_affinity(domain, pool)
         self._window = SendWindow(seen, max_generate_in_flight)
         self.spill = spill
+        self._gauge = PoolGauge()
         #: trajectory -> the pool its first turn went to (kept only with ``spill``)
         self._started_on: dict[str, Pool] = {}
         self._sticky: dict[str, GenerationBackend] = {}
@@ -212,7 +200,8 @@ class LLMProxy:
 
     def pool_pressure(self, name: str) -> PoolPressure:
         """Pool ``name``'s pressure now (``rollart.controller.routing.spill``)."""
-        return pool_pressure(self._pools[name].workers, self._window.waiting)
+        return self._gauge.pressure(self._pools[name].workers, self._window.waiting,
+                                    lambda w: self._window.in_flight.get(w, 0))
 
     def pool_of_trajectory(self, traj_id: str, domain: str) -> Pool:
         """The pool ``traj_id`` (of ``domain``) generates on: its domain's, or with online
@@ -228,14 +217,6 @@ class LLMProxy:
             self._started_on[traj_id] = pool
         return pool
 
-    def workers(self) -> list[GenerationBackend]:
-        """Every live worker of every pool (workers found dead are removed first, so a weight
-        sync never waits on them)."""
-        for pool in self._pools.values():
-            for w in [w for w in pool.workers if w.dead]:
-                self._remove(pool, w, "reported dead")
-        return [w for pool in self._pools.values() for w in pool.workers]
-
     # -- routing ----------------------------------------------------------------------------
 
     def load(self, worker: GenerationBackend) -> int:
@@ -249,72 +230,6 @@ class LLMProxy:
         """Generate requests that waited for a slot in their worker's send window (a
         cumulative count)."""
         return self._window.num_waits
-
-    def _remove(self, pool: Pool, worker: GenerationBackend, why: str) -> None:
-        self._window.drop(worker.name)  # its waiters route again
-        if worker in pool.workers:
-            pool.workers.remove(worker)
-            pool.removed.append(worker.name)
-            # A dead worker's removal once the run stops is the owner's one message; a live
-            # one's (quarantined for its output) is news, stopping or not.
-            log.log(logging.INFO if self.stopping and worker.dead else logging.WARNING,
-                    "pool %s: worker %s removed (%s)", pool.name, worker.name, why)
-        for traj, w in list(self._sticky.items()):
-            if w is worker:
-                del self._sticky[traj]
-        for traj, (w, _) in list(self._held.items()):
-            if w is worker:
-                del self._held[traj]
-
-    def remove_worker(self, name: str, why: str) -> Pool:
-        """Take worker ``name`` out of its pool (no later request is routed to it; trajectories
-        that were sticky to it go to the pool's other workers, resending their whole prompt)
-        and return that pool, which may now be empty (see :meth:`route`). One warning line
-        names the worker and ``why`` (an INFO line for a dead worker once ``stopping``).
-        Idempotent. Raises ConfigError for an unknown name."""
-        for pool in self._pools.values():
-            for w in pool.workers:
-                if w.name == name:
-                    self._remove(pool, w, why)
-                    return pool
-            if name in pool.removed:
-                return pool
-        raise ConfigError(f"remove_worker: no worker named {name!r}")
-
-    def quarantine(self, name: str, why: str) -> None:
-        """Take a misbehaving (alive) worker out of its pool: :meth:`remove_worker`, counted in
-        ``quarantined``.
-
-        Raises:
-            PoolExhaustedError: it was its pool's last worker (fatal: the run stops).
-        """
-        pool = self.remove_worker(name, f"quarantined: {why}")
-        if name not in self.quarantined:
-            self.quarantined.append(name)
-        if not pool.workers:
-            raise PoolExhaustedError(
-                f"pool {pool.name!r} ({pool.hardware}): its last worker {name!r} was "
-                f"quarantined ({why}); removed: {pool.removed}"
-            )
-
-    def _record(self, worker: GenerationBackend, problem: str | None) -> None:
-        """Count one reply of ``worker`` in its violation window (``problem``: its violation,
-        or ``None``); quarantine the worker at the threshold."""
-        hit = self.violations is not None and self.violations.record(worker.name, problem is None)
-        if hit and problem is not None and worker.name not in self.quarantined:
-            assert self.violations is not None
-            self.quarantine(
-                worker.name,
-                f"{self.violations.count(worker.name)} invalid replies among its last "
-                f"{self.violations.window} (run.worker_checks); last: {problem}",
-            )
-
-    def _judge(self, worker: GenerationBackend, problem: str | None) -> None:
-        """:meth:`_record` the reply; raise ``InvalidWorkerOutput`` for a violation."""
-        self._record(worker, problem)
-        if problem is not None:
-            self.num_invalid_replies += 1
-            raise InvalidWorkerOutput(worker.name, problem)
 
     def route(self, traj_id: str, domain: str) -> GenerationBackend:
         """Pick the worker for ``traj_id``'s next turn (sticky, else least-loaded).
@@ -465,63 +380,6 @@ class LLMProxy:
                 max_version=self.max_version, vocab_size=self.vocab_size))
             return result
 
-    async def _hung(self, worker: GenerationBackend, sent_at: int, token: int,
-                    timed_out: RemoteError) -> bool:
-        """A call to ``worker`` sent when ``hang.replies`` was ``sent_at`` timed out (with
-        ``timed_out``): whether it should be re-sent elsewhere because ``worker`` is hung
-        (quarantined, perhaps by now: ``rollart.controller.routing.hangcheck``) or died.
-        ``token``: a token id of its prompt, for the probe. A pool's last worker that fails the
-        probe stays in its pool: ``timed_out`` is then marked ``overload``.
-
-        Raises:
-            ControllerStalledError: the pool's last worker has failed its probes, answering
-                nothing, for ``hang.max_overload_s`` seconds.
-        """
-        name = worker.name
-        if name not in self.hang.hung and self.hang.suspect(name, sent_at):
-            if await self.hang.probe(worker, token):
-                pool = next((p for p in self._pools.values() if worker in p.workers), None)
-                if pool is not None and pool.workers == [worker]:
-                    self._overloaded(pool, worker)
-                    timed_out.overload = True
-                    return False
-                self.hang.hung.add(name)
-                # Every caller sharing the probe gets here; quarantine is idempotent (and
-                # raises PoolExhaustedError for each, should the pool be left empty).
-                self.quarantine(name, (
-                    "hung: a generate call got no reply within its timeout while other "
-                    f"workers answered, and a {self.hang.probe_timeout_s:g} s probe of one "
-                    "token got none either"))
-        if worker.dead:
-            self.remove_worker(name, "dead")
-            return True
-        return name in self.hang.hung
-
-    def _overloaded(self, pool: Pool, worker: GenerationBackend) -> None:
-        """``worker``, ``pool``'s last, failed its hang probe: keep it, as overloaded (its pool
-        could not generate without it); one warning per episode (until it replies again).
-
-        Raises:
-            ControllerStalledError: it has answered nothing since its first failed probe
-                ``hang.max_overload_s`` or more seconds ago.
-        """
-        bound = self.hang.max_overload_s
-        first, silent_s = self.hang.overloaded(worker.name, asyncio.get_running_loop().time())
-        if first:
-            log.warning(
-                "pool %s: worker %s timed out and failed a %g s probe while other workers "
-                "answered; kept as overloaded since it is the pool's last worker (the run "
-                "stops if it stays silent for run.retry.max_overload_s = %g s)",
-                pool.name, worker.name, self.hang.probe_timeout_s, bound)
-        elif silent_s >= bound:
-            raise ControllerStalledError(
-                f"pool {pool.name!r} ({pool.hardware}): its last worker {worker.name!r} has "
-                f"answered no generate call for {silent_s:.0f} s since its first failed hang "
-                f"probe while other workers answered (run.retry.max_overload_s = {bound:g}); "
-                f"hung or overloaded beyond the bound (removed from the pool earlier: "
-                f"{pool.removed})"
-            )
-
     def served_by(self, traj_id: str) -> str | None:
         """Name of the worker that served ``traj_id``'s last (not aborted) turn, until
         :meth:`release`; ``None`` if none holds it."""
@@ -537,86 +395,3 @@ class LLMProxy:
         if held_by is not None:
             self._releases[held_by.name].append(traj_id)
 
-    # -- weight sync ------------------------------------------------------------------------
-
-    async def _on_all(self, what: str, call, only: set[str] | None = None) -> list:
-        """Run ``call(worker)`` on every live worker (of the names in ``only``, if given) at
-        once; dead ones are removed, and so are (quarantined) ones whose call failed with a
-        ``RemoteError`` (e.g. a failed weight apply or prefix-cache reset): a worker that
-        cannot pause or apply weights must not serve on with other weights than its pool's.
-
-        Raises PoolExhaustedError if that empties a pool; other errors propagate.
-        """
-        pairs = [(pool, w) for pool in self._pools.values() for w in pool.workers
-                 if only is None or w.name in only]
-        results = await asyncio.gather(*(call(w) for _, w in pairs), return_exceptions=True)
-        out = []
-        for (pool, w), res in zip(pairs, results, strict=True):
-            if isinstance(res, PeerDeadError):
-                self._remove(pool, w, f"{what}: {res}")
-            elif isinstance(res, RemoteError):
-                self._remove(pool, w, f"quarantined: {what} failed: {res}")
-                self.quarantined.append(w.name)
-            elif isinstance(res, BaseException):
-                raise res
-            else:
-                out.append(res)
-        for pool in self._pools.values():
-            if not pool.workers:
-                raise PoolExhaustedError(f"pool {pool.name!r}: no worker left after {what} "
-                                         f"(removed: {pool.removed})")
-        return out
-
-    async def pause(self, mode: Literal["keep", "abort"] = "keep") -> None:
-        """Suspend generation on every worker (``keep``: in-flight requests wait)."""
-        self.hang.pausing(w.name for w in self.workers())  # no hang probe while paused
-        await self._on_all("pause", lambda w: w.pause(mode))
-
-    async def resume(self) -> None:
-        try:
-            await self._on_all("resume", lambda w: w.resume())
-        finally:
-            self.hang.resumed_all()
-
-    async def apply_weights(self, version: int, *, reprefill: bool = False) -> list[m.WeightsApplied]:
-        """Apply the staged ``version`` on every worker; afterwards ``self.version == version``.
-
-        Call between :meth:`pause` and :meth:`resume` (paper §6.2). ``reprefill``: recompute the
-        KV cache of in-flight requests under the new weights.
-        """
-        self.max_version = max(self.max_version, version)
-        out = await self._on_all(
-            f"apply_weights({version})", lambda w: w.apply_weights(version, reprefill=reprefill)
-        )
-        self.version = version
-        return out
-
-    async def apply_in_waves(self, version: int, waves: int, *, reprefill: bool = False) -> None:
-        """Pause, apply the staged ``version`` and resume, one wave of workers at a time: wave
-        ``i`` holds workers ``i, i + waves, ...`` of every pool, so while one wave loads, the
-        others keep generating (with ``waves >= 2`` a pool of two or more workers never stops).
-
-        ``self.version`` (the version *every* worker serves, used by the staleness check) becomes
-        ``version`` after the last wave; tokens report the version of the worker that generated
-        them. Raises as :meth:`apply_weights` (``waves`` >= 1, else ``ValueError``).
-        """
-        if waves < 1:
-            raise ValueError(f"apply_in_waves: waves must be >= 1, got {waves}")
-        # Waves fixed up front: a worker removed mid-apply must not shift the later waves.
-        self.max_version = max(self.max_version, version)
-        plan = [{w.name for pool in self._pools.values() for w in pool.workers[i::waves]}
-                for i in range(waves)]
-        for names in plan:
-            if not names:
-                continue
-            self.hang.pausing(names)
-            await self._on_all("pause", lambda w: w.pause("keep"), names)
-            try:
-                await self._on_all(f"apply_weights({version})",
-                                   lambda w: w.apply_weights(version, reprefill=reprefill), names)
-            finally:
-                try:
-                    await self._on_all("resume", lambda w: w.resume(), names)
-                finally:
-                    self.hang.resumed(names)
-        self.version = version

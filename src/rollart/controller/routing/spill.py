@@ -9,7 +9,12 @@ each pool's pressure, as its workers report it with every reply
 
 - ``waiting_share``: requests the engines hold back (``num_waiting``: no KV room or no batch
   slot) over the requests they hold, summed over the pool's live workers, the requests queued
-  in the controller's send window counted as waiting too;
+  in the controller's send window counted as waiting too. A worker's last ``WorkerStats``
+  predates the requests sent to it since (at a step's burst it still shows the pool drained
+  by the end of the last step): those (its requests in flight beyond the ones its stats
+  hold) are held too, running up to the most requests the worker has been seen running at
+  once (``PoolGauge``: its observed capacity, batch slots or KV room) and waiting beyond it,
+  all waiting when its stats showed requests waiting, all running before any capacity is seen;
 - ``kv_cache_usage``: the mean share of KV-cache blocks in use, over the workers that report it.
 
 A pool with a paused worker (a weight update under way: requests wait for it, not for room) is
@@ -25,7 +30,8 @@ again and the spill has lasted ``min_hold_s`` (hysteresis: the two thresholds an
 a pool at the edge from flapping), or at once when its spill target saturates in turn. When
 nothing saturates the static mapping is the rule.
 
-Every transition is logged (INFO) and counted, the latest kept
+Every transition is logged (one WARNING line per move, visible at ``rollart run``'s default
+log level) and counted, the latest kept
 (:attr:`SpillPolicy.transitions`, :attr:`SpillPolicy.num_moves`), spills per domain and target
 pool (:attr:`SpillPolicy.num_spills`) and returns per domain (:attr:`SpillPolicy.num_returns`);
 trajectories routed away from their home pool are counted per domain
@@ -89,26 +95,57 @@ class Transition:
     home: str
 
 
-def pool_pressure(workers: Sequence[_Worker], window_waiting: Callable[[str], int]
-                  ) -> PoolPressure:
+def pool_pressure(workers: Sequence[_Worker], window_waiting: Callable[[str], int],
+                  in_flight: Callable[[str], int] | None = None,
+                  capacity: Callable[[str], int] | None = None) -> PoolPressure:
     """The pressure of a pool with live ``workers``; ``window_waiting(name)``: requests of that
-    worker waiting in the controller's send window."""
+    worker waiting in the controller's send window; ``in_flight(name)``: requests sent to it
+    and not ended (``None``: count only what its stats report); ``capacity(name)``: the most
+    requests it has been seen running at once (module docstring)."""
     running = waiting = 0
     kv: list[float] = []
     paused = False
     for w in workers:
         stats = w.last_stats
         queued = window_waiting(w.name)
+        run_w = wait_w = 0
         if stats is not None:
             paused = paused or stats.paused
-            running += stats.num_running
-            waiting += stats.num_waiting
+            run_w, wait_w = stats.num_running, stats.num_waiting
             if stats.kv_cache_usage is not None:
                 kv.append(stats.kv_cache_usage)
-        waiting += queued
+        if in_flight is not None:
+            unseen = max(0, in_flight(w.name) - run_w - wait_w)  # sent since the stats
+            cap = capacity(w.name) if capacity is not None else 0
+            # Full when its stats showed requests waiting; no capacity seen yet: no basis to
+            # call any of them waiting (a run's first burst).
+            free = 0 if wait_w else max(0, cap - run_w) if cap else unseen
+            run_w, wait_w = run_w + min(unseen, free), wait_w + max(0, unseen - free)
+        running += run_w
+        waiting += wait_w + queued
     held = running + waiting
     return PoolPressure(waiting / held if held else 0.0, sum(kv) / len(kv) if kv else None,
                         paused)
+
+
+class PoolGauge:
+    """Pool pressure as routing should read it: ``pool_pressure`` with the requests sent since
+    each worker's last stats, and each worker's observed capacity (the most requests its
+    stats ever showed running), kept here."""
+
+    def __init__(self) -> None:
+        #: worker name -> most requests seen running at once
+        self.capacity: dict[str, int] = {}
+
+    def pressure(self, workers: Sequence[_Worker], window_waiting: Callable[[str], int],
+                 in_flight: Callable[[str], int]) -> PoolPressure:
+        cap = self.capacity
+        for w in workers:
+            stats = w.last_stats
+            if stats is not None and stats.num_running > cap.get(w.name, 0):
+                cap[w.name] = stats.num_running
+        return pool_pressure(workers, window_waiting, in_flight,
+                             lambda name: cap.get(name, 0))
 
 
 class SpillPolicy:
@@ -216,5 +253,7 @@ class SpillPolicy:
             to[dst] = to.get(dst, 0) + 1
         self.transitions.append(Transition(now, domain, src, dst, why, home))
         self.num_moves += 1
-        log.info("affinity: domain %s's new trajectories go to pool %s (from %s): %s",
-                 domain, dst, src, why)
+        # WARNING: `rollart run` logs at WARNING, and a move is rare (one line per move, the
+        # hold and the two thresholds keep it from flapping), so the user sees every one.
+        log.warning("affinity: domain %s's new trajectories go to pool %s (from %s): %s",
+                    domain, dst, src, why)
