@@ -118,7 +118,7 @@ def mean_rows(rows: list[dict[str, Any]], keys: tuple[str, ...]) -> list[dict[st
 USES_MODELS = frozenset({"modes", "weight_sync"})
 USES_REDUCED = frozenset({"ablations", "affinity", "env_tail", "modes", "redundancy",
                           "staleness", "weight_sync"})
-USES_SEEDS = USES_REDUCED | {"pd"}
+USES_SEEDS = USES_REDUCED | {"pd", "staleness_waste"}
 
 
 def parse_args(name: str, description: str, argv: list[str] | None = None, *,

@@ -46,7 +46,8 @@ share`` and every ratio per trained token.
 
 ``--regime``: rollart vs each baseline across regimes, trainer throughput x1/x2/x4, load
 x1/x2/x8 and prefix cache on/off (``run_regime``: the whole grid, or one factor at a time with
-``--quick``), a table row per regime with 95% intervals, per step and per trained token.
+``--quick`` or ``--grid axes``), a table row per regime with 95% intervals, per step and per
+trained token. The trajectory and group timeouts scale with the load (``regime_sim``).
 
 Real nodes: ``--scenario FILE`` runs every mode on that scenario instead (its pools, envs and
 rewards as real processes through ``rollart.launcher.local.open_cluster``, or the addresses of
@@ -59,6 +60,7 @@ pools stay as the scenario declares.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import statistics
 import sys
@@ -189,10 +191,17 @@ LOAD_X = (1, 2, 8)
 REGIME_BASES = ("sync", "sync_plus", "one_off", "areal")
 
 
-def regime_grid(quick: bool) -> list[tuple[int, int, bool]]:
-    """(trainer x, load x, prefix cache) of the sweep: the whole grid, or with ``quick`` one
-    factor at a time from (1, 1, on)."""
-    if not quick:
+#: ``--grid``: the whole grid (``full``) or one factor at a time from (1, 1, on) (``axes``)
+GRIDS = ("axes", "full")
+
+
+def regime_grid(quick: bool, grid: str | None = None) -> list[tuple[int, int, bool]]:
+    """(trainer x, load x, prefix cache) of the sweep: ``grid`` ``"full"``, the whole grid
+    (18 regimes), or ``"axes"``, one factor at a time from (1, 1, on) (6 regimes); ``None``:
+    ``axes`` with ``quick``, else ``full``. Raises ``ValueError`` for another ``grid``."""
+    if grid is not None and grid not in GRIDS:
+        raise ValueError(f"grid must be one of {GRIDS}, got {grid!r}")
+    if (grid or ("axes" if quick else "full")) == "full":
         return [(t, k, c) for c in (True, False) for t in TRAINER_X for k in LOAD_X]
     return [(1, 1, True), *((t, 1, True) for t in TRAINER_X[1:]),
             *((1, k, True) for k in LOAD_X[1:]), (1, 1, False)]
@@ -204,10 +213,23 @@ def regime_label(trainer_x: int, load_x: int, cache: bool) -> str:
 
 def regime_sim(sim: SimScenario, trainer_x: int, load_x: int, cache: bool) -> SimScenario:
     """``sim`` in one regime of the sweep. The trainer's GPUs are multiplied with its GPUs
-    per node, so the weight push keeps the same NICs (only training gets faster)."""
+    per node, so the weight push keeps the same NICs (only training gets faster).
+
+    The trajectory and group timeouts are multiplied by ``load_x``: on saturated engines
+    ``load_x`` times the trajectories share the same throughput, so a trajectory takes up to
+    ``load_x`` times as long while merely queued, not hung. Unscaled, the run's one-hour
+    trajectory limit failed the queued trajectories of a loaded regime one after another
+    until the run stopped (``ControllerStalledError``) instead of being measured; scaled, the
+    limits keep the margin over a trajectory's time they have at load x1."""
     return sim.replace(trainer_gpus=sim.trainer_gpus * trainer_x,
                        gpus_per_node=sim.gpus_per_node * trainer_x,
-                       batch_size=sim.batch_size * load_x, prefix_cache=cache)
+                       batch_size=sim.batch_size * load_x, prefix_cache=cache,
+                       trajectory_timeout_s=_scaled(sim.trajectory_timeout_s, load_x),
+                       group_timeout_s=_scaled(sim.group_timeout_s, load_x))
+
+
+def _scaled(limit_s: float | None, factor: int) -> float | None:
+    return None if limit_s is None else limit_s * factor
 
 
 def regime_base(model: str, mode: str, quick: bool) -> SimScenario:
@@ -222,18 +244,18 @@ def regime_base(model: str, mode: str, quick: bool) -> SimScenario:
                        batch_size=sim.batch_size // 2, trainer_gpus=max(1, sim.trainer_gpus // 2))
 
 
-def run_regime(quick: bool, seed: int) -> dict:
-    """``--regime``: every mode in every regime of ``regime_grid``; one row per regime with
-    its figures (``regime_of``: Sync+ rollout share, rollart's trainer idle share, engine
-    utilisation, prefix hits, stale share) and rollart's ratios against each baseline with
-    their 95% intervals, per step and per trained token. ``--quick`` runs Qwen3-8B on the
-    halved quick cluster, one factor at a time; otherwise Qwen3-32B on the quick cluster,
-    the whole grid (``--models`` picks the profile)."""
+def run_regime(quick: bool, seed: int, grid: str | None = None) -> dict:
+    """``--regime``: every mode in every regime of ``regime_grid(quick, grid)``; one row per
+    regime with its figures (``regime_of``: Sync+ rollout share, rollart's trainer idle
+    share, engine utilisation, prefix hits, stale share) and rollart's ratios against each
+    baseline with their 95% intervals, per step and per trained token. ``--quick`` runs
+    Qwen3-8B on the halved quick cluster, one factor at a time; otherwise Qwen3-32B on the
+    quick cluster, the whole grid (``--models`` picks the profile; ``--grid`` the regimes)."""
     started = time.perf_counter()
     seeds = seeds_for(quick, seed)
     model = SIZE.models[0] if SIZE.models else ("qwen3-8b" if quick else "qwen3-32b")
     rows, samples = [], {}
-    for trainer_x, load_x, cache in regime_grid(quick):
+    for trainer_x, load_x, cache in regime_grid(quick, grid):
         label = regime_label(trainer_x, load_x, cache)
         figures: dict[str, list[dict[str, float]]] = {}
         for sd in seeds:
@@ -261,8 +283,9 @@ def run_regime(quick: bool, seed: int) -> dict:
     ratios, ci = summarize(samples)
     return result(NAME, simulated=True, rows=rows, ratios=ratios, ci95=ci, seeds=seeds,
                   quick=quick, seed=seed, started=started,
-                  notes=f"--regime, {model}: rollart vs each baseline per regime (step time "
-                  "ratio; 'per trained token': seconds per trained token); > 1: rollart faster")
+                  notes=f"--regime ({grid or ('axes' if quick else 'full')} grid), {model}: "
+                  "rollart vs each baseline per regime (step time ratio; 'per trained token': "
+                  "seconds per trained token); > 1: rollart faster")
 
 
 def _mean(steps: list[dict], key: str) -> float:
@@ -327,7 +350,16 @@ def main(argv: list[str] | None = None) -> dict:
             print("benchmarks.modes: --regime runs the simulated cluster; it takes no "
                   "--scenario", file=sys.stderr)
             raise SystemExit(2)
-        return main_for(NAME, __doc__ or "", run_regime, args)
+        grid = argparse.ArgumentParser(add_help=False)
+        grid.add_argument("--grid", choices=GRIDS, default=None,
+                          help="--regime: the whole grid (18 regimes) or one factor at a time "
+                               "(6); default axes with --quick, else full")
+        chosen = grid.parse_known_args(args)[0].grid
+        return main_for(NAME, __doc__ or "", lambda quick, seed: run_regime(quick, seed, chosen),
+                        args, parents=[grid])
+    if any(a == "--grid" or a.startswith("--grid=") for a in args):
+        print("benchmarks.modes: --grid picks the regimes of --regime", file=sys.stderr)
+        raise SystemExit(2)
     return scenario_main(NAME, argv, lambda rest: main_for(NAME, __doc__ or "", run, rest),
                          run_on_scenario)
 

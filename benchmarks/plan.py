@@ -12,6 +12,15 @@ batch 64), rollart mode, the prefill-heavy agentic + decode-heavy reasoning mix
   10x faster (the trainer waits ~30%);
 - ``loaded``: the paper's workload at load x8 (8x the trajectories per step).
 
+``--modes rollart,one_off,areal,sync_plus`` runs the same for each mode named (default
+rollart only; any of ``benchmarks.modes.MODES``): a baseline runs the same cluster and
+workload with its own staleness rule and the policy the baselines run with in
+``benchmarks.modes`` (lazy: ``staleness_waste.POLICIES["lazy"]``; re-prefill where it applies
+weights under in-flight trajectories). AReaL keeps the per-domain pools here (the planner's
+space: one pool per hardware label), not the one homogeneous pool ``benchmarks.modes`` gives
+it; modes without alpha (sync, sync_plus, one_off) search the split and mapping only, and
+their paper layout has their own alpha.
+
 In each, ``rollart.planner.plan`` searches the layouts of that inventory (trainer GPUs, a
 pool per hardware label, each domain's pool, alpha 1-2, redundancy 0-1; ``--quick``:
 redundancy 0 only) by successive
@@ -22,7 +31,8 @@ its best is the layout with the lowest mean step time (a max over layouts: sligh
 optimistic). The paper's layout is the inventory as ``paper_cluster`` splits it (trainer
 GPUs, agentic -> H800, reasoning -> H20, alpha 1, no redundancy).
 
-Ratios, per evaluation seed and then mean with ``ci95``: ``plan vs exhaustive best:
+Ratios, per evaluation seed and then mean with ``ci95`` (for a mode other than rollart the
+names end in ``, <mode>``): ``plan vs exhaustive best:
 <regime>`` (the best layout's step time over the planner's choice's: 1.0 = it found the
 best; goal >= 0.95; layouts whose simulated run did not end within 20x the median run are
 left out of the sweep and counted in ``sweep_stopped``) and ``plan vs paper layout: <regime>`` (> 1: the planner's layout is
@@ -43,11 +53,12 @@ from typing import Any
 import msgspec
 
 from benchmarks.common import main_for, mean_rows, result, seeds_for, summarize
-from benchmarks.modes import regime_base
+from benchmarks.modes import MODES, REPREFILL_MODES, regime_base
+from benchmarks.staleness_waste import POLICIES
 from benchmarks.workloads import reasoning
 from rollart.planner import plan
 from rollart.planner.search import RUNGS, Candidate, run_capped, sim_of, space
-from rollart.sim.harness import SimScenario, scenario_of
+from rollart.sim.harness import MODE_ALPHA, SimScenario, scenario_of
 
 NAME = "plan"
 MODEL = "qwen3-8b"
@@ -64,11 +75,15 @@ SWEEP_CAP_X, SWEEP_CAP_MIN_S = 20.0, 30.0
 SEARCH_SEED_OFFSET = 1000
 
 _BUDGET: list[float | None] = [None]
+#: the modes ``--modes`` names
+_MODES: list[tuple[str, ...]] = [("rollart",)]
 
 
-def regime(name: str, quick: bool) -> SimScenario:
-    """The simulated cluster and workload of regime ``name`` (module docstring)."""
+def regime(name: str, quick: bool, mode: str = "rollart") -> SimScenario:
+    """The simulated cluster and workload of regime ``name`` in ``mode`` (module docstring)."""
     base = regime_base(MODEL, "rollart", quick)
+    if mode != "rollart":
+        base = base.replace(mode=mode, reprefill=mode in REPREFILL_MODES, **POLICIES["lazy"])
     if name == "rollout-bound":
         return base
     if name == "trainer-bound":
@@ -97,78 +112,91 @@ def as_scenario(sim: SimScenario) -> Any:
 
 
 def paper_candidate(sim: SimScenario) -> Candidate:
-    """The paper's layout of ``sim`` as a planner candidate."""
+    """The paper's layout of ``sim`` as a planner candidate (alpha 1, or the mode's own)."""
     by_pool = {p.name: p.hardware for p in sim.pools}
-    return Candidate(sim.trainer_gpus, tuple(by_pool[d.pool] for d in sim.domains), 1, 0)
+    alpha = MODE_ALPHA.get(sim.mode)
+    return Candidate(sim.trainer_gpus, tuple(by_pool[d.pool] for d in sim.domains),
+                     1 if alpha is None else alpha, 0)
 
 
 def run(quick: bool, seed: int) -> dict:
     started = time.perf_counter()
     seeds = seeds_for(quick, seed)
     budget = _BUDGET[0] or (QUICK_BUDGET_S if quick else FULL_BUDGET_S)
-    steps, warmup = RUNGS[-1]
+    steps = RUNGS[-1][0]
     rows: list[dict[str, Any]] = []
     samples: dict[str, list[float]] = {}
-    for name in REGIMES:
-        sim = regime(name, quick)
-        profiles = {d.spec.name: d.spec for d in sim.domains}
-        sc = as_scenario(sim)
-        t0 = time.perf_counter()
-        reds = QUICK_REDUNDANCIES if quick else None
-        res = plan(sc, budget_s=budget, model=MODEL, profiles=profiles, redundancies=reds,
-                   seeds=(SEARCH_SEED_OFFSET + seed, SEARCH_SEED_OFFSET + seed + 1))
-        plan_wall = time.perf_counter() - t0
-        inputs, chosen = res.inputs, res.best.candidate
-        first, pairs = space(inputs)
-        layouts = [Candidate(c.trainer_gpus, c.mapping, a, r) for c in first for a, r in pairs]
-        paper = paper_candidate(sim)
-        if paper not in layouts or res.best.candidate not in layouts:
-            raise RuntimeError(f"{name}: the paper's or the planner's layout is not in the "
-                               f"sweep ({paper}, {res.best.candidate})")
-        times: dict[Candidate, list[float]] = {}
-        idle: dict[Candidate, list[float]] = {}
-        walls: list[float] = []
-        stopped = []
-        for c in layouts:
-            for sd in seeds:
-                cap = max(SWEEP_CAP_MIN_S, SWEEP_CAP_X * statistics.median(walls or [0.0]))
-                w0 = time.perf_counter()
-                r = run_capped(sim_of(inputs, c, steps), sd, warmup, cap)
-                if r is None:
-                    stopped.append(c)
-                    break
-                walls.append(time.perf_counter() - w0)
-                times.setdefault(c, []).append(r.step_time_s)
-                kept = r.steps[warmup:]
-                idle.setdefault(c, []).append(sum(s["trainer_idle_s"] for s in kept)
-                                              / sum(s["step_time_s"] for s in kept))
-        print(f"plan: {name}: planner {plan_wall:.0f} s ({res.log.runs} runs), sweep of "
-              f"{len(layouts)} layouts x {len(seeds)} seeds {time.perf_counter() - t0:.0f} s",
-              file=sys.stderr, flush=True)
-        done = [c for c in layouts if c not in stopped]
-        if paper in stopped or chosen in stopped:
-            raise RuntimeError(f"{name}: a simulated run of the paper's or the planner's "
-                               f"layout did not end within {SWEEP_CAP_X:g}x the median run")
-        best = min(done, key=lambda c: statistics.fmean(times[c]))
-        samples[f"plan vs exhaustive best: {name}"] = [
-            b / p for b, p in zip(times[best], times[chosen], strict=True)]
-        samples[f"plan vs paper layout: {name}"] = [
-            b / p for b, p in zip(times[paper], times[chosen], strict=True)]
-        for role, c in (("plan", chosen), ("exhaustive best", best), ("paper layout", paper)):
-            rows.append({"regime": name, "layout": role, "what": c.describe(inputs),
-                         "step_time_s": statistics.fmean(times[c]),
-                         "rollout_gpu_share": c.rollout_share(inputs),
-                         "trainer_idle_share": statistics.fmean(idle[c]),
-                         "cost_h800_units": c.cost(inputs),
-                         "plan_wall_s": plan_wall if role == "plan" else "",
-                         "plan_runs": res.log.runs if role == "plan" else "",
-                         "layouts": len(layouts), "sweep_stopped": len(stopped)})
+    for mode in _MODES[0]:
+        for name in REGIMES:
+            _one(mode, name, quick, seed, seeds, budget, rows, samples)
     ratios, ci = summarize(samples)
-    return result(NAME, simulated=True, rows=mean_rows(rows, ("regime", "layout")),
+    return result(NAME, simulated=True, rows=mean_rows(rows, ("mode", "regime", "layout")),
                   ratios=ratios, ci95=ci, seeds=seeds, quick=quick, seed=seed,
-                  started=started, notes=f"rollart mode, {MODEL}; planner budget {budget:g} s "
-                  f"per regime on seeds {SEARCH_SEED_OFFSET + seed}+; exhaustive: every layout "
-                  f"of the planner's space at {steps} steps on the evaluation seeds")
+                  started=started, notes=f"modes {', '.join(_MODES[0])}, {MODEL}; planner "
+                  f"budget {budget:g} s per regime on seeds {SEARCH_SEED_OFFSET + seed}+; "
+                  f"exhaustive: every layout of the planner's space at {steps} steps on the "
+                  f"evaluation seeds")
+
+
+def _one(mode: str, name: str, quick: bool, seed: int, seeds: list[int], budget: float,
+         rows: list[dict[str, Any]], samples: dict[str, list[float]]) -> None:
+    """Regime ``name`` in ``mode``: the plan, the sweep and the paper's layout; appends its
+    rows and per-seed ratios."""
+    steps, warmup = RUNGS[-1]
+    tag = "" if mode == "rollart" else f", {mode}"
+    sim = regime(name, quick, mode)
+    profiles = {d.spec.name: d.spec for d in sim.domains}
+    sc = as_scenario(sim)
+    t0 = time.perf_counter()
+    reds = QUICK_REDUNDANCIES if quick else None
+    res = plan(sc, budget_s=budget, model=MODEL, profiles=profiles, redundancies=reds,
+               seeds=(SEARCH_SEED_OFFSET + seed, SEARCH_SEED_OFFSET + seed + 1))
+    plan_wall = time.perf_counter() - t0
+    inputs, chosen = res.inputs, res.best.candidate
+    first, pairs = space(inputs)
+    layouts = [Candidate(c.trainer_gpus, c.mapping, a, r) for c in first for a, r in pairs]
+    paper = paper_candidate(sim)
+    if paper not in layouts or res.best.candidate not in layouts:
+        raise RuntimeError(f"{name}{tag}: the paper's or the planner's layout is not in the "
+                           f"sweep ({paper}, {res.best.candidate})")
+    times: dict[Candidate, list[float]] = {}
+    idle: dict[Candidate, list[float]] = {}
+    walls: list[float] = []
+    stopped = []
+    for c in layouts:
+        for sd in seeds:
+            cap = max(SWEEP_CAP_MIN_S, SWEEP_CAP_X * statistics.median(walls or [0.0]))
+            w0 = time.perf_counter()
+            r = run_capped(sim_of(inputs, c, steps), sd, warmup, cap)
+            if r is None:
+                stopped.append(c)
+                break
+            walls.append(time.perf_counter() - w0)
+            times.setdefault(c, []).append(r.step_time_s)
+            kept = r.steps[warmup:]
+            idle.setdefault(c, []).append(sum(s["trainer_idle_s"] for s in kept)
+                                          / sum(s["step_time_s"] for s in kept))
+    print(f"plan: {name}{tag}: planner {plan_wall:.0f} s ({res.log.runs} runs), sweep of "
+          f"{len(layouts)} layouts x {len(seeds)} seeds {time.perf_counter() - t0:.0f} s",
+          file=sys.stderr, flush=True)
+    done = [c for c in layouts if c not in stopped]
+    if paper in stopped or chosen in stopped:
+        raise RuntimeError(f"{name}{tag}: a simulated run of the paper's or the planner's "
+                           f"layout did not end within {SWEEP_CAP_X:g}x the median run")
+    best = min(done, key=lambda c: statistics.fmean(times[c]))
+    samples[f"plan vs exhaustive best: {name}{tag}"] = [
+        b / p for b, p in zip(times[best], times[chosen], strict=True)]
+    samples[f"plan vs paper layout: {name}{tag}"] = [
+        b / p for b, p in zip(times[paper], times[chosen], strict=True)]
+    for role, c in (("plan", chosen), ("exhaustive best", best), ("paper layout", paper)):
+        rows.append({"mode": mode, "regime": name, "layout": role, "what": c.describe(inputs),
+                     "step_time_s": statistics.fmean(times[c]),
+                     "rollout_gpu_share": c.rollout_share(inputs),
+                     "trainer_idle_share": statistics.fmean(idle[c]),
+                     "cost_h800_units": c.cost(inputs),
+                     "plan_wall_s": plan_wall if role == "plan" else "",
+                     "plan_runs": res.log.runs if role == "plan" else "",
+                     "layouts": len(layouts), "sweep_stopped": len(stopped)})
 
 
 def _options() -> argparse.ArgumentParser:
@@ -176,13 +204,26 @@ def _options() -> argparse.ArgumentParser:
     p.add_argument("--budget-s", type=float, default=None,
                    help=f"planner budget per regime (default {QUICK_BUDGET_S:g} with --quick, "
                    f"else {FULL_BUDGET_S:g})")
+    p.add_argument("--modes", type=_modes, default=("rollart",),
+                   help=f"comma-separated modes to plan and sweep, of {', '.join(MODES)} "
+                   "(default rollart)")
     return p
+
+
+def _modes(text: str) -> tuple[str, ...]:
+    modes = tuple(dict.fromkeys(m.strip() for m in text.split(",") if m.strip()))
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or not modes:
+        raise argparse.ArgumentTypeError(f"unknown mode(s) {unknown or [text]}; known: "
+                                         f"{', '.join(MODES)}")
+    return modes
 
 
 def main(argv: list[str] | None = None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
     own, rest = _options().parse_known_args(argv)
     _BUDGET[0] = own.budget_s
+    _MODES[0] = own.modes
     return main_for(NAME, __doc__ or "", run, rest, parents=[_options()])
 
 

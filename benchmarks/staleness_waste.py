@@ -29,7 +29,9 @@ domain of 16 turns x 25 s env latency, weight 1, whose trajectories span >= 3 tr
 ``long_span_steps`` reports the measured lower bound: env seconds per long trajectory / step
 time).
 
-Reported per regime and policy (mean and 95% interval over seeds; measured over the steps after
+Seeds: 3 with ``--quick``, else 5; ``--seeds N`` sets N (a tighter interval for the
+"no slower than the previous default" check). Reported per regime and policy (mean and 95%
+interval over seeds; measured over the steps after
 the first 2, or the first ``LONG_ALPHA + 1`` in ``long_horizon``): step time; wasted share of
 generated tokens by reason (every generated token is trained, wasted for exactly one reason, or
 still in flight at the end); per domain the share of trained samples relative to its configured
@@ -51,7 +53,7 @@ import statistics
 import time
 from typing import Any
 
-from benchmarks.common import main_for, result
+from benchmarks.common import main_for, result, seeds_for
 from benchmarks.workloads import agentic, paper_cluster, reasoning
 from rollart.sim.harness import SimDomain, SimScenario, run_simulated
 
@@ -164,7 +166,7 @@ def mean_ci(xs: list[float]) -> tuple[float, float]:
 
 def run(quick: bool, seed: int) -> dict:
     started = time.perf_counter()
-    seeds = [seed + i for i in range(3 if quick else 5)]
+    seeds = seeds_for(quick, seed)
     rows: list[dict[str, Any]] = []
     per: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for regime, sim in regimes(quick).items():
@@ -226,7 +228,7 @@ def run(quick: bool, seed: int) -> dict:
     ratios["ci95"] = {k: round(v[1], 4) for k, v in (*worst.items(), *per_regime.items())}
     ratios["worst_regime"] = {k: v[2] for k, v in worst.items()}
     return result(NAME, simulated=True, rows=rows, ratios=ratios, quick=quick, seed=seed,
-                  started=started, notes=(
+                  seeds=seeds, started=started, notes=(
                       f"alpha 1, seeds {seeds}; ratios: default policy (no_hold_*: no_hold), "
                       "worst regime, and per regime; goals: "
                       "stale_waste_share <= 0.05, long_horizon_trained_share >= 0.90, "

@@ -496,12 +496,14 @@ def test_modes_regime_sweep_prints_a_row_per_regime(tmp_path: Path, monkeypatch,
 
     _tiny_paper_cluster(monkeypatch)
     assert len(modes.regime_grid(False)) == 18 and len(modes.regime_grid(True)) == 6
+    assert modes.regime_grid(False, "axes") == modes.regime_grid(True)
+    assert modes.regime_grid(True, "full") == modes.regime_grid(False)
     sim = modes.regime_sim(modes.sim_for("qwen3-8b", "rollart", True), 4, 8, False)
     base = modes.sim_for("qwen3-8b", "rollart", True)
     assert (sim.trainer_gpus, sim.gpus_per_node, sim.batch_size, sim.prefix_cache) == (
         base.trainer_gpus * 4, base.gpus_per_node * 4, base.batch_size * 8, False)
     grid = [(1, 1, True), (2, 1, False)]
-    monkeypatch.setattr(modes, "regime_grid", lambda quick: grid)
+    monkeypatch.setattr(modes, "regime_grid", lambda quick, chosen=None: grid)
     out = tmp_path / "regime.json"
     try:
         modes.main(["--regime", "--quick", "--seeds", "2", "--json", str(out)])

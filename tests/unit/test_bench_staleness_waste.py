@@ -46,3 +46,30 @@ def test_no_hold_is_the_default_without_holding_batches_for_groups() -> None:
     assert default.run.effective_hold_batch and not no_hold.run.effective_hold_batch
     assert msgspec.structs.replace(no_hold.run, hold_batch_for_groups=None) == default.run
     assert no_hold.domains == default.domains
+
+
+def test_seeds_option_sets_the_number_of_seeds(monkeypatch) -> None:
+    import benchmarks.staleness_waste as sw
+    from benchmarks.common import parse_args
+
+    ran: list[int] = []
+
+    def fake_measure(sim, seed, warmup):
+        ran.append(seed)
+        return {"step_time_s": 10.0, "stale_waste_share": 0.0, "waste_share": 0.0,
+                "waste_by_reason": {}, "accounted": 1.0, "long_span_steps": float("nan"),
+                "share_vs_configured": {"d": 1.0}, "length_bias": {"d": 0.0},
+                "trained_len": {"d": 1.0}, "finished_len": {"d": 1.0}}
+
+    monkeypatch.setattr(sw, "measure", fake_measure)
+    try:
+        parse_args("staleness_waste", "", ["--quick", "--seeds", "6"])
+        res = sw.run(True, 0)
+        assert sorted(set(ran)) == [0, 1, 2, 3, 4, 5]
+        assert res["meta"]["seeds"] == [0, 1, 2, 3, 4, 5]
+        parse_args("staleness_waste", "", ["--quick"])
+        ran.clear()
+        sw.run(True, 0)
+        assert sorted(set(ran)) == [0, 1, 2]  # the quick default is unchanged
+    finally:
+        parse_args("x", "", [])

@@ -120,6 +120,12 @@ class SimScenario:
     admission: str | None = None
     generate_timeout_s: float = 1e6
     env_timeout_s: float = 1e6
+    #: ``RunConfig.trajectory_timeout_s`` / ``group_timeout_s`` (simulated seconds; ``None``:
+    #: no limit), the run's defaults unless set. A simulated engine never hangs, so these only
+    #: bite when queueing makes trajectories long: a sweep that multiplies the load scales them
+    #: (``benchmarks.modes.regime_sim``) so a loaded regime is measured, not failed.
+    trajectory_timeout_s: float | None = RunConfig().trajectory_timeout_s
+    group_timeout_s: float | None = RunConfig().group_timeout_s
     #: override every engine's weight-transfer link / host-to-device bandwidth (bytes/s)
     link_bytes_per_s: float | None = None
     h2d_bytes_per_s: float | None = None
@@ -215,6 +221,7 @@ def scenario_of(sim: SimScenario, seed: int) -> Scenario:
         max_turns=sim.max_turns, max_tokens_per_turn=sim.max_tokens_per_turn,
         max_tokens_per_trajectory=sim.max_tokens_per_trajectory, reprefill=sim.reprefill,
         generate_timeout_s=sim.generate_timeout_s, env_timeout_s=sim.env_timeout_s,
+        trajectory_timeout_s=sim.trajectory_timeout_s, group_timeout_s=sim.group_timeout_s,
         abort_stale=sim.abort_stale, retry=RetryConfig(max_attempts=sim.max_attempts),
         adaptive_affinity=sim.adaptive_affinity or AdaptiveAffinityConfig(),
         **{f: v for f in POLICY_FIELDS if (v := getattr(sim, f)) is not None},
