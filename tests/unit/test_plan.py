@@ -304,3 +304,109 @@ def test_to_toml_round_trips_nested_tables_and_strings():
     assert sc.domains[0].system_prompt == 'say "hi"\n\tthen \x7f stop'
     assert sc.domains[0].chat_template_kwargs == {"enable_thinking": False}
     assert sc.pools[0].engine.max_num_seqs == 4
+
+
+# -- workload profiles measured from a run folder ------------------------------------------
+
+def write_run(run_dir: Path, *, domains: tuple[str, ...] = ("guess", "arith")) -> Path:
+    """A FIXTURE run folder: two steps of metrics.jsonl and a few transcripts, with the
+    fields a real run writes (``StepMetrics.by_domain``, ``TranscriptRecorder.record``).
+    guess: 3 turns of 10 generated tokens, a 100-token prompt and 20-token observations;
+    arith: one turn of 8 tokens after a 42-token prompt (a transcript without per-turn
+    context_tokens: its prompt is num_tokens - num_generated)."""
+    import json
+
+    run_dir.mkdir()
+    counts = {"guess": {"finished": 4, "finished_tokens": 120, "finished_turns": 12,
+                        "trained": 4, "started": 5},
+              "arith": {"finished": 4, "finished_tokens": 32, "finished_turns": 4}}
+    rows = [{"step": s, "by_domain": {d: counts[d] for d in domains}} for s in (1, 2)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    recs = []
+    for gen in ((8, 12, 10), (10, 10, 10)):
+        recs.append({"domain": "guess", "num_turns": 3, "num_tokens": 160 + sum(gen),
+                     "num_generated": sum(gen),
+                     "turns": [{"num_tokens": g, "context_tokens": c}
+                               for g, c in zip(gen, (100, 20, 20), strict=True)]})
+    recs.append({"domain": "arith", "num_turns": 1, "num_tokens": 50, "num_generated": 8,
+                 "turns": [{"num_tokens": 8}]})
+    (run_dir / "transcripts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return run_dir
+
+
+def test_profiles_from_a_run_folder_measure_turns_tokens_and_context(tmp_path):
+    from rollart.planner.inputs import default_profile
+    from rollart.planner.measured import measure_profiles
+
+    sc = load_scenario(write(tmp_path))
+    m = measure_profiles(write_run(tmp_path / "run"), sc)
+    guess, arith = m.profiles["guess"], m.profiles["arith"]
+    assert guess.num_turns.mean == 3 and not guess.num_turns.draws  # every transcript: 3
+    assert guess.response_tokens.mean == pytest.approx(10.0)
+    assert guess.response_tokens.std == pytest.approx(statistics.pstdev([8, 12, 10, 10, 10, 10]))
+    assert (guess.prompt_tokens.mean, guess.obs_tokens.mean) == (100, 20)
+    assert (arith.prompt_tokens.mean, arith.num_turns.mean) == (42, 1)
+    assert arith.response_tokens.mean == pytest.approx(8.0)
+    # env latency is not in a run folder: it stays assumed
+    assumed = default_profile("guess", "game:GuessTheNumber-v0-easy", 3, 16, 1100)
+    assert guess.step_latency_s == assumed.step_latency_s
+    assert m.measured["arith"] == ("num_turns", "response_tokens", "prompt_tokens")
+    assert m.trajectories == {"guess": 8, "arith": 8}
+
+
+class _Searched(Exception):
+    pass
+
+
+def _no_search(monkeypatch) -> list:
+    """Stop plan() at the search, keeping the inputs it was given (the wiring, not the search)."""
+    seen: list = []
+
+    def stop(inputs, **kw):
+        seen.append(inputs)
+        raise _Searched
+
+    monkeypatch.setattr("rollart.planner.successive_halving", stop)
+    return seen
+
+
+def test_plan_and_cli_take_profiles_from_a_run_folder(tmp_path, monkeypatch, capsys):
+    seen = _no_search(monkeypatch)
+    run_dir = write_run(tmp_path / "run", domains=("guess",))
+    path = write(tmp_path)
+    # a domain the run did not train is refused, naming it and what the run has
+    with pytest.raises(PlanError, match=r"domain\(s\) \['arith'\].*the run has \['guess'\]"):
+        plan(path, budget_s=5.0, model="qwen3-8b", profiles_from=run_dir)
+    assert cli_main(["plan", str(path), "--out", str(tmp_path / "p.toml"), "--model",
+                     "qwen3-8b", "--profiles-from", str(run_dir)]) == 2
+    assert "rollart plan: error: --profiles-from" in capsys.readouterr().err
+    # profiles= covers it: the rest is measured
+    given = read_inputs(load_scenario(path), model="qwen3-8b").profiles[1]
+    with pytest.raises(_Searched):
+        plan(path, budget_s=5.0, model="qwen3-8b", profiles_from=run_dir,
+             profiles={"arith": given})
+    assert seen[-1].profiles[0].prompt_tokens.mean == 100
+    assert seen[-1].profiles[1] is given
+    with pytest.raises(_Searched):
+        cli_main(["plan", str(path), "--out", str(tmp_path / "p.toml"), "--model", "qwen3-8b",
+                  "--profiles-from", str(write_run(tmp_path / "run2"))])
+    assert [p.prompt_tokens.mean for p in seen[-1].profiles] == [100, 42]
+
+
+@pytest.mark.parametrize(("metrics", "message"), [
+    (None, "no metrics.jsonl"),
+    ("", "holds no steps"),
+    ('{"step": 1}\n', "no per-domain counters"),
+    ('{"step": 1, "by_domain": {}}\nnot json\n{"step": 3}\n', "line 2 is not JSON"),
+])
+def test_profiles_from_a_folder_without_metrics_is_refused(tmp_path, metrics, message):
+    from rollart.planner.measured import measure_profiles
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    if metrics is not None:
+        (run_dir / "metrics.jsonl").write_text(metrics)
+    with pytest.raises(PlanError, match=message):
+        measure_profiles(run_dir, load_scenario(write(tmp_path)))
+    with pytest.raises(PlanError, match="not a folder"):
+        measure_profiles(tmp_path / "nowhere", load_scenario(write(tmp_path)))

@@ -34,9 +34,13 @@ def two_turn_sample(sid: str = "g0/0#0", reward: float = 1.0) -> Sample:
 def test_record_splits_turns_into_prompt_delta_response_and_versions(tmp_path) -> None:
     rec = TranscriptRecorder(tmp_path / "t.jsonl", TOKENIZER)
     r = rec.record(7, two_turn_sample(), "wasted", "stale")
+    # context_tokens: the planner's measured prompt / observation lengths
+    q, obs = len(TOKENIZER.encode("Q: 2+2?")), len(TOKENIZER.encode("wrong, again"))
     assert r["turns"] == [
-        {"prompt": "Q: 2+2?", "response": "4", "versions": [2, 2], "num_tokens": 1},
-        {"prompt": "wrong, again", "response": "four", "versions": [3, 3], "num_tokens": 4},
+        {"prompt": "Q: 2+2?", "response": "4", "versions": [2, 2], "num_tokens": 1,
+         "context_tokens": q},
+        {"prompt": "wrong, again", "response": "four", "versions": [3, 3], "num_tokens": 4,
+         "context_tokens": obs},
     ]
     assert (r["step"], r["status"], r["reason"], r["domain"], r["group"]) == (
         7, "wasted", "stale", "arith", "g0")

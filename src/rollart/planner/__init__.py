@@ -8,7 +8,8 @@ last rung, best first, with the chosen layout as a scenario (``rollart.planner.l
 Predictions are simulated step times: the real controller over simulated engines, envs and
 trainer, with the workload profiles stated in ``rollart.planner.inputs``.
 
-Modules: ``inputs`` (inventory, model, profiles, refusals), ``search`` (candidates,
+Modules: ``inputs`` (inventory, model, profiles, refusals), ``measured`` (profiles measured
+from a run folder), ``search`` (candidates,
 successive halving), ``layout`` (the scenario TOML), ``command`` (the CLI).
 """
 
@@ -22,10 +23,11 @@ from typing import Any
 from rollart.config import Scenario, load_scenario
 from rollart.planner.inputs import PlanError, PlanInputs, raw_of, read_inputs
 from rollart.planner.layout import layout_dict, scenario_toml
+from rollart.planner.measured import MeasuredProfiles, measure_profiles
 from rollart.planner.search import Candidate, Score, SearchLog, successive_halving
 from rollart.sim.workload import DomainSpec
 
-__all__ = ["Candidate", "PlanError", "PlanResult", "Score", "plan"]
+__all__ = ["Candidate", "MeasuredProfiles", "PlanError", "PlanResult", "Score", "plan"]
 
 #: the default search budget (wall seconds of the planning process)
 DEFAULT_BUDGET_S = 300.0
@@ -43,6 +45,8 @@ class PlanResult:
     log: SearchLog
     inputs: PlanInputs
     budget_s: float
+    #: the workload profiles measured from a run folder (``profiles_from=``), else None
+    measured: MeasuredProfiles | None = None
 
     @property
     def best(self) -> Score:
@@ -75,6 +79,9 @@ class PlanResult:
                      f"units; searched {lg.runs} runs over {lg.space} layouts, rungs "
                      f"{lg.per_rung}, {lg.race_seeds} racing seed(s), {lg.wall_s:.0f} s of "
                      f"{self.budget_s:g} s)")
+        if self.measured is not None:
+            lines += [f"profile from {self.measured.run_dir}: {line}"
+                      for line in self.measured.describe()]
         lines += [f"warning: {w}" for w in self.warnings]
         return "\n".join(lines)
 
@@ -86,6 +93,7 @@ class PlanResult:
 def plan(scenario: str | Path | Scenario, *, budget_s: float = DEFAULT_BUDGET_S,
          seeds: tuple[int, ...] = (0, 1), model: str | None = None,
          profiles: dict[str, DomainSpec] | None = None,
+         profiles_from: str | Path | None = None,
          alphas: tuple[int, ...] | None = None, redundancies: tuple[int, ...] | None = None,
          progress: Any = None) -> PlanResult:
     """Plan the layout of ``scenario`` (a path to a scenario TOML or a ``Scenario``).
@@ -94,14 +102,19 @@ def plan(scenario: str | Path | Scenario, *, budget_s: float = DEFAULT_BUDGET_S,
     simulation seeds (the first ranks the early rungs, all of them the last; racing adds
     ``max(seeds) + 1``, ... while budget is left, ``rollart.planner.noise``); ``model``: the
     simulated model profile (default: from ``model.path``); ``profiles``: workload per domain
-    name (default: assumed from each domain's env, ``rollart.planner.inputs``); ``alphas`` /
+    name (default: assumed from each domain's env, ``rollart.planner.inputs``);
+    ``profiles_from``: a run folder whose ``metrics.jsonl`` (and ``transcripts.jsonl``) the
+    workloads of the domains ``profiles`` does not name are measured from
+    (``rollart.planner.measured``: turns, generated tokens per turn, prompt and observation
+    tokens; env latencies stay assumed); ``alphas`` /
     ``redundancies``: the values to search (default 1-2 / 0-1 and the scenario's own);
     ``progress``: a callable given one line per rung.
 
     Raises PlanError naming what is short or unknown (hardware that cannot hold the model,
     fewer GPUs than the trainer plus one engine per domain, a trainer larger than one node
     or than a minibatch's rows, CPU pools, a budget too small for one
-    simulated run, a model or hardware without a simulated profile) and ConfigError for an
+    simulated run, a model or hardware without a simulated profile, a ``profiles_from``
+    folder without metrics or without a domain of the scenario) and ConfigError for an
     invalid scenario file.
     """
     if isinstance(scenario, Scenario):
@@ -111,6 +124,11 @@ def plan(scenario: str | Path | Scenario, *, budget_s: float = DEFAULT_BUDGET_S,
 
         sc, source = load_scenario(scenario), str(scenario)
         raw = tomllib.loads(Path(scenario).read_text())
+    measured = None
+    if profiles_from is not None:
+        rest = tuple(d.name for d in sc.domains if d.name not in (profiles or {}))
+        measured = measure_profiles(profiles_from, sc, rest)
+        profiles = {**measured.profiles, **(profiles or {})}
     inputs = dataclasses.replace(read_inputs(sc, model=model, profiles=profiles),
                                  alphas=alphas, redundancies=redundancies)
     ranked, log = successive_halving(inputs, budget_s=budget_s, seeds=tuple(seeds),
@@ -126,6 +144,6 @@ def plan(scenario: str | Path | Scenario, *, budget_s: float = DEFAULT_BUDGET_S,
     header = (f"# Layout planned by `rollart plan` for {source} (SIMULATED step time "
               f"{ranked[0].step_time_s:.1f} s):\n# {ranked[0].candidate.describe(inputs)}\n")
     res = PlanResult(ranked=ranked, scenario=chosen, toml=header + text, log=log,
-                     inputs=inputs, budget_s=budget_s)
+                     inputs=inputs, budget_s=budget_s, measured=measured)
     res.toml = "".join(f"# warning: {w}\n" for w in res.warnings) + res.toml
     return res

@@ -1,4 +1,5 @@
-"""``rollart plan SCENARIO --out PLAN.toml [--budget-s S] [--model PROFILE] [--seeds N] [--force]``.
+"""``rollart plan SCENARIO --out PLAN.toml [--budget-s S] [--model PROFILE] [--seeds N]
+[--profiles-from RUN_DIR] [--force]``.
 
 Searches the scenario's layout with the simulator (``rollart.planner``), prints the best
 candidates (SIMULATED step time, rollout share of a step, cost in H800 units) and writes the
@@ -27,6 +28,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="simulated model profile (default: from model.path, e.g. qwen3-8b)")
     p.add_argument("--seeds", type=int, default=2,
                    help="simulation seeds of the last rung (default 2)")
+    p.add_argument("--profiles-from", type=Path, default=None, metavar="RUN_DIR",
+                   help="measure each domain's workload (turns, generated, prompt and "
+                   "observation tokens) from this run folder's metrics.jsonl and "
+                   "transcripts.jsonl instead of assuming it from its env")
     p.add_argument("--force", action="store_true",
                    help="overwrite an existing --out file (never the input scenario)")
     args = p.parse_args(argv)
@@ -39,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         res = plan(args.scenario, budget_s=args.budget_s, model=args.model,
-                   seeds=tuple(range(args.seeds)),
+                   seeds=tuple(range(args.seeds)), profiles_from=args.profiles_from,
                    progress=lambda line: print(f"rollart plan: {line}", file=sys.stderr))
     except (PlanError, ConfigError) as exc:
         print(f"rollart plan: error: {exc}", file=sys.stderr)

@@ -6,8 +6,9 @@ The inventory is what the scenario already uses: per hardware label, the GPUs of
 when it names a pool's hardware, else the label with the most FLOP/s). A layout is a way to
 spend that inventory: trainer ranks, one pool per hardware label, each domain on one pool.
 
-Workload profiles (``rollart.sim.workload.DomainSpec``) come from ``profiles=`` when given,
-else from each domain's env family, the benchmarks' two shapes (ASSUMPTION, stated so the
+Workload profiles (``rollart.sim.workload.DomainSpec``) come from ``profiles=`` when given
+(``rollart.planner.measured`` measures them from a run folder), else from each domain's env
+family, the benchmarks' two shapes (ASSUMPTION, stated so the
 user can override it): a reasoning-gym env (``rg:``) or a single-turn domain is
 decode-heavy (512-token prompt, lognormal responses of half ``max_tokens_per_turn`` up to
 4000 tokens), anything else is a multi-turn agentic task (6000-token prompt, 1500-token

@@ -40,7 +40,14 @@ from typing import Any
 from rollart.controller.observe.stall import ControllerStalledError
 from rollart.planner import noise
 from rollart.planner.inputs import GPUS_PER_NODE, PlanError, PlanInputs, check_trainer_limits
-from rollart.sim.harness import SimDomain, SimPool, SimResult, SimScenario, run_simulated
+from rollart.sim.harness import (
+    POLICY_FIELDS,
+    SimDomain,
+    SimPool,
+    SimResult,
+    SimScenario,
+    run_simulated,
+)
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +158,8 @@ def sim_of(inputs: PlanInputs, c: Candidate, steps: int) -> SimScenario:
         max_tokens_per_trajectory=run.max_tokens_per_trajectory,
         trainer_hardware=inputs.trainer_label, trainer_gpus=c.trainer_gpus,
         env_hosts=max(1, len(sc.env_hosts)), reprefill=run.reprefill,
-        weight_apply=run.weight_apply, domain_mix=run.domain_mix, admission=run.admission)
+        # the scenario's whole staleness policy (``None``: the mode's default, as in the run)
+        **{f: getattr(run, f) for f in POLICY_FIELDS})
 
 
 def space(inputs: PlanInputs) -> tuple[list[Candidate], list[tuple[int, int]]]:

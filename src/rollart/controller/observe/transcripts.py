@@ -24,11 +24,12 @@ One line per trajectory::
      "finish_reason": "terminated",
      "num_turns": 1, "num_tokens": 210, "num_generated": 17, "versions": [2, 2],
      "turns": [{"prompt": "<chat-templated prompt>", "response": "12", "versions": [2, 2],
-                "num_tokens": 17}]}
+                "num_tokens": 17, "context_tokens": 193}]}
 
 ``turns[i].prompt`` is the text the policy saw before turn i that was not in the sequence
 already: the whole templated prompt for turn 0, the templated env observation afterwards (the
-observation *delta*); ``response`` the decoded generated tokens (special tokens kept, so an eos
+observation *delta*); ``context_tokens`` its length in tokens (the planner's measured prompt and observation
+lengths, ``rollart.planner.measured``); ``response`` the decoded generated tokens (special tokens kept, so an eos
 is visible); ``versions`` the min / max policy version of the turn's tokens. Texts longer than
 ``max_chars`` are cut, with ``"...[cut N chars]"`` appended. ``reference`` is the task's
 reference answer as the env gave it to the reward function (``null`` where it gives none).
@@ -150,17 +151,18 @@ class TranscriptRecorder:
         edges = np.flatnonzero(np.diff(mask)) + 1
         bounds = [0, *edges.tolist(), len(mask)]
         turns: list[dict[str, Any]] = []
-        context = ""
+        context, context_tokens = "", 0
         for a, b in zip(bounds[:-1], bounds[1:], strict=True):
             if a == b:
                 continue
             if mask[a] == 0:
-                context = self._text(ids[a:b])
+                context, context_tokens = self._text(ids[a:b]), b - a
                 continue
             v = versions[a:b]
             turns.append({"prompt": context, "response": self._text(ids[a:b]),
-                          "versions": [int(v.min()), int(v.max())], "num_tokens": b - a})
-            context = ""
+                          "versions": [int(v.min()), int(v.max())], "num_tokens": b - a,
+                          "context_tokens": context_tokens})
+            context, context_tokens = "", 0
         gen = versions[mask.view(np.bool_)]
         return {
             "step": step, "sample_id": s.sample_id, "group": s.group_key, "domain": s.domain,
