@@ -206,3 +206,79 @@ async def test_a_hold_bound_the_clock_reads_as_not_quite_passed_still_releases_i
     batch = await steps._get_batch()  # group a hangs: never completes
     assert [s.group_key for s in batch] == ["c"]
     assert loop.time() == pytest.approx(0.3)
+
+
+def test_a_group_on_its_last_batch_is_taken_before_one_whose_bound_leaves_it_more() -> None:
+    """Per-group alpha: ``long`` (alpha 3) and ``short`` (alpha 1) both hold version-0 tokens
+    at version 1; ``long`` was admitted first, so oldest-token-then-admission order alone
+    would take it and let ``short`` go stale at version 2."""
+    buf = SampleBuffer(alpha=1, batch_size=1, group_size=1)
+    x = start(buf, "x")
+    turn(buf, x)
+    complete(buf, x, [0])
+    assert buf.take_batch() is not None
+    ids = {}
+    for key, alpha in (("long", 3), ("short", 1)):
+        got = buf.try_start_group(key, "d", alpha)
+        assert got is not None
+        ids[key] = got[0]
+        assert buf.begin_turn(got[0], 0) == "continue"  # a worker still serving version 0
+        buf.record_tokens(got[0], [0])
+    buf.advance_version()
+    for key in ("long", "short"):
+        complete(buf, ids[key], [0])
+    assert [s.group_key for s in buf.take_batch() or []] == ["short"]
+    buf.advance_version()
+    assert [s.group_key for s in buf.take_batch() or []] == ["long"]
+    assert buf.stats().wasted_tokens.get("stale", 0) == 0
+
+
+def crowded_last_batch(hold: bool) -> tuple[SampleBuffer, dict[str, str]]:
+    """alpha 2, two one-sample groups per batch, at version 1: ``a``, ``b``, ``c`` and ``d``
+    hold version-0 tokens (their last batch is the one at version 2), ``a`` and the younger
+    ``y`` (version 1) are complete, the rest still run. A batch of ``a`` and ``y`` now leaves
+    three groups for the two places of the batch at version 2. Returns the trajectory ids."""
+    buf = SampleBuffer(alpha=2, batch_size=2, group_size=1, hold_for_groups=hold)
+    for key in ("x0", "x1"):
+        tid = start(buf, key)
+        turn(buf, tid)
+        complete(buf, tid, [0])
+    assert buf.take_batch() is not None
+    ids = {key: start(buf, key) for key in "abcd"}
+    for tid in ids.values():
+        turn(buf, tid)  # version 0
+    buf.advance_version()
+    ids["y"] = start(buf, "y")
+    turn(buf, ids["y"])  # version 1
+    for key in "ay":
+        complete(buf, ids[key], [buf.version - (key == "a")])
+    return buf, ids
+
+
+def test_a_batch_waits_to_take_a_group_that_the_next_batch_has_no_place_for() -> None:
+    buf, ids = crowded_last_batch(hold=True)
+    assert buf.holds_batch({"a", "y"}, ["a", "y"])
+    assert not buf.holds_batch({"a", "y"}, ["a"])  # no younger group in the batch
+    assert buf.take_batch() is None and buf.holding
+    complete(buf, ids["b"], [0])
+    assert sorted(s.group_key for s in buf.take_batch() or []) == ["a", "b"]
+    assert not buf.holding
+    buf.advance_version()
+    for key in "cd":
+        complete(buf, ids[key], [0])
+    assert sorted(s.group_key for s in buf.take_batch() or []) == ["c", "d"]
+    buf.advance_version()
+    assert [s.group_key for s in buf.take_batch() or []] == []  # y alone: no batch yet
+    assert buf.group_complete("y")
+    assert buf.stats().wasted_tokens.get("stale", 0) == 0
+
+
+def test_without_the_wait_the_group_left_out_goes_stale() -> None:
+    buf, ids = crowded_last_batch(hold=False)
+    assert sorted(s.group_key for s in buf.take_batch() or []) == ["a", "y"]
+    buf.advance_version()
+    for key in "bcd":
+        complete(buf, ids[key], [0])
+    assert sorted(s.group_key for s in buf.take_batch() or []) == ["b", "c"]
+    buf.advance_version()
+    assert buf.stats().wasted_tokens["stale"] == 1  # d's version-0 token

@@ -29,8 +29,11 @@ trajectory's token versions, built only from what it fed the buffer, and checks:
 trajectories made stale by a bump are aborted and restarted at once) and version-aware admission
 (``capacity``: a group starts only if ``has_capacity`` for the newest serving worker) are drawn
 per example, and so is ``hold_for_groups`` (a ready batch is held exactly while an open group
-still collecting has a token the next version would make stale; ``take_batch``'s ``release``
-stands for the controller's hold bound); liveness must hold under each.
+still collecting has a token the next version would make stale, or while it takes a group that
+could join a later batch and the groups whose last chance is the next batch outnumber its
+places, one of them still collecting; ``take_batch``'s ``release`` stands for the controller's
+hold bound); liveness must hold under each. Every batch takes the groups the model's view of
+the default batch order picks (last batch first, then oldest tokens, then oldest group).
 Weights reach two simulated workers by *eager, staggered apply* (``apply_on_worker``: any worker
 may take the trainer's newest version at any time, one at a time, independently of batches), and
 a turn may straddle an apply (its first tokens at the old version, the rest at the new one).
@@ -263,23 +266,54 @@ class StalenessProtocol(RuleBasedStateMachine):
             self.failed_or_cancelled.add(tid)
             self._drain()
 
-    def _at_risk(self) -> bool:
-        """The model's view of ``holds_batch``: an open group still collecting has a member
-        (running or held) with a token that the next version makes stale."""
+    def _members(self, key: str) -> list[int]:
+        """Token versions of group ``key``'s members that count for staleness: its held
+        samples once it is complete (it trains on those), else its live and held ones."""
         held = self.completed - self.consumed - set(self.dropped)
-        nxt = self.buf.version + 1
+        pool = held if self.buf.group_complete(key) else self.live | held
+        return [v for t in pool if self.group[t] == key for v in self.tokens[t]]
+
+    def _plan(self) -> list[str]:
+        """The model's view of the default ``assemble_batch``: the complete groups whose last
+        batch this is first, then those whose last but one, then the rest; within each, oldest
+        token first, then oldest group. ``[]`` below a batch's worth of complete groups."""
+        v = self.buf.version
+        ready = []
         for key, *_ in self.buf.open_groups():
             if self.buf.group_complete(key):
+                oldest = min([*self._members(key), v])
+                tier = min(max(oldest + self.galpha[key] - v, 0), 2)
+                ready.append((tier, oldest, int(key[1:]), key))
+        need = self.B // self.G
+        return [r[-1] for r in sorted(ready)[:need]] if len(ready) >= need else []
+
+    def _at_risk(self, plan: list[str]) -> bool:
+        """The model's view of ``holds_batch`` for a batch taking ``plan``: an open group
+        still collecting has a member (running or held) with a token that the next version
+        makes stale; or the batch takes a group that could join a later batch while more
+        groups than a batch holds have their last chance at the next version, one of them
+        still collecting."""
+        nxt = self.buf.version + 1
+        at_next, waiting = 0, False
+        for key, *_ in self.buf.open_groups():
+            if key in plan:
                 continue
-            members = [t for t in (self.live | held) if self.group[t] == key]
-            if any(v < nxt - self.galpha[key] for t in members for v in self.tokens[t]):
+            toks = self._members(key)
+            complete = self.buf.group_complete(key)
+            if not complete and any(v < nxt - self.galpha[key] for v in toks):
                 return True
-        return False
+            if toks and min(toks) == nxt - self.galpha[key]:
+                at_next += 1
+                waiting |= not complete
+        younger = any(not self._members(k) or min(self._members(k)) > nxt - self.galpha[k]
+                      for k in plan)
+        return younger and waiting and at_next > self.B // self.G
 
     def _take(self, release: bool = False) -> bool:
         """Take a batch; ``release``: the controller's hold bound has passed (``hold``)."""
         version = self.buf.version
-        at_risk = self._at_risk()
+        plan = self._plan()
+        at_risk = bool(plan) and self._at_risk(plan)
         batch = self.buf.take_batch(hold=not release)
         self._drain()
         if batch is None:
@@ -292,6 +326,7 @@ class StalenessProtocol(RuleBasedStateMachine):
         event(f"batch at version {min(version, 3)}{'+' if version >= 3 else ''}")
         counts = Counter(s.group_key for s in batch)
         assert all(c == self.G for c in counts.values()), counts
+        assert sorted(counts) == sorted(plan), (counts, plan)
         ids = [s.sample_id for s in batch]
         assert len(set(ids)) == len(ids)
         for s in batch:

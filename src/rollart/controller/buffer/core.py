@@ -174,7 +174,8 @@ class SampleBuffer(TrajectoryCalls):
             (alpha only enters AReaL's admission capacity; stale samples are kept; module
             docstring).
         hold_for_groups: ``take_batch`` holds a batch while an open, incomplete group would
-            go stale at the next version (:meth:`holds_batch`), so the trainer waits for it
+            go stale at the next version, or would find no place in the next batch, its last
+            (:meth:`holds_batch`), so the trainer waits for it
             instead of the rollout throwing it away; the caller bounds the wait
             (``take_batch(hold=False)``). For the per-turn check with ``"bound"`` control.
             Not in :meth:`snapshot` (it changes no state): :meth:`restore` leaves it off.
@@ -269,7 +270,7 @@ class SampleBuffer(TrajectoryCalls):
     # ------------------------------------------------------------------ trainer side
     def take_batch(self, *, hold: bool = True) -> list[Sample] | None:
         """Exactly ``batch_size`` samples of whole complete groups, each re-checked admissible
-        at ``version``, chosen by :meth:`assemble_batch` (default: oldest groups first); marks
+        at ``version``, chosen by :meth:`assemble_batch` (default: last chance first); marks
         them consumed. ``None`` if not enough (or the policy takes none yet), or, with
         ``hold_for_groups`` and ``hold``, while :meth:`holds_batch` (then ``holding`` is true
         until a later call takes a batch or finds none; what the policy discards is discarded
@@ -291,7 +292,7 @@ class SampleBuffer(TrajectoryCalls):
 
         def holding_policy(ready: Sequence[ReadyGroup], need: int) -> BatchPlan:
             plan = self.assemble_batch(ready, need)
-            if plan.take and self.holds_batch({g.key for g in ready}):
+            if plan.take and self.holds_batch({g.key for g in ready}, plan.take):
                 held.append(True)
                 return BatchPlan(discard=plan.discard)
             return plan

@@ -10,7 +10,7 @@ otherwise.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from rollart.controller.buffer.batch import BatchPlan, ReadyGroup
@@ -115,8 +115,9 @@ class StalenessPolicy(BufferQueries):
         the next batch trains on, and which to throw away. ``take_batch`` calls it whenever a
         batch may be ready (a sample was kept or the version advanced) with at least one
         ready group. Default: no batch until ``need`` groups are ready, then the first
-        ``need`` by :meth:`batch_order`; nothing discarded. Override it in a subclass to
-        assemble batches otherwise (filter, balance domains, ...). A group neither taken nor
+        ``need`` by :meth:`last_chance`, then :meth:`batch_order`; nothing discarded.
+        Override it in a subclass to assemble batches otherwise (filter, balance domains,
+        ...). A group neither taken nor
         discarded stays ready until it is taken or goes stale, holding its place in the
         in-flight bound: a policy that never takes nor discards a group can stall the run.
 
@@ -127,8 +128,19 @@ class StalenessPolicy(BufferQueries):
         """
         if len(ready) < need:
             return BatchPlan()
-        order = sorted(ready, key=lambda g: self.batch_order(g.domain, g.min_version, g.seq))
+        order = sorted(ready, key=lambda g: (self.last_chance(g.key, g.min_version),
+                                             self.batch_order(g.domain, g.min_version, g.seq)))
         return BatchPlan(take=[g.key for g in order[:need]])
+
+    def last_chance(self, key: str, min_version: int) -> int:
+        """Which of the batches still open to group ``key`` (oldest token ``min_version``, its
+        group's alpha) the one taken now is: 0 its last (it goes stale at the next version if
+        left out), 1 the last but one, 2 any earlier. The default :meth:`assemble_batch`
+        takes ready groups by this first, then by :meth:`batch_order`, so a group that can
+        still join a later batch never takes the place of one that cannot."""
+        g = self._groups.get(key)
+        alpha = self.alpha if g is None else g.alpha
+        return min(max(min_version + alpha - self._version, 0), 2)
 
     def batch_order(self, domain: str, min_version: int, seq: int) -> Any:
         """Sort key of a complete group (smallest first) for the default
@@ -137,21 +149,41 @@ class StalenessPolicy(BufferQueries):
         group (fewest samples go stale). Override it to reorder batches without filtering."""
         return (min_version, seq)
 
-    def holds_batch(self, ready: set[str]) -> bool:
-        """Whether a batch taken now would make an open group that is not among the ``ready``
-        keys stale: one of its trajectories (kept, finished or running) has a token of a
-        version below ``version + 1 - alpha`` (its group's alpha), so once the batch's update
-        is applied it can no longer be trained on and its tokens are wasted. A group with no
-        token yet is never waited for (it loses nothing)."""
+    def holds_batch(self, ready: set[str], taking: Collection[str] = ()) -> bool:
+        """Whether a batch taken now would make an open group stale that waiting could save.
+
+        Either (1) an open group that is not among the ``ready`` keys has a trajectory (kept,
+        finished or running) with a token of a version below ``version + 1 - alpha`` (its
+        group's alpha): once the batch's update is applied it can no longer be trained on and
+        its tokens are wasted; or (2) the batch is ``taking`` (the keys the plan takes) a group
+        that could still join a later batch while more groups than one batch holds have their
+        last chance at the next version (oldest token exactly ``version + 1 - alpha``), one of
+        them not ready yet: the next batch cannot take them all, so the one left out goes
+        stale, unless it takes the younger group's place in this batch once it is ready. A
+        group with no token yet is never waited for (it loses nothing).
+        """
         nxt = self._version + 1
+        at_next, waiting = 0, False
+        younger_taken = False
+        taken = set(taking)
         for g in self._groups.values():
-            if g.status != "open" or g.key in ready:
+            if g.status != "open":
                 continue
-            versions = [t.min_version for t in (*g.kept, *g.finished, *g.live())
-                        if t.min_version is not None]
-            if versions and min(versions) < nxt - g.alpha:
+            # A ready group trains on its kept samples only (its stragglers are cancelled).
+            members = g.kept if g.key in ready else (*g.kept, *g.finished, *g.live())
+            versions = [t.min_version for t in members if t.min_version is not None]
+            if g.key in taken:
+                younger_taken |= not versions or min(versions) > nxt - g.alpha
+                continue
+            if not versions:
+                continue
+            oldest = min(versions)
+            if g.key not in ready and oldest < nxt - g.alpha:
                 return True
-        return False
+            if oldest == nxt - g.alpha:
+                at_next += 1
+                waiting |= g.key not in ready
+        return younger_taken and waiting and at_next > self.batch_size // self.group_size
 
     def _lower_bound(self, t: Traj) -> None:
         """``t.min_version`` was just lowered: keep ``_fresh_bound`` a lower bound."""
