@@ -76,6 +76,8 @@ def test_checkpoint_is_a_normal_hf_directory(tmp_path):
 def test_spec_rejects_unsupported_head_size_and_out_of_bound_fields():
     with pytest.raises(ValueError, match="head size"):
         TinyModelSpec(hidden_size=64, num_heads=4)  # head size 16 < 32
+    with pytest.raises(ValueError, match="head size .* 50 is not one of"):
+        TinyModelSpec(hidden_size=100, num_heads=2)  # in [32, 512], but no CPU kernel for it
     with pytest.raises(ValueError, match="not divisible"):
         TinyModelSpec(hidden_size=100, num_heads=3)
     with pytest.raises(msgspec.ValidationError, match="num_layers"):

@@ -410,3 +410,68 @@ def test_profiles_from_a_folder_without_metrics_is_refused(tmp_path, metrics, me
         measure_profiles(run_dir, load_scenario(write(tmp_path)))
     with pytest.raises(PlanError, match="not a folder"):
         measure_profiles(tmp_path / "nowhere", load_scenario(write(tmp_path)))
+
+
+@pytest.mark.parametrize(("metrics", "message"), [
+    ("[1, 2]\n", r"line 1 is a JSON list, not an object"),
+    ('{"step": 1, "by_domain": [1]}\n', r"record 1: by_domain is a JSON list"),
+    ('{"step": 1, "by_domain": {}}\n{"step": 2, "by_domain": {"guess": {"finished": null}}}\n',
+     r"record 2: by_domain.guess.finished is None, not a count"),
+    ('{"step": 1, "by_domain": {"guess": 5}}\n', r"record 1: by_domain.guess is 5, not a count"),
+])
+def test_profiles_from_metrics_of_another_shape_are_refused_naming_the_record(
+        tmp_path, metrics, message):
+    from rollart.planner.measured import measure_profiles
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text(metrics)
+    with pytest.raises(PlanError, match=rf"{run_dir / 'metrics.jsonl'}: {message}"):
+        measure_profiles(run_dir, load_scenario(write(tmp_path)))
+
+
+def test_profiles_from_files_that_are_not_text_or_not_objects_are_refused_naming_them(tmp_path):
+    from rollart.planner.measured import measure_profiles
+
+    sc = load_scenario(write(tmp_path))
+    run_dir = write_run(tmp_path / "run")
+    (run_dir / "transcripts.jsonl").write_text('{"domain": "guess"}\n[1]\n')
+    with pytest.raises(PlanError, match=r"transcripts.jsonl: line 2 is a JSON list"):
+        measure_profiles(run_dir, sc)
+    (run_dir / "metrics.jsonl").write_bytes(b"\xff\xfe{}\n")
+    with pytest.raises(PlanError, match=r"metrics.jsonl: not UTF-8 text"):
+        measure_profiles(run_dir, sc)
+
+
+def test_profiles_from_transcripts_skip_turns_of_another_shape(tmp_path):
+    from rollart.planner.measured import measure_profiles
+
+    run_dir = write_run(tmp_path / "run")
+    with (run_dir / "transcripts.jsonl").open("a") as f:
+        f.write('{"domain": "guess", "turns": [5]}\n')  # a turn that is not an object
+        f.write('{"domain": "guess", "num_turns": "3", "turns": [{"num_tokens": "x"}]}\n')
+    m = measure_profiles(run_dir, load_scenario(write(tmp_path)))
+    assert m.transcripts["guess"] == 3  # the two fixture records and the string-count one
+    assert m.profiles["guess"].response_tokens.mean == pytest.approx(10.0)
+
+
+def test_a_cpu_scenario_is_refused_before_its_profiles_folder_is_read(tmp_path):
+    with pytest.raises(PlanError, match=r"pools \['wide'\] run on hardware 'cpu'"):
+        plan(write(tmp_path, wide_hw="cpu"), budget_s=5.0, model="qwen3-8b",
+             profiles_from=tmp_path / "nowhere")
+
+
+def test_a_rung_of_fewer_candidates_than_it_keeps_reports_no_negative_count(
+        tmp_path, monkeypatch):
+    import rollart.planner.search as search
+
+    one_layout = search.space
+    monkeypatch.setattr(search, "space", lambda inputs: (one_layout(inputs)[0][:1], []))
+    monkeypatch.setattr(search, "sim_of", lambda inputs, c, steps: steps)
+    monkeypatch.setattr(search, "run_capped",
+                        lambda steps, seed, warmup, cap: _FakeRun([10.0 + seed] * steps))
+    lines: list[str] = []
+    plan(write(tmp_path), budget_s=60.0, seeds=SEEDS, model="qwen3-8b", progress=lines.append)
+    rungs = [line for line in lines if line.startswith("rung ")]
+    assert len(rungs) == len(RUNGS)
+    assert all("kept the best 1 and 0 within their noise" in line for line in rungs), rungs

@@ -196,3 +196,14 @@ def test_a_run_without_affinity_moves_has_no_affinity_plot(tmp_path) -> None:
     assert report.main([str(run)]) == 0
     assert not (run / "report" / report.AFFINITY_PLOT[0]).exists()
     assert "Online affinity" not in (run / "report" / "index.html").read_text()
+
+
+def test_report_refuses_a_metrics_file_that_is_not_records_naming_the_file(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("[1, 2]\n")
+    assert report.main([str(run)]) == 2
+    assert "metrics.jsonl: line 1 is a JSON list, not an object" in capsys.readouterr().err
+    (run / "metrics.jsonl").write_bytes(b'{"step": 1}\n\xff\xfe\n')
+    assert report.main([str(run)]) == 2
+    assert "metrics.jsonl: not UTF-8 text" in capsys.readouterr().err

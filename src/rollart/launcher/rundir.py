@@ -139,7 +139,8 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     an undecodable last line without its newline is left out.
 
     Raises:
-        ValueError: any other line is not JSON (names the file and the line number).
+        ValueError: any other line is not a JSON object, or the file is not UTF-8 text (names
+            the file, and the line number where there is one).
     """
     return [row for _, row in _jsonl_lines(path)]
 
@@ -148,17 +149,24 @@ def _jsonl_lines(path: Path) -> list[tuple[str, dict[str, Any]]]:
     # (line, record) pairs as read_jsonl reads them.
     if not path.exists():
         return []
-    lines = path.read_text().split("\n")
+    try:
+        lines = path.read_text(encoding="utf-8").split("\n")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     out = []
     for i, line in enumerate(lines):
         if not line.strip():
             continue
         try:
-            out.append((line, json.loads(line)))
+            row = json.loads(line)
         except json.JSONDecodeError as exc:
             if i == len(lines) - 1:  # no newline after it: cut short
                 break
             raise ValueError(f"{path}: line {i + 1} is not JSON: {exc}") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}: line {i + 1} is a JSON {type(row).__name__}, not an "
+                             "object (one record per line)")
+        out.append((line, row))
     return out
 
 

@@ -28,6 +28,7 @@ import msgspec
 import torch
 from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
+from rollart.config.validate import CPU_HEAD_SIZES
 from rollart.models.sft import SFTConfig, cache_fields, sft_warmup
 from rollart.models.tokenizer import (
     CHAT_TEMPLATE,
@@ -40,15 +41,15 @@ from rollart.models.tokenizer import (
     vocab_size,
 )
 
-# vLLM's CPU attention kernels accept these head sizes only (see shared notes, vllm-cpu.md).
-MIN_HEAD_DIM = 32
-MAX_HEAD_DIM = 512
+# vLLM's CPU attention kernels accept these head sizes only.
+MIN_HEAD_DIM = min(CPU_HEAD_SIZES)
+MAX_HEAD_DIM = max(CPU_HEAD_SIZES)
 SPEC_FILENAME = "rollart_tiny_spec.json"
 
 
 class TinyModelSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
     """Architecture and seed of the tiny model. Bounds are enforced by `validate_spec` and on
-    decode; `hidden_size / num_heads` (the head size) must lie in [32, 512]."""
+    decode; `hidden_size / num_heads` (the head size) must be one of `CPU_HEAD_SIZES`."""
 
     seed: Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)] = 0
     hidden_size: Annotated[int, msgspec.Meta(ge=32, le=4096)] = 128
@@ -68,10 +69,10 @@ class TinyModelSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
                 f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}"
             )
         head_dim = self.hidden_size // self.num_heads
-        if not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM:
+        if head_dim not in CPU_HEAD_SIZES:
             raise ValueError(
-                f"head size hidden_size/num_heads = {head_dim} is outside "
-                f"[{MIN_HEAD_DIM}, {MAX_HEAD_DIM}] (vLLM CPU attention limit)"
+                f"head size hidden_size/num_heads = {head_dim} is not one of "
+                f"{', '.join(map(str, CPU_HEAD_SIZES))} (the sizes vLLM's CPU attention runs)"
             )
         kv = self.num_kv_heads if self.num_kv_heads is not None else self.num_heads
         if self.num_heads % kv:
@@ -155,7 +156,7 @@ def build_tiny_model(
         `rollart_tiny_spec.json` (the spec, for provenance).
 
     Raises:
-        ValueError: the head size `hidden_size / num_heads` is not an integer in [32, 512], or
+        ValueError: the head size `hidden_size / num_heads` is not one of `CPU_HEAD_SIZES`, or
             `num_heads` is not a multiple of `num_kv_heads`.
         msgspec.ValidationError: a spec field is out of bounds (the message names it).
     """

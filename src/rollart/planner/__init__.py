@@ -126,6 +126,9 @@ def plan(scenario: str | Path | Scenario, *, budget_s: float = DEFAULT_BUDGET_S,
         raw = tomllib.loads(Path(scenario).read_text())
     measured = None
     if profiles_from is not None:
+        # The scenario's own refusals (CPU pools, too few GPUs) come before the run folder's:
+        # a folder fixed for a scenario the planner refuses anyway is time lost.
+        read_inputs(sc, model=model, profiles=profiles)
         rest = tuple(d.name for d in sc.domains if d.name not in (profiles or {}))
         measured = measure_profiles(profiles_from, sc, rest)
         profiles = {**measured.profiles, **(profiles or {})}

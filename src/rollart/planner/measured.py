@@ -72,12 +72,34 @@ class MeasuredProfiles:
 
 
 def _jsonl(path: Path) -> list[dict[str, Any]]:
+    """The records of ``path``; PlanError naming it for a file that is not UTF-8 JSON lines or
+    holds a record that is not a JSON object (a run writes one object per line)."""
     from rollart.launcher.rundir import read_jsonl
 
     try:
-        return read_jsonl(path)
+        rows = read_jsonl(path)
+    except UnicodeDecodeError as exc:
+        raise PlanError(f"--profiles-from (profiles_from=) {path}: not UTF-8 text "
+                        f"({exc})") from None
     except (ValueError, OSError) as exc:
         raise PlanError(f"--profiles-from (profiles_from=): {exc}") from None
+    for i, row in enumerate(rows, 1):
+        if not isinstance(row, dict):
+            raise PlanError(f"--profiles-from (profiles_from=) {path}: record {i} is a JSON "
+                            f"{type(row).__name__}, not an object: not a run's file")
+    return rows
+
+
+def _count(path: Path, step: int, name: str, counts: Any, key: str) -> int:
+    """``by_domain[name][key]`` of the ``step``-th record as a count; PlanError naming the
+    file, record and field when it is not a non-negative integer."""
+    value = counts.get(key, 0) if isinstance(counts, dict) else None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        what = (f"by_domain.{name} is {counts!r}" if not isinstance(counts, dict)
+                else f"by_domain.{name}.{key} is {value!r}")
+        raise PlanError(f"--profiles-from (profiles_from=) {path}: record {step}: {what}, "
+                        "not a count: not a run's metrics")
+    return value
 
 
 def _dist(kind: str, mean: float, std: float, low: float, high: float = 1e9) -> Dist:
@@ -96,8 +118,10 @@ def measure_profiles(run_dir: str | Path, scenario: Scenario,
     measured from ``run_dir`` (module docstring).
 
     Raises PlanError: ``run_dir`` is not a folder, has no (or an empty, or an unreadable)
-    ``metrics.jsonl``, its steps carry no per-domain counters, or a domain finished no
-    trajectory there (the message names the domains the run has)."""
+    ``metrics.jsonl``, its steps carry no per-domain counters, a record of it or of
+    ``transcripts.jsonl`` is not a run's (not a JSON object, counters that are not counts;
+    the message names the file and record), or a domain finished no trajectory there (the
+    message names the domains the run has)."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise PlanError(f"--profiles-from (profiles_from=) {run_dir}: not a folder")
@@ -109,11 +133,16 @@ def measure_profiles(run_dir: str | Path, scenario: Scenario,
     if not rows:
         raise PlanError(f"--profiles-from (profiles_from=) {run_dir}: metrics.jsonl holds no steps yet")
     totals: dict[str, dict[str, int]] = {}
-    for row in rows:
-        for name, counts in (row.get("by_domain") or {}).items():
+    for i, row in enumerate(rows, 1):
+        by_domain = row.get("by_domain") or {}
+        if not isinstance(by_domain, dict):
+            raise PlanError(f"--profiles-from (profiles_from=) {metrics}: record {i}: by_domain "
+                            f"is a JSON {type(by_domain).__name__}, not an object: not a "
+                            "run's metrics")
+        for name, counts in by_domain.items():
             acc = totals.setdefault(name, dict.fromkeys(_COUNTERS, 0))
             for k in _COUNTERS:
-                acc[k] += int(counts.get(k, 0))
+                acc[k] += _count(metrics, i, name, counts, k)
     if not totals:
         raise PlanError(f"--profiles-from (profiles_from=) {run_dir}: metrics.jsonl's {len(rows)} step(s) carry "
                         f"no per-domain counters (by_domain): a run of an older rollart")
@@ -169,16 +198,21 @@ class _Transcripts:
 
 def _transcripts(path: Path) -> dict[str, _Transcripts]:
     """Per domain, the context and generated lengths of ``transcripts.jsonl``'s records
-    (module docstring); records without the fields are skipped."""
+    (module docstring); records without the fields (or with fields of other types) are
+    skipped, as are turns' token counts that are not integers."""
     out: dict[str, _Transcripts] = {}
     for rec in _jsonl(path):
         name, turns = rec.get("domain"), rec.get("turns")
-        if not isinstance(name, str) or not isinstance(turns, list) or not turns:
+        if not isinstance(name, str) or not isinstance(turns, list) or not turns \
+                or not all(isinstance(t, dict) for t in turns):
             continue
         acc = out.setdefault(name, _Transcripts())
         acc.records += 1
-        acc.turns.append(float(rec.get("num_turns") or len(turns)))
-        acc.generated += [float(t["num_tokens"]) for t in turns if "num_tokens" in t]
+        n = rec.get("num_turns")
+        if not (isinstance(n, int) and not isinstance(n, bool) and n > 0):
+            n = len(turns)
+        acc.turns.append(float(n))
+        acc.generated += [float(t["num_tokens"]) for t in turns if _is_int(t.get("num_tokens"))]
         context = [t.get("context_tokens") for t in turns]
         if all(isinstance(c, int) for c in context):
             acc.prompt.append(float(context[0]))  # type: ignore[arg-type]
@@ -187,3 +221,7 @@ def _transcripts(path: Path) -> dict[str, _Transcripts]:
                 and isinstance(rec.get("num_generated"), int):
             acc.prompt.append(float(rec["num_tokens"] - rec["num_generated"]))
     return out
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

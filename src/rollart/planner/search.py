@@ -310,9 +310,10 @@ def successive_halving(inputs: PlanInputs, *, budget_s: float, seeds: tuple[int,
         keep = max(MIN_KEEP, math.ceil(len(scores) / ETA))
         kept = [scores[i] for i in noise.cut(scores, keep)]
         if progress:
+            best = min(keep, len(scores))  # a rung may score fewer than it would keep
             progress(f"rung {rung}: {len(scores)} candidate(s) x {len(rung_seeds)} seed(s) "
                      f"at {steps} steps, best {scores[0].step_time_s:.1f} "
-                     f"+- {scores[0].se_s:.1f} s/step, kept the best {keep} and {len(kept) - keep} "
+                     f"+- {scores[0].se_s:.1f} s/step, kept the best {best} and {len(kept) - best} "
                      f"within their noise, {time.perf_counter() - t0:.0f} s used")
         survivors = [s.candidate for s in kept]
         if rung == 0:
