@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 
 import pytest
@@ -17,8 +18,11 @@ GUESS = ('[[pools]]\nname = "p"\n[[domains]]\nname = "g"\nenv = "game:GuessTheNu
 
 
 def _builders() -> list[str]:
-    out = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True)
-    return [line for line in out.stdout.splitlines() if "rollart.launcher.modelbuild" in line]
+    # This process's own model builders only: another test run on the machine has its own.
+    out = subprocess.run(["ps", "-eo", "ppid=,args="], capture_output=True, text=True,
+                         check=True)
+    return [line for line in out.stdout.splitlines()
+            if "rollart.launcher.modelbuild" in line and line.split()[0] == str(os.getpid())]
 
 
 async def test_the_tiny_model_is_built_in_a_child_and_is_the_one_resolve_model_gives(tmp_path):
