@@ -179,26 +179,27 @@ def test_driver_script_with_its_own_env_and_reward_writes_the_run_folder(tmp_pat
 
     # Resume with `rollart run`: the scenario names the user's file (run.local_module) for the
     # same env and reward. It continues from step 3's checkpoint; old logs move aside, new ones
-    # start fresh.
+    # start fresh. Three more steps: the samples restored from the checkpoint were admitted for
+    # batches 4 and 5 at most (alpha 1, capacity admission), so step 6 needs new trajectories
+    # whichever way the restored ones fall.
     (tmp_path / "with_module.toml").write_text(
         SCENARIO.replace("[run]\n", '[run]\nlocal_module = "task.py"\n', 1))
     first_logs = {p.name: p.read_text() for p in (run_dir / "logs").iterdir()}
     (tmp_path / "task_calls.log").unlink()
     proc = _run(tmp_path, ["-m", "rollart.cli", "run", str(tmp_path / "with_module.toml"),
-                           "--resume", str(run_dir), "--steps", "4"], rollart_cache_dir)
+                           "--resume", str(run_dir), "--steps", "6"], rollart_cache_dir)
     # `rollart run` ends on its closing block, with no exit noise after it (nanobind's leak
     # report of the frozen objects triton binds reads like a crash).
     lines = proc.stdout.rstrip().splitlines()
     assert any("run summary" in x for x in lines) and lines[-1].startswith("continue "), lines
     assert "nanobind" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
-    assert [r["step"] for r in _jsonl(run_dir / "metrics.jsonl")] == [1, 2, 3, 4]
-    # The file's env served the resumed run's new trajectories in `rollart run`'s process
-    # (step 4 may train only samples restored from the checkpoint, which have no transcript).
+    assert [r["step"] for r in _jsonl(run_dir / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
+    # The file's env served the resumed run's new trajectories in `rollart run`'s process.
     pids = {line.split()[1] for line in (tmp_path / "task_calls.log").read_text().splitlines()}
     assert len(pids) == 1 and pids != {str(os.getpid())}
     ids = [i for t in _jsonl(run_dir / "trained_samples.jsonl") for i in t["sample_ids"]]
-    assert len(ids) == len(set(ids)) == 16
-    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_000004"
+    assert len(ids) == len(set(ids)) == 24
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_000006"
     (previous,) = run_dir.glob("previous-*")
     assert {p.name: p.read_text() for p in (previous / "logs").iterdir()} == first_logs
     old, new = first_logs["trainer.log"], (run_dir / "logs" / "trainer.log").read_text()
