@@ -76,18 +76,11 @@ def _jsonl(path: Path) -> list[dict[str, Any]]:
     holds a record that is not a JSON object (a run writes one object per line)."""
     from rollart.launcher.rundir import read_jsonl
 
+    # read_jsonl names the file for non-UTF-8 text and for a line that is not a JSON object.
     try:
-        rows = read_jsonl(path)
-    except UnicodeDecodeError as exc:
-        raise PlanError(f"--profiles-from (profiles_from=) {path}: not UTF-8 text "
-                        f"({exc})") from None
+        return read_jsonl(path)
     except (ValueError, OSError) as exc:
         raise PlanError(f"--profiles-from (profiles_from=): {exc}") from None
-    for i, row in enumerate(rows, 1):
-        if not isinstance(row, dict):
-            raise PlanError(f"--profiles-from (profiles_from=) {path}: record {i} is a JSON "
-                            f"{type(row).__name__}, not an object: not a run's file")
-    return rows
 
 
 def _count(path: Path, step: int, name: str, counts: Any, key: str) -> int:

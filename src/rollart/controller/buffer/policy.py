@@ -117,9 +117,9 @@ class StalenessPolicy(BufferQueries):
         ready group. Default: no batch until ``need`` groups are ready, then the first
         ``need`` by :meth:`last_chance`, then :meth:`batch_order`; nothing discarded.
         Override it in a subclass to assemble batches otherwise (filter, balance domains,
-        ...). A group neither taken nor
-        discarded stays ready until it is taken or goes stale, holding its place in the
-        in-flight bound: a policy that never takes nor discards a group can stall the run.
+        ...). A group neither taken nor discarded stays ready until it is taken or goes
+        stale, holding its place in the in-flight bound: a policy that never takes nor
+        discards a group can stall the run.
 
         Returns:
             a :class:`BatchPlan`; ``take_batch`` raises SampleBufferError if its ``take`` is
