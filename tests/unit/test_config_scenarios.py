@@ -237,6 +237,35 @@ def test_bad_configs_name_file_field_and_reason(edit: tuple[str, str], message: 
     assert message in str(info.value)
 
 
+@pytest.mark.parametrize(("field", "value", "shown"), [
+    ("tiny_hidden_size", "256", "256"), ("tiny_num_layers", "4", "4"),
+    ("tiny_num_heads", "4", "4"), ("tiny_seed", "3", "3"), ("tiny_warmup", "false", "false"),
+    ("tiny_warmup_explore", "0.3", "0.3"), ("tiny_warmup_episodes", "10", "10"),
+])
+def test_a_tiny_field_with_a_checkpoint_path_is_refused(field: str, value: str,
+                                                        shown: str) -> None:
+    text = MINIMAL.replace("[run]", f'[model]\npath = "/m/Qwen3-8B"\n{field} = {value}\n[run]', 1)
+    with pytest.raises(ConfigError) as info:
+        parse_scenario(text, "bad.toml")
+    assert str(info.value) == (
+        f'bad.toml: model.{field}: {shown} applies only when path = "tiny" (the project\'s tiny '
+        "model); model.path is '/m/Qwen3-8B', a checkpoint with its own architecture and "
+        "weights: remove it")
+
+
+def test_tiny_fields_at_their_default_pass_with_a_checkpoint_path() -> None:
+    # written out at their defaults (a planned layout keeps the input's [model] table): nothing
+    # is ignored that the user believed changed
+    text = MINIMAL.replace("[run]", '[model]\npath = "/m/Qwen3-8B"\ntiny_seed = 0\n'
+                           "tiny_warmup = true\ntiny_num_layers = 4\n[run]", 1)
+    with pytest.raises(ConfigError, match="model.tiny_num_layers"):
+        parse_scenario(text, "s.toml")
+    sc = parse_scenario(text.replace("tiny_num_layers = 4\n", ""), "s.toml")
+    assert sc.model.path == "/m/Qwen3-8B" and sc.model.tiny_seed == 0
+    # the same fields are the tiny model's own with path = "tiny"
+    assert parse_scenario(text.replace("/m/Qwen3-8B", "tiny"), "s.toml").model.tiny_num_layers == 4
+
+
 def test_missing_file_and_missing_tables(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="nope.toml: cannot read scenario"):
         load_scenario(tmp_path / "nope.toml")

@@ -116,3 +116,42 @@ async def test_eval_lines_are_printed_in_the_order_the_evaluations_ran() -> None
              for ln in lines if ln.startswith(("held-out", "1/2", "2/2"))]
     assert order == ["held-out eval before step 1", "1/2", "held-out eval after step 1", "2/2",
                      "held-out eval after step 2"]
+
+
+async def test_a_checkpoint_line_follows_the_row_of_the_step_it_saved(tmp_path) -> None:
+    # The run folder's step hook saves step 2's checkpoint before `train` yields step 2 (as
+    # `Cluster.train` runs its step hooks): its note must still come after step 2's row.
+    from rollart.controller import TrainStep
+    from rollart.launcher.run import _train
+    from rollart.launcher.rundir import RunFolder
+
+    progress = Progress(scenario(), 3)
+    progress.console, progress.tty = Console(record=True, width=200), True
+    quiet = parse_scenario(SCENARIO.read_text() + "\n[output]\ntensorboard = false\n")
+
+    class FakeTrainer:
+        async def save_checkpoint(self, name: str) -> None:
+            (tmp_path / "checkpoints" / name).mkdir(parents=True)
+
+    class FakeCluster:
+        trainer_client = FakeTrainer()
+        # as open_cluster builds it: its notes go to the progress
+        run_folder = RunFolder(tmp_path, quiet, on_note=progress.note)
+
+        def snapshot(self) -> dict:
+            return {}
+
+        async def __aenter__(self): return self
+        async def __aexit__(self, *exc): return False
+
+        async def train(self, steps):
+            for s in range(1, steps + 1):
+                if s == 2:  # the hook checkpoints the step before `train` yields it
+                    await self.run_folder.checkpoint(self, s, s)
+                yield TrainStep(s, metrics(s, None), [])
+
+    assert await _train(FakeCluster(), 0, 3, progress) == 0
+    lines = [ln.strip() for ln in progress.console.export_text().splitlines()]
+    order = [ln.split(":")[0] if ln.startswith("checkpoint") else ln.split()[0]
+             for ln in lines if ln.startswith(("1/3", "2/3", "3/3", "checkpoint"))]
+    assert order == ["1/3", "2/3", "checkpoint saved", "3/3"]

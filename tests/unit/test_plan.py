@@ -169,6 +169,8 @@ def test_a_budget_that_simulates_a_fraction_of_the_layouts_warns(tmp_path, capsy
             "the end of the first round")
     assert f"rollart plan: {line}" in cap.err and line in cap.out
     assert f"# {line}" in out.read_text()
+    # named as the user gave it: the command line's flag, not the keyword of rollart.plan()
+    assert "give a larger --budget-s\n" in cap.err and "budget_s" not in cap.err + cap.out
 
 
 def test_refuses_an_unknown_model_as_the_model_option(tmp_path):
@@ -232,9 +234,22 @@ def test_refuses_a_budget_too_small_for_one_candidate(tmp_path):
         plan(write(tmp_path), budget_s=0.001, model="qwen3-8b")
 
 
+@pytest.mark.parametrize(("budget", "message"), [
+    ("0.001", "--budget-s 0.001 is too small: one simulated candidate"),
+    ("1e12", "--budget-s must be > 0 and <= 604800 (a week), got 1e+12"),
+])
+def test_cli_budget_errors_name_the_budget_s_flag(tmp_path, capsys, budget, message):
+    assert cli_main(["plan", str(write(tmp_path)), "--out", str(tmp_path / "p.toml"),
+                     "--budget-s", budget, "--model", "qwen3-8b"]) == 2
+    err = capsys.readouterr().err
+    assert f"rollart plan: error: {message}" in err and "budget_s" not in err, err
+
+
 def test_refuses_an_unknown_model_profile(tmp_path):
     path = tmp_path / "s.toml"
-    path.write_text(SCENARIO.format(fast=3, wide_hw="h20").replace('"tiny"', '"/m/Llama-9"'))
+    # (tiny_warmup is the tiny model's own field: refused with a checkpoint path)
+    path.write_text(SCENARIO.format(fast=3, wide_hw="h20").replace('"tiny"', '"/m/Llama-9"')
+                    .replace("tiny_warmup = false\n", ""))
     with pytest.raises(PlanError, match=r"model.path '/m/Llama-9'.*'llama-9'.*--model"):
         plan(path, budget_s=5.0)
 
@@ -249,6 +264,16 @@ def test_cli_writes_the_plan(tmp_path, capsys):
                      "--force"]) == 2
     assert "rollart plan: error: model.path 'tiny' is the project's CPU test model" in \
         capsys.readouterr().err
+
+
+@pytest.mark.parametrize("empty", ["", "  "])
+def test_cli_refuses_an_empty_out_naming_it_empty(tmp_path, capsys, empty):
+    # Path("") is ".": an empty --out must not read as "`.` is a directory"
+    assert cli_main(["plan", str(write(tmp_path)), "--out", empty, "--budget-s", "1e-9",
+                     "--model", "qwen3-8b"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("rollart plan: error: --out is empty: name the file to write the planned "
+                   "scenario to (e.g. --out plan.toml)\n")
 
 
 @pytest.mark.parametrize(("out", "message"), [
@@ -391,6 +416,40 @@ def test_plan_and_cli_take_profiles_from_a_run_folder(tmp_path, monkeypatch, cap
         cli_main(["plan", str(path), "--out", str(tmp_path / "p.toml"), "--model", "qwen3-8b",
                   "--profiles-from", str(write_run(tmp_path / "run2"))])
     assert [p.prompt_tokens.mean for p in seen[-1].profiles] == [100, 42]
+
+
+@pytest.mark.parametrize("run_model", ["tiny", "/models/Qwen3-8B", None])
+def test_profiles_from_a_run_of_another_model_warns_naming_both(tmp_path, capsys, monkeypatch,
+                                                                run_model):
+    import json
+
+    import rollart.planner.search as search
+
+    clock = [0.0]  # every simulated run takes 1 s of (fake) wall clock
+    monkeypatch.setattr(search.time, "perf_counter", lambda: clock[0])
+
+    def one_second(sim, seed, warmup, cap):
+        clock[0] += 1.0
+        return _FakeRun([30.0] * sim.steps)
+
+    monkeypatch.setattr(search, "run_capped", one_second)
+    run_dir = write_run(tmp_path / "run")
+    if run_model is not None:  # the resolved scenario `rollart run` writes
+        (run_dir / "config.json").write_text(json.dumps({"model": {"path": run_model}}))
+    out = tmp_path / "plan.toml"
+    assert cli_main(["plan", str(write(tmp_path)), "--out", str(out), "--budget-s", "100",
+                     "--model", "qwen3-8b", "--seeds", "1", "--profiles-from",
+                     str(run_dir)]) == 0
+    err = capsys.readouterr().err
+    line = (f"warning: the run folder {run_dir} ran model 'tiny' (its config.json), the plan "
+            "is for model 'qwen3-8b': the turns per trajectory, generated tokens per turn, "
+            "prompt tokens, observation tokens come from the run, counted in its model's "
+            "tokens; the per-token costs (prefill, decode, training) come from the simulated "
+            "'qwen3-8b' profile")
+    if run_model == "tiny":
+        assert f"rollart plan: {line}\n" in err and f"# {line}" in out.read_text()
+    else:  # the same model, or a folder that does not say: nothing to warn about
+        assert "ran model" not in err and "ran model" not in out.read_text()
 
 
 @pytest.mark.parametrize(("metrics", "message"), [

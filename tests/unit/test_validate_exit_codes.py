@@ -40,15 +40,31 @@ def test_a_valid_scenario_exits_0_and_quiet_prints_nothing(tmp_path, capsys) -> 
 
 
 def test_what_run_would_refuse_exits_1_with_prefixed_error_lines(tmp_path, capsys) -> None:
-    sc = _scenario(tmp_path)
-    assert cli(["validate", "--quiet", str(sc), "--cluster", "bogus"]) == 1
+    missing = tmp_path / "no-model"
+    sc = _scenario(tmp_path, f'[model]\npath = "{missing}"\n')
+    assert cli(["validate", "--quiet", str(sc)]) == 1
     out, err = _err_lines(capsys)
     assert out == ""
     assert err[0].startswith(f"rollart validate: error: `rollart run` would refuse it: {sc}: "
-                             "--cluster: 'bogus'"), err
+                             f"model.path: {missing} is not a local Hugging Face checkpoint"), err
     assert err[-1] == (f"rollart validate: {sc}: valid as a file, but `rollart run` would "
                        "refuse it: 1 reason(s) above")
     assert len(err) == 2
+
+
+@pytest.mark.parametrize("command", ["validate", "run"])
+def test_an_unknown_cluster_is_a_usage_error_exiting_2_in_validate_and_run(
+        tmp_path, capsys, command) -> None:
+    # a bad --cluster is the command line's fault, whatever the scenario says, and both
+    # commands say so alike: before reading the scenario
+    sc = _scenario(tmp_path)
+    out_dir = tmp_path / "run"
+    extra = ["--out", str(out_dir)] if command == "run" else []
+    assert cli([command, str(sc), "--cluster", "bogus", *extra]) == 2
+    out, err = _err_lines(capsys)
+    assert (out, err) == ("", [f"rollart {command}: config error: --cluster: 'bogus' is not "
+                               "'local', 'ray' or 'ray://HOST:PORT'"])
+    assert not out_dir.exists()
 
 
 @pytest.mark.parametrize("replace, field", [

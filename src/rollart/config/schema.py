@@ -317,11 +317,13 @@ class RunConfig(_Cfg, frozen=True):
 
 
 class ModelConfig(_Cfg, frozen=True):
-    """The policy checkpoint: ``"tiny"`` builds the project's tiny model, else a local HF dir."""
+    """The policy checkpoint: ``"tiny"`` builds the project's tiny model, else a local HF dir.
+    The ``tiny_*`` fields apply to the tiny model only: set to anything but their default with
+    a checkpoint directory, the scenario is refused."""
 
     #: ``"tiny"`` or a local Hugging Face checkpoint directory (no downloads).
     path: Annotated[str, msgspec.Meta(min_length=1)] = "tiny"
-    #: seed of the tiny model's weights (ignored for a checkpoint path).
+    #: seed of the tiny model's weights.
     tiny_seed: NonNegInt = 0
     #: run the tiny model's supervised warm-up on env demonstrations before RL.
     tiny_warmup: bool = True

@@ -8,6 +8,8 @@ from __future__ import annotations
 import difflib
 from collections.abc import Sequence
 
+import msgspec
+
 from rollart.config.schema import (
     _DEFAULT_APPLY_WAVES,
     _DEFAULT_HOLD_BATCH_MAX_S,
@@ -105,6 +107,7 @@ def validate_scenario(scenario: Scenario, source: str = "<scenario>") -> Scenari
         raise _fail(source, f"model.{field}", f"the head size tiny_hidden_size / tiny_num_heads "
                     f"= {hidden} / {heads} must be one of {', '.join(map(str, CPU_HEAD_SIZES))} "
                     "(the head sizes vLLM's CPU attention runs)")
+    _check_tiny_fields(scenario, source)
     if scenario.eval.headline == "sampled" and scenario.eval.pass_k < 1:
         raise _fail(source, "eval.headline", "'sampled' judges the run by pass@1 of the sampled "
                     "eval trajectories: set eval.pass_k >= 1 (or headline = 'greedy')")
@@ -265,6 +268,21 @@ def validate_scenario(scenario: Scenario, source: str = "<scenario>") -> Scenari
         raise _fail(source, "reward.url", f"{scenario.reward.url!r} is not an http(s) URL")
     _check_reward_tokens(scenario, source)
     return scenario
+
+
+def _check_tiny_fields(scenario: Scenario, source: str) -> None:
+    # A checkpoint directory has its own architecture and weights: a tiny_* field set there
+    # would be silently ignored, so the user would believe they changed something.
+    model = scenario.model
+    if model.path == "tiny":
+        return
+    for info in msgspec.structs.fields(model):
+        value = getattr(model, info.name)
+        if info.name.startswith("tiny_") and value != info.default:
+            shown = str(value).lower() if isinstance(value, bool) else repr(value)
+            raise _fail(source, f"model.{info.name}", f"{shown} applies only when path = "
+                        f"\"tiny\" (the project's tiny model); model.path is {model.path!r}, "
+                        "a checkpoint with its own architecture and weights: remove it")
 
 
 def _check_reward_tokens(scenario: Scenario, source: str) -> None:

@@ -163,6 +163,17 @@ async def _train(cluster: Any, start_step: int, planned: int, progress: Progress
     # The run folder (metrics, transcripts, TensorBoard, checkpoints) is written by
     # open_cluster's step hook (rollart.launcher.rundir), as for a driver script.
     folder = cluster.run_folder
+    # The run folder's step hook checkpoints a step before `train` yields it: its "checkpoint
+    # saved" line waits for the step's row, so the row of the step it saved comes first.
+    after_row: list[str] = []
+    if cluster.run_folder is not None:  # (test fakes have none)
+        cluster.run_folder.on_note = after_row.append
+
+    def flush_after_row() -> None:
+        for text in after_row:
+            progress.note(text)
+        after_row.clear()
+
     async with cluster:
         # Started: modules, config, clients and the controller exist; later collections need
         # not traverse them again (rollart.controller.observe.loophealth).
@@ -176,6 +187,7 @@ async def _train(cluster: Any, start_step: int, planned: int, progress: Progress
                     if record.at_step < out.step:
                         progress.note(eval_line(record))
                 progress.step(out.step, out.metrics)
+                flush_after_row()
                 for record in out.metrics.eval:
                     if record.at_step >= out.step:
                         progress.note(eval_line(record))
@@ -186,6 +198,7 @@ async def _train(cluster: Any, start_step: int, planned: int, progress: Progress
                                                        out.metrics.policy_version)
                     raise Interrupted(stop.signum, out.step, path)
         finally:
+            flush_after_row()  # the checkpoint an interrupt wrote after its step's row
             # Frozen objects outlive the interpreter's last collection: nanobind (triton's
             # bindings, imported with torch by transformers) would report each one as leaked
             # on stderr at exit, ~30 lines that read like a crash.
@@ -201,6 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     started = time.time()
     try:
+        from rollart.launcher.placement import parse_cluster
+
+        parse_cluster(args.cluster)  # a usage error: said before anything about the scenario
         if args.out is not None and args.out.exists() and not args.out.is_dir():
             raise ConfigError(f"--out {args.out}: exists and is not a directory (the run "
                               "folder is a directory)")
@@ -235,9 +251,6 @@ def main(argv: list[str] | None = None) -> int:
         # did not validate first.
         for note in cost_notes(scenario):
             print(f"rollart run: note: {args.scenario}: {note}", file=sys.stderr)
-        from rollart.launcher.placement import parse_cluster
-
-        parse_cluster(args.cluster)
         if args.steps is not None and args.steps < 1:
             raise ConfigError(f"--steps: must be >= 1, got {args.steps}")
     except ConfigError as exc:

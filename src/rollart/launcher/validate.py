@@ -167,10 +167,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     from rollart.launcher import localmodule, machine
     from rollart.launcher.local import check_warmup_domains, preflight
+    from rollart.launcher.placement import parse_cluster
     from rollart.launcher.runkeys import check_run_auth
 
     source = str(args.scenario)
     try:
+        parse_cluster(args.cluster)  # a usage error, as `rollart run` has it: not the scenario's
         scenario = load_scenario(args.scenario)
         regs = localmodule.load(scenario, args.scenario.parent, source)
     except ConfigError as exc:

@@ -24,7 +24,13 @@ from rollart.config import Scenario, load_scenario
 from rollart.planner.inputs import PlanError, PlanInputs, raw_of, read_inputs
 from rollart.planner.layout import layout_dict, scenario_toml
 from rollart.planner.measured import MeasuredProfiles, measure_profiles
-from rollart.planner.search import Candidate, Score, SearchLog, successive_halving
+from rollart.planner.search import (
+    Candidate,
+    Score,
+    SearchLog,
+    budget_words,
+    successive_halving,
+)
 from rollart.sim.workload import DomainSpec
 
 __all__ = ["Candidate", "MeasuredProfiles", "PlanError", "PlanResult", "Score", "plan"]
@@ -47,6 +53,8 @@ class PlanResult:
     budget_s: float
     #: the workload profiles measured from a run folder (``profiles_from=``), else None
     measured: MeasuredProfiles | None = None
+    #: what the budget is called where the user gave it (``--budget-s`` on the command line)
+    budget_option: str = "budget_s"
 
     @property
     def best(self) -> Score:
@@ -54,14 +62,18 @@ class PlanResult:
 
     @property
     def warnings(self) -> list[str]:
-        """What the user should know about how far the search got (one line each)."""
+        """What the user should know about how far the search got, and about workloads
+        measured on another model than the plan's (one line each)."""
         lg, out = self.log, []
+        note = self.measured.model_note(self.inputs.model.name) if self.measured else None
+        if note is not None:
+            out.append(note)
         ran = lg.per_rung[0] if lg.per_rung else 0
         if ran < lg.first_rung_space:
             out.append(f"the budget ({self.budget_s:g} s) simulated only {ran} of the "
                        f"{lg.first_rung_space} trainer / pool mappings to the end of the "
                        f"first round (of {lg.space} layouts): the plan is the best of those, "
-                       f"not of all; give a larger --budget-s (budget_s=)")
+                       f"not of all; give a larger {self.budget_option}")
         return out
 
     def table(self, top: int = 5) -> str:
@@ -95,7 +107,7 @@ def plan(scenario: str | Path | Scenario, *, budget_s: float = DEFAULT_BUDGET_S,
          profiles: dict[str, DomainSpec] | None = None,
          profiles_from: str | Path | None = None,
          alphas: tuple[int, ...] | None = None, redundancies: tuple[int, ...] | None = None,
-         progress: Any = None) -> PlanResult:
+         progress: Any = None, budget_option: str = "budget_s") -> PlanResult:
     """Plan the layout of ``scenario`` (a path to a scenario TOML or a ``Scenario``).
 
     ``budget_s``: wall seconds the search may take (it stops starting runs before); ``seeds``:
@@ -108,7 +120,8 @@ def plan(scenario: str | Path | Scenario, *, budget_s: float = DEFAULT_BUDGET_S,
     (``rollart.planner.measured``: turns, generated tokens per turn, prompt and observation
     tokens; env latencies stay assumed); ``alphas`` /
     ``redundancies``: the values to search (default 1-2 / 0-1 and the scenario's own);
-    ``progress``: a callable given one line per rung.
+    ``progress``: a callable given one line per rung; ``budget_option``: what errors and
+    warnings call the budget (``rollart plan`` passes ``"--budget-s"``).
 
     Raises PlanError naming what is short or unknown (hardware that cannot hold the model,
     fewer GPUs than the trainer plus one engine per domain, a trainer larger than one node
@@ -135,18 +148,19 @@ def plan(scenario: str | Path | Scenario, *, budget_s: float = DEFAULT_BUDGET_S,
     inputs = dataclasses.replace(read_inputs(sc, model=model, profiles=profiles),
                                  alphas=alphas, redundancies=redundancies)
     ranked, log = successive_halving(inputs, budget_s=budget_s, seeds=tuple(seeds),
-                                     progress=progress)
+                                     progress=progress, budget_option=budget_option)
     if not ranked:
         raise PlanError(
             f"no layout of {source} could be simulated to the end: every candidate tried "
             f"stalled (trajectories past run.trajectory_timeout_s) or overran its share of the "
             f"budget; the GPUs are likely too few for model {inputs.model!r} at this batch size, "
-            f"or the budget ({budget_s:g} s) too small")
+            f"or the budget ({budget_words(budget_s, budget_option)}) too small")
     text, chosen = scenario_toml(layout_dict(raw, inputs, ranked[0].candidate),
                                  f"plan of {source}")
     header = (f"# Layout planned by `rollart plan` for {source} (SIMULATED step time "
               f"{ranked[0].step_time_s:.1f} s):\n# {ranked[0].candidate.describe(inputs)}\n")
     res = PlanResult(ranked=ranked, scenario=chosen, toml=header + text, log=log,
-                     inputs=inputs, budget_s=budget_s, measured=measured)
+                     inputs=inputs, budget_s=budget_s, measured=measured,
+                     budget_option=budget_option)
     res.toml = "".join(f"# warning: {w}\n" for w in res.warnings) + res.toml
     return res

@@ -21,7 +21,8 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(prog="rollart plan", description=(__doc__ or "").split("\n\n")[1])
     p.add_argument("scenario", type=Path, help="scenario TOML file")
-    p.add_argument("--out", type=Path, required=True, help="where to write the planned scenario")
+    # a str, not a Path: Path("") is "." and an empty --out would read as a directory
+    p.add_argument("--out", required=True, help="where to write the planned scenario")
     p.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
                    help=f"wall seconds the search may take (default {DEFAULT_BUDGET_S:g})")
     p.add_argument("--model", default=None,
@@ -37,15 +38,21 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.seeds < 1:
         p.error(f"--seeds must be >= 1, got {args.seeds}")
+    if not args.out.strip():
+        print("rollart plan: error: --out is empty: name the file to write the planned "
+              "scenario to (e.g. --out plan.toml)", file=sys.stderr)
+        return 2
+    out = Path(args.out)
     # Checked before the search, which takes minutes: the plan must have somewhere to go.
-    problem = _out_problem(args.scenario, args.out, args.force)
+    problem = _out_problem(args.scenario, out, args.force)
     if problem is not None:
-        print(f"rollart plan: error: --out {args.out}: {problem}", file=sys.stderr)
+        print(f"rollart plan: error: --out {out}: {problem}", file=sys.stderr)
         return 2
     try:
         res = plan(args.scenario, budget_s=args.budget_s, model=args.model,
                    seeds=tuple(range(args.seeds)), profiles_from=args.profiles_from,
-                   progress=lambda line: print(f"rollart plan: {line}", file=sys.stderr))
+                   progress=lambda line: print(f"rollart plan: {line}", file=sys.stderr),
+                   budget_option="--budget-s")
     except (PlanError, ConfigError) as exc:
         print(f"rollart plan: error: {exc}", file=sys.stderr)
         return 2
@@ -53,11 +60,11 @@ def main(argv: list[str] | None = None) -> int:
     for line in res.warnings:  # also on stderr: seen when stdout goes to a file
         print(f"rollart plan: warning: {line}", file=sys.stderr)
     try:
-        res.write(args.out)
+        res.write(out)
     except OSError as exc:
-        print(f"rollart plan: error: --out {args.out}: cannot write: {exc}", file=sys.stderr)
+        print(f"rollart plan: error: --out {out}: cannot write: {exc}", file=sys.stderr)
         return 2
-    print(f"rollart plan: wrote {args.out}: {res.best.candidate.describe(res.inputs)}",
+    print(f"rollart plan: wrote {out}: {res.best.candidate.describe(res.inputs)}",
           file=sys.stderr)
     return 0
 

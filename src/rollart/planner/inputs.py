@@ -92,6 +92,11 @@ class PlanInputs:
         return get_hardware(label)
 
 
+def profile_name(model_path: str) -> str:
+    """The simulated profile a ``model.path`` names: its last component, lower case."""
+    return model_path.rstrip("/").rsplit("/", 1)[-1].lower()
+
+
 def model_profile(scenario: Scenario, model: str | None) -> ModelProfile:
     """The simulated profile ``model`` or the one named by ``model.path``'s last component
     (``/models/Qwen3-8B`` -> ``qwen3-8b``). Raises PlanError naming the known profiles."""
@@ -101,7 +106,7 @@ def model_profile(scenario: Scenario, model: str | None) -> ModelProfile:
         except KeyError:
             raise PlanError(f"--model (model=) {model!r}: no simulated model profile of that "
                             f"name; known: {sorted(MODELS)}") from None
-    name = scenario.model.path.rstrip("/").rsplit("/", 1)[-1].lower()
+    name = profile_name(scenario.model.path)
     try:
         return get_model(name)
     except KeyError:

@@ -17,6 +17,10 @@ From the run (MEASURED):
   generated tokens: the means of the first two and the spread (standard deviation) of the
   last two.
 
+The run's model (``model.path`` of its ``config.json``) is kept: token counts are in that
+model's tokens, while the plan prices every token with its own simulated model profile
+(``MeasuredProfiles.model_note`` says so when the two differ).
+
 ASSUMED (as ``rollart.planner.inputs.default_profile`` states them), because a run folder does
 not record them per domain: env step, reset and reward latencies, env step failures, the
 shape of the distributions (lognormal responses, uniform turns), and, without transcripts,
@@ -34,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from rollart.config import Scenario
-from rollart.planner.inputs import PlanError, default_profile
+from rollart.planner.inputs import PlanError, default_profile, profile_name
 from rollart.sim.workload import Dist, DomainSpec, const
 
 #: per-domain counters of a ``metrics.jsonl`` step row (``StepMetrics.by_domain``) read here
@@ -46,7 +50,8 @@ class MeasuredProfiles:
     """``profiles``: one measured workload per domain (scenario order); ``measured``: per
     domain, the ``DomainSpec`` fields taken from the run (the rest are assumed); ``steps``: the
     metrics rows read; ``trajectories``: finished trajectories per domain behind the means;
-    ``transcripts``: transcript records per domain behind the spreads and context lengths."""
+    ``transcripts``: transcript records per domain behind the spreads and context lengths;
+    ``model_path``: the run's ``model.path`` (its ``config.json``; None when unreadable)."""
 
     run_dir: Path
     profiles: dict[str, DomainSpec]
@@ -54,6 +59,20 @@ class MeasuredProfiles:
     steps: int
     trajectories: dict[str, int]
     transcripts: dict[str, int] = field(default_factory=dict)
+    model_path: str | None = None
+
+    def model_note(self, planned: str) -> str | None:
+        """A warning when the run's model is not ``planned`` (the simulated profile the plan
+        prices tokens with), saying what comes from where; None when they agree or the
+        run's model is unknown."""
+        if self.model_path is None or profile_name(self.model_path) == planned:
+            return None
+        taken = dict.fromkeys(f for fields in self.measured.values() for f in fields)
+        words = ", ".join(_FIELD_WORDS[f] for f in taken)
+        return (f"the run folder {self.run_dir} ran model {self.model_path!r} (its "
+                f"config.json), the plan is for model {planned!r}: the {words} come from the "
+                f"run, counted in its model's tokens; the per-token costs (prefill, decode, "
+                f"training) come from the simulated {planned!r} profile")
 
     def describe(self) -> list[str]:
         """One line per domain: what was measured, from how many trajectories."""
@@ -150,7 +169,7 @@ def measure_profiles(run_dir: str | Path, scenario: Scenario,
     samples = _transcripts(run_dir / "transcripts.jsonl")
     run = scenario.run
     by_name = {d.name: d for d in scenario.domains}
-    out = MeasuredProfiles(run_dir, {}, {}, len(rows), {}, {})
+    out = MeasuredProfiles(run_dir, {}, {}, len(rows), {}, {}, _model_path(run_dir))
     for name in wanted:
         d, t, tr = by_name[name], totals[name], samples.get(name, _Transcripts())
         base = default_profile(name, d.env, d.max_turns or run.max_turns,
@@ -178,6 +197,22 @@ def measure_profiles(run_dir: str | Path, scenario: Scenario,
         out.profiles[name], out.measured[name] = spec, tuple(got)
         out.trajectories[name], out.transcripts[name] = t["finished"], tr.records
     return out
+
+
+#: what each measured ``DomainSpec`` field is, in words
+_FIELD_WORDS = {"num_turns": "turns per trajectory", "response_tokens": "generated tokens per turn",
+                "prompt_tokens": "prompt tokens", "obs_tokens": "observation tokens"}
+
+
+def _model_path(run_dir: Path) -> str | None:
+    """``model.path`` of the run's ``config.json`` (the resolved scenario it ran), or None."""
+    import json
+
+    try:
+        path = json.loads((run_dir / "config.json").read_text())["model"]["path"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return path if isinstance(path, str) else None
 
 
 @dataclass

@@ -260,16 +260,24 @@ def _run_timed(sim: SimScenario, seed: int, warmup: int, cap_s: float) -> SimRes
 MAX_BUDGET_S = 7 * 24 * 3600.0
 
 
+def budget_words(budget_s: float, option: str = "budget_s") -> str:
+    """The budget as its user gave it: ``--budget-s 5`` on the command line, ``budget_s=5``
+    in a call (``option``: the name they typed)."""
+    return f"{option} {budget_s:g}" if option.startswith("--") else f"{option}={budget_s:g}"
+
+
 def successive_halving(inputs: PlanInputs, *, budget_s: float, seeds: tuple[int, ...],
-                       progress: Callable[[str], None] | None = None
-                       ) -> tuple[list[Score], SearchLog]:
+                       progress: Callable[[str], None] | None = None,
+                       budget_option: str = "budget_s") -> tuple[list[Score], SearchLog]:
     """Scores of the last rung's candidates, best first, and what was run (module
     docstring). A run longer than ``STRAGGLER_X`` x the median of its rung's runs so far, or
     past its rung's share of the budget, is stopped and its candidate dropped (a run that
     stops advancing its virtual clock, or a layout whose engines queue long). Raises PlanError when
-    ``budget_s`` cannot cover one simulated run."""
+    ``budget_s`` is not in (0, ``MAX_BUDGET_S``] or cannot cover one simulated run, naming it
+    ``budget_option`` (``"--budget-s"`` from the command line)."""
     if not 0 < budget_s <= MAX_BUDGET_S:
-        raise PlanError(f"budget_s must be > 0 and <= {MAX_BUDGET_S:g} (a week), got {budget_s}")
+        raise PlanError(f"{budget_option} must be > 0 and <= {MAX_BUDGET_S:g} (a week), got "
+                        f"{budget_s:g}")
     if not seeds:
         raise PlanError("seeds: need at least one")
     t0 = time.perf_counter()
@@ -298,9 +306,9 @@ def successive_halving(inputs: PlanInputs, *, budget_s: float, seeds: tuple[int,
                 scores.append(score)
             elif first_ever and time.perf_counter() >= t0 + budget_s:
                 raise PlanError(
-                    f"budget_s={budget_s:g} is too small: one simulated candidate "
-                    f"({steps} steps of batch {inputs.scenario.run.batch_size}) did not end "
-                    f"within it; give a larger budget")
+                    f"{budget_words(budget_s, budget_option)} is too small: one simulated "
+                    f"candidate ({steps} steps of batch {inputs.scenario.run.batch_size}) did "
+                    f"not end within it; give a larger {budget_option}")
         if not scores:  # this rung's share ran out: the previous rung's ranking stands
             break
         scores.sort(key=lambda s: (s.step_time_s, s.cost))
