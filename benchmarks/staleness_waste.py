@@ -40,8 +40,10 @@ share, and the length bias ``|trained mean generated tokens / finished mean - 1|
 ``long_horizon_trained_share`` (long-horizon trained share / configured share),
 ``length_bias`` and ``step_time_vs_before`` (default / lazy step time, paired by seed), and
 ``ci95`` the half-width of each at that regime; ``no_hold_*`` the same for ``no_hold``; and per
-regime ``<regime>: stale share lazy`` / ``default`` and ``<regime>: step time default vs
-lazy``. Every simulated constant comes from
+regime ``<regime>: stale share lazy`` / ``default``, ``<regime>: step time default vs
+lazy`` and ``<regime>: step time per trained token default vs lazy`` (seconds per generated
+token trained: the policies' batches differ in length and domain mix, so their steps do not
+train the same work). Every simulated constant comes from
 ``rollart.sim`` (see its docstrings for sources); the workload shapes are
 ``benchmarks.workloads``.
 """
@@ -53,14 +55,11 @@ import statistics
 import time
 from typing import Any
 
-from benchmarks.common import main_for, result, seeds_for
+from benchmarks.common import main_for, result, seeds_for, t975
 from benchmarks.workloads import agentic, paper_cluster, reasoning
 from rollart.sim.harness import SimDomain, SimScenario, run_simulated
 
 NAME = "staleness_waste"
-#: Student t quantiles t_{0.975, df} for df = 1..10 (any statistics table, e.g. NIST/SEMATECH
-#: e-Handbook of Statistical Methods, section 1.3.6.7.2).
-T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
 LONG = "long_agentic"
 #: steps the long-horizon domain's trajectories are built to span (16 turns x 25 s env latency
 #: + generation, against a ~60 s step), and the per-domain bound the scenario gives it (every
@@ -127,6 +126,8 @@ def measure(sim: SimScenario, seed: int, warmup: int) -> dict[str, Any]:
     b = res.buffer
     out: dict[str, Any] = {
         "step_time_s": res.step_time_s,
+        # generated tokens trained per step (the policies' batches differ in length and mix)
+        "trained_tokens": statistics.fmean(s["trained_tokens"] for s in steps),
         "stale_waste_share": reasons.get("stale", 0) / gen,
         "waste_share": sum(reasons.values()) / gen,
         "waste_by_reason": {k: v / gen for k, v in reasons.items()},
@@ -161,7 +162,7 @@ def mean_ci(xs: list[float]) -> tuple[float, float]:
     m = statistics.fmean(xs)
     if len(xs) < 2:
         return m, float("nan")
-    return m, T975[min(len(xs) - 2, len(T975) - 1)] * statistics.stdev(xs) / math.sqrt(len(xs))
+    return m, t975(len(xs) - 1) * statistics.stdev(xs) / math.sqrt(len(xs))
 
 
 def run(quick: bool, seed: int) -> dict:
@@ -213,6 +214,11 @@ def run(quick: bool, seed: int) -> dict:
                                  for n, t in zip(runs, lazy, strict=True)])
             row["step_time_vs_lazy"], row["vs_ci95"] = vs, vs_ci
             per_regime[f"{regime}: step time {policy} vs lazy"] = (vs, vs_ci)
+            per_tok = mean_ci([(n["step_time_s"] / max(n["trained_tokens"], 1.0))
+                               / (t["step_time_s"] / max(t["trained_tokens"], 1.0))
+                               for n, t in zip(runs, lazy, strict=True)])
+            row["per_token_vs_lazy"], row["per_token_ci95"] = per_tok
+            per_regime[f"{regime}: step time per trained token {policy} vs lazy"] = per_tok
         if policy == "no_hold":
             note_worst("no_hold_stale_waste_share", stale, stale_ci, regime, True)
             note_worst("no_hold_step_time_vs_before", vs, vs_ci, regime, True)

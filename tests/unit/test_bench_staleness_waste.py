@@ -63,7 +63,8 @@ def test_seeds_option_sets_the_number_of_seeds(monkeypatch) -> None:
 
     def fake_measure(sim, seed, warmup):
         ran.append(seed)
-        return {"step_time_s": 10.0, "stale_waste_share": 0.0, "waste_share": 0.0,
+        return {"step_time_s": 10.0, "trained_tokens": 100.0, "stale_waste_share": 0.0,
+                "waste_share": 0.0,
                 "waste_by_reason": {}, "accounted": 1.0, "long_span_steps": float("nan"),
                 "share_vs_configured": {"d": 1.0}, "length_bias": {"d": 0.0},
                 "trained_len": {"d": 1.0}, "finished_len": {"d": 1.0}}
@@ -80,6 +81,33 @@ def test_seeds_option_sets_the_number_of_seeds(monkeypatch) -> None:
         assert sorted(set(ran)) == [0, 1, 2]  # the quick default is unchanged
     finally:
         parse_args("x", "", [])
+
+
+def test_step_time_is_also_compared_per_trained_token(monkeypatch) -> None:
+    # The default's steps may train other work than lazy's (longer batches, another domain
+    # mix): here 1.2x the step time for 2x the tokens, i.e. 0.6x the time per token.
+    import benchmarks.staleness_waste as sw
+    from benchmarks.common import parse_args
+
+    def fake_measure(sim, seed, warmup):
+        lazy = sim.weight_apply == "at_batch"
+        return {"step_time_s": 10.0 if lazy else 12.0,
+                "trained_tokens": 100.0 if lazy else 200.0, "stale_waste_share": 0.0,
+                "waste_share": 0.0, "waste_by_reason": {}, "accounted": 1.0,
+                "long_span_steps": float("nan"), "share_vs_configured": {"d": 1.0},
+                "length_bias": {"d": 0.0}, "trained_len": {"d": 1.0},
+                "finished_len": {"d": 1.0}}
+
+    monkeypatch.setattr(sw, "measure", fake_measure)
+    try:
+        parse_args("staleness_waste", "", ["--quick"])
+        ratios = sw.run(True, 0)["ratios"]
+    finally:
+        parse_args("x", "", [])
+    for regime in ("rollout_bound", "trainer_bound", "long_horizon"):
+        assert ratios[f"{regime}: step time default vs lazy"] == pytest.approx(1.2)
+        assert ratios[f"{regime}: step time per trained token default vs lazy"] == (
+            pytest.approx(0.6))
 
 
 @pytest.mark.parametrize("regime", ["rollout_bound", "trainer_bound"])
