@@ -1,8 +1,9 @@
 """Does rollart's GRPO learn as well as a reference implementation nobody here wrote?
 
-    python -m benchmarks.learning --quick --json OUT [--seeds N] [--steps S] [--env rg:NAME]
-        [--env-options JSON] [--eval-every K] [--eval-size N] [--cache-dir DIR]
-        [--sides rollart trl] [--time-to-score]
+    python -m benchmarks.learning --quick --json OUT [--seeds N] [--steps S]
+        [--task letters|game] [--env rg:NAME] [--env-options JSON] [--eval-every K]
+        [--eval-size N] [--model-dir DIR] [--cache-dir DIR] [--sides rollart trl]
+        [--time-to-score]
 
 Both sides train the same warmed-up tiny checkpoint (``WARMUP``) on the same task (default
 ``rg:letter_counting`` over 3-6 words) with the same prompts (rendered by
@@ -14,6 +15,12 @@ PPO clip, KL coefficient, temperature, max new tokens and scorer (reasoning-gym'
 - ``rollart sync``: ``rollart run`` on a generated scenario in ``sync`` mode (real services:
   a vLLM worker, env host, reward service and trainer), checkpointing every ``eval_every`` steps;
 - ``trl``: TRL's ``GRPOTrainer`` (transformers generation, CPU), ``learning_trl.TRL_SETTINGS``.
+
+``--task game`` trains GEM's GuessTheNumber-v0-easy instead (4 turns, win rate; the
+quickstart's warmed-up policy): TRL plays it through its ``rollout_func`` hook
+(``learning_game.trl_rollout``, tokenised as rollart's controller tokenises a trajectory,
+observation tokens masked with ``env_mask``), and the held-out evaluator plays each game
+greedily and sampled (``learning_game.evaluate_game``).
 
 ONE evaluator (``learning_task.evaluate``: greedy decoding of a fixed held-out set whose env
 seeds no training or warm-up episode uses, scored by the same scorer) runs on both sides'
@@ -67,6 +74,14 @@ RUN_TIMEOUT_S = 3600.0
 #: \\boxed{} replies, sampled reward ~0.28 on 64 held-out tasks, greedy = the majority answer.
 WARMUP = {"episodes_per_domain": 400, "epochs": 2, "lr": 3e-3}
 
+#: ``--task game``: GEM's GuessTheNumber-v0-easy (1..10, 4 turns; a won game scores 1, the
+#: ``env_success`` reward), a skill the tiny policy partly learns from the solver's bisection
+#: demonstrations and that RL can improve (the quickstart's domain).
+GAME = {"env": "game:GuessTheNumber-v0-easy", "env_options": {}, "max_turns": 4}
+#: the game's starting checkpoint: the quickstart's warmed-up policy (``[model]`` of this
+#: scenario; built once and cached, shared with ``rollart run scenarios/quickstart.toml``)
+GAME_MODEL_FROM = Path(__file__).resolve().parents[1] / "scenarios" / "quickstart.toml"
+
 #: rollart settings TRL has no counterpart for, and how this benchmark sets them
 ROLLART_OFF = {
     "run.mode": "sync (on-policy: alpha 0, no staleness, no rollout / training overlap)",
@@ -93,11 +108,23 @@ def _warm_model(s: LearningSettings, cache_dir: Path) -> Path:
     from rollart.models.sft import SFTConfig
     from rollart.models.warmup import WarmupRecipe, ensure_warm_tiny_model
 
+    if s.is_game:
+        from rollart.config import load_scenario
+        from rollart.models.warmup import ensure_quickstart_model
+
+        return ensure_quickstart_model(cache_dir, load_scenario(GAME_MODEL_FROM))
     domains = parse(scenario_toml(s, seed=0, model_path="tiny")).domains
     recipe = WarmupRecipe(episodes_per_domain=WARMUP["episodes_per_domain"], sft=SFTConfig(
         epochs=WARMUP["epochs"], lr=WARMUP["lr"], num_threads=1))
     return ensure_warm_tiny_model(cache_dir, domains, model_seed=s.model_seed, max_turns=1,
                                   recipe=recipe)
+
+
+def warmup_of(s: LearningSettings) -> dict[str, Any] | str:
+    """What ``s``'s starting checkpoint is: ``WARMUP``'s recipe, or for a game the scenario
+    whose ``[model]`` it is."""
+    return str(GAME_MODEL_FROM.relative_to(GAME_MODEL_FROM.parents[1])) if s.is_game \
+        else WARMUP
 
 
 def train_rollart(s: LearningSettings, model_dir: Path, heldout: list[Task], seed: int,
@@ -185,14 +212,16 @@ def _ratio(a: float, b: float) -> float:
 
 def run(s: LearningSettings, seeds: list[int], cache_dir: Path, work: Path,
         sides: tuple[str, ...] = ("rollart sync", "trl"),
-        quick: bool = True, started: float | None = None) -> dict[str, Any]:
-    """Train every side on every seed, evaluate, and build the benchmark's JSON object."""
+        quick: bool = True, started: float | None = None,
+        model_dir: Path | None = None) -> dict[str, Any]:
+    """Train every side on every seed from ``model_dir`` (``None``: the task's warmed-up tiny
+    model), evaluate, and build the benchmark's JSON object."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from benchmarks.learning_trl import TRL_SETTINGS, train_trl
 
-    model_dir = _warm_model(s, cache_dir)
+    model_dir = model_dir or _warm_model(s, cache_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     heldout = heldout_tasks(s, tokenizer)
     constant, baseline = majority_baseline(s, heldout)
@@ -257,7 +286,8 @@ def run(s: LearningSettings, seeds: list[int], cache_dir: Path, work: Path,
             for sd in seeds}
     if {"rollart sync", *TTS_SIDES} <= set(sides):
         res["time_to_score"] = {str(sd): tts[sd] for sd in seeds}
-    res["settings"] = {**asdict(s), "batch_size": s.batch_size, "warmup": WARMUP}
+    res["settings"] = {**asdict(s), "batch_size": s.batch_size, "model": str(model_dir),
+                       "warmup": warmup_of(s)}
     res["trl_settings"] = {k: {"value": v, "why": why} for k, (v, why) in TRL_SETTINGS.items()}
     res["rollart_turned_off"] = ROLLART_OFF
     res["remaining_differences"] = REMAINING
@@ -284,8 +314,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=None, help="optimizer steps per run")
     p.add_argument("--eval-every", type=int, default=None, help="steps between evaluations")
     p.add_argument("--eval-size", type=int, default=None, help="held-out tasks")
+    p.add_argument("--task", choices=("letters", "game"), default="letters",
+                   help="letters: reasoning-gym letter_counting (single turn, default); game: "
+                   "GEM GuessTheNumber-v0-easy (4 turns, win rate)")
     p.add_argument("--env", default=None, help="single-turn reasoning-gym task, rg:NAME "
-                   "(default rg:letter_counting)")
+                   "(default rg:letter_counting; with --task letters)")
     p.add_argument("--env-options", type=json.loads, default=None,
                    help='the dataset\'s options as JSON (default {"min_words": 3, '
                    '"max_words": 6} for the default task, else {})')
@@ -293,6 +326,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--time-to-score", action="store_true",
                    help="also train rollart in modes rollart (alpha 1) and one_off on the same "
                    "seeds: ratios 'time to score: rollart vs sync / one_off'")
+    p.add_argument("--model-dir", type=Path, default=None,
+                   help="start both sides from this checkpoint (a Hugging Face model directory "
+                   "with the tiny model's tokenizer) instead of the task's warmed-up tiny model")
     p.add_argument("--cache-dir", type=Path, default=None,
                    help="model cache (default: rollart's per-user cache)")
     return p
@@ -302,6 +338,11 @@ def settings_from(args: argparse.Namespace, parser: argparse.ArgumentParser
                   ) -> LearningSettings:
     """The settings ``args`` ask for. Exits with status 2 (parser.error) on bad values."""
     s = QUICK if args.quick else FULL
+    if args.task == "game":
+        if args.env is not None or args.env_options is not None:
+            parser.error("--env / --env-options choose a reasoning-gym task: not with "
+                         "--task game")
+        s = replace(s, **GAME)
     if args.env is not None:
         if not args.env.startswith("rg:"):
             parser.error(f"--env must be a reasoning-gym task rg:NAME, got {args.env!r}")
@@ -318,6 +359,9 @@ def settings_from(args: argparse.Namespace, parser: argparse.ArgumentParser
             s = replace(s, **{name: value})
     if args.seeds < 1:
         parser.error(f"--seeds must be >= 1, got {args.seeds}")
+    if args.model_dir is not None and not (args.model_dir / "config.json").is_file():
+        parser.error(f"--model-dir {args.model_dir}: no config.json there (a Hugging Face "
+                     "model directory)")
     return s
 
 
@@ -344,7 +388,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     seeds = [args.seed + i for i in range(args.seeds)]
     try:
         with tempfile.TemporaryDirectory(prefix="rollart-learning-") as tmp:
-            res = run(s, seeds, cache_dir, Path(tmp), sides, quick=args.quick, started=started)
+            res = run(s, seeds, cache_dir, Path(tmp), sides, quick=args.quick, started=started,
+                      model_dir=args.model_dir)
     except ConfigError as exc:  # e.g. unknown dataset or bad options in the scenario
         parser.error(str(exc))
     res["meta"]["wall_s"] = round(time.perf_counter() - started, 1)

@@ -12,6 +12,11 @@ the controller draws training env seeds from ``[0, 2**31)`` (``random.randrange(
 the warm-up's demonstrations from ``[0, 2**31 - 1)``, so held-out seeds never meet either.
 `evaluate` decodes it greedily with transformers (one batch, left padded) and scores every
 reply with the same scorer: the ONE evaluator both sides' weights go through.
+
+A game task (``game:GuessTheNumber-*``, ``max_turns`` > 1) is played instead of answered:
+``learning_game`` plays it turn by turn with the same tokenisation as rollart's controller and
+scores it with the ``env_success`` reward; its majority baseline is the best fixed action
+sequence.
 """
 
 from __future__ import annotations
@@ -47,6 +52,16 @@ class LearningSettings:
     eval_every: int = 5
     eval_size: int = 200
     model_seed: int = 0
+    #: assistant turns per episode: 1 for a reasoning-gym task, the game's turns for a game
+    max_turns: int = 1
+
+    @property
+    def is_game(self) -> bool:
+        """Whether the task is a multi-turn game (``learning_game``), not a reasoning-gym
+        task."""
+        from benchmarks.learning_game import is_game
+
+        return is_game(self.env)
 
     @property
     def dataset(self) -> str:
@@ -92,7 +107,7 @@ alpha = {alpha}
 batch_size = {s.batch_size}
 group_size = {s.group_size}
 redundancy = 1
-max_turns = 1
+max_turns = {s.max_turns}
 max_tokens_per_turn = {s.max_new_tokens}
 max_tokens_per_trajectory = 1100
 generate_timeout_s = 300.0
@@ -115,7 +130,7 @@ max_num_seqs = {max(s.batch_size, 8)}
 name = "task"
 env = {_toml_value(s.env)}
 pool = "reasoning"
-reward = "reasoning_gym"
+reward = "{'env_success' if s.is_game else 'reasoning_gym'}"
 reward_url = "service"
 env_options = {_toml_value(s.env_options)}
 [domains.sampling]
@@ -164,14 +179,31 @@ class Task:
     entry: dict[str, Any]
 
 
+def domain_of(s: LearningSettings) -> Any:
+    """The benchmark scenario's one ``rollart.config.DomainConfig``."""
+    return parse(scenario_toml(s, seed=0, model_path="tiny")).domains[0]
+
+
 def make_tasks(s: LearningSettings, tokenizer: Any, seeds: list[int]) -> list[Task]:
     """The tasks at env ``seeds``: the observation the env host would send (question plus the
-    answer instruction) rendered with the domain's chat template."""
+    answer instruction; a game's reset observation, with an empty ``entry``) rendered with the
+    domain's chat template."""
     from rollart.envhost.families import RG_ANSWER_INSTRUCTION, rg_entry
     from rollart.models.warmup import render_prompt
 
-    domain = parse(scenario_toml(s, seed=0, model_path="tiny")).domains[0]
+    domain = domain_of(s)
     out = []
+    if s.is_game:
+        from rollart.envhost.families import make_env
+
+        for seed in seeds:
+            env = make_env(s.env, s.env_options)
+            try:
+                obs, _ = env.reset(seed)
+            finally:
+                env.close()
+            out.append(Task(seed, render_prompt(tokenizer, domain, [obs], []), {}))
+        return out
     for seed in seeds:
         entry = rg_entry(s.dataset, seed, s.env_options)
         text = render_prompt(tokenizer, domain, [entry["question"] + RG_ANSWER_INSTRUCTION], [])
@@ -212,7 +244,14 @@ def evaluate(s: LearningSettings, model: Any, tokenizer: Any, tasks: list[Task],
     Returns ``{"accuracy": mean greedy score in [0, 1], "distinct_answer_share": distinct
     extracted greedy answers / tasks, "boxed_share": share of greedy replies with a \\boxed{}
     answer, "sampled_accuracy": mean score of one reply per task sampled at ``s.temperature``
-    (seeded by ``sample_seed``; the caller's torch RNG state is left as it was)}``."""
+    (seeded by ``sample_seed``; the caller's torch RNG state is left as it was)}``. A game's
+    tasks are played turn by turn (``learning_game.evaluate_game``: win rates)."""
+    if s.is_game:
+        from benchmarks.learning_game import evaluate_game
+
+        return evaluate_game(model, tokenizer, domain_of(s), [t.seed for t in tasks],
+                             max_turns=s.max_turns, max_new_tokens=s.max_new_tokens,
+                             temperature=s.temperature, sample_seed=sample_seed)
     import torch
 
     from rollart.reward.builtins import last_boxed
@@ -254,7 +293,12 @@ def evaluate(s: LearningSettings, model: Any, tokenizer: Any, tasks: list[Task],
 
 def majority_baseline(s: LearningSettings, tasks: list[Task]) -> tuple[str, float]:
     """The best constant answer on ``tasks`` and its accuracy, measured: every reference answer
-    of the set (and 0..20) is scored as ``\\boxed{c}`` against every task."""
+    of the set (and 0..20) is scored as ``\\boxed{c}`` against every task. For a game: the best
+    fixed action sequence (``learning_game.fixed_sequence_baseline``)."""
+    if s.is_game:
+        from benchmarks.learning_game import fixed_sequence_baseline
+
+        return fixed_sequence_baseline(domain_of(s), [t.seed for t in tasks], s.max_turns)
     candidates = Counter(str(t.entry["answer"]) for t in tasks)
     for c in range(21):
         candidates.setdefault(str(c), 0)

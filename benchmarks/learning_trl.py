@@ -13,9 +13,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.learning_game import trl_rollout
 from benchmarks.learning_task import (
     LearningSettings,
     Task,
+    domain_of,
     evaluate,
     make_tasks,
     score,
@@ -70,9 +72,19 @@ def train_trl(s: LearningSettings, model_dir: Path, heldout: list[Task], seed: i
     seeds = training_seeds(seed, s.steps * s.prompts_per_step)
     tasks = make_tasks(s, tokenizer, seeds)
     data = Dataset.from_list([{"prompt": t.prompt, "entry": json.dumps(t.entry)} for t in tasks])
+    game: dict[str, Any] = {}
+    if s.is_game:
+        # TRL has no multi-turn env loop of its own for untooled text games: its rollout
+        # function hook plays the game; GRPO (advantages, masking, loss) stays TRL's.
+        game["rollout_func"] = trl_rollout(
+            domain_of(s), tokenizer, iter(seeds), group_size=s.group_size,
+            max_turns=s.max_turns, max_new_tokens=s.max_new_tokens,
+            temperature=s.temperature)
 
     def reward(prompts: list[str], completions: list[str], entry: list[str],
-               **_: Any) -> list[float]:
+               **kw: Any) -> list[float]:
+        if s.is_game:
+            return list(kw["game_reward"])
         return [score(s, c, json.loads(e)) for c, e in zip(completions, entry, strict=True)]
 
     options = {k: v for k, (v, _) in TRL_SETTINGS.items()}
@@ -98,7 +110,7 @@ def train_trl(s: LearningSettings, model_dir: Path, heldout: list[Task], seed: i
                 paused[0] += time.perf_counter() - t  # eval time is not training time
 
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=data,
-                          processing_class=tokenizer, callbacks=[Eval()])
+                          processing_class=tokenizer, callbacks=[Eval()], **game)
     trainer.train()
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
     return {"eval": evals, "train_reward": rewards, "step_wall_s": step_wall,
