@@ -346,6 +346,9 @@ class ModelConfig(_Cfg, frozen=True):
     #: guess drawn uniformly from the game's whole range, hints ignored; other envs have none):
     #: the warmed-up policy then keeps a random-guessing habit that RL can teach it to drop,
     #: and groups whose members differ (GRPO learns nothing from a group of equal rewards).
+    #: Measured on the quickstart's domains with 0.3: the 2-layer policy wins 0.47 / 0.10
+    #: greedy and 0.33 / 0.22 sampled (200 held-out games), below the best fixed guess
+    #: sequence (0.46 / 0.28): the random moves cost it the skill, not only those moves.
     tiny_warmup_explore: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
     #: exploring moves replace only the first N moves of each demonstrated episode (the later
     #: moves stay the solver's); ``None``: any move. With ``tiny_warmup_explore = 1.0`` and 1,
