@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from rollart.filemodes import apply_umask, run_shares_with_group
+from rollart.launcher.cliargs import path_arg
 from rollart.launcher.sinks import step_scalars
 
 #: the PNGs a report holds, with their titles (in page order)
@@ -396,8 +397,8 @@ def write_html(run_dir: Path, out: Path, rows: list[dict[str, Any]]) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="rollart report", description=(__doc__ or "").split("\n\n")[0])
-    p.add_argument("run_dir", type=Path, help="a run folder (holds metrics.jsonl)")
-    p.add_argument("--out", type=Path, help="where to write (default RUN_DIR/report)")
+    p.add_argument("run_dir", type=path_arg, help="a run folder (holds metrics.jsonl)")
+    p.add_argument("--out", type=path_arg, help="where to write (default RUN_DIR/report)")
     p.add_argument("--smooth", type=int, default=DEFAULT_SMOOTH, metavar="N",
                    help="points in the rolling mean drawn over each noisy per-step series "
                         f"(1: raw lines only; default {DEFAULT_SMOOTH})")

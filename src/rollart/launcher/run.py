@@ -42,6 +42,7 @@ from rollart.config import Scenario, in_file, load_scenario
 from rollart.controller.evaluation.stats import eval_line
 from rollart.controller.observe.loophealth import freeze_startup_objects, tune_gc
 from rollart.filemodes import apply_umask
+from rollart.launcher.cliargs import path_arg
 from rollart.launcher.procs import ProcessFailedError
 from rollart.launcher.progress import Progress, print_summary_block, summary_block
 from rollart.launcher.rundir import resume_point, write_summary
@@ -53,11 +54,11 @@ log = logging.getLogger("rollart.run")
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="rollart run", description=(__doc__ or "").split("\n\n")[0])
-    p.add_argument("scenario", type=Path, help="scenario TOML file")
-    p.add_argument("--out", type=Path, help="run directory (default runs/<scenario>-<time>)")
+    p.add_argument("scenario", type=path_arg, help="scenario TOML file")
+    p.add_argument("--out", type=path_arg, help="run directory (default runs/<scenario>-<time>)")
     p.add_argument("--steps", type=int, help="total training steps (overrides run.steps)")
-    p.add_argument("--resume", type=Path, help="run directory to continue from its checkpoint")
-    p.add_argument("--cache-dir", type=Path, default=None,
+    p.add_argument("--resume", type=path_arg, help="run directory to continue from its checkpoint")
+    p.add_argument("--cache-dir", type=path_arg, default=None,
                    help="where the embedded tiny model is built and cached (default "
                         "$ROLLART_CACHE_DIR, else $XDG_CACHE_HOME/rollart, else "
                         "~/.cache/rollart)")
@@ -65,7 +66,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="run the ZeroMQ services without authentication (loopback only, unless "
                         "the scenario also sets run.insecure = true); default: a CURVE key per "
                         "run in DIR/keys")
-    p.add_argument("--key-file", type=Path,
+    p.add_argument("--key-file", type=path_arg,
                    help="the run's key (.key_secret) when the scenario names services started "
                         "by hand with it (overrides run.key_file)")
     p.add_argument("--cluster", default="local", metavar="local|ray|ray://HOST:PORT",
