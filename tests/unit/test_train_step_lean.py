@@ -119,27 +119,45 @@ def test_lean_train_step_makes_the_recompute_paths_update(model, kl_coef):
 class _ForwardCounter:
     def __init__(self, model):
         self.calls = 0
+        self.no_grad_calls = 0
         model.register_forward_hook(self._hook)
 
     def _hook(self, *_):
         self.calls += 1
+        self.no_grad_calls += not torch.is_grad_enabled()
 
 
 @pytest.mark.parametrize(
     ("num_minibatches", "recompute", "passes_per_microbatch"),
     [(1, None, 1), (1, True, 2), (2, None, 2), (3, True, 2)],
 )
+@pytest.mark.parametrize("share_prompts", [False, True])
 def test_the_no_grad_pass_runs_only_with_several_optimizer_steps(
-        model, num_minibatches, recompute, passes_per_microbatch):
+        model, num_minibatches, recompute, passes_per_microbatch, share_prompts):
     samples = make_samples(model, n=6)
     counter = _ForwardCounter(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     m = train_step(model, opt, samples,
                    TrainStepConfig(max_tokens_per_microbatch=40,
                                    num_minibatches=num_minibatches),
-                   recompute_proximal=recompute)
+                   recompute_proximal=recompute, share_prompts=share_prompts)
     assert m["num_microbatches"] >= 2
-    assert counter.calls == passes_per_microbatch * m["num_microbatches"]
+    # A shared-prompt pass calls the model twice per prompt group (prompt, then the rest).
+    if not share_prompts:
+        assert counter.calls == passes_per_microbatch * m["num_microbatches"]
+    assert (counter.no_grad_calls > 0) == (passes_per_microbatch > 1)
+
+
+def test_a_reference_model_is_not_run_without_a_kl_term(model):
+    ref = copy.deepcopy(model)
+    counter = _ForwardCounter(ref)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    train_step(model, opt, make_samples(model, n=4), TrainStepConfig(kl_coef=0.0),
+               ref_model=ref)
+    assert counter.calls == 0
+    train_step(model, opt, make_samples(model, n=4), TrainStepConfig(kl_coef=0.1),
+               ref_model=ref)
+    assert counter.calls > 0
 
 
 def test_skipping_the_pass_with_several_optimizer_steps_is_refused(model):

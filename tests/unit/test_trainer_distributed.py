@@ -4,6 +4,7 @@ micro-batch plan, the rank commands' encoding and finding the layers to shard.""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -62,6 +63,12 @@ def test_trainer_argv_uses_torchrun_only_for_several_processes(tmp_path: Path) -
     two = trainer_argv(_scenario("num_processes = 2"), tmp_path, tmp_path / "ck")
     assert two[:8] == [sys.executable, "-m", "torch.distributed.run", "--standalone",
                        "--nproc-per-node", "2", "-m", "rollart.trainer.service"]
+    # the same arguments, but torch's default threads per rank (the single process takes the
+    # cores the local CPU engine leaves: test_a_cpu_trainer_takes_the_cores_...)
+    i = one.index("--options")
+    options = json.loads(one[i + 1])
+    assert json.loads(two[8 + i - 2])["num_threads"] == 0
+    one[i + 1] = msgspec.json.encode({**options, "num_threads": 0}).decode()
     assert two[8:] == one[3:] + ["--resume", str(tmp_path / "ck")]
 
 
@@ -170,3 +177,20 @@ def test_a_follower_runs_commands_until_stop() -> None:
         signal.signal(signal.SIGTERM, saved[0])
         signal.signal(signal.SIGINT, saved[1])
     assert ranks.commands == [] and ranks.closed
+
+
+def test_a_cpu_trainer_takes_the_cores_the_local_cpu_engines_leave(tmp_path: Path) -> None:
+    from rollart.launcher.services import cpu_trainer_threads
+
+    one_engine = _scenario("")  # one local CPU worker (the pool's default)
+    assert cpu_trainer_threads(one_engine, cores=2) == 1
+    assert cpu_trainer_threads(one_engine, cores=16) == 15
+    two = _scenario("", pools="\nnum_workers = 2")
+    assert cpu_trainer_threads(two, cores=2) == 1  # never 0 threads
+    assert cpu_trainer_threads(two, cores=1) == 1
+    # torchrun ranks and a GPU trainer keep torch's default
+    assert cpu_trainer_threads(_scenario("num_processes = 2"), cores=8) == 0
+    # the trainer process is told (TrainerOptions.num_threads, 0 = torch's default)
+    argv = trainer_argv(one_engine, tmp_path, None)
+    options = json.loads(argv[argv.index("--options") + 1])
+    assert options["num_threads"] == cpu_trainer_threads(one_engine)

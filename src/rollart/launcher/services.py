@@ -167,6 +167,23 @@ def env_allow_list(sc: Scenario) -> list[str]:
     return sorted({d.env for d in sc.domains if d.env.startswith("py:")})
 
 
+def cpu_trainer_threads(sc: Scenario, cores: int | None = None) -> int:
+    """torch threads of a CPU trainer that shares the machine with ``sc``'s local CPU engines:
+    the cores they leave (each engine binds its OpenMP threads to one core when there are
+    enough, ``_cpu_binding``), at least 1; 0 (torch's default, every core) for a GPU trainer
+    or when no local CPU engine runs beside it. ``cores``: the machine's (``os.cpu_count()``).
+
+    Why: torch's default takes every core; beside busy engines its threads are descheduled
+    and the others spin at each parallel region waiting for them (measured on 2 cores beside
+    two engines: ~10 s per quickstart step at 2 threads against ~1 s at 1)."""
+    if sc.trainer.device != "cpu" or sc.trainer.num_processes > 1:
+        return 0
+    engines = sum(p.num_workers for p in sc.pools if p.hardware == "cpu" and not p.addresses)
+    if not engines:
+        return 0
+    return max(1, (cores or os.cpu_count() or 1) - engines)
+
+
 def trainer_argv(sc: Scenario, model_dir: Path, resume: Path | None, *,
                  checkpoint_dir: Path | None = None) -> list[str]:
     """Command line of the trainer process for scenario ``sc`` (under torchrun when
@@ -184,7 +201,8 @@ def trainer_argv(sc: Scenario, model_dir: Path, resume: Path | None, *,
                "weight_transfer_address": t.weight_transfer_address,
                "weight_transfer_timeout_s": t.weight_transfer_timeout_s,
                "weight_wire_dtype": t.weight_wire_dtype, "weight_delta": t.weight_delta,
-               "weight_full_every": t.weight_full_every}
+               "weight_full_every": t.weight_full_every,
+               "num_threads": cpu_trainer_threads(sc)}
     temperatures = {d.sampling.temperature for d in sc.domains}
     step_cfg: dict[str, Any] = {
         "clip_eps": t.clip_eps, "kl_coef": t.kl_coef, "max_grad_norm": t.max_grad_norm,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-__all__ = ["token_logprobs", "token_logprobs_entropy"]
+__all__ = ["logprobs_from_logits", "token_logprobs", "token_logprobs_entropy"]
 
 
 def token_logprobs(
@@ -68,20 +68,47 @@ def token_logprobs_entropy(
     if entropy_mask is not None and entropy_mask.shape != input_ids.shape:
         raise ValueError(f"entropy_mask {tuple(entropy_mask.shape)} != input_ids "
                          f"{tuple(input_ids.shape)}")
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
+    lp, ent = logprobs_from_logits(logits, input_ids[:, 1:], attention_mask[:, 1:],
+                                   temperature=temperature,
+                                   entropy_mask=None if entropy_mask is None
+                                   else entropy_mask[:, 1:])
+    lp = torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1)
+    if ent is None:
+        return lp, None
+    return lp, torch.cat([torch.zeros_like(ent[:, :1]), ent], dim=1)
+
+
+def logprobs_from_logits(
+    logits: Tensor,
+    targets: Tensor,
+    valid: Tensor,
+    *,
+    temperature: float = 1.0,
+    entropy_mask: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """Logprob (and entropy) of each target from the logits that predict it.
+
+    Args:
+        logits: [B, S, V], logits[b, s] the distribution `targets[b, s]` was drawn from.
+        targets: [B, S] int64. valid: [B, S] 0/1, the real targets (0: padding).
+        entropy_mask: [B, S] bool (or 0/1), where to measure the entropy; None: nowhere.
+
+    Returns:
+        (logprobs [B, S] float32, 0.0 where not `valid`; entropy [B, S] float32 detached, 0.0
+        off `entropy_mask`, or None), as `token_logprobs_entropy` without its column 0.
+    """
+    logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
-    targets = input_ids[:, 1:].unsqueeze(-1)
-    # gather - logsumexp avoids materialising a second [B, T, V] tensor (log_softmax).
+    # gather - logsumexp avoids materialising a second [B, S, V] tensor (log_softmax).
     lse = torch.logsumexp(logits, dim=-1)
-    lp = torch.gather(logits, -1, targets).squeeze(-1) - lse
-    lp = lp * attention_mask[:, 1:].to(lp.dtype)
-    lp = torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1)
+    lp = torch.gather(logits, -1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    lp = lp * valid.to(lp.dtype)
     if entropy_mask is None:
         return lp, None
     with torch.no_grad():
-        at = entropy_mask[:, 1:] != 0
-        rows, cols = at.nonzero(as_tuple=True)
+        rows, cols = (entropy_mask != 0).nonzero(as_tuple=True)
         z, z_lse = logits.detach(), lse.detach()[rows, cols]
         h = torch.empty_like(z_lse)
         for i in range(0, rows.numel(), _ENTROPY_CHUNK):
@@ -89,5 +116,5 @@ def token_logprobs_entropy(
             zc, lc = z[rows[sl], cols[sl]], z_lse[sl]  # [chunk, V], gathered per chunk
             h[sl] = lc - (torch.exp(zc - lc[:, None]) * zc).sum(-1)
         ent = torch.zeros_like(lp)
-        ent[:, 1:][rows, cols] = h
+        ent[rows, cols] = h
     return lp, ent
