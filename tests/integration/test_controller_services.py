@@ -156,7 +156,7 @@ async def test_new_staleness_policy_on_real_services(services, tiny_model_dir) -
             final = cluster.controller.buffer.stats()
     try:
         assert [s.metrics.policy_version for s in steps] == [start + 1, start + 2, start + 3]
-        # Step 3 waited for the eager apply of step 2's version before it ended.
+        # Step 3 waited for the eager apply of step 2's version before training.
         assert (await worker.stats()).version >= start + 2
         for s in steps:
             m = s.metrics

@@ -4,15 +4,13 @@ rules of these options. Timing runs on looptime's virtual clock."""
 
 from __future__ import annotations
 
-import asyncio
-
 import msgspec
 import pytest
 from test_controller_modes import backends, run_steps
 
-from helpers.fakes import TOK, FakeEnvHost, FakeReward, FakeTrainer, FakeWorker, make_scenario
+from helpers.fakes import FakeEnvHost, FakeTrainer, FakeWorker, make_scenario
 from rollart.config import validate_scenario
-from rollart.controller import Backends, Cluster
+from rollart.controller import Cluster
 from rollart.controller.buffer.sample import DomainCounts
 from rollart.controller.rollout.pacing import Pacer
 from rollart.controller.routing.proxy import LLMProxy
@@ -49,58 +47,6 @@ class _WatchingWorker(FakeWorker):
     async def apply_weights(self, version: int, *, reprefill: bool = False):
         self.mate_running_at_apply.append(self.mate._running.is_set())
         return await super().apply_weights(version, reprefill=reprefill)
-
-
-class _SlowApplyWorker(FakeWorker):
-    """Takes ``APPLY_S`` seconds per apply and records when each apply ended."""
-
-    APPLY_S = 1.0
-
-    def __init__(self, name: str) -> None:
-        super().__init__(name)
-        self.apply_ends: list[float] = []
-
-    async def apply_weights(self, version: int, *, reprefill: bool = False):
-        await asyncio.sleep(self.APPLY_S)
-        self.apply_ends.append(asyncio.get_running_loop().time())
-        return await super().apply_weights(version, reprefill=reprefill)
-
-
-class _PushTimesTrainer(FakeTrainer):
-    def __init__(self, **kw) -> None:
-        super().__init__(**kw)
-        self.push_starts: list[float] = []
-
-    async def push_weights(self, version, workers) -> None:
-        self.push_starts.append(asyncio.get_running_loop().time())
-        await super().push_weights(version, workers)
-
-
-@pytest.mark.looptime
-@pytest.mark.parametrize("train_s", [10.0, 0.5])
-async def test_eager_apply_exposes_the_push_not_the_waves(train_s) -> None:
-    # Two workers per pool, so the default two waves each apply for 1 s after a 2 s push.
-    # Fast groups: every batch is ready when the training before it ends, so the trainer
-    # waits for the sync each step. It needs the version staged, not applied: 2 s exposed,
-    # not 4 (train_s = 10). A training shorter than the waves (0.5 s) waits for them before
-    # the next push, which must not stage over a version still being applied.
-    workers = [_SlowApplyWorker(f"w{i}") for i in range(4)]
-    trainer = _PushTimesTrainer(train_s=train_s, push_s=2.0)
-    env = FakeEnvHost(turns=1, latency=lambda i, s: 0.1)
-    be = Backends(pools={"p1": workers[:2], "p2": workers[2:]}, trainer=trainer, tokenizer=TOK,
-                  env_hosts=[env], reward_service=FakeReward())
-    scenario = make_scenario(mode="rollart", alpha=1, batch_size=4, group_size=2)
-    async with Cluster.from_scenario(scenario, backends=be) as c:
-        steps = await run_steps(c, 4)
-    waves_s = 2 * _SlowApplyWorker.APPLY_S
-    for s in steps[1:]:
-        assert s.metrics.weight_sync_total_s == pytest.approx(2.0 + waves_s, abs=0.05)
-        if train_s > waves_s:
-            assert s.metrics.weight_sync_exposed_s == pytest.approx(2.0, abs=0.05)
-    assert all([v for v, _ in w.applied] == [1, 2, 3] for w in workers)
-    for k, start in enumerate(trainer.push_starts[1:], start=1):
-        # version k + 1's push starts after every apply of version k ended
-        assert start >= max(w.apply_ends[k - 1] for w in workers) - 1e-9
 
 
 @pytest.mark.parametrize(("waves", "mate_running"), [(2, [True, True]), (1, [False, False])])

@@ -102,10 +102,6 @@ class StepRunner:
                 sync_total, sync_exposed = await self.sync.apply_newest()
                 self.admission.resume()  # rollout goes on while the trainer trains
                 result, train_s = await self._train(batch, version)
-                # Eager apply: the waves apply_newest left applying (done by now, unless the
-                # training was shorter than they are) before the next version's push.
-                late_total, late_exposed = await self.sync.finish_apply()
-                sync_total, sync_exposed = sync_total + late_total, sync_exposed + late_exposed
                 self.sync.start_push(result.version)
             else:
                 pause_s = await self.sync.pause()

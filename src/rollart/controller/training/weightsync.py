@@ -17,12 +17,7 @@ v+1 goes on to apply it at once, in ``apply_waves`` waves of workers
 removes: with the apply at the next batch, every token generated while that batch fills is of
 version v, which is too old (alpha = 1) for the batch after it, so about half of the
 ``(alpha + 1) x batch`` in flight was generated under a version already too old to be trained.
-:meth:`apply_newest` then only waits until that task has staged v+1 on every worker (its wait is
-the exposed part): the trainer's next push reads the weights it is about to train, but nothing
-it trains depends on the workers serving v+1, so the waves go on applying while it trains
-(waiting for them cost a trainer that sets the pace one apply per wave, every step).
-:meth:`finish_apply` collects the task after training, before the next push (which must not
-stage over a version still being applied).
+:meth:`apply_newest` then only waits for that task (its wait is the exposed part).
 
 A trainer whose ``push_needs_pause`` is true (collective NCCL / gloo broadcast, which writes into
 the serving models) cannot push in the background: its push happens at the pause point, before
@@ -57,11 +52,6 @@ class WeightSync:
         self._on_push_done = on_push_done
         self._push_task: asyncio.Task[float] | None = None
         self._eager_task: asyncio.Task[float] | None = None
-        #: eager: resolved with the push seconds once ``_eager_task``'s version is staged
-        self._staged: asyncio.Future[float] | None = None
-        #: eager: a task whose version is staged and whose waves may still be applying
-        #: (left by :meth:`apply_newest`, collected by :meth:`finish_apply`)
-        self._applying: asyncio.Task[float] | None = None
 
     async def _push(self, version: int) -> float:
         t0 = self.clock()
@@ -76,13 +66,8 @@ class WeightSync:
         """Stage ``version`` on the workers in the background (overlapping rollout); with
         ``eager``, apply it as soon as it is staged."""
         if self.eager:
-            # A version still being applied is finished first: a push must not stage over it.
-            before = self._applying or self._eager_task
-            self._applying = None
-            self._staged = asyncio.get_running_loop().create_future()
-            self._eager_task = asyncio.create_task(
-                self._push_and_apply(version, before, self._staged),
-                name=f"push-apply-v{version}")
+            self._eager_task = asyncio.create_task(self._push_and_apply(version),
+                                                   name=f"push-apply-v{version}")
             self._eager_task.add_done_callback(self._on_push_done)
             return
         if self.push_needs_pause:
@@ -90,15 +75,9 @@ class WeightSync:
         self._push_task = asyncio.create_task(self._push(version), name=f"push-v{version}")
         self._push_task.add_done_callback(self._on_push_done)
 
-    async def _push_and_apply(self, version: int, before: asyncio.Task[float] | None,
-                              staged: asyncio.Future[float]) -> float:
-        """Eager: push then apply ``version`` in waves (after ``before``, the previous
-        version's task, if any); returns push + apply seconds; ``staged`` gets the push
-        seconds once every worker has ``version`` staged. A push that writes into the
-        serving models (``push_needs_pause``) pauses every worker (staged only at the end)."""
-        if before is not None:
-            # Its failure is reported by its own done callback (fatal); only the order counts.
-            await asyncio.gather(before, return_exceptions=True)
+    async def _push_and_apply(self, version: int) -> float:
+        """Eager: push then apply ``version`` in waves; returns push + apply seconds. A push
+        that writes into the serving models (``push_needs_pause``) pauses every worker."""
         t0 = self.clock()
         if self.push_needs_pause:
             await self.proxy.pause("keep")
@@ -108,9 +87,7 @@ class WeightSync:
             finally:
                 await self.proxy.resume()
         else:
-            push_s = await self._push(version)
-            if not staged.done():
-                staged.set_result(push_s)
+            await self._push(version)
             await self.proxy.apply_in_waves(version, self.waves, reprefill=self.reprefill)
         self._on_applied()
         return self.clock() - t0
@@ -127,17 +104,9 @@ class WeightSync:
         Returns ``(total_s, exposed_s)``."""
         version = self.trainer.version
         if self._eager_task is not None:
-            task, staged = self._eager_task, self._staged
-            self._eager_task = self._staged = None
             t0 = self.clock()
-            if staged is not None:
-                # Staged is enough for the trainer (module docstring); a failed task ends
-                # the wait too, and its error is raised below.
-                await asyncio.wait((task, staged), return_when=asyncio.FIRST_COMPLETED)
-            if not task.done():
-                self._applying = task  # its total comes with finish_apply
-                return 0.0, self.clock() - t0
-            total_s = await task
+            total_s = await self._eager_task
+            self._eager_task = None
             return total_s, self.clock() - t0
         if self.proxy.version >= version:
             return 0.0, 0.0
@@ -164,21 +133,6 @@ class WeightSync:
         await self._apply_and_resume(version)
         return push_s + (self.clock() - t_apply), self.clock() - t0
 
-    async def finish_apply(self) -> tuple[float, float]:
-        """Eager: wait for the waves :meth:`apply_newest` left applying (normally done while
-        the trainer trained). Returns ``(total_s, exposed_s)``: that version's push + apply
-        seconds and this wait; ``(0.0, 0.0)`` when nothing was left applying.
-
-        Raises:
-            whatever the push or the apply raised.
-        """
-        task, self._applying = self._applying, None
-        if task is None:
-            return 0.0, 0.0
-        t0 = self.clock()
-        total_s = await task
-        return total_s, self.clock() - t0
-
     async def pause(self) -> float:
         """No-overlap modes: suspend generation before training; returns seconds taken."""
         t0 = self.clock()
@@ -194,7 +148,7 @@ class WeightSync:
 
     async def close(self) -> None:
         """Cancel a push still running (the run ends; the next run re-publishes)."""
-        for task in (self._push_task, self._eager_task, self._applying):
+        for task in (self._push_task, self._eager_task):
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
