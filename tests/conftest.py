@@ -9,11 +9,19 @@ check of the same code path runs in the tests session) run only with ``pytest --
 every service process a test starts (``rollart.envhost.host``, ``rollart.inference.worker``,
 ``rollart.trainer.service``, ``rollart.sim.serve``) serves with authentication on, as a real run
 does; clients pass ``auth=run_key``.
+
+A hard per-test backstop: pytest-timeout (``timeout`` in pyproject.toml) fails a test stuck in
+Python, but once it has fired nothing guards the rest of that test (a teardown waiting on a
+dead process, a call stuck in C that never returns to Python). ``faulthandler`` arms a C-level
+watchdog for every test; past ``timeout + BACKSTOP_GRACE_S`` it prints every thread's stack and
+ends the session, so a hang shows where it is in the log instead of using up CI's time.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -33,6 +41,32 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("bench") is not None:
             item.add_marker(skip)
+
+
+#: Seconds past pytest-timeout's limit before the backstop ends the session.
+BACKSTOP_GRACE_S = 300.0
+_backstop_fd: int | None = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # A copy taken now still reaches the terminal: while a test runs, pytest's capture points
+    # descriptor 2 at a temporary file, which is lost when the backstop ends the process.
+    global _backstop_fd
+    _backstop_fd = os.dup(sys.__stderr__.fileno())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    limit = float(item.config.getini("timeout") or 0)
+    marker = item.get_closest_marker("timeout")
+    if marker is not None and (marker.args or "timeout" in marker.kwargs):
+        limit = float(marker.args[0] if marker.args else marker.kwargs["timeout"])
+    if limit > 0 and _backstop_fd is not None:
+        faulthandler.dump_traceback_later(limit + BACKSTOP_GRACE_S, exit=True, file=_backstop_fd)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -84,6 +84,9 @@ def raw_send(address: str, setup, frames: list[bytes], until: set[str]) -> list[
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    # A send that cannot be queued raises instead of blocking this thread for good (a thread
+    # of asyncio.to_thread that never returns also hangs the event loop's teardown).
+    sock.setsockopt(zmq.SNDTIMEO, int(EVENT_DEADLINE_S * 1000))
     setup(sock)
     mon = sock.get_monitor_socket()
     try:
@@ -230,7 +233,7 @@ async def test_inference_worker_refuses_unauthenticated_and_oversized_then_dies_
         core = [p for p in children if "EngineCore" in " ".join(p.cmdline()) + p.name()]
         assert core, f"no engine core among {[p.name() for p in children]}"
         core[0].kill()
-        rc = await asyncio.to_thread(svc.wait_exit, 60)
+        rc = await asyncio.to_thread(svc.wait_exit, 300)  # a deadline: vLLM's shutdown, loaded
         assert rc != 0
         assert "FATAL" in svc.log() and "engine" in svc.log()
         with pytest.raises(PeerDeadError):
