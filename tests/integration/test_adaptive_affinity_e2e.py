@@ -12,7 +12,9 @@ domain returns (seen in each of 3 runs). Later moves depend on how fast the game
 in one of two runs of this configuration on the loaded 2-core machine the domain spilled again
 at step 2 and came home at step 3 because the game pool had room again (that return, by falling
 pressure, is checked deterministically in ``tests/unit/test_online_affinity.py``); in the other
-the game pool had drained before the next burst."""
+the game pool had drained before the next burst. Once the game domain fills the reasoning pool,
+the arithmetic domain may itself spill to the game pool and return (seen once in CI), so the
+moves are checked per domain."""
 
 from __future__ import annotations
 
@@ -47,26 +49,39 @@ def test_a_flooded_pool_spills_new_trajectories_and_the_domain_returns(
     assert [r["policy_version"] for r in rows] == list(range(1, STEPS + 1))
     assert all(r["num_samples"] == 8 and r["num_failed"] == 0 for r in rows), trace
 
-    # Only the flooded domain moved, only to the pool with room, and back to its own.
+    # Every move is a spill of a saturated pool's domain to a pool with room, or a return to
+    # the domain's own pool. The flooded domain spills first; once it fills the reasoning pool
+    # the arithmetic domain may spill the other way in turn (a legitimate move whose timing
+    # depends on how fast the game pool drains), so each domain is checked on its own.
     moves = [mv for r in rows for mv in r["affinity_moves"]]
     assert moves, trace
-    assert all(mv.startswith(("guess: game -> reasoning (pool 'game' saturated",
-                              "guess: reasoning -> game (")) for mv in moves), moves
-    # Spills and returns alternate, the first a spill (a domain returns from where it went).
-    kinds = ["spill" if mv.startswith("guess: game -> reasoning") else "return" for mv in moves]
-    assert kinds[::2] == ["spill"] * len(kinds[::2]), moves
-    assert kinds[1::2] == ["return"] * len(kinds[1::2]), moves
-    spills = sum(r["affinity_spills_by_domain"].get("guess", {}).get("reasoning", 0)
-                 for r in rows)
-    returns = sum(r["affinity_returns_by_domain"].get("guess", 0) for r in rows)
-    assert spills >= 1 and returns >= 1, trace
-    # The step counts agree with the moves the steps list.
-    assert (spills, returns) == (kinds.count("spill"), kinds.count("return"))
-    assert all(set(r["affinity_spills_by_domain"]) <= {"guess"}
-               and set(r["affinity_returns_by_domain"]) <= {"guess"} for r in rows), trace
-    # New game trajectories really started on the reasoning pool.
+    assert moves[0].startswith("guess: game -> reasoning (pool 'game' saturated"), moves
+    home = {"guess": "game", "arith": "reasoning"}
+    away = {"guess": "reasoning", "arith": "game"}
+    for domain in home:
+        mine = [mv for mv in moves if mv.startswith(f"{domain}: ")]
+        spill = f"{domain}: {home[domain]} -> {away[domain]} (pool {home[domain]!r} saturated"
+        back = f"{domain}: {away[domain]} -> {home[domain]} ("
+        assert all(mv.startswith((spill, back)) for mv in mine), moves
+        # Spills and returns alternate, the first a spill (a domain returns from where it went).
+        kinds = ["spill" if mv.startswith(spill) else "return" for mv in mine]
+        assert kinds[::2] == ["spill"] * len(kinds[::2]), moves
+        assert kinds[1::2] == ["return"] * len(kinds[1::2]), moves
+        # The step counts agree with the moves the steps list.
+        spills = sum(r["affinity_spills_by_domain"].get(domain, {}).get(away[domain], 0)
+                     for r in rows)
+        returns = sum(r["affinity_returns_by_domain"].get(domain, 0) for r in rows)
+        assert (spills, returns) == (kinds.count("spill"), kinds.count("return")), trace
+        if not mine:
+            assert all(domain not in r["num_spilled_by_domain"] for r in rows), trace
+    assert all(set(r["affinity_spills_by_domain"]) <= set(home)
+               and set(r["affinity_returns_by_domain"]) <= set(home) for r in rows), trace
+    # The flooded domain spilled and came back, and new game trajectories really started on
+    # the reasoning pool.
+    assert sum(r["affinity_spills_by_domain"].get("guess", {}).get("reasoning", 0)
+               for r in rows) >= 1, trace
+    assert sum(r["affinity_returns_by_domain"].get("guess", 0) for r in rows) >= 1, trace
     assert sum(r["num_spilled_by_domain"].get("guess", 0) for r in rows) >= 1, trace
-    assert all("arith" not in r["num_spilled_by_domain"] for r in rows), trace
 
     # `rollart report` draws the decisions and lists them.
     rep = subprocess.run([sys.executable, "-m", "rollart.cli", "report", str(out)],
