@@ -173,10 +173,16 @@ def test_a_budget_that_simulates_a_fraction_of_the_layouts_warns(tmp_path, capsy
     assert "give a larger --budget-s\n" in cap.err and "budget_s" not in cap.err + cap.out
 
 
-def test_refuses_an_unknown_model_as_the_model_option(tmp_path):
-    with pytest.raises(PlanError, match=r"^--model \(model=\) 'qwen9': no simulated model "
+def test_refuses_an_unknown_model_as_the_model_option(tmp_path, capsys):
+    # named as the user gave it: the keyword of rollart.plan(), or the command line's flag
+    with pytest.raises(PlanError, match=r"^model= 'qwen9': no simulated model "
                        r"profile .*'qwen3-8b'"):
         plan(write(tmp_path), budget_s=5.0, model="qwen9")
+    assert cli_main(["plan", str(write(tmp_path)), "--out", str(tmp_path / "p.toml"),
+                     "--model", "qwen9"]) == 2
+    err = capsys.readouterr().err
+    assert "rollart plan: error: --model 'qwen9': no simulated model profile" in err
+    assert "model=" not in err
 
 
 class _FakeRun:
@@ -250,7 +256,7 @@ def test_refuses_an_unknown_model_profile(tmp_path):
     # (tiny_warmup is the tiny model's own field: refused with a checkpoint path)
     path.write_text(SCENARIO.format(fast=3, wide_hw="h20").replace('"tiny"', '"/m/Llama-9"')
                     .replace("tiny_warmup = false\n", ""))
-    with pytest.raises(PlanError, match=r"model.path '/m/Llama-9'.*'llama-9'.*--model"):
+    with pytest.raises(PlanError, match=r"model.path '/m/Llama-9'.*'llama-9'.*pass model= "):
         plan(path, budget_s=5.0)
 
 
@@ -400,11 +406,13 @@ def test_plan_and_cli_take_profiles_from_a_run_folder(tmp_path, monkeypatch, cap
     run_dir = write_run(tmp_path / "run", domains=("guess",))
     path = write(tmp_path)
     # a domain the run did not train is refused, naming it and what the run has
-    with pytest.raises(PlanError, match=r"domain\(s\) \['arith'\].*the run has \['guess'\]"):
+    with pytest.raises(PlanError, match=r"^profiles_from= .*domain\(s\) \['arith'\].*the run "
+                       r"has \['guess'\]"):
         plan(path, budget_s=5.0, model="qwen3-8b", profiles_from=run_dir)
     assert cli_main(["plan", str(path), "--out", str(tmp_path / "p.toml"), "--model",
                      "qwen3-8b", "--profiles-from", str(run_dir)]) == 2
-    assert "rollart plan: error: --profiles-from" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "rollart plan: error: --profiles-from " in err and "profiles_from=" not in err
     # profiles= covers it: the rest is measured
     given = read_inputs(load_scenario(path), model="qwen3-8b").profiles[1]
     with pytest.raises(_Searched):

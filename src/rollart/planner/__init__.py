@@ -137,15 +137,16 @@ def plan(scenario: str | Path | Scenario, *, budget_s: float = DEFAULT_BUDGET_S,
 
         sc, source = load_scenario(scenario), str(scenario)
         raw = tomllib.loads(Path(scenario).read_text())
+    cli = budget_option.startswith("--")  # `rollart plan`: messages spell its options
     measured = None
     if profiles_from is not None:
         # The scenario's own refusals (CPU pools, too few GPUs) come before the run folder's:
         # a folder fixed for a scenario the planner refuses anyway is time lost.
-        read_inputs(sc, model=model, profiles=profiles)
+        read_inputs(sc, model=model, profiles=profiles, cli=cli)
         rest = tuple(d.name for d in sc.domains if d.name not in (profiles or {}))
-        measured = measure_profiles(profiles_from, sc, rest)
+        measured = measure_profiles(profiles_from, sc, rest, cli=cli)
         profiles = {**measured.profiles, **(profiles or {})}
-    inputs = dataclasses.replace(read_inputs(sc, model=model, profiles=profiles),
+    inputs = dataclasses.replace(read_inputs(sc, model=model, profiles=profiles, cli=cli),
                                  alphas=alphas, redundancies=redundancies)
     ranked, log = successive_halving(inputs, budget_s=budget_s, seeds=tuple(seeds),
                                      progress=progress, budget_option=budget_option)

@@ -97,28 +97,35 @@ def profile_name(model_path: str) -> str:
     return model_path.rstrip("/").rsplit("/", 1)[-1].lower()
 
 
-def model_profile(scenario: Scenario, model: str | None) -> ModelProfile:
+def option(param: str, cli: bool) -> str:
+    """An argument as its user spells it: ``--profiles-from`` on the command line (``cli``),
+    ``profiles_from=`` in a ``rollart.plan(...)`` call."""
+    return "--" + param.replace("_", "-") if cli else f"{param}="
+
+
+def model_profile(scenario: Scenario, model: str | None, *, cli: bool = False) -> ModelProfile:
     """The simulated profile ``model`` or the one named by ``model.path``'s last component
-    (``/models/Qwen3-8B`` -> ``qwen3-8b``). Raises PlanError naming the known profiles."""
+    (``/models/Qwen3-8B`` -> ``qwen3-8b``). Raises PlanError naming the known profiles and
+    the argument as ``cli`` spells it (:func:`option`)."""
     if model is not None:
         try:
             return get_model(model)
         except KeyError:
-            raise PlanError(f"--model (model=) {model!r}: no simulated model profile of that "
-                            f"name; known: {sorted(MODELS)}") from None
+            raise PlanError(f"{option('model', cli)} {model!r}: no simulated model profile of "
+                            f"that name; known: {sorted(MODELS)}") from None
     name = profile_name(scenario.model.path)
     try:
         return get_model(name)
     except KeyError:
         raise PlanError(f"model.path {scenario.model.path!r}: no simulated model profile "
-                        f"{name!r}; pass model= (--model) one of {sorted(MODELS)}") from None
+                        f"{name!r}; pass {option('model', cli)} one of {sorted(MODELS)}") from None
 
 
 #: hardware labels the planner lays out: the simulator's GPU profiles
 GPU_LABELS = tuple(sorted(k for k in HARDWARE if k != "cpu"))
 
 
-def _refuse_cpu(scenario: Scenario, model: str | None) -> None:
+def _refuse_cpu(scenario: Scenario, model: str | None, cli: bool) -> None:
     """Raise PlanError for a scenario with CPU pools, or the CPU test model without
     ``model``: the planner lays out simulated GPU hardware; a CPU run has no GPUs to split."""
     cpu = [p.name for p in scenario.pools if p.hardware.lower() == "cpu"]
@@ -127,7 +134,7 @@ def _refuse_cpu(scenario: Scenario, model: str | None) -> None:
                 else "model.path 'tiny' is the project's CPU test model")
         raise PlanError(f"{what}: the planner plans layouts of simulated GPU hardware profiles "
                         f"({', '.join(GPU_LABELS)}) for simulated models ({', '.join(sorted(MODELS))}); "
-                        f"give each pool one of these hardware labels (and --model for a model.path "
+                        f"give each pool one of these hardware labels (and {option('model', cli)} for a model.path "
                         f"without a profile)")
 
 
@@ -172,14 +179,15 @@ def default_profile(name: str, env: str, turns: int, max_tokens_per_turn: int,
 
 
 def read_inputs(scenario: Scenario, *, model: str | None = None,
-                profiles: dict[str, DomainSpec] | None = None) -> PlanInputs:
+                profiles: dict[str, DomainSpec] | None = None, cli: bool = False) -> PlanInputs:
     """The planner's inputs from a validated ``scenario`` (module docstring). Raises
     PlanError: a pool given by worker addresses (its size is not the planner's to change), a
     hardware label or model without a simulated profile, hardware that cannot hold the
     model, fewer GPUs than the trainer plus one engine per domain, or CPU pools (the
-    planner plans GPU layouts)."""
-    _refuse_cpu(scenario, model)
-    mdl = model_profile(scenario, model)
+    planner plans GPU layouts). ``cli``: messages spell arguments as ``rollart plan`` does
+    (:func:`option`)."""
+    _refuse_cpu(scenario, model, cli)
+    mdl = model_profile(scenario, model, cli=cli)
     run = scenario.run
     gpus: dict[str, int] = {}
     tp: dict[str, int] = {}

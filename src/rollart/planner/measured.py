@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from rollart.config import Scenario
-from rollart.planner.inputs import PlanError, default_profile, profile_name
+from rollart.planner.inputs import PlanError, default_profile, option, profile_name
 from rollart.sim.workload import Dist, DomainSpec, const
 
 #: per-domain counters of a ``metrics.jsonl`` step row (``StepMetrics.by_domain``) read here
@@ -90,7 +90,7 @@ class MeasuredProfiles:
         return out
 
 
-def _jsonl(path: Path) -> list[dict[str, Any]]:
+def _jsonl(path: Path, arg: str) -> list[dict[str, Any]]:
     """The records of ``path``; PlanError naming it for a file that is not UTF-8 JSON lines or
     holds a record that is not a JSON object (a run writes one object per line)."""
     from rollart.launcher.rundir import read_jsonl
@@ -99,17 +99,17 @@ def _jsonl(path: Path) -> list[dict[str, Any]]:
     try:
         return read_jsonl(path)
     except (ValueError, OSError) as exc:
-        raise PlanError(f"--profiles-from (profiles_from=): {exc}") from None
+        raise PlanError(f"{arg}: {exc}") from None
 
 
-def _count(path: Path, step: int, name: str, counts: Any, key: str) -> int:
+def _count(path: Path, step: int, name: str, counts: Any, key: str, arg: str) -> int:
     """``by_domain[name][key]`` of the ``step``-th record as a count; PlanError naming the
     file, record and field when it is not a non-negative integer."""
     value = counts.get(key, 0) if isinstance(counts, dict) else None
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         what = (f"by_domain.{name} is {counts!r}" if not isinstance(counts, dict)
                 else f"by_domain.{name}.{key} is {value!r}")
-        raise PlanError(f"--profiles-from (profiles_from=) {path}: record {step}: {what}, "
+        raise PlanError(f"{arg} {path}: record {step}: {what}, "
                         "not a count: not a run's metrics")
     return value
 
@@ -125,7 +125,8 @@ def _std(xs: list[float]) -> float | None:
 
 
 def measure_profiles(run_dir: str | Path, scenario: Scenario,
-                     domains: tuple[str, ...] | None = None) -> MeasuredProfiles:
+                     domains: tuple[str, ...] | None = None, *,
+                     cli: bool = False) -> MeasuredProfiles:
     """The workload of each domain of ``scenario`` (or of ``domains``, a subset of its names)
     measured from ``run_dir`` (module docstring).
 
@@ -133,40 +134,43 @@ def measure_profiles(run_dir: str | Path, scenario: Scenario,
     ``metrics.jsonl``, its steps carry no per-domain counters, a record of it or of
     ``transcripts.jsonl`` is not a run's (not a JSON object, counters that are not counts;
     the message names the file and record), or a domain finished no trajectory there (the
-    message names the domains the run has)."""
+    message names the domains the run has). ``cli``: messages spell the arguments as
+    ``rollart plan`` does (``--profiles-from``), else as ``rollart.plan(...)`` takes them."""
+    arg = option("profiles_from", cli)
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
-        raise PlanError(f"--profiles-from (profiles_from=) {run_dir}: not a folder")
+        raise PlanError(f"{arg} {run_dir}: not a folder")
     metrics = run_dir / "metrics.jsonl"
     if not metrics.is_file():
-        raise PlanError(f"--profiles-from (profiles_from=) {run_dir}: no metrics.jsonl (not a run folder, or a "
+        raise PlanError(f"{arg} {run_dir}: no metrics.jsonl (not a run folder, or a "
                         f"run that ended before its first step)")
-    rows = _jsonl(metrics)
+    rows = _jsonl(metrics, arg)
     if not rows:
-        raise PlanError(f"--profiles-from (profiles_from=) {run_dir}: metrics.jsonl holds no steps yet")
+        raise PlanError(f"{arg} {run_dir}: metrics.jsonl holds no steps yet")
     totals: dict[str, dict[str, int]] = {}
     for i, row in enumerate(rows, 1):
         by_domain = row.get("by_domain") or {}
         if not isinstance(by_domain, dict):
-            raise PlanError(f"--profiles-from (profiles_from=) {metrics}: record {i}: by_domain "
+            raise PlanError(f"{arg} {metrics}: record {i}: by_domain "
                             f"is a JSON {type(by_domain).__name__}, not an object: not a "
                             "run's metrics")
         for name, counts in by_domain.items():
             acc = totals.setdefault(name, dict.fromkeys(_COUNTERS, 0))
             for k in _COUNTERS:
-                acc[k] += _count(metrics, i, name, counts, k)
+                acc[k] += _count(metrics, i, name, counts, k, arg)
     if not totals:
-        raise PlanError(f"--profiles-from (profiles_from=) {run_dir}: metrics.jsonl's {len(rows)} step(s) carry "
+        raise PlanError(f"{arg} {run_dir}: metrics.jsonl's {len(rows)} step(s) carry "
                         f"no per-domain counters (by_domain): a run of an older rollart")
     wanted = domains if domains is not None else tuple(d.name for d in scenario.domains)
     have = sorted(n for n, t in totals.items() if t["finished"] > 0 and t["finished_turns"] > 0)
     missing = [n for n in wanted if n not in have]
     if missing:
-        raise PlanError(f"--profiles-from (profiles_from=) {run_dir}: no finished trajectory of domain(s) "
+        raise PlanError(f"{arg} {run_dir}: no finished trajectory of domain(s) "
                         f"{missing} in metrics.jsonl ({len(rows)} step(s)); the run has "
-                        f"{have or 'none'}: give those domains' profiles otherwise (profiles=) "
+                        f"{have or 'none'}: give those domains' profiles otherwise (profiles= in "
+                        f"rollart.plan) "
                         f"or plan from a run that trained them")
-    samples = _transcripts(run_dir / "transcripts.jsonl")
+    samples = _transcripts(run_dir / "transcripts.jsonl", arg)
     run = scenario.run
     by_name = {d.name: d for d in scenario.domains}
     out = MeasuredProfiles(run_dir, {}, {}, len(rows), {}, {}, _model_path(run_dir))
@@ -224,12 +228,12 @@ class _Transcripts:
     turns: list[float] = field(default_factory=list)
 
 
-def _transcripts(path: Path) -> dict[str, _Transcripts]:
+def _transcripts(path: Path, arg: str) -> dict[str, _Transcripts]:
     """Per domain, the context and generated lengths of ``transcripts.jsonl``'s records
     (module docstring); records without the fields (or with fields of other types) are
     skipped, as are turns' token counts that are not integers."""
     out: dict[str, _Transcripts] = {}
-    for rec in _jsonl(path):
+    for rec in _jsonl(path, arg):
         name, turns = rec.get("domain"), rec.get("turns")
         if not isinstance(name, str) or not isinstance(turns, list) or not turns \
                 or not all(isinstance(t, dict) for t in turns):
