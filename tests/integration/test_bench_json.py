@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import msgspec
 import pytest
 from benchmarks import env_tail, pd, report, run_all
 from benchmarks.common import ci95, main_for, mean_rows, summarize, t975
@@ -85,9 +86,13 @@ def test_modes_switches_a_real_scenario_to_every_mode() -> None:
         "sync": ("sync", 0, 3, 5), "sync_plus": ("sync_plus", 0, 3, 5),
         "one_off": ("one_off", 1, 3, 5), "areal": ("areal", 1, 3, 5),
         "rollart": ("rollart", 1, 3, 5)}
-    # Every mode that applies weights under in-flight trajectories pays re-prefill (the
-    # quickstart itself sets reprefill = false); sync and sync_plus keep the scenario's.
+    # Every mode that applies weights under in-flight trajectories pays re-prefill; sync and
+    # sync_plus keep the scenario's.
+    keep = base.run.reprefill
     assert {m: s.run.reprefill for m, s in got.items()} == {
+        "sync": keep, "sync_plus": keep, "one_off": True, "areal": True, "rollart": True}
+    off = msgspec.structs.replace(base, run=msgspec.structs.replace(base.run, reprefill=False))
+    assert {m: scenario_for_mode(off, m, seed=5, steps=3).run.reprefill for m in MODES} == {
         "sync": False, "sync_plus": False, "one_off": True, "areal": True, "rollart": True}
     assert got["rollart"].pools == base.pools
     # rollart keeps the scenario's policy (the quickstart's: the default); the baselines run

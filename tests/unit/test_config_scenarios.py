@@ -55,6 +55,9 @@ def test_quickstart_meets_the_issue() -> None:
     # judged by the policy as it is trained (sampled pass@1) against the best fixed sequence
     assert {d.reward for d in sc.domains} == {"env_success"}
     assert sc.eval.headline == "sampled" and sc.eval.pass_k >= 1
+    # a policy that still samples (a three-epoch warm-up leaves RL nothing to learn), and the
+    # KV of in-flight requests recomputed after each update (runs that kept it lost their gain)
+    assert sc.model.tiny_warmup_epochs == 2 and run.reprefill
     assert len({d.pool for d in sc.domains}) >= 2
     assert sum(p.num_workers for p in sc.pools) >= 2
     # the staleness policy is the default, not spelled out
