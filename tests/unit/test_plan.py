@@ -175,7 +175,7 @@ def test_a_budget_that_simulates_a_fraction_of_the_layouts_warns(tmp_path, capsy
 
 def test_refuses_an_unknown_model_as_the_model_option(tmp_path, capsys):
     # named as the user gave it: the keyword of rollart.plan(), or the command line's flag
-    with pytest.raises(PlanError, match=r"^model= 'qwen9': no simulated model "
+    with pytest.raises(PlanError, match=r"^model='qwen9': no simulated model "
                        r"profile .*'qwen3-8b'"):
         plan(write(tmp_path), budget_s=5.0, model="qwen9")
     assert cli_main(["plan", str(write(tmp_path)), "--out", str(tmp_path / "p.toml"),

@@ -181,8 +181,9 @@ class RunConfig(_Cfg, frozen=True):
     on_stale: Literal["restart", "drop"] = "restart"
     #: recompute the KV cache of in-flight requests after a weight update (else keep it, and
     #: requests in flight at the update decode on over KV of the older weights). The
-    #: quickstart sets it: its runs that kept the KV lost their held-out gain in the second
-    #: half, the runs that recomputed it kept theirs (README "What the quickstart learns").
+    #: quickstart sets it: its runs that kept the KV lost guess10's held-out gain in the
+    #: second half, the runs that recomputed it kept theirs (README "What the quickstart
+    #: learns").
     reprefill: bool = False
     #: overlap modes: when a trained version reaches the workers. ``at_batch``: at the pause of
     #: the next step, once its batch is taken (the paper's §6.2 order); ``eager``: as soon as its

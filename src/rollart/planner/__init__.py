@@ -121,7 +121,9 @@ def plan(scenario: str | Path | Scenario, *, budget_s: float = DEFAULT_BUDGET_S,
     tokens; env latencies stay assumed); ``alphas`` /
     ``redundancies``: the values to search (default 1-2 / 0-1 and the scenario's own);
     ``progress``: a callable given one line per rung; ``budget_option``: what errors and
-    warnings call the budget (``rollart plan`` passes ``"--budget-s"``).
+    warnings call the budget (``rollart plan`` passes ``"--budget-s"``; a name starting with
+    ``--`` also makes every other message spell arguments as command-line options,
+    ``--model`` rather than ``model=``).
 
     Raises PlanError naming what is short or unknown (hardware that cannot hold the model,
     fewer GPUs than the trainer plus one engine per domain, a trainer larger than one node

@@ -111,7 +111,8 @@ def model_profile(scenario: Scenario, model: str | None, *, cli: bool = False) -
         try:
             return get_model(model)
         except KeyError:
-            raise PlanError(f"{option('model', cli)} {model!r}: no simulated model profile of "
+            given = f"--model {model!r}" if cli else f"model={model!r}"
+            raise PlanError(f"{given}: no simulated model profile of "
                             f"that name; known: {sorted(MODELS)}") from None
     name = profile_name(scenario.model.path)
     try:
