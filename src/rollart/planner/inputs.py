@@ -103,6 +103,12 @@ def option(param: str, cli: bool) -> str:
     return "--" + param.replace("_", "-") if cli else f"{param}="
 
 
+def given(name: str, value: str) -> str:
+    """An argument and its value as the user typed them: ``--budget-s 5`` when ``name`` is a
+    command-line option, ``budget_s=5`` when it is a keyword of ``rollart.plan(...)``."""
+    return f"{name} {value}" if name.startswith("--") else f"{name}={value}"
+
+
 def model_profile(scenario: Scenario, model: str | None, *, cli: bool = False) -> ModelProfile:
     """The simulated profile ``model`` or the one named by ``model.path``'s last component
     (``/models/Qwen3-8B`` -> ``qwen3-8b``). Raises PlanError naming the known profiles and
@@ -111,9 +117,9 @@ def model_profile(scenario: Scenario, model: str | None, *, cli: bool = False) -
         try:
             return get_model(model)
         except KeyError:
-            given = f"--model {model!r}" if cli else f"model={model!r}"
-            raise PlanError(f"{given}: no simulated model profile of "
-                            f"that name; known: {sorted(MODELS)}") from None
+            raise PlanError(f"{given('--model' if cli else 'model', repr(model))}: no "
+                            f"simulated model profile of that name; known: {sorted(MODELS)}"
+                            ) from None
     name = profile_name(scenario.model.path)
     try:
         return get_model(name)

@@ -39,7 +39,13 @@ from typing import Any
 
 from rollart.controller.observe.stall import ControllerStalledError
 from rollart.planner import noise
-from rollart.planner.inputs import GPUS_PER_NODE, PlanError, PlanInputs, check_trainer_limits
+from rollart.planner.inputs import (
+    GPUS_PER_NODE,
+    PlanError,
+    PlanInputs,
+    check_trainer_limits,
+    given,
+)
 from rollart.sim.harness import (
     POLICY_FIELDS,
     SimDomain,
@@ -263,7 +269,7 @@ MAX_BUDGET_S = 7 * 24 * 3600.0
 def budget_words(budget_s: float, option: str = "budget_s") -> str:
     """The budget as its user gave it: ``--budget-s 5`` on the command line, ``budget_s=5``
     in a call (``option``: the name they typed)."""
-    return f"{option} {budget_s:g}" if option.startswith("--") else f"{option}={budget_s:g}"
+    return given(option, f"{budget_s:g}")
 
 
 def successive_halving(inputs: PlanInputs, *, budget_s: float, seeds: tuple[int, ...],
