@@ -8,9 +8,11 @@ import random
 import msgspec
 import pytest
 
+from rollart.controller.buffer.batch import BatchPlan
 from rollart.controller.buffer.core import Sample, SampleBuffer, SampleBufferError
 from rollart.controller.buffer.groups import Group
 from rollart.controller.buffer.snapshot import carried_over
+from rollart.controller.snapshot import restore_buffer
 from rollart.transport.errors import ConfigError
 
 
@@ -184,6 +186,61 @@ def test_held_sample_going_stale_is_replaced_not_lost() -> None:
     assert [s.sample_id for s in buf.take_batch()] == [repl, b]  # completion order
     s = buf.stats()
     assert (s.dropped, s.replaced_stale, s.consumed) == ({"stale": 1}, 1, 6)
+
+
+class _SkipsGroupG(SampleBuffer):
+    """A batch policy that never takes group ``g``, so ``g`` goes stale complete."""
+
+    def assemble_batch(self, ready, need):  # type: ignore[no-untyped-def]
+        keys = [r.key for r in ready if r.key != "g"]
+        return BatchPlan(take=keys[:need] if len(keys) >= need else [])
+
+
+@pytest.mark.parametrize("readmit", [False, True])
+def test_complete_group_going_stale_whole_is_readmitted_not_refilled(readmit: bool) -> None:
+    drops: list[tuple[str, str]] = []
+    buf = _SkipsGroupG(alpha=1, batch_size=1, group_size=1, readmit_stale_groups=readmit,
+                       on_drop=lambda *a: drops.append(a))
+    (g,) = buf.try_start_group("g")
+    run(buf, g, [0])  # complete at v = 0, passed over by every batch
+    bump(buf, "x")  # v = 1: still admissible
+    assert drops == [] and buf.stats().groups_in_flight == 1
+    bump(buf, "y")  # v = 2: g's only sample is stale
+    assert drops == [(g, "stale")]
+    s = buf.stats()
+    assert s.wasted_tokens == {"stale": 1}
+    if readmit:
+        # Dropped whole: nothing started outside admission; its place in flight is free.
+        assert buf.drain_restarts() == [] and s.groups_dropped == {"stale": 1}
+        assert (s.replaced_stale, s.groups_in_flight) == (0, 0) and buf.has_room()
+    else:
+        (repl,) = buf.drain_restarts()
+        assert buf.group_of(repl) == "g" and s.groups_dropped == {}
+        assert (s.replaced_stale, s.groups_in_flight) == (1, 1)
+
+
+def test_readmitting_is_not_in_a_snapshot_and_a_resumed_run_takes_the_scenarios() -> None:
+    buf = SampleBuffer(alpha=1, batch_size=1, group_size=1, readmit_stale_groups=True)
+    buf.try_start_group("g")
+    snap = buf.snapshot()
+    assert "readmit_stale_groups" not in snap["config"]  # the checkpoint layout is unchanged
+    for readmit in (True, False):
+        scenario = SampleBuffer(alpha=1, batch_size=1, group_size=1,
+                                readmit_stale_groups=readmit)
+        got = restore_buffer({"format": 1, "buffer": snap}, scenario_buffer=scenario,
+                             buffer_class=SampleBuffer, seed=0, trainer_version=0,
+                             on_forget=lambda key: None, on_drop=None)
+        assert got.readmit_stale_groups is readmit
+
+
+def test_group_with_a_fresh_sample_is_refilled_even_when_readmitting() -> None:
+    buf = SampleBuffer(alpha=1, batch_size=2, group_size=2, readmit_stale_groups=True)
+    a, b = buf.try_start_group("g")
+    run(buf, a, [0])  # held while b runs: the group is not complete
+    bump(buf, "x")
+    bump(buf, "y")  # v = 2: a is stale, b still wanted and running
+    (repl,) = buf.drain_restarts()
+    assert buf.group_of(repl) == "g" and buf.stats().groups_dropped == {}
 
 
 def test_on_stale_drop_finishes_then_replaces() -> None:

@@ -67,15 +67,15 @@ def test_inputs_reach_the_controller() -> None:
 
 def _policy_of(c: Controller) -> tuple:
     return (c._sync.eager, c._sync.waves, c.buffer.fresh_start, c.buffer.hold_for_groups,
-            c.run.admission, c.run.domain_mix)
+            c.run.admission, c.buffer.readmit_stale_groups, c.run.domain_mix)
 
 
 @pytest.mark.parametrize(("mode", "alpha", "policy"), [
-    ("rollart", 1, (True, 2, True, True, "capacity", "yield")),
-    ("areal", 1, (True, 2, True, False, "capacity", "yield")),
-    ("one_off", 1, (True, 2, True, False, "capacity", "yield")),
-    ("sync_plus", 0, (False, 2, False, False, "capacity", "yield")),
-    ("sync", 0, (False, 2, False, False, "capacity", "yield")),
+    ("rollart", 1, (True, 2, True, True, "capacity", True, "yield")),
+    ("areal", 1, (True, 2, True, False, "capacity", True, "yield")),
+    ("one_off", 1, (True, 2, True, False, "capacity", True, "yield")),
+    ("sync_plus", 0, (False, 2, False, False, "capacity", True, "yield")),
+    ("sync", 0, (False, 2, False, False, "capacity", True, "yield")),
 ])
 def test_a_scenario_without_policy_fields_runs_the_waste_free_default(mode, alpha,
                                                                       policy) -> None:
@@ -94,7 +94,7 @@ def test_a_scenario_without_policy_fields_runs_the_waste_free_default(mode, alph
 @pytest.mark.parametrize(("mode", "alpha"), [("rollart", 1), ("areal", 1), ("sync", 0)])
 def test_the_previous_lazy_policy_runs_when_spelled_out(mode, alpha) -> None:
     c = build_controller(make_scenario(mode=mode, alpha=alpha, **LAZY_POLICY), _backends())
-    assert _policy_of(c) == (False, 2, False, False, "greedy", "weight")
+    assert _policy_of(c) == (False, 2, False, False, "greedy", False, "weight")
 
 
 async def test_the_send_window_is_the_runs() -> None:

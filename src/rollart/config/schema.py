@@ -222,7 +222,9 @@ class RunConfig(_Cfg, frozen=True):
     #: measured group completion time, it would miss its staleness deadline now but meet it
     #: then (``rollart.controller.rollout.pacing``); ``capacity``: start a group only while fewer
     #: still-admissible groups are in flight than the batches it could join can take
-    #: (``SampleBuffer.has_capacity``).
+    #: (``SampleBuffer.has_capacity``); a complete group that went stale whole is then
+    #: dropped (``groups_dropped_by_reason`` ``stale``) and replaced through that check, not
+    #: refilled in place.
     admission: Literal["greedy", "paced", "capacity"] = "capacity"
     #: domain of each admitted group: ``weight`` draws by ``domain.weight``; ``yield`` divides
     #: each weight by the domain's measured yield (samples trained per trajectory slot started),

@@ -177,6 +177,7 @@ class Controller:
             abort_stale=run.abort_stale,
             staleness_control=spec.staleness_control,
             hold_for_groups=hold,
+            readmit_stale_groups=run.admission == "capacity",
         )
         self.domains: dict[str, DomainConfig] = {d.name: d for d in scenario.domains}
         if resume is not None:

@@ -71,9 +71,10 @@ def restore_buffer(snap: dict[str, Any], *, scenario_buffer: SampleBuffer,
     if changed:
         raise RollartError("controller snapshot was taken with other settings: "
                            f"{', '.join(changed)}; resume with the scenario it was taken with")
-    # Not in the checkpoint (it decides only when a batch is taken, not what the groups
-    # hold): a resumed run holds batches as its scenario says.
+    # Not in the checkpoint (they decide when a batch is taken and how a stale group is
+    # replaced, not what the groups hold): a resumed run follows its scenario.
     buffer.hold_for_groups = scenario_buffer.hold_for_groups
+    buffer.readmit_stale_groups = scenario_buffer.readmit_stale_groups
     if buffer.version != trainer_version:
         raise RollartError(
             f"controller snapshot is at version {buffer.version}, the trainer at "

@@ -29,7 +29,9 @@ Admissibility (RollArt section 6.2, bound alpha)
     completes, (3) on every ``advance_version`` for all held samples (and, with
     ``abort_stale``, running ones: ``drain_aborts``), and (4) again on every sample at batch
     assembly in ``take_batch``. A stale held sample is dropped (counted,
-    ``on_drop(id, "stale")``) and its slot gets a fresh trajectory (``drain_restarts``).
+    ``on_drop(id, "stale")``) and its slot gets a fresh trajectory (``drain_restarts``); with
+    ``readmit_stale_groups``, a complete group that went stale as a whole is dropped instead
+    (``groups_dropped["stale"]``) and admission starts its replacement.
 
 begin_turn verdicts, in order of precedence
     ``"cancel"``: the trajectory is no longer needed (group complete, retired or consumed, or the
@@ -179,6 +181,12 @@ class SampleBuffer(TrajectoryCalls):
             instead of the rollout throwing it away; the caller bounds the wait
             (``take_batch(hold=False)``). For the per-turn check with ``"bound"`` control.
             Not in :meth:`snapshot` (it changes no state): :meth:`restore` leaves it off.
+        readmit_stale_groups: a complete group whose every sample went stale before a batch
+            took it (no member running) is dropped (``groups_dropped`` ``"stale"``, its samples
+            wasted as ``"stale"``) instead of refilled in place, so its replacement goes
+            through admission like any new group (with ``run.admission = "capacity"``, the
+            version-aware check a refill would bypass). Not in :meth:`snapshot`, like
+            ``hold_for_groups``.
 
     Raises:
         ConfigError: any argument out of range, naming it.
@@ -204,6 +212,7 @@ class SampleBuffer(TrajectoryCalls):
         abort_stale: bool = False,
         staleness_control: Literal["bound", "areal"] = "bound",
         hold_for_groups: bool = False,
+        readmit_stale_groups: bool = False,
     ) -> None:
         for name, val, lo in (
             ("alpha", alpha, 0),
@@ -244,6 +253,7 @@ class SampleBuffer(TrajectoryCalls):
                 f"'bound' (got {check!r}, {staleness_control!r}): nothing else goes stale "
                 "at a version bump")
         self.hold_for_groups = bool(hold_for_groups)
+        self.readmit_stale_groups = bool(readmit_stale_groups)
         #: the last ``take_batch`` found a batch but held it (``hold_for_groups``)
         self.holding = False
         self.max_groups = self.groups_bound(alpha, batch_size, group_size)

@@ -264,6 +264,13 @@ class GroupTable:
             self.counters.replaced_stale += 1
             self.restarts.append(tid)
 
+    def drop_stale_group(self, g: Group) -> None:
+        """Every sample of ``g`` went stale and no member runs: drop them (``"stale"``) and
+        give the group up (``"stale"``) instead of refilling each slot."""
+        for t in g.held():
+            self.drop(t, "stale")
+        self.give_up(g, "stale")
+
     def select(self, g: Group, rng: random.Random | None) -> list[str]:
         """Unbiased selection once the deadline passed or no member is left running; returns
         the live members to cancel."""

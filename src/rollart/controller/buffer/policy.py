@@ -14,7 +14,7 @@ from collections.abc import Collection, Sequence
 from typing import Any
 
 from rollart.controller.buffer.batch import BatchPlan, ReadyGroup
-from rollart.controller.buffer.groups import Traj
+from rollart.controller.buffer.groups import Group, Traj
 from rollart.controller.buffer.queries import BufferQueries
 from rollart.controller.buffer.records import TrajState
 
@@ -47,6 +47,9 @@ class StalenessPolicy(BufferQueries):
         for g in list(self._groups.values()):
             if g.status != "open":
                 continue
+            if self.readmit_stale_groups and self._stale_whole(g):
+                self._table.drop_stale_group(g)
+                continue
             for t in g.held():
                 if not self._ok(t) and t.state is TrajState.HELD:
                     # (a replacement past the group's attempts gives the group up, and drops
@@ -62,6 +65,14 @@ class StalenessPolicy(BufferQueries):
                     bound = b if bound is None or b < bound else bound
         # No trajectory with a version at all: any later one lowers the bound from here.
         self._fresh_bound = self._version if bound is None else bound
+
+    def _stale_whole(self, g: Group) -> bool:
+        """Whether open group ``g`` has samples, every one of them stale, and no member it
+        wants running (a complete group's surplus members are being cancelled): refilling it
+        in place would start a whole group outside admission."""
+        held = g.held()
+        return (bool(held) and not any(g.wants(t) for t in g.live())
+                and not any(self._ok(t) for t in held))
 
     @staticmethod
     def groups_bound(alpha: int, batch_size: int, group_size: int) -> int:
