@@ -37,6 +37,7 @@ class BufferQueries:
     abort_stale: bool
     staleness_control: Literal["bound", "areal"]
     hold_for_groups: bool
+    readmit_stale_groups: bool
     #: the last ``take_batch`` found a batch but held it (``hold_for_groups``)
     holding: bool
     max_groups: int
