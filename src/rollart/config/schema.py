@@ -352,14 +352,16 @@ class ModelConfig(_Cfg, frozen=True):
     #: guess drawn uniformly from the game's whole range, hints ignored; other envs have none):
     #: the warmed-up policy then keeps a random-guessing habit that RL can teach it to drop,
     #: and groups whose members differ (GRPO learns nothing from a group of equal rewards).
-    #: Measured on the quickstart's domains with 0.3: the 2-layer policy wins 0.47 / 0.10
+    #: Measured on the quickstart's domains with 0.3 and three warm-up epochs (the quickstart
+    #: now takes two): the 2-layer policy wins 0.47 / 0.10
     #: greedy and 0.33 / 0.22 sampled (200 held-out games), below the best fixed guess
     #: sequence (0.46 / 0.28): the random moves cost it the skill, not only those moves.
     tiny_warmup_explore: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
     #: exploring moves replace only the first N moves of each demonstrated episode (the later
     #: moves stay the solver's); ``None``: any move. With ``tiny_warmup_explore = 1.0`` and 1,
     #: every demonstrated game opens with a uniformly random guess and then bisects. Measured on
-    #: the quickstart's domains: the warmed policy then plays worse after the opening too
+    #: the quickstart's domains with three warm-up epochs: the warmed policy then plays worse
+    #: after the opening too
     #: (sampled win rate 0.27 / 0.19 against 0.62 / 0.53 with bisection openings), and 75 RL
     #: steps did not teach it to open in the middle.
     tiny_warmup_explore_turns: Annotated[int, msgspec.Meta(ge=1, le=64)] | None = None
@@ -369,9 +371,9 @@ class ModelConfig(_Cfg, frozen=True):
     #: (and caches) another model.
     tiny_hidden_size: Annotated[int, msgspec.Meta(ge=32, le=1024)] | None = None
     #: the tiny model's number of decoder layers; ``None``: 2. Measured on the quickstart's
-    #: games: 4 layers and 4 heads, warmed up like the quickstart with ``tiny_warmup_explore =
+    #: games: 4 layers and 4 heads, warmed up for three epochs with ``tiny_warmup_explore =
     #: 0.3``, played one guess sequence on 90% of guess10's held-out games (greedy win rate
-    #: 0.20 against the 2-layer model's 0.59) after a warm-up of ~1 h on a busy 2-core machine.
+    #: 0.20 against 0.59 for the 2-layer model after the same three epochs without exploring) after a warm-up of ~1 h on a busy 2-core machine.
     tiny_num_layers: Annotated[int, msgspec.Meta(ge=1, le=16)] | None = None
     #: the tiny model's attention heads; ``None``: 2 (see ``tiny_hidden_size`` for the head size).
     tiny_num_heads: Annotated[int, msgspec.Meta(ge=1, le=32)] | None = None
