@@ -31,15 +31,21 @@ nox.options.sessions = ["lint", "tests"]
 _MISMATCHED = ("torchvision", "torchaudio", "torchcodec")
 
 
+def _uninstall_mismatched(session: nox.Session) -> None:
+    # run_install, not run: ``nox -s NAME --install-only`` must also leave a working
+    # environment (``session.run`` is skipped there).
+    session.run_install("python", "-m", "pip", "uninstall", "-y", *_MISMATCHED, silent=True)
+
+
 def _install_runtime(session: nox.Session) -> None:
     session.install("-e", ".[cpu,dev,ray]")
-    session.run("python", "-m", "pip", "uninstall", "-y", *_MISMATCHED, silent=True)
+    _uninstall_mismatched(session)
 
 
 @nox.session(python="3.11")
 def learning(session: nox.Session) -> None:
     session.install("-e", ".[cpu,dev,learning]")
-    session.run("python", "-m", "pip", "uninstall", "-y", *_MISMATCHED, silent=True)
+    _uninstall_mismatched(session)
     session.run("python", "-m", "benchmarks.learning", "--quick", "--json",
                 "runs/learning/learning.json", *session.posargs)
 
