@@ -207,3 +207,16 @@ def test_report_refuses_a_metrics_file_that_is_not_records_naming_the_file(tmp_p
     (run / "metrics.jsonl").write_bytes(b'{"step": 1}\n\xff\xfe\n')
     assert report.main([str(run)]) == 2
     assert "metrics.jsonl: not UTF-8 text" in capsys.readouterr().err
+
+
+def test_report_names_a_missing_run_folder_and_an_out_that_is_a_file(tmp_path, capsys):
+    assert report.main([str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'nope'} does not exist" in err and "metrics.jsonl:" not in err
+    (tmp_path / "plain").write_text("x")
+    assert report.main([str(tmp_path / "plain")]) == 2
+    assert f"{tmp_path / 'plain'} is not a folder" in capsys.readouterr().err
+    run = _run_dir(tmp_path)
+    assert report.main([str(run), "--out", str(tmp_path / "plain")]) == 2
+    assert f"--out {tmp_path / 'plain'} is a file, not a folder" in capsys.readouterr().err
+    assert (tmp_path / "plain").read_text() == "x"

@@ -405,6 +405,14 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.smooth < 1:
         p.error(f"--smooth: must be >= 1, got {args.smooth}")
+    if not args.run_dir.is_dir():
+        what = "is not a folder" if args.run_dir.exists() else "does not exist"
+        print(f"rollart report: {args.run_dir} {what} (give a run folder, which holds "
+              "metrics.jsonl)", file=sys.stderr)
+        return 2
+    if args.out is not None and args.out.exists() and not args.out.is_dir():
+        print(f"rollart report: --out {args.out} is a file, not a folder", file=sys.stderr)
+        return 2
     try:
         rows = _rows(args.run_dir)
     except ValueError as exc:
