@@ -45,7 +45,7 @@ from rollart.filemodes import apply_umask
 from rollart.launcher.cliargs import path_arg
 from rollart.launcher.procs import ProcessFailedError
 from rollart.launcher.progress import Progress, print_summary_block, summary_block
-from rollart.launcher.rundir import resume_point, write_summary
+from rollart.launcher.rundir import resume_mismatch, resume_point, write_summary
 from rollart.launcher.sigterm import Terminated, sigterm_cancels
 from rollart.transport.errors import ConfigError, RollartError
 
@@ -266,8 +266,15 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         try:
             ckpt, state = resume_point(args.resume)
+            changed = resume_mismatch(args.resume, scenario)
         except ConfigError as exc:
             print(f"rollart run: --resume: {exc}", file=sys.stderr)
+            return 2
+        if changed:
+            # Refused before the warm-up and the services: the run folder stays as it was.
+            print(f"rollart run: --resume {args.resume}: {args.scenario} differs from the "
+                  f"scenario that run was started with ({args.resume / 'config.json'}) in "
+                  f"{'; '.join(changed)}; resume with that scenario", file=sys.stderr)
             return 2
         if state.step >= planned:
             print(f"rollart run: checkpoint {ckpt} is at step {state.step}, the planned "

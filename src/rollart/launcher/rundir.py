@@ -36,7 +36,7 @@ from typing import Any
 
 import msgspec
 
-from rollart.config import Scenario
+from rollart.config import Scenario, scenario_from_json
 from rollart.launcher.progress import failure_summary, waste_summary
 from rollart.launcher.sinks import TensorBoardSink, WandbSink, eval_scalars, step_scalars
 from rollart.trainer.checkpoint import latest_checkpoint, mark_complete, read_json, step_dir
@@ -72,6 +72,44 @@ def resume_point(run_dir: Path) -> tuple[Path, RunState]:
         raise ConfigError(f"resume {run_dir}: no complete checkpoint under "
                           f"{run_dir / 'checkpoints'}")
     return ckpt, msgspec.convert(read_json(ckpt / "controller.json"), RunState)
+
+
+#: ``run`` fields a resumed run must share with the run it continues: the sample buffer's
+#: checkpointed settings (``rollart.controller.buffer.snapshot.CONFIG_KEYS``) as scenario fields
+_RESUME_RUN_FIELDS = ("mode", "alpha", "batch_size", "group_size", "redundancy", "selection",
+                      "on_stale", "abort_stale")
+
+
+def resume_mismatch(run_dir: Path, scenario: Scenario) -> list[str]:
+    """What ``scenario`` changes that a resume of ``run_dir`` cannot take, against the run's
+    ``config.json``: the model, the domains, the sample buffer's checkpointed settings and
+    ``run.retry.max_attempts``; each as ``"field (run X, scenario Y)"``. Checked before any
+    process starts (the controller checks the buffer's settings again at restore). ``[]``:
+    nothing in the way, or no ``config.json`` this version reads to compare with.
+    """
+    path = run_dir / "config.json"
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return []
+    try:
+        old = scenario_from_json(data, str(path))
+    except ConfigError:
+        # Written by another rollart version: the controller's own check at restore decides.
+        return []
+    out = [f"run.{f} (run {getattr(old.run, f)!r}, scenario {getattr(scenario.run, f)!r})"
+           for f in _RESUME_RUN_FIELDS if getattr(old.run, f) != getattr(scenario.run, f)]
+    if old.run.retry.max_attempts != scenario.run.retry.max_attempts:
+        out.append(f"run.retry.max_attempts (run {old.run.retry.max_attempts}, scenario "
+                   f"{scenario.run.retry.max_attempts})")
+    was, now = [d.name for d in old.domains], [d.name for d in scenario.domains]
+    if was != now:
+        out.append(f"domains (run {was}, scenario {now})")
+    if old.model.path != scenario.model.path:
+        out.append(f"model.path (run {old.model.path!r}, scenario {scenario.model.path!r})")
+    elif old.model != scenario.model:
+        out.append("[model] settings (the run's checkpoint comes from another model)")
+    return out
 
 
 def record_base_model(run_dir: Path, model_dir: Path, scenario: Scenario) -> None:

@@ -1,0 +1,55 @@
+"""`rollart run --resume DIR` with a scenario other than the run's: refused before the warm-up
+and the services start, naming each field, and the run folder is left as it was."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rollart.config import load_scenario, scenario_to_json
+from rollart.launcher import run as run_cli
+from rollart.launcher.rundir import resume_mismatch
+from rollart.trainer.checkpoint import mark_complete, step_dir
+
+ROOT = Path(__file__).resolve().parents[2]
+SMOKE, QUICKSTART = ROOT / "scenarios" / "smoke.toml", ROOT / "scenarios" / "quickstart.toml"
+
+
+def _run_folder(tmp_path: Path, scenario: Path) -> Path:
+    """A run folder of ``scenario`` with a sealed step-2 checkpoint and a summary."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.json").write_bytes(scenario_to_json(load_scenario(scenario)))
+    d = step_dir(run / "checkpoints", 2)
+    d.mkdir()
+    (d / "controller.json").write_text(json.dumps({"step": 2, "version": 2, "controller": {}}))
+    mark_complete(run / "checkpoints", 2)
+    (run / "summary.json").write_text('{"steps": 2}\n')
+    return run
+
+
+def test_resuming_with_another_scenario_is_refused_before_anything_starts(
+        tmp_path, capsys) -> None:
+    run = _run_folder(tmp_path, SMOKE)
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    assert run_cli.main([str(QUICKSTART), "--resume", str(run), "--steps", "3",
+                         "--cache-dir", str(tmp_path / "cache")]) == 2
+    err = capsys.readouterr().err
+    assert f"differs from the scenario that run was started with ({run / 'config.json'})" in err
+    for part in ("run.batch_size (run 8, scenario 32)", "run.group_size (run 4, scenario 8)",
+                 "domains (run ['guess', 'arith'], scenario ['guess10', 'guess20'])",
+                 "[model] settings"):
+        assert part in err, part
+    # Nothing written: no summary rewritten, no warm-up started, no log folder moved.
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+    assert not (tmp_path / "cache").exists()
+
+
+def test_the_same_scenario_and_a_folder_without_config_have_nothing_in_the_way(
+        tmp_path) -> None:
+    run = _run_folder(tmp_path, SMOKE)
+    assert resume_mismatch(run, load_scenario(SMOKE)) == []
+    (run / "config.json").unlink()
+    assert resume_mismatch(run, load_scenario(QUICKSTART)) == []
+    (run / "config.json").write_text('{"run": {"no_such_field": 1}}')  # another version's
+    assert resume_mismatch(run, load_scenario(QUICKSTART)) == []
