@@ -220,3 +220,27 @@ def test_report_names_a_missing_run_folder_and_an_out_that_is_a_file(tmp_path, c
     assert report.main([str(run), "--out", str(tmp_path / "plain")]) == 2
     assert f"--out {tmp_path / 'plain'} is a file, not a folder" in capsys.readouterr().err
     assert (tmp_path / "plain").read_text() == "x"
+
+
+def test_eval_plot_draws_sampled_pass_at_1_with_its_interval_and_the_page_names_the_headline(
+        tmp_path, monkeypatch) -> None:
+    res = {"accuracy": 0.5, "ci95": [0.45, 0.55], "pass_at_1": 0.4, "pass_at_1_ci95": [0.35, 0.45],
+           "pass_at_k": 0.4, "pass_k": 1, "majority_baseline": 0.3}
+    rows = [{"step": s, "eval": [{"at_step": s, "domains": {"g": res}}]} for s in (0, 5)]
+    saved: dict[str, list[str]] = {}
+
+    def keep(fig, path) -> None:
+        saved[path.name] = fig.axes[0].get_legend_handles_labels()[1]
+
+    monkeypatch.setattr(report, "_save", keep)
+    report.write_eval_plots(rows, tmp_path)
+    labels = saved["eval_g.png"]
+    assert {"greedy accuracy", "greedy 95% interval", "sampled pass@1",
+            "sampled 95% interval"} <= set(labels)
+    assert not any(lab.startswith("pass@") for lab in labels)  # pass@1 is drawn once
+    run = _run_dir(tmp_path)
+    (run / "summary.json").write_text(json.dumps({"eval": {"g": {
+        "headline": "sampled", "first": 0.4, "last": 0.4}}}))
+    (tmp_path / "out").mkdir()
+    page = report.write_html(run, tmp_path / "out", [{"step": 1, "mode": "rollart"}])
+    assert "Held-out evaluation (sampled pass@1)" in page.read_text()

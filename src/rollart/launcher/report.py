@@ -13,8 +13,9 @@ Reads ``RUN_DIR/metrics.jsonl`` (and ``summary.json`` when present) and writes, 
 - ``signal.png``: per domain, the share of each batch's groups whose rewards were all equal
   (zero GRPO advantage: no gradient; a domain stuck at 1.0 cannot learn);
 - ``eval_<domain>.png`` (runs with ``[eval] enabled``): per domain, held-out greedy accuracy
-  with its 95% interval and pass@k at each evaluation's step, and the majority baseline (the
-  best constant answer's accuracy on the same eval set) as a line;
+  and sampled pass@1, each with its 95% interval, and pass@k (k > 1) at each evaluation's
+  step, and the majority baseline (the best constant answer's accuracy on the same eval set)
+  as a line;
 - ``loss.png``, ``kl.png``, ``grad_norm.png``: the trainer's loss, KL to the reference policy
   and gradient norm of each step (``train_metrics``);
 - ``entropy.png``: the policy's mean entropy per generated token (nats), overall and per domain;
@@ -306,8 +307,20 @@ def write_eval_plots(rows: list[dict[str, Any]], out: Path) -> list[Path]:
         ci = [(s, r["ci95"]) for s, r in pts if r.get("ci95")]
         if ci:
             ax.fill_between([s for s, _ in ci], [c[0] for _, c in ci], [c[1] for _, c in ci],
-                            color="C0", alpha=0.2, label="95% interval")
-        pk = [(s, r["pass_at_k"]) for s, r in pts if r.get("pass_at_k") is not None]
+                            color="C0", alpha=0.2, label="greedy 95% interval")
+        # Sampled pass@1 with its own interval: what a run with the sampled headline is
+        # judged by, so it is drawn as the greedy line is.
+        p1 = [(s, r) for s, r in pts if r.get("pass_at_1") is not None]
+        if p1:
+            ax.plot([s for s, _ in p1], [r["pass_at_1"] for _, r in p1], marker="s",
+                    color="C1", label="sampled pass@1")
+            ci1 = [(s, r["pass_at_1_ci95"]) for s, r in p1 if r.get("pass_at_1_ci95")]
+            if ci1:
+                ax.fill_between([s for s, _ in ci1], [c[0] for _, c in ci1],
+                                [c[1] for _, c in ci1], color="C1", alpha=0.2,
+                                label="sampled 95% interval")
+        pk = [(s, r["pass_at_k"]) for s, r in pts
+              if r.get("pass_at_k") is not None and r.get("pass_k") != 1]
         if pk:
             ax.plot(*zip(*pk, strict=True), marker=".", ls="--", color="C2",
                     label=f"pass@{pts[-1][1].get('pass_k')}")
@@ -372,7 +385,11 @@ def write_html(run_dir: Path, out: Path, rows: list[dict[str, Any]]) -> Path:
             "<tr><td>" + html.escape(name) + "</td>"
             + "".join(f"<td>{_fmt(d.get(c))}</td>" for c in cols) + "</tr>"
             for name, d in sorted(evals.items()))
-        table += (f"<h2>Held-out evaluation (greedy accuracy)</h2><table border=1 "
+        # first / last / last_ci95 are the run's headline (``[eval] headline``).
+        judged = sorted({d.get("headline", "greedy") for d in evals.values()})
+        what = " / ".join("sampled pass@1" if h == "sampled" else "greedy accuracy"
+                          for h in judged)
+        table += (f"<h2>Held-out evaluation ({html.escape(what)})</h2><table border=1 "
                   f"cellpadding=4><tr>{head}</tr>{body}</table>")
     rest = {k: v for k, v in summary.items() if k not in ("domains", "eval")}
     if rest:
