@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import msgspec
+
 from rollart.config import load_scenario, scenario_to_json
 from rollart.launcher import run as run_cli
 from rollart.launcher.rundir import resume_mismatch
@@ -37,12 +39,21 @@ def test_resuming_with_another_scenario_is_refused_before_anything_starts(
     err = capsys.readouterr().err
     assert f"differs from the scenario that run was started with ({run / 'config.json'})" in err
     for part in ("run.batch_size (run 8, scenario 32)", "run.group_size (run 4, scenario 8)",
-                 "domains (run ['guess', 'arith'], scenario ['guess10', 'guess20'])",
-                 "[model] settings"):
+                 "domains (run ['guess', 'arith'], scenario ['guess10', 'guess20'])"):
         assert part in err, part
     # Nothing written: no summary rewritten, no warm-up started, no log folder moved.
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
     assert not (tmp_path / "cache").exists()
+
+
+def test_a_tiny_model_of_another_shape_is_named(tmp_path) -> None:
+    run = _run_folder(tmp_path, SMOKE)
+    smoke = load_scenario(SMOKE)
+    wider = msgspec.structs.replace(smoke, model=msgspec.structs.replace(
+        smoke.model, tiny_hidden_size=256, tiny_num_heads=4))
+    assert resume_mismatch(run, wider) == [
+        "model.tiny_hidden_size (run None, scenario 256)",
+        "model.tiny_num_heads (run None, scenario 4)"]
 
 
 def test_the_same_scenario_and_a_folder_without_config_have_nothing_in_the_way(

@@ -373,7 +373,8 @@ class ModelConfig(_Cfg, frozen=True):
     #: the tiny model's number of decoder layers; ``None``: 2. Measured on the quickstart's
     #: games: 4 layers and 4 heads, warmed up for three epochs with ``tiny_warmup_explore =
     #: 0.3``, played one guess sequence on 90% of guess10's held-out games (greedy win rate
-    #: 0.20 against 0.59 for the 2-layer model after the same three epochs without exploring) after a warm-up of ~1 h on a busy 2-core machine.
+    #: 0.20 against 0.59 for the 2-layer model after the same three epochs without
+    #: exploring) after a warm-up of ~1 h on a busy 2-core machine.
     tiny_num_layers: Annotated[int, msgspec.Meta(ge=1, le=16)] | None = None
     #: the tiny model's attention heads; ``None``: 2 (see ``tiny_hidden_size`` for the head size).
     tiny_num_heads: Annotated[int, msgspec.Meta(ge=1, le=32)] | None = None

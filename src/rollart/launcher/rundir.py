@@ -76,14 +76,18 @@ def resume_point(run_dir: Path) -> tuple[Path, RunState]:
 
 #: ``run`` fields a resumed run must share with the run it continues: the sample buffer's
 #: checkpointed settings (``rollart.controller.buffer.snapshot.CONFIG_KEYS``) as scenario fields
-_RESUME_RUN_FIELDS = ("mode", "alpha", "batch_size", "group_size", "redundancy", "selection",
+_RESUME_RUN_FIELDS = ("alpha", "batch_size", "group_size", "redundancy", "selection",
                       "on_stale", "abort_stale")
+#: ``model`` fields that decide the shape of the checkpoint's weights (a tiny model's
+#: architecture); its warm-up settings do not matter once a checkpoint exists
+_RESUME_TINY_FIELDS = ("tiny_hidden_size", "tiny_num_layers", "tiny_num_heads")
 
 
 def resume_mismatch(run_dir: Path, scenario: Scenario) -> list[str]:
     """What ``scenario`` changes that a resume of ``run_dir`` cannot take, against the run's
-    ``config.json``: the model, the domains, the sample buffer's checkpointed settings and
-    ``run.retry.max_attempts``; each as ``"field (run X, scenario Y)"``. Checked before any
+    ``config.json``: the model (its path, a tiny model's architecture), the domains, the sample
+    buffer's checkpointed settings and ``run.retry.max_attempts``; each as ``"field (run X,
+    scenario Y)"``. Checked before any
     process starts (the controller checks the buffer's settings again at restore). ``[]``:
     nothing in the way, or no ``config.json`` this version reads to compare with.
     """
@@ -107,8 +111,8 @@ def resume_mismatch(run_dir: Path, scenario: Scenario) -> list[str]:
         out.append(f"domains (run {was}, scenario {now})")
     if old.model.path != scenario.model.path:
         out.append(f"model.path (run {old.model.path!r}, scenario {scenario.model.path!r})")
-    elif old.model != scenario.model:
-        out.append("[model] settings (the run's checkpoint comes from another model)")
+    out += [f"model.{f} (run {getattr(old.model, f)!r}, scenario {getattr(scenario.model, f)!r})"
+            for f in _RESUME_TINY_FIELDS if getattr(old.model, f) != getattr(scenario.model, f)]
     return out
 
 
