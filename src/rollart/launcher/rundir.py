@@ -87,9 +87,9 @@ def resume_mismatch(run_dir: Path, scenario: Scenario) -> list[str]:
     """What ``scenario`` changes that a resume of ``run_dir`` cannot take, against the run's
     ``config.json``: the model (its path, a tiny model's architecture), the domains, the sample
     buffer's checkpointed settings and ``run.retry.max_attempts``; each as ``"field (run X,
-    scenario Y)"``. Checked before any
-    process starts (the controller checks the buffer's settings again at restore). ``[]``:
-    nothing in the way, or no ``config.json`` this version reads to compare with.
+    scenario Y)"``. Checked before any process starts (the controller checks the buffer's
+    settings again at restore). ``[]``: nothing in the way, or no ``config.json`` this version
+    reads to compare with.
     """
     path = run_dir / "config.json"
     try:
@@ -101,19 +101,16 @@ def resume_mismatch(run_dir: Path, scenario: Scenario) -> list[str]:
     except ConfigError:
         # Written by another rollart version: the controller's own check at restore decides.
         return []
-    out = [f"run.{f} (run {getattr(old.run, f)!r}, scenario {getattr(scenario.run, f)!r})"
-           for f in _RESUME_RUN_FIELDS if getattr(old.run, f) != getattr(scenario.run, f)]
-    if old.run.retry.max_attempts != scenario.run.retry.max_attempts:
-        out.append(f"run.retry.max_attempts (run {old.run.retry.max_attempts}, scenario "
-                   f"{scenario.run.retry.max_attempts})")
-    was, now = [d.name for d in old.domains], [d.name for d in scenario.domains]
-    if was != now:
-        out.append(f"domains (run {was}, scenario {now})")
-    if old.model.path != scenario.model.path:
-        out.append(f"model.path (run {old.model.path!r}, scenario {scenario.model.path!r})")
-    out += [f"model.{f} (run {getattr(old.model, f)!r}, scenario {getattr(scenario.model, f)!r})"
-            for f in _RESUME_TINY_FIELDS if getattr(old.model, f) != getattr(scenario.model, f)]
-    return out
+    pairs = [
+        *((f"run.{f}", getattr(old.run, f), getattr(scenario.run, f))
+          for f in _RESUME_RUN_FIELDS),
+        ("run.retry.max_attempts", old.run.retry.max_attempts,
+         scenario.run.retry.max_attempts),
+        ("domains", [d.name for d in old.domains], [d.name for d in scenario.domains]),
+        *((f"model.{f}", getattr(old.model, f), getattr(scenario.model, f))
+          for f in ("path", *_RESUME_TINY_FIELDS)),
+    ]
+    return [f"{name} (run {was!r}, scenario {now!r})" for name, was, now in pairs if was != now]
 
 
 def record_base_model(run_dir: Path, model_dir: Path, scenario: Scenario) -> None:
