@@ -43,3 +43,19 @@ def test_a_negated_name_is_never_suggested() -> None:
     assert suggest("nonblocking", ["blocking"]) == ""
     assert suggest("unsafe", ["safe"]) == ""
     assert suggest("snyc", ["sync", "areal"]) == " (did you mean 'sync'?)"
+
+
+def test_every_unknown_key_is_named_not_only_the_first() -> None:
+    text = (MINIMAL.replace("[run]", "[run]\nbatch_sze = 8\ngrup_size = 2")
+            .replace('pool = "cpu"', 'pool = "cpu"\nrewrd_url = "local"')
+            + "\n[trainr]\nlr = 1e-6\n")
+    with pytest.raises(ConfigError) as err:
+        parse_scenario(text, "two.toml")
+    msg = str(err.value)
+    for part in ("run: Object contains unknown field `batch_sze` (did you mean 'batch_size'?)",
+                 "run: Object contains unknown field `grup_size` (did you mean 'group_size'?)",
+                 "domains[0]: Object contains unknown field `rewrd_url` (did you mean "
+                 "'reward_url'?)",
+                 "unknown field `trainr` (did you mean 'trainer'?)"):
+        assert part in msg, (part, msg)
+    assert msg.startswith("two.toml: ")

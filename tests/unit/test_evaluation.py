@@ -465,3 +465,55 @@ def test_the_sampled_headline_judges_the_run_by_pass_at_1() -> None:
     with pytest.raises(ConfigError, match=r"eval\.headline: .*pass_k >= 1"):
         parse_scenario(text + "pass_k = 0\n", "s.toml")
     assert parse_scenario(text + "pass_k = 2\n", "s.toml").eval.headline == "sampled"
+
+
+async def test_a_resumed_run_keeps_its_baseline_and_skips_the_evaluation_it_has() -> None:
+    sc = scenario("answer", size=60, pass_k=2)
+    trainer, worker = FakeTrainer(), FakeWorker("w1", lambda req: r"\boxed{3}")
+
+    def make(resume=None) -> Cluster:
+        c = Cluster.from_scenario(sc, backends=Backends(
+            pools={"p1": [worker]}, trainer=trainer, tokenizer=TOK), resume=resume)
+        c.register_env("answer", FakeAnswerEnv)
+        return c
+
+    first: list = []
+    c1 = make()
+    async with c1:
+        async for st in c1.train(steps=2):
+            first.append(st)
+        snap = msgspec.json.decode(msgspec.json.encode(c1.snapshot()))  # JSON round trip
+    before = [r for st in first for r in st.metrics.eval]
+    assert [r.at_step for r in before] == [0, 2]
+    assert snap["eval"]["last_at_step"] == 2 and snap["eval"]["count"] == 2
+    assert len(snap["eval"]["train_rewards"]["qa"]) == 2
+    baseline = before[-1].domains["qa"].majority_baseline
+    assert baseline is not None
+
+    evals = set(eval_seeds("qa", 60, sc.eval.seed))
+    FakeAnswerEnv.seen = []
+    c2 = make(resume=snap)
+    after = await train(c2, 2)
+    records = [r for st in after for r in st.metrics.eval]
+    # step 2's evaluation is in the run already: only step 4's runs, with the same baseline
+    assert [r.at_step for r in records] == [4]
+    assert records[0].domains["qa"].majority_baseline == baseline
+    assert records[0].domains["qa"].baseline_actions == before[-1].domains["qa"].baseline_actions
+    # the baseline was not played again: the eval set was played once, greedy + pass_k each
+    assert sum(s in evals for s in FakeAnswerEnv.seen) == 60 * (1 + 2)
+    assert c2.evaluator is not None and len(c2.evaluator._train_rewards["qa"]) == 4
+
+
+async def test_a_resume_from_a_step_without_its_evaluation_evaluates_first() -> None:
+    from types import SimpleNamespace
+
+    from rollart.controller.evaluation.runner import Evaluator
+
+    ev = SimpleNamespace(_train_rewards={"qa": []}, domains={"qa": None})
+    snap = {"format": 1, "count": 1, "last_at_step": 0, "baselines": None,
+            "train_rewards": {"qa": [0.5]}}
+    Evaluator.restore(ev, snap, step_index=3)  # the eval after step 3 never finished
+    assert ev.has_run is False and ev._count == 1 and ev._train_rewards == {"qa": [0.5]}
+    assert not getattr(ev, "_baseline_restored", False)  # none measured: measured again
+    with pytest.raises(Exception, match="unknown format 2"):
+        Evaluator.restore(ev, {**snap, "format": 2}, step_index=3)

@@ -62,3 +62,35 @@ async def test_a_local_path_without_a_checkpoint_is_refused_naming_the_file(tmp_
     sc = parse_scenario(GUESS + f'[model]\npath = "{tmp_path}"\n', "s.toml")
     with pytest.raises(ConfigError, match=r"^s\.toml: model\.path: .*no config\.json"):
         await prepare_model(sc, "s.toml", tmp_path, resume=False, note=print)
+
+
+def test_the_waiting_note_says_the_warm_ups_step_and_the_time_left(tmp_path, monkeypatch):
+    import logging
+    import time
+
+    from rollart.launcher.modelbuild import ProgressFile, progress_note
+
+    path = tmp_path / "progress.json"
+    assert progress_note(path, 31.4) == "still preparing the tiny model (31 s)"  # none yet
+    clock = iter([100.0, 130.0, 160.0])
+    monkeypatch.setattr(time, "monotonic", lambda: next(clock))
+    handler = ProgressFile(path)
+    log = logging.getLogger("rollart.models.test")
+
+    def emit(msg: str, **extra) -> None:
+        handler.handle(log.makeRecord(log.name, logging.INFO, __file__, 0, msg, (), None,
+                                      extra=extra or None))
+
+    emit("not cached: building tiny-abc and warming it up on 900 demonstrations")
+    assert progress_note(path, 12) == ("still preparing the tiny model (12 s): not cached: "
+                                       "building tiny-abc and warming it up on 900 "
+                                       "demonstrations")
+    emit("warm-up step 10/100, loss 2.000", progress=(10, 100))  # at 100 s: no rate yet
+    assert progress_note(path, 40).endswith("warm-up step 10/100, loss 2.000")
+    emit("warm-up step 20/100, loss 1.500", progress=(20, 100))  # 10 steps in 30 s
+    assert progress_note(path, 70) == ("still preparing the tiny model (70 s): warm-up step "
+                                       "20/100, loss 1.500; about 4 min left")  # 80 * 3 s
+    emit("warm-up step 99/100, loss 0.500", progress=(99, 100))  # 89 steps in 60 s
+    assert progress_note(path, 100).endswith("; about 1 s left")
+    path.write_text("{half")  # never half a file in practice; still no crash
+    assert progress_note(path, 5) == "still preparing the tiny model (5 s)"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 
 import msgspec
@@ -154,14 +155,19 @@ def test_sft_targets_are_completion_tokens_only():
         encode_pairs(tok, [("abc", "def")], SFTConfig(max_length=4))
 
 
-def test_sft_warmup_loss_decreases():
+def test_sft_warmup_loss_decreases(caplog):
     torch.manual_seed(0)
     model = init_tiny_model(TinyModelSpec(seed=0, **SMALL))
     tok = build_char_tokenizer()
     cfg = SFTConfig(epochs=15, batch_size=8, lr=1e-2)
     before = [p.detach().clone() for p in model.parameters()]
-    history = sft_warmup(model, tok, DEMOS, cfg)
+    with caplog.at_level(logging.INFO, logger="rollart.models.sft"):
+        history = sft_warmup(model, tok, DEMOS, cfg)
     assert len(history) == 15 * 2
+    # progress for whoever waits on a long warm-up: every step of 30 (fewer than 50), the last
+    steps = [r.progress for r in caplog.records if hasattr(r, "progress")]
+    assert steps == [(k, 30) for k in range(1, 31)]
+    assert caplog.records[-1].getMessage() == f"warm-up step 30/30, loss {history[-1]:.3f}"
     assert all(torch.isfinite(torch.tensor(history)))
     first, last = sum(history[:2]) / 2, sum(history[-2:]) / 2
     assert last < 0.5 * first, (first, last)

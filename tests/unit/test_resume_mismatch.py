@@ -64,3 +64,30 @@ def test_the_same_scenario_and_a_folder_without_config_have_nothing_in_the_way(
     assert resume_mismatch(run, load_scenario(QUICKSTART)) == []
     (run / "config.json").write_text('{"run": {"no_such_field": 1}}')  # another version's
     assert resume_mismatch(run, load_scenario(QUICKSTART)) == []
+
+
+def test_a_resumed_runs_wall_time_counts_its_earlier_invocations(tmp_path, monkeypatch) -> None:
+    run = _run_folder(tmp_path, SMOKE)
+    (run / "summary.json").write_text('{"steps": 2, "wall_time_s": 1000.0}\n')
+    seen: list[float] = []
+
+    async def no_services(scenario, run_dir, cache_dir, planned, start_step, resume, started,
+                          **kwargs) -> int:
+        seen.append(started)
+        return 0
+
+    monkeypatch.setattr(run_cli, "_drive", no_services)
+    monkeypatch.setattr(run_cli, "tune_gc", lambda: None)
+    assert run_cli.main([str(SMOKE), "--resume", str(run), "--steps", "3",
+                         "--cache-dir", str(tmp_path / "cache")]) == 0
+    summary = json.loads((run / "summary.json").read_text())
+    # the earlier invocation's 1000 s plus this one's few seconds, not this one's alone
+    assert 1000.0 <= summary["wall_time_s"] < 1000.0 + 600.0
+    assert len(seen) == 1
+    # an unreadable or foreign summary adds nothing
+    from rollart.launcher.rundir import earlier_wall_time_s
+    for text in ("not json", '{"wall_time_s": -3}', '{"wall_time_s": "x"}', "[1]"):
+        (run / "summary.json").write_text(text)
+        assert earlier_wall_time_s(run) == 0.0
+    (run / "summary.json").unlink()
+    assert earlier_wall_time_s(run) == 0.0

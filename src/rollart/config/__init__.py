@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import msgspec.inspect
@@ -106,6 +107,36 @@ def _unknown_field(text: str, where: str) -> str:
     return text + (suggest(bad, names) or f"; {where or 'the scenario'} takes {names}")
 
 
+def _struct_of(t: msgspec.inspect.Type | None) -> msgspec.inspect.StructType | None:
+    """The struct a table decodes into, through optionals (None: not exactly one struct)."""
+    if isinstance(t, msgspec.inspect.UnionType):
+        structs = [u for u in t.types if isinstance(u, msgspec.inspect.StructType)]
+        return structs[0] if len(structs) == 1 else None
+    return t if isinstance(t, msgspec.inspect.StructType) else None
+
+
+def _unknown_fields(raw: Any, t: msgspec.inspect.Type | None, where: str = ""
+                    ) -> list[tuple[str, str]]:
+    """Every (table path, key) of ``raw`` (the TOML as plain data) that the declared type
+    ``t`` does not take: msgspec stops at the first, a user with two typos wants both."""
+    if isinstance(t, msgspec.inspect.UnionType) and isinstance(raw, list):
+        t = next((u for u in t.types if isinstance(u, msgspec.inspect.ListType)), None)
+    if isinstance(t, msgspec.inspect.ListType) and isinstance(raw, list):
+        return [u for i, item in enumerate(raw)
+                for u in _unknown_fields(item, t.item_type, f"{where}[{i}]")]
+    st = _struct_of(t)
+    if st is None or not isinstance(raw, dict):
+        return []
+    fields = {f.encode_name: f.type for f in st.fields}
+    out: list[tuple[str, str]] = []
+    for key, value in raw.items():
+        if key not in fields:
+            out.append((where, key))
+        else:
+            out += _unknown_fields(value, fields[key], f"{where}.{key}" if where else key)
+    return out
+
+
 def _validation_message(exc: msgspec.ValidationError) -> str:
     # msgspec says "... - at `$.run.batch_size`"; name the field first, as the other errors do.
     text = str(exc)
@@ -140,7 +171,16 @@ def parse_scenario(data: bytes | str, source: str = "<scenario>") -> Scenario:
     try:
         scenario = msgspec.toml.decode(data, type=Scenario)
     except msgspec.ValidationError as exc:
-        raise ConfigError(f"{source}: {_validation_message(exc)}") from None
+        message = _validation_message(exc)
+        if "unknown field" in str(exc):
+            unknown = _unknown_fields(msgspec.toml.decode(data),
+                                      msgspec.inspect.type_info(Scenario))
+            if len(unknown) > 1:
+                message = "; ".join(
+                    f"{where + ': ' if where else ''}"
+                    + _unknown_field(f"Object contains unknown field `{key}`", where)
+                    for where, key in unknown)
+        raise ConfigError(f"{source}: {message}") from None
     except msgspec.DecodeError as exc:
         raise ConfigError(f"{source}: invalid TOML: {exc}") from None
     return validate_scenario(scenario, source)

@@ -134,10 +134,15 @@ class Cluster:
         self._step_hooks.append(hook)
 
     def snapshot(self) -> dict[str, Any]:
-        """JSON-able controller state between steps, for :meth:`from_scenario` ``resume``."""
+        """JSON-able controller state between steps, for :meth:`from_scenario` ``resume``;
+        with ``[eval] enabled`` it also holds the evaluator's (``"eval"``: its baselines and
+        the step of its newest evaluation, ``Evaluator.snapshot``)."""
         if self.controller is None:
             raise RuntimeError("snapshot() needs a started cluster")
-        return self.controller.snapshot()
+        snap = self.controller.snapshot()
+        if self.evaluator is not None:
+            snap["eval"] = self.evaluator.snapshot()
+        return snap
 
     # ------------------------------------------------------------------ registration
     def register_reward(self, name: str, fn: RewardFn) -> None:
@@ -242,6 +247,8 @@ class Cluster:
         await self.controller.start()
         if self.scenario.eval.enabled:
             self.evaluator = Evaluator(self.controller, self.scenario.eval)
+            if self._resume is not None and self._resume.get("eval") is not None:
+                self.evaluator.restore(self._resume["eval"], self.controller.step_index)
 
     async def close(self) -> None:
         """Stop every trajectory and the controller's background work (idempotent)."""
@@ -264,7 +271,8 @@ class Cluster:
         """Run ``steps`` training steps (default ``run.steps``), yielding each as it ends.
 
         With ``[eval] enabled`` (``rollart.controller.evaluation.runner``): the first call evaluates
-        before its first step (training waits for it, rollout goes on), every
+        before its first step (training waits for it, rollout goes on; not when the cluster
+        resumed from a checkpoint whose newest evaluation was at that step), every
         ``eval.every``-th step starts an evaluation that runs beside the next steps, and the
         last step of each call is followed by one that it waits for. Each step's
         ``metrics.eval`` holds the evaluations that ended by then.

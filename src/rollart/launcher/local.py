@@ -232,7 +232,8 @@ async def open_cluster(scenario: str | Path | Scenario, *, run_dir: str | Path |
         on_note: ``callable(str)`` told about progress (services starting, each one ready,
             those still starting every 20 s, checkpoints); default: printed to stderr as
             ``rollart: ...`` (``lambda _text: None`` silences it).
-        started: wall-clock start of the run (``time.time()``) for ``summary.json``.
+        started: wall-clock start of the run (``time.time()``) for ``summary.json``'s
+            ``wall_time_s``; ``None``: now, less the earlier invocations' time on ``resume``.
         insecure: run the ZeroMQ services without authentication (``rollart run --insecure``;
             see ``rollart.launcher.runkeys``). By default every service gets the run's CURVE
             key, kept at ``run_dir/keys/run.key_secret`` (``rollart.run_credentials(run_dir)``
@@ -261,8 +262,9 @@ async def open_cluster(scenario: str | Path | Scenario, *, run_dir: str | Path |
 
     plan = await _preflight(scenario, source=source, scenario_dir=scenario_dir,
                             rewards=rewards, envs=envs, cluster=cluster, insecure=insecure)
-    started = time.time() if started is None else started
     run_dir = Path(run_dir) if run_dir else Path("runs") / f"driver-{time.strftime('%Y%m%d-%H%M%S')}"
+    if started is None:  # a resumed run's wall time counts its earlier invocations too
+        started = time.time() - (rundir.earlier_wall_time_s(run_dir) if resume else 0.0)
     point = rundir.resume_point(run_dir) if resume else None
     # A driver script that gives no on_note still hears about the minute or two of start-up.
     note = on_note or (lambda text: print(f"rollart: {text}", file=sys.stderr, flush=True))

@@ -7,13 +7,18 @@ line of progress for that long. So it runs in a child
 process (``python -m rollart.launcher.modelbuild``, the scenario on its stdin as JSON: a fresh
 interpreter, so a driver script needs no ``__main__`` guard) that the caller awaits: a cancelled
 wait (a signal, the end of a driver script) terminates the child, and a progress note is given
-every ``note_every_s`` seconds. A local checkpoint directory is only checked for its
-``config.json``, on the loop.
+every ``note_every_s`` seconds: what the child last reported (a cache miss, the warm-up's
+optimizer step out of its total and loss, from ``rollart.models``' INFO records, written to a
+progress file) and, once the warm-up has taken steps, an estimate of the time left. A local
+checkpoint directory is only checked for its ``config.json``, on the loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
+import os
 import sys
 import tempfile
 import time
@@ -36,6 +41,8 @@ class _Job(msgspec.Struct, frozen=True):
     cache_dir: str
     resume: bool
     result: str
+    #: where the child writes its newest progress (``ProgressFile``)
+    progress: str = ""
 
 
 class _Result(msgspec.Struct, frozen=True):
@@ -43,11 +50,59 @@ class _Result(msgspec.Struct, frozen=True):
     value: str
 
 
+class ProgressFile(logging.Handler):
+    """Keeps ``path`` holding the newest INFO record of ``rollart.models`` as JSON:
+    ``message``, and for the warm-up's records (``record.progress = (step, total)``)
+    ``step``, ``total`` and ``eta_s`` (seconds left at the rate since its first record)."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(logging.INFO)
+        self.path = path
+        self._first: tuple[float, int] | None = None  # (time, step) of the first step record
+
+    def emit(self, record: logging.LogRecord) -> None:
+        out: dict[str, object] = {"message": record.getMessage()}
+        progress = getattr(record, "progress", None)
+        if progress is not None:
+            step, total = progress
+            now = time.monotonic()
+            if self._first is None:
+                self._first = (now, step)
+            t0, s0 = self._first
+            out.update(step=step, total=total)
+            if step > s0:
+                out["eta_s"] = (now - t0) / (step - s0) * (total - step)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(out))
+        os.replace(tmp, self.path)  # the parent never reads half a file
+
+
+def progress_note(path: Path, elapsed_s: float) -> str:
+    """The "still preparing" line: elapsed seconds and what the child last reported
+    (``ProgressFile``), if anything yet."""
+    text = f"still preparing the tiny model ({elapsed_s:.0f} s)"
+    try:
+        got = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return text
+    if not isinstance(got, dict) or not isinstance(got.get("message"), str):
+        return text
+    text += f": {got['message']}"
+    eta = got.get("eta_s")
+    if isinstance(eta, int | float):
+        text += f"; about {eta / 60:.0f} min left" if eta >= 90 else f"; about {eta:.0f} s left"
+    return text
+
+
 def main() -> int:
     """Child process: read a `_Job` from stdin, resolve the model, write a `_Result`."""
     from rollart.launcher.local import resolve_model
 
     job = msgspec.json.decode(sys.stdin.buffer.read(), type=_Job)
+    if job.progress:
+        models = logging.getLogger("rollart.models")
+        models.setLevel(logging.INFO)
+        models.addHandler(ProgressFile(Path(job.progress)))
     try:
         out = _Result("ok", str(resolve_model(job.scenario, Path(job.cache_dir),
                                               resume=job.resume)))
@@ -60,14 +115,15 @@ def main() -> int:
 
 
 def preparing_note(scenario: Scenario, cache_dir: Path) -> str:
-    """The line said when the tiny model's preparation starts: what a first run costs, which
-    depends on ``model.tiny_warmup`` (a supervised warm-up takes minutes on a CPU; without it
-    the model is only built from its seed, in seconds)."""
+    """The line said when the tiny model's preparation starts (whether the cache holds it is
+    known only once the child has played the demonstrations that key it): what a first run
+    costs, which depends on ``model.tiny_warmup`` (a supervised warm-up takes minutes on a
+    CPU; without it the model is only built from its seed, in seconds)."""
     if scenario.model.tiny_warmup:
-        cost = "a first run warms it up: minutes"
+        cost = "from the cache if built before, else a first run warms it up: minutes"
     else:
-        cost = "tiny_warmup = false: built without a warm-up, seconds"
-    return f"preparing the tiny model under {cache_dir} ({cost}; cached after)"
+        cost = "tiny_warmup = false: built without a warm-up, seconds; cached after"
+    return f"preparing the tiny model under {cache_dir} ({cost})"
 
 
 async def prepare_model(scenario: Scenario, source: str, cache_dir: Path, *, resume: bool,
@@ -90,7 +146,8 @@ async def prepare_model(scenario: Scenario, source: str, cache_dir: Path, *, res
             raise in_file(source, exc) from None
     with tempfile.TemporaryDirectory(prefix="rollart-model-") as tmp:
         result = Path(tmp) / "result.json"
-        job = _Job(scenario, source, str(cache_dir), resume, str(result))
+        progress = Path(tmp) / "progress.json"
+        job = _Job(scenario, source, str(cache_dir), resume, str(result), str(progress))
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "rollart.launcher.modelbuild", stdin=asyncio.subprocess.PIPE)
         t0 = time.monotonic()
@@ -105,7 +162,7 @@ async def prepare_model(scenario: Scenario, source: str, cache_dir: Path, *, res
                 done, _ = await asyncio.wait({ended}, timeout=note_every_s)
                 if done:
                     break
-                note(f"still preparing the tiny model ({time.monotonic() - t0:.0f} s)")
+                note(progress_note(progress, time.monotonic() - t0))
         except BaseException:
             if proc.returncode is None:
                 proc.terminate()

@@ -45,7 +45,12 @@ from rollart.filemodes import apply_umask
 from rollart.launcher.cliargs import path_arg
 from rollart.launcher.procs import ProcessFailedError
 from rollart.launcher.progress import Progress, print_summary_block, summary_block
-from rollart.launcher.rundir import resume_mismatch, resume_point, write_summary
+from rollart.launcher.rundir import (
+    earlier_wall_time_s,
+    resume_mismatch,
+    resume_point,
+    write_summary,
+)
 from rollart.launcher.sigterm import Terminated, sigterm_cancels
 from rollart.transport.errors import ConfigError, RollartError
 
@@ -282,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         start_step = state.step
         run_dir = args.resume
+        # summary.json's wall_time_s then counts every invocation of the run, not the last
+        started -= earlier_wall_time_s(run_dir)
     else:
         run_dir = args.out or Path("runs") / f"{args.scenario.stem}-{time.strftime('%Y%m%d-%H%M%S')}"
     import uvloop

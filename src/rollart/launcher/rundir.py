@@ -382,6 +382,17 @@ def eval_summary(rows: list[dict[str, Any]],
     return out
 
 
+def earlier_wall_time_s(run_dir: Path) -> float:
+    """Seconds the earlier ``rollart run`` invocations of ``run_dir`` took (its
+    ``summary.json``'s ``wall_time_s``; 0.0 without a readable one): a resumed run starts its
+    clock that much earlier, so that ``wall_time_s`` counts the whole run, not its last part."""
+    try:
+        value = json.loads((run_dir / "summary.json").read_text()).get("wall_time_s")
+    except (OSError, ValueError, AttributeError):
+        return 0.0
+    return float(value) if isinstance(value, int | float) and value >= 0 else 0.0
+
+
 def write_summary(run_dir: Path, scenario: Scenario, started: float) -> dict[str, Any]:
     """Write ``run_dir/summary.json`` from ``metrics.jsonl`` and return it."""
     run_dir.mkdir(parents=True, exist_ok=True)  # a run that failed before it started

@@ -7,6 +7,7 @@ never targets), token-level mean over each batch.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterable
 from typing import Annotated, Literal
@@ -14,6 +15,10 @@ from typing import Annotated, Literal
 import msgspec
 import torch
 from torch import nn
+
+log = logging.getLogger(__name__)
+#: about this many progress records (INFO, ``progress`` = (step, total)) per warm-up
+PROGRESS_RECORDS = 50
 
 
 class SFTConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -171,6 +176,9 @@ def sft_warmup(
             before calling), the completion's tokens (+ eos) are the only targets.
         cfg: hyper-parameters (defaults: 3 epochs, AdamW lr 3e-3, batch 16, grad clip 1.0).
 
+    Progress: about ``PROGRESS_RECORDS`` INFO records on this module's logger, each with
+    ``record.progress = (optimizer steps done, total)``.
+
     Returns:
         Per optimizer step, the mean NLL in nats per completion token, in training order
         (`ceil(n / batch_size) * epochs` entries; n: the number of pairs, or of packed
@@ -215,6 +223,10 @@ def sft_warmup(
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
                 opt.step()
                 history.append(float(loss.detach()))
+                k = len(history)
+                if k == total or k % max(1, total // PROGRESS_RECORDS) == 0:
+                    log.info("warm-up step %d/%d, loss %.3f", k, total, history[-1],
+                             extra={"progress": (k, total)})
     finally:
         model.train(was_training)
         torch.set_num_threads(threads)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -41,6 +42,7 @@ from rollart.models.tokenizer import (
     vocab_size,
 )
 
+log = logging.getLogger(__name__)
 # vLLM's CPU attention kernels accept these head sizes only.
 MIN_HEAD_DIM = min(CPU_HEAD_SIZES)
 MAX_HEAD_DIM = max(CPU_HEAD_SIZES)
@@ -236,6 +238,8 @@ def ensure_tiny_model(
     if final.is_dir():
         return final
     cache.mkdir(parents=True, exist_ok=True)
+    log.info("not cached: building %s%s", final.name,
+             f" and warming it up on {len(demos)} demonstrations" if demos else "")
     tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=cache))
     try:
         build_tiny_model(tmp, **msgspec.structs.asdict(spec))

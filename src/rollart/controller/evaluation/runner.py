@@ -56,6 +56,7 @@ from rollart.controller.rollout.trajectory import (
     TrajectoryFailed,
     run_trajectory,
 )
+from rollart.transport.errors import RollartError
 
 if TYPE_CHECKING:
     from rollart.controller.controller import Controller
@@ -141,6 +142,54 @@ class Evaluator:
         self._baseline_task: asyncio.Task[None] | None = None
         self._pending: list[asyncio.Task[EvalRecord]] = []
         self.has_run = False
+        #: the baselines came from a checkpoint (:meth:`restore`): never measured again
+        self._baseline_restored = False
+        #: ``at_step`` of the newest evaluation whose record was handed out
+        self._last_at_step: int | None = None
+
+    # ------------------------------------------------------------------ checkpoint
+    def snapshot(self) -> dict[str, Any]:
+        """JSON-able state for checkpoint/resume: the number of evaluations started, the
+        ``at_step`` of the newest one whose record was handed out (``take_finished`` /
+        ``finish``), the majority baselines (``None`` until every domain's is measured) and
+        the train rewards the collapse rule's trend reads."""
+        task = self._baseline_task
+        measured = self._baseline_restored or (
+            task is not None and task.done() and not task.cancelled()
+            and task.exception() is None)
+        return {
+            "format": 1,
+            "count": self._count,
+            "last_at_step": self._last_at_step,
+            "baselines": ({name: None if b is None else msgspec.to_builtins(b)
+                           for name, b in self.baselines.items()} if measured else None),
+            "train_rewards": {d: list(r) for d, r in self._train_rewards.items()},
+        }
+
+    def restore(self, snap: dict[str, Any], step_index: int) -> None:
+        """Continue from ``snap`` (a :meth:`snapshot`) with the controller at ``step_index``:
+        the baselines are kept (the eval set is the same: its seeds depend only on
+        ``[eval]`` and the domain's name), and the evaluation before the first step is
+        skipped when the checkpoint's newest evaluation was at this step (its record is in
+        the run folder already).
+
+        Raises:
+            RollartError: an unknown format.
+        """
+        if snap.get("format") != 1:
+            raise RollartError(f"evaluation snapshot: unknown format {snap.get('format')!r}")
+        self._count = int(snap.get("count", 0))
+        self._last_at_step = snap.get("last_at_step")
+        self.has_run = self._last_at_step == step_index
+        for d, rewards in (snap.get("train_rewards") or {}).items():
+            if d in self._train_rewards:
+                self._train_rewards[d] = [float(r) for r in rewards]
+        baselines = snap.get("baselines")
+        if baselines is not None and set(baselines) >= set(self.domains):
+            self.baselines = {d: None if baselines[d] is None
+                              else msgspec.convert(baselines[d], Baseline)
+                              for d in self.domains}
+            self._baseline_restored = True
 
     # ------------------------------------------------------------------ schedule
     def observe_step(self, metrics: StepMetrics, samples: Sequence[Sample] = ()) -> None:
@@ -150,7 +199,8 @@ class Evaluator:
         domain's temperature: varied even where the greedy answers are not)."""
         for d, r in metrics.reward_mean_by_domain.items():
             self._train_rewards.setdefault(d, []).append(r)
-        if self._baseline_task is None and self._first_actions is not None:
+        if (self._baseline_task is None and self._first_actions is not None
+                and not self._baseline_restored):
             for s in samples:
                 if s.domain in self._first_actions:
                     self._first_actions[s.domain].append(
@@ -158,7 +208,8 @@ class Evaluator:
             self._start_baseline()
 
     def _start_baseline(self) -> None:
-        if self._baseline_task is None and self._first_actions is not None:
+        if (self._baseline_task is None and self._first_actions is not None
+                and not self._baseline_restored):
             self._baseline_task = asyncio.create_task(self.measure_baseline(), name="baseline")
             self._baseline_task.add_done_callback(_log_failure)
 
@@ -181,7 +232,13 @@ class Evaluator:
         """
         done = [t for t in self._pending if t.done()]
         self._pending = [t for t in self._pending if not t.done()]
-        return [t.result() for t in done]
+        records = [t.result() for t in done]
+        self._handed_out(records)
+        return records
+
+    def _handed_out(self, records: list[EvalRecord]) -> None:
+        if records:
+            self._last_at_step = max(r.at_step for r in records)
 
     async def finish_pending(self) -> None:
         """Wait for the background evaluations (their records stay for :meth:`take_finished`).
@@ -198,6 +255,7 @@ class Evaluator:
         await self.finish_pending()
         records = self.take_finished()
         records.append(await self.evaluate(at_step))
+        self._handed_out(records)
         return records
 
     async def close(self) -> None:
@@ -235,7 +293,9 @@ class Evaluator:
         per: dict[str, dict[int, dict[int, _Task | None]]] = {d: {} for d in self.domains}
         for (name, i, j, _), res in zip(jobs, results, strict=True):
             per[name].setdefault(i, {})[j] = res
-        if self._first_actions is None:
+        if self._baseline_restored:
+            pass
+        elif self._first_actions is None:
             self._first_actions = {
                 name: [r.actions for task in tasks.values() for r in task.values() if r]
                 for name, tasks in per.items()}
