@@ -12,8 +12,8 @@ rung 0 runs every (trainer size, mapping) on a short horizon with one seed, in a
 order after the scenario's own layout; the best third (at least ``MIN_KEEP``) and as many
 again of the candidates within the noise of that cut (``rollart.planner.noise.cut``) go on
 to rung 1 (a longer horizon) at every alpha, redundancy and tensor-parallel variant
-(``tp_variants``; every alpha and redundancy first), and the same cut of those to rung 2 on
-every seed.
+(``tp_variants``), and the same cut of those to rung 2 on every seed. The scenario's own
+layout (``own_candidate``) runs first at every rung, cut or not.
 Every candidate of a rung runs on the same seeds. While budget is left after rung 2, the
 leader and the candidates within its noise race on further common seeds
 (``rollart.planner.noise``). A run longer than ``STRAGGLER_X`` times its rung's median is
@@ -336,6 +336,7 @@ def successive_halving(inputs: PlanInputs, *, budget_s: float, seeds: tuple[int,
     rest = first[1:]
     rng.shuffle(rest)
     pending = [first[0], *rest]
+    own = first[0] if first[0] == own_candidate(inputs) else None
     log = SearchLog(space=len(full_space(inputs)), first_rung_space=len(first))
     ranked: list[Score] = []
     walls: list[float] = []
@@ -375,14 +376,16 @@ def successive_halving(inputs: PlanInputs, *, budget_s: float, seeds: tuple[int,
                      f"within their noise, {time.perf_counter() - t0:.0f} s used")
         survivors = [s.candidate for s in kept]
         if rung == 0:
-            # each survivor at every alpha and redundancy, then each of those at its wider
-            # TP variants: a rung whose budget share runs out drops what it has not run, so
-            # a small budget explores alpha and redundancy first, as without the TP search
-            base = list(dict.fromkeys(
-                dataclasses.replace(c, alpha=a, redundancy=r) for c in survivors
-                for a, r in [(c.alpha, c.redundancy), *pairs]))
+            # each survivor at every alpha, redundancy and TP variant, its own settings first
+            # (a rung whose budget share runs out drops what it has not run: the leaders'
+            # variants run first)
             survivors = list(dict.fromkeys(
-                [*base, *(v for c in base for v in tp_variants(inputs, c)[1:])]))
+                v for c in survivors for a, r in [(c.alpha, c.redundancy), *pairs]
+                for v in tp_variants(inputs, dataclasses.replace(c, alpha=a, redundancy=r))))
+        # The scenario's own layout runs at every rung, first: the plan is chosen against
+        # what the user has, measured on the same seeds and horizon, never dropped for budget.
+        if own is not None:
+            survivors = [own, *(c for c in survivors if c != own)]
         pending = survivors
     if len(log.per_rung) == len(RUNGS):
         ranked = _race(inputs, ranked, seeds, walls, log, end=t0 + budget_s * RUNG_SHARES[-1],
