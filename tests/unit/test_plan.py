@@ -585,29 +585,3 @@ def test_a_plan_with_wider_engines_writes_their_tensor_parallel_size(tmp_path):
     out = layout_dict(raw, inputs, dataclasses.replace(c, wide_tp=("h20",)))
     assert {p["name"]: (p["num_workers"], p["engine"]["tensor_parallel_size"])
             for p in out["pools"]} == {"fast": (3, 1), "wide": (1, 2)}
-
-
-def test_the_scenarios_own_layout_runs_at_every_rung_even_when_cut(tmp_path, monkeypatch):
-    """The own layout is the slowest (40 s/step, the rest 10-20 s): a plain cut drops it after
-    rung 0; it still runs at every rung, so the plan is chosen against it on equal terms."""
-    import rollart.planner.search as search
-
-    inputs = read_inputs(load_scenario(write(tmp_path)), model="qwen3-8b")
-    own = search.own_candidate(inputs)
-    assert own == search.space(inputs)[0][0]  # its own layout leads the first rung
-    per_rung: list[set] = []
-
-    def fake_run(sim, seed, warmup, cap):
-        c, steps = sim
-        if len(per_rung) < steps - 2:  # rung r has r + 3 steps
-            per_rung.append(set())
-        per_rung[steps - 3].add(c)
-        t = 40.0 if c == own else 10.0 + (hash(c) % 10)
-        return _FakeRun([t] * steps)
-
-    monkeypatch.setattr(search, "sim_of", lambda inputs, c, steps: (c, steps))
-    monkeypatch.setattr(search, "run_capped", fake_run)
-    res = plan(write(tmp_path), budget_s=60.0, seeds=SEEDS, model="qwen3-8b")
-    assert len(per_rung) == len(RUNGS)
-    assert all(own in ran for ran in per_rung)
-    assert own in [s.candidate for s in res.ranked] and res.best.candidate != own

@@ -12,8 +12,7 @@ rung 0 runs every (trainer size, mapping) on a short horizon with one seed, in a
 order after the scenario's own layout; the best third (at least ``MIN_KEEP``) and as many
 again of the candidates within the noise of that cut (``rollart.planner.noise.cut``) go on
 to rung 1 (a longer horizon) at every alpha, redundancy and tensor-parallel variant
-(``tp_variants``), and the same cut of those to rung 2 on every seed. The scenario's own
-layout (``own_candidate``) runs first at every rung, cut or not.
+(``tp_variants``), and the same cut of those to rung 2 on every seed.
 Every candidate of a rung runs on the same seeds. While budget is left after rung 2, the
 leader and the candidates within its noise race on further common seeds
 (``rollart.planner.noise``). A run longer than ``STRAGGLER_X`` times its rung's median is
@@ -197,25 +196,18 @@ def space(inputs: PlanInputs) -> tuple[list[Candidate], list[tuple[int, int]]]:
     most = min(most - 1, GPUS_PER_NODE, rows)
     sizes = {t for t in sizes if inputs.trainer_min <= t <= most}
     mappings = list(itertools.product(inputs.labels, repeat=len(sc.domains)))
+    own = tuple(next(p.hardware.lower() for p in sc.pools if p.name == d.pool)
+                for d in sc.domains)
     out = [Candidate(t, m, run.alpha, run.redundancy) for t in sorted(sizes) for m in mappings]
     out = [c for c in out if all(n >= 1 for n in c.pools(inputs).values())]
     if not out:
         raise PlanError(f"no layout leaves an engine for every used pool after the trainer "
                         f"({inputs.trainer_min} x {lab} at least); GPUs: {inputs.gpus}")
-    first = own_candidate(inputs)
+    first = Candidate(own_trainer, own, run.alpha, run.redundancy)
     out.sort(key=lambda c: c != first)
     alphas = sorted(inputs.alphas or {1, 2, run.alpha}) if inputs.searches_alpha else [run.alpha]
     reds = sorted(inputs.redundancies or {0, 1, run.redundancy})
     return out, [(a, r) for a in alphas for r in reds]
-
-
-def own_candidate(inputs: PlanInputs) -> Candidate:
-    """The scenario's own layout as a candidate (its trainer ranks, each domain's pool's
-    label, its alpha and redundancy, the fewest tensor-parallel ranks)."""
-    sc = inputs.scenario
-    mapping = tuple(next(p.hardware.lower() for p in sc.pools if p.name == d.pool)
-                    for d in sc.domains)
-    return Candidate(sc.trainer.num_processes, mapping, sc.run.alpha, sc.run.redundancy)
 
 
 def tp_variants(inputs: PlanInputs, c: Candidate) -> list[Candidate]:
@@ -336,7 +328,6 @@ def successive_halving(inputs: PlanInputs, *, budget_s: float, seeds: tuple[int,
     rest = first[1:]
     rng.shuffle(rest)
     pending = [first[0], *rest]
-    own = first[0] if first[0] == own_candidate(inputs) else None
     log = SearchLog(space=len(full_space(inputs)), first_rung_space=len(first))
     ranked: list[Score] = []
     walls: list[float] = []
@@ -382,10 +373,6 @@ def successive_halving(inputs: PlanInputs, *, budget_s: float, seeds: tuple[int,
             survivors = list(dict.fromkeys(
                 v for c in survivors for a, r in [(c.alpha, c.redundancy), *pairs]
                 for v in tp_variants(inputs, dataclasses.replace(c, alpha=a, redundancy=r))))
-        # The scenario's own layout runs at every rung, first: the plan is chosen against
-        # what the user has, measured on the same seeds and horizon, never dropped for budget.
-        if own is not None:
-            survivors = [own, *(c for c in survivors if c != own)]
         pending = survivors
     if len(log.per_rung) == len(RUNGS):
         ranked = _race(inputs, ranked, seeds, walls, log, end=t0 + budget_s * RUNG_SHARES[-1],
