@@ -94,3 +94,6 @@ def test_the_waiting_note_says_the_warm_ups_step_and_the_time_left(tmp_path, mon
     assert progress_note(path, 100).endswith("; about 1 s left")
     path.write_text("{half")  # never half a file in practice; still no crash
     assert progress_note(path, 5) == "still preparing the tiny model (5 s)"
+    # a progress file that cannot be written never fails the build
+    gone = ProgressFile(tmp_path / "no" / "such" / "dir" / "progress.json")
+    gone.handle(log.makeRecord(log.name, logging.INFO, __file__, 0, "x", (), None))

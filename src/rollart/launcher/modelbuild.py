@@ -73,8 +73,11 @@ class ProgressFile(logging.Handler):
             if step > s0:
                 out["eta_s"] = (now - t0) / (step - s0) * (total - step)
         tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(out))
-        os.replace(tmp, self.path)  # the parent never reads half a file
+        try:
+            tmp.write_text(json.dumps(out))
+            os.replace(tmp, self.path)  # the parent never reads half a file
+        except OSError:  # progress is a courtesy: never a reason for the build to fail
+            pass
 
 
 def progress_note(path: Path, elapsed_s: float) -> str:
