@@ -86,7 +86,9 @@ def test_a_resumed_runs_wall_time_counts_its_earlier_invocations(tmp_path, monke
     assert len(seen) == 1
     # an unreadable or foreign summary adds nothing
     from rollart.launcher.rundir import earlier_wall_time_s
-    for text in ("not json", '{"wall_time_s": -3}', '{"wall_time_s": "x"}', "[1]"):
+    for text in ("not json", '{"wall_time_s": -3}', '{"wall_time_s": "x"}', "[1]",
+                 '{"wall_time_s": Infinity}', '{"wall_time_s": NaN}', '{"wall_time_s": 1e309}',
+                 '{"wall_time_s": 1e300}', '{"wall_time_s": true}'):
         (run / "summary.json").write_text(text)
         assert earlier_wall_time_s(run) == 0.0
     (run / "summary.json").unlink()

@@ -370,6 +370,13 @@ class Controller:
             await self._weights_changed.wait()
 
     # ------------------------------------------------------------------ admission, training
+    async def apply_newest_weights(self) -> None:
+        """Bring every worker to the trainer's newest version now, as the next step would
+        before its batch (an overlapping mode's push still running is awaited, then applied);
+        the final held-out evaluation then measures the policy the run trained. Raises what a
+        step's weight sync raises (a failed push or apply: fatal)."""
+        await self.steps.apply_newest_weights()
+
     def set_domain_weight(self, domain: str, weight: float) -> None:
         """Change ``domain``'s relative admission weight (``domains.weight``) from its next
         group on; groups in flight are untouched. Raises ConfigError for an unknown domain or

@@ -273,8 +273,9 @@ class Cluster:
         With ``[eval] enabled`` (``rollart.controller.evaluation.runner``): the first call evaluates
         before its first step (training waits for it, rollout goes on; not when the cluster
         resumed from a checkpoint whose newest evaluation was at that step), every
-        ``eval.every``-th step starts an evaluation that runs beside the next steps, and the
-        last step of each call is followed by one that it waits for. Each step's
+        ``eval.every``-th step starts an evaluation that runs beside the next steps (on the
+        versions the workers serve meanwhile: its record names them), and the last step of
+        each call is followed by one that it waits for, on the newest version. Each step's
         ``metrics.eval`` holds the evaluations that ended by then.
 
         Starts the cluster if needed. Raises the controller's fatal errors (see
@@ -291,6 +292,8 @@ class Cluster:
             if ev is not None:
                 ev.observe_step(metrics, self.controller.last_batch)
                 if i == total - 1:
+                    # the last evaluation measures the trained policy, not the one before it
+                    await self.controller.apply_newest_weights()
                     metrics.eval = await ev.finish(metrics.step)
                 else:
                     if ev.cfg.every and metrics.step % ev.cfg.every == 0:

@@ -29,6 +29,8 @@ were rolled back with the trainer) and moves the old logs to ``previous-<time>/l
 from __future__ import annotations
 
 import json
+import logging
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -41,6 +43,8 @@ from rollart.launcher.progress import failure_summary, waste_summary
 from rollart.launcher.sinks import TensorBoardSink, WandbSink, eval_scalars, step_scalars
 from rollart.trainer.checkpoint import latest_checkpoint, mark_complete, read_json, step_dir
 from rollart.transport.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 #: files and folders of a run (moved aside as a whole when a fresh run reuses the folder)
 RUN_OUTPUTS = ("config.json", "base_model.json", "metrics.jsonl", "trained_samples.jsonl", "transcripts.jsonl",
@@ -382,6 +386,10 @@ def eval_summary(rows: list[dict[str, Any]],
     return out
 
 
+#: ten years: a larger earlier wall time is not one (it would swallow this run's seconds)
+MAX_WALL_TIME_S = 10 * 365 * 86400.0
+
+
 def earlier_wall_time_s(run_dir: Path) -> float:
     """Seconds the earlier ``rollart run`` invocations of ``run_dir`` took (its
     ``summary.json``'s ``wall_time_s``; 0.0 without a readable one): a resumed run starts its
@@ -390,7 +398,14 @@ def earlier_wall_time_s(run_dir: Path) -> float:
         value = json.loads((run_dir / "summary.json").read_text()).get("wall_time_s")
     except (OSError, ValueError, AttributeError):
         return 0.0
-    return float(value) if isinstance(value, int | float) and value >= 0 else 0.0
+    ok = (isinstance(value, int | float) and not isinstance(value, bool)
+          and math.isfinite(value) and 0 <= value < MAX_WALL_TIME_S)
+    if not ok:
+        if value is not None:
+            log.warning("%s: wall_time_s %r is not a number of seconds: the run's wall time "
+                        "counts from this invocation", run_dir / "summary.json", value)
+        return 0.0
+    return float(value)
 
 
 def write_summary(run_dir: Path, scenario: Scenario, started: float) -> dict[str, Any]:

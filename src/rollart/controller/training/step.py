@@ -88,6 +88,16 @@ class StepRunner:
         """Continue counting steps from a checkpoint's ``step_index``."""
         self._step = step_index
 
+    async def apply_newest_weights(self) -> None:
+        """``Controller.apply_newest_weights`` (its docstring)."""
+        if not self.spec.overlap:  # these modes apply right after training
+            return
+        self.admission.pause()
+        try:
+            await self.sync.apply_newest()
+        finally:
+            self.admission.resume()
+
     async def step(self) -> StepMetrics:
         """``Controller.step`` (its docstring)."""
         start = self.counters.begin()
