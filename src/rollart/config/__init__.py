@@ -71,23 +71,26 @@ __all__ = [
 ]
 
 
+def _struct_of(t: msgspec.inspect.Type | None) -> msgspec.inspect.StructType | None:
+    """The struct a table decodes into, through lists and optionals (None: not exactly one
+    struct)."""
+    while isinstance(t, msgspec.inspect.ListType | msgspec.inspect.UnionType):
+        if isinstance(t, msgspec.inspect.ListType):
+            t = t.item_type
+            continue
+        structs = [u for u in t.types if isinstance(u, msgspec.inspect.StructType)]
+        if len(structs) != 1:
+            return None
+        t = structs[0]
+    return t if isinstance(t, msgspec.inspect.StructType) else None
+
+
 def _field_type(path: str) -> msgspec.inspect.Type | None:
     """The declared type at a msgspec error path such as ``domains[0].sampling.top_p``."""
-    t: msgspec.inspect.Type = msgspec.inspect.type_info(Scenario)
+    t: msgspec.inspect.Type | None = msgspec.inspect.type_info(Scenario)
     for name in re.sub(r"\[\d+\]", "", path).split("."):
-        while True:  # through lists and optionals to the struct that holds ``name``
-            if isinstance(t, msgspec.inspect.ListType):
-                t = t.item_type
-            elif isinstance(t, msgspec.inspect.UnionType):
-                structs = [u for u in t.types if isinstance(u, msgspec.inspect.StructType)]
-                if len(structs) != 1:
-                    return None
-                t = structs[0]
-            else:
-                break
-        if not isinstance(t, msgspec.inspect.StructType):
-            return None
-        fields = {f.name: f.type for f in t.fields}
+        st = _struct_of(t)  # the struct that holds ``name``
+        fields = {f.name: f.type for f in st.fields} if st is not None else {}
         if name not in fields:
             return None
         t = fields[name]
@@ -97,22 +100,11 @@ def _field_type(path: str) -> msgspec.inspect.Type | None:
 def _unknown_field(text: str, where: str) -> str:
     """msgspec's "Object contains unknown field `x`" with the nearest field of that table."""
     bad = text.partition("`")[2].rpartition("`")[0]
-    t = _field_type(where) if where else msgspec.inspect.type_info(Scenario)
-    while isinstance(t, msgspec.inspect.ListType | msgspec.inspect.UnionType):
-        t = t.item_type if isinstance(t, msgspec.inspect.ListType) else next(
-            (u for u in t.types if isinstance(u, msgspec.inspect.StructType)), None)
-    if not isinstance(t, msgspec.inspect.StructType):
+    st = _struct_of(_field_type(where) if where else msgspec.inspect.type_info(Scenario))
+    if st is None:
         return text
-    names = [f.name for f in t.fields]
+    names = [f.name for f in st.fields]
     return text + (suggest(bad, names) or f"; {where or 'the scenario'} takes {names}")
-
-
-def _struct_of(t: msgspec.inspect.Type | None) -> msgspec.inspect.StructType | None:
-    """The struct a table decodes into, through optionals (None: not exactly one struct)."""
-    if isinstance(t, msgspec.inspect.UnionType):
-        structs = [u for u in t.types if isinstance(u, msgspec.inspect.StructType)]
-        return structs[0] if len(structs) == 1 else None
-    return t if isinstance(t, msgspec.inspect.StructType) else None
 
 
 def _unknown_fields(raw: Any, t: msgspec.inspect.Type | None, where: str = ""
@@ -124,7 +116,7 @@ def _unknown_fields(raw: Any, t: msgspec.inspect.Type | None, where: str = ""
     if isinstance(t, msgspec.inspect.ListType) and isinstance(raw, list):
         return [u for i, item in enumerate(raw)
                 for u in _unknown_fields(item, t.item_type, f"{where}[{i}]")]
-    st = _struct_of(t)
+    st = _struct_of(t) if not isinstance(t, msgspec.inspect.ListType) else None
     if st is None or not isinstance(raw, dict):
         return []
     fields = {f.encode_name: f.type for f in st.fields}
