@@ -19,6 +19,8 @@ value raises :class:`ConfigError` naming the file, the field and the reason.
 
 from __future__ import annotations
 
+import datetime
+import functools
 import re
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,7 @@ from typing import Any
 import msgspec
 import msgspec.inspect
 
+from rollart.config.envoptions import check_env_options
 from rollart.config.schema import (
     AdaptiveAffinityConfig,
     DomainConfig,
@@ -43,7 +46,7 @@ from rollart.config.schema import (
     TrainerConfig,
     WorkerChecksConfig,
 )
-from rollart.config.validate import suggest, validate_scenario
+from rollart.config.validate import closest, suggest, validate_scenario
 from rollart.transport.errors import ConfigError
 
 __all__ = [
@@ -63,6 +66,7 @@ __all__ = [
     "Scenario",
     "TrainerConfig",
     "WorkerChecksConfig",
+    "check_env_options",
     "in_file",
     "load_scenario",
     "parse_scenario",
@@ -97,6 +101,13 @@ def _field_type(path: str) -> msgspec.inspect.Type | None:
     return t
 
 
+#: where a top-level key is, in messages (a nested key is named by its table: ``run``,
+#: ``domains[0]``)
+_TOP_LEVEL = "top level of the file"
+
+_Unknown = tuple[str, str, msgspec.inspect.StructType]
+
+
 def _unknown_field(text: str, where: str) -> str:
     """msgspec's "Object contains unknown field `x`" with the nearest field of that table."""
     bad = text.partition("`")[2].rpartition("`")[0]
@@ -108,25 +119,96 @@ def _unknown_field(text: str, where: str) -> str:
 
 
 def _unknown_fields(raw: Any, t: msgspec.inspect.Type | None, where: str = ""
-                    ) -> list[tuple[str, str]]:
-    """Every (table path, key) of ``raw`` (the TOML as plain data) that the declared type
-    ``t`` does not take: msgspec stops at the first, a user with two typos wants both."""
+                    ) -> tuple[Any, list[_Unknown]]:
+    """``raw`` (the TOML as plain data) without the keys the declared type ``t`` does not
+    take, and each of those as (table path, key, that table's struct): msgspec stops at the
+    first error, a user with two typos wants both."""
     if isinstance(t, msgspec.inspect.UnionType) and isinstance(raw, list):
         t = next((u for u in t.types if isinstance(u, msgspec.inspect.ListType)), None)
     if isinstance(t, msgspec.inspect.ListType) and isinstance(raw, list):
-        return [u for i, item in enumerate(raw)
-                for u in _unknown_fields(item, t.item_type, f"{where}[{i}]")]
+        pairs = [_unknown_fields(item, t.item_type, f"{where}[{i}]")
+                 for i, item in enumerate(raw)]
+        return [kept for kept, _ in pairs], [u for _, found in pairs for u in found]
+    if isinstance(t, msgspec.inspect.DictType) and isinstance(raw, dict):  # env_hosts.latency
+        walked = {k: _unknown_fields(v, t.value_type, f"{where}.{k}") for k, v in raw.items()}
+        return ({k: kept for k, (kept, _) in walked.items()},
+                [u for _, found in walked.values() for u in found])
     st = _struct_of(t) if not isinstance(t, msgspec.inspect.ListType) else None
     if st is None or not isinstance(raw, dict):
-        return []
+        return raw, []
     fields = {f.encode_name: f.type for f in st.fields}
-    out: list[tuple[str, str]] = []
+    out: dict[str, Any] = {}
+    unknown: list[_Unknown] = []
     for key, value in raw.items():
         if key not in fields:
-            out.append((where, key))
+            unknown.append((where, key, st))
         else:
-            out += _unknown_fields(value, fields[key], f"{where}.{key}" if where else key)
-    return out
+            out[key], found = _unknown_fields(value, fields[key],
+                                              f"{where}.{key}" if where else key)
+            unknown += found
+    return out, unknown
+
+
+@functools.cache
+def _tables() -> tuple[tuple[str, str, frozenset[str]], ...]:
+    """(path, TOML header, field names) of every table below the top level: ``run`` /
+    ``[run]``, ``pools`` / ``[[pools]]``, ``pools.engine`` / ``[pools.engine]``, ..."""
+    out: list[tuple[str, str, frozenset[str]]] = []
+
+    def walk(st: msgspec.inspect.StructType, path: str) -> None:
+        for f in st.fields:
+            sub = _struct_of(f.type)
+            if sub is None:
+                continue
+            sub_path = f"{path}.{f.encode_name}" if path else f.encode_name
+            listed = isinstance(f.type, msgspec.inspect.ListType) or (
+                isinstance(f.type, msgspec.inspect.UnionType)
+                and any(isinstance(u, msgspec.inspect.ListType) for u in f.type.types))
+            header = f"[[{sub_path}]]" if listed else f"[{sub_path}]"
+            out.append((sub_path, header, frozenset(g.encode_name for g in sub.fields)))
+            walk(sub, sub_path)
+
+    top = _struct_of(msgspec.inspect.type_info(Scenario))
+    assert top is not None
+    walk(top, "")
+    return tuple(out)
+
+
+def _elsewhere(key: str, own: str) -> str:
+    """`` (did you mean [run] steps?)``: the tables other than the one at path ``own`` that
+    take ``key``, else the field nearest to it in any of them; ``""`` when none is near."""
+    tables = [(header, names) for path, header, names in _tables() if path != own]
+    name: str | None = key
+    holders = [header for header, names in tables if key in names]
+    if not holders:
+        name = closest(key, sorted({n for _, names in tables for n in names}))
+        if name is None:
+            return ""
+        holders = [header for header, names in tables if name in names]
+    return f" (did you mean {' or '.join(f'{h} {name}' for h in holders)}?)"
+
+
+def _unknown_messages(unknown: list[_Unknown]) -> tuple[list[str], set[tuple[str, str]]]:
+    """One message per unknown key, with the nearest field of its table or, when none is
+    near, where a field of that name (or the nearest) is; a table's own field list is said
+    once, after its last key without a near field. Also the (table path, field) pairs
+    suggested in the key's own table."""
+    parts: list[str] = []
+    suggested: set[tuple[str, str]] = set()
+    listed: dict[str, tuple[int, msgspec.inspect.StructType]] = {}
+    for where, key, st in unknown:
+        names = [f.encode_name for f in st.fields]
+        text = f"{where or _TOP_LEVEL}: Object contains unknown field `{key}`"
+        near = closest(key, names)
+        if near is not None:
+            suggested.add((where, near))
+            parts.append(text + suggest(key, names))
+            continue
+        parts.append(text + _elsewhere(key, re.sub(r"\[\d+\]", "", where)))
+        listed[where] = (len(parts) - 1, st)
+    for where, (i, st) in listed.items():
+        parts[i] += f"; {where or 'the scenario'} takes {[f.encode_name for f in st.fields]}"
+    return parts, suggested
 
 
 def _validation_message(exc: msgspec.ValidationError) -> str:
@@ -134,7 +216,7 @@ def _validation_message(exc: msgspec.ValidationError) -> str:
     text = str(exc)
     if " - at `$." not in text:
         if text.startswith("Object contains unknown field"):  # a top-level table
-            return _unknown_field(text, "")
+            return f"{_TOP_LEVEL}: {_unknown_field(text, '')}"
         return text
     reason, _, where = text.rpartition(" - at `$.")
     where = where.rstrip("`")
@@ -153,29 +235,52 @@ def _validation_message(exc: msgspec.ValidationError) -> str:
     return f"{where}: {reason}"
 
 
+def _decode_error(data: bytes | str, exc: msgspec.ValidationError) -> str:
+    """The message of a failed typed decode: msgspec's error, field first, and every unknown
+    key of the file. msgspec stops at its first error, so an unknown key after a bad value is
+    found by walking the plain TOML, and a bad value after an unknown key by decoding again
+    without the unknown keys."""
+    raw = msgspec.toml.decode(data)  # cannot fail: the typed decode got past the TOML
+    kept, unknown = _unknown_fields(raw, msgspec.inspect.type_info(Scenario))
+    first_unknown = str(exc).startswith("Object contains unknown field")
+    if first_unknown and not unknown:  # somewhere the walk does not go: msgspec's own word
+        return _validation_message(exc)
+    parts, suggested = _unknown_messages(unknown)
+    other: msgspec.ValidationError | None = exc
+    if first_unknown:
+        try:
+            msgspec.convert(kept, Scenario, str_keys=True,
+                            builtin_types=(datetime.datetime, datetime.date, datetime.time))
+            other = None
+        except msgspec.ValidationError as hidden:
+            missing = re.fullmatch(r"Object missing required field `(.+?)`(?: - at `\$\.(.*)`)?",
+                                   str(hidden))
+            # `[[domain]]`: "did you mean 'domains'?" already says `domains` is missing
+            other = None if missing and (missing[2] or "", missing[1]) in suggested else hidden
+    if other is None:
+        return "; ".join(parts)
+    text = _validation_message(other)
+    return "; ".join([*parts, text] if first_unknown else [text, *parts])
+
+
 def parse_scenario(data: bytes | str, source: str = "<scenario>") -> Scenario:
-    """Decode and validate a scenario from TOML text.
+    """Decode and validate a scenario from TOML text, then check each domain's
+    ``env_options`` against what its env accepts (:func:`check_env_options`).
 
     Raises:
-        ConfigError: invalid TOML, an unknown field, a value out of bounds or a cross-field rule
-            broken; the message starts with ``source`` and names the field.
+        ConfigError: invalid TOML, unknown fields (every one of the file, each with the
+            nearest field), a value of the wrong type or out of bounds (msgspec's first), a
+            cross-field rule broken, or env options the domain's env does not take; the
+            message starts with ``source`` and names the field.
     """
     try:
         scenario = msgspec.toml.decode(data, type=Scenario)
     except msgspec.ValidationError as exc:
-        message = _validation_message(exc)
-        if "unknown field" in str(exc):
-            unknown = _unknown_fields(msgspec.toml.decode(data),
-                                      msgspec.inspect.type_info(Scenario))
-            if len(unknown) > 1:
-                message = "; ".join(
-                    f"{where + ': ' if where else ''}"
-                    + _unknown_field(f"Object contains unknown field `{key}`", where)
-                    for where, key in unknown)
-        raise ConfigError(f"{source}: {message}") from None
+        raise ConfigError(f"{source}: {_decode_error(data, exc)}") from None
     except msgspec.DecodeError as exc:
         raise ConfigError(f"{source}: invalid TOML: {exc}") from None
-    return validate_scenario(scenario, source)
+    check_env_options(validate_scenario(scenario, source), source)
+    return scenario
 
 
 def load_scenario(path: str | Path) -> Scenario:

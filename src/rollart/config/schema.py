@@ -474,7 +474,9 @@ class DomainConfig(_Cfg, frozen=True):
     #: extra keyword arguments of the tokenizer's chat template (e.g. enable_thinking = false).
     chat_template_kwargs: dict[str, Any] = msgspec.field(default_factory=dict)
     #: options the env is built with (env hosts: ``gem.make`` / ``Attr(**options)`` / the
-    #: dataset config; in-process envs: ``factory(**options)``).
+    #: dataset config; in-process envs: ``factory(**options)``). For ``game:`` and ``rg:``
+    #: envs the scenario is refused when a name is not one the env takes (reasoning-gym:
+    #: also values its config refuses), before anything starts.
     env_options: dict[str, Any] = msgspec.field(default_factory=dict)
     #: when the env rejects an action (raises ``InvalidActionError``, e.g. broken tool-call
     #: JSON): ``observe``: the model gets the error message as the next observation and the

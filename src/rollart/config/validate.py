@@ -53,9 +53,16 @@ def suggest(name: str, known: Sequence[str], field: str | None = None) -> str:
     hint = VALUE_HINTS.get(field or "", {}).get(name.lower())
     if hint:
         return f" ({hint})"
+    close = closest(name, known)
+    return f" (did you mean {close!r}?)" if close else ""
+
+
+def closest(name: str, known: Sequence[str]) -> str | None:
+    """The closest of ``known`` to ``name`` by spelling as :func:`suggest` picks it (difflib,
+    cutoff 0.6, never ``name`` negated or un-negated); ``None``: none is close."""
     candidates = [k for k in known if not _negation_pair(name.lower(), k.lower())]
     close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+    return close[0] if close else None
 
 
 def _fail(source: str, field: str, reason: str) -> ConfigError:

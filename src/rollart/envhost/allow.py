@@ -13,7 +13,7 @@ imported by name) and need no entry. Env options are data only: they decode to m
 (str, numbers, lists, maps) and are passed as keyword arguments to the allowed constructor, which
 only accepts parameters it names. GEM games take numbers and flags only; a reasoning-gym option
 naming a file (``spell_backward``'s ``data_file``) may only name one of the package's own data
-files (``families._check_file_options``), never a path to read.
+files (``families.check_file_options``), never a path to read.
 """
 
 from __future__ import annotations

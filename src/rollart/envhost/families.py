@@ -249,10 +249,7 @@ class GemEnv:
 
     def __init__(self, env_name: str, options: dict[str, Any]) -> None:
         gem = _import_gem()
-        entry_point = _gem_spec(env_name).entry_point
-        allowed = _named_params(
-            _resolve(entry_point) if isinstance(entry_point, str) else entry_point
-        )
+        allowed = gem_option_names(env_name)
         unknown = sorted(set(options) - allowed)
         if unknown:
             raise EnvSpecError(
@@ -327,6 +324,14 @@ def _named_params(cls_or_fn: Any) -> set[str]:
     }
 
 
+def gem_option_names(env_name: str) -> set[str]:
+    """The options GEM env ``env_name`` takes: its registered entry point's parameters, as
+    ``GemEnv`` checks them. Raises EnvSpecError (``not_found``) for an unregistered name,
+    ImportError without GEM."""
+    entry_point = _gem_spec(env_name).entry_point
+    return _named_params(_resolve(entry_point) if isinstance(entry_point, str) else entry_point)
+
+
 # ------------------------------------------------------------------------------------------------
 # reasoning-gym datasets
 # ------------------------------------------------------------------------------------------------
@@ -374,7 +379,7 @@ def rg_dataset(dataset: str, seed: int, config: Mapping[str, Any] | None = None)
             "bad_request",
             f"rg:{dataset}: unknown option(s) {unknown}{hint}; accepted: {sorted(allowed)}",
         )
-    _check_file_options(f"rg:{dataset}", config)
+    check_file_options(f"rg:{dataset}", config)
     try:
         ds = reasoning_gym.create_dataset(dataset, seed=seed, **config)
     except (AssertionError, TypeError, ValueError) as exc:
@@ -384,7 +389,7 @@ def rg_dataset(dataset: str, seed: int, config: Mapping[str, Any] | None = None)
     return ds
 
 
-def _check_file_options(where: str, config: Mapping[str, Any]) -> None:
+def check_file_options(where: str, config: Mapping[str, Any]) -> None:
     """Options naming a file (``spell_backward``'s ``data_file``) may name only a file of the
     package's own data directory: reasoning-gym joins the value to that directory, so an
     absolute path or ``..`` would read any file and show its words in the observations.

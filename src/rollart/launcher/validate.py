@@ -1,6 +1,8 @@
 """``rollart validate SCENARIO.toml [--quiet]``: check a scenario without running it.
 
-Decodes the file (unknown fields, types and bounds) and checks the cross-field rules, then
+Decodes the file (unknown fields, types and bounds, every one named in one error) and checks
+the cross-field rules and each ``game:`` / ``rg:`` domain's ``env_options`` against the options
+its env takes (``rollart.config.envoptions``), then
 prints the resolved scenario (every default filled in) as JSON: what ``config.json`` of a run
 would hold. Then it checks everything ``rollart run`` (``--cluster``, default local) would refuse
 before starting a process: an env host for the domains' envs, env names an env host can make (a

@@ -1,0 +1,142 @@
+"""A scenario error names everything wrong with the file's keys at once: unknown keys beside a
+bad value (msgspec stops at its first error), top-level keys located and pointed to the table
+that takes them, and ``env_options`` an env would refuse at every session open."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rollart.cli import main as cli
+from rollart.config import ConfigError, parse_scenario
+
+MINIMAL = (Path(__file__).resolve().parents[1] / "minimal_scenario.toml").read_text()
+RUN_TAKES = "the scenario takes ['pools', 'domains', 'run', "
+
+
+def _error(text: str) -> str:
+    with pytest.raises(ConfigError) as err:
+        parse_scenario(text, "s.toml")
+    message = str(err.value)
+    assert message.startswith("s.toml: "), message
+    return message
+
+
+def _with_options(env: str, options: str) -> str:
+    return (MINIMAL.replace("rg:basic_arithmetic", env)
+            .replace('pool = "cpu"', f'pool = "cpu"\nenv_options = {{ {options} }}'))
+
+
+# --- a bad value no longer hides the unknown keys, nor an unknown key the bad value ---------
+
+
+def test_a_bad_value_is_named_with_every_unknown_key_after_it() -> None:
+    msg = _error(MINIMAL.replace("[run]", "[run]\nsteps = 0\nmdoe = 'sync'")
+                 + "\n[trainr]\nlr = 1e-6\n")
+    assert msg.startswith("s.toml: run.steps: Expected `int` >= 1; "), msg
+    assert "run: Object contains unknown field `mdoe` (did you mean 'mode'?)" in msg
+    assert "top level of the file: Object contains unknown field `trainr` (did you mean " \
+           "'trainer'?)" in msg
+
+
+def test_a_bad_value_after_an_unknown_key_is_named_too() -> None:
+    msg = _error(MINIMAL.replace("[run]", "[run]\nmdoe = 'sync'\nselection = 'frist'"))
+    assert msg == ("s.toml: run: Object contains unknown field `mdoe` (did you mean 'mode'?); "
+                   "run.selection: Invalid enum value 'frist'; one of ['first', 'unbiased'] "
+                   "(did you mean 'first'?)")
+
+
+def test_a_misspelt_required_table_is_not_also_reported_missing() -> None:
+    msg = _error(MINIMAL.replace("[[domains]]", "[[domain]]"))
+    assert msg == ("s.toml: top level of the file: Object contains unknown field `domain` "
+                   "(did you mean 'domains'?)")
+
+
+def test_unknown_keys_under_a_table_of_named_entries_are_found() -> None:
+    msg = _error(MINIMAL + '[[env_hosts]]\nname = "e"\n[env_hosts.latency.game]\n'
+                 'distribution = "normal"\nmean = 1\n')
+    assert "env_hosts[0].latency.game: Object contains unknown field `mean` (did you mean " \
+           "'mean_s'?)" in msg
+
+
+# --- top-level keys: located, the tables listed once, a misplaced key pointed home ----------
+
+
+@pytest.mark.parametrize(("key", "hint"), [
+    ("stpes", "(did you mean [run] steps?)"),
+    ("steps", "(did you mean [run] steps?)"),
+    ("seed", "(did you mean [run] seed or [eval] seed?)"),
+    ("temprature", "(did you mean [domains.sampling] temperature?)"),
+])
+def test_a_misplaced_top_level_key_names_the_table_that_takes_it(key, hint) -> None:
+    msg = _error(f"{key} = 3\n" + MINIMAL)
+    assert msg.startswith(f"s.toml: top level of the file: Object contains unknown field "
+                          f"`{key}` {hint}; {RUN_TAKES}"), msg
+
+
+def test_the_top_level_tables_are_listed_once() -> None:
+    msg = _error("zzzz = 1\nqqqq = 2\nstpes = 3\n" + MINIMAL)
+    assert msg.count(RUN_TAKES) == 1, msg
+    assert msg.endswith("'output', 'eval']"), msg
+    for key in ("zzzz", "qqqq", "stpes"):
+        assert f"top level of the file: Object contains unknown field `{key}`" in msg
+
+
+def test_a_nested_key_of_another_table_is_pointed_there() -> None:
+    msg = _error(MINIMAL.replace("[run]", "[run]\nlr = 1e-5"))
+    assert msg.startswith("s.toml: run: Object contains unknown field `lr` (did you mean "
+                          "[trainer] lr?); run takes ['seed', "), msg
+
+
+# --- env_options: checked against the env's own option names --------------------------------
+
+
+@pytest.mark.parametrize(("env", "options", "expect"), [
+    ("rg:basic_arithmetic", "min_term = 2, max_terms = 2",
+     "s.toml: domains[0].env_options: domain 'arith', env 'rg:basic_arithmetic': unknown "
+     "option 'min_term' (did you mean 'min_terms'?); accepted: ['allow_negation', "
+     "'allow_parentheses', 'format_style', 'max_digits', 'max_terms', 'min_digits', "
+     "'min_terms', 'operators', 'size', 'whitespace']"),
+    ("rg:basic_arithmetic", "seed = 1",
+     "unknown option 'seed' (each group's env seed is drawn from run.seed); accepted: "),
+    ("game:GuessTheNumber-v0-easy", "max_numbr = 5, zzz = 3",
+     "s.toml: domains[0].env_options: domain 'arith', env 'game:GuessTheNumber-v0-easy': "
+     "unknown options 'max_numbr' (did you mean 'max_number'?), 'zzz'; accepted: "
+     "['max_number', 'max_turns', 'min_number']"),
+    ("rg:basic_arithmetic", "min_terms = 5, max_terms = 3",
+     "env 'rg:basic_arithmetic': reasoning-gym refuses them: AssertionError: max_terms must "
+     "be >= min_terms"),
+    ("rg:spell_backward", 'data_file = "/etc/passwd"',
+     "options naming files may only name a file of the dataset package's own data"),
+])
+def test_env_options_the_env_would_refuse_are_refused(env, options, expect) -> None:
+    assert expect in _error(_with_options(env, options))
+
+
+@pytest.mark.parametrize(("env", "options"), [
+    ("rg:basic_arithmetic", "min_terms = 2, max_terms = 2, min_digits = 1, max_digits = 1"),
+    ("game:GuessTheNumber-v0-easy", "max_number = 20, max_turns = 5"),
+    # the env host imports py: envs, from its own path: nothing to look up here
+    ("py:nowhere.to.be:Found", "anything = 1"),
+    # an unknown env name is the preflight's to refuse (or an in-process env's own name)
+    ("script:echo", "turns = 3"),
+    ("rg:no_such_dataset", "x = 1"),
+])
+def test_env_options_that_cannot_be_told_wrong_here_pass(env, options) -> None:
+    parse_scenario(_with_options(env, options), "s.toml")
+
+
+@pytest.mark.parametrize("command", ["validate", "run"])
+def test_validate_and_run_refuse_an_env_option_typo(tmp_path, capsys, command) -> None:
+    sc = tmp_path / "s.toml"
+    sc.write_text(_with_options("rg:basic_arithmetic", "min_term = 2")
+                  + '\n[[env_hosts]]\nname = "envs"\n')
+    out_dir = tmp_path / "run"
+    extra = ["--out", str(out_dir)] if command == "run" else ["--quiet"]
+    assert cli([command, str(sc), *extra]) == 2
+    err = capsys.readouterr().err
+    assert (f"rollart {command}: config error: {sc}: domains[0].env_options: domain 'arith'"
+            in err), err
+    assert "(did you mean 'min_terms'?)" in err
+    assert not out_dir.exists()
