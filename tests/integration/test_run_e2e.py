@@ -100,6 +100,10 @@ def test_short_run_writes_metrics_and_stops_every_process(tmp_path, cache_dir):
     assert summary["generated_tokens"] == summary["trained_tokens"] \
         + summary["wasted_tokens"] + summary["in_flight_tokens"]
     assert summary["wasted_tokens"] == sum(summary["wasted_tokens_by_reason"].values())
+    # Rollout while step 1 waited for the first evaluation is step 1's; the rows also count
+    # replies the buffer refused (a turn back after its trajectory was cancelled), never fewer.
+    assert rows[0]["num_generated_tokens"] > 0
+    assert sum(r["num_generated_tokens"] for r in rows) >= summary["generated_tokens"]
     assert set(summary["domains"]) <= {"guess", "arith"}
     assert sum(d["trained"] for d in summary["domains"].values()) == 16
     for d in summary["domains"].values():

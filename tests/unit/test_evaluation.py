@@ -355,6 +355,44 @@ async def test_rollout_during_the_first_eval_is_in_the_token_accounting() -> Non
         + sum(r.wasted_tokens for r in rows) + rows[-1].in_flight_tokens
 
 
+async def test_step_rows_count_every_generated_token_once_from_step_1() -> None:
+    # Rollout goes on while step 1 waits for the first evaluation: its tokens are step 1's.
+    # Eval trajectories never enter the buffer: neither count includes their tokens.
+    sc = scenario("answer", size=60, pass_k=2)
+    steps = await train(cluster(sc, FakeWorker("w1", right_answer), "answer", FakeAnswerEnv),
+                        3)
+    rows = [st.metrics for st in steps]
+    assert rows[0].num_generated_tokens > 0
+    assert rows[0].num_generated_tokens == rows[0].buffer_generated_tokens
+    assert sum(r.num_generated_tokens for r in rows) \
+        == sum(r.buffer_generated_tokens for r in rows)
+
+
+async def test_a_resumed_runs_step_rows_still_sum_to_its_generated_tokens() -> None:
+    sc = scenario("answer", size=20, pass_k=1)
+    trainer, worker = FakeTrainer(), FakeWorker("w1", right_answer, latency_s=0.001)
+
+    def make(resume=None) -> Cluster:
+        c = Cluster.from_scenario(sc, backends=Backends(
+            pools={"p1": [worker]}, trainer=trainer, tokenizer=TOK), resume=resume)
+        c.register_env("answer", FakeAnswerEnv)
+        return c
+
+    rows: list = []
+    c1 = make()
+    async with c1:
+        async for st in c1.train(steps=2):
+            rows.append(st.metrics)
+        # rollout goes on after step 2: the checkpoint carries those tokens to step 3
+        await asyncio.sleep(0.05)
+        snap = msgspec.json.decode(msgspec.json.encode(c1.snapshot()))
+    assert snap["since_last_step"]["generated_tokens"] > 0
+    rows += [st.metrics for st in await train(make(resume=snap), 2)]
+    assert [r.step for r in rows] == [1, 2, 3, 4]
+    assert sum(r.num_generated_tokens for r in rows) \
+        == sum(r.buffer_generated_tokens for r in rows)
+
+
 async def test_collapse_warning_when_train_reward_rises_but_eval_stays_at_the_baseline(
         caplog) -> None:
     worker = FakeWorker("w1")

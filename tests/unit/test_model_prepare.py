@@ -34,6 +34,13 @@ async def test_the_tiny_model_is_built_in_a_child_and_is_the_one_resolve_model_g
     # no warm-up: the note says what happens (a build, seconds), not a warm-up of minutes
     assert "warms it up" not in notes[0] and "tiny_warmup = false" in notes[0]
     assert "seconds" in notes[0]
+    # the last note says the preparation is over, how long it took, and that it was built
+    assert notes[-1].startswith("tiny model ready after ") and " s (built, now cached): " \
+        in notes[-1] and notes[-1].endswith(str(got))
+    again: list[str] = []
+    assert await prepare_model(sc, "s.toml", tmp_path, resume=False, note=again.append) == got
+    assert again[-1].startswith("tiny model ready after ")
+    assert f" s (from the cache): {got}" in again[-1]
 
 
 async def test_cancelling_the_wait_stops_a_long_warm_up(tmp_path):

@@ -114,3 +114,33 @@ def test_the_closing_block_names_a_collapse_by_its_reasons() -> None:
     lines = summary_block(summary, Path("runs/demo"), checkpoint=None, resume="r")
     assert ("eval        letters: 0.580 -> 0.580, 95% CI [0.531, 0.627] (majority baseline "
             "0.580); COLLAPSE: few_distinct_answers, at_or_below_baseline") in lines
+
+
+def test_a_checkpoint_behind_the_last_step_says_which_steps_a_resume_runs_again() -> None:
+    # A plain Ctrl-C after step 71 with checkpoints every 20 steps: the trainer rolls back.
+    run = Path("runs/demo")
+    summary = {**SUMMARY, "steps": 71}
+    lines = summary_block(summary, run, checkpoint=run / "checkpoints" / "step_000040",
+                          resume="r")
+    at = lines.index("checkpoint  runs/demo/checkpoints/step_000040")
+    assert lines[at + 1] == ("            resume restarts from step 40: steps 41-71 will run "
+                             "again")
+    one = summary_block({**SUMMARY, "steps": 41}, run,
+                        checkpoint=run / "checkpoints" / "step_000040", resume="r")
+    assert "            resume restarts from step 40: step 41 will run again" in one
+    # a checkpoint at the last step: nothing runs again, nothing said
+    done = summary_block(SUMMARY, run, checkpoint=run / "checkpoints" / "step_000012",
+                         resume="r")
+    assert not any("will run again" in x for x in done)
+
+
+def test_the_header_counts_one_step_in_the_singular(capsys) -> None:
+    from rollart.launcher.progress import plural
+
+    assert plural(1, "step") == "1 step" and plural(2, "step") == "2 steps"
+    assert plural(0, "step") == "0 steps"
+    Progress(scenario(), 1)
+    header = capsys.readouterr().out
+    assert "· 1 step " in header and "1 steps" not in header
+    Progress(scenario(), 3)
+    assert "· 3 steps " in capsys.readouterr().out

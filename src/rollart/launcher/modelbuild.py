@@ -9,7 +9,8 @@ interpreter, so a driver script needs no ``__main__`` guard) that the caller awa
 wait (a signal, the end of a driver script) terminates the child, and a progress note is given
 every ``note_every_s`` seconds: what the child last reported (a cache miss, the warm-up's
 optimizer step out of its total and loss, from ``rollart.models``' INFO records, written to a
-progress file) and, once the warm-up has taken steps, an estimate of the time left. A local
+progress file) and, once the warm-up has taken steps, an estimate of the time left; a last
+note says when it is ready, how long it took and whether it came from the cache. A local
 checkpoint directory is only checked for its ``config.json``, on the loop.
 """
 
@@ -48,6 +49,8 @@ class _Job(msgspec.Struct, frozen=True):
 class _Result(msgspec.Struct, frozen=True):
     kind: str  # "ok" (value: the path), "error" (a ConfigError's message), "crash" (traceback)
     value: str
+    #: "ok" only: the checkpoint was in the cache before the child started (not built)
+    cached: bool = False
 
 
 class ProgressFile(logging.Handler):
@@ -97,6 +100,16 @@ def progress_note(path: Path, elapsed_s: float) -> str:
     return text
 
 
+def ready_note(scenario: Scenario, path: Path, elapsed_s: float, *, cached: bool) -> str:
+    """The line said when the tiny model's preparation ends: how long it took (s), whether
+    it came from the cache or was built (and warmed up), and where it is."""
+    if cached:
+        how = "from the cache"
+    else:
+        how = ("built and warmed up" if scenario.model.tiny_warmup else "built") + ", now cached"
+    return f"tiny model ready after {elapsed_s:.0f} s ({how}): {path}"
+
+
 def main() -> int:
     """Child process: read a `_Job` from stdin, resolve the model, write a `_Result`."""
     from rollart.launcher.local import resolve_model
@@ -106,9 +119,16 @@ def main() -> int:
         models = logging.getLogger("rollart.models")
         models.setLevel(logging.INFO)
         models.addHandler(ProgressFile(Path(job.progress)))
+    cache = Path(job.cache_dir)
+    # The cache entry's name is known only once the demonstrations that key it are played:
+    # what was there before tells a cache hit from a build.
     try:
-        out = _Result("ok", str(resolve_model(job.scenario, Path(job.cache_dir),
-                                              resume=job.resume)))
+        before = {p.name for p in cache.glob("tiny-*")}
+    except OSError:  # an unreadable cache: the build says why; the note only errs on "built"
+        before = set()
+    try:
+        path = resolve_model(job.scenario, cache, resume=job.resume)
+        out = _Result("ok", str(path), cached=path.name in before)
     except ConfigError as exc:
         out = _Result("error", str(in_file(job.source, exc)))
     except Exception:  # noqa: BLE001 - reported to the parent, which raises it
@@ -176,6 +196,8 @@ async def prepare_model(scenario: Scenario, source: str, cache_dir: Path, *, res
                               f"without a result (exit code {proc.returncode})")
         out = msgspec.json.decode(result.read_bytes(), type=_Result)
     if out.kind == "ok":
+        # after the "still preparing" lines, the one that says they are over
+        note(ready_note(scenario, Path(out.value), time.monotonic() - t0, cached=out.cached))
         return Path(out.value)
     if out.kind == "error":
         raise ConfigError(out.value)

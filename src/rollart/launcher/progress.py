@@ -38,7 +38,7 @@ class Progress:
         run = scenario.run
         self.console.rule(f"rollart · mode {run.mode} · alpha {run.alpha} · "
                           f"batch {run.batch_size} (group {run.group_size} + {run.redundancy}) · "
-                          f"{planned_steps} steps")
+                          f"{plural(planned_steps, 'step')}")
         self._header_printed = False
         self._step_times: list[float] = []
 
@@ -103,6 +103,18 @@ def log_lines(step: int, planned: int, domains: list[str], metrics: Any,
              f"lag_p99_ms={'-' if lag is None else f'{lag:.1f}'}", f"eta={eta}"]
     return textwrap.wrap(" ".join(words), width=LOG_WIDTH - 1, subsequent_indent="    ",
                          break_long_words=False, break_on_hyphens=False)
+
+
+def plural(n: int, word: str) -> str:
+    """``"1 step"``, ``"2 steps"``: ``n`` and ``word`` (a regular noun), pluralised."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def checkpoint_step(path: Path) -> int | None:
+    """The step of checkpoint folder ``path`` (``.../step_000040``: 40); ``None`` for a
+    folder not named that way."""
+    digits = path.name.removeprefix("step_")
+    return int(digits) if digits != path.name and digits.isdigit() else None
 
 
 def duration(seconds: float) -> str:
@@ -171,9 +183,10 @@ def waste_summary(rows: list[dict[str, Any]], weights: dict[str, float]) -> dict
     ``rows``: step metrics as dicts (``StepMetrics`` fields); ``weights``: each domain's
     configured ``weight``. Token counts add up over the run: ``generated_tokens ==
     trained_tokens + wasted_tokens + in_flight_tokens`` (in flight at the last step's end).
-    Per domain: groups / trajectories started, finished and trained samples, the domain's share
-    of trained samples against its configured share, mean generated tokens and turns of trained
-    vs finished samples, and ``length_bias`` = trained mean / finished mean - 1.
+    Per domain: groups admitted (``groups_started``), trajectories ``started``, ``finished``
+    and ``trained`` (samples), the domain's share of trained samples against its configured
+    share, mean generated tokens and turns of trained vs finished samples, and
+    ``length_bias`` = trained mean / finished mean - 1.
     """
     generated = sum(r.get("buffer_generated_tokens", 0) for r in rows)
     reasons: dict[str, int] = {}
@@ -261,7 +274,8 @@ def summary_block(summary: dict[str, Any], run_dir: Path, *, checkpoint: Path | 
     ``summary["eval"]`` has it, waste by reason (share of the generated tokens), then where the
     run folder, the newest checkpoint and the report are, and the commands that continue the run
     (``resume``, with ``N`` for the new total steps; ``None``: no checkpoint to continue from)
-    and write its report."""
+    and write its report. A checkpoint older than the last step done gets a line saying
+    which steps a resume runs again."""
     lines = [f"steps       {summary.get('steps', 0)} in {duration(summary.get('wall_time_s', 0))}"
              f" (mode {summary.get('mode')}, alpha {summary.get('alpha')})"]
     domains = summary.get("domains", {})
@@ -290,8 +304,16 @@ def summary_block(summary: dict[str, Any], run_dir: Path, *, checkpoint: Path | 
                      f"{summary['generated_tokens']} generated tokens"
                      + (f": {by_reason}" if by_reason else ""))
     lines += [f"run folder  {run_dir}  (metrics.jsonl, summary.json, logs/)",
-              f"checkpoint  {checkpoint if checkpoint is not None else 'none'}",
-              f"report      rollart report {run_dir}  (writes {run_dir / 'report' / 'index.html'})"]
+              f"checkpoint  {checkpoint if checkpoint is not None else 'none'}"]
+    done = summary.get("steps", 0)
+    at = checkpoint_step(checkpoint) if checkpoint is not None else None
+    if at is not None and at < done:
+        # Steps after the newest checkpoint (a plain interrupt, a failure) are rolled back
+        # with the trainer on resume: said here, or "steps 71" reads as where it goes on.
+        again = f"step {done}" if at + 1 == done else f"steps {at + 1}-{done}"
+        lines.append(f"{'':12}resume restarts from step {at}: {again} will run again")
+    lines.append(f"report      rollart report {run_dir}  "
+                 f"(writes {run_dir / 'report' / 'index.html'})")
     if resume is not None:
         lines.append(f"continue    {resume}  (N: the new total of steps)")
     return lines

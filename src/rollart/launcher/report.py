@@ -335,6 +335,11 @@ def write_eval_plots(rows: list[dict[str, Any]], out: Path) -> list[Path]:
     return paths
 
 
+def _steps(n: int) -> str:
+    # not progress.plural: that module brings rich, which the report does not need
+    return f"{n} step" if n == 1 else f"{n} steps"
+
+
 def _fmt(v: Any) -> str:
     """One value as HTML: a dict as a key / value table (nested dicts nested), a list of
     dicts as a table with a column per key, any other list comma-separated, a float to 3
@@ -404,7 +409,7 @@ def write_html(run_dir: Path, out: Path, rows: list[dict[str, Any]]) -> Path:
                    for name, title in plots.items())
     page = (f"<!doctype html><html><head><meta charset='utf-8'><title>rollart report: "
             f"{html.escape(run_dir.name)}</title></head><body><h1>rollart run "
-            f"{html.escape(str(run_dir))}</h1><p>{len(rows)} steps; mode "
+            f"{html.escape(str(run_dir))}</h1><p>{_steps(len(rows))}; mode "
             f"{_fmt(summary.get('mode', rows[-1].get('mode')))}, wasted share "
             f"{_fmt(summary.get('wasted_share'))}</p>{table}{figs}</body></html>\n")
     path = out / "index.html"
@@ -444,5 +449,5 @@ def main(argv: list[str] | None = None) -> int:
     apply_umask(run_shares_with_group(args.run_dir))
     write_plots(rows, out, smooth=args.smooth)
     page = write_html(args.run_dir, out, rows)
-    print(f"rollart report: {len(rows)} steps -> {page}")
+    print(f"rollart report: {_steps(len(rows))} -> {page}")
     return 0

@@ -44,7 +44,7 @@ from rollart.controller.observe.loophealth import freeze_startup_objects, tune_g
 from rollart.filemodes import apply_umask
 from rollart.launcher.cliargs import path_arg
 from rollart.launcher.procs import ProcessFailedError
-from rollart.launcher.progress import Progress, print_summary_block, summary_block
+from rollart.launcher.progress import Progress, plural, print_summary_block, summary_block
 from rollart.launcher.rundir import (
     earlier_wall_time_s,
     resume_mismatch,
@@ -283,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         if state.step >= planned:
             print(f"rollart run: checkpoint {ckpt} is at step {state.step}, the planned "
-                  f"{planned} steps are done; nothing to run")
+                  f"{plural(planned, 'step')} {'is' if planned == 1 else 'are'} done; "
+                  "nothing to run")
             return 0
         start_step = state.step
         run_dir = args.resume

@@ -30,7 +30,12 @@ class StepMetrics(msgspec.Struct, kw_only=True):
     - ``num_aborted``: trajectories cancelled (redundancy, not needed) or restarted (stale).
     - ``num_failed``: failed trajectories (never scored); ``num_failed_by_reason``: the same by
       reason; ``num_retries``: of those, retried.
-    - ``num_generated_tokens``: tokens generated during the step (all trajectories).
+    - ``num_generated_tokens``: tokens the workers generated for training trajectories since
+      the previous step's end (step 1: since the controller's start, the first held-out
+      evaluation's wait included; the first step after a resume: plus what the checkpoint
+      carried over since its step), so the rows of a run sum to its total. Held-out evaluation
+      tokens are not counted. It equals ``buffer_generated_tokens`` but for replies the buffer
+      refused (a turn that returned after its trajectory was cancelled or told to restart).
     - ``wasted_tokens``: generated tokens thrown away (cancelled, failed, stale, unselected).
     - ``wasted_tokens_by_reason``: the same by reason (``stale``, ``redundancy``, ``failed``,
       ``unselected``, ``retired``, ``shutdown``, ``resume``); ``buffer_generated_tokens``:

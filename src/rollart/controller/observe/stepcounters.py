@@ -2,15 +2,16 @@
 trajectories at the step's start, diffed at its end into the step's
 :class:`~rollart.controller.observe.metrics.StepMetrics`.
 
-Counters between two steps (a checkpoint taken between them, rollout before the first step)
-land in the next step, so each trajectory counts in exactly one step; a resumed run's first
-step reports what the checkpoint carried over (:meth:`StepCounters.restore`).
+Counters between two steps (a checkpoint taken between them, rollout before the first step
+while the owner awaits a held-out evaluation) land in the next step, so each trajectory and
+each generated token counts in exactly one step; a resumed run's first step reports what the
+checkpoint carried over (:meth:`StepCounters.restore`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from rollart.controller.buffer.snapshot import carried_over, counts_since
@@ -26,7 +27,8 @@ if TYPE_CHECKING:
 
 @dataclass(slots=True)
 class StepStart:
-    """The counters at a step's start (:meth:`StepCounters.begin`); ``t0``: clock, s."""
+    """The counters at a step's start (:meth:`StepCounters.begin`); ``tokens``: the
+    trajectories' generated tokens at the previous step's end; ``t0``: clock, s."""
 
     stats: BufferStats
     tokens: int
@@ -62,6 +64,13 @@ class StepCounters:
         # the buffer's counters at the last step's end: the next step's metrics are deltas
         # from them (a restore sets them to the carried-over counters)
         self._stats_at_end: BufferStats | None = None
+        # the trajectory and proxy counters at the last step's end (or the controller's
+        # start): the next step's deltas are from them, as the buffer's are from
+        # ``_stats_at_end``, so what happens between two steps lands in the next one
+        self._at_end: StepStart | None = None
+        # generated tokens a restored checkpoint carried over since its step (its
+        # ``since_last_step``): the first step reports them, as the buffer's counters do
+        self._carried_tokens = 0
         self._ctx: TrajectoryContext | None = None
         self._align_s = 0.0
         self._started_at = 0.0
@@ -76,6 +85,8 @@ class StepCounters:
             # Step 1's counters are deltas from here: rollout before the first step (the
             # owner awaiting something else, e.g. a held-out evaluation) counts in it.
             self._stats_at_end = self.buffer.stats()
+        self._at_end = self._counts(self._stats_at_end, self._started_at)
+        self._at_end.tokens -= self._carried_tokens
 
     def since_last_step(self) -> dict[str, Any]:
         """The checkpoint's part: buffer counters gained since the last step's metrics."""
@@ -85,18 +96,24 @@ class StepCounters:
         """Continue from a checkpoint: its :meth:`since_last_step` (``None`` in older ones:
         nothing is added) counts in the first step, with the restart's waste."""
         self._stats_at_end = carried_over(self.buffer.stats(), since_last_step)
+        self._carried_tokens = int((since_last_step or {}).get("generated_tokens", 0))
 
     def begin(self) -> StepStart:
-        """The counters at a step's start."""
+        """The counters at a step's start: those at the previous step's end (or the
+        controller's start), so counters between steps land in this step; ``t0`` is now."""
+        if self._at_end is None:  # not started: nothing counted yet
+            return self._counts(self._stats_at_end or self.buffer.stats(), self.clock())
+        return replace(self._at_end, t0=self.clock())
+
+    def _counts(self, stats: BufferStats, t0: float) -> StepStart:
         ctx, proxy = self._ctx, self.proxy
         return StepStart(
-            # The previous step's end, so counters between steps land in this step.
-            stats=self._stats_at_end or self.buffer.stats(),
+            stats=stats,
             tokens=ctx.generated_tokens if ctx else 0,
             invalid_actions=ctx.invalid_actions if ctx else 0,
             rerouted=proxy.num_rerouted, prefix_resends=proxy.num_prefix_resends,
             window_waits=proxy.num_window_waits, invalid_replies=proxy.num_invalid_replies,
-            quarantined=len(proxy.quarantined), t0=self.clock(),
+            quarantined=len(proxy.quarantined), t0=t0,
             spilled=dict(proxy.spill.num_spilled) if proxy.spill else {},
             moves=proxy.spill.num_moves if proxy.spill else 0,
             spills={d: dict(to) for d, to in proxy.spill.num_spills.items()}
@@ -112,6 +129,7 @@ class StepCounters:
         ctx, proxy = self._ctx, self.proxy
         lag = self.loop_lag.take() if self.loop_lag is not None else None
         self._stats_at_end = after = self.buffer.stats()
+        tokens = ctx.generated_tokens if ctx else 0
         metrics = step_metrics(
             step=step,
             mode=mode,
@@ -124,7 +142,7 @@ class StepCounters:
             train_time_s=train_s,
             weight_sync_total_s=sync_total_s + self._align_s,
             weight_sync_exposed_s=sync_exposed_s + self._align_s,
-            num_generated_tokens=(ctx.generated_tokens if ctx else 0) - start.tokens,
+            num_generated_tokens=tokens - start.tokens,
             num_rerouted=proxy.num_rerouted - start.rerouted,
             num_prefix_resends=proxy.num_prefix_resends - start.prefix_resends,
             num_window_waits=proxy.num_window_waits - start.window_waits,
@@ -163,3 +181,6 @@ class StepCounters:
         metrics.quarantined_workers = self.proxy.quarantined[start.quarantined:]
         self._align_s = 0.0
         self._last_step_end = t_end
+        # Here, not in ``metrics``: workers quarantined in between (disagreement) are this
+        # step's, and must not count again in the next.
+        self._at_end = self._counts(self._stats_at_end or self.buffer.stats(), t_end)
