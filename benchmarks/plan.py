@@ -57,7 +57,7 @@ from benchmarks.modes import MODES, REPREFILL_MODES, regime_base
 from benchmarks.staleness_waste import POLICIES
 from benchmarks.workloads import reasoning
 from rollart.planner import plan
-from rollart.planner.search import RUNGS, Candidate, run_capped, sim_of, space
+from rollart.planner.search import RUNGS, Candidate, full_space, run_capped, sim_of
 from rollart.sim.harness import MODE_ALPHA, SimScenario, scenario_of
 
 NAME = "plan"
@@ -153,8 +153,7 @@ def _one(mode: str, name: str, quick: bool, seed: int, seeds: list[int], budget:
                seeds=(SEARCH_SEED_OFFSET + seed, SEARCH_SEED_OFFSET + seed + 1))
     plan_wall = time.perf_counter() - t0
     inputs, chosen = res.inputs, res.best.candidate
-    first, pairs = space(inputs)
-    layouts = [Candidate(c.trainer_gpus, c.mapping, a, r) for c in first for a, r in pairs]
+    layouts = full_space(inputs)
     paper = paper_candidate(sim)
     if paper not in layouts or res.best.candidate not in layouts:
         raise RuntimeError(f"{name}{tag}: the paper's or the planner's layout is not in the "

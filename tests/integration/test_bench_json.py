@@ -125,7 +125,7 @@ def test_plan_regimes_keep_one_inventory_and_sweep_the_paper_layout() -> None:
     from benchmarks import plan as plan_bench
 
     from rollart.planner.inputs import read_inputs
-    from rollart.planner.search import Candidate, space
+    from rollart.planner.search import full_space
 
     sims = {name: plan_bench.regime(name, True) for name in plan_bench.REGIMES}
     assert sims["loaded"].batch_size == 8 * sims["trainer-bound"].batch_size
@@ -133,8 +133,7 @@ def test_plan_regimes_keep_one_inventory_and_sweep_the_paper_layout() -> None:
         inputs = read_inputs(plan_bench.as_scenario(sim), model=plan_bench.MODEL,
                              profiles={d.spec.name: d.spec for d in sim.domains})
         assert inputs.gpus == {"h800": 6, "h20": 2}  # the same GPUs in every regime
-        first, pairs = space(inputs)
-        sweep = {Candidate(c.trainer_gpus, c.mapping, a, r) for c in first for a, r in pairs}
+        sweep = set(full_space(inputs))
         assert plan_bench.paper_candidate(sim) in sweep
 
 

@@ -9,7 +9,7 @@ import pytest
 from benchmarks import plan as plan_bench
 
 from rollart.planner.inputs import read_inputs
-from rollart.planner.search import Candidate, sim_of, space
+from rollart.planner.search import full_space, sim_of, space
 
 
 @pytest.mark.parametrize("mode", ["one_off", "areal", "sync_plus"])
@@ -18,8 +18,7 @@ def test_a_baseline_regime_sweeps_its_paper_layout_under_its_own_policy(mode):
     inputs = read_inputs(plan_bench.as_scenario(sim), model=plan_bench.MODEL,
                          profiles={d.spec.name: d.spec for d in sim.domains})
     assert inputs.gpus == {"h800": 6, "h20": 2}  # the rollart regime's GPUs
-    first, pairs = space(inputs)
-    sweep = {Candidate(c.trainer_gpus, c.mapping, a, r) for c in first for a, r in pairs}
+    sweep = set(full_space(inputs))
     paper = plan_bench.paper_candidate(sim)
     assert paper in sweep
     assert paper.alpha == {"one_off": 1, "areal": 1, "sync_plus": 0}[mode]

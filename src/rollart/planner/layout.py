@@ -32,7 +32,7 @@ def layout_dict(raw: dict[str, Any], inputs: PlanInputs, c: Candidate) -> dict[s
     for label, n in c.pools(inputs).items():
         pool = copy.deepcopy(templates[label])
         pool["num_workers"] = n
-        pool.setdefault("engine", {})["tensor_parallel_size"] = inputs.tp[label]
+        pool.setdefault("engine", {})["tensor_parallel_size"] = c.tp(inputs, label)
         pools.append(pool)
     out["pools"] = pools
     for dom, label in zip(out["domains"], c.mapping, strict=True):

@@ -1,17 +1,19 @@
 """The planner's search: candidate layouts, scored by the simulator, by successive halving.
 
-A candidate (``Candidate``) is a trainer size, a pool per domain (by hardware label), alpha
-and redundancy; every label some domain maps to gets one pool of all its GPUs left after
-the trainer (``Candidate.pools``). It is scored by its mean step time over the steps after
+A candidate (``Candidate``) is a trainer size, a pool per domain (by hardware label), alpha,
+redundancy and the engines' tensor-parallel degree per label (the fewest GPUs that hold the
+model, or twice that); every label some domain maps to gets one pool of all its GPUs left
+after the trainer (``Candidate.pools``). It is scored by its mean step time over the steps after
 the warm-up (seconds of simulated time) from ``rollart.sim.harness.run_simulated``: the real
 controller over simulated engines, envs and trainer, as the benchmarks run it.
 
 Successive halving (Jamieson and Talwalkar, AISTATS 2016; Li et al., Hyperband, JMLR 2018):
 rung 0 runs every (trainer size, mapping) on a short horizon with one seed, in a seeded random
-order after the scenario's own layout; the best third (at least ``MIN_KEEP``) and as many
-again of the candidates within the noise of that cut (``rollart.planner.noise.cut``) go on
-with every alpha and redundancy at rung 1 (a longer horizon), and the same cut of those to
-rung 2 on every seed.
+order after the scenario's own layout, each at the engines' tensor-parallel degree the cost
+model predicts faster (``rollart.planner.tpchoice``: searching both degrees would triple the
+space); the best third (at least ``MIN_KEEP``) and as many again of the candidates within the
+noise of that cut (``rollart.planner.noise.cut``) go on to rung 1 (a longer horizon) at every
+alpha and redundancy, and the same cut of those to rung 2 on every seed.
 Every candidate of a rung runs on the same seeds. While budget is left after rung 2, the
 leader and the candidates within its noise race on further common seeds
 (``rollart.planner.noise``). A run longer than ``STRAGGLER_X`` times its rung's median is
@@ -25,6 +27,7 @@ dropped, never compared on a shorter horizon.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import math
@@ -38,9 +41,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollart.controller.observe.stall import ControllerStalledError
-from rollart.planner import noise
+from rollart.planner import noise, tpchoice
 from rollart.planner.inputs import (
     GPUS_PER_NODE,
+    TP_CHOICES,
     PlanError,
     PlanInputs,
     check_trainer_limits,
@@ -72,12 +76,20 @@ STRAGGLER_X = 4.0
 @dataclass(frozen=True)
 class Candidate:
     """One layout: ``trainer_gpus`` on the trainer's label, ``mapping[i]`` the hardware label
-    of domain i's pool, the run's ``alpha`` and ``redundancy``."""
+    of domain i's pool, the run's ``alpha`` and ``redundancy``; ``wide_tp``: the labels whose
+    engines span twice the fewest GPUs that hold the model (``PlanInputs.tp``): fewer engines,
+    each faster per token (``rollart.sim.costs``: FLOP/s and bandwidth add over ranks, less
+    the all-reduce)."""
 
     trainer_gpus: int
     mapping: tuple[str, ...]
     alpha: int
     redundancy: int
+    wide_tp: tuple[str, ...] = ()
+
+    def tp(self, inputs: PlanInputs, label: str) -> int:
+        """Tensor-parallel degree of ``label``'s engines."""
+        return inputs.tp[label] * (2 if label in self.wide_tp else 1)
 
     def pools(self, inputs: PlanInputs) -> dict[str, int]:
         """Workers per used label: its GPUs left after the trainer, divided by its TP."""
@@ -85,23 +97,24 @@ class Candidate:
         for label in dict.fromkeys(self.mapping):
             left = inputs.gpus[label] - (self.trainer_gpus if label == inputs.trainer_label
                                          else 0)
-            out[label] = left // inputs.tp[label]
+            out[label] = left // self.tp(inputs, label)
         return out
 
     def rollout_share(self, inputs: PlanInputs) -> float:
         """Share of the GPUs in use that roll out (the rest train)."""
-        rollout = sum(n * inputs.tp[lb] for lb, n in self.pools(inputs).items())
+        rollout = sum(n * self.tp(inputs, lb) for lb, n in self.pools(inputs).items())
         return rollout / (rollout + self.trainer_gpus)
 
     def cost(self, inputs: PlanInputs) -> float:
         """GPUs in use x ``relative_cost`` (H800 units, ``rollart.sim.hardware``)."""
         hw = inputs.hardware
         return (self.trainer_gpus * hw(inputs.trainer_label).relative_cost
-                + sum(n * inputs.tp[lb] * hw(lb).relative_cost
+                + sum(n * self.tp(inputs, lb) * hw(lb).relative_cost
                       for lb, n in self.pools(inputs).items()))
 
     def describe(self, inputs: PlanInputs) -> str:
-        pools = " + ".join(f"{n}x{lb}" + (f" (tp {inputs.tp[lb]})" if inputs.tp[lb] > 1 else "")
+        pools = " + ".join(f"{n}x{lb}" + (f" (tp {self.tp(inputs, lb)})"
+                                          if self.tp(inputs, lb) > 1 else "")
                            for lb, n in self.pools(inputs).items())
         doms = ", ".join(f"{d}->{lb}" for d, lb in zip(inputs.domain_names, self.mapping,
                                                         strict=True))
@@ -152,7 +165,7 @@ class SearchLog:
 def sim_of(inputs: PlanInputs, c: Candidate, steps: int) -> SimScenario:
     """The simulated run of candidate ``c`` for ``steps`` steps."""
     sc, run = inputs.scenario, inputs.scenario.run
-    pools = tuple(SimPool(inputs.pool_names[lb], lb, n, tp=inputs.tp[lb],
+    pools = tuple(SimPool(inputs.pool_names[lb], lb, n, tp=c.tp(inputs, lb),
                           max_batch=inputs.max_batch[lb]) for lb, n in c.pools(inputs).items())
     domains = tuple(SimDomain(spec, inputs.pool_names[lb], weight=d.weight, alpha=d.alpha)
                     for spec, lb, d in zip(inputs.profiles, c.mapping, sc.domains, strict=True))
@@ -192,10 +205,65 @@ def space(inputs: PlanInputs) -> tuple[list[Candidate], list[tuple[int, int]]]:
         raise PlanError(f"no layout leaves an engine for every used pool after the trainer "
                         f"({inputs.trainer_min} x {lab} at least); GPUs: {inputs.gpus}")
     first = Candidate(own_trainer, own, run.alpha, run.redundancy)
-    out.sort(key=lambda c: c != first)
+    # each layout at the engine TP the cost model predicts faster (``with_predicted_tp``);
+    # the scenario's own layout as it is comes first
+    out = list(dict.fromkeys([first] * (first in out) + [with_predicted_tp(inputs, c)
+                                                          for c in out]))
     alphas = sorted(inputs.alphas or {1, 2, run.alpha}) if inputs.searches_alpha else [run.alpha]
     reds = sorted(inputs.redundancies or {0, 1, run.redundancy})
     return out, [(a, r) for a in alphas for r in reds]
+
+
+def tp_variants(inputs: PlanInputs, c: Candidate) -> list[Candidate]:
+    """``c`` with each subset of its used labels' engines at twice their fewest GPUs
+    (``Candidate.wide_tp``), where that stays within one node (``TP_CHOICES``) and leaves
+    every used pool an engine; ``c`` itself first."""
+    labels = [lb for lb in c.pools(inputs) if 2 * inputs.tp[lb] <= TP_CHOICES[-1]]
+    out = [c]
+    for k in range(len(labels) + 1):
+        for wide in itertools.combinations(sorted(labels), k):
+            v = dataclasses.replace(c, wide_tp=wide)
+            if all(n >= 1 for n in v.pools(inputs).values()):
+                out.append(v)
+    return list(dict.fromkeys(out))
+
+
+def with_predicted_tp(inputs: PlanInputs, c: Candidate) -> Candidate:
+    """``c`` with the labels whose engines the cost model predicts faster at twice their
+    fewest GPUs (``rollart.planner.tpchoice``) in ``wide_tp``; a label stays at its fewest
+    GPUs when doubling leaves it no engine or leaves the node."""
+    run, sc = inputs.scenario.run, inputs.scenario
+    weights = [d.weight for d in sc.domains]
+    per_step = [run.batch_size * w / sum(weights) for w in weights]
+    wide = []
+    for label in c.pools(inputs):
+        base = inputs.tp[label]
+        gpus = inputs.gpus[label] - (c.trainer_gpus if label == inputs.trainer_label else 0)
+        if 2 * base > TP_CHOICES[-1] or gpus < 2 * base:
+            continue
+        served = [(spec, n) for spec, n, lb in zip(inputs.profiles, per_step, c.mapping,
+                                                   strict=True) if lb == label]
+
+        def predicted(tp: int, label: str = label, gpus: int = gpus,
+                      served: list = served) -> float:
+            return tpchoice.predicted_pool_s(
+                inputs.model, inputs.hardware(label), gpus=gpus, tp=tp,
+                max_batch=inputs.max_batch[label], domains=served,
+                max_tokens_per_turn=run.max_tokens_per_turn)
+
+        if predicted(2 * base) < predicted(base):
+            wide.append(label)
+    return dataclasses.replace(c, wide_tp=tuple(sorted(wide)))
+
+
+def full_space(inputs: PlanInputs) -> list[Candidate]:
+    """Every layout of the planner's space: each (trainer, mapping) at every alpha,
+    redundancy and TP variant (``tp_variants``): what an exhaustive sweep runs. The search
+    runs a layout only at its predicted TP (``with_predicted_tp``) and the scenario's own."""
+    first, pairs = space(inputs)
+    return list(dict.fromkeys(
+        v for c in first for a, r in pairs
+        for v in tp_variants(inputs, dataclasses.replace(c, alpha=a, redundancy=r))))
 
 
 class _Overrun(KeyboardInterrupt):
@@ -292,7 +360,7 @@ def successive_halving(inputs: PlanInputs, *, budget_s: float, seeds: tuple[int,
     rest = first[1:]
     rng.shuffle(rest)
     pending = [first[0], *rest]
-    log = SearchLog(space=len(first) * len(pairs), first_rung_space=len(first))
+    log = SearchLog(space=len(full_space(inputs)), first_rung_space=len(first))
     ranked: list[Score] = []
     walls: list[float] = []
     for rung, ((steps, _warmup), share) in enumerate(zip(RUNGS, RUNG_SHARES, strict=True)):
@@ -331,8 +399,11 @@ def successive_halving(inputs: PlanInputs, *, budget_s: float, seeds: tuple[int,
                      f"within their noise, {time.perf_counter() - t0:.0f} s used")
         survivors = [s.candidate for s in kept]
         if rung == 0:
+            # each survivor at every alpha and redundancy, its own settings first (a rung
+            # whose budget share runs out drops what it has not run: the leaders' variants
+            # run first)
             survivors = list(dict.fromkeys(
-                Candidate(c.trainer_gpus, c.mapping, a, r) for c in survivors
+                dataclasses.replace(c, alpha=a, redundancy=r) for c in survivors
                 for a, r in [(c.alpha, c.redundancy), *pairs]))
         pending = survivors
     if len(log.per_rung) == len(RUNGS):
