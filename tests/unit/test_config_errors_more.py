@@ -111,7 +111,36 @@ def test_a_nested_key_of_another_table_is_pointed_there() -> None:
      "options naming files may only name a file of the dataset package's own data"),
 ])
 def test_env_options_the_env_would_refuse_are_refused(env, options, expect) -> None:
-    assert expect in _error(_with_options(env, options))
+    assert expect in _preflight_error(_with_options(env, options))
+
+
+def _preflight_error(text: str, local_envs=()) -> str:
+    from rollart.launcher.local import preflight
+
+    with pytest.raises(ConfigError) as err:
+        preflight(parse_scenario(text + '\n[[env_hosts]]\nname = "envs"\n', "s.toml"),
+                  "s.toml", local_envs=local_envs)
+    return str(err.value)
+
+
+def test_every_domain_with_refused_env_options_is_named_in_one_error() -> None:
+    text = _with_options("rg:basic_arithmetic", "min_term = 2")
+    dom = text[text.index("[[domains]]"):]
+    dom = dom[:dom.index("\n[", 1)] if "\n[" in dom[1:] else dom
+    two = text + "\n" + dom.replace('name = "arith"', 'name = "arith2"').replace(
+        "min_term", "max_term")
+    msg = _preflight_error(two)
+    assert "domains[0].env_options: domain 'arith'" in msg and "'min_term'" in msg, msg
+    assert "domains[1].env_options: domain 'arith2'" in msg and "'max_term'" in msg, msg
+
+
+def test_an_env_served_in_process_takes_whatever_its_factory_takes() -> None:
+    from rollart.launcher.local import preflight
+
+    sc = parse_scenario(_with_options("rg:basic_arithmetic", "foo = 2"), "s.toml")
+    preflight(sc, "s.toml", local_envs={"rg:basic_arithmetic"})  # its factory's options
+    assert "unknown option 'foo'" in _preflight_error(
+        _with_options("rg:basic_arithmetic", "foo = 2"))
 
 
 @pytest.mark.parametrize(("env", "options"), [
@@ -124,7 +153,9 @@ def test_env_options_the_env_would_refuse_are_refused(env, options, expect) -> N
     ("rg:no_such_dataset", "x = 1"),
 ])
 def test_env_options_that_cannot_be_told_wrong_here_pass(env, options) -> None:
-    parse_scenario(_with_options(env, options), "s.toml")
+    from rollart.config.envoptions import check_env_options
+
+    check_env_options(parse_scenario(_with_options(env, options), "s.toml"), "s.toml")
 
 
 @pytest.mark.parametrize("command", ["validate", "run"])
@@ -134,9 +165,24 @@ def test_validate_and_run_refuse_an_env_option_typo(tmp_path, capsys, command) -
                   + '\n[[env_hosts]]\nname = "envs"\n')
     out_dir = tmp_path / "run"
     extra = ["--out", str(out_dir)] if command == "run" else ["--quiet"]
-    assert cli([command, str(sc), *extra]) == 2
+    # valid as a file (exit 1 from validate: `rollart run` would refuse it; 2 from run)
+    assert cli([command, str(sc), *extra]) == (1 if command == "validate" else 2)
     err = capsys.readouterr().err
-    assert (f"rollart {command}: config error: {sc}: domains[0].env_options: domain 'arith'"
-            in err), err
+    assert f"{sc}: domains[0].env_options: domain 'arith'" in err, err
     assert "(did you mean 'min_terms'?)" in err
     assert not out_dir.exists()
+
+
+def test_a_key_another_table_takes_as_it_is_is_pointed_there_before_a_near_own_field() -> None:
+    # `every` is near run's `retry` by spelling, but it is [eval]'s field as written
+    msg = _error(MINIMAL.replace("[run]", "[run]\nevery = 5"))
+    assert "run: Object contains unknown field `every` (did you mean [eval] every?)" in msg, msg
+    msg = _error(MINIMAL.replace('[[domains]]', '[[domains]]\nweight_decay = 0.01'))
+    assert "`weight_decay` (did you mean [trainer] weight_decay?)" in msg, msg
+
+
+def test_a_mistyped_table_is_offered_tables_only() -> None:
+    msg = _error("[evaluation]\nx = 1\n" + MINIMAL)
+    assert "unknown field `evaluation` (did you mean 'eval'?)" in msg, msg
+    msg = _error("[checkpoint]\nx = 1\n" + MINIMAL)
+    assert "checkpoint_every" not in msg.partition(";")[0], msg

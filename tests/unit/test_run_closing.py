@@ -123,15 +123,20 @@ def test_a_checkpoint_behind_the_last_step_says_which_steps_a_resume_runs_again(
     lines = summary_block(summary, run, checkpoint=run / "checkpoints" / "step_000040",
                           resume="r")
     at = lines.index("checkpoint  runs/demo/checkpoints/step_000040")
-    assert lines[at + 1] == ("            resume restarts from step 40: steps 41-71 will run "
-                             "again")
+    assert lines[at + 1] == ("            a resume goes on from the end of step 40: steps "
+                             "41-71 run again")
     one = summary_block({**SUMMARY, "steps": 41}, run,
                         checkpoint=run / "checkpoints" / "step_000040", resume="r")
-    assert "            resume restarts from step 40: step 41 will run again" in one
+    assert "            a resume goes on from the end of step 40: step 41 runs again" in one
     # a checkpoint at the last step: nothing runs again, nothing said
     done = summary_block(SUMMARY, run, checkpoint=run / "checkpoints" / "step_000012",
                          resume="r")
-    assert not any("will run again" in x for x in done)
+    assert not any("again" in x or "cannot be resumed" in x for x in done)
+    # interrupted before the first checkpoint: nothing to resume from, and it says so
+    none = summary_block({**SUMMARY, "steps": 2}, run, checkpoint=None, resume=None)
+    at = lines.index("checkpoint  runs/demo/checkpoints/step_000040")
+    assert ("            no checkpoint was written (trainer.checkpoint_every): this run cannot "
+            "be resumed") in none
 
 
 def test_the_header_counts_one_step_in_the_singular(capsys) -> None:

@@ -105,7 +105,14 @@ def _field_type(path: str) -> msgspec.inspect.Type | None:
 #: ``domains[0]``)
 _TOP_LEVEL = "top level of the file"
 
-_Unknown = tuple[str, str, msgspec.inspect.StructType]
+#: (table path, key, that table's struct, whether the key's value is a table or an array
+#: of tables)
+_Unknown = tuple[str, str, msgspec.inspect.StructType, bool]
+
+
+def _is_table(value: Any) -> bool:
+    return isinstance(value, dict) or (
+        isinstance(value, list) and bool(value) and all(isinstance(v, dict) for v in value))
 
 
 def _unknown_field(text: str, where: str) -> str:
@@ -141,7 +148,7 @@ def _unknown_fields(raw: Any, t: msgspec.inspect.Type | None, where: str = ""
     unknown: list[_Unknown] = []
     for key, value in raw.items():
         if key not in fields:
-            unknown.append((where, key, st))
+            unknown.append((where, key, st, _is_table(value)))
         else:
             out[key], found = _unknown_fields(value, fields[key],
                                               f"{where}.{key}" if where else key)
@@ -174,6 +181,23 @@ def _tables() -> tuple[tuple[str, str, frozenset[str]], ...]:
     return tuple(out)
 
 
+def _elsewhere_table(key: str, own: str) -> str:
+    """`` (did you mean [pools.engine]?)``: the tables (not at path ``own``) named ``key``,
+    else the nearest name; ``""`` when none is near."""
+    tables = [(path.rpartition(".")[2], header) for path, header, _ in _tables()
+              if path != own]
+    name = key if any(n == key for n, _ in tables) else closest(key, sorted({n for n, _ in
+                                                                             tables}))
+    if name is None:
+        return ""
+    return f" (did you mean {' or '.join(h for n, h in tables if n == name)}?)"
+
+
+def _exactly_elsewhere(key: str, own: str) -> bool:
+    """Whether a table other than the one at path ``own`` takes ``key``."""
+    return any(key in names for path, _, names in _tables() if path != own)
+
+
 def _elsewhere(key: str, own: str) -> str:
     """`` (did you mean [run] steps?)``: the tables other than the one at path ``own`` that
     take ``key``, else the field nearest to it in any of them; ``""`` when none is near."""
@@ -196,15 +220,21 @@ def _unknown_messages(unknown: list[_Unknown]) -> tuple[list[str], set[tuple[str
     parts: list[str] = []
     suggested: set[tuple[str, str]] = set()
     listed: dict[str, tuple[int, msgspec.inspect.StructType]] = {}
-    for where, key, st in unknown:
-        names = [f.encode_name for f in st.fields]
+    for where, key, st, table in unknown:
+        own = re.sub(r"\[\d+\]", "", where)
+        # a table is offered table names, a value field names; a key another table takes as
+        # it is was put in the wrong table (``every`` under [run]: [eval] every), however near
+        # a field of its own table looks
+        names = [f.encode_name for f in st.fields if (_struct_of(f.type) is not None) == table]
         text = f"{where or _TOP_LEVEL}: Object contains unknown field `{key}`"
-        near = closest(key, names)
+        near = None if not table and _exactly_elsewhere(key, own) else closest(key, names)
+        if near is None and table:  # [evaluation] for [eval]: too long for difflib's cutoff
+            near = next((n for n in names if len(n) >= 3 and key.startswith(n)), None)
         if near is not None:
             suggested.add((where, near))
-            parts.append(text + suggest(key, names))
+            parts.append(text + (suggest(key, names) or f" (did you mean {near!r}?)"))
             continue
-        parts.append(text + _elsewhere(key, re.sub(r"\[\d+\]", "", where)))
+        parts.append(text + (_elsewhere_table(key, own) if table else _elsewhere(key, own)))
         listed[where] = (len(parts) - 1, st)
     for where, (i, st) in listed.items():
         parts[i] += f"; {where or 'the scenario'} takes {[f.encode_name for f in st.fields]}"
@@ -264,8 +294,9 @@ def _decode_error(data: bytes | str, exc: msgspec.ValidationError) -> str:
 
 
 def parse_scenario(data: bytes | str, source: str = "<scenario>") -> Scenario:
-    """Decode and validate a scenario from TOML text, then check each domain's
-    ``env_options`` against what its env accepts (:func:`check_env_options`).
+    """Decode and validate a scenario from TOML text (each domain's ``env_options`` are
+    checked against what its env takes where the env is known: ``rollart.launcher.local.
+    preflight``, :func:`check_env_options`).
 
     Raises:
         ConfigError: invalid TOML, unknown fields (every one of the file, each with the
@@ -279,7 +310,7 @@ def parse_scenario(data: bytes | str, source: str = "<scenario>") -> Scenario:
         raise ConfigError(f"{source}: {_decode_error(data, exc)}") from None
     except msgspec.DecodeError as exc:
         raise ConfigError(f"{source}: invalid TOML: {exc}") from None
-    check_env_options(validate_scenario(scenario, source), source)
+    validate_scenario(scenario, source)
     return scenario
 
 

@@ -10,14 +10,14 @@ reasoning-gym's dataset registry).
 
 Not checked: ``py:`` envs (their module is the env host's to import, from its own path and
 only if its allow list names it: ``rollart.envhost.allow``), and names neither registry knows
-(an unknown env is the preflight's to refuse, ``rollart.launcher.local.preflight``; an
-in-process env may have any name). An in-process env registered under a GEM or reasoning-gym
-name is checked as that env.
+(an unknown env is the preflight's to refuse, ``rollart.launcher.local.preflight``, which
+runs this check too), and envs served in-process (``skip``: their factory takes what it
+takes, even under a GEM or reasoning-gym name).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from rollart.config.schema import Scenario
@@ -63,18 +63,22 @@ def _check_rg_values(dataset: str, options: Mapping[str, Any]) -> str | None:
     return None
 
 
-def check_env_options(scenario: Scenario, source: str = "<scenario>") -> None:
+def check_env_options(scenario: Scenario, source: str = "<scenario>", *,
+                      skip: Collection[str] = ()) -> None:
     """Refuse a domain's ``env_options`` that its env would refuse at every session open:
     names a ``game:`` / ``rg:`` env does not take, and values a reasoning-gym dataset's config
     rejects. Imports GEM / reasoning-gym only for a domain that sets options.
 
+    ``skip``: env names served in-process (their factory takes what it takes).
+
     Raises:
         ConfigError: ``"{source}: domains[i].env_options: ..."`` naming the domain, each
             unknown option with the nearest accepted one, and the accepted list; or the
-            dataset config's own refusal.
+            dataset config's own refusal; every refused domain in one error.
     """
+    refused: list[str] = []
     for i, dom in enumerate(scenario.domains):
-        if not dom.env_options:
+        if not dom.env_options or dom.env in skip:
             continue
         accepted = accepted_env_options(dom.env)
         if accepted is None:
@@ -86,9 +90,11 @@ def check_env_options(scenario: Scenario, source: str = "<scenario>") -> None:
             named = ", ".join(f"{key!r}{suggest(key, known)}" for key in unknown)
             hint = (" (each group's env seed is drawn from run.seed)"
                     if dom.env.startswith("rg:") and "seed" in unknown else "")
-            raise ConfigError(f"{where}: unknown option{'s' if len(unknown) > 1 else ''} "
-                              f"{named}{hint}; accepted: {known}")
-        if dom.env.startswith("rg:"):
-            refused = _check_rg_values(dom.env[3:], dom.env_options)
-            if refused:
-                raise ConfigError(f"{where}: {refused}")
+            refused.append(f"{where}: unknown option{'s' if len(unknown) > 1 else ''} "
+                           f"{named}{hint}; accepted: {known}")
+        elif dom.env.startswith("rg:"):
+            said = _check_rg_values(dom.env[3:], dom.env_options)
+            if said:
+                refused.append(f"{where}: {said}")
+    if refused:
+        raise ConfigError("; ".join(refused))

@@ -83,6 +83,7 @@ def preflight(scenario: Scenario, source: str = "<scenario>", *,
             raise ConfigError(f"{source}: env_hosts: at least one [[env_hosts]] is needed to "
                               f"run the envs {remote} (or serve them in-process: an ENVS dict in "
                               "run.local_module, or open_cluster(envs=...))")
+    from rollart.config.envoptions import check_env_options
     from rollart.envhost.families import EnvSpecError, check_env_name
 
     for i, dom in enumerate(scenario.domains):
@@ -94,6 +95,8 @@ def preflight(scenario: Scenario, source: str = "<scenario>", *,
             served = (f"; served in-process (run.local_module's ENVS): {sorted(local_envs)}"
                       if local_envs else "")
             raise ConfigError(f"{source}: domains[{i}].env: {exc.message}{served}") from None
+    if check_env_names:  # an env served in-process takes whatever its factory takes
+        check_env_options(scenario, source, skip=local_envs)
     if local_rewards is None:
         return
     known = {"env_return", "env_success", *local_rewards}

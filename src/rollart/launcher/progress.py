@@ -310,8 +310,11 @@ def summary_block(summary: dict[str, Any], run_dir: Path, *, checkpoint: Path | 
     if at is not None and at < done:
         # Steps after the newest checkpoint (a plain interrupt, a failure) are rolled back
         # with the trainer on resume: said here, or "steps 71" reads as where it goes on.
-        again = f"step {done}" if at + 1 == done else f"steps {at + 1}-{done}"
-        lines.append(f"{'':12}resume restarts from step {at}: {again} will run again")
+        again = f"step {done} runs" if at + 1 == done else f"steps {at + 1}-{done} run"
+        lines.append(f"{'':12}a resume goes on from the end of step {at}: {again} again")
+    elif checkpoint is None and done:
+        lines.append(f"{'':12}no checkpoint was written (trainer.checkpoint_every): this run "
+                     "cannot be resumed")
     lines.append(f"report      rollart report {run_dir}  "
                  f"(writes {run_dir / 'report' / 'index.html'})")
     if resume is not None:

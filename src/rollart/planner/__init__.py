@@ -157,7 +157,7 @@ def plan(scenario: str | Path | Scenario, *, budget_s: float = DEFAULT_BUDGET_S,
         raise PlanError(
             f"no layout of {source} could be simulated to the end: every candidate tried "
             f"stalled (trajectories past run.trajectory_timeout_s) or overran its share of the "
-            f"budget; the GPUs are likely too few for model {inputs.model!r} at this batch size, "
+            f"budget; the GPUs are likely too few for model {inputs.model.name!r} at this batch size, "
             f"or the budget ({budget_words(budget_s, budget_option)}) too small")
     text, chosen = scenario_toml(layout_dict(raw, inputs, ranked[0].candidate),
                                  f"plan of {source}")
