@@ -1,12 +1,12 @@
 """``rollart validate SCENARIO.toml [--quiet]``: check a scenario without running it.
 
 Decodes the file (unknown fields, types and bounds, every one named in one error) and checks
-the cross-field rules and each ``game:`` / ``rg:`` domain's ``env_options`` against the options
-its env takes (``rollart.config.envoptions``), then
+the cross-field rules, then
 prints the resolved scenario (every default filled in) as JSON: what ``config.json`` of a run
 would hold. Then it checks everything ``rollart run`` (``--cluster``, default local) would refuse
 before starting a process: an env host for the domains' envs, env names an env host can make (a
-known family, GEM game or reasoning-gym dataset), local rewards something registers
+known family, GEM game or reasoning-gym dataset) and the ``env_options`` they take
+(``rollart.config.envoptions``), local rewards something registers
 (``rollart.launcher.local.preflight``), a warm-up of the tiny model with a domain to imitate
 (``check_warmup_domains``: else ``tiny_warmup = false`` under ``[model]``), and what this
 machine must give (``rollart.launcher.machine``: reward functions the reward service serves, ``trainer.device =
