@@ -653,3 +653,16 @@ def test_each_first_rung_layout_carries_its_predicted_tp_and_the_own_layout_runs
                 assert pred(2 * base) >= pred(base)
     # every first-rung layout is one the exhaustive sweep runs too
     assert set(first) <= set(full_space(inputs))
+
+
+def test_a_stalled_layout_is_dropped_without_the_controllers_error_lines(tmp_path, caplog):
+    import logging
+
+    inputs = read_inputs(load_scenario(write(tmp_path)), model="qwen3-8b")
+    # every trajectory past its timeout: the controller stalls on failures in a row
+    sim = sim_of(inputs, space(inputs)[0][0], steps=3).replace(trajectory_timeout_s=1e-3)
+    with caplog.at_level(logging.INFO):
+        assert run_capped(sim, 0, 1, cap_s=600.0) is None
+    assert any("simulated layout stalled, dropped" in r.getMessage() for r in caplog.records)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text[-500:]
+    assert logging.getLogger("rollart.controller.rollout.tasks").level == logging.NOTSET

@@ -290,11 +290,18 @@ def run_capped(sim: SimScenario, seed: int, warmup: int, cap_s: float) -> SimRes
     (enforced by a SIGALRM timer in the main thread; elsewhere not enforced) or its
     controller stalls (``ControllerStalledError``: e.g. trajectories past
     ``run.trajectory_timeout_s`` on a layout far too small for the load)."""
+    # A stalled layout is dropped and counted; its controller's "fatal error in traj-..."
+    # lines would read as the planner failing (the stall is logged at INFO below).
+    tasks_log = logging.getLogger("rollart.controller.rollout.tasks")
+    level = tasks_log.level
+    tasks_log.setLevel(logging.CRITICAL)
     try:
         return _run_timed(sim, seed, warmup, cap_s)
     except ControllerStalledError as exc:
         log.info("simulated layout stalled, dropped: %s", exc)
         return None
+    finally:
+        tasks_log.setLevel(level)
 
 
 def _run_timed(sim: SimScenario, seed: int, warmup: int, cap_s: float) -> SimResult | None:
