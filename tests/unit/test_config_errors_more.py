@@ -186,3 +186,12 @@ def test_a_mistyped_table_is_offered_tables_only() -> None:
     assert "unknown field `evaluation` (did you mean 'eval'?)" in msg, msg
     msg = _error("[checkpoint]\nx = 1\n" + MINIMAL)
     assert "checkpoint_every" not in msg.partition(";")[0], msg
+
+
+def test_a_misspelled_required_key_does_not_hide_a_bad_value_after_it() -> None:
+    # the bad value after the typo in the file: msgspec stops at the missing `name`
+    text = MINIMAL.replace('name = "arith"', 'nme = "arith"') + '\n[trainer]\nlr = "x"\n'
+    msg = _error(text)
+    assert "domains[0]: Object contains unknown field `nme` (did you mean 'name'?)" in msg, msg
+    assert "missing required field" not in msg, msg
+    assert "trainer.lr: Expected `float`, got `str`" in msg, msg

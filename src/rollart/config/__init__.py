@@ -212,13 +212,20 @@ def _elsewhere(key: str, own: str) -> str:
     return f" (did you mean {' or '.join(f'{h} {name}' for h in holders)}?)"
 
 
-def _unknown_messages(unknown: list[_Unknown]) -> tuple[list[str], set[tuple[str, str]]]:
+def _at(doc: Any, path: str) -> Any:
+    """The table at ``path`` (``domains[0].engine``; ``""``: the top) of plain TOML data."""
+    for name, index in re.findall(r"([^.\[\]]+)|\[(\d+)\]", path):
+        doc = doc[int(index)] if index else doc[name]
+    return doc
+
+
+def _unknown_messages(unknown: list[_Unknown]) -> tuple[list[str], dict[tuple[str, str], str]]:
     """One message per unknown key, with the nearest field of its table or, when none is
     near, where a field of that name (or the nearest) is; a table's own field list is said
     once, after its last key without a near field. Also the (table path, field) pairs
-    suggested in the key's own table."""
+    suggested in the key's own table, each with the key it was suggested for."""
     parts: list[str] = []
-    suggested: set[tuple[str, str]] = set()
+    suggested: dict[tuple[str, str], str] = {}
     listed: dict[str, tuple[int, msgspec.inspect.StructType]] = {}
     for where, key, st, table in unknown:
         own = re.sub(r"\[\d+\]", "", where)
@@ -231,7 +238,7 @@ def _unknown_messages(unknown: list[_Unknown]) -> tuple[list[str], set[tuple[str
         if near is None and table:  # [evaluation] for [eval]: too long for difflib's cutoff
             near = next((n for n in names if len(n) >= 3 and key.startswith(n)), None)
         if near is not None:
-            suggested.add((where, near))
+            suggested.setdefault((where, near), key)
             parts.append(text + (suggest(key, names) or f" (did you mean {near!r}?)"))
             continue
         parts.append(text + (_elsewhere_table(key, own) if table else _elsewhere(key, own)))
@@ -277,7 +284,8 @@ def _decode_error(data: bytes | str, exc: msgspec.ValidationError) -> str:
         return _validation_message(exc)
     parts, suggested = _unknown_messages(unknown)
     other: msgspec.ValidationError | None = exc
-    if first_unknown:
+    taken: set[tuple[str, str]] = set()
+    while first_unknown:
         try:
             msgspec.convert(kept, Scenario, str_keys=True,
                             builtin_types=(datetime.datetime, datetime.date, datetime.time))
@@ -285,8 +293,20 @@ def _decode_error(data: bytes | str, exc: msgspec.ValidationError) -> str:
         except msgspec.ValidationError as hidden:
             missing = re.fullmatch(r"Object missing required field `(.+?)`(?: - at `\$\.(.*)`)?",
                                    str(hidden))
-            # `[[domain]]`: "did you mean 'domains'?" already says `domains` is missing
-            other = None if missing and (missing[2] or "", missing[1]) in suggested else hidden
+            at = (missing[2] or "", missing[1]) if missing else None
+            other = hidden
+            if at in suggested and at not in taken:
+                # `nme = "guess"`: "did you mean 'name'?" already says `name` is missing; go
+                # on as if the suggestion were taken, so a bad value after it is named too
+                taken.add(at)
+                try:
+                    _at(kept, at[0])[at[1]] = _at(raw, at[0])[suggested[at]]
+                    continue
+                except (KeyError, IndexError, TypeError):  # msgspec's path not the TOML's
+                    pass
+            if at in suggested:
+                other = None
+        break
     if other is None:
         return "; ".join(parts)
     text = _validation_message(other)
