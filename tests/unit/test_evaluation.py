@@ -101,9 +101,11 @@ reward_url = "local"
     return msgspec.structs.replace(sc, eval=msgspec.convert(cfg, EvalConfig))
 
 
-def cluster(sc, worker: FakeWorker, env: str, factory) -> Cluster:
+def cluster(sc, worker: FakeWorker, env: str, factory, *, trainer: FakeTrainer | None = None,
+            resume: dict | None = None) -> Cluster:
+    """``sc`` on ``worker``; a resumed run passes the first run's ``trainer`` and snapshot."""
     c = Cluster.from_scenario(sc, backends=Backends(
-        pools={"p1": [worker]}, trainer=FakeTrainer(), tokenizer=TOK))
+        pools={"p1": [worker]}, trainer=trainer or FakeTrainer(), tokenizer=TOK), resume=resume)
     c.register_env(env, factory)
     return c
 
@@ -373,18 +375,19 @@ async def test_a_resumed_runs_step_rows_still_sum_to_its_generated_tokens() -> N
     trainer, worker = FakeTrainer(), FakeWorker("w1", right_answer, latency_s=0.001)
 
     def make(resume=None) -> Cluster:
-        c = Cluster.from_scenario(sc, backends=Backends(
-            pools={"p1": [worker]}, trainer=trainer, tokenizer=TOK), resume=resume)
-        c.register_env("answer", FakeAnswerEnv)
-        return c
+        return cluster(sc, worker, "answer", FakeAnswerEnv, trainer=trainer, resume=resume)
 
     rows: list = []
     c1 = make()
     async with c1:
         async for st in c1.train(steps=2):
             rows.append(st.metrics)
-        # rollout goes on after step 2: the checkpoint carries those tokens to step 3
-        await asyncio.sleep(0.05)
+        # rollout goes on after step 2: the checkpoint carries those tokens to step 3 (wait
+        # for some, by condition with a generous deadline, not a fixed sleep)
+        deadline = asyncio.get_running_loop().time() + 60.0
+        while (c1.snapshot()["since_last_step"]["generated_tokens"] == 0  # noqa: ASYNC110 -- a counter, no event to await
+               and asyncio.get_running_loop().time() < deadline):
+            await asyncio.sleep(0.01)
         snap = msgspec.json.decode(msgspec.json.encode(c1.snapshot()))
     assert snap["since_last_step"]["generated_tokens"] > 0
     rows += [st.metrics for st in await train(make(resume=snap), 2)]
@@ -510,10 +513,7 @@ async def test_a_resumed_run_keeps_its_baseline_and_skips_the_evaluation_it_has(
     trainer, worker = FakeTrainer(), FakeWorker("w1", lambda req: r"\boxed{3}")
 
     def make(resume=None) -> Cluster:
-        c = Cluster.from_scenario(sc, backends=Backends(
-            pools={"p1": [worker]}, trainer=trainer, tokenizer=TOK), resume=resume)
-        c.register_env("answer", FakeAnswerEnv)
-        return c
+        return cluster(sc, worker, "answer", FakeAnswerEnv, trainer=trainer, resume=resume)
 
     first: list = []
     c1 = make()

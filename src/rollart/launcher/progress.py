@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from rollart.config import Scenario
+from rollart.trainer.checkpoint import checkpoint_step
 
 
 class Progress:
@@ -108,13 +109,6 @@ def log_lines(step: int, planned: int, domains: list[str], metrics: Any,
 def plural(n: int, word: str) -> str:
     """``"1 step"``, ``"2 steps"``: ``n`` and ``word`` (a regular noun), pluralised."""
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
-
-
-def checkpoint_step(path: Path) -> int | None:
-    """The step of checkpoint folder ``path`` (``.../step_000040``: 40); ``None`` for a
-    folder not named that way."""
-    digits = path.name.removeprefix("step_")
-    return int(digits) if digits != path.name and digits.isdigit() else None
 
 
 def duration(seconds: float) -> str:

@@ -91,14 +91,14 @@ class Candidate:
         """Tensor-parallel degree of ``label``'s engines."""
         return inputs.tp[label] * (2 if label in self.wide_tp else 1)
 
+    def gpus_left(self, inputs: PlanInputs, label: str) -> int:
+        """``label``'s GPUs left after the trainer."""
+        return inputs.gpus[label] - (self.trainer_gpus if label == inputs.trainer_label else 0)
+
     def pools(self, inputs: PlanInputs) -> dict[str, int]:
         """Workers per used label: its GPUs left after the trainer, divided by its TP."""
-        out = {}
-        for label in dict.fromkeys(self.mapping):
-            left = inputs.gpus[label] - (self.trainer_gpus if label == inputs.trainer_label
-                                         else 0)
-            out[label] = left // self.tp(inputs, label)
-        return out
+        return {label: self.gpus_left(inputs, label) // self.tp(inputs, label)
+                for label in dict.fromkeys(self.mapping)}
 
     def rollout_share(self, inputs: PlanInputs) -> float:
         """Share of the GPUs in use that roll out (the rest train)."""
@@ -237,21 +237,16 @@ def with_predicted_tp(inputs: PlanInputs, c: Candidate) -> Candidate:
     per_step = [run.batch_size * w / sum(weights) for w in weights]
     wide = []
     for label in c.pools(inputs):
-        base = inputs.tp[label]
-        gpus = inputs.gpus[label] - (c.trainer_gpus if label == inputs.trainer_label else 0)
+        base, gpus = inputs.tp[label], c.gpus_left(inputs, label)
         if 2 * base > TP_CHOICES[-1] or gpus < 2 * base:
             continue
         served = [(spec, n) for spec, n, lb in zip(inputs.profiles, per_step, c.mapping,
                                                    strict=True) if lb == label]
-
-        def predicted(tp: int, label: str = label, gpus: int = gpus,
-                      served: list = served) -> float:
-            return tpchoice.predicted_pool_s(
-                inputs.model, inputs.hardware(label), gpus=gpus, tp=tp,
-                max_batch=inputs.max_batch[label], domains=served,
-                max_tokens_per_turn=run.max_tokens_per_turn)
-
-        if predicted(2 * base) < predicted(base):
+        narrow, doubled = (tpchoice.predicted_pool_s(
+            inputs.model, inputs.hardware(label), gpus=gpus, tp=tp,
+            max_batch=inputs.max_batch[label], domains=served,
+            max_tokens_per_turn=run.max_tokens_per_turn) for tp in (base, 2 * base))
+        if doubled < narrow:
             wide.append(label)
     return dataclasses.replace(c, wide_tp=tuple(sorted(wide)))
 

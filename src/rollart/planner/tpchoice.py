@@ -28,8 +28,8 @@ from rollart.sim.hardware import HardwareProfile
 from rollart.sim.models import ModelProfile
 from rollart.sim.workload import DomainSpec
 
-#: KV room an engine's memory leaves, as the simulated engines get it (vLLM's default
-#: ``gpu_memory_utilization``)
+#: KV room an engine's memory leaves: the simulated engines' (``sim.worker.SimInferenceWorker``'s
+#: ``memory_utilization`` default, vLLM's ``gpu_memory_utilization`` default)
 MEMORY_UTILIZATION = 0.9
 
 

@@ -44,6 +44,13 @@ def step_dir(root: Path, step: int) -> Path:
     return root / f"step_{step:06d}"
 
 
+def checkpoint_step(path: Path) -> int | None:
+    """The step of checkpoint folder ``path`` (``step_dir``'s ``.../step_000040``: 40);
+    ``None`` for a folder not named that way."""
+    digits = path.name.removeprefix("step_")
+    return int(digits) if digits != path.name and digits.isdigit() else None
+
+
 def _rng_state() -> dict[str, Any]:
     import numpy as np
     import torch

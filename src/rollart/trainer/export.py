@@ -43,7 +43,7 @@ def checkpoint_of(run_dir: Path, step: int | None) -> Path:
         ConfigError: ``run_dir`` is not a folder; no complete checkpoint (for ``step``: the
             steps that have one are listed).
     """
-    from rollart.trainer.checkpoint import latest_checkpoint, step_dir
+    from rollart.trainer.checkpoint import checkpoint_step, latest_checkpoint, step_dir
 
     if not run_dir.is_dir():
         raise ConfigError(f"{run_dir}: no such run folder")
@@ -55,8 +55,8 @@ def checkpoint_of(run_dir: Path, step: int | None) -> Path:
         return found
     d = step_dir(root, step)
     if not (d / "COMPLETE").exists():
-        have = sorted(int(p.parent.name.removeprefix("step_"))
-                      for p in root.glob("step_*/COMPLETE"))
+        have = sorted(n for p in root.glob("step_*/COMPLETE")
+                      if (n := checkpoint_step(p.parent)) is not None)
         what = "is not complete" if d.exists() else "does not exist"
         raise ConfigError(f"{run_dir}: the checkpoint of step {step} ({d}) {what}; complete "
                           f"checkpoints: steps {have or 'none'}")
