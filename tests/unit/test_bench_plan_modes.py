@@ -58,5 +58,45 @@ def test_ratios_are_named_per_mode(monkeypatch):
     for regime in plan_bench.REGIMES:
         assert f"plan vs exhaustive best: {regime}" in names
         assert f"plan vs paper layout: {regime}, sync_plus" in names
-    assert len(names) == 2 * 2 * len(plan_bench.REGIMES)
+        assert f"plan vs sweep's in-sample minimum: {regime}" in names
+    assert len(names) == 2 * 3 * len(plan_bench.REGIMES)
     assert {r["mode"] for r in res["rows"]} == {"rollart", "sync_plus"}
+
+
+def test_the_sweeps_best_is_chosen_on_the_planners_seeds_and_scored_on_the_evaluation_seeds(
+        monkeypatch):
+    """A layout that is fastest only on the evaluation seeds (noise the sweep would otherwise
+    select on) is the in-sample minimum, not the exhaustive best; the exhaustive best is the
+    fastest on the planner's seeds. The planner and the runs are stood in for (fast)."""
+    chosen: dict[str, object] = {}
+
+    def fake_plan(sc, *, model, profiles, seeds, **kw):
+        inputs = read_inputs(sc, model=model, profiles=profiles)
+        layouts = full_space(inputs)
+        chosen.update(inputs=inputs, plan=layouts[0], search_best=layouts[1],
+                      eval_best=layouts[2], seeds=seeds)
+        best = types.SimpleNamespace(candidate=layouts[0])
+        return types.SimpleNamespace(inputs=inputs, best=best, log=types.SimpleNamespace(runs=1))
+
+    def fake_run(sim, seed, warmup, cap):
+        c = next(c for c in full_space(chosen["inputs"])
+                 if sim_of(chosen["inputs"], c, plan_bench.RUNGS[-1][0]) == sim)
+        on_search = seed in chosen["seeds"]
+        t = 100.0
+        if c == chosen["search_best"]:
+            t = 80.0 if on_search else 90.0
+        elif c == chosen["eval_best"]:
+            t = 120.0 if on_search else 60.0
+        step = {"step_time_s": t, "trainer_idle_s": t / 2}
+        return types.SimpleNamespace(step_time_s=t, steps=[step] * 5)
+
+    monkeypatch.setattr(plan_bench, "plan", fake_plan)
+    monkeypatch.setattr(plan_bench, "run_capped", fake_run)
+    monkeypatch.setattr(plan_bench, "REGIMES", ("rollout-bound",))
+    res = plan_bench.run(True, 0)
+    assert res["ratios"]["plan vs exhaustive best: rollout-bound"] == pytest.approx(0.9)
+    assert res["ratios"]["plan vs sweep's in-sample minimum: rollout-bound"] == \
+        pytest.approx(0.6)
+    rows = {r["layout"]: r for r in res["rows"]}
+    assert rows["exhaustive best"]["step_time_s_planner_seeds"] == pytest.approx(80.0)
+    assert rows["exhaustive best"]["step_time_s"] == pytest.approx(90.0)
