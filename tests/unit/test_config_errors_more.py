@@ -109,6 +109,13 @@ def test_a_nested_key_of_another_table_is_pointed_there() -> None:
      "be >= min_terms"),
     ("rg:spell_backward", 'data_file = "/etc/passwd"',
      "options naming files may only name a file of the dataset package's own data"),
+    # values reasoning-gym's config check lets through but its first entry cannot be drawn with
+    ("rg:basic_arithmetic", "min_terms = 2.5",
+     "env 'rg:basic_arithmetic': reasoning-gym cannot draw an entry with them, so every "
+     "session would fail: ValueError: non-integer arg 1 for randrange()"),
+    ("rg:spell_backward", 'data_file = "nonexistent.txt"',
+     "reasoning-gym cannot draw an entry with them, so every session would fail: "
+     "FileNotFoundError: "),
 ])
 def test_env_options_the_env_would_refuse_are_refused(env, options, expect) -> None:
     assert expect in _preflight_error(_with_options(env, options))

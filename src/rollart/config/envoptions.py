@@ -43,11 +43,13 @@ def accepted_env_options(env: str) -> frozenset[str] | None:
 
 def _check_rg_values(dataset: str, options: Mapping[str, Any]) -> str | None:
     """What reasoning-gym's config of ``dataset`` says of ``options`` (its constructor and
-    ``validate()``, as ``create_dataset`` runs them; no entry is generated), or what the env
-    host says of an option naming a file; ``None``: accepted."""
+    ``validate()``, as ``create_dataset`` runs them), what the env host says of an option
+    naming a file, or why the entry a session would serve cannot be drawn (a value the config
+    check lets through, such as a fractional count, or a data file that is not there);
+    ``None``: accepted."""
     import reasoning_gym
 
-    from rollart.envhost.families import EnvSpecError, check_file_options
+    from rollart.envhost.families import EnvSpecError, check_file_options, rg_entry
 
     try:
         check_file_options(f"rg:{dataset}", options)
@@ -60,6 +62,15 @@ def _check_rg_values(dataset: str, options: Mapping[str, Any]) -> str | None:
             config.validate()
     except Exception as exc:  # whatever it raises, every session open would raise too
         return f"reasoning-gym refuses them: {type(exc).__name__}: {exc}"
+    # One entry, as a session opened with seed 0 draws it (microseconds for the bundled
+    # datasets): values that fail only at generation would otherwise fail every trajectory.
+    try:
+        rg_entry(dataset, 0, options)
+    except EnvSpecError as exc:
+        return exc.message
+    except Exception as exc:
+        return (f"reasoning-gym cannot draw an entry with them, so every session would fail: "
+                f"{type(exc).__name__}: {exc}")
     return None
 
 
@@ -67,7 +78,9 @@ def check_env_options(scenario: Scenario, source: str = "<scenario>", *,
                       skip: Collection[str] = ()) -> None:
     """Refuse a domain's ``env_options`` that its env would refuse at every session open:
     names a ``game:`` / ``rg:`` env does not take, and values a reasoning-gym dataset's config
-    rejects. Imports GEM / reasoning-gym only for a domain that sets options.
+    rejects or cannot draw its first entry with (GEM values are not checked: constructing
+    some games downloads data). Imports GEM / reasoning-gym only for a domain that sets
+    options.
 
     ``skip``: env names served in-process (their factory takes what it takes).
 
