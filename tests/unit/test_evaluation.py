@@ -394,6 +394,10 @@ async def test_a_resumed_runs_step_rows_still_sum_to_its_generated_tokens() -> N
     assert [r.step for r in rows] == [1, 2, 3, 4]
     assert sum(r.num_generated_tokens for r in rows) \
         == sum(r.buffer_generated_tokens for r in rows)
+    # the first step after the resume names what the checkpoint carried (its throughput per
+    # second leaves them out: they were generated before this process); later steps none
+    assert [r.carried_generated_tokens for r in rows] == [
+        0, 0, snap["since_last_step"]["generated_tokens"], 0]
 
 
 async def test_collapse_warning_when_train_reward_rises_but_eval_stays_at_the_baseline(

@@ -358,3 +358,14 @@ def test_the_resume_hint_keeps_the_runs_options() -> None:
         "rollart run 'my scenario.toml' --resume runs/a --steps 8 --cache-dir /tmp/c "
         "--checkpoint-on-interrupt")
     assert resume_command(_parse(["s.toml"]), Path("r")) == "rollart run s.toml --resume r"
+
+
+def test_throughput_of_a_resumed_runs_first_step_leaves_out_the_carried_tokens() -> None:
+    # 300 tokens in the step, 200 of them generated before the resume (not in its 10 s)
+    row = {"step_time_s": 10.0, "num_generated_tokens": 300, "carried_generated_tokens": 200,
+           "trained_tokens": 250}
+    got = step_scalars(row)
+    assert got["throughput/generated_tokens_per_s"] == pytest.approx(10.0)
+    assert got["throughput/trained_tokens_per_s"] == pytest.approx(25.0)
+    assert step_scalars({**row, "carried_generated_tokens": 0})[
+        "throughput/generated_tokens_per_s"] == pytest.approx(30.0)

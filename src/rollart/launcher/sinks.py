@@ -36,7 +36,7 @@ def step_scalars(row: dict[str, Any]) -> dict[str, float]:
     ``reward/<domain>`` (mean reward of the batch's samples of a domain); ``waste/<reason>`` and
     ``waste/total`` (share of the step's generated tokens, 0..1); ``throughput/
     generated_tokens_per_s`` and ``throughput/trained_tokens_per_s`` (tokens over the step's
-    wall time); ``train/<name>`` (the trainer's metrics); ``trained_share/<domain>`` (the
+    wall time; generated: without those a resume's checkpoint carried over); ``train/<name>`` (the trainer's metrics); ``trained_share/<domain>`` (the
     domain's share of the batch's samples); ``flat_group_share/<domain>`` (share of the
     domain's groups in the batch whose rewards are all equal: no GRPO gradient);
     ``response_len/<domain>`` (mean generated tokens per trajectory of the domain's samples);
@@ -62,7 +62,9 @@ def step_scalars(row: dict[str, Any]) -> dict[str, float]:
         out["waste/total"] = row.get("wasted_tokens", 0) / generated
     dt = row.get("step_time_s") or 0.0
     if dt > 0:
-        out["throughput/generated_tokens_per_s"] = row.get("num_generated_tokens", 0) / dt
+        # a resumed run's first step: the carried tokens were generated before this process
+        own = row.get("num_generated_tokens", 0) - row.get("carried_generated_tokens", 0)
+        out["throughput/generated_tokens_per_s"] = own / dt
         out["throughput/trained_tokens_per_s"] = row.get("trained_tokens", 0) / dt
     for k, v in row.get("train_metrics", {}).items():
         out[f"train/{k}"] = float(v)

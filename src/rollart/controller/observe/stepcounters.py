@@ -154,6 +154,8 @@ class StepCounters:
             num_invalid_actions=(ctx.invalid_actions if ctx else 0) - start.invalid_actions,
         )
         metrics.num_invalid_replies = proxy.num_invalid_replies - start.invalid_replies
+        # the carried tokens are in the first step's count only (``start`` took them off)
+        metrics.carried_generated_tokens, self._carried_tokens = self._carried_tokens, 0
         if proxy.spill is not None:
             now = proxy.spill.num_spilled
             metrics.num_spilled_by_domain = {
