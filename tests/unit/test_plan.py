@@ -666,3 +666,29 @@ def test_a_stalled_layout_is_dropped_without_the_controllers_error_lines(tmp_pat
     assert any("simulated layout stalled, dropped" in r.getMessage() for r in caplog.records)
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text[-500:]
     assert logging.getLogger("rollart.controller.rollout.tasks").level == logging.NOTSET
+
+
+def test_the_first_rung_runs_the_cost_models_fastest_predicted_layouts_first(
+        tmp_path, monkeypatch):
+    """After the scenario's own layout, rung 0 runs in the order of the predicted step time,
+    so that a budget covering part of the rung spends it on the layouts ranked best."""
+    import rollart.planner.search as search
+
+    ran: list = []
+
+    def fake_run(sim, seed, warmup, cap):
+        c, steps = sim
+        if steps == RUNGS[0][0]:
+            ran.append(c)
+        return _FakeRun([30.0] * steps)
+
+    monkeypatch.setattr(search, "sim_of", lambda inputs, c, steps: (c, steps))
+    monkeypatch.setattr(search, "run_capped", fake_run)
+    path = write(tmp_path)
+    plan(path, budget_s=600.0, seeds=SEEDS, model="qwen3-8b")
+    inputs = read_inputs(load_scenario(path), model="qwen3-8b")
+    first, _ = space(inputs)
+    assert ran[0] == first[0] and len(ran) == len(first) and set(ran) == set(first)
+    predicted = [search.predicted_step_s(inputs, c) for c in ran[1:]]
+    assert predicted == sorted(predicted)
+    assert len(set(predicted)) > 1  # the order is the prediction's, not a tie

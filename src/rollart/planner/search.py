@@ -8,10 +8,11 @@ the warm-up (seconds of simulated time) from ``rollart.sim.harness.run_simulated
 controller over simulated engines, envs and trainer, as the benchmarks run it.
 
 Successive halving (Jamieson and Talwalkar, AISTATS 2016; Li et al., Hyperband, JMLR 2018):
-rung 0 runs every (trainer size, mapping) on a short horizon with one seed, in a seeded random
-order after the scenario's own layout, each at the engines' tensor-parallel degree the cost
-model predicts faster (``rollart.planner.tpchoice``: searching both degrees would triple the
-space); the best third (at least ``MIN_KEEP``) and as many again of the candidates within the
+rung 0 runs every (trainer size, mapping) on a short horizon with one seed, after the
+scenario's own layout in the order of the cost model's predicted step time
+(``predicted_step_s``: a budget that covers part of the rung runs the part ranked best), each
+at the engines' tensor-parallel degree the cost model predicts faster
+(``rollart.planner.tpchoice``: searching both degrees would triple the space); the best third (at least ``MIN_KEEP``) and as many again of the candidates within the
 noise of that cut (``rollart.planner.noise.cut``) go on to rung 1 (a longer horizon) at every
 alpha and redundancy, and the same cut of those to rung 2 on every seed.
 Every candidate of a rung runs on the same seeds. While budget is left after rung 2, the
@@ -228,27 +229,43 @@ def tp_variants(inputs: PlanInputs, c: Candidate) -> list[Candidate]:
     return list(dict.fromkeys(out))
 
 
+def _per_step(inputs: PlanInputs) -> list[float]:
+    """Trajectories each domain sends per step (the batch split by the domains' weights)."""
+    run, weights = inputs.scenario.run, [d.weight for d in inputs.scenario.domains]
+    return [run.batch_size * w / sum(weights) for w in weights]
+
+
+def _pool_s(inputs: PlanInputs, c: Candidate, label: str, tp: int) -> float:
+    """``tpchoice.predicted_pool_s`` of ``c``'s pool of ``label`` at engines of ``tp``."""
+    served = [(spec, n) for spec, n, lb in zip(inputs.profiles, _per_step(inputs), c.mapping,
+                                               strict=True) if lb == label]
+    return tpchoice.predicted_pool_s(
+        inputs.model, inputs.hardware(label), gpus=c.gpus_left(inputs, label), tp=tp,
+        max_batch=inputs.max_batch[label], domains=served,
+        max_tokens_per_turn=inputs.scenario.run.max_tokens_per_turn)
+
+
 def with_predicted_tp(inputs: PlanInputs, c: Candidate) -> Candidate:
     """``c`` with the labels whose engines the cost model predicts faster at twice their
     fewest GPUs (``rollart.planner.tpchoice``) in ``wide_tp``; a label stays at its fewest
     GPUs when doubling leaves it no engine or leaves the node."""
-    run, sc = inputs.scenario.run, inputs.scenario
-    weights = [d.weight for d in sc.domains]
-    per_step = [run.batch_size * w / sum(weights) for w in weights]
     wide = []
     for label in c.pools(inputs):
-        base, gpus = inputs.tp[label], c.gpus_left(inputs, label)
-        if 2 * base > TP_CHOICES[-1] or gpus < 2 * base:
+        base = inputs.tp[label]
+        if 2 * base > TP_CHOICES[-1] or c.gpus_left(inputs, label) < 2 * base:
             continue
-        served = [(spec, n) for spec, n, lb in zip(inputs.profiles, per_step, c.mapping,
-                                                   strict=True) if lb == label]
-        narrow, doubled = (tpchoice.predicted_pool_s(
-            inputs.model, inputs.hardware(label), gpus=gpus, tp=tp,
-            max_batch=inputs.max_batch[label], domains=served,
-            max_tokens_per_turn=run.max_tokens_per_turn) for tp in (base, 2 * base))
-        if doubled < narrow:
+        if _pool_s(inputs, c, label, 2 * base) < _pool_s(inputs, c, label, base):
             wide.append(label)
     return dataclasses.replace(c, wide_tp=tuple(sorted(wide)))
+
+
+def predicted_step_s(inputs: PlanInputs, c: Candidate) -> float:
+    """``tpchoice.predicted_step_s`` of layout ``c``: the order rung 0 runs in."""
+    return tpchoice.predicted_step_s(
+        inputs.model, pool_s=[_pool_s(inputs, c, lb, c.tp(inputs, lb)) for lb in c.pools(inputs)],
+        trainer=inputs.hardware(inputs.trainer_label), trainer_gpus=c.trainer_gpus,
+        batch=list(zip(inputs.profiles, _per_step(inputs), strict=True)),
+        max_tokens_per_turn=inputs.scenario.run.max_tokens_per_turn)
 
 
 def full_space(inputs: PlanInputs) -> list[Candidate]:
@@ -358,9 +375,11 @@ def successive_halving(inputs: PlanInputs, *, budget_s: float, seeds: tuple[int,
         raise PlanError("seeds: need at least one")
     t0 = time.perf_counter()
     first, pairs = space(inputs)
-    rng = random.Random(seeds[0])
+    # the scenario's own layout, then the rest fastest-predicted first (a budget that covers
+    # part of the rung runs the part the cost model ranks best); the seeded shuffle orders ties
     rest = first[1:]
-    rng.shuffle(rest)
+    random.Random(seeds[0]).shuffle(rest)
+    rest.sort(key=lambda c: predicted_step_s(inputs, c))
     pending = [first[0], *rest]
     log = SearchLog(space=len(full_space(inputs)), first_rung_space=len(first))
     ranked: list[Score] = []

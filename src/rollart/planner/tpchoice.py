@@ -1,5 +1,5 @@
 """The engines' tensor-parallel degree per pool, predicted from the cost model instead of
-searched.
+searched, and the order the search runs its first candidates in.
 
 Doubling an engine's tensor parallelism halves the engines a pool's GPUs make and doubles each
 one's FLOP/s and bandwidth (``rollart.sim.costs``), less the all-reduce. Which wins depends on
@@ -16,6 +16,11 @@ The prediction is a bound on one step's rollout for the pool (the slowest of its
 trajectories, every turn's decode at the pool's concurrent batch plus its prefill, in as many
 waves as the engine's batch slots and KV room need), not a simulation: no queueing between
 turns, env latency (the same at either degree) or prefix-cache effects.
+
+The same bound orders the search's first rung (``predicted_step_s``: the slowest pool's
+rollout or the trainer's step over the batch's tokens, whichever is longer), so that a budget
+that covers only part of the rung spends it on the layouts the cost model ranks first rather
+than on a random part of them.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from rollart.sim.costs import decode_step_s, kv_capacity_tokens, step_s
+from rollart.sim.costs import decode_step_s, kv_capacity_tokens, step_s, train_step_s
 from rollart.sim.hardware import HardwareProfile
 from rollart.sim.models import ModelProfile
 from rollart.sim.workload import DomainSpec
@@ -74,3 +79,25 @@ def predicted_pool_s(model: ModelProfile, hw: HardwareProfile, *, gpus: int, tp:
         model, hw, decode_seqs=0, decode_kv_tokens=0, prefill_tokens=int(batch * new),
         prefill_keys=batch * new * (new + 1) / 2, tp=tp)) for _, turns, resp, new, _ in shapes)
     return waves * slowest
+
+
+def trajectory_tokens(spec: DomainSpec, max_tokens_per_turn: int) -> float:
+    """Mean tokens of one trajectory of ``spec`` as the trainer sees it (num_tokens): the
+    prompt, every turn's response (capped at ``max_tokens_per_turn``) and every later turn's
+    observation."""
+    turns = max(1.0, spec.num_turns.mean)
+    return (spec.prompt_tokens.mean + turns * min(spec.response_tokens.mean, max_tokens_per_turn)
+            + (turns - 1) * spec.obs_tokens.mean)
+
+
+def predicted_step_s(model: ModelProfile, *, pool_s: Sequence[float],
+                     trainer: HardwareProfile, trainer_gpus: int,
+                     batch: Sequence[tuple[DomainSpec, float]],
+                     max_tokens_per_turn: int) -> float:
+    """Predicted seconds of one step of a layout whose rollout and training overlap: the
+    longer of its slowest pool's rollout (``pool_s``: each pool's ``predicted_pool_s``) and
+    the trainer's step (``rollart.sim.costs.train_step_s`` on ``trainer_gpus`` of
+    ``trainer``) over the tokens of ``batch`` ((workload, trajectories per step) per domain).
+    A ranking, not a simulation (module docstring)."""
+    tokens = sum(n * trajectory_tokens(spec, max_tokens_per_turn) for spec, n in batch)
+    return max(train_step_s(model, trainer, int(tokens), num_gpus=trainer_gpus), *pool_s)
