@@ -4,6 +4,7 @@ that takes them, and ``env_options`` an env would refuse at every session open."
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -111,11 +112,11 @@ def test_a_nested_key_of_another_table_is_pointed_there() -> None:
      "options naming files may only name a file of the dataset package's own data"),
     # values reasoning-gym's config check lets through but its first entry cannot be drawn with
     ("rg:basic_arithmetic", "min_terms = 2.5",
-     "env 'rg:basic_arithmetic': reasoning-gym cannot draw an entry with them, so every "
-     "session would fail: ValueError: non-integer arg 1 for randrange()"),
+     "env 'rg:basic_arithmetic': reasoning-gym cannot draw an entry with options "
+     "{'min_terms': 2.5} (seeds 0-4 all failed, so every session would fail): ValueError: "
+     "non-integer arg 1 for randrange()"),
     ("rg:spell_backward", 'data_file = "nonexistent.txt"',
-     "reasoning-gym cannot draw an entry with them, so every session would fail: "
-     "FileNotFoundError: "),
+     "(seeds 0-4 all failed, so every session would fail): FileNotFoundError: "),
 ])
 def test_env_options_the_env_would_refuse_are_refused(env, options, expect) -> None:
     assert expect in _preflight_error(_with_options(env, options))
@@ -202,3 +203,30 @@ def test_a_misspelled_required_key_does_not_hide_a_bad_value_after_it() -> None:
     assert "domains[0]: Object contains unknown field `nme` (did you mean 'name'?)" in msg, msg
     assert "missing required field" not in msg, msg
     assert "trainer.lr: Expected `float`, got `str`" in msg, msg
+
+
+def test_env_options_some_seeds_can_draw_with_pass_and_a_printing_generator_stays_off_stdout(
+        tmp_path, capsys) -> None:
+    from rollart.config.envdraw import draw_problems
+
+    # countdown with these targets fails on some seeds and draws on others: the env host
+    # re-draws a failed open, so the run is not refused for seed 0's luck
+    opts = {"min_numbers": 3, "max_numbers": 3, "min_value": 1, "max_value": 8,
+            "min_target": 100, "max_target": 125}
+    assert draw_problems([("countdown", opts), ("bf", {"size": 10})]) == [None, None]
+    # rg:bf prints while it generates: validate's stdout stays the resolved scenario (JSON)
+    sc = tmp_path / "s.toml"
+    sc.write_text(_with_options("rg:bf", "size = 10") + '\n[[env_hosts]]\nname = "envs"\n')
+    assert cli(["validate", str(sc)]) == 0
+    json.loads(capsys.readouterr().out)
+
+
+def test_a_draw_that_never_ends_is_stopped_at_its_deadline() -> None:
+    from rollart.config.envdraw import draw_problems
+
+    # no end cell distinct from the start in a 1x1 grid: reasoning-gym loops without end
+    opts = {"min_rows": 1, "max_rows": 1, "min_cols": 1, "max_cols": 1}
+    assert draw_problems([("shortest_path", opts), ("chain_sum", {})], timeout_s=10.0) == [
+        "drawing an entry of rg:shortest_path with options {'min_rows': 1, 'max_rows': 1, "
+        "'min_cols': 1, 'max_cols': 1} did not finish within 10 s (each session draws one "
+        "when it opens)", None]

@@ -6,7 +6,8 @@ config dataclass), but only when a session opens: a typo would pass ``rollart va
 fail every trajectory of the run once the services are up. The accepted names are read here
 from the same registries the env host reads, so nothing is constructed and nothing is imported
 that the env host would not import for that env name (GEM's own entry-point module,
-reasoning-gym's dataset registry).
+reasoning-gym's dataset registry). A reasoning-gym domain's values are then checked by its
+config and by drawing entries with them (``rollart.config.envdraw``, in child processes).
 
 Not checked: ``py:`` envs (their module is the env host's to import, from its own path and
 only if its allow list names it: ``rollart.envhost.allow``), and names neither registry knows
@@ -43,13 +44,12 @@ def accepted_env_options(env: str) -> frozenset[str] | None:
 
 def _check_rg_values(dataset: str, options: Mapping[str, Any]) -> str | None:
     """What reasoning-gym's config of ``dataset`` says of ``options`` (its constructor and
-    ``validate()``, as ``create_dataset`` runs them), what the env host says of an option
-    naming a file, or why the entry a session would serve cannot be drawn (a value the config
-    check lets through, such as a fractional count, or a data file that is not there);
+    ``validate()``, as ``create_dataset`` runs them; no entry is generated: that is
+    ``rollart.config.envdraw``'s), or what the env host says of an option naming a file;
     ``None``: accepted."""
     import reasoning_gym
 
-    from rollart.envhost.families import EnvSpecError, check_file_options, rg_entry
+    from rollart.envhost.families import EnvSpecError, check_file_options
 
     try:
         check_file_options(f"rg:{dataset}", options)
@@ -62,15 +62,6 @@ def _check_rg_values(dataset: str, options: Mapping[str, Any]) -> str | None:
             config.validate()
     except Exception as exc:  # whatever it raises, every session open would raise too
         return f"reasoning-gym refuses them: {type(exc).__name__}: {exc}"
-    # One entry, as a session opened with seed 0 draws it (microseconds for the bundled
-    # datasets): values that fail only at generation would otherwise fail every trajectory.
-    try:
-        rg_entry(dataset, 0, options)
-    except EnvSpecError as exc:
-        return exc.message
-    except Exception as exc:
-        return (f"reasoning-gym cannot draw an entry with them, so every session would fail: "
-                f"{type(exc).__name__}: {exc}")
     return None
 
 
@@ -78,8 +69,9 @@ def check_env_options(scenario: Scenario, source: str = "<scenario>", *,
                       skip: Collection[str] = ()) -> None:
     """Refuse a domain's ``env_options`` that its env would refuse at every session open:
     names a ``game:`` / ``rg:`` env does not take, and values a reasoning-gym dataset's config
-    rejects or cannot draw its first entry with (GEM values are not checked: constructing
-    some games downloads data). Imports GEM / reasoning-gym only for a domain that sets
+    rejects or cannot draw an entry with on any of several seeds, or draws too slowly
+    (``rollart.config.envdraw``; GEM values are not checked: constructing some games
+    downloads data). Imports GEM / reasoning-gym only for a domain that sets
     options.
 
     ``skip``: env names served in-process (their factory takes what it takes).
@@ -87,9 +79,11 @@ def check_env_options(scenario: Scenario, source: str = "<scenario>", *,
     Raises:
         ConfigError: ``"{source}: domains[i].env_options: ..."`` naming the domain, each
             unknown option with the nearest accepted one, and the accepted list; or the
-            dataset config's own refusal; every refused domain in one error.
+            dataset config's own refusal, or why no entry could be drawn; every refused
+            domain in one error.
     """
     refused: list[str] = []
+    to_draw: list[tuple[str, str, Mapping[str, Any]]] = []
     for i, dom in enumerate(scenario.domains):
         if not dom.env_options or dom.env in skip:
             continue
@@ -109,5 +103,13 @@ def check_env_options(scenario: Scenario, source: str = "<scenario>", *,
             said = _check_rg_values(dom.env[3:], dom.env_options)
             if said:
                 refused.append(f"{where}: {said}")
+            else:
+                to_draw.append((where, dom.env[3:], dom.env_options))
+    if to_draw:
+        from rollart.config.envdraw import draw_problems
+
+        problems = draw_problems([(dataset, opts) for _, dataset, opts in to_draw])
+        refused += [f"{where}: {problem}" for (where, _, _), problem
+                    in zip(to_draw, problems, strict=True) if problem]
     if refused:
         raise ConfigError("; ".join(refused))
