@@ -692,3 +692,11 @@ def test_the_first_rung_runs_the_cost_models_fastest_predicted_layouts_first(
     predicted = [search.predicted_step_s(inputs, c) for c in ran[1:]]
     assert predicted == sorted(predicted)
     assert len(set(predicted)) > 1  # the order is the prediction's, not a tie
+
+
+@pytest.mark.parametrize("seeds", ["0", "-1"])
+def test_cli_refuses_fewer_than_one_seed_in_one_line(tmp_path, capsys, seeds):
+    assert cli_main(["plan", str(write(tmp_path)), "--out", str(tmp_path / "p.toml"),
+                     "--seeds", seeds, "--model", "qwen3-8b"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"rollart plan: error: --seeds must be >= 1, got {seeds}\n", err

@@ -2,8 +2,9 @@
 [--profiles-from RUN_DIR] [--force]``.
 
 Searches the scenario's layout with the simulator (``rollart.planner``), prints the best
-candidates (SIMULATED step time, rollout share of a step, cost in H800 units) and writes the
-chosen layout as a scenario file. Exit codes: 0 written; 2 a scenario, request or --out the planner
+candidates (SIMULATED step time and its standard error, the share of the GPUs rolling out,
+the trainer's idle share of a step, cost in H800 units) and writes the chosen layout as a
+scenario file. Exit codes: 0 written; 2 a scenario, request or --out the planner
 refuses (one line ``rollart plan: error: ...`` naming what is short or unknown).
 """
 
@@ -36,8 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--force", action="store_true",
                    help="overwrite an existing --out file (never the input scenario)")
     args = p.parse_args(argv)
-    if args.seeds < 1:
-        p.error(f"--seeds must be >= 1, got {args.seeds}")
+    if args.seeds < 1:  # one line, as every refusal of the request
+        print(f"rollart plan: error: --seeds must be >= 1, got {args.seeds}", file=sys.stderr)
+        return 2
     if not args.out.strip():
         print("rollart plan: error: --out is empty: name the file to write the planned "
               "scenario to (e.g. --out plan.toml)", file=sys.stderr)
