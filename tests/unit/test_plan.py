@@ -173,8 +173,9 @@ def test_a_budget_that_simulates_a_fraction_of_the_layouts_warns(tmp_path, capsy
                      "--model", "qwen3-8b", "--seeds", "1"]) == 0
     cap = capsys.readouterr()
     # 8 trainer / pool mappings at their predicted TP, and the scenario's own layout as is
-    line = ("warning: the budget (5 s) simulated only 2 of the 9 trainer / pool mappings (and "
-            "the scenario's own layout) to the end of the first round")
+    line = ("warning: the budget (5 s) simulated only 2 of the 9 layouts of the first round "
+            "(each trainer / pool mapping, the scenario's own layout among them where the "
+            "space holds it;")
     assert f"rollart plan: {line}" in cap.err and line in cap.out
     assert f"# {line}" in out.read_text()
     # named as the user gave it: the command line's flag, not the keyword of rollart.plan()

@@ -71,10 +71,10 @@ class PlanResult:
         ran = lg.per_rung[0] if lg.per_rung else 0
         if ran < lg.first_rung_space:
             out.append(f"the budget ({self.budget_s:g} s) simulated only {ran} of the "
-                       f"{lg.first_rung_space} trainer / pool mappings (and the scenario's own "
-                       f"layout) to the end of the "
-                       f"first round (of {lg.space} layouts): the plan is the best of those, "
-                       f"not of all; give a larger {self.budget_option}")
+                       f"{lg.first_rung_space} layouts of the first round (each trainer / pool "
+                       f"mapping, the scenario's own layout among them where the space holds "
+                       f"it; {lg.space} layouts in all) to its end: the plan is the best of "
+                       f"those, not of all; give a larger {self.budget_option}")
         return out
 
     def table(self, top: int = 5) -> str:
