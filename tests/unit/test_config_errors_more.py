@@ -230,3 +230,31 @@ def test_a_draw_that_never_ends_is_stopped_at_its_deadline() -> None:
         "drawing an entry of rg:shortest_path with options {'min_rows': 1, 'max_rows': 1, "
         "'min_cols': 1, 'max_cols': 1} did not finish within 10 s (each session draws one "
         "when it opens)", None]
+
+
+def test_validate_lists_each_domain_whose_env_options_are_refused_on_its_own_line(
+        tmp_path, capsys) -> None:
+    text = _with_options("rg:basic_arithmetic", "min_term = 2")
+    dom = text[text.index("[[domains]]"):]
+    dom = dom[:dom.index("\n[", 1)] if "\n[" in dom[1:] else dom
+    two = text + "\n" + dom.replace('name = "arith"', 'name = "arith2"').replace(
+        "min_term", "max_term")
+    sc = tmp_path / "s.toml"
+    sc.write_text(two + '\n[[env_hosts]]\nname = "envs"\n')
+    assert cli(["validate", str(sc), "--quiet"]) == 1
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if "env_options" in line]
+    assert len(lines) == 2, err
+    assert "domain 'arith'," in lines[0] and "domain 'arith2'," in lines[1]
+    assert all(line.startswith("rollart validate: error: ") for line in lines)
+    assert "2 reason(s) above" in err
+
+
+def test_every_unknown_env_name_is_named_at_once() -> None:
+    text = _with_options("rg:basic_arithmatic", "min_terms = 2")
+    dom = text[text.index("[[domains]]"):]
+    dom = dom[:dom.index("\n[", 1)] if "\n[" in dom[1:] else dom
+    two = text + "\n" + dom.replace('name = "arith"', 'name = "arith2"').replace(
+        "rg:basic_arithmatic", "rg:chain_sumx")
+    msg = _preflight_error(two)
+    assert "domains[0].env:" in msg and "domains[1].env:" in msg, msg

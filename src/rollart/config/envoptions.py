@@ -112,4 +112,4 @@ def check_env_options(scenario: Scenario, source: str = "<scenario>", *,
         refused += [f"{where}: {problem}" for (where, _, _), problem
                     in zip(to_draw, problems, strict=True) if problem]
     if refused:
-        raise ConfigError("; ".join(refused))
+        raise ConfigError(reasons=refused)

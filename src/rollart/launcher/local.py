@@ -86,6 +86,7 @@ def preflight(scenario: Scenario, source: str = "<scenario>", *,
     from rollart.config.envoptions import check_env_options
     from rollart.envhost.families import EnvSpecError, check_env_name
 
+    unknown: list[str] = []
     for i, dom in enumerate(scenario.domains):
         if not check_env_names or dom.env in local_envs:
             continue
@@ -94,7 +95,9 @@ def preflight(scenario: Scenario, source: str = "<scenario>", *,
         except EnvSpecError as exc:
             served = (f"; served in-process (run.local_module's ENVS): {sorted(local_envs)}"
                       if local_envs else "")
-            raise ConfigError(f"{source}: domains[{i}].env: {exc.message}{served}") from None
+            unknown.append(f"{source}: domains[{i}].env: {exc.message}{served}")
+    if unknown:  # every unknown env at once, not one per attempt
+        raise ConfigError(reasons=unknown)
     if check_env_names:  # an env served in-process takes whatever its factory takes
         check_env_options(scenario, source, skip=local_envs)
     if local_rewards is None:

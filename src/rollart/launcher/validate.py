@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         preflight(scenario, source, local_rewards=regs.rewards, local_envs=regs.envs)
     except ConfigError as exc:
-        refusals.append(str(exc))
+        refusals += exc.reasons  # e.g. each domain whose env_options its env would refuse
     try:  # `rollart run`'s model phase: a warm-up of the tiny model with nothing to imitate
         check_warmup_domains(scenario, note=lambda text: notes.append(f"{source}: {text}"))
     except ConfigError as exc:

@@ -28,7 +28,16 @@ class RollartError(Exception):
 
 
 class ConfigError(RollartError, ValueError):
-    """A configuration value is invalid. The message names the file (if any), field and reason."""
+    """A configuration value is invalid. The message names the file (if any), field and reason.
+
+    Attributes:
+        reasons: the independent reasons the message joins (one per refused item, e.g. per
+            domain), for a caller that lists them one per line; ``[message]`` when one.
+    """
+
+    def __init__(self, message: str = "", *, reasons: list[str] | None = None) -> None:
+        super().__init__(message if reasons is None else "; ".join(reasons))
+        self.reasons = list(reasons) if reasons else [str(self)]
 
 
 class RemoteError(RollartError):
