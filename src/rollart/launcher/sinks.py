@@ -36,8 +36,9 @@ def step_scalars(row: dict[str, Any]) -> dict[str, float]:
     ``reward/<domain>`` (mean reward of the batch's samples of a domain); ``waste/<reason>`` and
     ``waste/total`` (share of the step's generated tokens, 0..1); ``throughput/
     generated_tokens_per_s`` and ``throughput/trained_tokens_per_s`` (tokens over the step's
-    wall time; generated: without those a resume's checkpoint carried over); ``train/<name>`` (the trainer's metrics); ``trained_share/<domain>`` (the
-    domain's share of the batch's samples); ``flat_group_share/<domain>`` (share of the
+    wall time; generated: without those a resume's checkpoint carried over);
+    ``train/<name>`` (the trainer's metrics); ``trained_share/<domain>`` (the domain's share
+    of the batch's samples); ``flat_group_share/<domain>`` (share of the
     domain's groups in the batch whose rewards are all equal: no GRPO gradient);
     ``response_len/<domain>`` (mean generated tokens per trajectory of the domain's samples);
     ``entropy_mean`` and ``entropy/<domain>`` (the policy's mean entropy per generated token,

@@ -12,9 +12,10 @@ rung 0 runs every (trainer size, mapping) on a short horizon with one seed, afte
 scenario's own layout in the order of the cost model's predicted step time
 (``predicted_step_s``: a budget that covers part of the rung runs the part ranked best), each
 at the engines' tensor-parallel degree the cost model predicts faster
-(``rollart.planner.tpchoice``: searching both degrees would triple the space); the best third (at least ``MIN_KEEP``) and as many again of the candidates within the
-noise of that cut (``rollart.planner.noise.cut``) go on to rung 1 (a longer horizon) at every
-alpha and redundancy, and the same cut of those to rung 2 on every seed.
+(``rollart.planner.tpchoice``: searching both degrees would triple the space); the best third
+(at least ``MIN_KEEP``) and as many again of the candidates within the noise of that cut
+(``rollart.planner.noise.cut``) go on to rung 1 (a longer horizon) at every alpha and
+redundancy, and the same cut of those to rung 2 on every seed.
 Every candidate of a rung runs on the same seeds. While budget is left after rung 2, the
 leader and the candidates within its noise race on further common seeds
 (``rollart.planner.noise``). A run longer than ``STRAGGLER_X`` times its rung's median is
