@@ -105,6 +105,9 @@ def test_a_nested_key_of_another_table_is_pointed_there() -> None:
      "s.toml: domains[0].env_options: domain 'arith', env 'game:GuessTheNumber-v0-easy': "
      "unknown options 'max_numbr' (did you mean 'max_number'?), 'zzz'; accepted: "
      "['max_number', 'max_turns', 'min_number']"),
+    # a value with a line break stays on the refusal's one line
+    ("rg:basic_arithmetic", 'operators = ["+\\n-"]',
+     "reasoning-gym refuses them: AssertionError: unsupported operator: +\\n-"),
     ("rg:basic_arithmetic", "min_terms = 5, max_terms = 3",
      "env 'rg:basic_arithmetic': reasoning-gym refuses them: AssertionError: max_terms must "
      "be >= min_terms"),
@@ -226,10 +229,43 @@ def test_a_draw_that_never_ends_is_stopped_at_its_deadline() -> None:
 
     # no end cell distinct from the start in a 1x1 grid: reasoning-gym loops without end
     opts = {"min_rows": 1, "max_rows": 1, "min_cols": 1, "max_cols": 1}
-    assert draw_problems([("shortest_path", opts), ("chain_sum", {})], timeout_s=10.0) == [
+    # each domain's draws have their own alarm (in the child, after its imports)
+    assert draw_problems([("shortest_path", opts), ("chain_sum", {})], timeout_s=2.0) == [
         "drawing an entry of rg:shortest_path with options {'min_rows': 1, 'max_rows': 1, "
-        "'min_cols': 1, 'max_cols': 1} did not finish within 10 s (each session draws one "
+        "'min_cols': 1, 'max_cols': 1} did not finish within 2 s (each session draws one "
         "when it opens)", None]
+
+
+def test_draws_see_the_options_as_sessions_receive_them_and_many_domains_pass() -> None:
+    from rollart.config.envdraw import draw_problems
+
+    # inf travels to the env host as it is (msgpack), and no entry can be drawn with it
+    got = draw_problems([("basic_arithmetic", {"max_terms": float("inf")})])
+    assert "seeds 0-4 all failed" in got[0] and "OverflowError" in got[0], got
+    # sixteen valid domains: one child draws them all (no per-domain interpreter to start)
+    many = [("basic_arithmetic", {"min_terms": 2, "max_terms": 3, "size": 10 + k})
+            for k in range(16)]
+    assert draw_problems(many) == [None] * 16
+
+
+def test_the_draw_child_imports_nothing_from_the_working_directory_or_local_module_folder(
+        tmp_path, monkeypatch) -> None:
+    from rollart.config.envdraw import draw_problems
+
+    marker = tmp_path / "imported"
+    evil = tmp_path / "evil"
+    evil.mkdir()
+    (evil / "msgspec.py").write_text(f"open({str(marker)!r}, 'w').close()\n"
+                                     "raise ImportError('not the real msgspec')\n")
+    monkeypatch.chdir(evil)
+    monkeypatch.syspath_prepend(str(evil))  # as run.local_module's folder is
+    assert draw_problems([("chain_sum", {"min_terms": 2})]) == [None]
+    assert not marker.exists()
+    # a check that cannot run says so (here: the user's own PYTHONPATH breaks the child)
+    monkeypatch.setenv("PYTHONPATH", str(evil))
+    got = draw_problems([("chain_sum", {"min_terms": 2})])
+    assert got[0].startswith("the draw check could not run (its process exited with code 1: "
+                             "ImportError: not the real msgspec"), got
 
 
 def test_validate_lists_each_domain_whose_env_options_are_refused_on_its_own_line(

@@ -61,7 +61,9 @@ def _check_rg_values(dataset: str, options: Mapping[str, Any]) -> str | None:
         if callable(getattr(config, "validate", None)):
             config.validate()
     except Exception as exc:  # whatever it raises, every session open would raise too
-        return f"reasoning-gym refuses them: {type(exc).__name__}: {exc}"
+        from rollart.config.envdraw import one_line
+
+        return one_line(f"reasoning-gym refuses them: {type(exc).__name__}: {exc}")
     return None
 
 
@@ -82,8 +84,8 @@ def check_env_options(scenario: Scenario, source: str = "<scenario>", *,
             dataset config's own refusal, or why no entry could be drawn; every refused
             domain in one error.
     """
-    refused: list[str] = []
-    to_draw: list[tuple[str, str, Mapping[str, Any]]] = []
+    refused: list[tuple[int, str]] = []  # (domain index, reason): listed in domain order
+    to_draw: list[tuple[int, str, str, Mapping[str, Any]]] = []
     for i, dom in enumerate(scenario.domains):
         if not dom.env_options or dom.env in skip:
             continue
@@ -97,19 +99,19 @@ def check_env_options(scenario: Scenario, source: str = "<scenario>", *,
             named = ", ".join(f"{key!r}{suggest(key, known)}" for key in unknown)
             hint = (" (each group's env seed is drawn from run.seed)"
                     if dom.env.startswith("rg:") and "seed" in unknown else "")
-            refused.append(f"{where}: unknown option{'s' if len(unknown) > 1 else ''} "
-                           f"{named}{hint}; accepted: {known}")
+            refused.append((i, f"{where}: unknown option{'s' if len(unknown) > 1 else ''} "
+                                f"{named}{hint}; accepted: {known}"))
         elif dom.env.startswith("rg:"):
             said = _check_rg_values(dom.env[3:], dom.env_options)
             if said:
-                refused.append(f"{where}: {said}")
+                refused.append((i, f"{where}: {said}"))
             else:
-                to_draw.append((where, dom.env[3:], dom.env_options))
+                to_draw.append((i, where, dom.env[3:], dom.env_options))
     if to_draw:
         from rollart.config.envdraw import draw_problems
 
-        problems = draw_problems([(dataset, opts) for _, dataset, opts in to_draw])
-        refused += [f"{where}: {problem}" for (where, _, _), problem
+        problems = draw_problems([(dataset, opts) for _, _, dataset, opts in to_draw])
+        refused += [(i, f"{where}: {problem}") for (i, where, _, _), problem
                     in zip(to_draw, problems, strict=True) if problem]
     if refused:
-        raise ConfigError(reasons=refused)
+        raise ConfigError(reasons=[text for _, text in sorted(refused)])

@@ -477,7 +477,7 @@ class DomainConfig(_Cfg, frozen=True):
     #: dataset config; in-process envs: ``factory(**options)``). For ``game:`` and ``rg:``
     #: envs the scenario is refused when a name is not one the env takes (reasoning-gym:
     #: also values its config refuses, or that no entry can be drawn with on any of several
-    #: seeds within 20 s), before anything starts.
+    #: seeds within 10 s), before anything starts.
     env_options: dict[str, Any] = msgspec.field(default_factory=dict)
     #: when the env rejects an action (raises ``InvalidActionError``, e.g. broken tool-call
     #: JSON): ``observe``: the model gets the error message as the next observation and the
