@@ -139,6 +139,12 @@ def main() -> None:
     on stdin, writes the list of problems (``str | null`` each, JSON) as the last line of
     stdout."""
     pairs, seeds, timeout_s = msgspec.msgpack.decode(sys.stdin.buffer.read())
+    # imported before any alarm: an alarm inside the first import would leave it half done
+    # (and reasoning-gym's import alone takes seconds on a loaded machine)
+    import reasoning_gym  # noqa: F401
+
+    import rollart.envhost.families  # noqa: F401
+
     problems = []
     # a generator may print (``rg:bf`` does): keep it off the verdict's line
     with contextlib.redirect_stdout(io.StringIO()):
