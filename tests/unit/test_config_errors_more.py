@@ -29,6 +29,15 @@ def _with_options(env: str, options: str) -> str:
             .replace('pool = "cpu"', f'pool = "cpu"\nenv_options = {{ {options} }}'))
 
 
+def _with_two_domains(env: str, options: str, old: str, new: str) -> str:
+    """``_with_options(env, options)`` plus a copy of its domain named 'arith2', with
+    ``old`` replaced by ``new`` in the copy."""
+    text = _with_options(env, options)
+    dom = text[text.index("[[domains]]"):]
+    dom = dom[:dom.index("\n[", 1)] if "\n[" in dom[1:] else dom
+    return text + "\n" + dom.replace('name = "arith"', 'name = "arith2"').replace(old, new)
+
+
 # --- a bad value no longer hides the unknown keys, nor an unknown key the bad value ---------
 
 
@@ -135,11 +144,7 @@ def _preflight_error(text: str, local_envs=()) -> str:
 
 
 def test_every_domain_with_refused_env_options_is_named_in_one_error() -> None:
-    text = _with_options("rg:basic_arithmetic", "min_term = 2")
-    dom = text[text.index("[[domains]]"):]
-    dom = dom[:dom.index("\n[", 1)] if "\n[" in dom[1:] else dom
-    two = text + "\n" + dom.replace('name = "arith"', 'name = "arith2"').replace(
-        "min_term", "max_term")
+    two = _with_two_domains("rg:basic_arithmetic", "min_term = 2", "min_term", "max_term")
     msg = _preflight_error(two)
     assert "domains[0].env_options: domain 'arith'" in msg and "'min_term'" in msg, msg
     assert "domains[1].env_options: domain 'arith2'" in msg and "'max_term'" in msg, msg
@@ -270,11 +275,7 @@ def test_the_draw_child_imports_nothing_from_the_working_directory_or_local_modu
 
 def test_validate_lists_each_domain_whose_env_options_are_refused_on_its_own_line(
         tmp_path, capsys) -> None:
-    text = _with_options("rg:basic_arithmetic", "min_term = 2")
-    dom = text[text.index("[[domains]]"):]
-    dom = dom[:dom.index("\n[", 1)] if "\n[" in dom[1:] else dom
-    two = text + "\n" + dom.replace('name = "arith"', 'name = "arith2"').replace(
-        "min_term", "max_term")
+    two = _with_two_domains("rg:basic_arithmetic", "min_term = 2", "min_term", "max_term")
     sc = tmp_path / "s.toml"
     sc.write_text(two + '\n[[env_hosts]]\nname = "envs"\n')
     assert cli(["validate", str(sc), "--quiet"]) == 1
@@ -287,10 +288,6 @@ def test_validate_lists_each_domain_whose_env_options_are_refused_on_its_own_lin
 
 
 def test_every_unknown_env_name_is_named_at_once() -> None:
-    text = _with_options("rg:basic_arithmatic", "min_terms = 2")
-    dom = text[text.index("[[domains]]"):]
-    dom = dom[:dom.index("\n[", 1)] if "\n[" in dom[1:] else dom
-    two = text + "\n" + dom.replace('name = "arith"', 'name = "arith2"').replace(
-        "rg:basic_arithmatic", "rg:chain_sumx")
+    two = _with_two_domains("rg:basic_arithmatic", "min_terms = 2", "rg:basic_arithmatic", "rg:chain_sumx")
     msg = _preflight_error(two)
     assert "domains[0].env:" in msg and "domains[1].env:" in msg, msg

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from typing import Any
 
+from rollart.config.envdraw import draw_problems, one_line
 from rollart.config.schema import Scenario
 from rollart.config.validate import suggest
 from rollart.transport.errors import ConfigError
@@ -61,8 +62,6 @@ def _check_rg_values(dataset: str, options: Mapping[str, Any]) -> str | None:
         if callable(getattr(config, "validate", None)):
             config.validate()
     except Exception as exc:  # whatever it raises, every session open would raise too
-        from rollart.config.envdraw import one_line
-
         return one_line(f"reasoning-gym refuses them: {type(exc).__name__}: {exc}")
     return None
 
@@ -108,8 +107,6 @@ def check_env_options(scenario: Scenario, source: str = "<scenario>", *,
             else:
                 to_draw.append((i, where, dom.env[3:], dom.env_options))
     if to_draw:
-        from rollart.config.envdraw import draw_problems
-
         problems = draw_problems([(dataset, opts) for _, _, dataset, opts in to_draw])
         refused += [(i, f"{where}: {problem}") for (i, where, _, _), problem
                     in zip(to_draw, problems, strict=True) if problem]
