@@ -210,6 +210,22 @@ async def test_generate_lengths_versions_and_finish_reasons(client):
     assert client.last_stats is not None and client.last_stats.num_generated_tokens >= 17
 
 
+async def test_reports_kv_capacity_and_prefix_cache_hits(client):
+    """What the KV working-set hold reads: the engine's KV capacity in tokens (its blocks x
+    block size, known once the engine profiled memory) and, per request, the prompt tokens
+    served from the prefix cache: none the first time, whole blocks of it the second."""
+    stats = await client.stats()
+    assert stats.kv_capacity_tokens is not None and stats.kv_capacity_tokens >= len(PROMPT)
+    long_prompt = [20 + (11 * i) % 200 for i in range(200)]
+    sp = m.SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    first = await client.generate(m.Generate(
+        request_id="cache-a", new_token_ids=tb.pack_i32(long_prompt), sampling=sp))
+    again = await client.generate(m.Generate(
+        request_id="cache-b", new_token_ids=tb.pack_i32(long_prompt), sampling=sp))
+    assert first.num_cached_tokens == 0
+    assert again.num_cached_tokens is not None and 0 < again.num_cached_tokens < len(long_prompt)
+
+
 async def test_32_concurrent_generates(client):
     results = await asyncio.gather(
         *(client.generate(gen(f"c{i}", 24, seed=i, ignore_eos=True)) for i in range(32))

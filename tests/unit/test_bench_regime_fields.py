@@ -54,7 +54,8 @@ def test_affinity_adaptive_rows_report_the_regime(monkeypatch) -> None:
 
     monkeypatch.setattr(affinity, "run_simulated", fake_run)
     res = affinity.run_adaptive(True, 0)
-    runs = [row for row in res["rows"] if not row["layout"].startswith("best static")]
+    runs = [row for row in res["rows"]
+            if not row["layout"].startswith(("best static", "chosen with online affinity"))]
     assert runs
     for row in runs:
         _check_regime(row, set())
@@ -70,3 +71,34 @@ def test_staleness_rows_report_the_regime(monkeypatch) -> None:
         _check_regime(row, {"h800", "h20"})
     # the alpha 0 row is sync_plus: its rollout share is the paper's Sync+ rollout share
     assert any(row["alpha"] == 0 and row["mode"] == "sync_plus" for row in res["rows"])
+
+
+def test_affinity_adaptive_chooses_its_layout_on_its_own_seeds(monkeypatch) -> None:
+    """The adaptive arm runs on the layout that was fastest with online affinity on the choice
+    seeds (1000+), not on the evaluation seeds, and is scored on the evaluation seeds against
+    the fastest static layout there."""
+    from benchmarks import affinity
+
+    def layout_of(sim) -> str:
+        counts = {p.hardware: p.num_workers for p in sim.pools}
+        return f"{counts.get('h800', 0)}+{counts.get('h20', 0)}"
+
+    def timed_run(sim, seed, warmup=0):
+        adaptive = sim.adaptive_affinity is not None and sim.adaptive_affinity.enabled
+        held_out = seed >= 1000
+        # h800_only is fastest static; with online affinity 6+9 wins on the choice seeds
+        # only, and h20_only wins on the evaluation seeds only: neither may leak.
+        t = {"9+0": 10.0, "0+27": 20.0, "6+9": 12.0, "4+15": 14.0}[layout_of(sim)]
+        if adaptive:
+            t *= {"6+9": 0.5 if held_out else 0.9, "0+27": 1.0 if held_out else 0.1}.get(
+                layout_of(sim), 0.95)
+        res = fake_run(sim, seed, warmup)
+        res.step_time_s = t
+        return res
+
+    monkeypatch.setattr(affinity, "run_simulated", timed_run)
+    res = affinity.run_adaptive(True, 0)
+    assert "chosen: load x1: 6xh800+9xh20" in res["meta"]["notes"]
+    assert res["ratios"]["adaptive vs best static at load x1"] == pytest.approx(10.0 / 10.8, abs=1e-4)
+    assert res["ratios"]["adaptive vs static on its layout (6xh800+9xh20) at load x1"] == \
+        pytest.approx(12.0 / 10.8, abs=1e-4)

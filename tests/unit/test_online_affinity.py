@@ -202,12 +202,17 @@ def scenario_text(enabled: bool = True, **aa: Any) -> str:
     return "\n".join(lines)
 
 
-def test_config_rejects_inverted_thresholds_and_a_single_pool() -> None:
+def test_config_rejects_inverted_thresholds_and_a_single_pool_that_could_only_spill() -> None:
     with pytest.raises(ConfigError, match="run.adaptive_affinity.room_waiting_share"):
         parse_scenario(scenario_text(room_waiting_share=0.3, saturated_waiting_share=0.2), "x")
-    one_pool = scenario_text().replace('[[pools]]\nname = "B"\nhardware = "h20"\n', "")
+    one_pool = scenario_text(kv_working_set=False).replace(
+        '[[pools]]\nname = "B"\nhardware = "h20"\n', "")
     with pytest.raises(ConfigError, match="run.adaptive_affinity.enabled"):
         parse_scenario(one_pool, "x")
+    # With the KV working-set hold one pool has something to adapt.
+    held = parse_scenario(one_pool.replace("kv_working_set = false", "kv_working_set = true"),
+                          "x")
+    assert held.run.adaptive_affinity.kv_working_set and len(held.pools) == 1
     assert parse_scenario(scenario_text(), "x").run.adaptive_affinity.enabled
 
 

@@ -62,9 +62,13 @@ class AdaptiveAffinityConfig(_Cfg, frozen=True):
     when the home pool has room again. A pool's pressure is the share of the requests its
     engines hold that wait (no KV room or batch slot; the controller's send-window queue
     counted too) and its KV-cache usage where workers report it. Every move is logged and
-    counted per step (``num_spilled_by_domain``)."""
+    counted per step (``num_spilled_by_domain``). With ``kv_working_set``, a pool whose KV cache
+    no longer keeps its live trajectories' prefixes between turns also holds new trajectories'
+    first turns until their working sets fit (``rollart.controller.routing.workingset``;
+    ``num_kv_admission_waits``), on one pool as on several."""
 
-    #: route by pressure; ``false``: each domain always uses its scenario pool.
+    #: route by pressure (and hold by KV working set); ``false``: each domain always uses its
+    #: scenario pool and every new trajectory starts at once.
     enabled: bool = False
     #: a pool whose waiting share reaches this is saturated (0, 1].
     saturated_waiting_share: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.25
@@ -75,6 +79,14 @@ class AdaptiveAffinityConfig(_Cfg, frozen=True):
     kv_usage_high: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.95
     #: seconds a spill lasts at least before its domain may return home.
     min_hold_s: NonNegFloat = 10.0
+    #: hold a new trajectory's first turn while its pool's KV cache cannot keep the working
+    #: sets (expected KV footprints) of the trajectories live on it plus its own, so their
+    #: prefixes are not evicted between turns and recomputed (thrashing; the working-set rule,
+    #: Denning 1968); such a pool counts as saturated, so the domain spills first where another
+    #: pool has room. Needs workers that report their KV capacity (vLLM and simulated ones do).
+    kv_working_set: bool = True
+    #: share of a pool's KV capacity the working sets may fill, (0, 1].
+    kv_working_set_share: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
 
 
 class WorkerChecksConfig(_Cfg, frozen=True):

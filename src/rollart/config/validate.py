@@ -103,9 +103,10 @@ def validate_scenario(scenario: Scenario, source: str = "<scenario>") -> Scenari
         raise _fail(source, "run.adaptive_affinity.room_waiting_share",
                     f"{aa.room_waiting_share} >= saturated_waiting_share "
                     f"{aa.saturated_waiting_share}: a pool would have room while saturated")
-    if aa.enabled and len(scenario.pools) < 2:
+    if aa.enabled and not aa.kv_working_set and len(scenario.pools) < 2:
         raise _fail(source, "run.adaptive_affinity.enabled",
-                    "needs at least two pools: there is nowhere to spill to")
+                    "with kv_working_set = false it only spills, and needs at least two "
+                    "pools: there is nowhere to spill to")
     model = scenario.model
     hidden = model.tiny_hidden_size if model.tiny_hidden_size is not None else 128
     heads = model.tiny_num_heads if model.tiny_num_heads is not None else 2

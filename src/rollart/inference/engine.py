@@ -56,6 +56,9 @@ class SchedulerCounts:
         self.running = 0
         self.waiting = 0
         self.kv_usage: float | None = None
+        #: tokens the KV cache holds when full (``num_gpu_blocks x block_size``), ``None``
+        #: until the engine reported its blocks
+        self.kv_capacity_tokens: int | None = None
 
 
 def _stats_logger_factory(counts: SchedulerCounts) -> Any:
@@ -65,6 +68,7 @@ def _stats_logger_factory(counts: SchedulerCounts) -> Any:
         # vLLM calls record() after every engine step that produced outputs.
         def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
             self.engine_index = engine_index
+            self.vllm_config = vllm_config
 
         def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
             if scheduler_stats is not None:
@@ -75,7 +79,13 @@ def _stats_logger_factory(counts: SchedulerCounts) -> Any:
                     counts.kv_usage = min(1.0, max(0.0, float(usage)))
 
         def log_engine_initialized(self) -> None:
-            pass
+            # vLLM sets the block count on this config once the engine core has profiled
+            # memory, before this call (its own logger prints it here too).
+            cache = getattr(self.vllm_config, "cache_config", None)
+            blocks = getattr(cache, "num_gpu_blocks", None)
+            size = getattr(cache, "block_size", None)
+            if blocks and size:
+                counts.kv_capacity_tokens = int(blocks) * int(size)
 
     return _SchedulerCountsLogger
 

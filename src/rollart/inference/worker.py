@@ -154,6 +154,7 @@ class InferenceWorker(WeightReceiver):
             num_ranks=self.num_ranks,
             weight_transfer=self.weight_transfer,
             kv_cache_usage=self.counts.kv_usage,
+            kv_capacity_tokens=self.counts.kv_capacity_tokens,
         )
 
     def die(self, reason: str) -> None:
@@ -247,6 +248,9 @@ class InferenceWorker(WeightReceiver):
             prompt_logprobs=comp.prompt_logprobs,
             tool_calls=tool_calls,
             content=content,
+            num_cached_tokens=cached if isinstance(
+                cached := getattr(final, "num_cached_tokens", None), int) and cached >= 0
+            else None,
         )
 
     async def abort(self, msg: m.Abort, _frames) -> m.Ack:

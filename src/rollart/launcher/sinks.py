@@ -25,7 +25,8 @@ _PLAIN = (
     "num_generated_tokens", "wasted_tokens", "trained_tokens", "in_flight_tokens",
     "response_len_kept_mean", "response_len_all_mean", "num_turns_mean", "policy_version",
     "loop_lag_p99_ms", "loop_lag_max_ms", "num_prefix_resends",
-    "num_window_waits", "entropy_mean",
+    "num_window_waits", "entropy_mean", "num_kv_admission_waits", "kv_admission_wait_s",
+    "num_prefix_evicted_turns",
 )
 
 

@@ -74,6 +74,7 @@ class _Request:
     segments: list[list[int]] = field(default_factory=list)  # [version, num_tokens]
     trajectory_id: str = ""
     prompt_bytes: bytes = b""  # the prompt as int32 bytes, kept as the trajectory's prefix
+    num_cached: int = 0  # prompt tokens its first admission took from the prefix cache
 
     @property
     def kv_tokens(self) -> int:
@@ -328,7 +329,8 @@ class SimInferenceWorker:
             worker=self.name, num_running=len(self._running), num_waiting=len(self._waiting),
             version=self.version, paused=self.paused,
             num_generated_tokens=self.num_generated_tokens,
-            kv_cache_usage=min(1.0, self._kv_used() / self.capacity) if self.capacity else None)
+            kv_cache_usage=min(1.0, self._kv_used() / self.capacity) if self.capacity else None,
+            kv_capacity_tokens=self.capacity)
         return self.last_stats
 
     def _ensure_engine(self) -> None:
@@ -458,6 +460,8 @@ class SimInferenceWorker:
                 # A full hit still recomputes the last prompt token (its logits are not cached).
                 req.to_prefill = max(1, len(req.prompt) - hit)
                 self.prefix_hit_tokens += hit
+                if req.generated == 0 and not req.num_cached:
+                    req.num_cached = min(hit, len(req.prompt) - 1)
             self._running[req.rid] = req
             kv += req.kv_tokens
             admitted.append(req)
@@ -505,4 +509,5 @@ class SimInferenceWorker:
         req.fut.set_result(m.GenerateResult(
             request_id=req.rid, token_ids=token_bytes,
             logprobs=tb.pack_f32([req.logprob]) * n, versions=versions,
-            finish_reason=reason, num_prompt_tokens=len(req.prompt), stats=self._stats()))
+            finish_reason=reason, num_prompt_tokens=len(req.prompt), stats=self._stats(),
+            num_cached_tokens=req.num_cached))

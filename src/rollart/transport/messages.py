@@ -161,6 +161,9 @@ class WorkerStats(Msg):
     weight_transfer: Literal["zmq", "nccl", "gloo"] = "zmq"
     #: share of the engine's KV cache in use, in [0, 1]; ``None``: not reported.
     kv_cache_usage: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | None = None
+    #: tokens the engine's KV cache holds when full (vLLM: ``num_gpu_blocks x block_size``);
+    #: ``None``: not reported.
+    kv_capacity_tokens: NonNegInt | None = None
 
 
 class Generate(Msg):
@@ -235,6 +238,9 @@ class GenerateResult(Msg):
     #: generated text (empty: none) and the message content outside them (``None``: none)
     tool_calls: list[ToolCall] | None = None
     content: str | None = None
+    #: prompt tokens the engine took from its prefix cache instead of computing them (vLLM's
+    #: ``RequestOutput.num_cached_tokens``); ``None``: not reported.
+    num_cached_tokens: NonNegInt | None = None
 
     def __post_init__(self) -> None:
         # Checked where the reply is decoded, so a broken worker fails that request only (the

@@ -150,6 +150,14 @@ class StepMetrics(msgspec.Struct, kw_only=True):
     #: the same for the returns: per task domain, the times its new trajectories came back to
     #: its own pool (the pressure fell, or the pool spilled to saturated in turn)
     affinity_returns_by_domain: dict[str, int] = {}
+    #: online affinity's KV working-set hold (``run.adaptive_affinity.kv_working_set``): new
+    #: trajectories whose first turn waited for KV room during the step, and the seconds they
+    #: waited in all (``rollart.controller.routing.workingset``)
+    num_kv_admission_waits: int = 0
+    kv_admission_wait_s: float = 0.0
+    #: turns during the step whose prefix the worker held had mostly been evicted from its KV
+    #: cache (recomputed): a pool thrashing; counted with the working-set hold on
+    num_prefix_evicted_turns: int = 0
     #: held-out evaluations that ended by this step's end (``rollart.controller.evaluation.runner``;
     #: each names the step it started after in ``at_step``); empty on most steps
     eval: list[EvalRecord] = []

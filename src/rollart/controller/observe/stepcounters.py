@@ -45,6 +45,10 @@ class StepStart:
     moves: int
     spills: dict[str, dict[str, int]]
     returns: dict[str, int]
+    #: the KV working-set hold's waits, seconds waited, and turns found evicted, so far
+    kv_waits: int = 0
+    kv_wait_s: float = 0.0
+    evicted_turns: int = 0
 
 
 class StepCounters:
@@ -118,7 +122,10 @@ class StepCounters:
             moves=proxy.spill.num_moves if proxy.spill else 0,
             spills={d: dict(to) for d, to in proxy.spill.num_spills.items()}
             if proxy.spill else {},
-            returns=dict(proxy.spill.num_returns) if proxy.spill else {})
+            returns=dict(proxy.spill.num_returns) if proxy.spill else {},
+            kv_waits=proxy.working_set.num_waits if proxy.working_set else 0,
+            kv_wait_s=proxy.working_set.wait_s if proxy.working_set else 0.0,
+            evicted_turns=proxy.num_prefix_evicted_turns)
 
     def metrics(self, start: StepStart, *, step: int, mode: str, policy_version: int,
                 batch: Sequence[Sample], t_batch: float, t_end: float, train_s: float,
@@ -176,6 +183,10 @@ class StepCounters:
                 d: n - start.returns.get(d, 0)
                 for d, n in sorted(proxy.spill.num_returns.items())
                 if n > start.returns.get(d, 0)}
+        if proxy.working_set is not None:
+            metrics.num_kv_admission_waits = proxy.working_set.num_waits - start.kv_waits
+            metrics.kv_admission_wait_s = proxy.working_set.wait_s - start.kv_wait_s
+        metrics.num_prefix_evicted_turns = proxy.num_prefix_evicted_turns - start.evicted_turns
         return metrics
 
     def end(self, metrics: StepMetrics, start: StepStart, t_end: float) -> None:

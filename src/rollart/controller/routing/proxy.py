@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+import dataclasses
 from collections import deque
 from collections.abc import Mapping, Sequence
 
@@ -72,6 +73,7 @@ from rollart.controller.routing.workercheck import (
     ViolationWindow,
     check_generate_result,
 )
+from rollart.controller.routing.workingset import KVWorkingSet
 from rollart.transport import messages as m
 from rollart.transport.errors import ConfigError, PeerDeadError, RemoteError
 
@@ -105,6 +107,13 @@ class LLMProxy(FleetCalls):
             bound.
         spill: online affinity (``run.adaptive_affinity``): where a new trajectory goes when
             its domain's pool is saturated; ``None``: the static ``affinity`` only.
+        kv_working_set: ``(share, prior_tokens, kv_usage_high)``: once a worker of a pool
+            has reported KV-cache usage at or above ``kv_usage_high``, hold a new trajectory's
+            first turn on that pool while its KV cache cannot keep one more trajectory's
+            working set (``rollart.controller.routing.workingset``; the pool is judged
+            saturated then): ``share`` of the pool's reported KV capacity
+            (``WorkerStats.kv_capacity_tokens``); ``prior_tokens``: a trajectory's expected
+            footprint before any of its domain finished. ``None``: no such hold.
 
     Raises:
         ConfigError: an empty pool, a duplicate worker name, or affinity to an unknown pool.
@@ -120,6 +129,7 @@ class LLMProxy(FleetCalls):
         violations: ViolationWindow | None = None,
         max_generate_in_flight: int | None = None,
         spill: SpillPolicy | None = None,
+        kv_working_set: tuple[float, int, float] | None = None,
     ) -> None:
         self._pools: dict[str, Pool] = {}
         seen: set[str] = set()
@@ -137,6 +147,14 @@ class LLMProxy(FleetCalls):
         self._window = SendWindow(seen, max_generate_in_flight)
         self.spill = spill
         self._gauge = PoolGauge()
+        self.working_set = None if kv_working_set is None else KVWorkingSet(
+            self._kv_capacity, share=kv_working_set[0], prior_tokens=kv_working_set[1])
+        self._kv_usage_high = kv_working_set[2] if kv_working_set is not None else 1.0
+        #: pools whose KV cache has been seen full: the working-set hold applies from then on
+        self._kv_pressed: set[str] = set()
+        #: turns whose held prefix the worker's cache had mostly evicted (counted with the
+        #: working-set hold on)
+        self.num_prefix_evicted_turns = 0
         #: trajectory -> the pool its first turn went to (kept only with ``spill``)
         self._started_on: dict[str, Pool] = {}
         self._sticky: dict[str, GenerationBackend] = {}
@@ -200,8 +218,30 @@ class LLMProxy(FleetCalls):
 
     def pool_pressure(self, name: str) -> PoolPressure:
         """Pool ``name``'s pressure now (``rollart.controller.routing.spill``)."""
-        return self._gauge.pressure(self._pools[name].workers, self._window.waiting,
-                                    lambda w: self._window.in_flight.get(w, 0))
+        p = self._gauge.pressure(self._pools[name].workers, self._window.waiting,
+                                 lambda w: self._window.in_flight.get(w, 0))
+        if self.working_set is not None and self.working_set.full(name):
+            return dataclasses.replace(p, working_set_full=True)
+        return p
+
+    def _kv_capacity(self, pool: str) -> int | None:
+        """KV tokens pool ``pool``'s live workers hold in all; ``None`` (not gated) unless
+        every one reported it and the pool's KV cache has been seen full: until then its
+        cache keeps every prefix, and a hold on the prior's worst case would only slow it."""
+        total = 0
+        pressed = pool in self._kv_pressed
+        for w in self._pools[pool].workers:
+            stats = w.last_stats
+            cap = stats.kv_capacity_tokens if stats is not None else None
+            if cap is None:
+                return None
+            total += cap
+            if stats is not None and stats.kv_cache_usage is not None \
+                    and stats.kv_cache_usage >= self._kv_usage_high:
+                pressed = True
+        if pressed:
+            self._kv_pressed.add(pool)
+        return total if pressed and total else None
 
     def pool_of_trajectory(self, traj_id: str, domain: str) -> Pool:
         """The pool ``traj_id`` (of ``domain``) generates on: its domain's, or with online
@@ -278,6 +318,10 @@ class LLMProxy(FleetCalls):
             RemoteError: the worker failed this request (per trajectory).
             PoolExhaustedError: fatal, see :meth:`route` and :meth:`quarantine`.
         """
+        ws = self.working_set
+        if ws is not None and traj_id and not ws.is_live(traj_id):
+            await ws.admit(traj_id, self.pool_of_trajectory(traj_id, domain).name, domain,
+                           len(prompt), asyncio.get_running_loop().time)
         total = len(prompt)
         transient = 0  # transient refusals of this request so far
         while True:
@@ -375,6 +419,14 @@ class LLMProxy(FleetCalls):
             assert result is not None
             if result.finish_reason != "abort":
                 self._held[traj_id] = (worker, total + result.num_tokens)
+                if ws is not None:
+                    ws.held(traj_id, total + result.num_tokens)
+                    cached = result.num_cached_tokens
+                    if held and cached is not None and 2 * cached < held:
+                        # Most of the prefix its worker held for it was evicted: the pool's
+                        # cache no longer keeps its trajectories between turns.
+                        self.num_prefix_evicted_turns += 1
+                        self._kv_pressed.add(self.pool_of_trajectory(traj_id, domain).name)
             self._judge(worker, check_generate_result(
                 result, max_tokens=sampling.max_tokens, min_version=min_version,
                 max_version=self.max_version, vocab_size=self.vocab_size))
@@ -389,6 +441,8 @@ class LLMProxy(FleetCalls):
     def release(self, traj_id: str) -> None:
         """Forget ``traj_id``'s sticky worker (the trajectory ended); that worker is told to
         drop the trajectory's prefix with its next ``Generate``."""
+        if self.working_set is not None:
+            self.working_set.ended(traj_id)
         self._sticky.pop(traj_id, None)
         self._started_on.pop(traj_id, None)
         held_by, _ = self._held.pop(traj_id, (None, 0))

@@ -20,9 +20,11 @@ each pool's pressure, as its workers report it with every reply
 A pool with a paused worker (a weight update under way: requests wait for it, not for room) is
 judged neither saturated nor roomy, so no domain moves on account of a pause.
 
-A pool is **saturated** when ``waiting_share >= saturated_waiting_share`` or its KV usage
-``>= kv_usage_high``; it has **room** when ``waiting_share <= room_waiting_share`` and its KV
-usage is below ``kv_usage_high``. A domain whose home pool is saturated while another has room
+A pool is **saturated** when ``waiting_share >= saturated_waiting_share``, its KV usage
+``>= kv_usage_high``, or its KV cache is full of its live trajectories' working sets
+(``working_set_full``: the proxy holds new trajectories' first turns for it,
+``rollart.controller.routing.workingset``); it has **room** when ``waiting_share <=
+room_waiting_share``, its KV usage is below ``kv_usage_high`` and its working sets leave room. A domain whose home pool is saturated while another has room
 spills: its *new* trajectories go to the pool with room that has the lowest waiting share. A
 live trajectory's next turn never moves: its prefix lives on its worker (the proxy keeps each
 trajectory on the pool it started on). The domain returns home once the home pool has room
@@ -79,6 +81,9 @@ class PoolPressure:
     waiting_share: float
     kv_usage: float | None
     paused: bool = False
+    #: the pool turns new trajectories away: its live trajectories' KV working sets fill its
+    #: cache (``rollart.controller.routing.workingset``)
+    working_set_full: bool = False
 
 
 @dataclass(frozen=True)
@@ -192,10 +197,12 @@ class SpillPolicy:
 
     def saturated(self, p: PoolPressure) -> bool:
         return not p.paused and (p.waiting_share >= self.saturated_waiting_share
+                or p.working_set_full
                 or (p.kv_usage is not None and p.kv_usage >= self.kv_usage_high))
 
     def has_room(self, p: PoolPressure) -> bool:
-        return not p.paused and (p.waiting_share <= self.room_waiting_share
+        return not p.paused and not p.working_set_full and (
+                p.waiting_share <= self.room_waiting_share
                 and (p.kv_usage is None or p.kv_usage < self.kv_usage_high))
 
     def spilled_to(self, domain: str) -> str | None:
@@ -237,6 +244,8 @@ class SpillPolicy:
         if best is None:
             return home
         kv = f", KV {here.kv_usage:.2f}" if here.kv_usage is not None else ""
+        if here.working_set_full:
+            kv += ", its KV cache full of live trajectories' working sets"
         self._move(now, domain, home, best[1], home,
                    f"pool {home!r} saturated (waiting share {here.waiting_share:.2f}{kv}), "
                    f"pool {best[1]!r} has room (waiting share {best[0]:.2f})")

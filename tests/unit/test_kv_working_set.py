@@ -1,0 +1,210 @@
+"""KV working-set admission: a new trajectory's first turn waits while its pool's KV cache is
+full of the live trajectories' expected footprints; live turns never wait; the hold engages only
+once the pool's cache was seen evicting a live prefix (or full); the waits and evictions are
+counted in the step metrics; a simulated pool under load keeps its prefixes with it."""
+
+from __future__ import annotations
+
+import array
+import asyncio
+from types import SimpleNamespace as NS
+
+import pytest
+
+from helpers.fakes import FakeWorker
+from rollart.controller.routing.proxy import LLMProxy
+from rollart.controller.routing.spill import PoolPressure, SpillPolicy
+from rollart.controller.routing.workingset import KVWorkingSet
+from rollart.transport import messages as m
+
+
+def clock() -> float:
+    return asyncio.get_running_loop().time()
+
+
+def test_rejects_a_bad_prior_or_share() -> None:
+    with pytest.raises(ValueError, match="prior_tokens"):
+        KVWorkingSet(lambda p: 100, prior_tokens=0)
+    with pytest.raises(ValueError, match="share"):
+        KVWorkingSet(lambda p: 100, prior_tokens=10, share=1.5)
+
+
+@pytest.mark.looptime
+async def test_a_first_turn_waits_for_room_and_starts_when_a_trajectory_ends() -> None:
+    ws = KVWorkingSet(lambda p: 100, prior_tokens=60)
+    await ws.admit("t1", "A", "d", 10, clock)  # an empty pool takes anything
+    waiting = asyncio.create_task(ws.admit("t2", "A", "d", 10, clock))
+    await asyncio.sleep(5.0)
+    assert not waiting.done() and ws.num_waiting("A") == 1 and ws.full("A")
+    # Another pool is not held back by A's queue.
+    await ws.admit("u1", "B", "d", 10, clock)
+    ws.held("t1", 40)
+    ws.ended("t1")
+    await waiting
+    assert ws.is_live("t2") and ws.num_waits == 1 and ws.wait_s == pytest.approx(5.0)
+    # The finished trajectory's footprint (40) is now the domain's expectation, not the prior.
+    assert ws.expected_tokens("d") == 40 and ws.expected_tokens("d", 70) == 70
+
+
+@pytest.mark.looptime
+async def test_waiters_start_in_order_and_a_cancelled_one_holds_no_one_back() -> None:
+    ws = KVWorkingSet(lambda p: 100, prior_tokens=45)
+    await ws.admit("live", "A", "d", 5, clock)
+    await ws.admit("live2", "A", "d", 5, clock)  # 90 of 100 expected
+    order: list[str] = []
+
+    async def start(tid: str) -> None:
+        await ws.admit(tid, "A", "d", 5, clock)
+        order.append(tid)
+
+    first = asyncio.create_task(start("w1"))
+    second = asyncio.create_task(start("w2"))
+    third = asyncio.create_task(start("w3"))
+    await asyncio.sleep(1.0)
+    first.cancel()
+    await asyncio.gather(first, return_exceptions=True)
+    assert order == [] and ws.num_waiting("A") == 2
+    ws.ended("live")  # room for one: the next in line, not the cancelled one
+    await asyncio.sleep(1.0)
+    assert order == ["w2"] and not third.done()
+    ws.ended("live2")
+    await third
+    assert order == ["w2", "w3"] and not ws.is_live("w1")
+    await second
+
+
+async def test_an_unknown_capacity_and_a_trajectory_that_never_turned() -> None:
+    ws = KVWorkingSet(lambda p: None, prior_tokens=10**9)
+    for i in range(5):  # not gated without a capacity
+        await ws.admit(f"t{i}", "A", "d", 10, clock)
+    assert ws.num_live("A") == 5 and not ws.full("A")
+    ws.ended("t0")  # failed before its first turn: no measured footprint
+    assert ws.expected_tokens("d") == 10**9
+    ws.held("t1", 300)
+    ws.ended("t1")
+    ws.ended("t1")  # idempotent
+    assert ws.expected_tokens("d") == 300
+
+
+def test_a_full_working_set_saturates_the_pool_for_the_spill_policy() -> None:
+    p = SpillPolicy(saturated_waiting_share=0.25, room_waiting_share=0.05, kv_usage_high=0.95,
+                    min_hold_s=0.0, clock=lambda: 0.0)
+    full, roomy = PoolPressure(0.0, 0.1, working_set_full=True), PoolPressure(0.0, 0.1)
+    assert p.saturated(full) and not p.has_room(full)
+    assert p.pool_for("d", "A", lambda n: full if n == "A" else roomy, ["A", "B"]) == "B"
+    assert "working sets" in p.transitions[-1].why
+
+
+class CachingWorker(FakeWorker):
+    """Reports a KV capacity of ``capacity`` tokens and ``cached`` prompt tokens per reply."""
+
+    def __init__(self, name: str, capacity: int) -> None:
+        super().__init__(name)
+        self.capacity, self.cached, self.kv_usage = capacity, 0, 0.1
+
+    def _stats(self) -> m.WorkerStats:
+        return m.WorkerStats(worker=self.name, num_running=self.in_flight, num_waiting=0,
+                             version=self.version, kv_cache_usage=self.kv_usage,
+                             kv_capacity_tokens=self.capacity)
+
+    async def generate(self, request: m.Generate, *, timeout_s=None) -> m.GenerateResult:
+        r = await super().generate(request, timeout_s=timeout_s)
+        return m.GenerateResult(**{**{f: getattr(r, f) for f in r.__struct_fields__},
+                                   "num_cached_tokens": self.cached})
+
+
+def held_proxy(capacity: int, prior: int) -> tuple[LLMProxy, CachingWorker]:
+    w = CachingWorker("a", capacity)
+    return LLMProxy({"A": ("h800", [w])}, {"d": "A"}, kv_working_set=(1.0, prior, 0.95)), w
+
+
+SP = m.SamplingParams(max_tokens=4)
+
+
+def prompt(n: int) -> array.array:
+    return array.array("i", [5] * n)
+
+
+@pytest.mark.looptime
+async def test_the_proxy_holds_new_trajectories_only_once_a_live_prefix_was_evicted() -> None:
+    proxy, w = held_proxy(capacity=1000, prior=800)
+    ws = proxy.working_set
+    assert ws is not None
+    await proxy.generate("t1", "d", "r1", prompt(100), SP)
+    # The cache keeps every prefix so far: no hold, although the prior says it is full.
+    await proxy.generate("t2", "d", "r2", prompt(100), SP)
+    assert ws.num_waits == 0 and proxy.num_prefix_evicted_turns == 0
+    # t1's next turn finds most of its 100 + 4 held tokens recomputed: the pool thrashes.
+    w.cached = 10
+    await proxy.generate("t1", "d", "r3", prompt(120), SP)
+    assert proxy.num_prefix_evicted_turns == 1
+    assert proxy.pool_pressure("A").working_set_full
+    new = asyncio.create_task(proxy.generate("t3", "d", "r4", prompt(100), SP))
+    await asyncio.sleep(3.0)
+    assert not new.done() and ws.num_waiting("A") == 1
+    # A live trajectory's next turn never waits.
+    await proxy.generate("t2", "d", "r5", prompt(130), SP)
+    proxy.release("t1")
+    proxy.release("t2")
+    await new
+    assert ws.num_waits == 1 and ws.wait_s == pytest.approx(3.0)
+
+
+@pytest.mark.looptime
+async def test_a_full_kv_cache_engages_the_hold_too() -> None:
+    proxy, w = held_proxy(capacity=1000, prior=800)
+    w.kv_usage = 0.97
+    await proxy.generate("t1", "d", "r1", prompt(100), SP)
+    new = asyncio.create_task(proxy.generate("t2", "d", "r2", prompt(100), SP))
+    await asyncio.sleep(1.0)
+    assert not new.done()
+    proxy.release("t1")
+    await new
+
+
+async def test_without_the_hold_nothing_waits_and_evictions_are_not_tracked() -> None:
+    w = CachingWorker("a", 10)
+    proxy = LLMProxy({"A": ("h800", [w])}, {"d": "A"})
+    assert proxy.working_set is None
+    for i in range(3):
+        await proxy.generate(f"t{i}", "d", f"r{i}", prompt(100), SP)
+
+
+def test_the_engine_logger_reads_the_kv_capacity_once_vllm_sized_it() -> None:
+    from rollart.inference.engine import SchedulerCounts, _stats_logger_factory
+
+    counts = SchedulerCounts()
+    cls = _stats_logger_factory(counts)
+    cls(NS(cache_config=NS(num_gpu_blocks=None, block_size=16))).log_engine_initialized()
+    assert counts.kv_capacity_tokens is None
+    cls(NS(cache_config=NS(num_gpu_blocks=512, block_size=16))).log_engine_initialized()
+    assert counts.kv_capacity_tokens == 8192
+
+
+def test_a_simulated_pool_past_its_kv_keeps_its_prefixes_with_the_hold() -> None:
+    """One simulated H800 engine offered more agentic trajectories than its KV cache keeps
+    between turns: without the hold most prompt tokens are recomputed; with it new trajectories
+    wait (counted), evictions are seen, and the prefix cache serves over twice the share."""
+    from benchmarks.workloads import agentic, reasoning
+
+    from rollart.config import AdaptiveAffinityConfig
+    from rollart.sim.harness import SimDomain, SimPool, SimScenario, run_simulated
+
+    base = SimScenario(
+        pools=(SimPool("h800", "h800", 1, max_batch=128),),
+        domains=(SimDomain(agentic(latency_mean_s=1.0, latency_std_s=1.0), "h800"),
+                 SimDomain(reasoning(), "h800")),
+        steps=3, batch_size=64, group_size=8, trainer_gpus=1, max_tokens_per_turn=16384,
+        max_tokens_per_trajectory=32768)
+
+    def hit_share(res) -> float:
+        hits = sum(w["prefix_hit_tokens"] for w in res.workers.values())
+        return hits / (hits + sum(w["prefill_tokens"] for w in res.workers.values()))
+
+    static = run_simulated(base, 0)
+    held = run_simulated(base.replace(adaptive_affinity=AdaptiveAffinityConfig(enabled=True)), 0)
+    assert sum(s.get("num_kv_admission_waits", 0) for s in static.steps) == 0
+    assert sum(s["num_kv_admission_waits"] for s in held.steps) > 0
+    assert sum(s["num_prefix_evicted_turns"] for s in held.steps) > 0
+    assert sum(s["kv_admission_wait_s"] for s in held.steps) > 0
+    assert hit_share(static) < 0.2 and hit_share(held) > 2 * hit_share(static)
