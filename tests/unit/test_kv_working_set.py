@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+import logging
 from types import SimpleNamespace as NS
 
 import pytest
@@ -126,7 +127,9 @@ def prompt(n: int) -> array.array:
 
 
 @pytest.mark.looptime
-async def test_the_proxy_holds_new_trajectories_only_once_a_live_prefix_was_evicted() -> None:
+async def test_the_proxy_holds_new_trajectories_only_once_a_live_prefix_was_evicted(
+        caplog) -> None:
+    caplog.set_level(logging.WARNING, logger="rollart.controller.routing.proxy")
     proxy, w = held_proxy(capacity=1000, prior=800)
     ws = proxy.working_set
     assert ws is not None
@@ -134,7 +137,7 @@ async def test_the_proxy_holds_new_trajectories_only_once_a_live_prefix_was_evic
     # The cache keeps every prefix so far: no hold, although the prior says it is full.
     await proxy.generate("t2", "d", "r2", prompt(100), SP)
     assert ws.num_waits == 0 and proxy.num_prefix_evicted_turns == 0
-    # t1's next turn finds most of its 100 + 4 held tokens recomputed: the pool thrashes.
+    # t1's next turn finds most of the 103 tokens its worker held recomputed: thrashing.
     w.cached = 10
     await proxy.generate("t1", "d", "r3", prompt(120), SP)
     assert proxy.num_prefix_evicted_turns == 1
@@ -148,6 +151,11 @@ async def test_the_proxy_holds_new_trajectories_only_once_a_live_prefix_was_evic
     proxy.release("t2")
     await new
     assert ws.num_waits == 1 and ws.wait_s == pytest.approx(3.0)
+    # One WARNING line when the hold starts on the pool, naming the evidence.
+    lines = [r.getMessage() for r in caplog.records if "working-set hold" in r.getMessage()]
+    assert lines == ["affinity: pool A: worker a had evicted 93 of the 103 prefix tokens it "
+                     "held for trajectory t1; its new trajectories now wait for KV room "
+                     "(working-set hold)"]
 
 
 @pytest.mark.looptime

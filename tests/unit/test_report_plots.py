@@ -187,6 +187,26 @@ def test_online_affinity_moves_are_drawn_per_domain_and_listed(tmp_path, monkeyp
     assert page.count("<td>a: ") == 4
 
 
+def test_first_turns_held_for_kv_room_are_drawn_without_any_move(tmp_path, monkeypatch) -> None:
+    drawn: dict[str, list] = {}
+    save = report._save
+
+    def keep(fig, path):
+        drawn[path.name] = [(ln.get_label(), list(ln.get_ydata())) for ln in fig.axes[0].lines]
+        save(fig, path)
+
+    monkeypatch.setattr(report, "_save", keep)
+    run = _run_dir(tmp_path)
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    for i, r in enumerate(rows):
+        r["num_kv_admission_waits"] = [0, 5, 2, 0, 0, 1][i]
+    assert set(rows[0]) <= set(StepMetrics.__struct_fields__)
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert report.main([str(run)]) == 0
+    assert drawn[report.AFFINITY_PLOT[0]] == [
+        ("first turns held for KV room (all pools)", [0, 5, 2, 0, 0, 1])]
+
+
 def test_a_run_without_affinity_moves_has_no_affinity_plot(tmp_path) -> None:
     run = _run_dir(tmp_path)
     rows = [{**json.loads(x), "affinity_moves": [], "num_spilled_by_domain": {},

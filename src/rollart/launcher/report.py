@@ -20,10 +20,11 @@ Reads ``RUN_DIR/metrics.jsonl`` (and ``summary.json`` when present) and writes, 
   and gradient norm of each step (``train_metrics``);
 - ``entropy.png``: the policy's mean entropy per generated token (nats), overall and per domain;
 - ``response_length.png``: per domain, mean generated tokens per trajectory;
-- ``affinity.png`` (runs whose online affinity, ``[run.adaptive_affinity]``, moved a domain):
-  per domain, the new trajectories started away from its own pool in each step, a marker at
-  each step where the domain spilled (up, with the pool it went to and how many times) and
-  where it returned (down); the page lists every move with its step and reason;
+- ``affinity.png`` (runs whose online affinity, ``[run.adaptive_affinity]``, moved a domain or
+  held first turns for KV room): per domain, the new trajectories started away from its own
+  pool in each step, a marker at each step where the domain spilled (up, with the pool it went
+  to and how many times) and where it returned (down), and the first turns the KV working-set
+  hold delayed per step; the page lists every move with its step and reason;
 - ``index.html``: the images; from ``summary.json``, each domain's reward over its first and
   last 10 steps and trained share, its held-out evaluation, and every other summary field
   (dict values as tables).
@@ -248,16 +249,18 @@ def affinity_domains(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def write_affinity_plot(rows: list[dict[str, Any]], out: Path) -> list[Path]:
-    """:data:`AFFINITY_PLOT` when :func:`affinity_domains` finds any; returns its path.
+    """:data:`AFFINITY_PLOT` when :func:`affinity_domains` finds any or a step held first
+    turns for KV room (``num_kv_admission_waits``); returns its path.
 
     Per domain: the trajectories started away from its pool per step (a line), a ``^``
     marker on it at each step with spills (labelled ``-> pool xN``) and a ``v`` marker at
     each step with returns (``xN`` when more than one)."""
     domains = affinity_domains(rows)
-    if not domains:
+    held = [r.get("num_kv_admission_waits", 0) for r in rows]
+    if not domains and not any(held):
         return []
     name, title = AFFINITY_PLOT
-    fig, ax = _figure(title, "new trajectories off their pool")
+    fig, ax = _figure(title, "new trajectories per step")
     steps = [r["step"] for r in rows]
     for i, d in enumerate(domains):
         spilled = [r.get("num_spilled_by_domain", {}).get(d, 0) for r in rows]
@@ -279,6 +282,9 @@ def write_affinity_plot(rows: list[dict[str, Any]], out: Path) -> list[Path]:
                 if text:
                     ax.annotate(text, (st, y), textcoords="offset points", fontsize=7,
                                 xytext=(4, 6 if marker == "^" else -10), color=f"C{i}")
+    if any(held):
+        ax.plot(steps, held, marker="s", ls="--", color="k",
+                label="first turns held for KV room (all pools)")
     ax.margins(y=0.2)  # room for the labels above the highest marker
     ax.set_ylim(bottom=0)
     path = out / name

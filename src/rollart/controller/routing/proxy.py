@@ -58,6 +58,7 @@ from __future__ import annotations
 import array
 import asyncio
 import dataclasses
+import logging
 from collections import deque
 from collections.abc import Mapping, Sequence
 
@@ -76,6 +77,8 @@ from rollart.controller.routing.workercheck import (
 from rollart.controller.routing.workingset import KVWorkingSet
 from rollart.transport import messages as m
 from rollart.transport.errors import ConfigError, PeerDeadError, RemoteError
+
+log = logging.getLogger(__name__)
 
 __all__ = ["LLMProxy", "Pool", "PoolExhaustedError", "TRANSIENT_RETRIES"]
 
@@ -239,9 +242,17 @@ class LLMProxy(FleetCalls):
             if stats is not None and stats.kv_cache_usage is not None \
                     and stats.kv_cache_usage >= self._kv_usage_high:
                 pressed = True
-        if pressed:
-            self._kv_pressed.add(pool)
+        if pressed and pool not in self._kv_pressed:
+            self._press(pool, "its KV cache was reported full")
         return total if pressed and total else None
+
+    def _press(self, pool: str, why: str) -> None:
+        """Start the working-set hold on ``pool`` (once; logged, visible at `rollart run`'s
+        default level)."""
+        if pool not in self._kv_pressed:
+            self._kv_pressed.add(pool)
+            log.warning("affinity: pool %s: %s; its new trajectories now wait for KV room "
+                        "(working-set hold)", pool, why)
 
     def pool_of_trajectory(self, traj_id: str, domain: str) -> Pool:
         """The pool ``traj_id`` (of ``domain``) generates on: its domain's, or with online
@@ -426,7 +437,9 @@ class LLMProxy(FleetCalls):
                         # Most of the prefix its worker held for it was evicted: the pool's
                         # cache no longer keeps its trajectories between turns.
                         self.num_prefix_evicted_turns += 1
-                        self._kv_pressed.add(self.pool_of_trajectory(traj_id, domain).name)
+                        self._press(self.pool_of_trajectory(traj_id, domain).name,
+                                    f"worker {worker.name} had evicted {held - cached} of the "
+                                    f"{held} prefix tokens it held for trajectory {traj_id}")
             self._judge(worker, check_generate_result(
                 result, max_tokens=sampling.max_tokens, min_version=min_version,
                 max_version=self.max_version, vocab_size=self.vocab_size))
