@@ -168,16 +168,16 @@ def _measure(rows: list[dict[str, Any]], times: dict[str, list[float]], case: st
             sc = sc.replace(adaptive_affinity=_adaptive_config())
         res = run_simulated(sc, sd)
         times.setdefault(layout, []).append(res.step_time_s)
-        rows.append({
-            "case": case, "layout": layout if layout == on else f"adaptive on {on}",
-            "step_time_s": res.step_time_s,
+        # Online affinity's counts only where it ran (static runs do not count evictions).
+        counts = {} if layout == on else {
             "spilled": sum(sum(st.get("num_spilled_by_domain", {}).values())
                            for st in res.steps),
             "moves": sum(len(st.get("affinity_moves", [])) for st in res.steps),
             "kv_admission_waits": sum(st.get("num_kv_admission_waits", 0) for st in res.steps),
             "prefix_evicted_turns": sum(st.get("num_prefix_evicted_turns", 0)
-                                        for st in res.steps),
-            **regime_of(sc, res)})
+                                        for st in res.steps)}
+        rows.append({"case": case, "layout": layout if layout == on else f"adaptive on {on}",
+                     "step_time_s": res.step_time_s, **counts, **regime_of(sc, res)})
 
 
 def run_adaptive(quick: bool, seed: int) -> dict:

@@ -59,6 +59,8 @@ def test_affinity_adaptive_rows_report_the_regime(monkeypatch) -> None:
     assert runs
     for row in runs:
         _check_regime(row, set())
+        # online affinity's counts only on its own runs: a static run counts no evictions
+        assert ("prefix_evicted_turns" in row) == row["layout"].startswith("adaptive on"), row
 
 
 def test_staleness_rows_report_the_regime(monkeypatch) -> None:

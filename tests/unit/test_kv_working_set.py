@@ -216,3 +216,123 @@ def test_a_simulated_pool_past_its_kv_keeps_its_prefixes_with_the_hold() -> None
     assert sum(s["num_prefix_evicted_turns"] for s in held.steps) > 0
     assert sum(s["kv_admission_wait_s"] for s in held.steps) > 0
     assert hit_share(static) < 0.2 and hit_share(held) > 2 * hit_share(static)
+
+
+def test_fits_counts_the_new_trajectorys_own_prompt() -> None:
+    ws = KVWorkingSet(lambda p: 1000, prior_tokens=100)
+    ws._start("live", "A", "d", 100)
+    assert ws.fits("A", "d", 10) and not ws.fits("A", "d", 5000)
+
+
+@pytest.mark.looptime
+async def test_a_wait_counts_with_its_seconds_when_it_ends() -> None:
+    ws = KVWorkingSet(lambda p: 100, prior_tokens=80)
+    await ws.admit("live", "A", "d", 5, clock)
+    waiting = asyncio.create_task(ws.admit("w", "A", "d", 5, clock))
+    await asyncio.sleep(4.0)
+    assert (ws.num_waits, ws.wait_s) == (0, 0.0)  # still waiting: counted when it ends
+    ws.ended("live")
+    await waiting
+    assert (ws.num_waits, ws.wait_s) == (1, pytest.approx(4.0))
+
+
+@pytest.mark.looptime
+async def test_a_waiter_starts_when_its_pools_capacity_becomes_unknown() -> None:
+    proxy, w = held_proxy(capacity=1000, prior=800)
+    w.kv_usage = 0.97
+    await proxy.generate("t1", "d", "r1", prompt(100), SP)
+    new = asyncio.create_task(proxy.generate("t2", "d", "r2", prompt(100), SP))
+    await asyncio.sleep(1.0)
+    assert not new.done()
+    w.capacity = None  # its next reply's stats no longer say: the pool is not gated
+    await proxy.generate("t1", "d", "r3", prompt(110), SP)
+    await asyncio.wait_for(new, 5.0)
+
+
+def test_an_engine_without_a_prefix_cache_reports_no_cached_tokens() -> None:
+    """Else every later turn would read as an eviction and start the hold for nothing."""
+    from benchmarks.workloads import agentic
+
+    from rollart.config import AdaptiveAffinityConfig
+    from rollart.sim.harness import SimDomain, SimPool, SimScenario, run_simulated
+
+    sim = SimScenario(
+        pools=(SimPool("h800", "h800", 1, max_batch=128),), prefix_cache=False,
+        domains=(SimDomain(agentic(latency_mean_s=1.0, latency_std_s=1.0), "h800"),),
+        steps=2, batch_size=16, group_size=8, trainer_gpus=1,
+        adaptive_affinity=AdaptiveAffinityConfig(enabled=True))
+    res = run_simulated(sim, 0)
+    assert sum(s["num_prefix_evicted_turns"] for s in res.steps) == 0
+
+
+def test_sync_mode_leaves_the_hold_off_and_refuses_it_when_set() -> None:
+    from helpers.fakes import make_scenario
+    from rollart.transport.errors import ConfigError
+
+    sync = make_scenario(mode="sync", alpha=0, adaptive_affinity={"enabled": True})
+    assert not sync.run.effective_kv_working_set
+    assert make_scenario(adaptive_affinity={"enabled": True}).run.effective_kv_working_set
+    with pytest.raises(ConfigError, match="run.adaptive_affinity.kv_working_set: mode 'sync'"):
+        make_scenario(mode="sync", alpha=0,
+                      adaptive_affinity={"enabled": True, "kv_working_set": True})
+
+
+def test_a_sync_run_with_online_affinity_does_not_deadlock_on_the_turn_barrier() -> None:
+    """Every member of a sync batch waits for all at each turn: a held first turn would wait
+    for trajectories that wait for it (each step then ran to ``trajectory_timeout_s``)."""
+    from benchmarks.workloads import agentic
+
+    from rollart.config import AdaptiveAffinityConfig
+    from rollart.sim.harness import SimDomain, SimPool, SimScenario, run_simulated
+
+    sim = SimScenario(
+        pools=(SimPool("a", "h800", 1, max_batch=128), SimPool("b", "h800", 1, max_batch=128)),
+        domains=(SimDomain(agentic(latency_mean_s=1.0, latency_std_s=1.0), "a"),),
+        mode="sync", alpha=0, steps=3, batch_size=64, group_size=8, trainer_gpus=1,
+        max_tokens_per_turn=16384, max_tokens_per_trajectory=32768,
+        adaptive_affinity=AdaptiveAffinityConfig(enabled=True))
+    res = run_simulated(sim, 0)
+    assert all(not s["num_failed_by_reason"] for s in res.steps), res.steps
+    assert sum(s["num_kv_admission_waits"] for s in res.steps) == 0
+
+
+class FullWorker(FakeWorker):
+    """Its KV cache reads full and holds 300 tokens: the hold is on from the first turn."""
+
+    def _stats(self) -> m.WorkerStats:
+        return m.WorkerStats(worker=self.name, num_running=self.in_flight, num_waiting=0,
+                             version=self.version, paused=not self._running.is_set(),
+                             kv_cache_usage=0.99, kv_capacity_tokens=300)
+
+
+async def test_an_agents_first_turn_waits_before_its_http_client_starts_its_clock() -> None:
+    """The agent's client times out after ``generate_timeout_s``: a first completion held for
+    KV room longer than that failed the trajectory (``agent_error``)."""
+    import msgspec
+    from test_controller_modes import backends, run_steps
+
+    from helpers.fakes import FakeEnvHost, FakeReward, make_scenario
+    from rollart.controller import Cluster
+
+    async def slow_agent(client, task) -> None:
+        msgs = [{"role": "user", "content": task["prompt"]}]
+        r = await client.chat.completions.create(model="m", messages=msgs)
+        await asyncio.sleep(6.0)  # the agent's own work between two completions
+        msgs += [r.choices[0].message.model_dump(exclude_none=True),
+                 {"role": "user", "content": "again"}]
+        await client.chat.completions.create(model="m", messages=msgs)
+
+    sc = make_scenario(batch_size=2, group_size=2, generate_timeout_s=3.0,
+                       adaptive_affinity={"enabled": True})
+    sc = msgspec.structs.replace(sc, domains=[d for d in sc.domains if d.name == "math"])
+    workers = (FullWorker("w1"), FullWorker("w2"))
+    for w in workers:  # as a real worker's client keeps them from the run's first stats call
+        w.last_stats = w._stats()
+    b = backends(FakeEnvHost(turns=2), workers=workers, reward=FakeReward(fn=lambda r, md: 1.0))
+    cluster = Cluster.from_scenario(sc, backends=b)
+    cluster.agent("math")(slow_agent)
+    async with cluster:
+        steps = await run_steps(cluster, 1, timeout_s=300)
+    assert not steps[0].metrics.num_failed_by_reason
+    assert steps[0].metrics.num_kv_admission_waits >= 1
+    assert steps[0].metrics.kv_admission_wait_s > 3.0

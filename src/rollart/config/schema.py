@@ -84,7 +84,9 @@ class AdaptiveAffinityConfig(_Cfg, frozen=True):
     #: prefixes are not evicted between turns and recomputed (thrashing; the working-set rule,
     #: Denning 1968); such a pool counts as saturated, so the domain spills first where another
     #: pool has room. Needs workers that report their KV capacity (vLLM and simulated ones do).
-    kv_working_set: bool = True
+    #: Unset: on in every mode but ``sync``, whose turn barrier makes every live trajectory
+    #: wait for a held first turn (refused there when set; ``RunConfig.effective_kv_working_set``).
+    kv_working_set: bool | None = None
     #: share of a pool's KV capacity the working sets may fill, (0, 1].
     kv_working_set_share: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
 
@@ -325,6 +327,15 @@ class RunConfig(_Cfg, frozen=True):
         if self.fresh_start is not None:
             return self.fresh_start
         return self.effective_weight_apply == "eager" and self.mode in OVERLAP_MODES
+
+    @property
+    def effective_kv_working_set(self) -> bool:
+        """Whether online affinity holds first turns for KV room: ``adaptive_affinity.enabled``
+        and ``kv_working_set`` as set, else in every mode but ``sync``."""
+        aa = self.adaptive_affinity
+        if not aa.enabled:
+            return False
+        return aa.kv_working_set if aa.kv_working_set is not None else self.mode != "sync"
 
     @property
     def effective_hold_batch(self) -> bool:

@@ -103,10 +103,15 @@ def validate_scenario(scenario: Scenario, source: str = "<scenario>") -> Scenari
         raise _fail(source, "run.adaptive_affinity.room_waiting_share",
                     f"{aa.room_waiting_share} >= saturated_waiting_share "
                     f"{aa.saturated_waiting_share}: a pool would have room while saturated")
-    if aa.enabled and not aa.kv_working_set and len(scenario.pools) < 2:
+    if aa.enabled and aa.kv_working_set and run.mode == "sync":
+        raise _fail(source, "run.adaptive_affinity.kv_working_set",
+                    "mode 'sync' runs every trajectory's turn together (a turn barrier): a "
+                    "first turn held for KV room would wait for trajectories that wait for "
+                    "it; leave it unset or false")
+    if aa.enabled and not run.effective_kv_working_set and len(scenario.pools) < 2:
         raise _fail(source, "run.adaptive_affinity.enabled",
-                    "with kv_working_set = false it only spills, and needs at least two "
-                    "pools: there is nowhere to spill to")
+                    "without kv_working_set (off, or unset in mode 'sync') it only spills, "
+                    "and needs at least two pools: there is nowhere to spill to")
     model = scenario.model
     hidden = model.tiny_hidden_size if model.tiny_hidden_size is not None else 128
     heads = model.tiny_num_heads if model.tiny_num_heads is not None else 2

@@ -59,6 +59,9 @@ class SchedulerCounts:
         #: tokens the KV cache holds when full (``num_gpu_blocks x block_size``), ``None``
         #: until the engine reported its blocks
         self.kv_capacity_tokens: int | None = None
+        #: the engine keeps a prefix cache (else its replies report no cached tokens: with
+        #: nothing cached, "0 cached" would read as every prefix evicted)
+        self.prefix_caching = True
 
 
 def _stats_logger_factory(counts: SchedulerCounts) -> Any:

@@ -248,7 +248,7 @@ class InferenceWorker(WeightReceiver):
             prompt_logprobs=comp.prompt_logprobs,
             tool_calls=tool_calls,
             content=content,
-            num_cached_tokens=cached if isinstance(
+            num_cached_tokens=cached if self.counts.prefix_caching and isinstance(
                 cached := getattr(final, "num_cached_tokens", None), int) and cached >= 0
             else None,
         )
@@ -392,6 +392,7 @@ async def serve(args: argparse.Namespace, auth: Auth) -> int:
     )
     stager = WeightStager(args.stage_dir, CheckpointLayout.from_model_dir(args.model))
     counts = SchedulerCounts()
+    counts.prefix_caching = opts.enable_prefix_caching
     engine = None
     server = None
     tasks: list[asyncio.Task] = []

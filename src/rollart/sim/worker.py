@@ -510,4 +510,4 @@ class SimInferenceWorker:
             request_id=req.rid, token_ids=token_bytes,
             logprobs=tb.pack_f32([req.logprob]) * n, versions=versions,
             finish_reason=reason, num_prompt_tokens=len(req.prompt), stats=self._stats(),
-            num_cached_tokens=req.num_cached))
+            num_cached_tokens=req.num_cached if self.prefix_cache else None))

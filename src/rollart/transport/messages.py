@@ -239,7 +239,8 @@ class GenerateResult(Msg):
     tool_calls: list[ToolCall] | None = None
     content: str | None = None
     #: prompt tokens the engine took from its prefix cache instead of computing them (vLLM's
-    #: ``RequestOutput.num_cached_tokens``); ``None``: not reported.
+    #: ``RequestOutput.num_cached_tokens``); ``None``: not reported, or an engine without a
+    #: prefix cache.
     num_cached_tokens: NonNegInt | None = None
 
     def __post_init__(self) -> None:

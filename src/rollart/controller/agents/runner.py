@@ -124,6 +124,9 @@ class AgentRunner:
             client = openai.AsyncOpenAI(base_url=self.server.base_url(session),
                                         api_key="rollart", max_retries=0,
                                         timeout=ctx.run.generate_timeout_s or 600.0)
+            # Before the agent starts: its HTTP client's timeout must not run while the first
+            # turn waits for KV room.
+            await ctx.proxy.admit(traj_id, domain.name)
             act.enter("agent running", ctx.clock())
             agent_task = asyncio.ensure_future(spec.fn(client, task))
             await asyncio.wait({agent_task, session.ended}, return_when=asyncio.FIRST_COMPLETED)

@@ -330,9 +330,7 @@ class LLMProxy(FleetCalls):
             PoolExhaustedError: fatal, see :meth:`route` and :meth:`quarantine`.
         """
         ws = self.working_set
-        if ws is not None and traj_id and not ws.is_live(traj_id):
-            await ws.admit(traj_id, self.pool_of_trajectory(traj_id, domain).name, domain,
-                           len(prompt), asyncio.get_running_loop().time)
+        await self.admit(traj_id, domain, len(prompt))
         total = len(prompt)
         transient = 0  # transient refusals of this request so far
         while True:
@@ -430,20 +428,40 @@ class LLMProxy(FleetCalls):
             assert result is not None
             if result.finish_reason != "abort":
                 self._held[traj_id] = (worker, total + result.num_tokens)
-                if ws is not None:
-                    ws.held(traj_id, total + result.num_tokens)
-                    cached = result.num_cached_tokens
-                    if held and cached is not None and 2 * cached < held:
-                        # Most of the prefix its worker held for it was evicted: the pool's
-                        # cache no longer keeps its trajectories between turns.
-                        self.num_prefix_evicted_turns += 1
-                        self._press(self.pool_of_trajectory(traj_id, domain).name,
-                                    f"worker {worker.name} had evicted {held - cached} of the "
-                                    f"{held} prefix tokens it held for trajectory {traj_id}")
             self._judge(worker, check_generate_result(
                 result, max_tokens=sampling.max_tokens, min_version=min_version,
                 max_version=self.max_version, vocab_size=self.vocab_size))
+            if ws is not None and traj_id:
+                self._account_kv(ws, traj_id, domain, worker, held, total, result)
             return result
+
+    async def admit(self, traj_id: str, domain: str, num_prompt_tokens: int = 0) -> None:
+        """With the KV working-set hold: wait until ``traj_id`` (of ``domain``, first prompt
+        ``num_prompt_tokens`` long) may start on its pool (``generate`` does it for a first
+        turn; callers whose own clock starts at the first turn, such as an agent's HTTP client,
+        call it before). A no-op without the hold, for ``traj_id = ""`` and for a live
+        trajectory."""
+        ws = self.working_set
+        if ws is not None and traj_id and not ws.is_live(traj_id):
+            await ws.admit(traj_id, self.pool_of_trajectory(traj_id, domain).name, domain,
+                           num_prompt_tokens, asyncio.get_running_loop().time)
+
+    def _account_kv(self, ws: KVWorkingSet, traj_id: str, domain: str,
+                    worker: GenerationBackend, held: int, total: int,
+                    result: m.GenerateResult) -> None:
+        """After a checked turn: the trajectory's footprint, the eviction evidence, and the
+        pool's waiters (its capacity may have changed with the reply's stats)."""
+        pool = self.pool_of_trajectory(traj_id, domain).name
+        if result.finish_reason != "abort":
+            ws.held(traj_id, total + result.num_tokens)
+        cached = result.num_cached_tokens
+        if held and cached is not None and 2 * cached < held:
+            # Most of the prefix its worker held for it was evicted: the pool's cache no
+            # longer keeps its trajectories between turns.
+            self.num_prefix_evicted_turns += 1
+            self._press(pool, f"worker {worker.name} had evicted {held - cached} of the "
+                        f"{held} prefix tokens it held for trajectory {traj_id}")
+        ws.poke(pool)
 
     def served_by(self, traj_id: str) -> str | None:
         """Name of the worker that served ``traj_id``'s last (not aborted) turn, until
