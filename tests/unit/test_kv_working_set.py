@@ -186,7 +186,11 @@ def test_the_engine_logger_reads_the_kv_capacity_once_vllm_sized_it() -> None:
     cls(NS(cache_config=NS(num_gpu_blocks=None, block_size=16))).log_engine_initialized()
     assert counts.kv_capacity_tokens is None
     cls(NS(cache_config=NS(num_gpu_blocks=512, block_size=16))).log_engine_initialized()
-    assert counts.kv_capacity_tokens == 8192
+    assert counts.kv_capacity_tokens == 8192 and counts.prefix_caching
+    # The engine turned its prefix cache off (whatever was asked): no cached-token reports.
+    cls(NS(cache_config=NS(num_gpu_blocks=512, block_size=16,
+                           enable_prefix_caching=False))).log_engine_initialized()
+    assert not counts.prefix_caching
 
 
 def test_a_simulated_pool_past_its_kv_keeps_its_prefixes_with_the_hold() -> None:
@@ -336,3 +340,23 @@ async def test_an_agents_first_turn_waits_before_its_http_client_starts_its_cloc
     assert not steps[0].metrics.num_failed_by_reason
     assert steps[0].metrics.num_kv_admission_waits >= 1
     assert steps[0].metrics.kv_admission_wait_s > 3.0
+
+
+@pytest.mark.looptime
+async def test_a_new_trajectory_that_would_wait_at_home_spills_to_a_pool_with_room() -> None:
+    """Home's working sets below its capacity but with no room for one more of the domain's
+    (200 of 250, 100 expected): it spills instead of waiting while the other pool is empty."""
+    a, b = CachingWorker("a", 250), CachingWorker("b", 250)
+    a.kv_usage = 0.99  # starts the hold on A
+    spill = SpillPolicy(saturated_waiting_share=0.5, room_waiting_share=0.1, kv_usage_high=0.95,
+                        min_hold_s=0.0, clock=clock)
+    proxy = LLMProxy({"A": ("h800", [a]), "B": ("h800", [b])}, {"d": "A"}, spill=spill,
+                     kv_working_set=(1.0, 100, 0.95))
+    await proxy.generate("t0", "d", "r0", prompt(10), SP)
+    a.kv_usage = 0.5
+    await proxy.generate("t0", "d", "r1", prompt(20), SP)
+    await proxy.generate("t1", "d", "r2", prompt(10), SP)
+    ws = proxy.working_set
+    assert ws is not None and ws.pool_tokens("A") == 200 and not ws.full("A")
+    await asyncio.wait_for(proxy.generate("t2", "d", "r3", prompt(10), SP), 5.0)
+    assert proxy.served_by("t2") == "b" and ws.num_waits == 0

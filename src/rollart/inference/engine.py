@@ -89,6 +89,10 @@ def _stats_logger_factory(counts: SchedulerCounts) -> Any:
             size = getattr(cache, "block_size", None)
             if blocks and size:
                 counts.kv_capacity_tokens = int(blocks) * int(size)
+            # What the engine resolved, which can differ from what was asked for.
+            caching = getattr(cache, "enable_prefix_caching", None)
+            if isinstance(caching, bool):
+                counts.prefix_caching = caching
 
     return _SchedulerCountsLogger
 

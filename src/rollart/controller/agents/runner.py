@@ -126,6 +126,7 @@ class AgentRunner:
                                         timeout=ctx.run.generate_timeout_s or 600.0)
             # Before the agent starts: its HTTP client's timeout must not run while the first
             # turn waits for KV room.
+            act.enter("waiting for KV room", ctx.clock())
             await ctx.proxy.admit(traj_id, domain.name)
             act.enter("agent running", ctx.clock())
             agent_task = asyncio.ensure_future(spec.fn(client, task))

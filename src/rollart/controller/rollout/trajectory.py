@@ -301,6 +301,9 @@ async def _run_trajectory(
                     top_p=sampling.top_p,
                     top_k=sampling.top_k,
                 )
+            if turn == 0:
+                act.enter("waiting for KV room", ctx.clock())  # the stall report's label
+                await ctx.proxy.admit(traj_id, domain.name, len(token_ids))
             act.enter(f"generating turn {turn}", ctx.clock())
             try:
                 result = await ctx.proxy.generate(

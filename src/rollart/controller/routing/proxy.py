@@ -219,11 +219,15 @@ class LLMProxy(FleetCalls):
                 f"domain {domain!r} has no pool affinity; domains: {sorted(self._affinity)}"
             ) from None
 
-    def pool_pressure(self, name: str) -> PoolPressure:
-        """Pool ``name``'s pressure now (``rollart.controller.routing.spill``)."""
+    def pool_pressure(self, name: str, domain: str | None = None) -> PoolPressure:
+        """Pool ``name``'s pressure now (``rollart.controller.routing.spill``); with ``domain``,
+        its working sets count as full also when a new trajectory of that domain would not fit
+        (so the spill policy does not keep it home to wait while another pool has room)."""
         p = self._gauge.pressure(self._pools[name].workers, self._window.waiting,
                                  lambda w: self._window.in_flight.get(w, 0))
-        if self.working_set is not None and self.working_set.full(name):
+        ws = self.working_set
+        if ws is not None and (ws.full(name) or (
+                domain is not None and not ws.fits(name, domain))):
             return dataclasses.replace(p, working_set_full=True)
         return p
 
@@ -264,7 +268,8 @@ class LLMProxy(FleetCalls):
         pool = self._started_on.get(traj_id)
         if pool is None:
             live = [name for name, p in self._pools.items() if p.workers]
-            pool = self._pools[self.spill.pool_for(domain, home.name, self.pool_pressure, live)]
+            pool = self._pools[self.spill.pool_for(
+                domain, home.name, lambda name: self.pool_pressure(name, domain), live)]
             self._started_on[traj_id] = pool
         return pool
 

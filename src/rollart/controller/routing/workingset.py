@@ -151,7 +151,8 @@ class KVWorkingSet:
 
     def ended(self, traj_id: str) -> None:
         """``traj_id`` ended: its footprint counts in its domain's mean (when it generated) and
-        the first trajectories waiting for its pool that now fit start."""
+        the first trajectories waiting for its pool (for every pool, when the means were
+        refreshed) that now fit start."""
         live = self._live.pop(traj_id, None)
         if live is None:
             return
@@ -163,6 +164,9 @@ class KVWorkingSet:
             self._finishes_since_refresh += 1
             if self._finishes_since_refresh >= REFRESH_FRACTION * len(self._live):
                 self._refresh()
+                # New means change every pool's sum, not only this one's.
+                for pool in [p for p in self._waiters if p != live.pool]:
+                    self._wake(pool)
         self._wake(live.pool)
 
     def _refresh(self) -> None:
