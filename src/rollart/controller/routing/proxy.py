@@ -5,7 +5,9 @@ Routing of one generate call for trajectory ``traj_id`` of domain ``d``:
 1. the pool is ``affinity[d]`` (from the scenario; ``set_affinity`` changes it at run time),
    unless online affinity (``spill``, ``rollart.controller.routing.spill``) sends the
    trajectory's first turn to another pool because ``affinity[d]`` is saturated; a trajectory
-   stays on the pool its first turn went to;
+   stays on the pool its first turn went to. With the KV working-set hold
+   (``rollart.controller.routing.workingset``) the first turn may wait there until the pool's
+   KV cache has room for the trajectory's working set;
 2. if the trajectory already has a worker in that pool that is alive, it goes there again
    (sticky: its previous turns are in that worker's prefix cache);
 3. otherwise the least-loaded live worker of the pool, load being
@@ -110,8 +112,10 @@ class LLMProxy(FleetCalls):
             bound.
         spill: online affinity (``run.adaptive_affinity``): where a new trajectory goes when
             its domain's pool is saturated; ``None``: the static ``affinity`` only.
-        kv_working_set: ``(share, prior_tokens, kv_usage_high)``: once a worker of a pool
-            has reported KV-cache usage at or above ``kv_usage_high``, hold a new trajectory's
+        kv_working_set: ``(share, prior_tokens, kv_usage_high)``: once a pool's cache was seen
+            evicting a live trajectory's prefix (a turn served less than half the prefix its
+            worker held from cache, ``GenerateResult.num_cached_tokens``) or a worker of it
+            reported KV-cache usage at or above ``kv_usage_high``, hold a new trajectory's
             first turn on that pool while its KV cache cannot keep one more trajectory's
             working set (``rollart.controller.routing.workingset``; the pool is judged
             saturated then): ``share`` of the pool's reported KV capacity
