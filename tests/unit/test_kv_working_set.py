@@ -158,14 +158,20 @@ async def test_the_proxy_holds_new_trajectories_only_once_a_live_prefix_was_evic
                      "(working-set hold)"]
 
 
-@pytest.mark.looptime
-async def test_a_full_kv_cache_engages_the_hold_too() -> None:
+async def second_held_by_a_full_cache() -> tuple[LLMProxy, CachingWorker, asyncio.Task]:
+    """A worker whose KV cache reads full; ``t1`` live on it, ``t2``'s first turn held."""
     proxy, w = held_proxy(capacity=1000, prior=800)
     w.kv_usage = 0.97
     await proxy.generate("t1", "d", "r1", prompt(100), SP)
     new = asyncio.create_task(proxy.generate("t2", "d", "r2", prompt(100), SP))
     await asyncio.sleep(1.0)
     assert not new.done()
+    return proxy, w, new
+
+
+@pytest.mark.looptime
+async def test_a_full_kv_cache_engages_the_hold_too() -> None:
+    proxy, _, new = await second_held_by_a_full_cache()
     proxy.release("t1")
     await new
 
@@ -242,12 +248,7 @@ async def test_a_wait_counts_with_its_seconds_when_it_ends() -> None:
 
 @pytest.mark.looptime
 async def test_a_waiter_starts_when_its_pools_capacity_becomes_unknown() -> None:
-    proxy, w = held_proxy(capacity=1000, prior=800)
-    w.kv_usage = 0.97
-    await proxy.generate("t1", "d", "r1", prompt(100), SP)
-    new = asyncio.create_task(proxy.generate("t2", "d", "r2", prompt(100), SP))
-    await asyncio.sleep(1.0)
-    assert not new.done()
+    proxy, w, new = await second_held_by_a_full_cache()
     w.capacity = None  # its next reply's stats no longer say: the pool is not gated
     await proxy.generate("t1", "d", "r3", prompt(110), SP)
     await asyncio.wait_for(new, 5.0)

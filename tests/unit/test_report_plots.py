@@ -60,7 +60,8 @@ def test_rolling_mean_is_the_trailing_mean_of_the_window() -> None:
         rolling_mean([1.0], 0)
 
 
-def test_the_reward_plot_draws_the_rolling_mean_over_the_raw_line(tmp_path, monkeypatch) -> None:
+def _drawn_lines(monkeypatch) -> dict[str, list]:
+    """Plot file name -> ``(label, y values)`` of each line the report saves in it."""
     drawn: dict[str, list] = {}
     save = report._save
 
@@ -69,6 +70,11 @@ def test_the_reward_plot_draws_the_rolling_mean_over_the_raw_line(tmp_path, monk
         save(fig, path)
 
     monkeypatch.setattr(report, "_save", keep)
+    return drawn
+
+
+def test_the_reward_plot_draws_the_rolling_mean_over_the_raw_line(tmp_path, monkeypatch) -> None:
+    drawn = _drawn_lines(monkeypatch)
     run = _run_dir(tmp_path)
     assert report.main([str(run), "--smooth", "3"]) == 0
     lines = dict(drawn["reward.png"])
@@ -188,14 +194,7 @@ def test_online_affinity_moves_are_drawn_per_domain_and_listed(tmp_path, monkeyp
 
 
 def test_first_turns_held_for_kv_room_are_drawn_without_any_move(tmp_path, monkeypatch) -> None:
-    drawn: dict[str, list] = {}
-    save = report._save
-
-    def keep(fig, path):
-        drawn[path.name] = [(ln.get_label(), list(ln.get_ydata())) for ln in fig.axes[0].lines]
-        save(fig, path)
-
-    monkeypatch.setattr(report, "_save", keep)
+    drawn = _drawn_lines(monkeypatch)
     run = _run_dir(tmp_path)
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     for i, r in enumerate(rows):
