@@ -104,3 +104,29 @@ def test_affinity_adaptive_chooses_its_layout_on_its_own_seeds(monkeypatch) -> N
     assert res["ratios"]["adaptive vs best static at load x1"] == pytest.approx(10.0 / 10.8, abs=1e-4)
     assert res["ratios"]["adaptive vs static on its layout (6xh800+9xh20) at load x1"] == \
         pytest.approx(12.0 / 10.8, abs=1e-4)
+
+
+def test_affinity_adaptive_whole_run_ratio_counts_the_first_step(monkeypatch) -> None:
+    """The step mean leaves the first step out; the whole-run ratio keeps it: a hold that
+    shortens the first burst (30 s -> 20 s) and lengthens the second step reads 0.91 by the
+    step mean and 1.19 over the whole run."""
+    from benchmarks import affinity
+
+    def timed_run(sim, seed, warmup=0):
+        adaptive = sim.adaptive_affinity is not None and sim.adaptive_affinity.enabled
+        h800_only = all(p.hardware == "h800" for p in sim.pools)
+        steps = ([20.0, 12.0, 10.0] if adaptive else [30.0, 10.0, 10.0]) if h800_only else \
+            [40.0, 40.0, 40.0]
+        res = fake_run(sim, seed, warmup)
+        for st, t in zip(res.steps, steps, strict=True):
+            st["step_time_s"] = t
+        res.step_time_s = sum(steps[1:]) / 2
+        return res
+
+    monkeypatch.setattr(affinity, "run_simulated", timed_run)
+    ratios = affinity.run_adaptive(True, 0)["ratios"]
+    assert ratios["adaptive vs best static at load x8"] == pytest.approx(20 / 22, abs=1e-4)
+    assert ratios["adaptive vs best static at load x8 (whole run)"] == pytest.approx(
+        50 / 42, abs=1e-4)
+    assert ratios["adaptive vs best static under drift (whole run)"] == pytest.approx(
+        50 / 42, abs=1e-4)

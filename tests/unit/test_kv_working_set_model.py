@@ -5,11 +5,13 @@ with a fake clock) through arbitrary interleavings of first-turn admissions, rep
 then ``poke``, as ``LLMProxy`` does after a checked turn), aborted replies (``poke`` only), ends
 (of trajectories that turned or not, and of unknown ones), cancellations of waiting first turns
 (also in the same instant as their wake-up), capacity changes (with or without a ``poke``) and
-the passing of time, over two pools and two domains. The model keeps every live trajectory's
-tokens and recomputes each pool's expected footprints from scratch (no incremental sums), and
-keeps the domain means in use by the documented refresh rule (once the finishes since the last
-refresh reach ``REFRESH_FRACTION`` of the live trajectories; larger fractions are drawn too, so
-that the means go stale between refreshes with few live trajectories). It checks:
+the passing of time, over two pools and two domains (one with a turn cap, projected before its
+first finish; one without, at the prior until then). The model keeps every live trajectory's
+tokens and turns and recomputes each pool's expected footprints from scratch (no incremental
+sums), and keeps the domain means and first-turn projections in use by the documented refresh
+rule (once the finishes and first turns since the last refresh reach ``REFRESH_FRACTION`` of
+the live trajectories; larger fractions are drawn too, so that the means go stale between
+refreshes with few live trajectories). It checks:
 
 - ``pool_tokens`` / ``num_live`` equal the model's recomputation (so incremental sums neither
   drift nor go negative), and every pool's sum is exactly 0 once its last trajectory ended;
@@ -56,9 +58,12 @@ class WorkingSetMachine(RuleBasedStateMachine):
         self.share = 1.0
         self.ws: KVWorkingSet | None = None
         # the model
-        self.live: dict[str, list] = {}  # traj -> [pool, domain, tokens, turned]
+        self.live: dict[str, list] = {}  # traj -> [pool, domain, tokens, turns]
         self.final: dict[str, tuple[int, int]] = {}
         self.mean: dict[str, float] = {}
+        self.max_turns: dict[str, int] = {}
+        self.first: dict[str, tuple[int, int]] = {}
+        self.first_projection: dict[str, float] = {}
         self.since_refresh = 0
         self.queue: dict[str, list[tuple[str, str, int]]] = {p: [] for p in POOLS}
         self.tasks: dict[str, asyncio.Task] = {}
@@ -73,18 +78,25 @@ class WorkingSetMachine(RuleBasedStateMachine):
     def _ws(self) -> KVWorkingSet:
         if self.ws is None:
             self.ws = KVWorkingSet(lambda p: self.cap[p], prior_tokens=self.prior,
-                                   share=self.share)
+                                   share=self.share, max_turns=self.max_turns)
         return self.ws
 
     def _settle(self) -> None:
         for _ in range(3):
             self.loop.run_until_complete(asyncio.sleep(0))
 
-    def expected(self, domain: str, tokens: int) -> float:
-        return max(float(tokens), self.mean.get(domain, float(self.prior)))
+    def expected(self, domain: str, tokens: int, turns: int = 0) -> float:
+        if domain in self.mean:
+            return max(float(tokens), self.mean[domain])
+        if domain not in self.max_turns:
+            return max(float(tokens), float(self.prior))
+        if turns:
+            return max(float(tokens), min(float(self.prior),
+                                          tokens * self.max_turns[domain] / turns))
+        return max(float(tokens), self.first_projection.get(domain, float(self.prior)))
 
     def pool_sum(self, pool: str) -> float:
-        return sum(self.expected(d, t) for p, d, t, _ in self.live.values() if p == pool)
+        return sum(self.expected(d, t, k) for p, d, t, k in self.live.values() if p == pool)
 
     def n_live(self, pool: str) -> int:
         return sum(1 for p, *_ in self.live.values() if p == pool)
@@ -112,7 +124,7 @@ class WorkingSetMachine(RuleBasedStateMachine):
             if not started:
                 break
             q.pop(0)
-            self.live[traj] = [pool, domain, tokens, False]
+            self.live[traj] = [pool, domain, tokens, 0]
         for traj, *_ in q:  # FCFS: no later one started past a held one
             assert not self._ws().is_live(traj), f"{traj} started out of order"
 
@@ -128,12 +140,16 @@ class WorkingSetMachine(RuleBasedStateMachine):
 
     @initialize(cap_a=st.sampled_from([None, 50, 150, 400, 1000]), prior=st.integers(1, 300),
                 share=st.sampled_from([1.0, 0.5, 0.75, 0.3]),
-                fraction=st.sampled_from([REFRESH_FRACTION, 0.25, 0.5, 1.0, 3.0]))
-    def configure(self, cap_a: int | None, prior: int, share: float, fraction: float) -> None:
+                fraction=st.sampled_from([REFRESH_FRACTION, 0.25, 0.5, 1.0, 3.0]),
+                max_turns=st.sampled_from([1, 2, 5]))
+    def configure(self, cap_a: int | None, prior: int, share: float, fraction: float,
+                  max_turns: int) -> None:
         """The run's parameters; ``fraction`` stands in for ``REFRESH_FRACTION`` (the module's
-        own 1/64 refreshes at every finish below 64 live trajectories, so larger ones let the
-        means go stale between refreshes, as they do in a large run)."""
+        own 1/64 refreshes at every event below 64 live trajectories, so larger ones let the
+        means go stale between refreshes, as they do in a large run); domain ``d`` has a turn
+        cap, ``e`` none."""
         self.cap["A"], self.prior, self.share = cap_a, prior, share
+        self.max_turns = {"d": max_turns}
         self.fraction = fraction
         workingset.REFRESH_FRACTION = fraction
         self._ws()
@@ -156,7 +172,7 @@ class WorkingSetMachine(RuleBasedStateMachine):
         elif m is None or abs(m) > EPS:
             assert started == (m is None or m >= 0), (m, started)
         if started:
-            self.live[traj] = [pool, domain, prompt, False]
+            self.live[traj] = [pool, domain, prompt, 0]
         else:
             self.queue[pool].append((traj, domain, prompt))
             self.tasks[traj] = task
@@ -171,7 +187,12 @@ class WorkingSetMachine(RuleBasedStateMachine):
         if not abort:
             tokens = self.live[traj][2] + grow
             ws.held(traj, tokens)
-            self.live[traj][2], self.live[traj][3] = tokens, True
+            entry = self.live[traj]
+            entry[2], entry[3] = tokens, entry[3] + 1
+            if entry[3] == 1 and entry[1] not in self.mean:
+                c, s = self.first.get(entry[1], (0, 0))
+                self.first[entry[1]] = (c + 1, s + tokens)
+                self._event(pool)
         ws.poke(pool)
         self.model_wake(pool)
         self._settle()
@@ -179,19 +200,26 @@ class WorkingSetMachine(RuleBasedStateMachine):
 
     def _end(self, traj: str) -> None:
         ws = self._ws()
-        pool, domain, tokens, turned = self.live.pop(traj)
+        pool, domain, tokens, turns = self.live.pop(traj)
         ws.ended(traj)
-        if turned:
+        if turns:
             c, s = self.final.get(domain, (0, 0))
             self.final[domain] = (c + 1, s + tokens)
-            self.since_refresh += 1
-            if self.since_refresh >= self.fraction * len(self.live):
-                self.since_refresh = 0
-                self.mean = {d: s / c for d, (c, s) in self.final.items()}
-                for other in sorted(self.queue):  # new means: every pool's waiters
-                    if other != pool:
-                        self.model_wake(other)
+            self._event(pool)
         self.model_wake(pool)
+
+    def _event(self, pool: str) -> None:
+        """A finish or a first turn: the documented refresh rule."""
+        self.since_refresh += 1
+        if self.since_refresh >= self.fraction * len(self.live):
+            self.since_refresh = 0
+            self.mean = {d: s / c for d, (c, s) in self.final.items()}
+            self.first_projection = {
+                d: min(float(self.prior), s / c * self.max_turns[d])
+                for d, (c, s) in self.first.items() if d in self.max_turns}
+            for other in sorted(self.queue):  # new means: every pool's waiters
+                if other != pool:
+                    self.model_wake(other)
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
@@ -271,7 +299,8 @@ class WorkingSetMachine(RuleBasedStateMachine):
                 assert got == 0.0, (pool, got)
         for d in DOMAINS:
             for t in (0, 50, 1000):
-                assert self.ws.expected_tokens(d, t) == self.expected(d, t)
+                for k in (0, 1, 3):
+                    assert self.ws.expected_tokens(d, t, k) == self.expected(d, t, k)
 
     @invariant()
     def views_match(self) -> None:

@@ -62,9 +62,9 @@ class AdaptiveAffinityConfig(_Cfg, frozen=True):
     when the home pool has room again. A pool's pressure is the share of the requests its
     engines hold that wait (no KV room or batch slot; the controller's send-window queue
     counted too) and its KV-cache usage where workers report it. Every move is logged and
-    counted per step (``num_spilled_by_domain``). With ``kv_working_set``, a pool whose KV cache
-    no longer keeps its live trajectories' prefixes between turns also holds new trajectories'
-    first turns until their working sets fit (``rollart.controller.routing.workingset``;
+    counted per step (``num_spilled_by_domain``). With ``kv_working_set``, a pool also holds
+    new trajectories' first turns while its KV cache could not keep their working sets beside
+    its live trajectories' between turns (``rollart.controller.routing.workingset``;
     ``num_kv_admission_waits``), on one pool as on several."""
 
     #: route by pressure (and hold by KV working set); ``false``: each domain always uses its
@@ -83,7 +83,10 @@ class AdaptiveAffinityConfig(_Cfg, frozen=True):
     #: sets (expected KV footprints) of the trajectories live on it plus its own, so their
     #: prefixes are not evicted between turns and recomputed (thrashing; the working-set rule,
     #: Denning 1968); such a pool counts as saturated, so the domain spills first where another
-    #: pool has room. Needs workers that report their KV capacity (vLLM and simulated ones do).
+    #: pool has room. A trajectory's expected footprint before its domain's first finish is
+    #: projected from its turns and the domain's ``max_turns``, and before its domain's first
+    #: turn returned is ``run.max_tokens_per_trajectory``. Needs workers that report their KV
+    #: capacity (vLLM and simulated ones do).
     #: Unset: on in every mode but ``sync``, whose turn barrier makes every live trajectory
     #: wait for a held first turn (refused there when set; ``RunConfig.effective_kv_working_set``).
     kv_working_set: bool | None = None

@@ -135,7 +135,8 @@ def build_controller(
         max_generate_in_flight=run.max_generate_in_flight,
         spill=spill,
         kv_working_set=(aa.kv_working_set_share, run.max_tokens_per_trajectory,
-                        aa.kv_usage_high) if run.effective_kv_working_set else None,
+                        {d.name: d.max_turns or run.max_turns for d in scenario.domains})
+        if run.effective_kv_working_set else None,
     )
     envs = EnvRouter(list(backends.env_hosts), LocalEnvBackend(
         local_envs, OffLoopCalls(run.local_threads, what="local env")))

@@ -112,16 +112,14 @@ class LLMProxy(FleetCalls):
             bound.
         spill: online affinity (``run.adaptive_affinity``): where a new trajectory goes when
             its domain's pool is saturated; ``None``: the static ``affinity`` only.
-        kv_working_set: ``(share, prior_tokens, kv_usage_high)``: once a pool's cache was seen
-            evicting a live trajectory's prefix (a turn served less than half the prefix its
-            worker held from cache, ``GenerateResult.num_cached_tokens``) or a worker of it
-            reported KV-cache usage at or above ``kv_usage_high``, hold a new trajectory's
-            first turn on that pool while its KV cache cannot keep one more trajectory's
-            working set (``rollart.controller.routing.workingset``; the pool is judged
-            saturated then): ``share`` of the pool's reported KV capacity
-            (``WorkerStats.kv_capacity_tokens``); ``prior_tokens``: a trajectory's expected
-            footprint before any of its domain finished. ``None``: no such hold.
-
+        kv_working_set: ``(share, prior_tokens, max_turns)``: hold a new trajectory's first
+            turn while its pool's KV cache cannot keep one more trajectory's working set
+            (``rollart.controller.routing.workingset``; the pool is judged saturated then):
+            ``share`` of the pool's reported KV capacity (``WorkerStats.kv_capacity_tokens``);
+            ``prior_tokens``: a trajectory's expected footprint before its domain's first turns
+            returned; ``max_turns``: domain -> its cap on turns, for the projection before its
+            first finish. Turns that found most of the prefix their worker held evicted
+            (``GenerateResult.num_cached_tokens``) are counted. ``None``: no such hold.
     Raises:
         ConfigError: an empty pool, a duplicate worker name, or affinity to an unknown pool.
     """
@@ -136,7 +134,7 @@ class LLMProxy(FleetCalls):
         violations: ViolationWindow | None = None,
         max_generate_in_flight: int | None = None,
         spill: SpillPolicy | None = None,
-        kv_working_set: tuple[float, int, float] | None = None,
+        kv_working_set: tuple[float, int, Mapping[str, int]] | None = None,
     ) -> None:
         self._pools: dict[str, Pool] = {}
         seen: set[str] = set()
@@ -155,10 +153,8 @@ class LLMProxy(FleetCalls):
         self.spill = spill
         self._gauge = PoolGauge()
         self.working_set = None if kv_working_set is None else KVWorkingSet(
-            self._kv_capacity, share=kv_working_set[0], prior_tokens=kv_working_set[1])
-        self._kv_usage_high = kv_working_set[2] if kv_working_set is not None else 1.0
-        #: pools whose KV cache has been seen full: the working-set hold applies from then on
-        self._kv_pressed: set[str] = set()
+            self._kv_capacity, share=kv_working_set[0], prior_tokens=kv_working_set[1],
+            max_turns=kv_working_set[2])
         #: turns whose held prefix the worker's cache had mostly evicted (counted with the
         #: working-set hold on)
         self.num_prefix_evicted_turns = 0
@@ -237,30 +233,15 @@ class LLMProxy(FleetCalls):
 
     def _kv_capacity(self, pool: str) -> int | None:
         """KV tokens pool ``pool``'s live workers hold in all; ``None`` (not gated) unless
-        every one reported it and the pool's KV cache has been seen full: until then its
-        cache keeps every prefix, and a hold on the prior's worst case would only slow it."""
+        every one reported it."""
         total = 0
-        pressed = pool in self._kv_pressed
         for w in self._pools[pool].workers:
             stats = w.last_stats
             cap = stats.kv_capacity_tokens if stats is not None else None
             if cap is None:
                 return None
             total += cap
-            if stats is not None and stats.kv_cache_usage is not None \
-                    and stats.kv_cache_usage >= self._kv_usage_high:
-                pressed = True
-        if pressed and pool not in self._kv_pressed:
-            self._press(pool, "its KV cache was reported full")
-        return total if pressed and total else None
-
-    def _press(self, pool: str, why: str) -> None:
-        """Start the working-set hold on ``pool`` (once; logged, visible at `rollart run`'s
-        default level)."""
-        if pool not in self._kv_pressed:
-            self._kv_pressed.add(pool)
-            log.warning("affinity: pool %s: %s; its new trajectories now wait for KV room "
-                        "(working-set hold)", pool, why)
+        return total or None
 
     def pool_of_trajectory(self, traj_id: str, domain: str) -> Pool:
         """The pool ``traj_id`` (of ``domain``) generates on: its domain's, or with online
@@ -458,18 +439,16 @@ class LLMProxy(FleetCalls):
     def _account_kv(self, ws: KVWorkingSet, traj_id: str, domain: str,
                     worker: GenerationBackend, held: int, total: int,
                     result: m.GenerateResult) -> None:
-        """After a checked turn: the trajectory's footprint, the eviction evidence, and the
-        pool's waiters (its capacity may have changed with the reply's stats)."""
+        """After a checked turn: the trajectory's footprint, the eviction count, and the
+        pool's waiters (its expected sum or its capacity may have changed)."""
         pool = self.pool_of_trajectory(traj_id, domain).name
         if result.finish_reason != "abort":
             ws.held(traj_id, total + result.num_tokens)
         cached = result.num_cached_tokens
         if held and cached is not None and 2 * cached < held:
-            # Most of the prefix its worker held for it was evicted: the pool's cache no
-            # longer keeps its trajectories between turns.
+            # Most of the prefix its worker held for it was evicted: the pool's cache did not
+            # keep its trajectories between turns.
             self.num_prefix_evicted_turns += 1
-            self._press(pool, f"worker {worker.name} had evicted {held - cached} of the "
-                        f"{held} prefix tokens it held for trajectory {traj_id}")
         ws.poke(pool)
 
     def served_by(self, traj_id: str) -> str | None:

@@ -11,19 +11,28 @@ is the working-set rule (P. J. Denning, "The working set model for program behav
 
 A live trajectory's working set is its expected KV footprint in tokens: the larger of what its
 worker holds now (prompt and generated tokens of its last turn; its first prompt before that)
-and the mean final footprint of its domain's finished trajectories (before any finished:
-``prior_tokens``, the longest a trajectory may grow). The per-pool sums are kept as trajectories
-start, turn and end; the domain means they use are refreshed once the finishes since the last
-refresh reach 1/``REFRESH_FRACTION`` of the live trajectories (every finish while fewer than
-that are live), so a check costs O(1) and a refresh O(live) amortised over many finishes. A pool's KV capacity is the sum of its live workers' reported
+and its expected final footprint. That is the mean final footprint of its domain's finished
+trajectories; before any of them finished, a projection from the turns seen so far: a
+trajectory that holds ``t`` tokens after ``k`` of at most ``max_turns`` turns is expected to end
+at ``t x max_turns / k`` (each later turn adding as much as the mean turn so far, the first
+prompt included, so an over-estimate for the usual long-prompt-short-turn trajectory), and one
+that has not turned yet at the mean first-turn footprint of its domain times ``max_turns``;
+every projection is capped at ``prior_tokens`` (the longest a trajectory may grow), which is
+also the estimate before any first turn of the domain returned. So the hold guards the cache
+from a run's first burst on, and its caution costs at most one turn: the projections replace
+the worst case as soon as the first turns return. The per-pool sums are kept as trajectories
+start, turn and end; the domain means they use are refreshed once the finishes and first
+turns since the last refresh reach ``REFRESH_FRACTION`` of the live trajectories (every one
+while fewer than 1/``REFRESH_FRACTION`` are live), so a check costs O(1) and a refresh O(live)
+amortised over many events. A pool's KV capacity is the sum of its live workers' reported
 ``WorkerStats.kv_capacity_tokens`` (vLLM: ``num_gpu_blocks x block_size``). A new trajectory
 starts on a pool when the expected footprints of the pool's live trajectories plus its own fit
 ``share x capacity``, or when the pool has no live trajectory (nothing to protect: a trajectory
 larger than the whole cache still runs, alone); otherwise it waits, first come first served,
-until a trajectory on that pool ends or its capacity changes (``poke``). A pool whose capacity
-is not known (a worker that does not report it) is never gated. ``num_waits`` / ``wait_s``
-count a wait when it ends (started or cancelled), so per-step deltas pair waits with their
-seconds.
+until a trajectory on that pool turns or ends or its capacity changes (``poke``). A pool whose
+capacity is not known (a worker that does not report it) is never gated. ``num_waits`` /
+``wait_s`` count a wait when it ends (started or cancelled), so per-step deltas pair waits with
+their seconds. The first wait on each pool is logged (one WARNING line).
 
 The gate holds only a trajectory's *first* turn: a live trajectory's later turns always go
 ahead (holding them would keep their KV and stop the work that frees it).
@@ -32,9 +41,12 @@ ahead (holding them would keep their KV and stop the work that frees it).
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
 
 #: refresh the domain means once the finishes since the last refresh reach this share of the
 #: live trajectories (module docstring)
@@ -47,7 +59,7 @@ class _Live:
     domain: str
     tokens: int  # KV tokens its worker holds now (its first prompt before its first turn)
     expected: float  # its expected footprint under the current domain means
-    turned: bool = False  # a turn completed: its footprint is a measured one
+    turns: int = 0  # turns completed: from the first on its footprint is a measured one
 
 
 class KVWorkingSet:
@@ -59,24 +71,37 @@ class KVWorkingSet:
         prior_tokens: a trajectory's expected footprint in tokens before any trajectory of its
             domain has finished (the run's ``max_tokens_per_trajectory``), >= 1.
         share: share of the capacity the working sets may fill, in (0, 1].
+        max_turns: domain name -> its cap on turns per trajectory, for the projection before
+            the domain's first finish; a domain not in it is expected at ``prior_tokens``
+            until then.
 
     Raises:
-        ValueError: ``prior_tokens`` < 1 or ``share`` out of range.
+        ValueError: ``prior_tokens`` < 1, ``share`` out of range or a ``max_turns`` < 1.
     """
 
     def __init__(self, capacity: Callable[[str], int | None], *, prior_tokens: int,
-                 share: float = 1.0) -> None:
+                 share: float = 1.0, max_turns: Mapping[str, int] | None = None) -> None:
         if prior_tokens < 1:
             raise ValueError(f"prior_tokens must be >= 1, got {prior_tokens}")
         if not 0.0 < share <= 1.0:
             raise ValueError(f"share must be in (0, 1], got {share}")
+        self.max_turns = dict(max_turns or {})
+        for domain, turns in self.max_turns.items():
+            if turns < 1:
+                raise ValueError(f"max_turns of domain {domain!r} must be >= 1, got {turns}")
         self.capacity, self.prior_tokens, self.share = capacity, prior_tokens, share
         self._live: dict[str, _Live] = {}
         #: domain -> (finished trajectories, their summed final footprints in tokens)
         self._final: dict[str, tuple[int, int]] = {}
         #: domain -> the mean final footprint in use (refreshed from ``_final``)
         self._mean: dict[str, float] = {}
-        self._finishes_since_refresh = 0
+        #: domain -> (first turns completed, their summed footprints in tokens), and the
+        #: projection in use for a trajectory of it that has not turned (from ``_first``)
+        self._first: dict[str, tuple[int, int]] = {}
+        self._first_projection: dict[str, float] = {}
+        self._events_since_refresh = 0
+        #: pools whose first wait was logged
+        self._warned: set[str] = set()
         #: pool -> (live trajectories, their expected footprints summed)
         self._pools: dict[str, tuple[int, float]] = {}
         self._waiters: dict[str, deque[tuple[asyncio.Future[None], str, str, int]]] = {}
@@ -85,10 +110,19 @@ class KVWorkingSet:
         self.num_waits = 0
         self.wait_s = 0.0
 
-    def expected_tokens(self, domain: str, tokens: int = 0) -> float:
+    def expected_tokens(self, domain: str, tokens: int = 0, turns: int = 0) -> float:
         """Expected final KV footprint (tokens) of a trajectory of ``domain`` holding ``tokens``
-        now."""
-        return max(float(tokens), self._mean.get(domain, float(self.prior_tokens)))
+        now after ``turns`` completed turns (module docstring)."""
+        mean = self._mean.get(domain)
+        if mean is None:
+            cap = self.max_turns.get(domain)
+            if cap is None:
+                mean = float(self.prior_tokens)
+            elif turns:
+                mean = min(float(self.prior_tokens), tokens * cap / turns)
+            else:
+                mean = self._first_projection.get(domain, float(self.prior_tokens))
+        return max(float(tokens), mean)
 
     def pool_tokens(self, pool: str) -> float:
         """Expected footprints (tokens) of the live trajectories on ``pool``, summed."""
@@ -123,6 +157,12 @@ class KVWorkingSet:
             return
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         queue.append((fut, traj_id, domain, num_prompt_tokens))
+        if pool not in self._warned:
+            self._warned.add(pool)
+            log.warning("affinity: pool %s: its live trajectories' expected KV footprints "
+                        "(%.0f tokens) fill its KV cache (%s tokens); new trajectories wait "
+                        "for room (working-set hold)", pool, self.pool_tokens(pool),
+                        self.capacity(pool))
         t0 = clock()
         try:
             # ``_wake`` puts it in the live set as it admits it: a cancelled caller that was
@@ -141,13 +181,20 @@ class KVWorkingSet:
         self._pools[pool] = (n + 1, total + live.expected)
 
     def held(self, traj_id: str, tokens: int) -> None:
-        """``traj_id``'s worker holds ``tokens`` KV tokens for it now (after a turn)."""
+        """``traj_id``'s worker holds ``tokens`` KV tokens for it now (after a turn). The
+        caller pokes the trajectory's pool (its sum may have fallen)."""
         live = self._live.get(traj_id)
-        if live is not None:
-            expected = self.expected_tokens(live.domain, tokens)
-            n, total = self._pools[live.pool]
-            self._pools[live.pool] = (n, total + expected - live.expected)
-            live.tokens, live.turned, live.expected = tokens, True, expected
+        if live is None:
+            return
+        live.turns += 1
+        expected = self.expected_tokens(live.domain, tokens, live.turns)
+        n, total = self._pools[live.pool]
+        self._pools[live.pool] = (n, total + expected - live.expected)
+        live.tokens, live.expected = tokens, expected
+        if live.turns == 1 and live.domain not in self._mean:
+            count, summed = self._first.get(live.domain, (0, 0))
+            self._first[live.domain] = (count + 1, summed + tokens)
+            self._event(live.pool)
 
     def ended(self, traj_id: str) -> None:
         """``traj_id`` ended: its footprint counts in its domain's mean (when it generated) and
@@ -158,25 +205,32 @@ class KVWorkingSet:
             return
         n, total = self._pools[live.pool]
         self._pools[live.pool] = (n - 1, total - live.expected) if n > 1 else (0, 0.0)
-        if live.turned:
+        if live.turns:
             count, tokens = self._final.get(live.domain, (0, 0))
             self._final[live.domain] = (count + 1, tokens + live.tokens)
-            self._finishes_since_refresh += 1
-            if self._finishes_since_refresh >= REFRESH_FRACTION * len(self._live):
-                self._refresh()
-                # New means change every pool's sum, not only this one's.
-                for pool in [p for p in self._waiters if p != live.pool]:
-                    self._wake(pool)
+            self._event(live.pool)
         self._wake(live.pool)
 
+    def _event(self, pool: str) -> None:
+        """A finish or a first turn: refresh the domain means once enough accumulated."""
+        self._events_since_refresh += 1
+        if self._events_since_refresh >= REFRESH_FRACTION * len(self._live):
+            self._refresh()
+            # New means change every pool's sum, not only this one's.
+            for other in [p for p in self._waiters if p != pool]:
+                self._wake(other)
+
     def _refresh(self) -> None:
-        """The domain means from every finish so far, and every live expectation and pool sum
-        under them (also clears the sums' rounding drift)."""
-        self._finishes_since_refresh = 0
+        """The domain means and first-turn projections from every event so far, and every
+        live expectation and pool sum under them (also clears the sums' rounding drift)."""
+        self._events_since_refresh = 0
         self._mean = {d: tokens / count for d, (count, tokens) in self._final.items()}
+        self._first_projection = {
+            d: min(float(self.prior_tokens), tokens / count * self.max_turns[d])
+            for d, (count, tokens) in self._first.items() if d in self.max_turns}
         pools: dict[str, tuple[int, float]] = {}
         for live in self._live.values():
-            live.expected = self.expected_tokens(live.domain, live.tokens)
+            live.expected = self.expected_tokens(live.domain, live.tokens, live.turns)
             n, total = pools.get(live.pool, (0, 0.0))
             pools[live.pool] = (n + 1, total + live.expected)
         self._pools = pools
