@@ -335,6 +335,16 @@ def test_sync_mode_leaves_the_hold_off_and_refuses_it_when_set() -> None:
                       adaptive_affinity={"enabled": True, "kv_working_set": True})
 
 
+def test_the_hold_asked_for_without_online_affinity_is_refused() -> None:
+    from helpers.fakes import make_scenario
+    from rollart.transport.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="run.adaptive_affinity.kv_working_set: true has no "
+                       "effect while run.adaptive_affinity.enabled is false"):
+        make_scenario(adaptive_affinity={"kv_working_set": True})
+    assert not make_scenario(adaptive_affinity={"kv_working_set": False}).run.adaptive_affinity.enabled
+
+
 def test_a_sync_run_with_online_affinity_does_not_deadlock_on_the_turn_barrier() -> None:
     """Every member of a sync batch waits for all at each turn: a held first turn would wait
     for trajectories that wait for it (each step then ran to ``trajectory_timeout_s``)."""

@@ -89,6 +89,7 @@ class AdaptiveAffinityConfig(_Cfg, frozen=True):
     #: capacity (vLLM and simulated ones do).
     #: Unset: on in every mode but ``sync``, whose turn barrier makes every live trajectory
     #: wait for a held first turn (refused there when set; ``RunConfig.effective_kv_working_set``).
+    #: ``true`` with ``enabled = false`` is refused (the hold is part of online affinity).
     kv_working_set: bool | None = None
     #: share of a pool's KV capacity the working sets may fill, (0, 1].
     kv_working_set_share: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0

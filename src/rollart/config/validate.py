@@ -103,6 +103,10 @@ def validate_scenario(scenario: Scenario, source: str = "<scenario>") -> Scenari
         raise _fail(source, "run.adaptive_affinity.room_waiting_share",
                     f"{aa.room_waiting_share} >= saturated_waiting_share "
                     f"{aa.saturated_waiting_share}: a pool would have room while saturated")
+    if not aa.enabled and aa.kv_working_set:
+        raise _fail(source, "run.adaptive_affinity.kv_working_set",
+                    "true has no effect while run.adaptive_affinity.enabled is false (the hold "
+                    "is part of online affinity): set enabled = true, or drop kv_working_set")
     if aa.enabled and aa.kv_working_set and run.mode == "sync":
         raise _fail(source, "run.adaptive_affinity.kv_working_set",
                     "mode 'sync' runs every trajectory's turn together (a turn barrier): a "
