@@ -19,8 +19,8 @@ prompt included, so an over-estimate for the usual long-prompt-short-turn trajec
 that has not turned yet at the mean first-turn footprint of its domain times ``max_turns``;
 every projection is capped at ``prior_tokens`` (the longest a trajectory may grow), which is
 also the estimate before any first turn of the domain returned. So the hold guards the cache
-from a run's first burst on, and its caution costs at most one turn: the projections replace
-the worst case as soon as the first turns return. The per-pool sums are kept as trajectories
+from a run's first burst on, and where ``prior_tokens`` is loose (trajectories far shorter than
+the longest allowed) the projections replace it as soon as the first turns return. The per-pool sums are kept as trajectories
 start, turn and end; the domain means they use are refreshed once the finishes and first
 turns since the last refresh reach ``REFRESH_FRACTION`` of the live trajectories (every one
 while fewer than 1/``REFRESH_FRACTION`` are live), so a check costs O(1) and a refresh O(live)
@@ -48,8 +48,8 @@ from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
-#: refresh the domain means once the finishes since the last refresh reach this share of the
-#: live trajectories (module docstring)
+#: refresh the domain means and projections once the finishes and first turns since the last
+#: refresh reach this share of the live trajectories (module docstring)
 REFRESH_FRACTION = 1 / 64
 
 
