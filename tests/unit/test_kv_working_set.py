@@ -39,19 +39,32 @@ def test_before_a_domains_first_finish_its_footprints_are_projected_from_its_tur
     ws._start("t1", "A", "d", 50)
     ws._start("u1", "A", "e", 50)  # no turn cap: the prior until its domain's first finish
     assert ws.pool_tokens("A") == 2000  # before any turn returned: the worst case
-    ws.held("t1", 100)  # 1 of at most 4 turns: 100 x 4
-    assert ws.expected_tokens("d", 100, 1) == 400 and ws.pool_tokens("A") == 1400
+    ws.held("t1", 100)  # 1 of at most 4 turns: its footprint counted as every turn's, 100 x 4
+    assert ws.expected_tokens("d", 100, 1, 50) == 400 and ws.pool_tokens("A") == 1400
     # A new trajectory of the domain: its first-turn mean times the cap.
     assert ws.expected_tokens("d", 50) == 400 and ws.expected_tokens("e", 50) == 1000
-    ws.held("t1", 150)  # 150 x 4 / 2
-    assert ws.pool_tokens("A") == 1300
-    ws.held("t1", 900)  # never above the prior
-    assert ws.expected_tokens("d", 900, 3) == 1000
+    ws.held("t1", 300)  # the first prompt once, then 3 more turns like its second: 50 + 250 x 3
+    assert ws.pool_tokens("A") == 1800
+    assert ws.expected_tokens("d", 50) == 800  # now the second turns' projection
+    ws.held("t1", 400)  # 50 + 350 x 3 / 2
+    assert ws.pool_tokens("A") == 1575
+    assert ws.expected_tokens("d", 5000, 2, 50) == 5000  # never below what it holds
+    assert ws.expected_tokens("d", 600, 2, 50) == 1000  # nor above the prior otherwise
     ws.held("u1", 120)
     assert ws.expected_tokens("e", 120, 1) == 1000
+    ws.held("t1", 900)
     ws.ended("t1")  # a finish: the domain's mean replaces its projections
-    assert ws.expected_tokens("d", 50) == 900 and ws.expected_tokens("d", 100, 1) == 900
+    assert ws.expected_tokens("d", 50) == 900 and ws.expected_tokens("d", 300, 2, 50) == 900
     assert ws.pool_tokens("A") == 1000
+
+
+def test_a_loose_turn_cap_keeps_the_projection_high_until_the_first_finish() -> None:
+    """Documented: the projection assumes every allowed turn is taken."""
+    ws = KVWorkingSet(lambda p: 10_000, prior_tokens=100_000, max_turns={"d": 64})
+    ws._start("t1", "A", "d", 1000)
+    ws.held("t1", 1200)
+    ws.held("t1", 1700)
+    assert ws.expected_tokens("d", 1700, 2, 1000) == 1000 + 700 * 63
 
 
 @pytest.mark.looptime
@@ -78,7 +91,7 @@ async def test_a_first_turn_waits_for_room_and_starts_when_a_trajectory_ends() -
     await ws.admit("u1", "B", "d", 10, clock)
     ws.held("t1", 40)
     ws.ended("t1")
-    await waiting
+    await asyncio.wait_for(waiting, 5.0)
     assert ws.is_live("t2") and ws.num_waits == 1 and ws.wait_s == pytest.approx(5.0)
     # The finished trajectory's footprint (40) is now the domain's expectation, not the prior.
     assert ws.expected_tokens("d") == 40 and ws.expected_tokens("d", 70) == 70
@@ -106,9 +119,9 @@ async def test_waiters_start_in_order_and_a_cancelled_one_holds_no_one_back() ->
     await asyncio.sleep(1.0)
     assert order == ["w2"] and not third.done()
     ws.ended("live2")
-    await third
+    await asyncio.wait_for(third, 5.0)
     assert order == ["w2", "w3"] and not ws.is_live("w1")
-    await second
+    await asyncio.wait_for(second, 5.0)
 
 
 async def test_an_unknown_capacity_and_a_trajectory_that_never_turned() -> None:
@@ -185,13 +198,13 @@ async def test_the_proxy_holds_a_new_trajectory_from_the_first_and_counts_evicti
     await proxy.generate("t1", "d", "r4", prompt(130), SP)
     assert proxy.num_prefix_evicted_turns == 1
     proxy.release("t1")
-    await new
+    await asyncio.wait_for(new, 5.0)
     assert ws.num_waits == 1 and ws.wait_s == pytest.approx(3.0)
     # One WARNING line at the pool's first wait.
     lines = [r.getMessage() for r in caplog.records if "working-set hold" in r.getMessage()]
     assert lines == ["affinity: pool A: its live trajectories' expected KV footprints (800 "
-                     "tokens) fill its KV cache (1000 tokens); new trajectories wait for room "
-                     "(working-set hold)"]
+                     "tokens) leave no room in its KV cache (1000 tokens) for a new one's (800); "
+                     "new trajectories wait for room (working-set hold)"]
 
 
 async def second_held_by_a_full_cache() -> tuple[LLMProxy, CachingWorker, asyncio.Task]:
@@ -281,6 +294,45 @@ def test_a_pool_that_fits_the_real_footprints_but_not_the_worst_case_loses_nothi
     assert total[1] == pytest.approx(total[0], rel=0.02)  # simulated seconds: deterministic
 
 
+@pytest.mark.looptime
+async def test_a_first_turn_on_one_pool_wakes_the_waiters_of_another() -> None:
+    """The domain's first turn returns on B: the refreshed projection shrinks A's sum too, and
+    A's waiter starts without waiting for an event of its own pool."""
+    ws = KVWorkingSet(lambda p: 1000, prior_tokens=1000, max_turns={"d": 4})
+    await ws.admit("a1", "A", "d", 50, clock)
+    waiting = asyncio.create_task(ws.admit("a2", "A", "d", 50, clock))
+    await ws.admit("b1", "B", "d", 50, clock)
+    await asyncio.sleep(1.0)
+    assert not waiting.done() and ws.pool_tokens("A") == 1000
+    ws.held("b1", 100)  # on B; its pool poked by the proxy, A by the refresh
+    await asyncio.wait_for(waiting, 5.0)
+    assert ws.pool_tokens("A") == 800
+
+
+def test_a_trajectory_that_fills_the_cache_exactly_fits() -> None:
+    ws = KVWorkingSet(lambda p: 1000, prior_tokens=500)
+    ws._start("live", "A", "d", 10)
+    assert ws.fits("A", "d", 10) and not ws.full("A")
+    ws._start("second", "A", "d", 10)
+    assert ws.full("A") and not ws.fits("A", "d", 0)
+
+
+@pytest.mark.looptime
+async def test_the_hold_is_logged_once_per_pool(caplog) -> None:
+    caplog.set_level(logging.WARNING, logger="rollart.controller.routing.workingset")
+    ws = KVWorkingSet(lambda p: 100, prior_tokens=80)
+    await ws.admit("live", "A", "d", 5, clock)
+    first = asyncio.create_task(ws.admit("w1", "A", "d", 5, clock))
+    second = asyncio.create_task(ws.admit("w2", "A", "d", 5, clock))
+    await asyncio.sleep(1.0)
+    assert not first.done() and not second.done()
+    lines = [r.getMessage() for r in caplog.records if "working-set hold" in r.getMessage()]
+    assert len(lines) == 1, lines
+    for task in (first, second):
+        task.cancel()
+    await asyncio.gather(first, second, return_exceptions=True)
+
+
 def test_fits_counts_the_new_trajectorys_own_prompt() -> None:
     ws = KVWorkingSet(lambda p: 1000, prior_tokens=100)
     ws._start("live", "A", "d", 100)
@@ -295,7 +347,7 @@ async def test_a_wait_counts_with_its_seconds_when_it_ends() -> None:
     await asyncio.sleep(4.0)
     assert (ws.num_waits, ws.wait_s) == (0, 0.0)  # still waiting: counted when it ends
     ws.ended("live")
-    await waiting
+    await asyncio.wait_for(waiting, 5.0)
     assert (ws.num_waits, ws.wait_s) == (1, pytest.approx(4.0))
 
 

@@ -8,8 +8,8 @@ then ``poke``, as ``LLMProxy`` does after a checked turn), aborted replies (``po
 the passing of time, over two pools and two domains (one with a turn cap, projected before its
 first finish; one without, at the prior until then). The model keeps every live trajectory's
 tokens and turns and recomputes each pool's expected footprints from scratch (no incremental
-sums), and keeps the domain means and first-turn projections in use by the documented refresh
-rule (once the finishes and first turns since the last refresh reach ``REFRESH_FRACTION`` of
+sums), and keeps the domain means and projections in use by the documented refresh rule (once
+the finishes, first and second turns since the last refresh reach ``REFRESH_FRACTION`` of
 the live trajectories; larger fractions are drawn too, so that the means go stale between
 refreshes with few live trajectories). It checks:
 
@@ -58,12 +58,13 @@ class WorkingSetMachine(RuleBasedStateMachine):
         self.share = 1.0
         self.ws: KVWorkingSet | None = None
         # the model
-        self.live: dict[str, list] = {}  # traj -> [pool, domain, tokens, turns]
+        self.live: dict[str, list] = {}  # traj -> [pool, domain, tokens, turns, first prompt]
         self.final: dict[str, tuple[int, int]] = {}
         self.mean: dict[str, float] = {}
         self.max_turns: dict[str, int] = {}
         self.first: dict[str, tuple[int, int]] = {}
-        self.first_projection: dict[str, float] = {}
+        self.second: dict[str, tuple[int, float]] = {}
+        self.projection: dict[str, float] = {}
         self.since_refresh = 0
         self.queue: dict[str, list[tuple[str, str, int]]] = {p: [] for p in POOLS}
         self.tasks: dict[str, asyncio.Task] = {}
@@ -85,18 +86,24 @@ class WorkingSetMachine(RuleBasedStateMachine):
         for _ in range(3):
             self.loop.run_until_complete(asyncio.sleep(0))
 
-    def expected(self, domain: str, tokens: int, turns: int = 0) -> float:
+    def projected(self, domain: str, tokens: int, turns: int, first: int) -> float:
+        prior, cap = float(self.prior), self.max_turns.get(domain)
+        if cap is None:
+            return prior
+        if turns >= 2 and cap > 1:
+            return min(prior, first + (tokens - first) * (cap - 1) / (turns - 1))
+        if domain in self.projection:
+            return self.projection[domain]
+        return min(prior, float(tokens) * cap) if turns else prior
+
+    def expected(self, domain: str, tokens: int, turns: int = 0, first: int = 0) -> float:
         if domain in self.mean:
             return max(float(tokens), self.mean[domain])
-        if domain not in self.max_turns:
-            return max(float(tokens), float(self.prior))
-        if turns:
-            return max(float(tokens), min(float(self.prior),
-                                          tokens * self.max_turns[domain] / turns))
-        return max(float(tokens), self.first_projection.get(domain, float(self.prior)))
+        return max(float(tokens), self.projected(domain, tokens, turns, first))
 
     def pool_sum(self, pool: str) -> float:
-        return sum(self.expected(d, t, k) for p, d, t, k in self.live.values() if p == pool)
+        return sum(self.expected(d, t, k, f) for p, d, t, k, f in self.live.values()
+                   if p == pool)
 
     def n_live(self, pool: str) -> int:
         return sum(1 for p, *_ in self.live.values() if p == pool)
@@ -124,7 +131,7 @@ class WorkingSetMachine(RuleBasedStateMachine):
             if not started:
                 break
             q.pop(0)
-            self.live[traj] = [pool, domain, tokens, 0]
+            self.live[traj] = [pool, domain, tokens, 0, tokens]
         for traj, *_ in q:  # FCFS: no later one started past a held one
             assert not self._ws().is_live(traj), f"{traj} started out of order"
 
@@ -172,7 +179,7 @@ class WorkingSetMachine(RuleBasedStateMachine):
         elif m is None or abs(m) > EPS:
             assert started == (m is None or m >= 0), (m, started)
         if started:
-            self.live[traj] = [pool, domain, prompt, 0]
+            self.live[traj] = [pool, domain, prompt, 0, prompt]
         else:
             self.queue[pool].append((traj, domain, prompt))
             self.tasks[traj] = task
@@ -189,9 +196,14 @@ class WorkingSetMachine(RuleBasedStateMachine):
             ws.held(traj, tokens)
             entry = self.live[traj]
             entry[2], entry[3] = tokens, entry[3] + 1
-            if entry[3] == 1 and entry[1] not in self.mean:
-                c, s = self.first.get(entry[1], (0, 0))
-                self.first[entry[1]] = (c + 1, s + tokens)
+            domain, turns = entry[1], entry[3]
+            if domain not in self.mean and domain in self.max_turns and turns == 1:
+                c, s = self.first.get(domain, (0, 0))
+                self.first[domain] = (c + 1, s + tokens)
+                self._event(pool)
+            elif domain not in self.mean and domain in self.max_turns and turns == 2:
+                c, s2 = self.second.get(domain, (0, 0.0))
+                self.second[domain] = (c + 1, s2 + self.projected(domain, tokens, 2, entry[4]))
                 self._event(pool)
         ws.poke(pool)
         self.model_wake(pool)
@@ -200,7 +212,7 @@ class WorkingSetMachine(RuleBasedStateMachine):
 
     def _end(self, traj: str) -> None:
         ws = self._ws()
-        pool, domain, tokens, turns = self.live.pop(traj)
+        pool, domain, tokens, turns, _ = self.live.pop(traj)
         ws.ended(traj)
         if turns:
             c, s = self.final.get(domain, (0, 0))
@@ -214,9 +226,9 @@ class WorkingSetMachine(RuleBasedStateMachine):
         if self.since_refresh >= self.fraction * len(self.live):
             self.since_refresh = 0
             self.mean = {d: s / c for d, (c, s) in self.final.items()}
-            self.first_projection = {
-                d: min(float(self.prior), s / c * self.max_turns[d])
-                for d, (c, s) in self.first.items() if d in self.max_turns}
+            self.projection = {d: min(float(self.prior), s / c * self.max_turns[d])
+                               for d, (c, s) in self.first.items()}
+            self.projection.update({d: s / c for d, (c, s) in self.second.items()})
             for other in sorted(self.queue):  # new means: every pool's waiters
                 if other != pool:
                     self.model_wake(other)
@@ -299,8 +311,9 @@ class WorkingSetMachine(RuleBasedStateMachine):
                 assert got == 0.0, (pool, got)
         for d in DOMAINS:
             for t in (0, 50, 1000):
-                for k in (0, 1, 3):
-                    assert self.ws.expected_tokens(d, t, k) == self.expected(d, t, k)
+                for k in (0, 1, 2, 3):
+                    for f in (0, 20):
+                        assert self.ws.expected_tokens(d, t, k, f) == self.expected(d, t, k, f)
 
     @invariant()
     def views_match(self) -> None:

@@ -116,10 +116,11 @@ class LLMProxy(FleetCalls):
             turn while its pool's KV cache cannot keep one more trajectory's working set
             (``rollart.controller.routing.workingset``; the pool is judged saturated then):
             ``share`` of the pool's reported KV capacity (``WorkerStats.kv_capacity_tokens``);
-            ``prior_tokens``: a trajectory's expected footprint before its domain's first turns
-            returned; ``max_turns``: domain -> its cap on turns, for the projection before its
+            ``prior_tokens``: the longest a trajectory may grow (every projection's cap, and
+            the estimate before its domain's first turn returned); ``max_turns``: domain -> its cap on turns, for the projection before its
             first finish. Turns that found most of the prefix their worker held evicted
             (``GenerateResult.num_cached_tokens``) are counted. ``None``: no such hold.
+
     Raises:
         ConfigError: an empty pool, a duplicate worker name, or affinity to an unknown pool.
     """

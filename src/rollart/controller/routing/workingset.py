@@ -12,19 +12,24 @@ is the working-set rule (P. J. Denning, "The working set model for program behav
 A live trajectory's working set is its expected KV footprint in tokens: the larger of what its
 worker holds now (prompt and generated tokens of its last turn; its first prompt before that)
 and its expected final footprint. That is the mean final footprint of its domain's finished
-trajectories; before any of them finished, a projection from the turns seen so far: a
-trajectory that holds ``t`` tokens after ``k`` of at most ``max_turns`` turns is expected to end
-at ``t x max_turns / k`` (each later turn adding as much as the mean turn so far, the first
-prompt included, so an over-estimate for the usual long-prompt-short-turn trajectory), and one
-that has not turned yet at the mean first-turn footprint of its domain times ``max_turns``;
-every projection is capped at ``prior_tokens`` (the longest a trajectory may grow), which is
-also the estimate before any first turn of the domain returned. So the hold guards the cache
-from a run's first burst on, and where ``prior_tokens`` is loose (trajectories far shorter than
-the longest allowed) the projections replace it as soon as the first turns return. The per-pool sums are kept as trajectories
-start, turn and end; the domain means they use are refreshed once the finishes and first
-turns since the last refresh reach ``REFRESH_FRACTION`` of the live trajectories (every one
-while fewer than 1/``REFRESH_FRACTION`` are live), so a check costs O(1) and a refresh O(live)
-amortised over many events. A pool's KV capacity is the sum of its live workers' reported
+trajectories; before any of them finished, a projection from the turns seen so far, capped at
+``prior_tokens`` (the longest a trajectory may grow). A trajectory whose first prompt was
+``p`` tokens and that holds ``t`` after ``k >= 2`` of at most ``max_turns`` turns is expected to
+end at ``p + (t - p) x (max_turns - 1) / (k - 1)``: every later turn adds an observation and a
+response as the turns after the first did (the first turn adds a response only, so it cannot
+tell how large observations are). A trajectory with fewer turns is expected at its domain's
+projection: the mean of its trajectories' projections at their second turn; before any second
+turn, the mean first-turn footprint times ``max_turns`` (the first prompt counted as every
+turn's growth: an over-estimate); before any first turn returned, ``prior_tokens``. A
+``max_turns`` far above the turns trajectories really take keeps the projections high until the
+domain's first finish. So the hold guards the cache from a run's first burst on, and where
+``prior_tokens`` is loose the projections replace it as the first turns return.
+
+The per-pool sums are kept as trajectories start, turn and end; the domain means and
+projections they use are refreshed once the finishes, first and second turns since the last
+refresh reach ``REFRESH_FRACTION`` of the live trajectories (every one while fewer than
+1/``REFRESH_FRACTION`` are live), so a check costs O(1) and a refresh O(live) amortised over
+many events. A pool's KV capacity is the sum of its live workers' reported
 ``WorkerStats.kv_capacity_tokens`` (vLLM: ``num_gpu_blocks x block_size``). A new trajectory
 starts on a pool when the expected footprints of the pool's live trajectories plus its own fit
 ``share x capacity``, or when the pool has no live trajectory (nothing to protect: a trajectory
@@ -48,8 +53,8 @@ from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
-#: refresh the domain means and projections once the finishes and first turns since the last
-#: refresh reach this share of the live trajectories (module docstring)
+#: refresh the domain means and projections once the finishes, first and second turns since
+#: the last refresh reach this share of the live trajectories (module docstring)
 REFRESH_FRACTION = 1 / 64
 
 
@@ -58,6 +63,7 @@ class _Live:
     pool: str
     domain: str
     tokens: int  # KV tokens its worker holds now (its first prompt before its first turn)
+    first_prompt: int  # tokens of its first prompt
     expected: float  # its expected footprint under the current domain means
     turns: int = 0  # turns completed: from the first on its footprint is a measured one
 
@@ -68,8 +74,10 @@ class KVWorkingSet:
     Args:
         capacity: pool name -> the pool's KV capacity in tokens now, ``None`` when not known
             (then the pool is not gated).
-        prior_tokens: a trajectory's expected footprint in tokens before any trajectory of its
-            domain has finished (the run's ``max_tokens_per_trajectory``), >= 1.
+        prior_tokens: the longest a trajectory may grow, in tokens (the run's
+            ``max_tokens_per_trajectory``), >= 1: every projection's cap, and a trajectory's
+            expected footprint before its domain's first turn returned (before its first finish
+            for a domain not in ``max_turns``).
         share: share of the capacity the working sets may fill, in (0, 1].
         max_turns: domain name -> its cap on turns per trajectory, for the projection before
             the domain's first finish; a domain not in it is expected at ``prior_tokens``
@@ -95,10 +103,12 @@ class KVWorkingSet:
         self._final: dict[str, tuple[int, int]] = {}
         #: domain -> the mean final footprint in use (refreshed from ``_final``)
         self._mean: dict[str, float] = {}
-        #: domain -> (first turns completed, their summed footprints in tokens), and the
-        #: projection in use for a trajectory of it that has not turned (from ``_first``)
+        #: domain -> (first turns completed, their summed footprints in tokens); (second turns
+        #: completed, the trajectories' projections then, summed); and the projection in use
+        #: for a trajectory of it with fewer than two turns (from those two)
         self._first: dict[str, tuple[int, int]] = {}
-        self._first_projection: dict[str, float] = {}
+        self._second: dict[str, tuple[int, float]] = {}
+        self._projection: dict[str, float] = {}
         self._events_since_refresh = 0
         #: pools whose first wait was logged
         self._warned: set[str] = set()
@@ -110,19 +120,27 @@ class KVWorkingSet:
         self.num_waits = 0
         self.wait_s = 0.0
 
-    def expected_tokens(self, domain: str, tokens: int = 0, turns: int = 0) -> float:
+    def expected_tokens(self, domain: str, tokens: int = 0, turns: int = 0,
+                        first_prompt: int = 0) -> float:
         """Expected final KV footprint (tokens) of a trajectory of ``domain`` holding ``tokens``
-        now after ``turns`` completed turns (module docstring)."""
+        now after ``turns`` completed turns, its first prompt ``first_prompt`` tokens long
+        (module docstring)."""
         mean = self._mean.get(domain)
         if mean is None:
-            cap = self.max_turns.get(domain)
-            if cap is None:
-                mean = float(self.prior_tokens)
-            elif turns:
-                mean = min(float(self.prior_tokens), tokens * cap / turns)
-            else:
-                mean = self._first_projection.get(domain, float(self.prior_tokens))
+            mean = self._projected(domain, tokens, turns, first_prompt)
         return max(float(tokens), mean)
+
+    def _projected(self, domain: str, tokens: int, turns: int, first_prompt: int) -> float:
+        prior = float(self.prior_tokens)
+        cap = self.max_turns.get(domain)
+        if cap is None:
+            return prior
+        if turns >= 2 and cap > 1:
+            return min(prior, first_prompt + (tokens - first_prompt) * (cap - 1) / (turns - 1))
+        own = self._projection.get(domain)
+        if own is not None:
+            return own
+        return min(prior, float(tokens) * cap) if turns else prior
 
     def pool_tokens(self, pool: str) -> float:
         """Expected footprints (tokens) of the live trajectories on ``pool``, summed."""
@@ -160,9 +178,10 @@ class KVWorkingSet:
         if pool not in self._warned:
             self._warned.add(pool)
             log.warning("affinity: pool %s: its live trajectories' expected KV footprints "
-                        "(%.0f tokens) fill its KV cache (%s tokens); new trajectories wait "
-                        "for room (working-set hold)", pool, self.pool_tokens(pool),
-                        self.capacity(pool))
+                        "(%.0f tokens) leave no room in its KV cache (%s tokens) for a new "
+                        "one's (%.0f); new trajectories wait for room (working-set hold)",
+                        pool, self.pool_tokens(pool), self.capacity(pool),
+                        self.expected_tokens(domain, num_prompt_tokens))
         t0 = clock()
         try:
             # ``_wake`` puts it in the live set as it admits it: a cancelled caller that was
@@ -175,7 +194,7 @@ class KVWorkingSet:
                 self._wake(pool)  # it may have held back later ones that fit
 
     def _start(self, traj_id: str, pool: str, domain: str, tokens: int) -> None:
-        live = _Live(pool, domain, tokens, self.expected_tokens(domain, tokens))
+        live = _Live(pool, domain, tokens, tokens, self.expected_tokens(domain, tokens))
         self._live[traj_id] = live
         n, total = self._pools.get(pool, (0, 0.0))
         self._pools[pool] = (n + 1, total + live.expected)
@@ -187,13 +206,20 @@ class KVWorkingSet:
         if live is None:
             return
         live.turns += 1
-        expected = self.expected_tokens(live.domain, tokens, live.turns)
+        expected = self.expected_tokens(live.domain, tokens, live.turns, live.first_prompt)
         n, total = self._pools[live.pool]
         self._pools[live.pool] = (n, total + expected - live.expected)
         live.tokens, live.expected = tokens, expected
-        if live.turns == 1 and live.domain not in self._mean:
+        if live.domain in self._mean or live.domain not in self.max_turns:
+            return
+        if live.turns == 1:
             count, summed = self._first.get(live.domain, (0, 0))
             self._first[live.domain] = (count + 1, summed + tokens)
+            self._event(live.pool)
+        elif live.turns == 2:
+            count, projected = self._second.get(live.domain, (0, 0.0))
+            self._second[live.domain] = (count + 1, projected + self._projected(
+                live.domain, tokens, 2, live.first_prompt))
             self._event(live.pool)
 
     def ended(self, traj_id: str) -> None:
@@ -212,7 +238,8 @@ class KVWorkingSet:
         self._wake(live.pool)
 
     def _event(self, pool: str) -> None:
-        """A finish or a first turn: refresh the domain means once enough accumulated."""
+        """A finish, a first or a second turn: refresh the domain means and projections once
+        enough accumulated."""
         self._events_since_refresh += 1
         if self._events_since_refresh >= REFRESH_FRACTION * len(self._live):
             self._refresh()
@@ -221,16 +248,19 @@ class KVWorkingSet:
                 self._wake(other)
 
     def _refresh(self) -> None:
-        """The domain means and first-turn projections from every event so far, and every
+        """The domain means and projections from every event so far, and every
         live expectation and pool sum under them (also clears the sums' rounding drift)."""
         self._events_since_refresh = 0
         self._mean = {d: tokens / count for d, (count, tokens) in self._final.items()}
-        self._first_projection = {
-            d: min(float(self.prior_tokens), tokens / count * self.max_turns[d])
-            for d, (count, tokens) in self._first.items() if d in self.max_turns}
+        self._projection = {}
+        for d, (count, tokens) in self._first.items():
+            self._projection[d] = min(float(self.prior_tokens), tokens / count * self.max_turns[d])
+        for d, (count, projected) in self._second.items():
+            self._projection[d] = projected / count
         pools: dict[str, tuple[int, float]] = {}
         for live in self._live.values():
-            live.expected = self.expected_tokens(live.domain, live.tokens, live.turns)
+            live.expected = self.expected_tokens(live.domain, live.tokens, live.turns,
+                                                 live.first_prompt)
             n, total = pools.get(live.pool, (0, 0.0))
             pools[live.pool] = (n + 1, total + live.expected)
         self._pools = pools
