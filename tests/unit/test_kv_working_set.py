@@ -271,9 +271,10 @@ def test_a_simulated_pool_past_its_kv_keeps_its_prefixes_with_the_hold() -> None
 
 
 def test_a_pool_that_fits_the_real_footprints_but_not_the_worst_case_loses_nothing() -> None:
-    """Trajectories of about 3,000 tokens under a 32,768-token bound on one simulated engine:
-    the worst case holds the first burst only until the first turns return (waits in the
-    first step only, under a second each), and the run is as fast as without the hold."""
+    """Trajectories of about 3,000 tokens under a 32,768-token bound on one simulated engine
+    (``max_turns`` 8, about the turns they take): the worst case holds the first burst only
+    until the first turns return (waits in the first step only, under a second each), and the
+    run is as fast as without the hold."""
     from benchmarks.workloads import agentic
 
     from rollart.config import AdaptiveAffinityConfig
