@@ -117,9 +117,10 @@ class LLMProxy(FleetCalls):
             (``rollart.controller.routing.workingset``; the pool is judged saturated then):
             ``share`` of the pool's reported KV capacity (``WorkerStats.kv_capacity_tokens``);
             ``prior_tokens``: the longest a trajectory may grow (every projection's cap, and
-            the estimate before its domain's first turn returned); ``max_turns``: domain -> its cap on turns, for the projection before its
-            first finish. Turns that found most of the prefix their worker held evicted
-            (``GenerateResult.num_cached_tokens``) are counted. ``None``: no such hold.
+            the estimate before its domain's first turn returned); ``max_turns``: domain ->
+            its cap on turns, for the projection before its first finish. Turns that found
+            most of the prefix their worker held evicted (``GenerateResult.num_cached_tokens``)
+            are counted. ``None``: no such hold.
 
     Raises:
         ConfigError: an empty pool, a duplicate worker name, or affinity to an unknown pool.
@@ -423,7 +424,7 @@ class LLMProxy(FleetCalls):
                 result, max_tokens=sampling.max_tokens, min_version=min_version,
                 max_version=self.max_version, vocab_size=self.vocab_size))
             if ws is not None and traj_id:
-                self._account_kv(ws, traj_id, domain, worker, held, total, result)
+                self._account_kv(ws, traj_id, domain, held, total, result)
             return result
 
     async def admit(self, traj_id: str, domain: str, num_prompt_tokens: int = 0) -> None:
@@ -437,8 +438,7 @@ class LLMProxy(FleetCalls):
             await ws.admit(traj_id, self.pool_of_trajectory(traj_id, domain).name, domain,
                            num_prompt_tokens, asyncio.get_running_loop().time)
 
-    def _account_kv(self, ws: KVWorkingSet, traj_id: str, domain: str,
-                    worker: GenerationBackend, held: int, total: int,
+    def _account_kv(self, ws: KVWorkingSet, traj_id: str, domain: str, held: int, total: int,
                     result: m.GenerateResult) -> None:
         """After a checked turn: the trajectory's footprint, the eviction count, and the
         pool's waiters (its expected sum or its capacity may have changed)."""
