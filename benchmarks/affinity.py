@@ -45,9 +45,10 @@ vs best static at load xK`` / ``under drift`` (best static's step time over adap
 seed; the mean step time after the first, as everywhere); the same ``(whole run)``: the mean of
 every step, the first included (the best static layout chosen again by that measure), since a
 run's first burst starts every trajectory of its first steps at once and a hold that shortens
-the first step moves work into the second; ``adaptive vs static on its layout (<layout>)`` (the chosen layout without online
-affinity); ``adaptive on <paper layout> vs best static`` and ``adaptive vs static <paper
-layout>`` (online affinity on the paper's split, the first mixed one); ``adaptive vs static on
+the first step moves work into the second; ``adaptive vs static on its layout (<layout>)``
+(the chosen layout without online affinity); ``adaptive on <paper layout> vs best static`` and
+``adaptive vs static <paper layout>`` (online affinity on the paper's split, the first mixed
+one); ``adaptive vs static on
 the best mixed split``: online affinity on the fastest mixed split of each case against that
 split static (where the split is already right, adaptive must not cost). Rows count spilled
 trajectories, moves, first turns the working-set hold delayed and turns that found their

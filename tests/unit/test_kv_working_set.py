@@ -395,7 +395,8 @@ def test_the_hold_asked_for_without_online_affinity_is_refused() -> None:
     with pytest.raises(ConfigError, match="run.adaptive_affinity.kv_working_set: true has no "
                        "effect while run.adaptive_affinity.enabled is false"):
         make_scenario(adaptive_affinity={"kv_working_set": True})
-    assert not make_scenario(adaptive_affinity={"kv_working_set": False}).run.adaptive_affinity.enabled
+    off = make_scenario(adaptive_affinity={"kv_working_set": False})
+    assert not off.run.adaptive_affinity.enabled
 
 
 def test_a_sync_run_with_online_affinity_does_not_deadlock_on_the_turn_barrier() -> None:

@@ -60,7 +60,6 @@ from __future__ import annotations
 import array
 import asyncio
 import dataclasses
-import logging
 from collections import deque
 from collections.abc import Mapping, Sequence
 
@@ -79,8 +78,6 @@ from rollart.controller.routing.workercheck import (
 from rollart.controller.routing.workingset import KVWorkingSet
 from rollart.transport import messages as m
 from rollart.transport.errors import ConfigError, PeerDeadError, RemoteError
-
-log = logging.getLogger(__name__)
 
 __all__ = ["LLMProxy", "Pool", "PoolExhaustedError", "TRANSIENT_RETRIES"]
 
