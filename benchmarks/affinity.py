@@ -45,7 +45,11 @@ vs best static at load xK`` / ``under drift`` (best static's step time over adap
 seed; the mean step time after the first, as everywhere); the same ``(whole run)``: the mean of
 every step, the first included (the best static layout chosen again by that measure), since a
 run's first burst starts every trajectory of its first steps at once and a hold that shortens
-the first step moves work into the second; ``adaptive vs static on its layout (<layout>)``
+the first step moves work into the second; the same ``(per trained token)``: seconds per
+trained token (the step mean over the mean trained tokens of the same steps; the best static
+layout chosen again by that measure), since a hold that lets short trajectories finish first
+fills a step's batch with fewer tokens and shortens the step without doing the same work;
+``adaptive vs static on its layout (<layout>)``
 (the chosen layout without online affinity); ``adaptive on <paper layout> vs best static`` and
 ``adaptive vs static <paper layout>`` (online affinity on the paper's split, the first mixed
 one); ``adaptive vs static on
@@ -159,10 +163,13 @@ def _drifting(sc: SimScenario) -> SimScenario:
 
 def _measure(rows: list[dict[str, Any]], times: dict[str, list[float]], case: str, load: int,
              drift: bool, layout: str, split: tuple[int, int], on: str, seeds: list[int],
-             quick: bool, run_times: dict[str, list[float]] | None = None) -> None:
+             quick: bool, run_times: dict[str, list[float]] | None = None,
+             token_times: dict[str, list[float]] | None = None) -> None:
     """Runs ``layout`` on split ``on`` (``split``: H800s, H20s) over ``seeds``: static when
     ``layout == on``, else with online affinity; appends its step times (after the first
-    step), its whole-run times per step (``run_times``, first step included) and rows."""
+    step), its whole-run times per step (``run_times``, first step included), its seconds per
+    trained token (``token_times``: the step mean over the trained tokens' mean, both after
+    the first step) and rows."""
     h800, h20 = split
     for sd in seeds:
         sc = scenario(h800, h20, quick)
@@ -176,6 +183,10 @@ def _measure(rows: list[dict[str, Any]], times: dict[str, list[float]], case: st
         whole = statistics.fmean(st["step_time_s"] for st in res.steps)
         if run_times is not None:
             run_times.setdefault(layout, []).append(whole)
+        regime = regime_of(sc, res)
+        if token_times is not None:
+            token_times.setdefault(layout, []).append(
+                res.step_time_s / max(regime["trained_tokens"], 1.0))
         # Online affinity's counts only where it ran (static runs do not count evictions).
         counts = {} if layout == on else {
             "spilled": sum(sum(st.get("num_spilled_by_domain", {}).values())
@@ -186,7 +197,7 @@ def _measure(rows: list[dict[str, Any]], times: dict[str, list[float]], case: st
                                         for st in res.steps)}
         rows.append({"case": case, "layout": layout if layout == on else f"adaptive on {on}",
                      "step_time_s": res.step_time_s, "run_time_per_step_s": whole, **counts,
-                     **regime_of(sc, res)})
+                     **regime})
 
 
 def run_adaptive(quick: bool, seed: int) -> dict:
@@ -204,13 +215,15 @@ def run_adaptive(quick: bool, seed: int) -> dict:
     for case, load, drift in cases:
         times: dict[str, list[float]] = {}
         run_times: dict[str, list[float]] = {}
+        token_times: dict[str, list[float]] = {}
 
         def measure(layout: str, on: str, seeds: list[int] = seeds, case: str = case,
                     load: int = load, drift: bool = drift,
                     times: dict[str, list[float]] = times,
-                    run_times: dict[str, list[float]] = run_times) -> None:
+                    run_times: dict[str, list[float]] = run_times,
+                    token_times: dict[str, list[float]] = token_times) -> None:
             _measure(rows, times, case, load, drift, layout, all_layouts[on], on, seeds, quick,
-                     run_times)
+                     run_times, token_times)
 
         for layout in all_layouts:
             measure(layout, layout)
@@ -253,6 +266,12 @@ def run_adaptive(quick: bool, seed: int) -> dict:
         best_run = min(static, key=lambda k: statistics.fmean(run_times[k]))
         samples[f"{name} (whole run)"] = [
             b / a for b, a in zip(run_times[best_run], run_times["adaptive"], strict=True)]
+        # Like with like: a hold that lets short trajectories finish first fills a step's
+        # batch with fewer tokens, which shortens the step without doing the same work.
+        best_token = min(static, key=lambda k: statistics.fmean(token_times[k]))
+        samples[f"{name} (per trained token)"] = [
+            b / a for b, a in zip(token_times[best_token], token_times["adaptive"],
+                                  strict=True)]
         samples[f"adaptive on {paper} vs best static at {case}"] = [
             b / a for b, a in zip(times[best], on_paper, strict=True)]
         samples[f"adaptive vs static {paper} at {case}"] = [
