@@ -476,3 +476,48 @@ async def test_a_new_trajectory_that_would_wait_at_home_spills_to_a_pool_with_ro
     assert ws is not None and ws.pool_tokens("A") == 200 and not ws.full("A")
     await asyncio.wait_for(proxy.generate("t2", "d", "r3", prompt(10), SP), 5.0)
     assert proxy.served_by("t2") == "b" and ws.num_waits == 0
+
+
+class _SlowAdmitProxy:
+    """Fake proxy (unit test only): the hold keeps every first turn ``wait_s`` seconds."""
+
+    def __init__(self, wait_s: float) -> None:
+        self.wait_s = wait_s
+
+    async def admit(self, traj_id: str, domain: str, num_prompt_tokens: int = 0) -> None:
+        await asyncio.sleep(self.wait_s)  # virtual seconds (looptime): the hold's wait
+
+
+def _timed_ctx(wait_s: float, timeout_s: float) -> NS:
+    return NS(proxy=_SlowAdmitProxy(wait_s), clock=clock, activity={},
+              run=NS(trajectory_timeout_s=timeout_s))
+
+
+@pytest.mark.looptime
+@pytest.mark.parametrize("own_s, fails", [(9.0, False), (11.0, True)])
+async def test_the_wait_for_kv_room_does_not_count_towards_the_trajectory_timeout(
+        own_s: float, fails: bool) -> None:
+    """A first turn held 30 s under a 10 s ``run.trajectory_timeout_s``: a trajectory that
+    then runs 9 s of its own finishes; one that runs 11 s still times out."""
+    from rollart.controller.rollout.trajectory import (
+        TrajectoryFailed,
+        admit_first_turn,
+        run_trajectory,
+    )
+
+    ctx = _timed_ctx(wait_s=30.0, timeout_s=10.0)
+
+    async def body(ctx, traj_id, group_key, domain, seed, act):
+        await admit_first_turn(ctx, act, traj_id, "agentic", 100)
+        act.enter("generating turn 0", ctx.clock())
+        await asyncio.sleep(own_s)  # virtual seconds: the trajectory's own run
+        return "sample"
+
+    run = run_trajectory(ctx, "g0/0", "g0", NS(name="agentic"), 0, body=body)
+    if fails:
+        with pytest.raises(TrajectoryFailed, match="generating turn 0") as info:
+            await run
+        assert info.value.reason == "trajectory_timeout"
+    else:
+        assert await run == "sample"
+    assert not ctx.activity

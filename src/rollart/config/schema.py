@@ -287,8 +287,9 @@ class RunConfig(_Cfg, frozen=True):
     #: online hardware affinity: saturated pools spill new trajectories (``[run.adaptive_affinity]``).
     adaptive_affinity: AdaptiveAffinityConfig = msgspec.field(
         default_factory=AdaptiveAffinityConfig)
-    #: wall-clock limit of one trajectory, seconds (env open to reward), ``None``: none; past
-    #: it the trajectory fails with reason ``trajectory_timeout`` (retried like any failure).
+    #: wall-clock limit of one trajectory, seconds (env open to reward, less the time its first
+    #: turn waited for KV room under the working-set hold), ``None``: none; past it the
+    #: trajectory fails with reason ``trajectory_timeout`` (retried like any failure).
     #: The default bounds a trajectory stuck on a call that never ends (with
     #: ``max_group_attempts`` and ``group_timeout_s``, every group finishes).
     trajectory_timeout_s: PosFloat | None = 3600.0

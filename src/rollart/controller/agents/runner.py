@@ -45,6 +45,7 @@ from rollart.controller.rollout.trajectory import (
     Activity,
     TrajectoryContext,
     TrajectoryFailed,
+    admit_first_turn,
     env_failure,
 )
 from rollart.controller.routing.routers import EnvHostsExhaustedError
@@ -126,8 +127,7 @@ class AgentRunner:
                                         timeout=ctx.run.generate_timeout_s or 600.0)
             # Before the agent starts: its HTTP client's timeout must not run while the first
             # turn waits for KV room.
-            act.enter("waiting for KV room", ctx.clock())
-            await ctx.proxy.admit(traj_id, domain.name)
+            await admit_first_turn(ctx, act, traj_id, domain.name)
             act.enter("agent running", ctx.clock())
             agent_task = asyncio.ensure_future(spec.fn(client, task))
             await asyncio.wait({agent_task, session.ended}, return_when=asyncio.FIRST_COMPLETED)

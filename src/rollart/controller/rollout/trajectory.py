@@ -98,9 +98,32 @@ class Activity:
     since: float
     num_generated: int = 0
     num_invalid_actions: int = 0
+    #: the trajectory's ``run.trajectory_timeout_s`` deadline while it runs under one
+    deadline: asyncio.Timeout | None = None
 
     def enter(self, phase: str, now: float) -> None:
         self.phase, self.since = phase, now
+
+
+async def admit_first_turn(ctx: TrajectoryContext, act: Activity, traj_id: str, domain: str,
+                           num_prompt_tokens: int = 0) -> None:
+    """Wait until ``traj_id``'s first turn may start on its pool (the KV working-set hold,
+    ``LLMProxy.admit``; at once without it). The wait does not count towards
+    ``run.trajectory_timeout_s``: the deadline moves by the seconds waited. A trajectory that
+    has not started is not stuck, and failing it would open its env again for nothing;
+    ``run.group_timeout_s`` still bounds its group."""
+    act.enter("waiting for KV room", ctx.clock())  # the stall report's label
+    deadline = act.deadline
+    when = deadline.when() if deadline is not None and not deadline.expired() else None
+    if deadline is None or when is None:
+        await ctx.proxy.admit(traj_id, domain, num_prompt_tokens)
+        return
+    t0 = ctx.clock()
+    deadline.reschedule(None)  # stopped while it waits
+    try:
+        await ctx.proxy.admit(traj_id, domain, num_prompt_tokens)
+    finally:
+        deadline.reschedule(when + (ctx.clock() - t0))
 
 
 @dataclass
@@ -172,7 +195,8 @@ async def run_trajectory(
     body: TrajectoryBody | None = None,
 ) -> Sample:
     """Run trajectory ``traj_id`` of ``domain`` with env ``seed`` to a scored sample, within
-    ``run.trajectory_timeout_s`` (wall clock) when set. While it runs, ``ctx.activity[traj_id]``
+    ``run.trajectory_timeout_s`` (wall clock, less the seconds its first turn waited for KV room:
+    :func:`admit_first_turn`) when set. While it runs, ``ctx.activity[traj_id]``
     says what it is doing and since when (the stall watchdog reads it). ``body``: what runs the
     trajectory (default: the gym loop below; agent domains pass
     ``rollart.controller.agents.runner.AgentRunner``'s), under the same timeout and record.
@@ -187,7 +211,7 @@ async def run_trajectory(
     try:
         if timeout_s is None:
             return await body(ctx, traj_id, group_key, domain, seed, act)
-        deadline = asyncio.timeout(timeout_s)
+        deadline = act.deadline = asyncio.timeout(timeout_s)
         try:
             async with deadline:
                 return await body(ctx, traj_id, group_key, domain, seed, act)
@@ -302,8 +326,7 @@ async def _run_trajectory(
                     top_k=sampling.top_k,
                 )
             if turn == 0:
-                act.enter("waiting for KV room", ctx.clock())  # the stall report's label
-                await ctx.proxy.admit(traj_id, domain.name, len(token_ids))
+                await admit_first_turn(ctx, act, traj_id, domain.name, len(token_ids))
             act.enter(f"generating turn {turn}", ctx.clock())
             try:
                 result = await ctx.proxy.generate(
