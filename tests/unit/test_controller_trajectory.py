@@ -18,6 +18,7 @@ from rollart.controller.rollout.trajectory import (
 )
 from rollart.controller.routing.proxy import LLMProxy
 from rollart.controller.routing.routers import EnvRouter, RewardRouter
+from rollart.transport import messages as m
 from rollart.transport import tokenbytes as tb
 from rollart.transport.errors import RemoteError
 
@@ -247,3 +248,30 @@ async def test_a_session_its_host_closed_is_not_closed_again() -> None:
     sample2 = await run_trajectory(ctx2, tid2, "g1", domains2["math"], seed=8)
     assert sample2.finish_reason == "max_turns" and env.close_calls == 1
     assert env.closed == [env.opened[1]]
+
+
+@pytest.mark.parametrize("fail_on_turn", [None, 1])
+async def test_only_a_trajectory_that_ended_its_turns_reports_a_final_footprint(
+        fail_on_turn: int | None) -> None:
+    """The proxy is told whether the trajectory finished its turns: a second turn that fails
+    leaves a partial footprint, which must not count in the KV working set's domain mean."""
+    calls: list[m.Generate] = []
+
+    def respond(req: m.Generate):
+        calls.append(req)
+        if len(calls) - 1 == fail_on_turn:
+            return RemoteError("engine_error", "boom")
+        return "ok"
+
+    ctx, buffer, domains = make_ctx(FakeWorker("w1", respond), FakeEnvHost(turns=2))
+    released: list[tuple[str, bool]] = []
+    release = ctx.proxy.release
+    ctx.proxy.release = lambda tid, *, finished=True: (  # type: ignore[method-assign]
+        released.append((tid, finished)), release(tid, finished=finished))[-1]
+    (tid, *_) = buffer.try_start_group("g0")
+    if fail_on_turn is None:
+        await run_trajectory(ctx, tid, "g0", domains["math"], seed=1)
+    else:
+        with pytest.raises(TrajectoryFailed):
+            await run_trajectory(ctx, tid, "g0", domains["math"], seed=1)
+    assert released == [(tid, fail_on_turn is None)]

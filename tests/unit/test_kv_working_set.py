@@ -521,3 +521,18 @@ async def test_the_wait_for_kv_room_does_not_count_towards_the_trajectory_timeou
     else:
         assert await run == "sample"
     assert not ctx.activity
+
+
+def test_a_trajectory_cut_short_leaves_its_domains_mean_alone() -> None:
+    """Finished at 1,000 tokens, one cut short at 200 (a cancelled redundant member, a failed
+    turn): the domain's mean stays 1,000, not 600."""
+    ws = KVWorkingSet(lambda p: 10_000, prior_tokens=4_000, max_turns={"d": 4})
+    for tid in ("done", "cut"):
+        ws._start(tid, "A", "d", 100)
+    ws.held("done", 1_000)
+    ws.held("cut", 200)
+    ws.ended("cut", finished=False)
+    ws.ended("done")
+    ws._refresh()
+    assert ws.expected_tokens("d") == pytest.approx(1_000.0)
+    assert ws.pool_tokens("A") == 0.0 and ws.num_live("A") == 0

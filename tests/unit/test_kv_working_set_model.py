@@ -16,6 +16,7 @@ refreshes with few live trajectories). It checks:
 - ``pool_tokens`` / ``num_live`` equal the model's recomputation (so incremental sums neither
   drift nor go negative), and every pool's sum is exactly 0 once its last trajectory ended;
 - ``expected_tokens`` equals the model's;
+- a trajectory cut short (``finished=False``) leaves its domain's mean alone;
 - a first turn starts at once exactly when no one waits for its pool and it fits (its own
   prompt counted; an empty or unknown-capacity pool takes anything), else it waits;
 - waiters start first come first served, exactly as many as fit after each end / poke /
@@ -210,11 +211,11 @@ class WorkingSetMachine(RuleBasedStateMachine):
         self._settle()
         self.end_waits_of_started()
 
-    def _end(self, traj: str) -> None:
+    def _end(self, traj: str, finished: bool = True) -> None:
         ws = self._ws()
         pool, domain, tokens, turns, _ = self.live.pop(traj)
-        ws.ended(traj)
-        if turns:
+        ws.ended(traj, finished=finished)
+        if turns and finished:
             c, s = self.final.get(domain, (0, 0))
             self.final[domain] = (c + 1, s + tokens)
             self._event(pool)
@@ -234,9 +235,11 @@ class WorkingSetMachine(RuleBasedStateMachine):
                     self.model_wake(other)
 
     @precondition(lambda self: self.live)
-    @rule(data=st.data())
-    def end(self, data: st.DataObject) -> None:
-        self._end(data.draw(st.sampled_from(sorted(self.live))))
+    @rule(data=st.data(), finished=st.booleans())
+    def end(self, data: st.DataObject, finished: bool) -> None:
+        """A trajectory ends: ``finished`` its turns, or cut short (its footprint is not a
+        final one and stays out of its domain's mean)."""
+        self._end(data.draw(st.sampled_from(sorted(self.live))), finished)
         self._settle()
         self.end_waits_of_started()
 

@@ -101,6 +101,7 @@ class AgentRunner:
         session: AgentSession | None = None
         agent_task: asyncio.Task[Any] | None = None
         client = None
+        turns_ended = False  # its footprint is a final one (the KV working set's domain means)
         if ctx.barrier is not None:
             ctx.barrier.join(traj_id)
         try:
@@ -162,6 +163,7 @@ class AgentRunner:
                                        "float reward or None expected", conv.num_generated)
             if not conv.num_generated:
                 raise TrajectoryFailed("agent_error", "the agent made no completion call", 0)
+            turns_ended = True
             if ctx.barrier is not None:
                 ctx.barrier.leave(traj_id)
             metadata = {**opened.info, **domain.reward_metadata, "env_name": domain.env,
@@ -196,13 +198,14 @@ class AgentRunner:
             if ctx.barrier is not None:
                 ctx.barrier.leave(traj_id)
             await ctx.shielded_cleanup(self._cleanup(ctx, traj_id, session, agent_task, client,
-                                                     session_id))
+                                                     session_id, turns_ended))
 
     async def _cleanup(self, ctx: TrajectoryContext, traj_id: str,
                        session: AgentSession | None, agent_task: asyncio.Task[Any] | None,
-                       client: Any, session_id: str | None) -> None:
+                       client: Any, session_id: str | None, turns_ended: bool) -> None:
         """Stop the agent and its completion in flight, then free the session, the worker's
-        prefix and the env session (shielded: runs to the end while being cancelled)."""
+        prefix and the env session (shielded: runs to the end while being cancelled).
+        ``turns_ended``: the agent finished its turns (``LLMProxy.release``'s ``finished``)."""
         if session is not None:
             session.end(Finished("closed"))
             session.cancel_inflight()
@@ -215,7 +218,7 @@ class AgentRunner:
         if client is not None:
             with contextlib.suppress(Exception):
                 await client.close()
-        ctx.proxy.release(traj_id)
+        ctx.proxy.release(traj_id, finished=turns_ended)
         if session_id is not None:
             try:
                 async with asyncio.timeout(CLOSE_TIMEOUT_S):

@@ -269,6 +269,7 @@ async def _run_trajectory(
     gen_versions = bytearray()
     turn_workers: list[str] = []  # the worker that served each turn (engine/trainer checks)
     num_generated = 0
+    turns_ended = False  # its footprint is a final one (the KV working set's domain means)
     if ctx.barrier is not None:
         ctx.barrier.join(traj_id)
     try:
@@ -403,6 +404,7 @@ async def _run_trajectory(
             loss_mask.frombytes(bytes(k))
         if not num_generated:  # nothing to train on: the trainer would refuse the whole batch
             raise TrajectoryFailed("generation_error", "the worker generated no token", 0)
+        turns_ended = True
         if ctx.barrier is not None:
             ctx.barrier.leave(traj_id)
         metadata = {
@@ -460,7 +462,7 @@ async def _run_trajectory(
     finally:
         if ctx.barrier is not None:
             ctx.barrier.leave(traj_id)
-        ctx.proxy.release(traj_id)
+        ctx.proxy.release(traj_id, finished=turns_ended)
         # Most episodes end with a step that closed the session on its host: nothing to close
         # then, and no shielded task, timeout and coroutine per trajectory to do nothing.
         if session_id is not None and envs.is_open(session_id):

@@ -455,11 +455,12 @@ class LLMProxy(FleetCalls):
         held = self._held.get(traj_id)
         return held[0].name if held is not None else None
 
-    def release(self, traj_id: str) -> None:
+    def release(self, traj_id: str, *, finished: bool = True) -> None:
         """Forget ``traj_id``'s sticky worker (the trajectory ended); that worker is told to
-        drop the trajectory's prefix with its next ``Generate``."""
+        drop the trajectory's prefix with its next ``Generate``. ``finished``: it ended its
+        turns (``KVWorkingSet.ended``); ``False`` for one cut short."""
         if self.working_set is not None:
-            self.working_set.ended(traj_id)
+            self.working_set.ended(traj_id, finished=finished)
         self._sticky.pop(traj_id, None)
         self._started_on.pop(traj_id, None)
         held_by, _ = self._held.pop(traj_id, (None, 0))

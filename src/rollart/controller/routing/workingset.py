@@ -11,8 +11,8 @@ is the working-set rule (P. J. Denning, "The working set model for program behav
 
 A live trajectory's working set is its expected KV footprint in tokens: the larger of what its
 worker holds now (prompt and generated tokens of its last turn; its first prompt before that)
-and its expected final footprint. That is the mean final footprint of its domain's finished
-trajectories; before any of them finished, a projection from the turns seen so far, capped at
+and its expected final footprint. That is the mean final footprint of its domain's trajectories
+that finished their turns (one cut short, failed or cancelled, held only part of it); before any of them finished, a projection from the turns seen so far, capped at
 ``prior_tokens`` (the longest a trajectory may grow). A trajectory whose first prompt was
 ``p`` tokens and that holds ``t`` after ``k >= 2`` of at most ``max_turns`` turns is expected to
 end at ``p + (t - p) x (max_turns - 1) / (k - 1)``: every later turn adds an observation and a
@@ -222,16 +222,18 @@ class KVWorkingSet:
                 live.domain, tokens, 2, live.first_prompt))
             self._event(live.pool)
 
-    def ended(self, traj_id: str) -> None:
-        """``traj_id`` ended: its footprint counts in its domain's mean (when it generated) and
-        the first trajectories waiting for its pool (for every pool, when the means were
-        refreshed) that now fit start."""
+    def ended(self, traj_id: str, *, finished: bool = True) -> None:
+        """``traj_id`` ended: the first trajectories waiting for its pool (for every pool, when
+        the means were refreshed) that now fit start. Its footprint counts in its domain's mean
+        when it ``finished`` its turns after at least one; one cut short (failed, cancelled,
+        restarted as stale) held only part of what its turns would have grown to, and would
+        bias the mean low."""
         live = self._live.pop(traj_id, None)
         if live is None:
             return
         n, total = self._pools[live.pool]
         self._pools[live.pool] = (n - 1, total - live.expected) if n > 1 else (0, 0.0)
-        if live.turns:
+        if live.turns and finished:
             count, tokens = self._final.get(live.domain, (0, 0))
             self._final[live.domain] = (count + 1, tokens + live.tokens)
             self._event(live.pool)
