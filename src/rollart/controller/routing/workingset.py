@@ -12,8 +12,9 @@ is the working-set rule (P. J. Denning, "The working set model for program behav
 A live trajectory's working set is its expected KV footprint in tokens: the larger of what its
 worker holds now (prompt and generated tokens of its last turn; its first prompt before that)
 and its expected final footprint. That is the mean final footprint of its domain's trajectories
-that finished their turns (one cut short, failed or cancelled, held only part of it); before any of them finished, a projection from the turns seen so far, capped at
-``prior_tokens`` (the longest a trajectory may grow). A trajectory whose first prompt was
+that finished their turns (one cut short, failed or cancelled, held only part of it); before
+any of them finished, a projection from the turns seen so far, capped at ``prior_tokens`` (the
+longest a trajectory may grow). A trajectory whose first prompt was
 ``p`` tokens and that holds ``t`` after ``k >= 2`` of at most ``max_turns`` turns is expected to
 end at ``p + (t - p) x (max_turns - 1) / (k - 1)``: every later turn adds an observation and a
 response as the turns after the first did (the first turn adds a response only, so it cannot
