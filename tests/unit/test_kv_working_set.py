@@ -484,6 +484,9 @@ class _SlowAdmitProxy:
     def __init__(self, wait_s: float) -> None:
         self.wait_s = wait_s
 
+    def try_admit(self, traj_id: str, domain: str, num_prompt_tokens: int = 0) -> bool:
+        return False
+
     async def admit(self, traj_id: str, domain: str, num_prompt_tokens: int = 0) -> None:
         await asyncio.sleep(self.wait_s)  # virtual seconds (looptime): the hold's wait
 
@@ -536,3 +539,23 @@ def test_a_trajectory_cut_short_leaves_its_domains_mean_alone() -> None:
     ws._refresh()
     assert ws.expected_tokens("d") == pytest.approx(1_000.0)
     assert ws.pool_tokens("A") == 0.0 and ws.num_live("A") == 0
+
+
+async def test_a_first_turn_that_need_not_wait_leaves_the_deadline_alone() -> None:
+    """No wait (the hold off, or room now): the deadline is not rescheduled (no timer handle
+    per trajectory) and the proxy's waiting ``admit`` is not called."""
+    from rollart.controller.rollout.trajectory import Activity, admit_first_turn
+
+    class NoWaitProxy:  # fake (unit test only)
+        def try_admit(self, traj_id: str, domain: str, num_prompt_tokens: int = 0) -> bool:
+            return True
+
+        async def admit(self, *args) -> None:
+            raise AssertionError("admit would wait")
+
+    act = Activity("g0", "env open", 0.0)
+    async with asyncio.timeout(100.0) as deadline:
+        when = deadline.when()
+        act.deadline = deadline
+        await admit_first_turn(NS(proxy=NoWaitProxy(), clock=clock), act, "t", "d", 10)
+        assert deadline.when() == when and act.phase == "env open"

@@ -112,6 +112,8 @@ async def admit_first_turn(ctx: TrajectoryContext, act: Activity, traj_id: str, 
     ``run.trajectory_timeout_s``: the deadline moves by the seconds waited. A trajectory that
     has not started is not stuck, and failing it would open its env again for nothing;
     ``run.group_timeout_s`` still bounds its group."""
+    if ctx.proxy.try_admit(traj_id, domain, num_prompt_tokens):
+        return  # the common case: no wait, and no timer rescheduled per trajectory
     act.enter("waiting for KV room", ctx.clock())  # the stall report's label
     deadline = act.deadline
     when = deadline.when() if deadline is not None and not deadline.expired() else None

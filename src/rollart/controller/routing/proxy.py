@@ -435,6 +435,15 @@ class LLMProxy(FleetCalls):
             await ws.admit(traj_id, self.pool_of_trajectory(traj_id, domain).name, domain,
                            num_prompt_tokens, asyncio.get_running_loop().time)
 
+    def try_admit(self, traj_id: str, domain: str, num_prompt_tokens: int = 0) -> bool:
+        """:meth:`admit` without waiting: ``True`` when ``traj_id`` may generate now (started on
+        its pool at once, live already, or no hold); ``False``: :meth:`admit` would wait."""
+        ws = self.working_set
+        if ws is None or not traj_id:
+            return True
+        return ws.try_start(traj_id, self.pool_of_trajectory(traj_id, domain).name, domain,
+                            num_prompt_tokens)
+
     def _account_kv(self, ws: KVWorkingSet, traj_id: str, domain: str, held: int, total: int,
                     result: m.GenerateResult) -> None:
         """After a checked turn: the trajectory's footprint, the eviction count, and the

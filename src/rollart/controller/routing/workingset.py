@@ -168,12 +168,9 @@ class KVWorkingSet:
         ``pool``: at once when it fits and no earlier trajectory waits for that pool, else when
         trajectories ending on the pool made room. Cancelling the caller while it waits leaves
         nothing behind."""
-        if traj_id in self._live:
+        if self.try_start(traj_id, pool, domain, num_prompt_tokens):
             return
         queue = self._waiters.setdefault(pool, deque())
-        if not queue and self.fits(pool, domain, num_prompt_tokens):
-            self._start(traj_id, pool, domain, num_prompt_tokens)
-            return
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         queue.append((fut, traj_id, domain, num_prompt_tokens))
         if pool not in self._warned:
@@ -193,6 +190,16 @@ class KVWorkingSet:
             self.wait_s += clock() - t0
             if fut.cancelled():
                 self._wake(pool)  # it may have held back later ones that fit
+
+    def try_start(self, traj_id: str, pool: str, domain: str, num_prompt_tokens: int) -> bool:
+        """Start ``traj_id`` on ``pool`` now if :meth:`admit` would not wait (it fits and no
+        earlier trajectory waits for that pool); ``True`` also when it is live already."""
+        if traj_id in self._live:
+            return True
+        if self._waiters.get(pool) or not self.fits(pool, domain, num_prompt_tokens):
+            return False
+        self._start(traj_id, pool, domain, num_prompt_tokens)
+        return True
 
     def _start(self, traj_id: str, pool: str, domain: str, tokens: int) -> None:
         live = _Live(pool, domain, tokens, tokens, self.expected_tokens(domain, tokens))
