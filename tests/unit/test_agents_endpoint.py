@@ -31,7 +31,7 @@ from rollart.controller.rollout.trajectory import (
     TrajectoryStale,
 )
 from rollart.controller.routing.proxy import PoolExhaustedError
-from rollart.transport.errors import RemoteTimeoutError
+from rollart.transport.errors import RemoteError, RemoteTimeoutError
 from rollart.transport.messages import ToolCall
 
 CALC = {"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}
@@ -436,3 +436,32 @@ async def test_closing_the_cluster_waits_for_an_agent_trajectorys_env_session_cl
     assert env.closing
     await cluster.close()
     assert env.closing == 0 and env.closed
+
+
+async def test_an_agent_trajectory_tells_the_proxy_whether_it_finished_its_turns() -> None:
+    """One second completion fails (its trajectory is cut short: ``finished=False``); every
+    trained agent trajectory ended its turns (``finished=True``)."""
+    failed: list[str] = []
+
+    def respond(req):
+        if req.prefix_len and not failed:
+            failed.append(req.trajectory_id)
+            return RemoteError("engine_error", "boom")
+        return "ok"
+
+    cluster, _ = cluster_for(FakeWorker("w2", respond))
+    cluster.agent("math")(two_turns)
+    released: dict[str, bool] = {}
+    async with cluster:
+        proxy = cluster.controller.proxy
+        release = proxy.release
+
+        def record(traj_id: str, *, finished: bool = True) -> None:
+            released[traj_id] = finished
+            release(traj_id, finished=finished)
+
+        proxy.release = record  # type: ignore[method-assign]
+        (step,) = await run_steps(cluster, 1)
+    trained = {s.sample_id for s in step.samples}
+    assert trained and all(released[t] for t in trained)
+    assert failed and released[failed[0]] is False

@@ -429,7 +429,9 @@ class FullWorker(FakeWorker):
 
 async def test_an_agents_first_turn_waits_before_its_http_client_starts_its_clock() -> None:
     """The agent's client times out after ``generate_timeout_s``: a first completion held for
-    KV room longer than that failed the trajectory (``agent_error``)."""
+    KV room longer than that failed the trajectory (``agent_error``). The wait (about 8 s: the
+    first step's trajectories' run) does not count towards ``run.trajectory_timeout_s`` (12 s)
+    either: the agent's own 8 s fit, wait and run together (about 16 s) would not."""
     import msgspec
     from test_controller_modes import backends, run_steps
 
@@ -439,13 +441,13 @@ async def test_an_agents_first_turn_waits_before_its_http_client_starts_its_cloc
     async def slow_agent(client, task) -> None:
         msgs = [{"role": "user", "content": task["prompt"]}]
         r = await client.chat.completions.create(model="m", messages=msgs)
-        await asyncio.sleep(6.0)  # the agent's own work between two completions
+        await asyncio.sleep(8.0)  # the agent's own work between two completions
         msgs += [r.choices[0].message.model_dump(exclude_none=True),
                  {"role": "user", "content": "again"}]
         await client.chat.completions.create(model="m", messages=msgs)
 
     sc = make_scenario(batch_size=2, group_size=2, generate_timeout_s=3.0,
-                       adaptive_affinity={"enabled": True})
+                       trajectory_timeout_s=12.0, adaptive_affinity={"enabled": True})
     sc = msgspec.structs.replace(sc, domains=[d for d in sc.domains if d.name == "math"])
     workers = (FullWorker("w1"), FullWorker("w2"))
     for w in workers:  # as a real worker's client keeps them from the run's first stats call
@@ -454,10 +456,13 @@ async def test_an_agents_first_turn_waits_before_its_http_client_starts_its_cloc
     cluster = Cluster.from_scenario(sc, backends=b)
     cluster.agent("math")(slow_agent)
     async with cluster:
-        steps = await run_steps(cluster, 1, timeout_s=300)
-    assert not steps[0].metrics.num_failed_by_reason
+        steps = await run_steps(cluster, 2, timeout_s=300)
+    assert not any(st.metrics.num_failed_by_reason for st in steps)
     assert steps[0].metrics.num_kv_admission_waits >= 1
-    assert steps[0].metrics.kv_admission_wait_s > 3.0
+    assert steps[0].metrics.kv_admission_wait_s > 5.0
+    # The second step trains the trajectories that waited: their wait and run together took
+    # longer than run.trajectory_timeout_s.
+    assert max(x.metadata["t_end"] - x.metadata["t_start"] for x in steps[1].samples) > 12.0
 
 
 @pytest.mark.looptime
@@ -559,3 +564,19 @@ async def test_a_first_turn_that_need_not_wait_leaves_the_deadline_alone() -> No
         act.deadline = deadline
         await admit_first_turn(NS(proxy=NoWaitProxy(), clock=clock), act, "t", "d", 10)
         assert deadline.when() == when and act.phase == "env open"
+
+
+async def test_the_proxy_passes_a_cut_short_trajectory_on_to_the_working_set() -> None:
+    """``LLMProxy.release(..., finished=False)``: the partial footprint stays out of the
+    domain's mean; ``finished=True``: it is the mean."""
+    proxy, _ = held_proxy(capacity=100_000, prior=50_000)
+    ws = proxy.working_set
+    assert ws is not None
+    for tid, n in (("cut", 30), ("done", 300)):
+        await proxy.generate(tid, "d", f"{tid}/t0", prompt(n), m.SamplingParams(max_tokens=4))
+    held = ws._live["done"].tokens  # its prompt and the tokens the worker generated
+    assert held > 300 > ws._live["cut"].tokens
+    proxy.release("cut", finished=False)
+    proxy.release("done")
+    ws._refresh()
+    assert ws.expected_tokens("d") == pytest.approx(held)

@@ -144,7 +144,11 @@ class AgentRunner:
                 if not isinstance(ending, Finished):
                     raise ending
                 finish, value = ending.finish_reason, None
+                turns_ended = conv.num_generated > 0
             else:
+                # The agent makes no more calls, whatever it returned or raised: its footprint
+                # is a final one (as a gym trajectory's whose reward then fails).
+                turns_ended = conv.num_generated > 0
                 try:
                     value = agent_task.result()
                 except Exception as exc:
@@ -154,6 +158,7 @@ class AgentRunner:
                 if session.ended.done():  # it ended the trajectory and the agent returned
                     ending = session.ended.result()
                     if not isinstance(ending, Finished):
+                        turns_ended = False
                         raise ending
                     finish, value = ending.finish_reason, None
                 session.end(Finished(finish))
@@ -163,7 +168,6 @@ class AgentRunner:
                                        "float reward or None expected", conv.num_generated)
             if not conv.num_generated:
                 raise TrajectoryFailed("agent_error", "the agent made no completion call", 0)
-            turns_ended = True
             if ctx.barrier is not None:
                 ctx.barrier.leave(traj_id)
             metadata = {**opened.info, **domain.reward_metadata, "env_name": domain.env,

@@ -120,12 +120,14 @@ async def admit_first_turn(ctx: TrajectoryContext, act: Activity, traj_id: str, 
     if deadline is None or when is None:
         await ctx.proxy.admit(traj_id, domain, num_prompt_tokens)
         return
-    t0 = ctx.clock()
+    # The deadline runs on the event loop's clock, which ``ctx.clock`` may not be.
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
     deadline.reschedule(None)  # stopped while it waits
     try:
         await ctx.proxy.admit(traj_id, domain, num_prompt_tokens)
     finally:
-        deadline.reschedule(when + (ctx.clock() - t0))
+        deadline.reschedule(when + (loop.time() - t0))
 
 
 @dataclass
