@@ -147,7 +147,7 @@ class AgentRunner:
                 turns_ended = conv.num_generated > 0
             else:
                 # The agent makes no more calls, whatever it returned or raised: its footprint
-                # is a final one (as a gym trajectory's whose reward then fails).
+                # is a final one, as is a gym trajectory's whose reward then fails.
                 turns_ended = conv.num_generated > 0
                 try:
                     value = agent_task.result()
