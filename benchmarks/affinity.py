@@ -49,11 +49,10 @@ the first step moves work into the second; the same ``(per trained token)``: sec
 trained token (the step mean over the mean trained tokens of the same steps; the best static
 layout chosen again by that measure), since a hold that lets short trajectories finish first
 fills a step's batch with fewer tokens and shortens the step without doing the same work;
-``adaptive vs static on its layout (<layout>)``
-(the chosen layout without online affinity); ``adaptive on <paper layout> vs best static`` and
-``adaptive vs static <paper layout>`` (online affinity on the paper's split, the first mixed
-one); ``adaptive vs static on
-the best mixed split``: online affinity on the fastest mixed split of each case against that
+``adaptive vs static on its layout (<layout>)`` (the chosen layout without online affinity);
+``adaptive on <paper layout> vs best static`` and ``adaptive vs static <paper layout>`` (online
+affinity on the paper's split, the first mixed one); ``adaptive vs static on the best mixed
+split``: online affinity on the fastest mixed split of each case against that
 split static (where the split is already right, adaptive must not cost). Rows count spilled
 trajectories, moves, first turns the working-set hold delayed and turns that found their
 prefix evicted, and report each run's regime as above.
@@ -259,19 +258,14 @@ def run_adaptive(quick: bool, seed: int) -> dict:
             b / a for b, a in zip(times[mixed], on_mixed, strict=True)]
         name = f"adaptive vs best static at {case}" if not drift else \
             "adaptive vs best static under drift"
-        samples[name] = [b / a for b, a in zip(times[best], times["adaptive"], strict=True)]
+        samples[name] = _vs_best_static(static, times)
         # The same over the whole run, its first step included: a run's first burst (every
         # trajectory of the first steps started at once) is a cost every run pays, and work
         # it moves from the first step into the second would count against the step mean.
-        best_run = min(static, key=lambda k: statistics.fmean(run_times[k]))
-        samples[f"{name} (whole run)"] = [
-            b / a for b, a in zip(run_times[best_run], run_times["adaptive"], strict=True)]
+        samples[f"{name} (whole run)"] = _vs_best_static(static, run_times)
         # Like with like: a hold that lets short trajectories finish first fills a step's
         # batch with fewer tokens, which shortens the step without doing the same work.
-        best_token = min(static, key=lambda k: statistics.fmean(token_times[k]))
-        samples[f"{name} (per trained token)"] = [
-            b / a for b, a in zip(token_times[best_token], token_times["adaptive"],
-                                  strict=True)]
+        samples[f"{name} (per trained token)"] = _vs_best_static(static, token_times)
         samples[f"adaptive on {paper} vs best static at {case}"] = [
             b / a for b, a in zip(times[best], on_paper, strict=True)]
         samples[f"adaptive vs static {paper} at {case}"] = [
@@ -291,6 +285,13 @@ def run_adaptive(quick: bool, seed: int) -> dict:
                   f"the same budget on the scoring seeds themselves (a minimum over layouts, "
                   f"biased towards static); the paper's layout: {paper}; drift: agentic share "
                   f"{DRIFT[0]} -> {DRIFT[1]} at load x{DRIFT_LOAD}")
+
+
+def _vs_best_static(static: list[str], per_layout: dict[str, list[float]]) -> list[float]:
+    """Per seed, the static layout with the lowest mean of ``per_layout`` (seconds per step,
+    or per trained token) over ``"adaptive"``'s."""
+    best = min(static, key=lambda k: statistics.fmean(per_layout[k]))
+    return [b / a for b, a in zip(per_layout[best], per_layout["adaptive"], strict=True)]
 
 
 def _best_mixed(times: dict[str, list[float]], ends: tuple[str, str]

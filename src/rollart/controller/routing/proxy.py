@@ -431,7 +431,7 @@ class LLMProxy(FleetCalls):
         call it before). A no-op without the hold, for ``traj_id = ""`` and for a live
         trajectory."""
         ws = self.working_set
-        if ws is not None and traj_id and not ws.is_live(traj_id):
+        if ws is not None and not self.try_admit(traj_id, domain, num_prompt_tokens):
             await ws.admit(traj_id, self.pool_of_trajectory(traj_id, domain).name, domain,
                            num_prompt_tokens, asyncio.get_running_loop().time)
 
