@@ -56,6 +56,16 @@ split``: online affinity on the fastest mixed split of each case against that
 split static (where the split is already right, adaptive must not cost). Rows count spilled
 trajectories, moves, first turns the working-set hold delayed and turns that found their
 prefix evicted, and report each run's regime as above.
+
+``best layout per drift phase vs best static under drift (bound on re-planning)``: what any
+re-planning of the layout could gain under the drift, at most. Every layout of the sweep, and
+the H800-only pool with the trainer from half to 1.5x its size (GPUs moved between trainer and
+rollout at the same cost: ``replan_space``), runs static on each phase's mix alone; the best
+single layout's step time (each phase weighted by its steps in the drifting run's step mean)
+over that of switching to each phase's best layout at the drift, at no cost and knowing the
+drift in advance. Where it reads near 1.0, the same layout is (nearly) best in both phases, and
+no online re-planning (of pools, affinity or the trainer/rollout split) can reach a gain above
+it; the hold's admission, which is not a layout, is not bounded by it.
 """
 
 from __future__ import annotations
@@ -149,15 +159,74 @@ def _adaptive_config() -> Any:
     return AdaptiveAffinityConfig(enabled=True)  # its documented defaults: nothing tuned here
 
 
+def _mixed(sc: SimScenario, agentic_share: float) -> SimScenario:
+    """``sc`` with the agentic domain at ``agentic_share`` of new groups, reasoning the rest."""
+    return sc.replace(domains=tuple(
+        dataclasses.replace(d, weight=agentic_share if d.spec.name == "agentic"
+                            else 1 - agentic_share) for d in sc.domains))
+
+
+def _drift_steps(steps: int) -> tuple[int, int, int]:
+    """A drifting run built from a ``steps``-step scenario: (its steps, the step the mix
+    changes at, the steps of the step mean (all after the first) that come before it)."""
+    total = 2 * steps
+    after = total // 3
+    return total, after, after - 1
+
+
 def _drifting(sc: SimScenario) -> SimScenario:
     """``sc`` with the agentic domain at ``DRIFT[0]`` of the mix, then ``DRIFT[1]``."""
     lo, hi = DRIFT
-    steps = 2 * sc.steps
-    doms = tuple(dataclasses.replace(d, weight=lo if d.spec.name == "agentic" else 1 - lo)
-                 for d in sc.domains)
-    after = steps // 3
-    return sc.replace(steps=steps, domains=doms, weight_changes=(
+    steps, after, _ = _drift_steps(sc.steps)
+    return _mixed(sc, lo).replace(steps=steps, weight_changes=(
         (after, "agentic", hi), (after, "reasoning", 1 - hi)))
+
+
+def replan_space(quick: bool) -> dict[str, tuple[int, int, int]]:
+    """The layouts the re-planning bound under drift chooses from: name -> (rollout H800s,
+    rollout H20s, trainer GPUs). Every layout of the sweep with the benchmark's trainer, and
+    the H800-only rollout pool with the trainer from half to 1.5x its size (a quarter of it
+    apart; each GPU taken from or given to the rollout pool, so the cost stays the same)."""
+    trainer = scenario(1, 0, quick).trainer_gpus
+    space = {k: (h800, h20, trainer) for k, (h800, h20) in layouts(quick).items()}
+    h800_budget = space["h800_only"][0]
+    for t in range(trainer // 2, trainer * 3 // 2 + 1, max(1, trainer // 4)):
+        if t != trainer:
+            space[f"h800_only, trainer {t}"] = (h800_budget + trainer - t, 0, t)
+    return space
+
+
+def _replan_bound(rows: list[dict[str, Any]], quick: bool, seeds: list[int]) -> list[float]:
+    """Per seed, the best single layout of ``replan_space`` over the best layout of each drift
+    phase, both weighted by the phase's steps in the drifting run's step mean. Each layout runs
+    static on each phase's mix alone (``DRIFT[0]``, then ``DRIFT[1]``, load ``DRIFT_LOAD``,
+    the benchmark's steps, the step mean after the first). A re-planner that switched to each
+    phase's best layout at the drift for free and in advance could gain no more than this
+    over the best static layout (the layouts chosen by their mean over ``seeds``)."""
+    phase_times: list[dict[str, list[float]]] = [{}, {}]
+    for name, (h800, h20, trainer) in replan_space(quick).items():
+        for phase, share in enumerate(DRIFT):
+            for sd in seeds:
+                sc = scenario(h800, h20, quick)
+                sc = _mixed(sc, share).replace(batch_size=sc.batch_size * DRIFT_LOAD,
+                                               trainer_gpus=trainer)
+                res = run_simulated(sc, sd)
+                phase_times[phase].setdefault(name, []).append(res.step_time_s)
+                rows.append({"case": f"drift phase: agentic share {share}", "layout": name,
+                             "trainer_gpus": trainer, "step_time_s": res.step_time_s,
+                             **regime_of(sc, res)})
+    steps, _, before = _drift_steps(scenario(1, 0, quick).steps)
+    weights = (before, steps - 1 - before)
+
+    def weighted(per_phase: tuple[list[float], list[float]]) -> list[float]:
+        return [(weights[0] * a + weights[1] * b) / sum(weights)
+                for a, b in zip(*per_phase, strict=True)]
+
+    best_per_phase = weighted(tuple(  # type: ignore[arg-type]
+        min(times.values(), key=statistics.fmean) for times in phase_times))
+    single = {k: weighted((phase_times[0][k], phase_times[1][k])) for k in phase_times[0]}
+    best_single = min(single.values(), key=statistics.fmean)
+    return [s / p for s, p in zip(best_single, best_per_phase, strict=True)]
 
 
 def _measure(rows: list[dict[str, Any]], times: dict[str, list[float]], case: str, load: int,
@@ -274,6 +343,8 @@ def run_adaptive(quick: bool, seed: int) -> dict:
             b / a for b, a in zip(times[pick], times["adaptive"], strict=True)]
         rows.append({"case": case, "layout": f"best static: {best}",
                      "step_time_s": statistics.fmean(times[best])})
+    samples["best layout per drift phase vs best static under drift (bound on re-planning)"] = \
+        _replan_bound(rows, quick, seeds)
     ratios, ci = summarize(samples)
     return result(NAME, simulated=True, rows=mean_rows(rows, ("case", "layout")),
                   ratios=ratios, ci95=ci, seeds=seeds, quick=quick, seed=seed, started=started,

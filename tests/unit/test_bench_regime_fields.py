@@ -90,7 +90,7 @@ def test_affinity_adaptive_chooses_its_layout_on_its_own_seeds(monkeypatch) -> N
         held_out = seed >= 1000
         # h800_only is fastest static; with online affinity 6+9 wins on the choice seeds
         # only, and h20_only wins on the evaluation seeds only: neither may leak.
-        t = {"9+0": 10.0, "0+27": 20.0, "6+9": 12.0, "4+15": 14.0}[layout_of(sim)]
+        t = {"9+0": 10.0, "0+27": 20.0, "6+9": 12.0, "4+15": 14.0}.get(layout_of(sim), 30.0)
         if adaptive:
             t *= {"6+9": 0.5 if held_out else 0.9, "0+27": 1.0 if held_out else 0.1}.get(
                 layout_of(sim), 0.95)
@@ -162,3 +162,37 @@ def test_affinity_adaptive_per_trained_token_ratio_counts_the_work(monkeypatch) 
         0.4875, abs=1e-4)
     assert ratios["adaptive vs best static under drift (per trained token)"] == pytest.approx(
         0.4875, abs=1e-4)
+
+
+def test_affinity_replan_bound_weighs_each_drift_phases_best_layout(monkeypatch) -> None:
+    """Run alone on each phase's mix, h800_only takes 10 s then 20 s a step and h20_only 20 s
+    then 10 s; every other layout (the trainer splits too) 30 s. The drifting run's step mean
+    has 1 step before the drift and 4 after: the best single layout (h20_only) averages
+    (20 + 4 x 10) / 5 = 12 s, switching to each phase's best (10 + 4 x 10) / 5 = 10 s: 1.2."""
+    from benchmarks import affinity
+
+    def timed_run(sim, seed, warmup=0):
+        share = next(d.weight for d in sim.domains if d.spec.name == "agentic")
+        hw = {p.hardware for p in sim.pools}
+        t = 30.0
+        if not sim.weight_changes and share in affinity.DRIFT and sim.trainer_gpus == 4:
+            first = share == affinity.DRIFT[0]
+            t = {frozenset({"h800"}): 10.0 if first else 20.0,
+                 frozenset({"h20"}): 20.0 if first else 10.0}.get(frozenset(hw), 30.0)
+        res = fake_run(sim, seed, warmup)
+        for st in res.steps:
+            st["step_time_s"] = t
+        res.step_time_s = t
+        return res
+
+    monkeypatch.setattr(affinity, "run_simulated", timed_run)
+    assert affinity._drift_steps(3) == (6, 2, 1)
+    assert set(affinity.replan_space(True)) == set(affinity.layouts(True)) | {
+        f"h800_only, trainer {t}" for t in (2, 3, 5, 6)}
+    assert affinity.replan_space(True)["h800_only, trainer 2"] == (11, 0, 2)
+    res = affinity.run_adaptive(True, 0)
+    assert res["ratios"][
+        "best layout per drift phase vs best static under drift (bound on re-planning)"
+    ] == pytest.approx(1.2, abs=1e-4)
+    phases = {(row["case"], row["layout"]) for row in res["rows"]}
+    assert ("drift phase: agentic share 0.7", "h800_only, trainer 6") in phases

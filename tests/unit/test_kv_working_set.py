@@ -172,6 +172,18 @@ def held_proxy(capacity: int, prior: int) -> tuple[LLMProxy, CachingWorker]:
 SP = m.SamplingParams(max_tokens=4)
 
 
+def test_a_worker_that_has_not_reported_counts_at_its_pools_mean_capacity() -> None:
+    """Three workers, one restarted and silent: the pool is gated at 3 x the reported mean
+    (250), not left ungated until the silent one replies; no report at all: not gated."""
+    a, b, c = CachingWorker("a", 200), CachingWorker("b", 300), CachingWorker("c", 999)
+    proxy = LLMProxy({"A": ("h800", [a, b, c])}, {"d": "A"}, kv_working_set=(1.0, 50, {}))
+    assert proxy._kv_capacity("A") is None
+    a.last_stats, b.last_stats = a._stats(), b._stats()
+    assert proxy._kv_capacity("A") == 750
+    c.last_stats = c._stats()
+    assert proxy._kv_capacity("A") == 1_499
+
+
 def prompt(n: int) -> array.array:
     return array.array("i", [5] * n)
 
@@ -544,6 +556,35 @@ def test_a_trajectory_cut_short_leaves_its_domains_mean_alone() -> None:
     ws._refresh()
     assert ws.expected_tokens("d") == pytest.approx(1_000.0)
     assert ws.pool_tokens("A") == 0.0 and ws.num_live("A") == 0
+
+
+def test_the_domain_mean_follows_footprints_that_grow_over_the_run() -> None:
+    """The mean is over the last ``mean_window`` finishes: after 6 finishes at 1,000 tokens
+    then 4 at 3,000 with a window of 4, a domain is expected at 3,000 (the whole run's mean,
+    1,800, would admit too many of its new trajectories); with 2 of the 4 in, 2,000."""
+    ws = KVWorkingSet(lambda p: 1_000_000, prior_tokens=8_000, max_turns={"d": 4},
+                      mean_window=4)
+    n = 0
+
+    def finish(tokens: int) -> None:
+        nonlocal n
+        n += 1
+        ws._start(f"t{n}", "A", "d", 100)
+        ws.held(f"t{n}", tokens)
+        ws.ended(f"t{n}")
+
+    for _ in range(6):
+        finish(1_000)
+    for _ in range(2):
+        finish(3_000)
+    ws._refresh()
+    assert ws.expected_tokens("d") == pytest.approx(2_000.0)
+    for _ in range(2):
+        finish(3_000)
+    ws._refresh()
+    assert ws.expected_tokens("d") == pytest.approx(3_000.0)
+    with pytest.raises(ValueError, match="mean_window"):
+        KVWorkingSet(lambda p: 1, prior_tokens=1, mean_window=0)
 
 
 async def test_a_first_turn_that_need_not_wait_leaves_the_deadline_alone() -> None:

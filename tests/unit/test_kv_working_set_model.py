@@ -11,7 +11,8 @@ tokens and turns and recomputes each pool's expected footprints from scratch (no
 sums), and keeps the domain means and projections in use by the documented refresh rule (once
 the finishes, first and second turns since the last refresh reach ``REFRESH_FRACTION`` of
 the live trajectories; larger fractions are drawn too, so that the means go stale between
-refreshes with few live trajectories). It checks:
+refreshes with few live trajectories; a domain's mean is over its last ``mean_window``
+finishes, small windows drawn too, so that old finishes leave it). It checks:
 
 - ``pool_tokens`` / ``num_live`` equal the model's recomputation (so incremental sums neither
   drift nor go negative), and every pool's sum is exactly 0 once its last trajectory ended;
@@ -60,7 +61,8 @@ class WorkingSetMachine(RuleBasedStateMachine):
         self.ws: KVWorkingSet | None = None
         # the model
         self.live: dict[str, list] = {}  # traj -> [pool, domain, tokens, turns, first prompt]
-        self.final: dict[str, tuple[int, int]] = {}
+        self.final: dict[str, list[int]] = {}  # domain -> its last ``window`` footprints
+        self.window = workingset.MEAN_WINDOW
         self.mean: dict[str, float] = {}
         self.max_turns: dict[str, int] = {}
         self.first: dict[str, tuple[int, int]] = {}
@@ -80,7 +82,8 @@ class WorkingSetMachine(RuleBasedStateMachine):
     def _ws(self) -> KVWorkingSet:
         if self.ws is None:
             self.ws = KVWorkingSet(lambda p: self.cap[p], prior_tokens=self.prior,
-                                   share=self.share, max_turns=self.max_turns)
+                                   share=self.share, max_turns=self.max_turns,
+                                   mean_window=self.window)
         return self.ws
 
     def _settle(self) -> None:
@@ -149,14 +152,16 @@ class WorkingSetMachine(RuleBasedStateMachine):
     @initialize(cap_a=st.sampled_from([None, 50, 150, 400, 1000]), prior=st.integers(1, 300),
                 share=st.sampled_from([1.0, 0.5, 0.75, 0.3]),
                 fraction=st.sampled_from([REFRESH_FRACTION, 0.25, 0.5, 1.0, 3.0]),
-                max_turns=st.sampled_from([1, 2, 5]))
+                max_turns=st.sampled_from([1, 2, 5]),
+                window=st.sampled_from([workingset.MEAN_WINDOW, 1, 2, 3]))
     def configure(self, cap_a: int | None, prior: int, share: float, fraction: float,
-                  max_turns: int) -> None:
+                  max_turns: int, window: int) -> None:
         """The run's parameters; ``fraction`` stands in for ``REFRESH_FRACTION`` (the module's
         own 1/64 refreshes at every event below 64 live trajectories, so larger ones let the
         means go stale between refreshes, as they do in a large run); domain ``d`` has a turn
-        cap, ``e`` none."""
+        cap, ``e`` none; ``window`` small lets the means drop old finishes."""
         self.cap["A"], self.prior, self.share = cap_a, prior, share
+        self.window = window
         self.max_turns = {"d": max_turns}
         self.fraction = fraction
         workingset.REFRESH_FRACTION = fraction
@@ -216,8 +221,7 @@ class WorkingSetMachine(RuleBasedStateMachine):
         pool, domain, tokens, turns, _ = self.live.pop(traj)
         ws.ended(traj, finished=finished)
         if turns and finished:
-            c, s = self.final.get(domain, (0, 0))
-            self.final[domain] = (c + 1, s + tokens)
+            self.final[domain] = (self.final.get(domain, []) + [tokens])[-self.window:]
             self._event(pool)
         self.model_wake(pool)
 
@@ -226,7 +230,7 @@ class WorkingSetMachine(RuleBasedStateMachine):
         self.since_refresh += 1
         if self.since_refresh >= self.fraction * len(self.live):
             self.since_refresh = 0
-            self.mean = {d: s / c for d, (c, s) in self.final.items()}
+            self.mean = {d: sum(f) / len(f) for d, f in self.final.items()}
             self.projection = {d: min(float(self.prior), s / c * self.max_turns[d])
                                for d, (c, s) in self.first.items()}
             self.projection.update({d: s / c for d, (c, s) in self.second.items()})

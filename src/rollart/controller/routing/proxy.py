@@ -231,16 +231,17 @@ class LLMProxy(FleetCalls):
         return p
 
     def _kv_capacity(self, pool: str) -> int | None:
-        """KV tokens pool ``pool``'s live workers hold in all; ``None`` (not gated) unless
-        every one reported it."""
-        total = 0
-        for w in self._pools[pool].workers:
-            stats = w.last_stats
-            cap = stats.kv_capacity_tokens if stats is not None else None
-            if cap is None:
-                return None
-            total += cap
-        return total or None
+        """KV tokens pool ``pool``'s live workers hold in all; ``None`` (not gated) when none
+        reported it. A worker that has not reported yet (one restarted or added during the
+        run) counts at its pool's reported mean: a pool's workers share one engine
+        configuration and hardware label, and leaving the pool ungated until it replies would
+        let the cache thrash meanwhile."""
+        workers = self._pools[pool].workers
+        known = [w.last_stats.kv_capacity_tokens for w in workers
+                 if w.last_stats is not None and w.last_stats.kv_capacity_tokens is not None]
+        if not known or not sum(known):
+            return None
+        return sum(known) * len(workers) // len(known)
 
     def pool_of_trajectory(self, traj_id: str, domain: str) -> Pool:
         """The pool ``traj_id`` (of ``domain``) generates on: its domain's, or with online

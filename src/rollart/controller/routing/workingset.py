@@ -11,8 +11,10 @@ is the working-set rule (P. J. Denning, "The working set model for program behav
 
 A live trajectory's working set is its expected KV footprint in tokens: the larger of what its
 worker holds now (prompt and generated tokens of its last turn; its first prompt before that)
-and its expected final footprint. That is the mean final footprint of its domain's trajectories
-that finished their turns (one cut short, failed or cancelled, held only part of it); before
+and its expected final footprint. That is the mean final footprint of its domain's last
+``MEAN_WINDOW`` trajectories that finished their turns (one cut short, failed or cancelled, held
+only part of it; a window, not the whole run, so that the mean follows response lengths that
+grow as training goes on); before
 any of them finished, a projection from the turns seen so far, capped at ``prior_tokens`` (the
 longest a trajectory may grow). A trajectory whose first prompt was
 ``p`` tokens and that holds ``t`` after ``k >= 2`` of at most ``max_turns`` turns is expected to
@@ -31,12 +33,13 @@ projections they use are refreshed once the finishes, first and second turns sin
 refresh reach ``REFRESH_FRACTION`` of the live trajectories (every one while fewer than
 1/``REFRESH_FRACTION`` are live), so a check costs O(1) and a refresh O(live) amortised over
 many events. A pool's KV capacity is the sum of its live workers' reported
-``WorkerStats.kv_capacity_tokens`` (vLLM: ``num_gpu_blocks x block_size``). A new trajectory
+``WorkerStats.kv_capacity_tokens`` (vLLM: ``num_gpu_blocks x block_size``; a worker that has
+not reported yet counts at its pool's reported mean: ``LLMProxy``). A new trajectory
 starts on a pool when the expected footprints of the pool's live trajectories plus its own fit
 ``share x capacity``, or when the pool has no live trajectory (nothing to protect: a trajectory
 larger than the whole cache still runs, alone); otherwise it waits, first come first served,
 until a trajectory on that pool turns or ends or its capacity changes (``poke``). A pool whose
-capacity is not known (a worker that does not report it) is never gated. ``num_waits`` /
+capacity is not known (no worker of it reported one) is never gated. ``num_waits`` /
 ``wait_s`` count a wait when it ends (started or cancelled), so per-step deltas pair waits with
 their seconds. The first wait on each pool is logged (one WARNING line).
 
@@ -57,6 +60,12 @@ log = logging.getLogger(__name__)
 #: refresh the domain means and projections once the finishes, first and second turns since
 #: the last refresh reach this share of the live trajectories (module docstring)
 REFRESH_FRACTION = 1 / 64
+#: a domain's mean final footprint is over its last this many finished trajectories: the mean's
+#: standard error is then 1/64 of the footprints' standard deviation, and lengths that change
+#: over a run (response lengths grow as RL training goes on: DeepSeek-AI, "DeepSeek-R1",
+#: arXiv 2501.12948, Fig. 3) are followed within as many finishes instead of averaged over the
+#: whole run
+MEAN_WINDOW = 4096
 
 
 @dataclass
@@ -83,15 +92,21 @@ class KVWorkingSet:
         max_turns: domain name -> its cap on turns per trajectory, for the projection before
             the domain's first finish; a domain not in it is expected at ``prior_tokens``
             until then.
+        mean_window: finished trajectories per domain its mean final footprint is over (the
+            last ones), >= 1.
 
     Raises:
-        ValueError: ``prior_tokens`` < 1, ``share`` out of range or a ``max_turns`` < 1.
+        ValueError: ``prior_tokens`` < 1, ``share`` out of range, a ``max_turns`` < 1 or
+            ``mean_window`` < 1.
     """
 
     def __init__(self, capacity: Callable[[str], int | None], *, prior_tokens: int,
-                 share: float = 1.0, max_turns: Mapping[str, int] | None = None) -> None:
+                 share: float = 1.0, max_turns: Mapping[str, int] | None = None,
+                 mean_window: int = MEAN_WINDOW) -> None:
         if prior_tokens < 1:
             raise ValueError(f"prior_tokens must be >= 1, got {prior_tokens}")
+        if mean_window < 1:
+            raise ValueError(f"mean_window must be >= 1, got {mean_window}")
         if not 0.0 < share <= 1.0:
             raise ValueError(f"share must be in (0, 1], got {share}")
         self.max_turns = dict(max_turns or {})
@@ -99,9 +114,11 @@ class KVWorkingSet:
             if turns < 1:
                 raise ValueError(f"max_turns of domain {domain!r} must be >= 1, got {turns}")
         self.capacity, self.prior_tokens, self.share = capacity, prior_tokens, share
+        self.mean_window = mean_window
         self._live: dict[str, _Live] = {}
-        #: domain -> (finished trajectories, their summed final footprints in tokens)
-        self._final: dict[str, tuple[int, int]] = {}
+        #: domain -> the final footprints (tokens) of its last ``mean_window`` finished
+        #: trajectories, and their sum
+        self._final: dict[str, tuple[deque[int], int]] = {}
         #: domain -> the mean final footprint in use (refreshed from ``_final``)
         self._mean: dict[str, float] = {}
         #: domain -> (first turns completed, their summed footprints in tokens); (second turns
@@ -242,8 +259,12 @@ class KVWorkingSet:
         n, total = self._pools[live.pool]
         self._pools[live.pool] = (n - 1, total - live.expected) if n > 1 else (0, 0.0)
         if live.turns and finished:
-            count, tokens = self._final.get(live.domain, (0, 0))
-            self._final[live.domain] = (count + 1, tokens + live.tokens)
+            window, tokens = self._final.get(live.domain) or (deque(), 0)
+            window.append(live.tokens)
+            tokens += live.tokens
+            if len(window) > self.mean_window:
+                tokens -= window.popleft()
+            self._final[live.domain] = (window, tokens)
             self._event(live.pool)
         self._wake(live.pool)
 
@@ -261,7 +282,7 @@ class KVWorkingSet:
         """The domain means and projections from every event so far, and every
         live expectation and pool sum under them (also clears the sums' rounding drift)."""
         self._events_since_refresh = 0
-        self._mean = {d: tokens / count for d, (count, tokens) in self._final.items()}
+        self._mean = {d: tokens / len(window) for d, (window, tokens) in self._final.items()}
         self._projection = {}
         for d, (count, tokens) in self._first.items():
             self._projection[d] = min(float(self.prior_tokens), tokens / count * self.max_turns[d])
