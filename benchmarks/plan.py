@@ -157,8 +157,9 @@ def _one(mode: str, name: str, quick: bool, seed: int, seeds: list[int], budget:
     t0 = time.perf_counter()
     reds = QUICK_REDUNDANCIES if quick else None
     search_seeds = (SEARCH_SEED_OFFSET + seed, SEARCH_SEED_OFFSET + seed + 1)
+    # like with like: the sweep and the paper's layout run static, so the plan does too
     res = plan(sc, budget_s=budget, model=MODEL, profiles=profiles, redundancies=reds,
-               seeds=search_seeds)
+               seeds=search_seeds, try_online_affinity=False)
     plan_wall = time.perf_counter() - t0
     inputs, chosen = res.inputs, res.best.candidate
     layouts = full_space(inputs)

@@ -13,7 +13,7 @@ import pytest
 from rollart.cli import main as cli_main
 from rollart.config import load_scenario, parse_scenario
 from rollart.launcher.validate import main as validate_main
-from rollart.planner import PlanError, plan
+from rollart.planner import PlanError, PlanResult, plan
 from rollart.planner.inputs import read_inputs
 from rollart.planner.layout import to_toml
 from rollart.planner.search import RUNGS, full_space, run_capped, sim_of, space, tp_variants
@@ -113,6 +113,22 @@ def test_plan_finds_the_exhaustive_best_and_writes_a_valid_scenario(tmp_path, ca
         by_label[lb]: n for lb, n in chosen.pools(inputs).items()}
     assert validate_main([str(out), "--quiet"]) == 0
     assert "guess->" in res.table()
+
+
+def test_the_planner_simulates_the_scenarios_own_online_affinity(tmp_path):
+    """A scenario with ``[run.adaptive_affinity]`` on is planned with it on (spill and the KV
+    working-set hold), as it will run; off, with the static mapping."""
+    import msgspec
+
+    path = write(tmp_path)
+    sc = load_scenario(path)
+    c = space(read_inputs(sc, model="qwen3-8b"))[0][0]
+    assert sim_of(read_inputs(sc, model="qwen3-8b"), c, 3).adaptive_affinity is None
+    on = msgspec.structs.replace(sc, run=msgspec.structs.replace(
+        sc.run, adaptive_affinity=msgspec.structs.replace(sc.run.adaptive_affinity,
+                                                          enabled=True, min_hold_s=3.0)))
+    got = sim_of(read_inputs(on, model="qwen3-8b"), c, 3).adaptive_affinity
+    assert got is not None and got.enabled and got.min_hold_s == 3.0
 
 
 def test_refuses_hardware_that_cannot_hold_the_model(tmp_path):
@@ -548,7 +564,8 @@ def test_a_rung_of_fewer_candidates_than_it_keeps_reports_no_negative_count(
     monkeypatch.setattr(search, "run_capped",
                         lambda steps, seed, warmup, cap: _FakeRun([10.0 + seed] * steps))
     lines: list[str] = []
-    plan(write(tmp_path), budget_s=60.0, seeds=SEEDS, model="qwen3-8b", progress=lines.append)
+    plan(write(tmp_path), budget_s=60.0, seeds=SEEDS, model="qwen3-8b", progress=lines.append,
+         try_online_affinity=False)
     rungs = [line for line in lines if line.startswith("rung ")]
     assert len(rungs) == len(RUNGS)
     assert all("kept the best 1 and 0 within their noise" in line for line in rungs), rungs
@@ -701,3 +718,94 @@ def test_cli_refuses_fewer_than_one_seed_in_one_line(tmp_path, capsys, seeds):
                      "--seeds", seeds, "--model", "qwen3-8b"]) == 2
     err = capsys.readouterr().err
     assert err == f"rollart plan: error: --seeds must be >= 1, got {seeds}\n", err
+
+
+
+def _fake_search(monkeypatch, online_speedup: float) -> list:
+    """The search over fake runs: every layout's steps are its mean +-5% (seeded), the
+    layout (trainer 4, both domains on h800) fastest at 20 s; with online affinity on, a
+    layout's steps are ``online_speedup`` times its static ones. Returns the candidates
+    run."""
+    import rollart.planner.search as search
+
+    ran = []
+
+    def mean_of(c) -> float:
+        return 20.0 if (c.trainer_gpus, c.mapping) == (4, ("h800", "h800")) else 30.0
+
+    def fake_run(sim, seed, warmup, cap):
+        c, steps = sim
+        ran.append((c, steps))
+        rng = random.Random(f"{dataclasses.replace(c, online_affinity=False)}|{seed}")
+        scale = online_speedup if c.online_affinity else 1.0
+        return _FakeRun([mean_of(c) * scale * (1.0 + 0.05 * rng.uniform(-1, 1))
+                         for _ in range(steps)])
+
+    monkeypatch.setattr(search, "sim_of", lambda inputs, c, steps: (c, steps))
+    monkeypatch.setattr(search, "run_capped", fake_run)
+    return ran
+
+
+def test_online_affinity_faster_on_the_best_layout_is_turned_on_in_the_plan(
+        tmp_path, monkeypatch):
+    """With online affinity on, the best layout runs 20% faster: the plan puts it first and
+    writes ``[run.adaptive_affinity] enabled = true``; the same layout static ranks below. The
+    variant runs only on the last rung's horizon (and the race's), as every candidate there."""
+    ran = _fake_search(monkeypatch, 0.8)
+    res = plan(write(tmp_path), budget_s=600.0, seeds=SEEDS, model="qwen3-8b")
+    best = res.best.candidate
+    assert best.online_affinity and (best.trainer_gpus, best.mapping) == (4, ("h800", "h800"))
+    static = [s.candidate for s in res.ranked[1:]]
+    assert dataclasses.replace(best, online_affinity=False) in static
+    assert not any(c.online_affinity for c in static)
+    online_runs = [steps for c, steps in ran if c.online_affinity]
+    assert set(online_runs) == {RUNGS[-1][0]}
+    assert len(online_runs) == len(res.best.step_times_s) >= len(SEEDS)
+    assert res.scenario.run.adaptive_affinity.enabled
+    assert "the plan turns it on ([run.adaptive_affinity] enabled = true)" in res.table()
+    assert "online affinity on" in res.toml.splitlines()[1 + len(res.warnings)]
+
+
+def test_online_affinity_slower_is_left_off_and_can_be_skipped(tmp_path, monkeypatch):
+    """Online affinity that runs 25% slower stays off; with ``try_online_affinity=False``
+    it is never run."""
+    ran = _fake_search(monkeypatch, 1.25)
+    res = plan(write(tmp_path), budget_s=600.0, seeds=SEEDS, model="qwen3-8b")
+    assert not res.best.candidate.online_affinity
+    assert not res.scenario.run.adaptive_affinity.enabled
+    assert "not the plan's choice: left off" in res.table()
+    assert any(c.online_affinity for c, _ in ran)
+    ran.clear()
+    res = plan(write(tmp_path), budget_s=600.0, seeds=SEEDS, model="qwen3-8b",
+               try_online_affinity=False)
+    assert ran and not any(c.online_affinity for c, _ in ran)
+    assert "online affinity" not in res.table()
+
+
+def test_a_scenario_with_online_affinity_on_is_planned_with_it_and_not_flipped(
+        tmp_path, monkeypatch):
+    ran = _fake_search(monkeypatch, 0.8)
+    path = write(tmp_path)
+    path.write_text(path.read_text().replace(
+        "[model]", "[run.adaptive_affinity]\nenabled = true\n\n[model]"))
+    res = plan(path, budget_s=600.0, seeds=SEEDS, model="qwen3-8b")
+    assert ran and not any(c.online_affinity for c, _ in ran)
+    assert res.scenario.run.adaptive_affinity.enabled and not res.log.online_affinity
+
+
+def test_online_affinity_not_reached_by_the_budget_is_a_warning(tmp_path, monkeypatch):
+    """The last rung's share of the budget ran out before the variant ran: a warning naming
+    the budget option."""
+    import rollart.planner.search as search
+
+    _fake_search(monkeypatch, 0.8)
+    inputs = read_inputs(load_scenario(write(tmp_path)), model="qwen3-8b")
+    ranked, log = search.successive_halving(inputs, budget_s=600.0, seeds=SEEDS,
+                                            try_online_affinity=False)
+    search._note_online_affinity(ranked, log)
+    assert log.online_affinity_short
+    res = PlanResult(ranked=ranked, scenario=load_scenario(write(tmp_path)), toml="", log=log,
+                     inputs=inputs, budget_s=600.0, budget_option="--budget-s")
+    assert any("online affinity was not tried on the best layout: the budget ran out before "
+               "it (600 s); give a larger --budget-s to have it tried" in w
+               for w in res.warnings)

@@ -69,6 +69,9 @@ class PlanResult:
         if note is not None:
             out.append(note)
         ran = lg.per_rung[0] if lg.per_rung else 0
+        if lg.online_affinity_short:
+            out.append(f"{lg.online_affinity} ({self.budget_s:g} s); give a larger "
+                       f"{self.budget_option} to have it tried")
         if ran < lg.first_rung_space:
             out.append(f"the budget ({self.budget_s:g} s) simulated only {ran} of the "
                        f"{lg.first_rung_space} layouts of the first round (each trainer / pool "
@@ -92,6 +95,8 @@ class PlanResult:
                      f"units; searched {lg.runs} runs over {lg.space} layouts, rungs "
                      f"{lg.per_rung}, {lg.race_seeds} racing seed(s), {lg.wall_s:.0f} s of "
                      f"{self.budget_s:g} s)")
+        if lg.online_affinity and not lg.online_affinity_short:
+            lines.append(lg.online_affinity)
         if self.measured is not None:
             lines += [f"profile from {self.measured.run_dir}: {line}"
                       for line in self.measured.describe()]
@@ -108,7 +113,8 @@ def plan(scenario: str | Path | Scenario, *, budget_s: float = DEFAULT_BUDGET_S,
          profiles: dict[str, DomainSpec] | None = None,
          profiles_from: str | Path | None = None,
          alphas: tuple[int, ...] | None = None, redundancies: tuple[int, ...] | None = None,
-         progress: Any = None, budget_option: str = "budget_s") -> PlanResult:
+         progress: Any = None, budget_option: str = "budget_s",
+         try_online_affinity: bool = True) -> PlanResult:
     """Plan the layout of ``scenario`` (a path to a scenario TOML or a ``Scenario``).
 
     ``budget_s``: wall seconds the search may take (it stops starting runs before); ``seeds``:
@@ -124,7 +130,10 @@ def plan(scenario: str | Path | Scenario, *, budget_s: float = DEFAULT_BUDGET_S,
     ``progress``: a callable given one line per rung; ``budget_option``: what errors and
     warnings call the budget (``rollart plan`` passes ``"--budget-s"``; a name starting with
     ``--`` also makes every other message spell arguments as command-line options,
-    ``--model`` rather than ``model=``).
+    ``--model`` rather than ``model=``); ``try_online_affinity``: where the scenario has
+    ``[run.adaptive_affinity]`` off, run the best layout with it on (the same seeds, while
+    budget is left) and turn it on in the plan when faster beyond the noise; ``False``: plan
+    with the scenario's static mapping only.
 
     Raises PlanError naming what is short or unknown (hardware that cannot hold the model,
     fewer GPUs than the trainer plus one engine per domain, a trainer larger than one node
@@ -152,7 +161,8 @@ def plan(scenario: str | Path | Scenario, *, budget_s: float = DEFAULT_BUDGET_S,
     inputs = dataclasses.replace(read_inputs(sc, model=model, profiles=profiles, cli=cli),
                                  alphas=alphas, redundancies=redundancies)
     ranked, log = successive_halving(inputs, budget_s=budget_s, seeds=tuple(seeds),
-                                     progress=progress, budget_option=budget_option)
+                                     progress=progress, budget_option=budget_option,
+                                     try_online_affinity=try_online_affinity)
     if not ranked:
         raise PlanError(
             f"no layout of {source} could be simulated to the end: every candidate tried "

@@ -1,10 +1,12 @@
 """``rollart plan SCENARIO --out PLAN.toml [--budget-s S] [--model PROFILE] [--seeds N]
-[--profiles-from RUN_DIR] [--force]``.
+[--profiles-from RUN_DIR] [--static-affinity] [--force]``.
 
 Searches the scenario's layout with the simulator (``rollart.planner``), prints the best
 candidates (SIMULATED step time and its standard error, the share of the GPUs rolling out,
 the trainer's idle share of a step, cost in H800 units) and writes the chosen layout as a
-scenario file. Exit codes: 0 written; 2 a scenario, request or --out the planner
+scenario file. Where the scenario has ``[run.adaptive_affinity]`` off, the best layout is also
+run with it on and the plan turns it on when that is faster beyond the noise
+(``--static-affinity``: never). Exit codes: 0 written; 2 a scenario, request or --out the planner
 refuses (one line ``rollart plan: error: ...`` naming what is short or unknown).
 """
 
@@ -34,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="measure each domain's workload (turns, generated, prompt and "
                    "observation tokens) from this run folder's metrics.jsonl and "
                    "transcripts.jsonl instead of assuming it from its env")
+    p.add_argument("--static-affinity", action="store_true",
+                   help="keep the scenario's [run.adaptive_affinity] setting: do not try "
+                   "online affinity on the best layout")
     p.add_argument("--force", action="store_true",
                    help="overwrite an existing --out file (never the input scenario)")
     args = p.parse_args(argv)
@@ -54,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
         res = plan(args.scenario, budget_s=args.budget_s, model=args.model,
                    seeds=tuple(range(args.seeds)), profiles_from=args.profiles_from,
                    progress=lambda line: print(f"rollart plan: {line}", file=sys.stderr),
-                   budget_option="--budget-s")
+                   budget_option="--budget-s",
+                   try_online_affinity=not args.static_affinity)
     except (PlanError, ConfigError) as exc:
         print(f"rollart plan: error: {exc}", file=sys.stderr)
         return 2

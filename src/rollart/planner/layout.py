@@ -1,5 +1,6 @@
 """The chosen layout as a scenario file: the input with its pools, each domain's pool, the
-trainer's ranks, alpha and redundancy rewritten, written as TOML that ``rollart validate``
+trainer's ranks, alpha and redundancy rewritten (and ``[run.adaptive_affinity] enabled = true``
+where the plan turned online affinity on), written as TOML that ``rollart validate``
 reads (``rollart.config.parse_scenario`` checks it before it is written).
 
 A pool of the plan keeps the settings of the input's first pool of the same hardware label
@@ -40,6 +41,8 @@ def layout_dict(raw: dict[str, Any], inputs: PlanInputs, c: Candidate) -> dict[s
     out.setdefault("trainer", {})["num_processes"] = c.trainer_gpus
     run = out.setdefault("run", {})
     run["alpha"], run["redundancy"] = c.alpha, c.redundancy
+    if c.online_affinity:
+        run.setdefault("adaptive_affinity", {})["enabled"] = True
     return out
 
 

@@ -15,7 +15,9 @@ at the engines' tensor-parallel degree the cost model predicts faster
 (``rollart.planner.tpchoice``: searching both degrees would triple the space); the best third
 (at least ``MIN_KEEP``) and as many again of the candidates within the noise of that cut
 (``rollart.planner.noise.cut``) go on to rung 1 (a longer horizon) at every alpha and
-redundancy, and the same cut of those to rung 2 on every seed.
+redundancy, and the same cut of those to rung 2 on every seed. Where the scenario has online
+affinity (``[run.adaptive_affinity]``) off, rung 2 also runs rung 1's best candidate with it on,
+right after that candidate: the plan turns it on when that variant ranks first.
 Every candidate of a rung runs on the same seeds. While budget is left after rung 2, the
 leader and the candidates within its noise race on further common seeds
 (``rollart.planner.noise``). A run longer than ``STRAGGLER_X`` times its rung's median is
@@ -41,6 +43,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+import msgspec
 
 from rollart.controller.observe.stall import ControllerStalledError
 from rollart.planner import noise, tpchoice
@@ -81,13 +85,15 @@ class Candidate:
     of domain i's pool, the run's ``alpha`` and ``redundancy``; ``wide_tp``: the labels whose
     engines span twice the fewest GPUs that hold the model (``PlanInputs.tp``): fewer engines,
     each faster per token (``rollart.sim.costs``: FLOP/s and bandwidth add over ranks, less
-    the all-reduce)."""
+    the all-reduce); ``online_affinity``: run with ``[run.adaptive_affinity]`` on where the
+    scenario has it off (``successive_halving``'s ``try_online_affinity``)."""
 
     trainer_gpus: int
     mapping: tuple[str, ...]
     alpha: int
     redundancy: int
     wide_tp: tuple[str, ...] = ()
+    online_affinity: bool = False
 
     def tp(self, inputs: PlanInputs, label: str) -> int:
         """Tensor-parallel degree of ``label``'s engines."""
@@ -121,7 +127,8 @@ class Candidate:
         doms = ", ".join(f"{d}->{lb}" for d, lb in zip(inputs.domain_names, self.mapping,
                                                         strict=True))
         return (f"trainer {self.trainer_gpus}x{inputs.trainer_label}; pools {pools}; {doms}; "
-                f"alpha {self.alpha}, redundancy {self.redundancy}")
+                f"alpha {self.alpha}, redundancy {self.redundancy}"
+                + ("; online affinity on" if self.online_affinity else ""))
 
 
 @dataclass
@@ -162,10 +169,16 @@ class SearchLog:
     #: seeds the racing added after the last rung
     race_seeds: int = 0
     wall_s: float = 0.0
+    #: how the best layout with online affinity on compared with it static
+    #: (``try_online_affinity``); empty when not tried
+    online_affinity: str = ""
+    #: whether the budget ran out before that layout ran (a warning)
+    online_affinity_short: bool = False
 
 
 def sim_of(inputs: PlanInputs, c: Candidate, steps: int) -> SimScenario:
-    """The simulated run of candidate ``c`` for ``steps`` steps."""
+    """The simulated run of candidate ``c`` for ``steps`` steps, with the scenario's run
+    settings (its staleness policy, online affinity) as the run would use them."""
     sc, run = inputs.scenario, inputs.scenario.run
     pools = tuple(SimPool(inputs.pool_names[lb], lb, n, tp=c.tp(inputs, lb),
                           max_batch=inputs.max_batch[lb]) for lb, n in c.pools(inputs).items())
@@ -179,6 +192,10 @@ def sim_of(inputs: PlanInputs, c: Candidate, steps: int) -> SimScenario:
         max_tokens_per_trajectory=run.max_tokens_per_trajectory,
         trainer_hardware=inputs.trainer_label, trainer_gpus=c.trainer_gpus,
         env_hosts=max(1, len(sc.env_hosts)), reprefill=run.reprefill,
+        # the run's own online affinity (spill, the KV working-set hold): a layout's step time
+        # with it can differ from its static one by a fifth where the cache fills
+        adaptive_affinity=(msgspec.structs.replace(run.adaptive_affinity, enabled=True)
+                           if c.online_affinity or run.adaptive_affinity.enabled else None),
         # the scenario's whole staleness policy (``None``: the mode's default, as in the run)
         **{f: getattr(run, f) for f in POLICY_FIELDS})
 
@@ -362,9 +379,13 @@ def budget_words(budget_s: float, option: str = "budget_s") -> str:
 
 def successive_halving(inputs: PlanInputs, *, budget_s: float, seeds: tuple[int, ...],
                        progress: Callable[[str], None] | None = None,
-                       budget_option: str = "budget_s") -> tuple[list[Score], SearchLog]:
+                       budget_option: str = "budget_s",
+                       try_online_affinity: bool = True) -> tuple[list[Score], SearchLog]:
     """Scores of the last rung's candidates, best first, and what was run (module
-    docstring). A run longer than ``STRAGGLER_X`` x the median of its rung's runs so far, or
+    docstring). ``try_online_affinity``: where the scenario has ``[run.adaptive_affinity]``
+    off, the last rung also runs the best layout of the one before with it on (second, after
+    that layout), and the race weighs the two like any others; ``log.online_affinity`` says
+    how they compared. A run longer than ``STRAGGLER_X`` x the median of its rung's runs so far, or
     past its rung's share of the budget, is stopped and its candidate dropped (a run that
     stops advancing its virtual clock, or a layout whose engines queue long). Raises PlanError when
     ``budget_s`` is not in (0, ``MAX_BUDGET_S``] or cannot cover one simulated run, naming it
@@ -375,6 +396,7 @@ def successive_halving(inputs: PlanInputs, *, budget_s: float, seeds: tuple[int,
     if not seeds:
         raise PlanError("seeds: need at least one")
     t0 = time.perf_counter()
+    try_online = try_online_affinity and not inputs.scenario.run.adaptive_affinity.enabled
     first, pairs = space(inputs)
     # the scenario's own layout, then the rest fastest-predicted first (a budget that covers
     # part of the rung runs the part the cost model ranks best); the seeded shuffle orders ties
@@ -427,12 +449,39 @@ def successive_halving(inputs: PlanInputs, *, budget_s: float, seeds: tuple[int,
             survivors = list(dict.fromkeys(
                 dataclasses.replace(c, alpha=a, redundancy=r) for c in survivors
                 for a, r in [(c.alpha, c.redundancy), *pairs]))
+        elif rung == 1 and try_online and survivors:
+            # the best layout so far with online affinity on, run second: the last rung and
+            # the race then weigh it against its static twin like any two candidates
+            survivors.insert(1, dataclasses.replace(survivors[0], online_affinity=True))
         pending = survivors
     if len(log.per_rung) == len(RUNGS):
         ranked = _race(inputs, ranked, seeds, walls, log, end=t0 + budget_s * RUNG_SHARES[-1],
                        progress=progress)
     log.wall_s = time.perf_counter() - t0
+    if try_online and log.per_rung:
+        _note_online_affinity(ranked, log)
     return ranked, log
+
+
+def _note_online_affinity(ranked: list[Score], log: SearchLog) -> None:
+    """Set ``log.online_affinity``: how the last rung's layout with online affinity on
+    compared with the same layout static, or that the budget did not reach it."""
+    on = next((s for s in ranked if s.candidate.online_affinity), None)
+    if on is None:
+        log.online_affinity = ("online affinity was not tried on the best layout: the budget "
+                               "ran out before it")
+        log.online_affinity_short = True
+        return
+    twin = dataclasses.replace(on.candidate, online_affinity=False)
+    static = next((s for s in ranked if s.candidate == twin), None)
+    against = "" if static is None else (
+        f" against {static.step_time_s:.1f} +- {static.se_s:.1f} static")
+    chosen = ranked[0] is on
+    log.online_affinity = (
+        f"online affinity on the best layout of the second round: {on.step_time_s:.1f} +- "
+        f"{on.se_s:.1f} s/step{against}: "
+        + ("the plan turns it on ([run.adaptive_affinity] enabled = true)" if chosen
+           else "not the plan's choice: left off"))
 
 
 def _score(inputs: PlanInputs, c: Candidate, rung: int, seeds: tuple[int, ...],
@@ -496,3 +545,4 @@ def _race(inputs: PlanInputs, ranked: list[Score], seeds: tuple[int, ...],
                      f"the best, best {ranked[0].step_time_s:.1f} +- {ranked[0].se_s:.1f} "
                      f"s/step")
     return ranked
+
