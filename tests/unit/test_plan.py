@@ -809,3 +809,25 @@ def test_online_affinity_not_reached_by_the_budget_is_a_warning(tmp_path, monkey
     assert any("online affinity was not tried on the best layout: the budget ran out before "
                "it (600 s); give a larger --budget-s to have it tried" in w
                for w in res.warnings)
+
+
+def test_a_simulated_runs_affinity_decisions_are_not_logged_as_the_users(monkeypatch, caplog):
+    """The planner's runs with online affinity on spill and hold: their "affinity: ..."
+    WARNING lines would read as the user's run's; they are kept quiet during the run only."""
+    import logging
+
+    import rollart.planner.search as search
+
+    def noisy_run(sim, seed, warmup, cap_s):
+        for name in search.QUIET_LOGGERS:
+            logging.getLogger(name).warning("affinity: from %s", name)
+        return "ran"
+
+    monkeypatch.setattr(search, "_run_timed", noisy_run)
+    with caplog.at_level(logging.WARNING):
+        assert run_capped(None, 0, 1, cap_s=1.0) == "ran"
+    assert not [r for r in caplog.records if r.getMessage().startswith("affinity:")]
+    spill = logging.getLogger("rollart.controller.routing.spill")
+    with caplog.at_level(logging.WARNING):
+        spill.warning("affinity: after the run")
+    assert [r.getMessage() for r in caplog.records] == ["affinity: after the run"]

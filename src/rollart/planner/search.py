@@ -315,23 +315,32 @@ def _quiet_overruns() -> None:
         log.addFilter(_is_not_overrun)
 
 
+#: loggers of the simulated controller kept to CRITICAL while the planner runs it: its
+#: trajectory failures and online-affinity decisions are the simulation's, not the user's
+QUIET_LOGGERS = ("rollart.controller.rollout.tasks", "rollart.controller.routing.spill",
+                 "rollart.controller.routing.workingset")
+
+
 def run_capped(sim: SimScenario, seed: int, warmup: int, cap_s: float) -> SimResult | None:
     """``run_simulated(sim, seed)``, or None when it takes more than ``cap_s`` wall seconds
     (enforced by a SIGALRM timer in the main thread; elsewhere not enforced) or its
     controller stalls (``ControllerStalledError``: e.g. trajectories past
     ``run.trajectory_timeout_s`` on a layout far too small for the load)."""
     # A stalled layout is dropped and counted; its controller's "fatal error in traj-..."
-    # lines would read as the planner failing (the stall is logged at INFO below).
-    tasks_log = logging.getLogger("rollart.controller.rollout.tasks")
-    level = tasks_log.level
-    tasks_log.setLevel(logging.CRITICAL)
+    # lines would read as the planner failing (the stall is logged at INFO below), and its
+    # proxy's "affinity: ..." decisions as the user's run's.
+    quiet = [logging.getLogger(name) for name in QUIET_LOGGERS]
+    levels = [lg.level for lg in quiet]
+    for lg in quiet:
+        lg.setLevel(logging.CRITICAL)
     try:
         return _run_timed(sim, seed, warmup, cap_s)
     except ControllerStalledError as exc:
         log.info("simulated layout stalled, dropped: %s", exc)
         return None
     finally:
-        tasks_log.setLevel(level)
+        for lg, level in zip(quiet, levels, strict=True):
+            lg.setLevel(level)
 
 
 def _run_timed(sim: SimScenario, seed: int, warmup: int, cap_s: float) -> SimResult | None:
