@@ -57,15 +57,16 @@ split static (where the split is already right, adaptive must not cost). Rows co
 trajectories, moves, first turns the working-set hold delayed and turns that found their
 prefix evicted, and report each run's regime as above.
 
-``best layout per drift phase vs best static under drift (bound on re-planning)``: what any
-re-planning of the layout could gain under the drift, at most. Every layout of the sweep, and
-the H800-only pool with the trainer from half to 1.5x its size (GPUs moved between trainer and
-rollout at the same cost: ``replan_space``), runs static on each phase's mix alone; the best
-single layout's step time (each phase weighted by its steps in the drifting run's step mean)
-over that of switching to each phase's best layout at the drift, at no cost and knowing the
-drift in advance. Where it reads near 1.0, the same layout is (nearly) best in both phases, and
-no online re-planning (of pools, affinity or the trainer/rollout split) can reach a gain above
-it; the hold's admission, which is not a layout, is not bounded by it.
+``best layout per drift phase vs best static under drift (bound on re-planning)``: an
+estimate of the most that re-planning among these layouts could gain under the drift. Every
+layout of the sweep, and the H800-only pool with the trainer from half to 1.5x its size (GPUs
+moved between trainer and rollout at the same cost: ``replan_space``), runs static on each
+phase's mix alone; the best single layout's step time (each phase weighted by its steps in the
+drifting run's step mean) over that of switching to each phase's best layout at the drift, at
+no cost and knowing the drift in advance, the layouts chosen on the scoring seeds themselves.
+Where it reads near 1.0, the same layout is (nearly) best in both phases, and switching among
+these layouts cannot gain more. Not covered: trainer sizes of the mixed splits, other
+tensor-parallel degrees or alphas, and online admission (the hold), which is not a layout.
 """
 
 from __future__ import annotations
@@ -200,9 +201,10 @@ def _replan_bound(rows: list[dict[str, Any]], quick: bool, seeds: list[int]) -> 
     """Per seed, the best single layout of ``replan_space`` over the best layout of each drift
     phase, both weighted by the phase's steps in the drifting run's step mean. Each layout runs
     static on each phase's mix alone (``DRIFT[0]``, then ``DRIFT[1]``, load ``DRIFT_LOAD``,
-    the benchmark's steps, the step mean after the first). A re-planner that switched to each
-    phase's best layout at the drift for free and in advance could gain no more than this
-    over the best static layout (the layouts chosen by their mean over ``seeds``)."""
+    the benchmark's steps, the step mean after the first). A re-planner that switched among
+    these layouts, to each phase's best at the drift, for free and in advance, would gain this
+    over the best static one (the layouts chosen by their mean over ``seeds``, the scoring
+    seeds: an estimate, not a strict bound)."""
     phase_times: list[dict[str, list[float]]] = [{}, {}]
     for name, (h800, h20, trainer) in replan_space(quick).items():
         for phase, share in enumerate(DRIFT):

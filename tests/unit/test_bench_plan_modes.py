@@ -40,6 +40,8 @@ def test_ratios_are_named_per_mode(monkeypatch):
     names it always had. The planner and the runs are stood in for (fast, not simulated)."""
 
     def fake_plan(sc, *, model, profiles, **kw):
+        # like with like: the sweep runs static, so the plan must not turn online affinity on
+        assert kw["try_online_affinity"] is False
         inputs = read_inputs(sc, model=model, profiles=profiles)
         first, _ = space(inputs)
         best = types.SimpleNamespace(candidate=first[-1])

@@ -165,20 +165,29 @@ def test_affinity_adaptive_per_trained_token_ratio_counts_the_work(monkeypatch) 
 
 
 def test_affinity_replan_bound_weighs_each_drift_phases_best_layout(monkeypatch) -> None:
-    """Run alone on each phase's mix, h800_only takes 10 s then 20 s a step and h20_only 20 s
-    then 10 s; every other layout (the trainer splits too) 30 s. The drifting run's step mean
-    has 1 step before the drift and 4 after: the best single layout (h20_only) averages
-    (20 + 4 x 10) / 5 = 12 s, switching to each phase's best (10 + 4 x 10) / 5 = 10 s: 1.2."""
+    """Run alone on each phase's mix (at the drift's load), h800_only takes 10 s then 20 s a
+    step, h20_only 40 s then 10 s, the H800-only pool with a trainer of 6 GPUs 50 s then 5 s;
+    every other layout 30 s. The drifting run's step mean has 1 step before the drift and 4
+    after: the best single layout (trainer 6) averages (50 + 4 x 5) / 5 = 14 s, switching to
+    each phase's best (10 + 4 x 5) / 5 = 6 s: 2.333. (Swapped weights read 1.333, equal ones
+    2.0; the trainer or the load left out, 1.6.)"""
     from benchmarks import affinity
+
+    base = affinity.scenario(9, 0, True)
 
     def timed_run(sim, seed, warmup=0):
         share = next(d.weight for d in sim.domains if d.spec.name == "agentic")
-        hw = {p.hardware for p in sim.pools}
+        other = next(d.weight for d in sim.domains if d.spec.name == "reasoning")
+        hw = frozenset(p.hardware for p in sim.pools)
         t = 30.0
-        if not sim.weight_changes and share in affinity.DRIFT and sim.trainer_gpus == 4:
+        if (not sim.weight_changes and share in affinity.DRIFT and other == 1 - share
+                and sim.batch_size == base.batch_size * affinity.DRIFT_LOAD):
             first = share == affinity.DRIFT[0]
-            t = {frozenset({"h800"}): 10.0 if first else 20.0,
-                 frozenset({"h20"}): 20.0 if first else 10.0}.get(frozenset(hw), 30.0)
+            if hw == {"h800"} and sim.trainer_gpus == 6:
+                t = 50.0 if first else 5.0
+            elif sim.trainer_gpus == base.trainer_gpus:
+                t = {frozenset({"h800"}): 10.0 if first else 20.0,
+                     frozenset({"h20"}): 40.0 if first else 10.0}.get(hw, 30.0)
         res = fake_run(sim, seed, warmup)
         for st in res.steps:
             st["step_time_s"] = t
@@ -193,6 +202,14 @@ def test_affinity_replan_bound_weighs_each_drift_phases_best_layout(monkeypatch)
     res = affinity.run_adaptive(True, 0)
     assert res["ratios"][
         "best layout per drift phase vs best static under drift (bound on re-planning)"
-    ] == pytest.approx(1.2, abs=1e-4)
+    ] == pytest.approx(14 / 6, abs=1e-4)
     phases = {(row["case"], row["layout"]) for row in res["rows"]}
     assert ("drift phase: agentic share 0.7", "h800_only, trainer 6") in phases
+
+
+def test_affinity_mixed_sets_both_domains_shares() -> None:
+    from benchmarks import affinity
+
+    sc = affinity._mixed(affinity.scenario(9, 0, True), 0.3)
+    assert {d.spec.name: d.weight for d in sc.domains} == pytest.approx(
+        {"agentic": 0.3, "reasoning": 0.7})

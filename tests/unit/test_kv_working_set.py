@@ -173,8 +173,9 @@ SP = m.SamplingParams(max_tokens=4)
 
 
 def test_a_worker_that_has_not_reported_counts_at_its_pools_mean_capacity() -> None:
-    """Three workers, one restarted and silent: the pool is gated at 3 x the reported mean
-    (250), not left ungated until the silent one replies; no report at all: not gated."""
+    """Three workers, one whose stats carry no capacity yet: the pool is gated at 3 x the
+    reported mean (250), not left ungated until that one reports; none reported, or every
+    one 0: not gated."""
     a, b, c = CachingWorker("a", 200), CachingWorker("b", 300), CachingWorker("c", 999)
     proxy = LLMProxy({"A": ("h800", [a, b, c])}, {"d": "A"}, kv_working_set=(1.0, 50, {}))
     assert proxy._kv_capacity("A") is None
@@ -182,6 +183,10 @@ def test_a_worker_that_has_not_reported_counts_at_its_pools_mean_capacity() -> N
     assert proxy._kv_capacity("A") == 750
     c.last_stats = c._stats()
     assert proxy._kv_capacity("A") == 1_499
+    for w in (a, b, c):  # every worker reports an empty cache: nothing to gate on
+        w.capacity = 0
+        w.last_stats = w._stats()
+    assert proxy._kv_capacity("A") is None
 
 
 def prompt(n: int) -> array.array:

@@ -760,6 +760,9 @@ def test_online_affinity_faster_on_the_best_layout_is_turned_on_in_the_plan(
     assert not any(c.online_affinity for c in static)
     online_runs = [steps for c, steps in ran if c.online_affinity]
     assert set(online_runs) == {RUNGS[-1][0]}
+    # second in the last round, right after the static layout it varies
+    last = [c for c, steps in ran if steps == RUNGS[-1][0]]
+    assert last[len(SEEDS)] == dataclasses.replace(last[0], online_affinity=True)
     assert len(online_runs) == len(res.best.step_times_s) >= len(SEEDS)
     assert res.scenario.run.adaptive_affinity.enabled
     assert "the plan turns it on ([run.adaptive_affinity] enabled = true)" in res.table()
@@ -831,3 +834,32 @@ def test_a_simulated_runs_affinity_decisions_are_not_logged_as_the_users(monkeyp
     with caplog.at_level(logging.WARNING):
         spill.warning("affinity: after the run")
     assert [r.getMessage() for r in caplog.records] == ["affinity: after the run"]
+
+
+def test_the_cli_flag_static_affinity_never_tries_online_affinity(tmp_path, monkeypatch, capsys):
+    ran = _fake_search(monkeypatch, 0.8)
+    args = ["plan", str(write(tmp_path)), "--model", "qwen3-8b", "--budget-s", "600"]
+    assert cli_main([*args, "--out", str(tmp_path / "a.toml"), "--static-affinity"]) == 0
+    assert ran and not any(c.online_affinity for c, _ in ran)
+    assert "enabled = true" not in (tmp_path / "a.toml").read_text()
+    ran.clear()
+    assert cli_main([*args, "--out", str(tmp_path / "b.toml")]) == 0
+    assert any(c.online_affinity for c, _ in ran)
+    assert load_scenario(tmp_path / "b.toml").run.adaptive_affinity.enabled
+
+
+def test_an_online_variant_that_stalls_is_left_off_without_a_budget_warning(
+        tmp_path, monkeypatch):
+    """Its run stalled (or overran its cap): dropped like any such layout, and the plan does
+    not blame the budget."""
+    import rollart.planner.search as search
+
+    _fake_search(monkeypatch, 0.8)
+    static_run = search.run_capped
+    monkeypatch.setattr(search, "run_capped", lambda sim, seed, warmup, cap: None
+                        if sim[0].online_affinity else static_run(sim, seed, warmup, cap))
+    res = plan(write(tmp_path), budget_s=600.0, seeds=SEEDS, model="qwen3-8b",
+               budget_option="--budget-s")
+    assert not res.best.candidate.online_affinity and not res.warnings
+    assert "its run stalled or overran its cap (dropped like any such layout): left off" in \
+        res.table()

@@ -131,9 +131,9 @@ def plan(scenario: str | Path | Scenario, *, budget_s: float = DEFAULT_BUDGET_S,
     warnings call the budget (``rollart plan`` passes ``"--budget-s"``; a name starting with
     ``--`` also makes every other message spell arguments as command-line options,
     ``--model`` rather than ``model=``); ``try_online_affinity``: where the scenario has
-    ``[run.adaptive_affinity]`` off, run the best layout with it on (the same seeds, while
-    budget is left) and turn it on in the plan when faster beyond the noise; ``False``: plan
-    with the scenario's static mapping only.
+    ``[run.adaptive_affinity]`` off, the last round also runs the best layout of the round
+    before with it on, and the plan turns it on when that variant ranks first (by mean step
+    time, after the race, as every choice); ``False``: plan with the scenario's setting only.
 
     Raises PlanError naming what is short or unknown (hardware that cannot hold the model,
     fewer GPUs than the trainer plus one engine per domain, a trainer larger than one node

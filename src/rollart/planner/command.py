@@ -4,8 +4,8 @@
 Searches the scenario's layout with the simulator (``rollart.planner``), prints the best
 candidates (SIMULATED step time and its standard error, the share of the GPUs rolling out,
 the trainer's idle share of a step, cost in H800 units) and writes the chosen layout as a
-scenario file. Where the scenario has ``[run.adaptive_affinity]`` off, the best layout is also
-run with it on and the plan turns it on when that is faster beyond the noise
+scenario file. Where the scenario has ``[run.adaptive_affinity]`` off, the last round also runs
+the best layout with it on, and the plan turns it on when that variant ranks first
 (``--static-affinity``: never). Exit codes: 0 written; 2 a scenario, request or --out the planner
 refuses (one line ``rollart plan: error: ...`` naming what is short or unknown).
 """

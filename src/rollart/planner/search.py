@@ -174,6 +174,8 @@ class SearchLog:
     online_affinity: str = ""
     #: whether the budget ran out before that layout ran (a warning)
     online_affinity_short: bool = False
+    #: whether that layout was started (it may then have stalled or overrun its cap)
+    online_affinity_started: bool = False
 
 
 def sim_of(inputs: PlanInputs, c: Candidate, steps: int) -> SimScenario:
@@ -427,6 +429,7 @@ def successive_halving(inputs: PlanInputs, *, budget_s: float, seeds: tuple[int,
             if (scores or rung > 0) and now + est > end:
                 break
             first_ever = not scores and rung == 0
+            log.online_affinity_started |= c.online_affinity
             score = _score(inputs, c, rung, rung_seeds, walls, log,
                            end=t0 + budget_s if first_ever else end)
             if score is not None:
@@ -476,6 +479,11 @@ def _note_online_affinity(ranked: list[Score], log: SearchLog) -> None:
     """Set ``log.online_affinity``: how the last rung's layout with online affinity on
     compared with the same layout static, or that the budget did not reach it."""
     on = next((s for s in ranked if s.candidate.online_affinity), None)
+    if on is None and log.online_affinity_started:
+        log.online_affinity = ("online affinity on the best layout of the second round: its "
+                               "run stalled or overran its cap (dropped like any such layout): "
+                               "left off")
+        return
     if on is None:
         log.online_affinity = ("online affinity was not tried on the best layout: the budget "
                                "ran out before it")

@@ -232,10 +232,11 @@ class LLMProxy(FleetCalls):
 
     def _kv_capacity(self, pool: str) -> int | None:
         """KV tokens pool ``pool``'s live workers hold in all; ``None`` (not gated) when none
-        reported it. A worker that has not reported yet (one restarted or added during the
-        run) counts at its pool's reported mean: a pool's workers share one engine
-        configuration and hardware label, and leaving the pool ungated until it replies would
-        let the cache thrash meanwhile."""
+        reported a capacity above 0. A worker whose last stats carry none (its engine had not
+        sized its KV cache when they were taken: ``SchedulerCounts``) counts at its pool's
+        reported mean: a pool's workers share one engine configuration and hardware label,
+        and leaving the pool ungated until that worker's next stats would let the cache
+        thrash meanwhile."""
         workers = self._pools[pool].workers
         known = [w.last_stats.kv_capacity_tokens for w in workers
                  if w.last_stats is not None and w.last_stats.kv_capacity_tokens is not None]

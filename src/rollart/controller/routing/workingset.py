@@ -33,8 +33,8 @@ projections they use are refreshed once the finishes, first and second turns sin
 refresh reach ``REFRESH_FRACTION`` of the live trajectories (every one while fewer than
 1/``REFRESH_FRACTION`` are live), so a check costs O(1) and a refresh O(live) amortised over
 many events. A pool's KV capacity is the sum of its live workers' reported
-``WorkerStats.kv_capacity_tokens`` (vLLM: ``num_gpu_blocks x block_size``; a worker that has
-not reported yet counts at its pool's reported mean: ``LLMProxy``). A new trajectory
+``WorkerStats.kv_capacity_tokens`` (vLLM: ``num_gpu_blocks x block_size``; a worker whose
+stats carry none yet counts at its pool's reported mean: ``LLMProxy``). A new trajectory
 starts on a pool when the expected footprints of the pool's live trajectories plus its own fit
 ``share x capacity``, or when the pool has no live trajectory (nothing to protect: a trajectory
 larger than the whole cache still runs, alone); otherwise it waits, first come first served,
@@ -279,8 +279,9 @@ class KVWorkingSet:
                 self._wake(other)
 
     def _refresh(self) -> None:
-        """The domain means and projections from every event so far, and every
-        live expectation and pool sum under them (also clears the sums' rounding drift)."""
+        """The domain means (over each domain's window of finishes) and projections from
+        the events so far, and every live expectation and pool sum under them (also clears
+        the sums' rounding drift)."""
         self._events_since_refresh = 0
         self._mean = {d: tokens / len(window) for d, (window, tokens) in self._final.items()}
         self._projection = {}
