@@ -220,13 +220,13 @@ def _replan_bound(rows: list[dict[str, Any]], quick: bool, seeds: list[int]) -> 
     steps, _, before = _drift_steps(scenario(1, 0, quick).steps)
     weights = (before, steps - 1 - before)
 
-    def weighted(per_phase: tuple[list[float], list[float]]) -> list[float]:
+    def weighted(before_s: list[float], after_s: list[float]) -> list[float]:
         return [(weights[0] * a + weights[1] * b) / sum(weights)
-                for a, b in zip(*per_phase, strict=True)]
+                for a, b in zip(before_s, after_s, strict=True)]
 
-    best_per_phase = weighted(tuple(  # type: ignore[arg-type]
-        min(times.values(), key=statistics.fmean) for times in phase_times))
-    single = {k: weighted((phase_times[0][k], phase_times[1][k])) for k in phase_times[0]}
+    best_per_phase = weighted(*(min(times.values(), key=statistics.fmean)
+                                for times in phase_times))
+    single = {k: weighted(phase_times[0][k], phase_times[1][k]) for k in phase_times[0]}
     best_single = min(single.values(), key=statistics.fmean)
     return [s / p for s, p in zip(best_single, best_per_phase, strict=True)]
 

@@ -562,4 +562,3 @@ def _race(inputs: PlanInputs, ranked: list[Score], seeds: tuple[int, ...],
                      f"the best, best {ranked[0].step_time_s:.1f} +- {ranked[0].se_s:.1f} "
                      f"s/step")
     return ranked
-

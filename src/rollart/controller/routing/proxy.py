@@ -240,9 +240,8 @@ class LLMProxy(FleetCalls):
         workers = self._pools[pool].workers
         known = [w.last_stats.kv_capacity_tokens for w in workers
                  if w.last_stats is not None and w.last_stats.kv_capacity_tokens is not None]
-        if not known or not sum(known):
-            return None
-        return sum(known) * len(workers) // len(known)
+        total = sum(known)
+        return total * len(workers) // len(known) if total else None
 
     def pool_of_trajectory(self, traj_id: str, domain: str) -> Pool:
         """The pool ``traj_id`` (of ``domain``) generates on: its domain's, or with online
