@@ -26,6 +26,7 @@ from rollart.controller.buffer.core import SampleBuffer
 from rollart.controller.build import Backends, build_controller
 from rollart.controller.controller import Controller
 from rollart.controller.driver import Cluster
+from rollart.envhost.families import family_turn_cap
 from rollart.transport.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -63,6 +64,26 @@ def test_inputs_reach_the_controller() -> None:
     assert c.envs.local.factories == {"mine": dict}
     assert c.envs.local.calls.max_threads == 3
     assert c.clock() == 5.0
+
+
+def test_the_kv_hold_knows_a_single_turn_env_family_and_the_response_cap() -> None:
+    """A reasoning-gym domain ends after one turn whatever ``max_turns`` says: the working set
+    is told so (a one-turn domain's estimate is then its prompt plus one response), and gets
+    the run's response cap; a domain's own ``max_turns`` below the run's is kept."""
+    import msgspec
+
+    sc = make_scenario(adaptive_affinity={"enabled": True}, max_turns=6)
+    game, math = sc.domains
+    sc = msgspec.structs.replace(sc, domains=[
+        msgspec.structs.replace(game, max_turns=3),
+        msgspec.structs.replace(math, env="rg:basic_arithmetic", max_turns=5)])
+    ws = build_controller(sc, _backends()).proxy.working_set
+    assert ws is not None
+    assert ws.max_turns == {"game": 3, "math": 1}
+    assert ws.max_tokens_per_turn == sc.run.max_tokens_per_turn == 16
+    assert ws.prior_tokens == 256
+    assert family_turn_cap("game:Sokoban-v0-easy") is None
+    assert family_turn_cap("py:pkg.envs:Env") is None and family_turn_cap("count") is None
 
 
 def _policy_of(c: Controller) -> tuple:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+import dataclasses
 import logging
 from types import SimpleNamespace as NS
 
@@ -32,6 +33,27 @@ def test_rejects_a_bad_prior_share_or_turn_cap() -> None:
         KVWorkingSet(lambda p: 100, prior_tokens=10, share=1.5)
     with pytest.raises(ValueError, match="max_turns of domain 'd' must be >= 1, got 0"):
         KVWorkingSet(lambda p: 100, prior_tokens=10, max_turns={"d": 0})
+
+
+def test_a_one_turn_domain_is_expected_at_its_prompt_and_one_response_at_most() -> None:
+    """Before its first turn returned, a trajectory of a one-turn domain holds at most its
+    prompt and one response (``max_tokens_per_turn``), whatever the trajectory cap; a domain of
+    more turns, or one without the response cap, stays at the cap."""
+    ws = KVWorkingSet(lambda p: 10_000, prior_tokens=1000, max_turns={"r": 1, "d": 4},
+                      max_tokens_per_turn=300)
+    assert ws.expected_tokens("r", 50) == 350
+    assert ws.expected_tokens("r", 800) == 1000  # never above the trajectory cap
+    assert ws.expected_tokens("d", 50) == 1000
+    assert ws.expected_tokens("x", 50) == 1000  # no turn cap known
+    ws._start("t1", "A", "r", 50)
+    ws._start("t2", "A", "r", 70)
+    assert ws.pool_tokens("A") == 350 + 370
+    ws.held("t1", 200)  # its first (and last) turn returned: its footprint, then the domain's
+    assert ws.pool_tokens("A") == 200 + 200
+    without = KVWorkingSet(lambda p: 10_000, prior_tokens=1000, max_turns={"r": 1})
+    assert without.expected_tokens("r", 50) == 1000
+    with pytest.raises(ValueError, match="max_tokens_per_turn must be >= 1, got 0"):
+        KVWorkingSet(lambda p: 100, prior_tokens=10, max_tokens_per_turn=0)
 
 
 def test_before_a_domains_first_finish_its_footprints_are_projected_from_its_turns() -> None:
@@ -166,7 +188,7 @@ class CachingWorker(FakeWorker):
 
 def held_proxy(capacity: int, prior: int) -> tuple[LLMProxy, CachingWorker]:
     w = CachingWorker("a", capacity)
-    return LLMProxy({"A": ("h800", [w])}, {"d": "A"}, kv_working_set=(1.0, prior, {})), w
+    return LLMProxy({"A": ("h800", [w])}, {"d": "A"}, kv_working_set=(1.0, prior, {}, None)), w
 
 
 SP = m.SamplingParams(max_tokens=4)
@@ -177,7 +199,7 @@ def test_a_worker_that_has_not_reported_counts_at_its_pools_mean_capacity() -> N
     reported mean (250), not left ungated until that one reports; none reported, or every
     one 0: not gated."""
     a, b, c = CachingWorker("a", 200), CachingWorker("b", 300), CachingWorker("c", 999)
-    proxy = LLMProxy({"A": ("h800", [a, b, c])}, {"d": "A"}, kv_working_set=(1.0, 50, {}))
+    proxy = LLMProxy({"A": ("h800", [a, b, c])}, {"d": "A"}, kv_working_set=(1.0, 50, {}, None))
     assert proxy._kv_capacity("A") is None
     a.last_stats, b.last_stats = a._stats(), b._stats()
     assert proxy._kv_capacity("A") == 750
@@ -310,6 +332,38 @@ def test_a_pool_that_fits_the_real_footprints_but_not_the_worst_case_loses_nothi
     assert held.steps[0]["kv_admission_wait_s"] < waits[0] * 1.0
     total = [sum(s["step_time_s"] for s in r.steps) for r in (static, held)]
     assert total[1] == pytest.approx(total[0], rel=0.02)  # simulated seconds: deterministic
+
+
+def test_a_burst_of_one_turn_trajectories_that_fits_at_one_response_each_does_not_wait() -> None:
+    """One simulated H800 engine, one reasoning domain: its first burst fits the KV cache at
+    prompt plus one response (16,384 tokens) each, not at the 32,768-token trajectory cap. As
+    a single-turn domain (``max_turns`` 1) nothing waits and the run is the static one; the
+    same workload with its turn cap left to the run's (8) holds part of the burst."""
+    from benchmarks.workloads import reasoning
+
+    from rollart.config import AdaptiveAffinityConfig
+    from rollart.sim.harness import SimDomain, SimPool, SimScenario, run_simulated, scenario_of
+    from rollart.sim.workload import Dist
+
+    one_turn = reasoning()
+    assert one_turn.num_turns.kind == "const"  # declared single-turn: max_turns 1
+    undeclared = dataclasses.replace(one_turn, num_turns=Dist("uniform", 1, 0, 1, 1))
+
+    def sim(spec):
+        return SimScenario(pools=(SimPool("h800", "h800", 1, max_batch=128),),
+                           domains=(SimDomain(spec, "h800"),), steps=3, batch_size=8,
+                           group_size=8, trainer_gpus=1, max_tokens_per_turn=16384,
+                           max_tokens_per_trajectory=32768)
+
+    assert scenario_of(sim(one_turn), 0).domains[0].max_turns == 1
+    assert scenario_of(sim(undeclared), 0).domains[0].max_turns is None
+    on = AdaptiveAffinityConfig(enabled=True)
+    static = run_simulated(sim(one_turn), 0)
+    held = run_simulated(sim(one_turn).replace(adaptive_affinity=on), 0)
+    loose = run_simulated(sim(undeclared).replace(adaptive_affinity=on), 0)
+    assert sum(s["num_kv_admission_waits"] for s in held.steps) == 0
+    assert [s["step_time_s"] for s in held.steps] == [s["step_time_s"] for s in static.steps]
+    assert loose.steps[0]["num_kv_admission_waits"] > 0
 
 
 @pytest.mark.looptime
@@ -490,7 +544,7 @@ async def test_a_new_trajectory_that_would_wait_at_home_spills_to_a_pool_with_ro
     spill = SpillPolicy(saturated_waiting_share=0.5, room_waiting_share=0.1, kv_usage_high=0.95,
                         min_hold_s=0.0, clock=clock)
     proxy = LLMProxy({"A": ("h800", [a]), "B": ("h800", [b])}, {"d": "A"}, spill=spill,
-                     kv_working_set=(1.0, 100, {}))
+                     kv_working_set=(1.0, 100, {}, None))
     await proxy.generate("t0", "d", "r0", prompt(10), SP)
     await proxy.generate("t0", "d", "r1", prompt(20), SP)
     await proxy.generate("t1", "d", "r2", prompt(10), SP)

@@ -6,7 +6,8 @@ then ``poke``, as ``LLMProxy`` does after a checked turn), aborted replies (``po
 (of trajectories that turned or not, and of unknown ones), cancellations of waiting first turns
 (also in the same instant as their wake-up), capacity changes (with or without a ``poke``) and
 the passing of time, over two pools and two domains (one with a turn cap, projected before its
-first finish; one without, at the prior until then). The model keeps every live trajectory's
+first finish, a one-turn cap drawn too, with or without a response cap; one without, at the
+prior until then). The model keeps every live trajectory's
 tokens and turns and recomputes each pool's expected footprints from scratch (no incremental
 sums), and keeps the domain means and projections in use by the documented refresh rule (once
 the finishes, first and second turns since the last refresh reach ``REFRESH_FRACTION`` of
@@ -58,6 +59,7 @@ class WorkingSetMachine(RuleBasedStateMachine):
         self.cap: dict[str, int | None] = {"A": 400, "B": None}
         self.prior = 100
         self.share = 1.0
+        self.max_tokens_per_turn: int | None = None
         self.ws: KVWorkingSet | None = None
         # the model
         self.live: dict[str, list] = {}  # traj -> [pool, domain, tokens, turns, first prompt]
@@ -83,7 +85,8 @@ class WorkingSetMachine(RuleBasedStateMachine):
         if self.ws is None:
             self.ws = KVWorkingSet(lambda p: self.cap[p], prior_tokens=self.prior,
                                    share=self.share, max_turns=self.max_turns,
-                                   mean_window=self.window)
+                                   mean_window=self.window,
+                                   max_tokens_per_turn=self.max_tokens_per_turn)
         return self.ws
 
     def _settle(self) -> None:
@@ -98,7 +101,11 @@ class WorkingSetMachine(RuleBasedStateMachine):
             return min(prior, first + (tokens - first) * (cap - 1) / (turns - 1))
         if domain in self.projection:
             return self.projection[domain]
-        return min(prior, float(tokens) * cap) if turns else prior
+        if turns:
+            return min(prior, float(tokens) * cap)
+        if cap == 1 and self.max_tokens_per_turn is not None:
+            return min(prior, float(tokens + self.max_tokens_per_turn))
+        return prior
 
     def expected(self, domain: str, tokens: int, turns: int = 0, first: int = 0) -> float:
         if domain in self.mean:
@@ -153,14 +160,17 @@ class WorkingSetMachine(RuleBasedStateMachine):
                 share=st.sampled_from([1.0, 0.5, 0.75, 0.3]),
                 fraction=st.sampled_from([REFRESH_FRACTION, 0.25, 0.5, 1.0, 3.0]),
                 max_turns=st.sampled_from([1, 2, 5]),
-                window=st.sampled_from([workingset.MEAN_WINDOW, 1, 2, 3]))
+                window=st.sampled_from([workingset.MEAN_WINDOW, 1, 2, 3]),
+                max_tokens_per_turn=st.one_of(st.none(), st.integers(1, 400)))
     def configure(self, cap_a: int | None, prior: int, share: float, fraction: float,
-                  max_turns: int, window: int) -> None:
+                  max_turns: int, window: int, max_tokens_per_turn: int | None) -> None:
         """The run's parameters; ``fraction`` stands in for ``REFRESH_FRACTION`` (the module's
         own 1/64 refreshes at every event below 64 live trajectories, so larger ones let the
         means go stale between refreshes, as they do in a large run); domain ``d`` has a turn
-        cap, ``e`` none; ``window`` small lets the means drop old finishes."""
+        cap, ``e`` none; ``window`` small lets the means drop old finishes;
+        ``max_tokens_per_turn`` bounds a one-turn trajectory before its domain's first turn."""
         self.cap["A"], self.prior, self.share = cap_a, prior, share
+        self.max_tokens_per_turn = max_tokens_per_turn
         self.window = window
         self.max_turns = {"d": max_turns}
         self.fraction = fraction

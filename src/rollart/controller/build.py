@@ -40,6 +40,7 @@ from rollart.controller.rollout.offloop import OffLoopCalls
 from rollart.controller.routing.proxy import LLMProxy
 from rollart.controller.routing.routers import EnvRouter, RewardFn, RewardRouter
 from rollart.controller.routing.spill import SpillPolicy
+from rollart.envhost.families import family_turn_cap
 from rollart.transport.errors import ConfigError
 
 __all__ = ["Backends", "build_controller"]
@@ -135,7 +136,9 @@ def build_controller(
         max_generate_in_flight=run.max_generate_in_flight,
         spill=spill,
         kv_working_set=(aa.kv_working_set_share, run.max_tokens_per_trajectory,
-                        {d.name: d.max_turns or run.max_turns for d in scenario.domains})
+                        {d.name: min(d.max_turns or run.max_turns,
+                                     family_turn_cap(d.env) or run.max_turns)
+                         for d in scenario.domains}, run.max_tokens_per_turn)
         if run.effective_kv_working_set else None,
     )
     envs = EnvRouter(list(backends.env_hosts), LocalEnvBackend(

@@ -40,6 +40,16 @@ FAMILIES: dict[str, str] = {
     "py": "user envs by import path, e.g. py:mypkg.envs:MyEnv",
 }
 
+#: env families whose episodes end after one turn, whatever ``max_turns`` says
+SINGLE_TURN_FAMILIES = frozenset({"rg"})
+
+
+def family_turn_cap(env: str) -> int | None:
+    """The turns an episode of ``env`` (``FAMILY:NAME``) can last by its family: 1 for a
+    single-turn family (``SINGLE_TURN_FAMILIES``), ``None`` when the env decides."""
+    return 1 if env.partition(":")[0] in SINGLE_TURN_FAMILIES else None
+
+
 #: Appended to every reasoning-gym question: the env grades the last ``\boxed{}`` only.
 RG_ANSWER_INSTRUCTION = (
     "\n\nPut your final answer inside \\boxed{}, for example \\boxed{42}; "

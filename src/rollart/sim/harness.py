@@ -209,6 +209,14 @@ POLICY_FIELDS = ("weight_apply", "apply_waves", "domain_mix", "fresh_start",
                  "hold_batch_for_groups", "hold_batch_max_s", "admission")
 
 
+def _turn_cap(spec: DomainSpec) -> int | None:
+    """A single-turn domain's ``max_turns``, 1, as a scenario of single-turn tasks declares
+    it (and as the controller reads it from a single-turn env family, ``rg:``); ``None`` (the
+    run's) for any other."""
+    turns = spec.num_turns
+    return 1 if turns.kind == "const" and turns.mean <= 1 else None
+
+
 def scenario_of(sim: SimScenario, seed: int) -> Scenario:
     """The controller's ``Scenario`` for ``sim`` (validated; raises ``ConfigError``)."""
     alpha = MODE_ALPHA.get(sim.mode, sim.alpha)
@@ -231,7 +239,7 @@ def scenario_of(sim: SimScenario, seed: int) -> Scenario:
              for p in sim.pools]
     domains = [DomainConfig(name=d.spec.name, env=ENV_PREFIX + d.spec.name, pool=d.pool,
                             reward="sim", reward_url="service", weight=d.weight,
-                            alpha=d.alpha)
+                            alpha=d.alpha, max_turns=_turn_cap(d.spec))
                for d in sim.domains]
     # The simulated trainer's micro-batch budget only has to admit a full-length sample.
     trainer = TrainerConfig(max_tokens_per_microbatch=max(8192, sim.max_tokens_per_trajectory))

@@ -109,15 +109,18 @@ class LLMProxy(FleetCalls):
             bound.
         spill: online affinity (``run.adaptive_affinity``): where a new trajectory goes when
             its domain's pool is saturated; ``None``: the static ``affinity`` only.
-        kv_working_set: ``(share, prior_tokens, max_turns)``: hold a new trajectory's first
-            turn while its pool's KV cache cannot keep one more trajectory's working set
-            (``rollart.controller.routing.workingset``; the pool is judged saturated then):
-            ``share`` of the pool's reported KV capacity (``WorkerStats.kv_capacity_tokens``);
-            ``prior_tokens``: the longest a trajectory may grow (every projection's cap, and
-            the estimate before its domain's first turn returned); ``max_turns``: domain ->
-            its cap on turns, for the projection before its first finish. Turns that found
-            most of the prefix their worker held evicted (``GenerateResult.num_cached_tokens``)
-            are counted. ``None``: no such hold.
+        kv_working_set: ``(share, prior_tokens, max_turns, max_tokens_per_turn)``: hold a
+            new trajectory's first turn while its pool's KV cache cannot keep one more
+            trajectory's working set (``rollart.controller.routing.workingset``; the pool is
+            judged saturated then): ``share`` of the pool's reported KV capacity
+            (``WorkerStats.kv_capacity_tokens``); ``prior_tokens``: the longest a trajectory
+            may grow (every projection's cap, and the estimate before its domain's first turn
+            returned); ``max_turns``: domain -> its cap on turns, for the projection before its
+            first finish; ``max_tokens_per_turn``: the cap on a response (a one-turn domain's
+            estimate before its first turn returned is its prompt plus this when less than
+            ``prior_tokens``; ``None``: ``prior_tokens``). Turns that found most of the prefix
+            their worker held evicted (``GenerateResult.num_cached_tokens``) are counted.
+            ``None``: no such hold.
 
     Raises:
         ConfigError: an empty pool, a duplicate worker name, or affinity to an unknown pool.
@@ -133,7 +136,7 @@ class LLMProxy(FleetCalls):
         violations: ViolationWindow | None = None,
         max_generate_in_flight: int | None = None,
         spill: SpillPolicy | None = None,
-        kv_working_set: tuple[float, int, Mapping[str, int]] | None = None,
+        kv_working_set: tuple[float, int, Mapping[str, int], int | None] | None = None,
     ) -> None:
         self._pools: dict[str, Pool] = {}
         seen: set[str] = set()
@@ -153,7 +156,7 @@ class LLMProxy(FleetCalls):
         self._gauge = PoolGauge()
         self.working_set = None if kv_working_set is None else KVWorkingSet(
             self._kv_capacity, share=kv_working_set[0], prior_tokens=kv_working_set[1],
-            max_turns=kv_working_set[2])
+            max_turns=kv_working_set[2], max_tokens_per_turn=kv_working_set[3])
         #: turns whose held prefix the worker's cache had mostly evicted (counted with the
         #: working-set hold on)
         self.num_prefix_evicted_turns = 0

@@ -23,7 +23,9 @@ response as the turns after the first did (the first turn adds a response only, 
 tell how large observations are). A trajectory with fewer turns is expected at its domain's
 projection: the mean of its trajectories' projections at their second turn; before any second
 turn, the mean first-turn footprint times ``max_turns`` (the first prompt counted as every
-turn's growth: an over-estimate); before any first turn returned, ``prior_tokens``. A
+turn's growth: an over-estimate); before any first turn returned, ``prior_tokens``, or for a
+domain of one turn its first prompt plus ``max_tokens_per_turn`` when that is less (its KV
+holds the prompt and one response, whatever the trajectory cap). A
 ``max_turns`` far above the turns trajectories really take keeps the projections high until the
 domain's first finish. So the hold guards the cache from a run's first burst on, and where
 ``prior_tokens`` is loose the projections replace it as the first turns return.
@@ -94,21 +96,28 @@ class KVWorkingSet:
             until then.
         mean_window: finished trajectories per domain its mean final footprint is over (the
             last ones), >= 1.
+        max_tokens_per_turn: the cap on one turn's response in tokens (the run's
+            ``max_tokens_per_turn``), >= 1, or ``None``: a trajectory of a domain whose
+            ``max_turns`` is 1 is expected at its first prompt plus this before its first turn
+            returned, when that is less than ``prior_tokens``.
 
     Raises:
-        ValueError: ``prior_tokens`` < 1, ``share`` out of range, a ``max_turns`` < 1 or
-            ``mean_window`` < 1.
+        ValueError: ``prior_tokens`` < 1, ``share`` out of range, a ``max_turns`` < 1,
+            ``mean_window`` < 1 or ``max_tokens_per_turn`` < 1.
     """
 
     def __init__(self, capacity: Callable[[str], int | None], *, prior_tokens: int,
                  share: float = 1.0, max_turns: Mapping[str, int] | None = None,
-                 mean_window: int = MEAN_WINDOW) -> None:
+                 mean_window: int = MEAN_WINDOW, max_tokens_per_turn: int | None = None) -> None:
         if prior_tokens < 1:
             raise ValueError(f"prior_tokens must be >= 1, got {prior_tokens}")
         if mean_window < 1:
             raise ValueError(f"mean_window must be >= 1, got {mean_window}")
         if not 0.0 < share <= 1.0:
             raise ValueError(f"share must be in (0, 1], got {share}")
+        if max_tokens_per_turn is not None and max_tokens_per_turn < 1:
+            raise ValueError(f"max_tokens_per_turn must be >= 1, got {max_tokens_per_turn}")
+        self.max_tokens_per_turn = max_tokens_per_turn
         self.max_turns = dict(max_turns or {})
         for domain, turns in self.max_turns.items():
             if turns < 1:
@@ -158,7 +167,12 @@ class KVWorkingSet:
         own = self._projection.get(domain)
         if own is not None:
             return own
-        return min(prior, float(tokens) * cap) if turns else prior
+        if turns:
+            return min(prior, float(tokens) * cap)
+        if cap == 1 and self.max_tokens_per_turn is not None:
+            # One turn: its prompt and at most one response, whatever the trajectory cap.
+            return min(prior, float(tokens + self.max_tokens_per_turn))
+        return prior
 
     def pool_tokens(self, pool: str) -> float:
         """Expected footprints (tokens) of the live trajectories on ``pool``, summed."""
