@@ -69,7 +69,8 @@ def test_inputs_reach_the_controller() -> None:
 def test_the_kv_hold_knows_a_single_turn_env_family_and_the_response_cap() -> None:
     """A reasoning-gym domain ends after one turn whatever ``max_turns`` says: the working set
     is told so (a one-turn domain's estimate is then its prompt plus one response), and gets
-    the run's response cap; a domain's own ``max_turns`` below the run's is kept."""
+    the run's response cap; a domain's own ``max_turns`` below the run's is kept; an agent
+    domain keeps its own whatever its env."""
     import msgspec
 
     sc = make_scenario(adaptive_affinity={"enabled": True}, max_turns=6)
@@ -82,6 +83,15 @@ def test_the_kv_hold_knows_a_single_turn_env_family_and_the_response_cap() -> No
     assert ws.max_turns == {"game": 3, "math": 1}
     assert ws.max_tokens_per_turn == sc.run.max_tokens_per_turn == 16
     assert ws.prior_tokens == 256
+    # An agent's turns are its LLM calls, however many steps its env takes.
+    from rollart.controller.agents.runner import AgentRunner, AgentSpec
+
+    async def agent(client, task):
+        return None
+
+    agents = AgentRunner({"math": AgentSpec(agent)})
+    ws = build_controller(sc, _backends(), agents=agents).proxy.working_set
+    assert ws is not None and ws.max_turns == {"game": 3, "math": 5}
     assert family_turn_cap("game:Sokoban-v0-easy") is None
     assert family_turn_cap("py:pkg.envs:Env") is None and family_turn_cap("count") is None
 

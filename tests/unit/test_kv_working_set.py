@@ -38,11 +38,13 @@ def test_rejects_a_bad_prior_share_or_turn_cap() -> None:
 def test_a_one_turn_domain_is_expected_at_its_prompt_and_one_response_at_most() -> None:
     """Before its first turn returned, a trajectory of a one-turn domain holds at most its
     prompt and one response (``max_tokens_per_turn``), whatever the trajectory cap; a domain of
-    more turns, or one without the response cap, stays at the cap."""
+    more turns, one without the response cap, or a prompt not known yet stays at the cap."""
     ws = KVWorkingSet(lambda p: 10_000, prior_tokens=1000, max_turns={"r": 1, "d": 4},
                       max_tokens_per_turn=300)
     assert ws.expected_tokens("r", 50) == 350
     assert ws.expected_tokens("r", 800) == 1000  # never above the trajectory cap
+    # An agent's first turn is admitted before its prompt exists: not known to be short.
+    assert ws.expected_tokens("r", 0) == 1000
     assert ws.expected_tokens("d", 50) == 1000
     assert ws.expected_tokens("x", 50) == 1000  # no turn cap known
     ws._start("t1", "A", "r", 50)

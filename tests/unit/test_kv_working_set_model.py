@@ -103,7 +103,7 @@ class WorkingSetMachine(RuleBasedStateMachine):
             return self.projection[domain]
         if turns:
             return min(prior, float(tokens) * cap)
-        if cap == 1 and self.max_tokens_per_turn is not None:
+        if cap == 1 and tokens and self.max_tokens_per_turn is not None:
             return min(prior, float(tokens + self.max_tokens_per_turn))
         return prior
 

@@ -86,8 +86,9 @@ class AdaptiveAffinityConfig(_Cfg, frozen=True):
     #: pool has room. A trajectory's expected footprint before its domain's first finish is
     #: projected from its turns and the domain's ``max_turns``, and before its domain's first
     #: turn returned is ``run.max_tokens_per_trajectory`` (for a one-turn domain, ``max_turns``
-    #: 1 or a reasoning-gym env, its prompt plus ``run.max_tokens_per_turn`` when less). Needs
-    #: workers that report their KV capacity (vLLM and simulated ones do).
+    #: 1 or a reasoning-gym env without an agent, its prompt plus ``run.max_tokens_per_turn``
+    #: when less; an agent's prompt is not known then). Needs workers that report their KV capacity (vLLM
+    #: and simulated ones do).
     #: Unset: on in every mode but ``sync``, whose turn barrier makes every live trajectory
     #: wait for a held first turn (refused there when set; ``RunConfig.effective_kv_working_set``).
     #: ``true`` with ``enabled = false`` is refused (the hold is part of online affinity).

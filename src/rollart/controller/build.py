@@ -128,6 +128,13 @@ def build_controller(
         saturated_waiting_share=aa.saturated_waiting_share,
         room_waiting_share=aa.room_waiting_share, kv_usage_high=aa.kv_usage_high,
         min_hold_s=aa.min_hold_s, clock=clock) if aa.enabled else None
+    # A turn is one LLM call: one env step for a gym domain, whose env family may end it after
+    # one; any number of the agent's calls for an agent domain, whatever its env.
+    agent_domains = set(agents.agents) if agents is not None else set()
+    turn_caps = {d.name: min(d.max_turns or run.max_turns,
+                             (None if d.name in agent_domains else family_turn_cap(d.env))
+                             or run.max_turns)
+                 for d in scenario.domains}
     proxy = LLMProxy(
         {name: (hardware.get(name, "?"), workers) for name, workers in backends.pools.items()},
         home,
@@ -135,10 +142,8 @@ def build_controller(
         vocab_size=backends.vocab_size,
         max_generate_in_flight=run.max_generate_in_flight,
         spill=spill,
-        kv_working_set=(aa.kv_working_set_share, run.max_tokens_per_trajectory,
-                        {d.name: min(d.max_turns or run.max_turns,
-                                     family_turn_cap(d.env) or run.max_turns)
-                         for d in scenario.domains}, run.max_tokens_per_turn)
+        kv_working_set=(aa.kv_working_set_share, run.max_tokens_per_trajectory, turn_caps,
+                        run.max_tokens_per_turn)
         if run.effective_kv_working_set else None,
     )
     envs = EnvRouter(list(backends.env_hosts), LocalEnvBackend(

@@ -25,7 +25,8 @@ projection: the mean of its trajectories' projections at their second turn; befo
 turn, the mean first-turn footprint times ``max_turns`` (the first prompt counted as every
 turn's growth: an over-estimate); before any first turn returned, ``prior_tokens``, or for a
 domain of one turn its first prompt plus ``max_tokens_per_turn`` when that is less (its KV
-holds the prompt and one response, whatever the trajectory cap). A
+holds the prompt and one response, whatever the trajectory cap; an agent's first turn, admitted
+before its prompt exists, stays at ``prior_tokens``). A
 ``max_turns`` far above the turns trajectories really take keeps the projections high until the
 domain's first finish. So the hold guards the cache from a run's first burst on, and where
 ``prior_tokens`` is loose the projections replace it as the first turns return.
@@ -169,8 +170,9 @@ class KVWorkingSet:
             return own
         if turns:
             return min(prior, float(tokens) * cap)
-        if cap == 1 and self.max_tokens_per_turn is not None:
-            # One turn: its prompt and at most one response, whatever the trajectory cap.
+        if cap == 1 and tokens and self.max_tokens_per_turn is not None:
+            # One turn: its prompt and at most one response, whatever the trajectory cap. An
+            # agent's first turn is admitted before its prompt exists (0 tokens): the cap.
             return min(prior, float(tokens + self.max_tokens_per_turn))
         return prior
 
