@@ -70,7 +70,7 @@ def test_the_kv_hold_knows_a_single_turn_env_family_and_the_response_cap() -> No
     """A reasoning-gym domain ends after one turn whatever ``max_turns`` says: the working set
     is told so (a one-turn domain's estimate is then its prompt plus one response), and gets
     the run's response cap; a domain's own ``max_turns`` below the run's is kept; an agent
-    domain keeps its own whatever its env."""
+    domain, or one whose env is registered in-process, keeps its own whatever its env."""
     import msgspec
 
     sc = make_scenario(adaptive_affinity={"enabled": True}, max_turns=6)
@@ -91,6 +91,10 @@ def test_the_kv_hold_knows_a_single_turn_env_family_and_the_response_cap() -> No
 
     agents = AgentRunner({"math": AgentSpec(agent)})
     ws = build_controller(sc, _backends(), agents=agents).proxy.working_set
+    assert ws is not None and ws.max_turns == {"game": 3, "math": 5}
+    # An env registered in-process under the family's name is the user's own.
+    ws = build_controller(sc, _backends(),
+                          local_envs={"rg:basic_arithmetic": dict}).proxy.working_set
     assert ws is not None and ws.max_turns == {"game": 3, "math": 5}
     assert family_turn_cap("game:Sokoban-v0-easy") is None
     assert family_turn_cap("py:pkg.envs:Env") is None and family_turn_cap("count") is None

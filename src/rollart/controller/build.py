@@ -129,11 +129,12 @@ def build_controller(
         room_waiting_share=aa.room_waiting_share, kv_usage_high=aa.kv_usage_high,
         min_hold_s=aa.min_hold_s, clock=clock) if aa.enabled else None
     # A turn is one LLM call: one env step for a gym domain, whose env family may end it after
-    # one; any number of the agent's calls for an agent domain, whatever its env.
+    # one; any number of the agent's calls for an agent domain, whatever its env. An env
+    # registered in-process under a family's name is the user's, not the family's.
     agent_domains = set(agents.agents) if agents is not None else set()
     turn_caps = {d.name: min(d.max_turns or run.max_turns,
-                             (None if d.name in agent_domains else family_turn_cap(d.env))
-                             or run.max_turns)
+                             (None if d.name in agent_domains or d.env in local_envs
+                              else family_turn_cap(d.env)) or run.max_turns)
                  for d in scenario.domains}
     proxy = LLMProxy(
         {name: (hardware.get(name, "?"), workers) for name, workers in backends.pools.items()},
