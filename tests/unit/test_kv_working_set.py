@@ -336,6 +336,26 @@ def test_a_pool_that_fits_the_real_footprints_but_not_the_worst_case_loses_nothi
     assert total[1] == pytest.approx(total[0], rel=0.02)  # simulated seconds: deterministic
 
 
+def test_the_spill_policy_judges_a_one_turn_domains_home_by_the_prompt_it_admits() -> None:
+    """The spill check asks whether the new trajectory itself would fit at home: a one-turn
+    domain's first turns (10-token prompts, 20-token responses, a 1,000-token trajectory cap)
+    fill a 250-token pool 30 tokens at a time and stay home, with no spill and no return."""
+    a, b = CachingWorker("a", 250), CachingWorker("b", 250)
+    a.last_stats, b.last_stats = a._stats(), b._stats()
+    spill = SpillPolicy(saturated_waiting_share=0.5, room_waiting_share=0.1,
+                        kv_usage_high=0.95, min_hold_s=10.0, clock=lambda: 0.0)
+    proxy = LLMProxy({"A": ("h800", [a]), "B": ("h800", [b])}, {"r": "A"}, spill=spill,
+                     kv_working_set=(1.0, 1000, {"r": 1}, 20))
+    for i in range(8):
+        assert proxy.try_admit(f"t{i}", "r", 10)
+        assert proxy.pool_of_trajectory(f"t{i}", "r").name == "A"
+    assert proxy.working_set is not None and proxy.working_set.pool_tokens("A") == 240
+    assert not spill.transitions
+    # A ninth does not fit at home: it goes where there is room.
+    assert proxy.try_admit("t8", "r", 10)
+    assert proxy.pool_of_trajectory("t8", "r").name == "B"
+
+
 def test_a_burst_of_one_turn_trajectories_that_fits_at_one_response_each_does_not_wait() -> None:
     """One simulated H800 engine, one reasoning domain: its first burst fits the KV cache at
     prompt plus one response (16,384 tokens) each, not at the 32,768-token trajectory cap. As
@@ -345,11 +365,12 @@ def test_a_burst_of_one_turn_trajectories_that_fits_at_one_response_each_does_no
 
     from rollart.config import AdaptiveAffinityConfig
     from rollart.sim.harness import SimDomain, SimPool, SimScenario, run_simulated, scenario_of
-    from rollart.sim.workload import Dist
+    from rollart.sim.workload import Dist, const
 
     one_turn = reasoning()
     assert one_turn.num_turns.kind == "const"  # declared single-turn: max_turns 1
-    undeclared = dataclasses.replace(one_turn, num_turns=Dist("uniform", 1, 0, 1, 1))
+    # Always one turn, but drawn: not known to be one-turn.
+    undeclared = dataclasses.replace(one_turn, num_turns=Dist("uniform", 1, 0.5, 1, 1))
 
     def sim(spec):
         return SimScenario(pools=(SimPool("h800", "h800", 1, max_batch=128),),
@@ -359,6 +380,11 @@ def test_a_burst_of_one_turn_trajectories_that_fits_at_one_response_each_does_no
 
     assert scenario_of(sim(one_turn), 0).domains[0].max_turns == 1
     assert scenario_of(sim(undeclared), 0).domains[0].max_turns is None
+    for turns in (const(2), Dist("const", 1, 0, 2), Dist("uniform", 2, 0)):  # never one turn
+        spec = dataclasses.replace(one_turn, num_turns=turns)
+        assert scenario_of(sim(spec), 0).domains[0].max_turns is None, turns
+    assert scenario_of(sim(dataclasses.replace(one_turn, num_turns=Dist("normal", 1, 0))),
+                       0).domains[0].max_turns == 1
     on = AdaptiveAffinityConfig(enabled=True)
     static = run_simulated(sim(one_turn), 0)
     held = run_simulated(sim(one_turn).replace(adaptive_affinity=on), 0)

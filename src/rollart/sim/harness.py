@@ -211,10 +211,11 @@ POLICY_FIELDS = ("weight_apply", "apply_waves", "domain_mix", "fresh_start",
 
 def _turn_cap(spec: DomainSpec) -> int | None:
     """A single-turn domain's ``max_turns``, 1, as a scenario of single-turn tasks declares
-    it (and as the controller reads it from a single-turn env family, ``rg:``); ``None`` (the
+    it (and as the controller reads it from a single-turn env family, ``rg:``): one whose
+    turns do not draw and come out at one (as ``rollart.sim.env`` counts them); ``None`` (the
     run's) for any other."""
     turns = spec.num_turns
-    return 1 if turns.kind == "const" and turns.mean <= 1 else None
+    return 1 if not turns.draws and max(1, round(turns.sample(None))) == 1 else None
 
 
 def scenario_of(sim: SimScenario, seed: int) -> Scenario:

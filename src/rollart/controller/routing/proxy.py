@@ -221,15 +221,17 @@ class LLMProxy(FleetCalls):
                 f"domain {domain!r} has no pool affinity; domains: {sorted(self._affinity)}"
             ) from None
 
-    def pool_pressure(self, name: str, domain: str | None = None) -> PoolPressure:
+    def pool_pressure(self, name: str, domain: str | None = None,
+                      num_prompt_tokens: int = 0) -> PoolPressure:
         """Pool ``name``'s pressure now (``rollart.controller.routing.spill``); with ``domain``,
-        its working sets count as full also when a new trajectory of that domain would not fit
-        (so the spill policy does not keep it home to wait while another pool has room)."""
+        its working sets count as full also when a new trajectory of that domain, its first
+        prompt ``num_prompt_tokens`` long (0: not known), would not fit (so the spill policy
+        does not keep it home to wait while another pool has room)."""
         p = self._gauge.pressure(self._pools[name].workers, self._window.waiting,
                                  lambda w: self._window.in_flight.get(w, 0))
         ws = self.working_set
         if ws is not None and (ws.full(name) or (
-                domain is not None and not ws.fits(name, domain))):
+                domain is not None and not ws.fits(name, domain, num_prompt_tokens))):
             return dataclasses.replace(p, working_set_full=True)
         return p
 
@@ -246,9 +248,10 @@ class LLMProxy(FleetCalls):
         total = sum(known)
         return total * len(workers) // len(known) if total else None
 
-    def pool_of_trajectory(self, traj_id: str, domain: str) -> Pool:
+    def pool_of_trajectory(self, traj_id: str, domain: str, num_prompt_tokens: int = 0) -> Pool:
         """The pool ``traj_id`` (of ``domain``) generates on: its domain's, or with online
-        affinity the one its first turn went to. Raises ConfigError for a domain without
+        affinity the one its first turn went to (chosen at the first call, its first prompt
+        ``num_prompt_tokens`` long; 0: not known). Raises ConfigError for a domain without
         affinity."""
         home = self.pool_of(domain)
         if self.spill is None or not traj_id:
@@ -257,7 +260,8 @@ class LLMProxy(FleetCalls):
         if pool is None:
             live = [name for name, p in self._pools.items() if p.workers]
             pool = self._pools[self.spill.pool_for(
-                domain, home.name, lambda name: self.pool_pressure(name, domain), live)]
+                domain, home.name,
+                lambda name: self.pool_pressure(name, domain, num_prompt_tokens), live)]
             self._started_on[traj_id] = pool
         return pool
 
@@ -436,7 +440,8 @@ class LLMProxy(FleetCalls):
         trajectory."""
         ws = self.working_set
         if ws is not None and not self.try_admit(traj_id, domain, num_prompt_tokens):
-            await ws.admit(traj_id, self.pool_of_trajectory(traj_id, domain).name, domain,
+            await ws.admit(traj_id, self.pool_of_trajectory(traj_id, domain,
+                                                            num_prompt_tokens).name, domain,
                            num_prompt_tokens, asyncio.get_running_loop().time)
 
     def try_admit(self, traj_id: str, domain: str, num_prompt_tokens: int = 0) -> bool:
@@ -445,7 +450,8 @@ class LLMProxy(FleetCalls):
         ws = self.working_set
         if ws is None or not traj_id:
             return True
-        return ws.try_start(traj_id, self.pool_of_trajectory(traj_id, domain).name, domain,
+        return ws.try_start(traj_id, self.pool_of_trajectory(traj_id, domain,
+                                                             num_prompt_tokens).name, domain,
                             num_prompt_tokens)
 
     def _account_kv(self, ws: KVWorkingSet, traj_id: str, domain: str, held: int, total: int,

@@ -90,7 +90,8 @@ class KVWorkingSet:
         prior_tokens: the longest a trajectory may grow, in tokens (the run's
             ``max_tokens_per_trajectory``), >= 1: every projection's cap, and a trajectory's
             expected footprint before its domain's first turn returned (before its first finish
-            for a domain not in ``max_turns``).
+            for a domain not in ``max_turns``), except a one-turn domain's with a known prompt
+            (``max_tokens_per_turn``).
         share: share of the capacity the working sets may fill, in (0, 1].
         max_turns: domain name -> its cap on turns per trajectory, for the projection before
             the domain's first finish; a domain not in it is expected at ``prior_tokens``
@@ -98,9 +99,10 @@ class KVWorkingSet:
         mean_window: finished trajectories per domain its mean final footprint is over (the
             last ones), >= 1.
         max_tokens_per_turn: the cap on one turn's response in tokens (the run's
-            ``max_tokens_per_turn``), >= 1, or ``None``: a trajectory of a domain whose
-            ``max_turns`` is 1 is expected at its first prompt plus this before its first turn
-            returned, when that is less than ``prior_tokens``.
+            ``max_tokens_per_turn``), >= 1: before its domain's first turn returned, a
+            trajectory of a domain whose ``max_turns`` is 1 and whose first prompt is known
+            (> 0 tokens) is expected at that prompt plus this, when less than
+            ``prior_tokens``; ``None``: at ``prior_tokens``.
 
     Raises:
         ValueError: ``prior_tokens`` < 1, ``share`` out of range, a ``max_turns`` < 1,
