@@ -87,8 +87,8 @@ class AdaptiveAffinityConfig(_Cfg, frozen=True):
     #: projected from its turns and the domain's ``max_turns``, and before its domain's first
     #: turn returned is ``run.max_tokens_per_trajectory`` (for a one-turn domain, ``max_turns``
     #: 1 or a reasoning-gym env without an agent, its prompt plus ``run.max_tokens_per_turn``
-    #: when less; an agent's prompt is not known then). Needs workers that report their KV capacity (vLLM
-    #: and simulated ones do).
+    #: when less; an agent's prompt is not known then). Needs workers that report their KV
+    #: capacity (vLLM and simulated ones do).
     #: Unset: on in every mode but ``sync``, whose turn barrier makes every live trajectory
     #: wait for a held first turn (refused there when set; ``RunConfig.effective_kv_working_set``).
     #: ``true`` with ``enabled = false`` is refused (the hold is part of online affinity).
