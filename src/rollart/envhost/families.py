@@ -47,7 +47,8 @@ SINGLE_TURN_FAMILIES = frozenset({"rg"})
 def family_turn_cap(env: str) -> int | None:
     """The turns an episode of ``env`` (``FAMILY:NAME``) can last by its family: 1 for a
     single-turn family (``SINGLE_TURN_FAMILIES``), ``None`` when the env decides."""
-    return 1 if env.partition(":")[0] in SINGLE_TURN_FAMILIES else None
+    family, sep, _ = env.partition(":")
+    return 1 if sep and family in SINGLE_TURN_FAMILIES else None
 
 
 #: Appended to every reasoning-gym question: the env grades the last ``\boxed{}`` only.

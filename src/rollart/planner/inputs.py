@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollart.config import Scenario
+from rollart.envhost.families import family_turn_cap
 from rollart.sim.hardware import HARDWARE, HardwareProfile, get_hardware
 from rollart.sim.harness import MODE_ALPHA
 from rollart.sim.models import MODELS, ModelProfile, get_model
@@ -168,7 +169,7 @@ def default_profile(name: str, env: str, turns: int, max_tokens_per_turn: int,
                     max_tokens_per_trajectory: int) -> DomainSpec:
     """The assumed workload of a domain (module docstring): decode-heavy for ``rg:`` envs or
     one turn, else multi-turn agentic, token counts shrunk to fit the trajectory cap."""
-    if env.startswith("rg:") or turns <= 1:
+    if family_turn_cap(env) == 1 or turns <= 1:
         mean = min(4000.0, max(16.0, max_tokens_per_turn / 2))
         return DomainSpec(name, prompt_tokens=const(min(512, max_tokens_per_trajectory // 4)),
                           response_tokens=Dist("lognormal", mean, 0.75 * mean, 16, 1e9),
