@@ -212,10 +212,13 @@ async def test_generate_lengths_versions_and_finish_reasons(client):
 
 async def test_reports_kv_capacity_and_prefix_cache_hits(client):
     """What the KV working-set hold reads: the engine's KV capacity in tokens (its blocks x
-    block size, known once the engine profiled memory) and, per request, the prompt tokens
-    served from the prefix cache: none the first time, whole blocks of it the second."""
+    block size, known once the engine profiled memory), its block size (vLLM's CPU backend:
+    128 tokens unless set) and, per request, the prompt tokens served from the prefix cache:
+    none the first time, whole blocks of it the second."""
     stats = await client.stats()
     assert stats.kv_capacity_tokens is not None and stats.kv_capacity_tokens >= len(PROMPT)
+    assert stats.kv_block_tokens == 128
+    assert stats.kv_capacity_tokens % stats.kv_block_tokens == 0
     long_prompt = [20 + (11 * i) % 200 for i in range(200)]
     sp = m.SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     first = await client.generate(m.Generate(

@@ -13,6 +13,7 @@ import dataclasses
 import logging
 from types import SimpleNamespace as NS
 
+import msgspec
 import pytest
 
 from helpers.fakes import FakeWorker
@@ -276,6 +277,7 @@ def test_the_engine_logger_reads_the_kv_capacity_once_vllm_sized_it() -> None:
     assert counts.kv_capacity_tokens is None
     cls(NS(cache_config=NS(num_gpu_blocks=512, block_size=16))).log_engine_initialized()
     assert counts.kv_capacity_tokens == 8192 and counts.prefix_caching
+    assert counts.kv_block_tokens == 16
     # The engine turned its prefix cache off (whatever was asked): no cached-token reports.
     cls(NS(cache_config=NS(num_gpu_blocks=512, block_size=16,
                            enable_prefix_caching=False))).log_engine_initialized()
@@ -431,6 +433,58 @@ async def test_the_hold_is_logged_once_per_pool(caplog) -> None:
     for task in (first, second):
         task.cancel()
     await asyncio.gather(first, second, return_exceptions=True)
+
+
+def test_a_trajectory_is_charged_in_whole_kv_blocks_of_its_pool() -> None:
+    """An engine holds a sequence's KV in whole blocks (vLLM's CPU backend: 128 tokens): five
+    one-turn trajectories expected at 100 tokens each take 5 x 128 = 640 of a 512-token
+    cache, so the fifth waits; token by token (block size not known) all five fit. A block
+    size reported once trajectories are live charges them again."""
+    block: dict[str, int | None] = {"A": 128, "B": None}
+    ws = KVWorkingSet(lambda p: 512, prior_tokens=1000, max_turns={"r": 1},
+                      max_tokens_per_turn=50, block_tokens=block.get)
+    for pool in ("A", "B"):
+        for i in range(4):
+            assert ws.try_start(f"{pool}{i}", pool, "r", 50)
+    assert ws.pool_tokens("A") == 512 and ws.pool_tokens("B") == 400
+    assert not ws.fits("A", "r", 50) and ws.fits("B", "r", 50)
+    block["B"] = 128  # B's workers reported their block size only now
+    assert ws.pool_tokens("B") == 512 and not ws.fits("B", "r", 50)
+    block["B"] = None
+    assert ws.pool_tokens("B") == 400
+    # A first turn ended at 129 tokens: every trajectory of the domain is expected at that
+    # now, two blocks each.
+    ws.held("A0", 129)
+    assert ws.pool_tokens("A") == 4 * 256 and ws.pool_tokens("B") == 4 * 129
+    ws.ended("A0")
+    assert ws.pool_tokens("A") == 3 * 256
+
+
+async def test_the_proxy_charges_a_pool_in_its_workers_kv_blocks() -> None:
+    """The largest block size the pool's workers report is the pool's; none reported: token
+    by token."""
+    w, v = BlockWorker("a", 500, block=None), BlockWorker("b", 500, block=None)
+    proxy = LLMProxy({"A": ("h800", [w, v])}, {"d": "A"}, kv_working_set=(1.0, 300, {}, None))
+    assert proxy._kv_block_tokens("A") is None
+    await proxy.generate("t1", "d", "r1", prompt(100), SP)  # holds 103 tokens after its turn
+    ws = proxy.working_set
+    assert ws is not None and ws.pool_tokens("A") == 300
+    w.block, v.block = 256, 16
+    for worker in (w, v):
+        worker.last_stats = worker._stats()
+    assert proxy._kv_block_tokens("A") == 256 and ws.pool_tokens("A") == 512
+    assert not ws.fits("A", "d", 10)  # 512 + 512 > 1000; token by token 300 + 300 fit
+
+
+class BlockWorker(CachingWorker):
+    """Reports its KV block size too."""
+
+    def __init__(self, name: str, capacity: int, block: int | None) -> None:
+        super().__init__(name, capacity)
+        self.block = block
+
+    def _stats(self) -> m.WorkerStats:
+        return msgspec.structs.replace(super()._stats(), kv_block_tokens=self.block)
 
 
 def test_fits_counts_the_new_trajectorys_own_prompt() -> None:

@@ -7,9 +7,10 @@ then ``poke``, as ``LLMProxy`` does after a checked turn), aborted replies (``po
 (also in the same instant as their wake-up), capacity changes (with or without a ``poke``) and
 the passing of time, over two pools and two domains (one with a turn cap, projected before its
 first finish, a one-turn cap drawn too, with or without a response cap; one without, at the
-prior until then). The model keeps every live trajectory's
-tokens and turns and recomputes each pool's expected footprints from scratch (no incremental
-sums), and keeps the domain means and projections in use by the documented refresh rule (once
+prior until then), with KV block sizes drawn per pool (not known, 1, 16 or 128 tokens, and
+changing as capacities do). The model keeps every live trajectory's
+tokens and turns and recomputes each pool's expected footprints, each rounded up to whole
+blocks of its pool's block size now, from scratch (no incremental sums), and keeps the domain means and projections in use by the documented refresh rule (once
 the finishes, first and second turns since the last refresh reach ``REFRESH_FRACTION`` of
 the live trajectories; larger fractions are drawn too, so that the means go stale between
 refreshes with few live trajectories; a domain's mean is over its last ``mean_window``
@@ -57,6 +58,7 @@ class WorkingSetMachine(RuleBasedStateMachine):
         self.loop = asyncio.new_event_loop()
         self.now = 0.0
         self.cap: dict[str, int | None] = {"A": 400, "B": None}
+        self.block: dict[str, int | None] = {"A": None, "B": None}
         self.prior = 100
         self.share = 1.0
         self.max_tokens_per_turn: int | None = None
@@ -86,7 +88,8 @@ class WorkingSetMachine(RuleBasedStateMachine):
             self.ws = KVWorkingSet(lambda p: self.cap[p], prior_tokens=self.prior,
                                    share=self.share, max_turns=self.max_turns,
                                    mean_window=self.window,
-                                   max_tokens_per_turn=self.max_tokens_per_turn)
+                                   max_tokens_per_turn=self.max_tokens_per_turn,
+                                   block_tokens=lambda p: self.block[p])
         return self.ws
 
     def _settle(self) -> None:
@@ -112,9 +115,13 @@ class WorkingSetMachine(RuleBasedStateMachine):
             return max(float(tokens), self.mean[domain])
         return max(float(tokens), self.projected(domain, tokens, turns, first))
 
+    def charge(self, pool: str, tokens: float) -> float:
+        size = self.block[pool] or 1
+        return tokens if size == 1 else float(-(-tokens // size) * size)
+
     def pool_sum(self, pool: str) -> float:
-        return sum(self.expected(d, t, k, f) for p, d, t, k, f in self.live.values()
-                   if p == pool)
+        return sum(self.charge(p, self.expected(d, t, k, f))
+                   for p, d, t, k, f in self.live.values() if p == pool)
 
     def n_live(self, pool: str) -> int:
         return sum(1 for p, *_ in self.live.values() if p == pool)
@@ -124,7 +131,8 @@ class WorkingSetMachine(RuleBasedStateMachine):
         cap = self.cap[pool]
         if cap is None or not self.n_live(pool):
             return None
-        return self.share * cap - (self.pool_sum(pool) + self.expected(domain, tokens))
+        return self.share * cap - (self.pool_sum(pool)
+                                   + self.charge(pool, self.expected(domain, tokens)))
 
     def check_fit(self, pool: str, domain: str, tokens: int, started: bool) -> None:
         m = self.margin(pool, domain, tokens)
@@ -161,15 +169,18 @@ class WorkingSetMachine(RuleBasedStateMachine):
                 fraction=st.sampled_from([REFRESH_FRACTION, 0.25, 0.5, 1.0, 3.0]),
                 max_turns=st.sampled_from([1, 2, 5]),
                 window=st.sampled_from([workingset.MEAN_WINDOW, 1, 2, 3]),
-                max_tokens_per_turn=st.one_of(st.none(), st.integers(1, 400)))
+                max_tokens_per_turn=st.one_of(st.none(), st.integers(1, 400)),
+                block_a=st.sampled_from([None, 1, 16, 128]))
     def configure(self, cap_a: int | None, prior: int, share: float, fraction: float,
-                  max_turns: int, window: int, max_tokens_per_turn: int | None) -> None:
+                  max_turns: int, window: int, max_tokens_per_turn: int | None,
+                  block_a: int | None) -> None:
         """The run's parameters; ``fraction`` stands in for ``REFRESH_FRACTION`` (the module's
         own 1/64 refreshes at every event below 64 live trajectories, so larger ones let the
         means go stale between refreshes, as they do in a large run); domain ``d`` has a turn
         cap, ``e`` none; ``window`` small lets the means drop old finishes;
         ``max_tokens_per_turn`` bounds a one-turn trajectory before its domain's first turn."""
         self.cap["A"], self.prior, self.share = cap_a, prior, share
+        self.block["A"] = block_a
         self.max_tokens_per_turn = max_tokens_per_turn
         self.window = window
         self.max_turns = {"d": max_turns}
@@ -299,10 +310,11 @@ class WorkingSetMachine(RuleBasedStateMachine):
         self.end_waits_of_started()
 
     @rule(pool=st.sampled_from(POOLS), cap=st.sampled_from([None, 0, 50, 150, 400, 1000, 5000]),
-          poke=st.booleans())
-    def capacity_changes(self, pool: str, cap: int | None, poke: bool) -> None:
+          block=st.sampled_from([None, 1, 16, 128]), poke=st.booleans())
+    def capacity_changes(self, pool: str, cap: int | None, block: int | None,
+                         poke: bool) -> None:
         self._ws()
-        self.cap[pool] = cap
+        self.cap[pool], self.block[pool] = cap, block
         if poke:
             self._ws().poke(pool)
             self.model_wake(pool)

@@ -59,6 +59,8 @@ class SchedulerCounts:
         #: tokens the KV cache holds when full (``num_gpu_blocks x block_size``), ``None``
         #: until the engine reported its blocks
         self.kv_capacity_tokens: int | None = None
+        #: tokens per KV-cache block (``block_size``), ``None`` until the engine sized its cache
+        self.kv_block_tokens: int | None = None
         #: the engine keeps a prefix cache (else its replies report no cached tokens: with
         #: nothing cached, "0 cached" would read as every prefix evicted)
         self.prefix_caching = True
@@ -89,6 +91,7 @@ def _stats_logger_factory(counts: SchedulerCounts) -> Any:
             size = getattr(cache, "block_size", None)
             if blocks and size:
                 counts.kv_capacity_tokens = int(blocks) * int(size)
+                counts.kv_block_tokens = int(size)
             # What the engine resolved, which can differ from what was asked for.
             caching = getattr(cache, "enable_prefix_caching", None)
             if isinstance(caching, bool):

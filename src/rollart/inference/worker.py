@@ -155,6 +155,7 @@ class InferenceWorker(WeightReceiver):
             weight_transfer=self.weight_transfer,
             kv_cache_usage=self.counts.kv_usage,
             kv_capacity_tokens=self.counts.kv_capacity_tokens,
+            kv_block_tokens=self.counts.kv_block_tokens,
         )
 
     def die(self, reason: str) -> None:

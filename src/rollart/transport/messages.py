@@ -164,6 +164,9 @@ class WorkerStats(Msg):
     #: tokens the engine's KV cache holds when full (vLLM: ``num_gpu_blocks x block_size``);
     #: ``None``: not reported.
     kv_capacity_tokens: NonNegInt | None = None
+    #: tokens per block of the engine's KV cache (vLLM: ``block_size``): a sequence holds
+    #: its KV in whole blocks; ``None``: not reported.
+    kv_block_tokens: PosInt | None = None
 
 
 class Generate(Msg):

@@ -113,7 +113,8 @@ class LLMProxy(FleetCalls):
             new trajectory's first turn while its pool's KV cache cannot keep one more
             trajectory's working set (``rollart.controller.routing.workingset``; the pool is
             judged saturated then): ``share`` of the pool's reported KV capacity
-            (``WorkerStats.kv_capacity_tokens``); ``prior_tokens``: the longest a trajectory
+            (``WorkerStats.kv_capacity_tokens``; each trajectory charged in whole blocks of
+            ``WorkerStats.kv_block_tokens``); ``prior_tokens``: the longest a trajectory
             may grow (every projection's cap, and the estimate before its domain's first turn
             returned); ``max_turns``: domain -> its cap on turns, for the projection before its
             first finish; ``max_tokens_per_turn``: the cap on a response (a one-turn domain's
@@ -156,7 +157,8 @@ class LLMProxy(FleetCalls):
         self._gauge = PoolGauge()
         self.working_set = None if kv_working_set is None else KVWorkingSet(
             self._kv_capacity, share=kv_working_set[0], prior_tokens=kv_working_set[1],
-            max_turns=kv_working_set[2], max_tokens_per_turn=kv_working_set[3])
+            max_turns=kv_working_set[2], max_tokens_per_turn=kv_working_set[3],
+            block_tokens=self._kv_block_tokens)
         #: turns whose held prefix the worker's cache had mostly evicted (counted with the
         #: working-set hold on)
         self.num_prefix_evicted_turns = 0
@@ -247,6 +249,13 @@ class LLMProxy(FleetCalls):
                  if w.last_stats is not None and w.last_stats.kv_capacity_tokens is not None]
         total = sum(known)
         return total * len(workers) // len(known) if total else None
+
+    def _kv_block_tokens(self, pool: str) -> int | None:
+        """Tokens per KV-cache block of pool ``pool``'s engines (the largest its live workers
+        reported: a trajectory may run on any of them); ``None`` when none reported one."""
+        sizes = [w.last_stats.kv_block_tokens for w in self._pools[pool].workers
+                 if w.last_stats is not None and w.last_stats.kv_block_tokens is not None]
+        return max(sizes, default=None)
 
     def pool_of_trajectory(self, traj_id: str, domain: str, num_prompt_tokens: int = 0) -> Pool:
         """The pool ``traj_id`` (of ``domain``) generates on: its domain's, or with online

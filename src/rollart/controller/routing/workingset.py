@@ -37,8 +37,12 @@ refresh reach ``REFRESH_FRACTION`` of the live trajectories (every one while few
 1/``REFRESH_FRACTION`` are live), so a check costs O(1) and a refresh O(live) amortised over
 many events. A pool's KV capacity is the sum of its live workers' reported
 ``WorkerStats.kv_capacity_tokens`` (vLLM: ``num_gpu_blocks x block_size``; a worker whose
-stats carry none yet counts at its pool's reported mean: ``LLMProxy``). A new trajectory
-starts on a pool when the expected footprints of the pool's live trajectories plus its own fit
+stats carry none yet counts at its pool's reported mean: ``LLMProxy``). The engine holds a
+sequence's KV in whole blocks (``WorkerStats.kv_block_tokens``: vLLM's ``block_size``, 128 on
+its CPU backend unless set), so each trajectory is charged to its pool at its expected
+footprint rounded up to whole blocks of that pool; a pool whose block size is not known is
+charged token by token. A new trajectory
+starts on a pool when the charges of the pool's live trajectories plus its own fit
 ``share x capacity``, or when the pool has no live trajectory (nothing to protect: a trajectory
 larger than the whole cache still runs, alone); otherwise it waits, first come first served,
 until a trajectory on that pool turns or ends or its capacity changes (``poke``). A pool whose
@@ -54,6 +58,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -77,8 +82,12 @@ class _Live:
     domain: str
     tokens: int  # KV tokens its worker holds now (its first prompt before its first turn)
     first_prompt: int  # tokens of its first prompt
-    expected: float  # its expected footprint under the current domain means
+    expected: float  # its expected footprint under the current domain means, in whole blocks
     turns: int = 0  # turns completed: from the first on its footprint is a measured one
+
+    def expected_tokens_of(self, ws: KVWorkingSet) -> float:
+        """Its expected footprint in tokens under ``ws``'s domain means (not rounded)."""
+        return ws.expected_tokens(self.domain, self.tokens, self.turns, self.first_prompt)
 
 
 class KVWorkingSet:
@@ -103,6 +112,9 @@ class KVWorkingSet:
             trajectory of a domain whose ``max_turns`` is 1 and whose first prompt is known
             (> 0 tokens) is expected at that prompt plus this, when less than
             ``prior_tokens``; ``None``: at ``prior_tokens``.
+        block_tokens: pool name -> tokens per block of its engines' KV cache now, ``None``
+            when not known (then its trajectories are charged token by token); ``None``: no
+            pool's is known.
 
     Raises:
         ValueError: ``prior_tokens`` < 1, ``share`` out of range, a ``max_turns`` < 1,
@@ -111,7 +123,8 @@ class KVWorkingSet:
 
     def __init__(self, capacity: Callable[[str], int | None], *, prior_tokens: int,
                  share: float = 1.0, max_turns: Mapping[str, int] | None = None,
-                 mean_window: int = MEAN_WINDOW, max_tokens_per_turn: int | None = None) -> None:
+                 mean_window: int = MEAN_WINDOW, max_tokens_per_turn: int | None = None,
+                 block_tokens: Callable[[str], int | None] | None = None) -> None:
         if prior_tokens < 1:
             raise ValueError(f"prior_tokens must be >= 1, got {prior_tokens}")
         if mean_window < 1:
@@ -127,6 +140,9 @@ class KVWorkingSet:
                 raise ValueError(f"max_turns of domain {domain!r} must be >= 1, got {turns}")
         self.capacity, self.prior_tokens, self.share = capacity, prior_tokens, share
         self.mean_window = mean_window
+        self.block_tokens = block_tokens
+        #: pool -> the block size its live trajectories are charged at (absent: 1)
+        self._charged_at: dict[str, int] = {}
         self._live: dict[str, _Live] = {}
         #: domain -> the final footprints (tokens) of its last ``mean_window`` finished
         #: trajectories, and their sum
@@ -178,8 +194,31 @@ class KVWorkingSet:
             return min(prior, float(tokens + self.max_tokens_per_turn))
         return prior
 
+    def _block(self, pool: str) -> int:
+        """Tokens per KV block of ``pool`` now (1 when not known); charges its live
+        trajectories again when it changed (a worker reported its block size only now)."""
+        size = self.block_tokens(pool) if self.block_tokens is not None else None
+        size = size if size is not None and size > 1 else 1
+        if self._charged_at.get(pool, 1) != size:
+            self._charged_at[pool] = size
+            n, total = 0, 0.0
+            for live in self._live.values():
+                if live.pool == pool:
+                    live.expected = self._charge(live.expected_tokens_of(self), size)
+                    n, total = n + 1, total + live.expected
+            if n:
+                self._pools[pool] = (n, total)
+        return size
+
+    @staticmethod
+    def _charge(tokens: float, block: int) -> float:
+        """``tokens`` rounded up to whole blocks of ``block`` tokens (1: as they are)."""
+        return tokens if block == 1 else float(math.ceil(tokens / block) * block)
+
     def pool_tokens(self, pool: str) -> float:
-        """Expected footprints (tokens) of the live trajectories on ``pool``, summed."""
+        """Expected footprints (tokens, each rounded up to whole KV blocks of ``pool``) of the
+        live trajectories on ``pool``, summed."""
+        self._block(pool)
         return self._pools.get(pool, (0, 0.0))[1]
 
     def num_live(self, pool: str) -> int:
@@ -191,8 +230,8 @@ class KVWorkingSet:
         cap = self.capacity(pool)
         if cap is None or not self.num_live(pool):
             return True
-        return (self.pool_tokens(pool) + self.expected_tokens(domain, num_prompt_tokens)
-                <= self.share * cap)
+        own = self._charge(self.expected_tokens(domain, num_prompt_tokens), self._block(pool))
+        return self.pool_tokens(pool) + own <= self.share * cap
 
     def is_live(self, traj_id: str) -> bool:
         return traj_id in self._live
@@ -214,7 +253,8 @@ class KVWorkingSet:
                         "(%.0f tokens) leave no room in its KV cache (%s tokens) for a new "
                         "one's (%.0f); new trajectories wait for room (working-set hold)",
                         pool, self.pool_tokens(pool), self.capacity(pool),
-                        self.expected_tokens(domain, num_prompt_tokens))
+                        self._charge(self.expected_tokens(domain, num_prompt_tokens),
+                                     self._block(pool)))
         t0 = clock()
         try:
             # ``_wake`` puts it in the live set as it admits it: a cancelled caller that was
@@ -237,7 +277,8 @@ class KVWorkingSet:
         return True
 
     def _start(self, traj_id: str, pool: str, domain: str, tokens: int) -> None:
-        live = _Live(pool, domain, tokens, tokens, self.expected_tokens(domain, tokens))
+        live = _Live(pool, domain, tokens, tokens,
+                     self._charge(self.expected_tokens(domain, tokens), self._block(pool)))
         self._live[traj_id] = live
         n, total = self._pools.get(pool, (0, 0.0))
         self._pools[pool] = (n + 1, total + live.expected)
@@ -249,10 +290,11 @@ class KVWorkingSet:
         if live is None:
             return
         live.turns += 1
-        expected = self.expected_tokens(live.domain, tokens, live.turns, live.first_prompt)
+        live.tokens = tokens
+        expected = self._charge(live.expected_tokens_of(self), self._block(live.pool))
         n, total = self._pools[live.pool]
         self._pools[live.pool] = (n, total + expected - live.expected)
-        live.tokens, live.expected = tokens, expected
+        live.expected = expected
         if live.domain in self._mean or live.domain not in self.max_turns:
             return
         if live.turns == 1:
@@ -309,8 +351,8 @@ class KVWorkingSet:
             self._projection[d] = projected / count
         pools: dict[str, tuple[int, float]] = {}
         for live in self._live.values():
-            live.expected = self.expected_tokens(live.domain, live.tokens, live.turns,
-                                                 live.first_prompt)
+            live.expected = self._charge(live.expected_tokens_of(self),
+                                         self._charged_at.get(live.pool, 1))
             n, total = pools.get(live.pool, (0, 0.0))
             pools[live.pool] = (n + 1, total + live.expected)
         self._pools = pools
