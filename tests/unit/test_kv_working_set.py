@@ -460,11 +460,22 @@ def test_a_trajectory_is_charged_in_whole_kv_blocks_of_its_pool() -> None:
     assert ws.pool_tokens("A") == 3 * 256
 
 
+def test_a_first_turn_admitted_right_after_a_block_size_change_is_charged_at_it() -> None:
+    """``try_start`` -> ``fits`` with nothing read in between: the live trajectory and the
+    new one are both charged at the block size reported now (128 + 128 > 228)."""
+    block: dict[str, int | None] = {"A": None}
+    ws = KVWorkingSet(lambda p: 228, prior_tokens=1000, max_turns={"r": 1},
+                      max_tokens_per_turn=50, block_tokens=block.get)
+    assert ws.try_start("a", "A", "r", 50)
+    block["A"] = 128
+    assert not ws.try_start("b", "A", "r", 50)
+
+
 async def test_the_proxy_charges_a_pool_in_its_workers_kv_blocks() -> None:
     """The largest block size the pool's workers report is the pool's; none reported: token
     by token."""
-    w, v = BlockWorker("a", 500, block=None), BlockWorker("b", 500, block=None)
-    proxy = LLMProxy({"A": ("h800", [w, v])}, {"d": "A"}, kv_working_set=(1.0, 300, {}, None))
+    v, w = BlockWorker("a", 500, block=None), BlockWorker("b", 500, block=None)
+    proxy = LLMProxy({"A": ("h800", [v, w])}, {"d": "A"}, kv_working_set=(1.0, 300, {}, None))
     assert proxy._kv_block_tokens("A") is None
     await proxy.generate("t1", "d", "r1", prompt(100), SP)  # holds 103 tokens after its turn
     ws = proxy.working_set

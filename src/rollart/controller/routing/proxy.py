@@ -251,7 +251,7 @@ class LLMProxy(FleetCalls):
         return total * len(workers) // len(known) if total else None
 
     def _kv_block_tokens(self, pool: str) -> int | None:
-        """Tokens per KV-cache block of pool ``pool``'s engines (the largest its live workers
+        """Tokens per KV-cache block of pool ``pool``'s engines (the largest its workers
         reported: a trajectory may run on any of them); ``None`` when none reported one."""
         sizes = [w.last_stats.kv_block_tokens for w in self._pools[pool].workers
                  if w.last_stats is not None and w.last_stats.kv_block_tokens is not None]
