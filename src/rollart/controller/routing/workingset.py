@@ -85,10 +85,6 @@ class _Live:
     expected: float  # its expected footprint under the current domain means, in whole blocks
     turns: int = 0  # turns completed: from the first on its footprint is a measured one
 
-    def expected_tokens_of(self, ws: KVWorkingSet) -> float:
-        """Its expected footprint in tokens under ``ws``'s domain means (not rounded)."""
-        return ws.expected_tokens(self.domain, self.tokens, self.turns, self.first_prompt)
-
 
 class KVWorkingSet:
     """Per-pool admission of new trajectories by their expected KV footprint (module docstring).
@@ -194,6 +190,13 @@ class KVWorkingSet:
             return min(prior, float(tokens + self.max_tokens_per_turn))
         return prior
 
+    def _charge_of(self, live: _Live) -> float:
+        """``live``'s expected footprint rounded up to whole blocks of the size its pool's
+        charges are at (``_block`` brings that up to date before every read)."""
+        return self._charge(self.expected_tokens(live.domain, live.tokens, live.turns,
+                                                 live.first_prompt),
+                            self._charged_at.get(live.pool, 1))
+
     def _block(self, pool: str) -> int:
         """Tokens per KV block of ``pool`` now (1 when not known); charges its live
         trajectories again when it changed (a worker reported its block size only now)."""
@@ -204,7 +207,7 @@ class KVWorkingSet:
             n, total = 0, 0.0
             for live in self._live.values():
                 if live.pool == pool:
-                    live.expected = self._charge(live.expected_tokens_of(self), size)
+                    live.expected = self._charge_of(live)
                     n, total = n + 1, total + live.expected
             if n:
                 self._pools[pool] = (n, total)
@@ -277,8 +280,8 @@ class KVWorkingSet:
         return True
 
     def _start(self, traj_id: str, pool: str, domain: str, tokens: int) -> None:
-        live = _Live(pool, domain, tokens, tokens,
-                     self._charge(self.expected_tokens(domain, tokens), self._block(pool)))
+        live = _Live(pool, domain, tokens, tokens, 0.0)
+        live.expected = self._charge_of(live)
         self._live[traj_id] = live
         n, total = self._pools.get(pool, (0, 0.0))
         self._pools[pool] = (n + 1, total + live.expected)
@@ -291,7 +294,7 @@ class KVWorkingSet:
             return
         live.turns += 1
         live.tokens = tokens
-        expected = self._charge(live.expected_tokens_of(self), self._block(live.pool))
+        expected = self._charge_of(live)
         n, total = self._pools[live.pool]
         self._pools[live.pool] = (n, total + expected - live.expected)
         live.expected = expected
@@ -351,8 +354,7 @@ class KVWorkingSet:
             self._projection[d] = projected / count
         pools: dict[str, tuple[int, float]] = {}
         for live in self._live.values():
-            live.expected = self._charge(live.expected_tokens_of(self),
-                                         self._charged_at.get(live.pool, 1))
+            live.expected = self._charge_of(live)
             n, total = pools.get(live.pool, (0, 0.0))
             pools[live.pool] = (n + 1, total + live.expected)
         self._pools = pools
