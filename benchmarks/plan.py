@@ -45,7 +45,8 @@ left out of the sweep and counted in ``sweep_stopped``), ``plan vs sweep's in-sa
 <regime>`` (> 1: the planner's layout is faster than the paper's). Rows: the planner's
 choice, the exhaustive best, the in-sample minimum and the paper's layout per regime, with
 step time on the evaluation seeds, the share of GPUs rolling out, the trainer's idle share of
-a step and cost, and the planner's wall seconds.
+a step and cost, and the planner's CPU and wall seconds (its budget counts CPU seconds, as
+``rollart plan``'s does).
 """
 
 from __future__ import annotations
@@ -64,18 +65,18 @@ from benchmarks.modes import MODES, REPREFILL_MODES, regime_base
 from benchmarks.staleness_waste import POLICIES
 from benchmarks.workloads import reasoning
 from rollart.planner import plan
-from rollart.planner.search import RUNGS, Candidate, full_space, run_capped, sim_of
+from rollart.planner.search import RUNGS, Candidate, cpu_s, full_space, run_capped, sim_of
 from rollart.sim.harness import MODE_ALPHA, SimScenario, scenario_of
 
 NAME = "plan"
 MODEL = "qwen3-8b"
-#: per-regime planner budget (wall seconds) with and without ``--quick``
+#: per-regime planner budget (CPU seconds) with and without ``--quick``
 QUICK_BUDGET_S, FULL_BUDGET_S = 30.0, 120.0
 REGIMES = ("rollout-bound", "trainer-bound", "loaded")
 #: ``--quick`` searches (and sweeps) redundancy 0 only, halving the exhaustive sweep
 QUICK_REDUNDANCIES = (0,)
 #: a sweep run is stopped after this many times the sweep's median run (at least
-#: ``SWEEP_CAP_MIN_S``): a run that never ends (a controller that stops advancing the clock)
+#: ``SWEEP_CAP_MIN_S``; CPU seconds): a run that never ends (a controller that stops advancing the clock)
 #: must not stall the benchmark; its layout is left out of the sweep and counted
 SWEEP_CAP_X, SWEEP_CAP_MIN_S = 20.0, 30.0
 #: the planner's search seeds: offset from the evaluation seeds
@@ -161,6 +162,7 @@ def _one(mode: str, name: str, quick: bool, seed: int, seeds: list[int], budget:
     res = plan(sc, budget_s=budget, model=MODEL, profiles=profiles, redundancies=reds,
                seeds=search_seeds, try_online_affinity=False)
     plan_wall = time.perf_counter() - t0
+    plan_cpu = res.log.cpu_s
     inputs, chosen = res.inputs, res.best.candidate
     layouts = full_space(inputs)
     paper = paper_candidate(sim)
@@ -177,12 +179,13 @@ def _one(mode: str, name: str, quick: bool, seed: int, seeds: list[int], budget:
     for c in layouts:
         for sd in (*search_seeds, *seeds):
             cap = max(SWEEP_CAP_MIN_S, SWEEP_CAP_X * statistics.median(walls or [0.0]))
-            w0 = time.perf_counter()
+            # CPU seconds, the clock ``run_capped``'s cap counts in
+            w0 = cpu_s()
             r = run_capped(sim_of(inputs, c, steps), sd, warmup, cap)
             if r is None:
                 stopped.append(c)
                 break
-            walls.append(time.perf_counter() - w0)
+            walls.append(cpu_s() - w0)
             if sd in search_seeds:
                 chose_on.setdefault(c, []).append(r.step_time_s)
                 continue
@@ -190,7 +193,7 @@ def _one(mode: str, name: str, quick: bool, seed: int, seeds: list[int], budget:
             kept = r.steps[warmup:]
             idle.setdefault(c, []).append(sum(s["trainer_idle_s"] for s in kept)
                                           / sum(s["step_time_s"] for s in kept))
-    print(f"plan: {name}{tag}: planner {plan_wall:.0f} s ({res.log.runs} runs), sweep of "
+    print(f"plan: {name}{tag}: planner {plan_cpu:.0f} CPU s, {plan_wall:.0f} s wall ({res.log.runs} runs), sweep of "
           f"{len(layouts)} layouts x {len(search_seeds) + len(seeds)} seeds "
           f"{time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     done = [c for c in layouts if c not in stopped]
@@ -211,6 +214,7 @@ def _one(mode: str, name: str, quick: bool, seed: int, seeds: list[int], budget:
                      "rollout_gpu_share": c.rollout_share(inputs),
                      "trainer_idle_share": statistics.fmean(idle[c]),
                      "cost_h800_units": c.cost(inputs),
+                     "plan_cpu_s": plan_cpu if role == "plan" else "",
                      "plan_wall_s": plan_wall if role == "plan" else "",
                      "plan_runs": res.log.runs if role == "plan" else "",
                      "layouts": len(layouts), "sweep_stopped": len(stopped)})

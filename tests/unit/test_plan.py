@@ -6,6 +6,7 @@ import dataclasses
 import itertools
 import random
 import statistics
+import time
 from pathlib import Path
 
 import pytest
@@ -174,10 +175,10 @@ def test_a_budget_that_simulates_a_fraction_of_the_layouts_warns(tmp_path, capsy
                                                                  monkeypatch):
     import rollart.planner.search as search
 
-    # Every run takes 1 s of (fake) wall clock: a 5 s budget (45% in the first round) covers
+    # Every run takes 1 s of (fake) CPU clock: a 5 s budget (45% in the first round) covers
     # two of the first round's nine layouts.
     clock = [0.0]
-    monkeypatch.setattr(search.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(search, "cpu_s", lambda: clock[0])
 
     def one_second(sim, seed, warmup, cap):
         clock[0] += 1.0
@@ -189,7 +190,7 @@ def test_a_budget_that_simulates_a_fraction_of_the_layouts_warns(tmp_path, capsy
                      "--model", "qwen3-8b", "--seeds", "1"]) == 0
     cap = capsys.readouterr()
     # 8 trainer / pool mappings at their predicted TP, and the scenario's own layout as is
-    line = ("warning: the budget (5 s) simulated only 2 of the 9 layouts of the first round "
+    line = ("warning: the budget (5 CPU s) simulated only 2 of the 9 layouts of the first round "
             "(each trainer / pool mapping, the scenario's own layout among them where the "
             "space holds it;")
     assert f"rollart plan: {line}" in cap.err and line in cap.out
@@ -451,6 +452,49 @@ def test_plan_and_cli_take_profiles_from_a_run_folder(tmp_path, monkeypatch, cap
     assert [p.prompt_tokens.mean for p in seen[-1].profiles] == [100, 42]
 
 
+def test_the_budget_counts_cpu_seconds_so_other_work_on_the_machine_does_not_shrink_it(
+        tmp_path, monkeypatch):
+    import rollart.planner.search as search
+
+    # Every run takes 1 s of (fake) CPU while the wall clock jumps 100 s, as on a machine
+    # busy with other work: the 5 s budget still covers two of the first round's layouts, as
+    # it does on a quiet machine (test above).
+    cpu, wall = [0.0], [0.0]
+    monkeypatch.setattr(search, "cpu_s", lambda: cpu[0])
+    monkeypatch.setattr(search.time, "perf_counter", lambda: wall[0])
+
+    def one_cpu_second(sim, seed, warmup, cap):
+        cpu[0] += 1.0
+        wall[0] += 100.0
+        return _FakeRun([30.0] * sim.steps)
+
+    monkeypatch.setattr(search, "run_capped", one_cpu_second)
+    res = plan(write(tmp_path), budget_s=5.0, model="qwen3-8b", seeds=(0,))
+    assert res.log.per_rung[0] == 2
+    assert res.log.cpu_s <= 5.0 and res.log.wall_s >= 200.0
+    assert f"{res.log.cpu_s:.0f} CPU s of 5 s, {res.log.wall_s:.0f} s wall" in res.table()
+
+
+def test_a_runs_cap_counts_its_cpu_seconds_not_its_wall_seconds(monkeypatch):
+    import rollart.planner.search as search
+
+    def waits(sim, seed, warmup=1):  # wall time passes, almost no CPU: not stopped
+        time.sleep(0.5)
+        return "waited"
+
+    monkeypatch.setattr(search, "run_simulated", waits)
+    assert run_capped(None, 0, 1, cap_s=0.05) == "waited"
+
+    def spins(sim, seed, warmup=1):  # CPU past the cap: stopped
+        start = search.cpu_s()
+        while search.cpu_s() < start + 5.0:
+            pass
+        return "spun"
+
+    monkeypatch.setattr(search, "run_simulated", spins)
+    assert run_capped(None, 0, 1, cap_s=0.05) is None
+
+
 @pytest.mark.parametrize("run_model", ["tiny", "/models/Qwen3-8B", None])
 def test_profiles_from_a_run_of_another_model_warns_naming_both(tmp_path, capsys, monkeypatch,
                                                                 run_model):
@@ -458,8 +502,8 @@ def test_profiles_from_a_run_of_another_model_warns_naming_both(tmp_path, capsys
 
     import rollart.planner.search as search
 
-    clock = [0.0]  # every simulated run takes 1 s of (fake) wall clock
-    monkeypatch.setattr(search.time, "perf_counter", lambda: clock[0])
+    clock = [0.0]  # every simulated run takes 1 s of (fake) CPU clock
+    monkeypatch.setattr(search, "cpu_s", lambda: clock[0])
 
     def one_second(sim, seed, warmup, cap):
         clock[0] += 1.0
@@ -769,6 +813,51 @@ def test_online_affinity_faster_on_the_best_layout_is_turned_on_in_the_plan(
     assert "online affinity on" in res.toml.splitlines()[1 + len(res.warnings)]
 
 
+def test_online_affinity_is_also_tried_on_the_best_layout_with_a_larger_trainer(
+        tmp_path, monkeypatch):
+    """Static, the 2-GPU trainer with both domains on h800 is fastest (20 s) and the 4-GPU one
+    next (22 s); with online affinity on, the 4-GPU layout runs 30% faster (15.4 s), the
+    2-GPU one not at all: the plan is the 4-GPU layout with online affinity on, which trying
+    the best layout alone would miss."""
+    import rollart.planner.search as search
+
+    ran = []
+
+    def mean_of(c) -> float:
+        base = {(2, ("h800", "h800")): 20.0, (4, ("h800", "h800")): 22.0}.get(
+            (c.trainer_gpus, c.mapping), 30.0)
+        base += 0.0 if (c.alpha, c.redundancy) == (1, 0) else 5.0  # the scenario's own
+        return base * (0.7 if c.online_affinity and c.trainer_gpus == 4 else 1.0)
+
+    def fake_run(sim, seed, warmup, cap):
+        c, steps = sim
+        ran.append((c, steps))
+        rng = random.Random(f"{dataclasses.replace(c, online_affinity=False)}|{seed}")
+        return _FakeRun([mean_of(c) * (1.0 + 0.02 * rng.uniform(-1, 1))
+                         for _ in range(steps)])
+
+    monkeypatch.setattr(search, "sim_of", lambda inputs, c, steps: (c, steps))
+    monkeypatch.setattr(search, "run_capped", fake_run)
+    res = plan(write(tmp_path), budget_s=600.0, seeds=SEEDS, model="qwen3-8b")
+    best = res.best.candidate
+    assert (best.trainer_gpus, best.mapping, best.online_affinity) == (4, ("h800", "h800"), True)
+    tried = {(c.trainer_gpus, c.mapping) for c, _ in ran if c.online_affinity}
+    assert tried == {(2, ("h800", "h800")), (4, ("h800", "h800"))}
+    assert ("online affinity on the second round's best layout with a larger trainer (4 GPUs)"
+            in res.table())
+    assert res.scenario.run.adaptive_affinity.enabled and res.scenario.trainer.num_processes == 4
+
+
+def test_with_online_twins_follows_the_leader_and_the_best_larger_trainer_only():
+    from rollart.planner.search import Candidate, with_online_twins
+
+    a, b, c, d = (Candidate(t, ("h800",), 1, 0) for t in (4, 2, 8, 16))
+    on = [dataclasses.replace(x, online_affinity=True) for x in (a, c)]
+    assert with_online_twins([a, b, c, d]) == [a, on[0], b, c, on[1], d]
+    # no survivor with a larger trainer: the leader alone
+    assert with_online_twins([d, a]) == [d, dataclasses.replace(d, online_affinity=True), a]
+
+
 def test_online_affinity_slower_is_left_off_and_can_be_skipped(tmp_path, monkeypatch):
     """Online affinity that runs 25% slower stays off; with ``try_online_affinity=False``
     it is never run."""
@@ -810,7 +899,7 @@ def test_online_affinity_not_reached_by_the_budget_is_a_warning(tmp_path, monkey
     res = PlanResult(ranked=ranked, scenario=load_scenario(write(tmp_path)), toml="", log=log,
                      inputs=inputs, budget_s=600.0, budget_option="--budget-s")
     assert any("online affinity was not tried on the best layout: the budget ran out before "
-               "it (600 s); give a larger --budget-s to have it tried" in w
+               "it (600 CPU s); give a larger --budget-s to have it tried" in w
                for w in res.warnings)
 
 
@@ -861,5 +950,5 @@ def test_an_online_variant_that_stalls_is_left_off_without_a_budget_warning(
     res = plan(write(tmp_path), budget_s=600.0, seeds=SEEDS, model="qwen3-8b",
                budget_option="--budget-s")
     assert not res.best.candidate.online_affinity and not res.warnings
-    assert "its run stalled or overran its cap (dropped like any such layout): left off" in \
+    assert "stalled or overran their cap (dropped like any such layout): left off" in \
         res.table()

@@ -3,7 +3,7 @@
 ``plan(scenario)`` reads the GPUs the scenario uses, its model and task domains
 (``rollart.planner.inputs``), searches the trainer vs rollout split, the pools per hardware
 label, each domain's pool, alpha and redundancy with the simulator by successive halving
-(``rollart.planner.search``) within a wall-clock budget, and returns the candidates of the
+(``rollart.planner.search``) within a budget of CPU seconds, and returns the candidates of the
 last rung, best first, with the chosen layout as a scenario (``rollart.planner.layout``).
 Predictions are simulated step times: the real controller over simulated engines, envs and
 trainer, with the workload profiles stated in ``rollart.planner.inputs``.
@@ -35,7 +35,7 @@ from rollart.sim.workload import DomainSpec
 
 __all__ = ["Candidate", "MeasuredProfiles", "PlanError", "PlanResult", "Score", "plan"]
 
-#: the default search budget (wall seconds of the planning process)
+#: the default search budget (CPU seconds of the planning process: five CPU minutes)
 DEFAULT_BUDGET_S = 300.0
 
 
@@ -70,10 +70,10 @@ class PlanResult:
             out.append(note)
         ran = lg.per_rung[0] if lg.per_rung else 0
         if lg.online_affinity_short:
-            out.append(f"{lg.online_affinity} ({self.budget_s:g} s); give a larger "
+            out.append(f"{lg.online_affinity} ({self.budget_s:g} CPU s); give a larger "
                        f"{self.budget_option} to have it tried")
         if ran < lg.first_rung_space:
-            out.append(f"the budget ({self.budget_s:g} s) simulated only {ran} of the "
+            out.append(f"the budget ({self.budget_s:g} CPU s) simulated only {ran} of the "
                        f"{lg.first_rung_space} layouts of the first round (each trainer / pool "
                        f"mapping, the scenario's own layout among them where the space holds "
                        f"it; {lg.space} layouts in all) to its end: the plan is the best of "
@@ -93,8 +93,8 @@ class PlanResult:
         lines.append(f"(SIMULATED step times; +-: their standard error; rollout: share of the "
                      f"GPUs rolling out; idle: the trainer's idle share of a step; cost in H800 "
                      f"units; searched {lg.runs} runs over {lg.space} layouts, rungs "
-                     f"{lg.per_rung}, {lg.race_seeds} racing seed(s), {lg.wall_s:.0f} s of "
-                     f"{self.budget_s:g} s)")
+                     f"{lg.per_rung}, {lg.race_seeds} racing seed(s), {lg.cpu_s:.0f} CPU s of "
+                     f"{self.budget_s:g} s, {lg.wall_s:.0f} s wall)")
         if lg.online_affinity and not lg.online_affinity_short:
             lines.append(lg.online_affinity)
         if self.measured is not None:
@@ -117,7 +117,8 @@ def plan(scenario: str | Path | Scenario, *, budget_s: float = DEFAULT_BUDGET_S,
          try_online_affinity: bool = True) -> PlanResult:
     """Plan the layout of ``scenario`` (a path to a scenario TOML or a ``Scenario``).
 
-    ``budget_s``: wall seconds the search may take (it stops starting runs before); ``seeds``:
+    ``budget_s``: CPU seconds of this process the search may take (it stops starting runs
+    before; ``rollart.planner.search``: other work on the machine does not shrink it); ``seeds``:
     simulation seeds (the first ranks the early rungs, all of them the last; racing adds
     ``max(seeds) + 1``, ... while budget is left, ``rollart.planner.noise``); ``model``: the
     simulated model profile (default: from ``model.path``); ``profiles``: workload per domain
@@ -132,7 +133,8 @@ def plan(scenario: str | Path | Scenario, *, budget_s: float = DEFAULT_BUDGET_S,
     ``--`` also makes every other message spell arguments as command-line options,
     ``--model`` rather than ``model=``); ``try_online_affinity``: where the scenario has
     ``[run.adaptive_affinity]`` off, the last round also runs the best layout of the round
-    before with it on, and the plan turns it on when that variant ranks first (by mean step
+    before, and its best with a larger trainer, with it on, and the plan turns it on when such
+    a variant ranks first (by mean step
     time, after the race, as every choice); ``False``: plan with the scenario's setting only.
 
     Raises PlanError naming what is short or unknown (hardware that cannot hold the model,

@@ -5,7 +5,8 @@ Searches the scenario's layout with the simulator (``rollart.planner``), prints 
 candidates (SIMULATED step time and its standard error, the share of the GPUs rolling out,
 the trainer's idle share of a step, cost in H800 units) and writes the chosen layout as a
 scenario file. Where the scenario has ``[run.adaptive_affinity]`` off, the last round also runs
-the best layout with it on, and the plan turns it on when that variant ranks first
+the best layout, and the best with a larger trainer, with it on, and the plan turns it on when
+such a variant ranks first
 (``--static-affinity``: never). Exit codes: 0 written; 2 a scenario, request or --out the planner
 refuses (one line ``rollart plan: error: ...`` naming what is short or unknown).
 """
@@ -27,7 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     # a str, not a Path: Path("") is "." and an empty --out would read as a directory
     p.add_argument("--out", required=True, help="where to write the planned scenario")
     p.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
-                   help=f"wall seconds the search may take (default {DEFAULT_BUDGET_S:g})")
+                   help="CPU seconds of this process the search may take (default "
+                   f"{DEFAULT_BUDGET_S:g}); other work on the machine does not shrink it")
     p.add_argument("--model", default=None,
                    help="simulated model profile (default: from model.path, e.g. qwen3-8b)")
     p.add_argument("--seeds", type=int, default=2,
@@ -38,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
                    "transcripts.jsonl instead of assuming it from its env")
     p.add_argument("--static-affinity", action="store_true",
                    help="keep the scenario's [run.adaptive_affinity] setting: do not try "
-                   "online affinity on the best layout")
+                   "online affinity on the best layouts")
     p.add_argument("--force", action="store_true",
                    help="overwrite an existing --out file (never the input scenario)")
     args = p.parse_args(argv)

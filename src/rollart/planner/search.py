@@ -16,16 +16,22 @@ at the engines' tensor-parallel degree the cost model predicts faster
 (at least ``MIN_KEEP``) and as many again of the candidates within the noise of that cut
 (``rollart.planner.noise.cut``) go on to rung 1 (a longer horizon) at every alpha and
 redundancy, and the same cut of those to rung 2 on every seed. Where the scenario has online
-affinity (``[run.adaptive_affinity]``) off, rung 2 also runs rung 1's best candidate with it on,
-right after that candidate: the plan turns it on when that variant ranks first.
+affinity (``[run.adaptive_affinity]``) off, rung 2 also runs rung 1's best candidate, and its
+best with a larger trainer, with it on, each right after the static candidate
+(``with_online_twins``): the plan turns it on when such a variant ranks first.
 Every candidate of a rung runs on the same seeds. While budget is left after rung 2, the
 leader and the candidates within its noise race on further common seeds
 (``rollart.planner.noise``). A run longer than ``STRAGGLER_X`` times its rung's median is
 stopped and its candidate dropped (a run that stops advancing its clock, or a layout that
 queues long on its engines). Each rung may use a share of the budget (``RUNG_SHARES``,
-cumulative), in seconds of the planning process's wall clock; a run that would not end
+cumulative), in CPU seconds of the planning process (``cpu_s``); a run that would not end
 inside its rung's share is not started (or is stopped), so candidates not run at a rung are
 dropped, never compared on a shorter horizon.
+
+The budget counts CPU time, not wall time, so that other work on the machine does not shrink
+the search: a simulated run is one thread of Python busy from its start to its end (a virtual
+clock, ``rollart.sim.clock``), and the CPU it takes does not depend on what else the machine
+runs. A faster or slower machine still runs more or fewer layouts in the same budget.
 """
 
 from __future__ import annotations
@@ -159,7 +165,8 @@ class Score:
 
 @dataclass
 class SearchLog:
-    """What the search ran: candidates per rung and simulated runs, wall seconds spent."""
+    """What the search ran: candidates per rung and simulated runs, the CPU seconds of the
+    budget it used (``cpu_s``) and the wall seconds that took (``wall_s``)."""
 
     space: int = 0
     #: (trainer size, mapping) candidates rung 0 has to run (``per_rung[0]`` ran to the end)
@@ -168,14 +175,17 @@ class SearchLog:
     runs: int = 0
     #: seeds the racing added after the last rung
     race_seeds: int = 0
+    cpu_s: float = 0.0
     wall_s: float = 0.0
-    #: how the best layout with online affinity on compared with it static
+    #: how the best-ranked layout with online affinity on compared with it static
     #: (``try_online_affinity``); empty when not tried
     online_affinity: str = ""
-    #: whether the budget ran out before that layout ran (a warning)
+    #: whether the budget ran out before any such layout ran (a warning)
     online_affinity_short: bool = False
-    #: whether that layout was started (it may then have stalled or overrun its cap)
+    #: whether such a layout was started (it may then have stalled or overrun its cap)
     online_affinity_started: bool = False
+    #: the second round's best layout, the first that online affinity is tried on
+    online_leader: Candidate | None = None
 
 
 def sim_of(inputs: PlanInputs, c: Candidate, steps: int) -> SimScenario:
@@ -298,8 +308,14 @@ def full_space(inputs: PlanInputs) -> list[Candidate]:
         for v in tp_variants(inputs, dataclasses.replace(c, alpha=a, redundancy=r))))
 
 
+def cpu_s() -> float:
+    """CPU seconds this process has used (user and system, every thread): the clock the
+    search's budget, its rung shares and its per-run caps count in."""
+    return time.process_time()
+
+
 class _Overrun(KeyboardInterrupt):
-    """A simulated run past its wall-clock cap. A KeyboardInterrupt, because asyncio hands
+    """A simulated run past its CPU-time cap. A KeyboardInterrupt, because asyncio hands
     any other exception raised inside a callback to the loop's exception handler instead of
     letting it end the run."""
 
@@ -324,8 +340,9 @@ QUIET_LOGGERS = ("rollart.controller.rollout.tasks", "rollart.controller.routing
 
 
 def run_capped(sim: SimScenario, seed: int, warmup: int, cap_s: float) -> SimResult | None:
-    """``run_simulated(sim, seed)``, or None when it takes more than ``cap_s`` wall seconds
-    (enforced by a SIGALRM timer in the main thread; elsewhere not enforced) or its
+    """``run_simulated(sim, seed)``, or None when it takes more than ``cap_s`` CPU seconds of
+    this process (enforced by an ``ITIMER_PROF`` timer, SIGPROF, in the main thread; elsewhere
+    not enforced) or its
     controller stalls (``ControllerStalledError``: e.g. trajectories past
     ``run.trajectory_timeout_s`` on a layout far too small for the load)."""
     # A stalled layout is dropped and counted; its controller's "fatal error in traj-..."
@@ -361,13 +378,15 @@ def _run_timed(sim: SimScenario, seed: int, warmup: int, cap_s: float) -> SimRes
             raise _Overrun from None
 
     _quiet_overruns()
-    previous = signal.signal(signal.SIGALRM, fire)
+    # ITIMER_PROF counts this process's CPU time, as the budget does (``cpu_s``); a run
+    # waiting on nothing is ended by the virtual clock's idle timeout, not by this timer
+    previous = signal.signal(signal.SIGPROF, fire)
     try:
-        signal.setitimer(signal.ITIMER_REAL, max(cap_s, 1e-3))
+        signal.setitimer(signal.ITIMER_PROF, max(cap_s, 1e-3))
         try:
             return run_simulated(sim, seed, warmup=warmup)
         finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.setitimer(signal.ITIMER_PROF, 0)
     except _Overrun:
         return None
     except RuntimeError:
@@ -375,7 +394,7 @@ def _run_timed(sim: SimScenario, seed: int, warmup: int, cap_s: float) -> SimRes
             return None
         raise
     finally:
-        signal.signal(signal.SIGALRM, previous)
+        signal.signal(signal.SIGPROF, previous)
 
 
 #: the longest search budget accepted, seconds (the run cap's timer takes finite values only)
@@ -394,9 +413,10 @@ def successive_halving(inputs: PlanInputs, *, budget_s: float, seeds: tuple[int,
                        try_online_affinity: bool = True) -> tuple[list[Score], SearchLog]:
     """Scores of the last rung's candidates, best first, and what was run (module
     docstring). ``try_online_affinity``: where the scenario has ``[run.adaptive_affinity]``
-    off, the last rung also runs the best layout of the one before with it on (second, after
-    that layout), and the race weighs the two like any others; ``log.online_affinity`` says
-    how they compared. A run longer than ``STRAGGLER_X`` x the median of its rung's runs so far, or
+    off, the last rung also runs the best layout of the one before, and its best with a larger
+    trainer, with it on (each right after that layout, ``with_online_twins``), and the race
+    weighs them like any others; ``log.online_affinity`` says how the best-ranked of them
+    compared with its static twin. A run longer than ``STRAGGLER_X`` x the median of its rung's runs so far, or
     past its rung's share of the budget, is stopped and its candidate dropped (a run that
     stops advancing its virtual clock, or a layout whose engines queue long). Raises PlanError when
     ``budget_s`` is not in (0, ``MAX_BUDGET_S``] or cannot cover one simulated run, naming it
@@ -406,7 +426,7 @@ def successive_halving(inputs: PlanInputs, *, budget_s: float, seeds: tuple[int,
                         f"{budget_s:g}")
     if not seeds:
         raise PlanError("seeds: need at least one")
-    t0 = time.perf_counter()
+    t0, wall0 = cpu_s(), time.perf_counter()
     try_online = try_online_affinity and not inputs.scenario.run.adaptive_affinity.enabled
     first, pairs = space(inputs)
     # the scenario's own layout, then the rest fastest-predicted first (a budget that covers
@@ -424,7 +444,7 @@ def successive_halving(inputs: PlanInputs, *, budget_s: float, seeds: tuple[int,
         walls = []  # this rung's completed runs
         scores: list[Score] = []
         for c in pending:
-            now = time.perf_counter()
+            now = cpu_s()
             est = statistics.median(walls) * len(rung_seeds) if walls else 0.0
             if (scores or rung > 0) and now + est > end:
                 break
@@ -434,7 +454,7 @@ def successive_halving(inputs: PlanInputs, *, budget_s: float, seeds: tuple[int,
                            end=t0 + budget_s if first_ever else end)
             if score is not None:
                 scores.append(score)
-            elif first_ever and time.perf_counter() >= t0 + budget_s:
+            elif first_ever and cpu_s() >= t0 + budget_s:
                 raise PlanError(
                     f"{budget_words(budget_s, budget_option)} is too small: one simulated "
                     f"candidate ({steps} steps of batch {inputs.scenario.run.batch_size}) did "
@@ -452,7 +472,7 @@ def successive_halving(inputs: PlanInputs, *, budget_s: float, seeds: tuple[int,
             progress(f"rung {rung}: {len(scores)} candidate(s) x {len(rung_seeds)} seed(s) "
                      f"at {steps} steps, best {scores[0].step_time_s:.1f} "
                      f"+- {scores[0].se_s:.1f} s/step, kept the best {best} and {len(kept) - best} "
-                     f"within their noise, {time.perf_counter() - t0:.0f} s used")
+                     f"within their noise, {cpu_s() - t0:.0f} CPU s used")
         survivors = [s.candidate for s in kept]
         if rung == 0:
             # each survivor at every alpha and redundancy, its own settings first (a rung
@@ -462,27 +482,50 @@ def successive_halving(inputs: PlanInputs, *, budget_s: float, seeds: tuple[int,
                 dataclasses.replace(c, alpha=a, redundancy=r) for c in survivors
                 for a, r in [(c.alpha, c.redundancy), *pairs]))
         elif rung == 1 and try_online and survivors:
-            # the best layout so far with online affinity on, run second: the last rung and
-            # the race then weigh it against its static twin like any two candidates
-            survivors.insert(1, dataclasses.replace(survivors[0], online_affinity=True))
+            # each layout online affinity is tried on, with it on right after it: the last
+            # rung and the race then weigh it against its static twin like any two candidates
+            survivors = with_online_twins(survivors)
+            log.online_leader = survivors[0]
         pending = survivors
     if len(log.per_rung) == len(RUNGS):
         ranked = _race(inputs, ranked, seeds, walls, log, end=t0 + budget_s * RUNG_SHARES[-1],
                        progress=progress)
-    log.wall_s = time.perf_counter() - t0
+    log.cpu_s = cpu_s() - t0
+    log.wall_s = time.perf_counter() - wall0
     if try_online and log.per_rung:
         _note_online_affinity(ranked, log)
     return ranked, log
 
 
+def with_online_twins(survivors: list[Candidate]) -> list[Candidate]:
+    """``survivors`` (best first) with a twin that has online affinity on right after the
+    leader and right after the best survivor whose trainer is larger than the leader's, if
+    one is. Online affinity shortens a step's rollout (spill to the pool with room, and the KV
+    working-set hold keeping prefixes cached) and leaves the trainer's side as it is, so where
+    it helps, the fastest layout with it can give the trainer more GPUs than the fastest
+    static one (measured once on ``benchmarks.affinity --adaptive``'s H800 pool at load x8,
+    GPUs moved between its trainer and rollout: fastest static with 3 trainer GPUs, fastest
+    with online affinity with 6). Trying every survivor would cost the last rung as many runs
+    again."""
+    leader = survivors[0]
+    larger = next((c for c in survivors[1:] if c.trainer_gpus > leader.trainer_gpus), None)
+    tried = [leader] + ([larger] if larger is not None else [])
+    out = []
+    for c in survivors:
+        out.append(c)
+        if c in tried:
+            out.append(dataclasses.replace(c, online_affinity=True))
+    return out
+
+
 def _note_online_affinity(ranked: list[Score], log: SearchLog) -> None:
-    """Set ``log.online_affinity``: how the last rung's layout with online affinity on
+    """Set ``log.online_affinity``: how the best-ranked layout with online affinity on
     compared with the same layout static, or that the budget did not reach it."""
     on = next((s for s in ranked if s.candidate.online_affinity), None)
     if on is None and log.online_affinity_started:
-        log.online_affinity = ("online affinity on the best layout of the second round: its "
-                               "run stalled or overran its cap (dropped like any such layout): "
-                               "left off")
+        log.online_affinity = ("online affinity on the best layouts of the second round: the "
+                               "runs with it on that started stalled or overran their cap "
+                               "(dropped like any such layout): left off")
         return
     if on is None:
         log.online_affinity = ("online affinity was not tried on the best layout: the budget "
@@ -494,8 +537,10 @@ def _note_online_affinity(ranked: list[Score], log: SearchLog) -> None:
     against = "" if static is None else (
         f" against {static.step_time_s:.1f} +- {static.se_s:.1f} static")
     chosen = ranked[0] is on
+    which = ("the best layout of the second round" if log.online_leader == twin else
+             f"the second round's best layout with a larger trainer ({twin.trainer_gpus} GPUs)")
     log.online_affinity = (
-        f"online affinity on the best layout of the second round: {on.step_time_s:.1f} +- "
+        f"online affinity on {which}: {on.step_time_s:.1f} +- "
         f"{on.se_s:.1f} s/step{against}: "
         + ("the plan turns it on ([run.adaptive_affinity] enabled = true)" if chosen
            else "not the plan's choice: left off"))
@@ -506,19 +551,19 @@ def _score(inputs: PlanInputs, c: Candidate, rung: int, seeds: tuple[int, ...],
            into: Score | None = None) -> Score | None:
     """Candidate ``c`` run on every seed of ``seeds`` at ``rung``'s horizon (appended to
     ``into`` when given), or None when a run is stopped (past ``end``, a straggler of
-    ``walls``) or stalls. Appends each completed run's wall seconds to ``walls``."""
+    ``walls``) or stalls. Appends each completed run's CPU seconds to ``walls``."""
     steps, warmup = RUNGS[rung]
     times, samples, idle_s, busy_s = [], [], 0.0, 0.0
     for sd in seeds:
-        cap = end - time.perf_counter()
+        cap = end - cpu_s()
         if len(walls) >= 2:
             cap = min(cap, STRAGGLER_X * statistics.median(walls))
-        w0 = time.perf_counter()
+        w0 = cpu_s()
         res = run_capped(sim_of(inputs, c, steps), sd, warmup, cap)
         log.runs += 1
         if res is None:
             return None
-        walls.append(time.perf_counter() - w0)
+        walls.append(cpu_s() - w0)
         kept = res.steps[warmup:]
         times.append(res.step_time_s)
         samples += [s["step_time_s"] for s in kept]
@@ -543,7 +588,7 @@ def _race(inputs: PlanInputs, ranked: list[Score], seeds: tuple[int, ...],
     for extra in range(max(seeds) + 1, max(seeds) + 1 + noise.MAX_RACE_SEEDS):
         group = noise.racers(ranked, noise.RACE_WIDTH)
         need = statistics.median(walls) * len(group) if walls else 0.0
-        if len(group) < 2 or time.perf_counter() + need > end:
+        if len(group) < 2 or cpu_s() + need > end:
             break
         racing = {id(ranked[i]) for i in group}
         out = []
