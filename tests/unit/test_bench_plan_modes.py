@@ -45,7 +45,7 @@ def test_ratios_are_named_per_mode(monkeypatch):
         inputs = read_inputs(sc, model=model, profiles=profiles)
         first, _ = space(inputs)
         best = types.SimpleNamespace(candidate=first[-1])
-        return types.SimpleNamespace(inputs=inputs, best=best, log=types.SimpleNamespace(runs=1, cpu_s=1.0))
+        return types.SimpleNamespace(inputs=inputs, best=best, log=types.SimpleNamespace(runs=1, cpu_s=1.0, wall_s=1.0))
 
     def fake_run(sim, seed, warmup, cap):
         t = 100.0 + 10 * sim.trainer_gpus + seed
@@ -78,7 +78,7 @@ def test_the_sweeps_best_is_chosen_on_the_planners_seeds_and_scored_on_the_evalu
         chosen.update(inputs=inputs, plan=layouts[0], search_best=layouts[1],
                       eval_best=layouts[2], seeds=seeds)
         best = types.SimpleNamespace(candidate=layouts[0])
-        return types.SimpleNamespace(inputs=inputs, best=best, log=types.SimpleNamespace(runs=1, cpu_s=1.0))
+        return types.SimpleNamespace(inputs=inputs, best=best, log=types.SimpleNamespace(runs=1, cpu_s=1.0, wall_s=1.0))
 
     def fake_run(sim, seed, warmup, cap):
         c = next(c for c in full_space(chosen["inputs"])

@@ -475,6 +475,76 @@ def test_the_budget_counts_cpu_seconds_so_other_work_on_the_machine_does_not_shr
     assert f"{res.log.cpu_s:.0f} CPU s of 5 s, {res.log.wall_s:.0f} s wall" in res.table()
 
 
+def test_no_budget_decision_reads_the_wall_clock(tmp_path, monkeypatch):
+    """The whole search (every rung, the race, a first layout that stalls with budget left)
+    runs the same whether the wall clock stands still or jumps 1000 s per run."""
+    import rollart.planner.search as search
+
+    ran = []
+
+    def fake_run(sim, seed, warmup, cap):  # two layouts within each other's noise: a race
+        c, steps = sim
+        ran.append(sim)
+        mean = {(4, ("h800", "h800")): 20.0, (2, ("h800", "h800")): 20.5}.get(
+            (c.trainer_gpus, c.mapping), 30.0)
+        rng = random.Random(f"{c}|{seed}")
+        return _FakeRun([mean * (1.0 + 0.3 * rng.uniform(-1, 1)) for _ in range(steps)])
+
+    monkeypatch.setattr(search, "sim_of", lambda inputs, c, steps: (c, steps))
+    cpu, wall, jump = [0.0], [0.0], [0.0]
+    monkeypatch.setattr(search, "cpu_s", lambda: cpu[0])
+    monkeypatch.setattr(search.time, "perf_counter", lambda: wall[0])
+
+    def timed_run(sim, seed, warmup, cap):
+        cpu[0] += 1.0
+        wall[0] += jump[0]
+        if not ran:  # the scenario's own layout stalls; the search goes on
+            ran.append(sim)
+            return None
+        return fake_run(sim, seed, warmup, cap)
+
+    monkeypatch.setattr(search, "run_capped", timed_run)
+    logs = []
+    for jump[0] in (0.0, 1000.0):
+        cpu[0] = wall[0] = 0.0
+        ran.clear()
+        res = plan(write(tmp_path), budget_s=400.0, seeds=SEEDS, model="qwen3-8b")
+        logs.append((res.log.runs, res.log.per_rung, res.log.race_seeds, res.best.candidate,
+                     list(ran)))
+    assert logs[0] == logs[1]
+    assert len(logs[0][1]) == len(RUNGS) and logs[0][2] > 0  # every rung and the race ran
+
+
+def test_cpu_s_does_not_count_time_spent_waiting():
+    from rollart.planner.search import cpu_s
+
+    start = cpu_s()
+    time.sleep(0.5)
+    assert cpu_s() - start < 0.25
+
+
+def test_a_profilers_sigprof_handler_and_timer_are_handed_back_after_a_run(monkeypatch):
+    import signal
+
+    import rollart.planner.search as search
+
+    def profiler(signum, frame):  # a sampling profiler's handler, every 100 CPU s
+        pass
+
+    monkeypatch.setattr(search, "run_simulated", lambda sim, seed, warmup=1: "ran")
+    previous = signal.signal(signal.SIGPROF, profiler)
+    signal.setitimer(signal.ITIMER_PROF, 100.0, 100.0)
+    try:
+        assert run_capped(None, 0, 1, cap_s=5.0) == "ran"
+        assert signal.getsignal(signal.SIGPROF) is profiler
+        delay, interval = signal.getitimer(signal.ITIMER_PROF)
+        # the kernel rounds the timer to its tick: a little above 100 s can come back
+        assert 99.0 < interval < 101.0 and 90.0 < delay < 101.0
+    finally:
+        signal.setitimer(signal.ITIMER_PROF, 0)
+        signal.signal(signal.SIGPROF, previous)
+
+
 def test_a_runs_cap_counts_its_cpu_seconds_not_its_wall_seconds(monkeypatch):
     import rollart.planner.search as search
 
@@ -810,6 +880,7 @@ def test_online_affinity_faster_on_the_best_layout_is_turned_on_in_the_plan(
     assert len(online_runs) == len(res.best.step_times_s) >= len(SEEDS)
     assert res.scenario.run.adaptive_affinity.enabled
     assert "the plan turns it on ([run.adaptive_affinity] enabled = true)" in res.table()
+    assert "online affinity on the best layout of the second round: " in res.table()
     assert "online affinity on" in res.toml.splitlines()[1 + len(res.warnings)]
 
 
@@ -950,5 +1021,5 @@ def test_an_online_variant_that_stalls_is_left_off_without_a_budget_warning(
     res = plan(write(tmp_path), budget_s=600.0, seeds=SEEDS, model="qwen3-8b",
                budget_option="--budget-s")
     assert not res.best.candidate.online_affinity and not res.warnings
-    assert "stalled or overran their cap (dropped like any such layout): left off" in \
+    assert "no run with it on ended (one stalled or overran its cap" in \
         res.table()

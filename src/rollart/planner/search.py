@@ -310,7 +310,8 @@ def full_space(inputs: PlanInputs) -> list[Candidate]:
 
 def cpu_s() -> float:
     """CPU seconds this process has used (user and system, every thread): the clock the
-    search's budget, its rung shares and its per-run caps count in."""
+    search's budget, its rung shares and its per-run caps count in. Other processes do not
+    move it; other threads of this process (e.g. plans run in threads) do."""
     return time.process_time()
 
 
@@ -379,10 +380,12 @@ def _run_timed(sim: SimScenario, seed: int, warmup: int, cap_s: float) -> SimRes
 
     _quiet_overruns()
     # ITIMER_PROF counts this process's CPU time, as the budget does (``cpu_s``); a run
-    # waiting on nothing is ended by the virtual clock's idle timeout, not by this timer
+    # waiting on nothing is ended by the virtual clock's idle timeout, not by this timer.
+    # A sampling profiler may own SIGPROF and ITIMER_PROF: both are handed back after the run.
     previous = signal.signal(signal.SIGPROF, fire)
+    timer: tuple[float, float] = (0.0, 0.0)
     try:
-        signal.setitimer(signal.ITIMER_PROF, max(cap_s, 1e-3))
+        timer = signal.setitimer(signal.ITIMER_PROF, max(cap_s, 1e-3))
         try:
             return run_simulated(sim, seed, warmup=warmup)
         finally:
@@ -395,6 +398,9 @@ def _run_timed(sim: SimScenario, seed: int, warmup: int, cap_s: float) -> SimRes
         raise
     finally:
         signal.signal(signal.SIGPROF, previous)
+        if timer != (0.0, 0.0):
+            # a delay of 0 would disarm it: a periodic timer due now fires at once instead
+            signal.setitimer(signal.ITIMER_PROF, max(timer[0], 1e-6), timer[1])
 
 
 #: the longest search budget accepted, seconds (the run cap's timer takes finite values only)
@@ -523,9 +529,9 @@ def _note_online_affinity(ranked: list[Score], log: SearchLog) -> None:
     compared with the same layout static, or that the budget did not reach it."""
     on = next((s for s in ranked if s.candidate.online_affinity), None)
     if on is None and log.online_affinity_started:
-        log.online_affinity = ("online affinity on the best layouts of the second round: the "
-                               "runs with it on that started stalled or overran their cap "
-                               "(dropped like any such layout): left off")
+        log.online_affinity = ("online affinity on the best layouts of the second round: no "
+                               "run with it on ended (one stalled or overran its cap, dropped "
+                               "like any such layout; any other ran out of budget): left off")
         return
     if on is None:
         log.online_affinity = ("online affinity was not tried on the best layout: the budget "
