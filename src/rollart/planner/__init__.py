@@ -118,7 +118,8 @@ def plan(scenario: str | Path | Scenario, *, budget_s: float = DEFAULT_BUDGET_S,
     """Plan the layout of ``scenario`` (a path to a scenario TOML or a ``Scenario``).
 
     ``budget_s``: CPU seconds of this process the search may take (it stops starting runs
-    before; ``rollart.planner.search``: other work on the machine does not shrink it); ``seeds``:
+    before; ``rollart.planner.search``: other work on the machine shrinks it far less than it
+    would wall seconds); ``seeds``:
     simulation seeds (the first ranks the early rungs, all of them the last; racing adds
     ``max(seeds) + 1``, ... while budget is left, ``rollart.planner.noise``); ``model``: the
     simulated model profile (default: from ``model.path``); ``profiles``: workload per domain

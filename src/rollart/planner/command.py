@@ -29,8 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="where to write the planned scenario")
     p.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
                    help="CPU seconds of this process the search may take (default "
-                   f"{DEFAULT_BUDGET_S:g}); other work on the machine does not shrink the "
-                   "search, but makes it take longer in wall time")
+                   f"{DEFAULT_BUDGET_S:g}); other work on the machine makes the search take "
+                   "longer in wall time and shrinks it a little")
     p.add_argument("--model", default=None,
                    help="simulated model profile (default: from model.path, e.g. qwen3-8b)")
     p.add_argument("--seeds", type=int, default=2,

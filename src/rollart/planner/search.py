@@ -28,10 +28,14 @@ cumulative), in CPU seconds of the planning process (``cpu_s``); a run that woul
 inside its rung's share is not started (or is stopped), so candidates not run at a rung are
 dropped, never compared on a shorter horizon.
 
-The budget counts CPU time, not wall time, so that other work on the machine does not shrink
-the search: a simulated run is one thread of Python busy from its start to its end (a virtual
-clock, ``rollart.sim.clock``), and the CPU it takes does not depend on what else the machine
-runs. A faster or slower machine still runs more or fewer layouts in the same budget.
+The budget counts CPU time, not wall time, so that other work on the machine shrinks the
+search far less: a simulated run is one thread of Python busy from its start to its end (a
+virtual clock, ``rollart.sim.clock``), and its CPU time leaves out the time other processes
+hold the cores. Busy cores still make a run cost somewhat more CPU (shared caches and memory
+bandwidth): ``rollart plan scenarios/qwen3-8b-h800-h20.toml --budget-s 120`` on 2 cores ran
+12 simulated runs quiet and 9 beside three busy loops and a test run (load about 4), which
+made it take 2.6x the wall time. A faster or slower machine runs more or fewer layouts in
+the same budget.
 """
 
 from __future__ import annotations
