@@ -515,6 +515,103 @@ def test_no_budget_decision_reads_the_wall_clock(tmp_path, monkeypatch):
     assert len(logs[0][1]) == len(RUNGS) and logs[0][2] > 0  # every rung and the race ran
 
 
+def _runs_fake(monkeypatch, stall_first: int = 0) -> tuple[list, list, list]:
+    """Fake runs for the ``max_runs`` tests: two layouts within each other's noise (a race),
+    the first ``stall_first`` runs stalling; each run costs ``per_run[0]`` x 1, 1.5 or 2 fake
+    CPU seconds. Returns (runs made, CPU clock, per-run cost)."""
+    import rollart.planner.search as search
+
+    ran: list = []
+    cpu, per_run = [0.0], [1.0]
+
+    def fake_run(sim, seed, warmup, cap):
+        c, steps = sim
+        ran.append(sim)
+        cpu[0] += per_run[0] * (1.0 + 0.5 * (len(ran) % 3))  # uneven runs
+        if len(ran) <= stall_first:
+            return None
+        mean = {(4, ("h800", "h800")): 20.0, (2, ("h800", "h800")): 20.5}.get(
+            (c.trainer_gpus, c.mapping), 30.0)
+        rng = random.Random(f"{c}|{seed}")
+        return _FakeRun([mean * (1.0 + 0.3 * rng.uniform(-1, 1)) for _ in range(steps)])
+
+    monkeypatch.setattr(search, "sim_of", lambda inputs, c, steps: (c, steps))
+    monkeypatch.setattr(search, "cpu_s", lambda: cpu[0])
+    monkeypatch.setattr(search, "run_capped", fake_run)
+    return ran, cpu, per_run
+
+
+def test_max_runs_makes_the_plan_the_same_however_long_each_run_takes(tmp_path, monkeypatch):
+    """With ``max_runs`` the rounds stop on runs: two searches whose runs cost different CPU
+    (a machine twice as fast, runs of uneven length) run the same layouts and choose the
+    same plan, within the rounds' shares of the runs (0.45 / 0.75 / 0.95 of 40: 18, 30 and
+    38, each round stopping before the run that would pass its share); without it, the CPU
+    budget decides how far each gets."""
+    ran, cpu, per_run = _runs_fake(monkeypatch)
+
+    def search_once(cost: float, **kw) -> tuple:
+        cpu[0], per_run[0] = 0.0, cost
+        ran.clear()
+        res = plan(write(tmp_path), seeds=SEEDS, model="qwen3-8b", **kw)
+        return res.log.runs, res.log.per_rung, res.best.candidate, list(ran), res
+
+    fast, slow = (search_once(cost, budget_s=10_000.0, max_runs=40) for cost in (1.0, 2.0))
+    assert fast[:4] == slow[:4]
+    res = fast[4]
+    # 9 layouts (all of the first round, within 18), then 21 one-seed runs (to 30), then 4
+    # candidates of 2 seeds (to 38): no room left for a racing seed of 3 racers
+    assert (res.log.per_rung, res.log.runs, res.log.race_seeds) == ([9, 21, 4], 38, 0)
+    assert res.log.limited_by == {"runs"}
+    assert "searched 38 runs of 40 over" in res.table()
+    # the budget only ends the search: one that holds the 38 runs (about 57 CPU s here) gives
+    # the same search, though its rounds' shares of it would not have held them
+    assert search_once(1.0, budget_s=60.0, max_runs=40)[:4] == fast[:4]
+    # 100 runs: the race gets the runs the last round leaves
+    res = search_once(1.0, budget_s=10_000.0, max_runs=100)[4]
+    assert res.log.race_seeds > 0 and res.log.runs <= 100
+    # the CPU budget alone: the slower machine gets less far
+    fast, slow = (search_once(cost, budget_s=60.0) for cost in (1.0, 2.0))
+    assert slow[0] < fast[0]
+
+
+def test_max_runs_counts_stalled_runs_and_names_itself_when_it_binds(tmp_path, monkeypatch,
+                                                                      capsys):
+    ran, cpu, per_run = _runs_fake(monkeypatch, stall_first=5)
+    # every run of the first round's share (0.45 x 4 = 1.8: the first run only) stalls
+    with pytest.raises(PlanError, match=r"too small or max_runs 4 too few runs"):
+        plan(write(tmp_path), budget_s=10_000.0, model="qwen3-8b", max_runs=4)
+    assert len(ran) == 1
+    # stalls count: 5 stalled, then 13 of the first round's 0.45 x 40 = 18 runs score
+    ran.clear()
+    cpu[0] = 0.0
+    res = plan(write(tmp_path), budget_s=10_000.0, model="qwen3-8b", seeds=(0,), max_runs=40)
+    assert res.log.per_rung[0] == 4 and res.log.limited_by == {"runs"}
+    assert res.warnings and all(w.endswith("give a larger max_runs") or
+                                "give a larger max_runs to have it tried" in w
+                                for w in res.warnings)
+    assert "(10000 CPU s, 40 runs)" in res.warnings[-1]
+    # on the command line, the flag; and the budget named when it is the one that binds
+    _runs_fake(monkeypatch)
+    assert cli_main(["plan", str(write(tmp_path)), "--out", str(tmp_path / "p.toml"),
+                     "--budget-s", "6", "--max-runs", "400", "--model", "qwen3-8b",
+                     "--seeds", "1"]) == 0
+    err = capsys.readouterr().err
+    assert "give a larger --budget-s\n" in err and "--max-runs" not in err
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True, "3"])
+def test_max_runs_not_a_whole_number_of_at_least_one_is_refused(tmp_path, bad):
+    with pytest.raises(PlanError, match=r"max_runs must be a whole number >= 1, got "):
+        plan(write(tmp_path), budget_s=5.0, model="qwen3-8b", max_runs=bad)
+
+
+def test_cli_max_runs_below_one_is_refused_naming_the_flag(tmp_path, capsys):
+    assert cli_main(["plan", str(write(tmp_path)), "--out", str(tmp_path / "p.toml"),
+                     "--max-runs", "0", "--model", "qwen3-8b"]) == 2
+    assert capsys.readouterr().err == (
+        "rollart plan: error: --max-runs must be a whole number >= 1, got 0\n")
+
+
 def test_cpu_s_does_not_count_time_spent_waiting():
     from rollart.planner.search import cpu_s
 

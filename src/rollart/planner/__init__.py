@@ -55,6 +55,8 @@ class PlanResult:
     measured: MeasuredProfiles | None = None
     #: what the budget is called where the user gave it (``--budget-s`` on the command line)
     budget_option: str = "budget_s"
+    #: the most simulated runs the search could make (``max_runs``), else None
+    max_runs: int | None = None
 
     @property
     def best(self) -> Score:
@@ -65,20 +67,29 @@ class PlanResult:
         """What the user should know about how far the search got, and about workloads
         measured on another model than the plan's (one line each)."""
         lg, out = self.log, []
+        budget = f"{self.budget_s:g} CPU s" + (
+            f", {self.max_runs} runs" if self.max_runs is not None else "")
         note = self.measured.model_note(self.inputs.model.name) if self.measured else None
         if note is not None:
             out.append(note)
         ran = lg.per_rung[0] if lg.per_rung else 0
         if lg.online_affinity_short:
-            out.append(f"{lg.online_affinity} ({self.budget_s:g} CPU s); give a larger "
-                       f"{self.budget_option} to have it tried")
+            out.append(f"{lg.online_affinity} ({budget}); give a larger "
+                       f"{self._limits()} to have it tried")
         if ran < lg.first_rung_space:
-            out.append(f"the budget ({self.budget_s:g} CPU s) simulated only {ran} of the "
+            out.append(f"the budget ({budget}) simulated only {ran} of the "
                        f"{lg.first_rung_space} layouts of the first round (each trainer / pool "
                        f"mapping, the scenario's own layout among them where the space holds "
                        f"it; {lg.space} layouts in all) to its end: the plan is the best of "
-                       f"those, not of all; give a larger {self.budget_option}")
+                       f"those, not of all; give a larger {self._limits()}")
         return out
+
+    def _limits(self) -> str:
+        """The option(s) that left the search short, as the user would give them."""
+        runs = "--max-runs" if self.budget_option.startswith("--") else "max_runs"
+        named = [name for key, name in (("budget", self.budget_option), ("runs", runs))
+                 if key in self.log.limited_by]
+        return " or ".join(named or [self.budget_option])
 
     def table(self, top: int = 5) -> str:
         """The best ``top`` candidates, one line each, and a summary line."""
@@ -92,7 +103,9 @@ class PlanResult:
         lg = self.log
         lines.append(f"(SIMULATED step times; +-: their standard error; rollout: share of the "
                      f"GPUs rolling out; idle: the trainer's idle share of a step; cost in H800 "
-                     f"units; searched {lg.runs} runs over {lg.space} layouts, rungs "
+                     f"units; searched {lg.runs} runs"
+                     + (f" of {self.max_runs}" if self.max_runs is not None else "")
+                     + f" over {lg.space} layouts, rungs "
                      f"{lg.per_rung}, {lg.race_seeds} racing seed(s), {lg.cpu_s:.0f} CPU s of "
                      f"{self.budget_s:g} s, {lg.wall_s:.0f} s wall)")
         if lg.online_affinity and not lg.online_affinity_short:
@@ -114,7 +127,7 @@ def plan(scenario: str | Path | Scenario, *, budget_s: float = DEFAULT_BUDGET_S,
          profiles_from: str | Path | None = None,
          alphas: tuple[int, ...] | None = None, redundancies: tuple[int, ...] | None = None,
          progress: Any = None, budget_option: str = "budget_s",
-         try_online_affinity: bool = True) -> PlanResult:
+         try_online_affinity: bool = True, max_runs: int | None = None) -> PlanResult:
     """Plan the layout of ``scenario`` (a path to a scenario TOML or a ``Scenario``).
 
     ``budget_s``: CPU seconds of this process the search may take (it stops starting runs
@@ -136,7 +149,10 @@ def plan(scenario: str | Path | Scenario, *, budget_s: float = DEFAULT_BUDGET_S,
     ``[run.adaptive_affinity]`` off, the last round also runs the best layout of the round
     before, and its best with a larger trainer, with it on, and the plan turns it on when such
     a variant ranks first (by mean step
-    time, after the race, as every choice); ``False``: plan with the scenario's setting only.
+    time, after the race, as every choice); ``False``: plan with the scenario's setting only;
+    ``max_runs``: the most simulated runs the search may make (``successive_halving``: the
+    rungs then stop on runs, and a plan that ``budget_s`` does not cut short is the same on any
+    machine).
 
     Raises PlanError naming what is short or unknown (hardware that cannot hold the model,
     fewer GPUs than the trainer plus one engine per domain, a trainer larger than one node
@@ -165,19 +181,23 @@ def plan(scenario: str | Path | Scenario, *, budget_s: float = DEFAULT_BUDGET_S,
                                  alphas=alphas, redundancies=redundancies)
     ranked, log = successive_halving(inputs, budget_s=budget_s, seeds=tuple(seeds),
                                      progress=progress, budget_option=budget_option,
-                                     try_online_affinity=try_online_affinity)
+                                     try_online_affinity=try_online_affinity,
+                                     max_runs=max_runs,
+                                     max_runs_option="--max-runs" if cli else "max_runs")
     if not ranked:
+        runs = "" if max_runs is None else (
+            f" or {'--max-runs' if cli else 'max_runs'} {max_runs} too few runs")
         raise PlanError(
             f"no layout of {source} could be simulated to the end: every candidate tried "
             f"stalled (trajectories past run.trajectory_timeout_s) or overran its share of the "
             f"budget; the GPUs are likely too few for model {inputs.model.name!r} at this batch size, "
-            f"or the budget ({budget_words(budget_s, budget_option)}) too small")
+            f"or the budget ({budget_words(budget_s, budget_option)}) too small{runs}")
     text, chosen = scenario_toml(layout_dict(raw, inputs, ranked[0].candidate),
                                  f"plan of {source}")
     header = (f"# Layout planned by `rollart plan` for {source} (SIMULATED step time "
               f"{ranked[0].step_time_s:.1f} s):\n# {ranked[0].candidate.describe(inputs)}\n")
     res = PlanResult(ranked=ranked, scenario=chosen, toml=header + text, log=log,
                      inputs=inputs, budget_s=budget_s, measured=measured,
-                     budget_option=budget_option)
+                     budget_option=budget_option, max_runs=max_runs)
     res.toml = "".join(f"# warning: {w}\n" for w in res.warnings) + res.toml
     return res

@@ -1,5 +1,5 @@
-"""``rollart plan SCENARIO --out PLAN.toml [--budget-s S] [--model PROFILE] [--seeds N]
-[--profiles-from RUN_DIR] [--static-affinity] [--force]``.
+"""``rollart plan SCENARIO --out PLAN.toml [--budget-s S] [--max-runs N] [--model PROFILE]
+[--seeds N] [--profiles-from RUN_DIR] [--static-affinity] [--force]``.
 
 Searches the scenario's layout with the simulator (``rollart.planner``), prints the best
 candidates (SIMULATED step time and its standard error, the share of the GPUs rolling out,
@@ -31,6 +31,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="CPU seconds of this process the search may take (default "
                    f"{DEFAULT_BUDGET_S:g}); other work on the machine makes the search take "
                    "longer in wall time and shrinks it a little")
+    p.add_argument("--max-runs", type=int, default=None, metavar="N",
+                   help="the most simulated runs the search may make (default: no limit); the "
+                   "rounds then stop on runs, not CPU seconds, and a plan that neither "
+                   "--budget-s nor the straggler rule cuts short is the same on any machine")
     p.add_argument("--model", default=None,
                    help="simulated model profile (default: from model.path, e.g. qwen3-8b)")
     p.add_argument("--seeds", type=int, default=2,
@@ -63,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
                    seeds=tuple(range(args.seeds)), profiles_from=args.profiles_from,
                    progress=lambda line: print(f"rollart plan: {line}", file=sys.stderr),
                    budget_option="--budget-s",
-                   try_online_affinity=not args.static_affinity)
+                   try_online_affinity=not args.static_affinity, max_runs=args.max_runs)
     except (PlanError, ConfigError) as exc:
         print(f"rollart plan: error: {exc}", file=sys.stderr)
         return 2

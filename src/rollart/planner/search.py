@@ -190,6 +190,9 @@ class SearchLog:
     online_affinity_started: bool = False
     #: the second round's best layout, the first that online affinity is tried on
     online_leader: Candidate | None = None
+    #: the limits that left candidates or race seeds unrun: "budget" (CPU seconds), "runs"
+    #: (``max_runs``)
+    limited_by: set[str] = field(default_factory=set)
 
 
 def sim_of(inputs: PlanInputs, c: Candidate, steps: int) -> SimScenario:
@@ -420,7 +423,9 @@ def budget_words(budget_s: float, option: str = "budget_s") -> str:
 def successive_halving(inputs: PlanInputs, *, budget_s: float, seeds: tuple[int, ...],
                        progress: Callable[[str], None] | None = None,
                        budget_option: str = "budget_s",
-                       try_online_affinity: bool = True) -> tuple[list[Score], SearchLog]:
+                       try_online_affinity: bool = True,
+                       max_runs: int | None = None,
+                       max_runs_option: str = "max_runs") -> tuple[list[Score], SearchLog]:
     """Scores of the last rung's candidates, best first, and what was run (module
     docstring). ``try_online_affinity``: where the scenario has ``[run.adaptive_affinity]``
     off, the last rung also runs the best layout of the one before, and its best with a larger
@@ -430,7 +435,18 @@ def successive_halving(inputs: PlanInputs, *, budget_s: float, seeds: tuple[int,
     past its rung's share of the budget, is stopped and its candidate dropped (a run that
     stops advancing its virtual clock, or a layout whose engines queue long). Raises PlanError when
     ``budget_s`` is not in (0, ``MAX_BUDGET_S``] or cannot cover one simulated run, naming it
-    ``budget_option`` (``"--budget-s"`` from the command line)."""
+    ``budget_option`` (``"--budget-s"`` from the command line).
+
+    ``max_runs``: the most simulated runs the search may make (a run that stalls counts). With
+    it each rung stops before the run that would pass its ``RUNG_SHARES`` of them, the race may
+    use the rest, and ``budget_s`` only ends the search: a plan whose runs end before
+    ``budget_s`` does (and that no straggler rule stops) is the same on any machine, since the
+    simulation is deterministic per seed. ``log.limited_by`` records which limits left
+    candidates or seeds unrun. Raises PlanError when it is not a whole number >= 1, naming it
+    ``max_runs_option``."""
+    if max_runs is not None and (isinstance(max_runs, bool) or not isinstance(max_runs, int)
+                                 or max_runs < 1):
+        raise PlanError(f"{max_runs_option} must be a whole number >= 1, got {max_runs!r}")
     if not 0 < budget_s <= MAX_BUDGET_S:
         raise PlanError(f"{budget_option} must be > 0 and <= {MAX_BUDGET_S:g} (a week), got "
                         f"{budget_s:g}")
@@ -450,13 +466,19 @@ def successive_halving(inputs: PlanInputs, *, budget_s: float, seeds: tuple[int,
     walls: list[float] = []
     for rung, ((steps, _warmup), share) in enumerate(zip(RUNGS, RUNG_SHARES, strict=True)):
         rung_seeds = seeds if rung == len(RUNGS) - 1 else seeds[:1]
-        end = t0 + budget_s * share
+        # with ``max_runs`` the rung's share counts runs, and CPU seconds only end the search
+        end = t0 + budget_s * (share if max_runs is None else 1.0)
         walls = []  # this rung's completed runs
         scores: list[Score] = []
         for c in pending:
             now = cpu_s()
             est = statistics.median(walls) * len(rung_seeds) if walls else 0.0
+            # the first run of the search always starts; a layout that stalled still counts
+            if log.runs and _past_runs(log.runs + len(rung_seeds), max_runs, share):
+                log.limited_by.add("runs")
+                break
             if (scores or rung > 0) and now + est > end:
+                log.limited_by.add("budget")
                 break
             first_ever = not scores and rung == 0
             log.online_affinity_started |= c.online_affinity
@@ -498,8 +520,10 @@ def successive_halving(inputs: PlanInputs, *, budget_s: float, seeds: tuple[int,
             log.online_leader = survivors[0]
         pending = survivors
     if len(log.per_rung) == len(RUNGS):
-        ranked = _race(inputs, ranked, seeds, walls, log, end=t0 + budget_s * RUNG_SHARES[-1],
-                       progress=progress)
+        # runs cannot overrun the way seconds can: with ``max_runs`` the race may use them all
+        ranked = _race(inputs, ranked, seeds, walls, log,
+                       end=t0 + budget_s * (RUNG_SHARES[-1] if max_runs is None else 1.0),
+                       progress=progress, max_runs=max_runs)
     log.cpu_s = cpu_s() - t0
     log.wall_s = time.perf_counter() - wall0
     if try_online and log.per_rung:
@@ -526,6 +550,11 @@ def with_online_twins(survivors: list[Candidate]) -> list[Candidate]:
         if c in tried:
             out.append(dataclasses.replace(c, online_affinity=True))
     return out
+
+
+def _past_runs(runs: int, max_runs: int | None, share: float) -> bool:
+    """Whether ``runs`` simulated runs in all would pass ``share`` of ``max_runs``."""
+    return max_runs is not None and runs > max_runs * share
 
 
 def _note_online_affinity(ranked: list[Score], log: SearchLog) -> None:
@@ -572,6 +601,8 @@ def _score(inputs: PlanInputs, c: Candidate, rung: int, seeds: tuple[int, ...],
         res = run_capped(sim_of(inputs, c, steps), sd, warmup, cap)
         log.runs += 1
         if res is None:
+            if cpu_s() >= end:  # stopped by the budget, not stalled or a straggler
+                log.limited_by.add("budget")
             return None
         walls.append(cpu_s() - w0)
         kept = res.steps[warmup:]
@@ -588,7 +619,8 @@ def _score(inputs: PlanInputs, c: Candidate, rung: int, seeds: tuple[int, ...],
 
 def _race(inputs: PlanInputs, ranked: list[Score], seeds: tuple[int, ...],
           walls: list[float], log: SearchLog, *, end: float,
-          progress: Callable[[str], None] | None) -> list[Score]:
+          progress: Callable[[str], None] | None,
+          max_runs: int | None = None) -> list[Score]:
     """The last rung's ``ranked`` with the leader and every candidate within its noise run on
     further common seeds (``max(seeds) + 1``, ...) while ``end`` allows and
     ``rollart.planner.noise.unresolved`` says so. A seed that does not end for every racer
@@ -598,7 +630,13 @@ def _race(inputs: PlanInputs, ranked: list[Score], seeds: tuple[int, ...],
     for extra in range(max(seeds) + 1, max(seeds) + 1 + noise.MAX_RACE_SEEDS):
         group = noise.racers(ranked, noise.RACE_WIDTH)
         need = statistics.median(walls) * len(group) if walls else 0.0
-        if len(group) < 2 or cpu_s() + need > end:
+        if len(group) < 2:
+            break
+        if _past_runs(log.runs + len(group), max_runs, 1.0):
+            log.limited_by.add("runs")
+            break
+        if cpu_s() + need > end:
+            log.limited_by.add("budget")
             break
         racing = {id(ranked[i]) for i in group}
         out = []
