@@ -17,7 +17,15 @@ from rollart.launcher.validate import main as validate_main
 from rollart.planner import PlanError, PlanResult, plan
 from rollart.planner.inputs import read_inputs
 from rollart.planner.layout import to_toml
-from rollart.planner.search import RUNGS, full_space, run_capped, sim_of, space, tp_variants
+from rollart.planner.search import (
+    RUNGS,
+    SearchLog,
+    full_space,
+    run_capped,
+    sim_of,
+    space,
+    tp_variants,
+)
 from rollart.sim.harness import run_simulated
 
 #: two pools on two hardware labels, the tiny model (so `rollart validate` passes here); the
@@ -338,7 +346,7 @@ def test_refuses_a_budget_that_is_not_a_finite_positive_number_of_seconds(tmp_pa
 def test_a_search_where_every_layout_stalls_is_refused_naming_it(tmp_path, monkeypatch):
     import rollart.planner as planner
 
-    monkeypatch.setattr(planner, "successive_halving", lambda *a, **k: ([], None))
+    monkeypatch.setattr(planner, "successive_halving", lambda *a, **k: ([], SearchLog()))
     with pytest.raises(PlanError, match=r"no layout of .* could be simulated to the end"):
         plan(write(tmp_path), budget_s=5.0, model="qwen3-8b")
 
@@ -581,22 +589,53 @@ def test_max_runs_counts_stalled_runs_and_names_itself_when_it_binds(tmp_path, m
     with pytest.raises(PlanError, match=r"too small or max_runs 4 too few runs"):
         plan(write(tmp_path), budget_s=10_000.0, model="qwen3-8b", max_runs=4)
     assert len(ran) == 1
-    # stalls count: 5 stalled, then 13 of the first round's 0.45 x 40 = 18 runs score
+    # a stall is not a limit: 5 of the 9 first-round layouts stall, all 9 start (within 0.45 x
+    # 40 = 18 runs), and the warning says they stalled instead of asking for a larger limit
     ran.clear()
     cpu[0] = 0.0
     res = plan(write(tmp_path), budget_s=10_000.0, model="qwen3-8b", seeds=(0,), max_runs=40)
-    assert res.log.per_rung[0] == 4 and res.log.limited_by == {"runs"}
-    assert res.warnings and all(w.endswith("give a larger max_runs") or
-                                "give a larger max_runs to have it tried" in w
-                                for w in res.warnings)
-    assert "(10000 CPU s, 40 runs)" in res.warnings[-1]
-    # on the command line, the flag; and the budget named when it is the one that binds
+    assert (res.log.first_rung_started, res.log.per_rung[0]) == (9, 4)
+    assert any(w.startswith("5 of the 9 layouts of the first round stalled") for w in
+               res.warnings)
+    assert not any("first round" in w and "give a larger" in w for w in res.warnings)
+    # every layout stalls and neither limit binds: the error does not blame max_runs
+    _runs_fake(monkeypatch, stall_first=10_000)
+    with pytest.raises(PlanError, match=r"too small$"):
+        plan(write(tmp_path), budget_s=10_000.0, model="qwen3-8b", max_runs=1000)
+    # a limit that leaves first-round layouts unrun is named: 0.45 x 8 = 3.6 runs, one stalls
+    ran, cpu, per_run = _runs_fake(monkeypatch, stall_first=1)
+    res = plan(write(tmp_path), budget_s=10_000.0, model="qwen3-8b", seeds=(0,), max_runs=8)
+    assert (res.log.first_rung_started, res.log.per_rung[0]) == (3, 2)
+    assert any("simulated only 2 of the 9 layouts" in w and "(1 more started and were "
+               "dropped)" in w and w.endswith("give a larger max_runs") for w in res.warnings)
+    assert "(10000 CPU s, 8 runs)" in res.warnings[-1]
+    # both limits bind at once: both are named
+    ran, cpu, per_run = _runs_fake(monkeypatch)
+    res = plan(write(tmp_path), budget_s=1.6, model="qwen3-8b", seeds=(0,), max_runs=2)
+    assert res.log.limited_by == {"budget", "runs"}
+    assert res.warnings[-1].endswith("give a larger budget_s or max_runs")
+    # on the command line, the flags: --max-runs when the runs bind, --budget-s when it does
+    _runs_fake(monkeypatch)
+    assert cli_main(["plan", str(write(tmp_path)), "--out", str(tmp_path / "q.toml"),
+                     "--max-runs", "4", "--model", "qwen3-8b", "--seeds", "1"]) == 0
+    assert "give a larger --max-runs\n" in capsys.readouterr().err
     _runs_fake(monkeypatch)
     assert cli_main(["plan", str(write(tmp_path)), "--out", str(tmp_path / "p.toml"),
                      "--budget-s", "6", "--max-runs", "400", "--model", "qwen3-8b",
                      "--seeds", "1"]) == 0
     err = capsys.readouterr().err
     assert "give a larger --budget-s\n" in err and "--max-runs" not in err
+
+
+@pytest.mark.parametrize("seeds", [(0,), (0, 1), (0, 1, 2)])
+def test_max_runs_is_never_passed(tmp_path, monkeypatch, seeds):
+    """Whatever N and however many seeds the last round runs each candidate on, the search
+    makes at most N runs (the first run of all, N = 1 included)."""
+    for max_runs in range(1, 45):
+        ran, _, _ = _runs_fake(monkeypatch)
+        res = plan(write(tmp_path), budget_s=10_000.0, model="qwen3-8b", seeds=seeds,
+                   max_runs=max_runs)
+        assert len(ran) == res.log.runs <= max_runs, max_runs
 
 
 @pytest.mark.parametrize("bad", [0, -1, 2.5, True, "3"])

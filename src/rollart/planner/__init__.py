@@ -76,12 +76,20 @@ class PlanResult:
         if lg.online_affinity_short:
             out.append(f"{lg.online_affinity} ({budget}); give a larger "
                        f"{self._limits()} to have it tried")
-        if ran < lg.first_rung_space:
+        stalled = lg.first_rung_started - ran
+        if lg.first_rung_started < lg.first_rung_space:
             out.append(f"the budget ({budget}) simulated only {ran} of the "
                        f"{lg.first_rung_space} layouts of the first round (each trainer / pool "
                        f"mapping, the scenario's own layout among them where the space holds "
-                       f"it; {lg.space} layouts in all) to its end: the plan is the best of "
-                       f"those, not of all; give a larger {self._limits()}")
+                       f"it; {lg.space} layouts in all) to its end"
+                       + (f" ({stalled} more started and were dropped)" if stalled > 0 else "")
+                       + f": the plan is the best of those, not of all; give a larger "
+                       f"{self._limits()}")
+        elif stalled > 0:
+            out.append(f"{stalled} of the {lg.first_rung_space} layouts of the first round "
+                       f"stalled or overran their cap and were dropped (their simulated "
+                       f"trajectories past run.trajectory_timeout_s, or a run far slower than "
+                       f"the others): the plan is the best of the rest")
         return out
 
     def _limits(self) -> str:
@@ -185,7 +193,7 @@ def plan(scenario: str | Path | Scenario, *, budget_s: float = DEFAULT_BUDGET_S,
                                      max_runs=max_runs,
                                      max_runs_option="--max-runs" if cli else "max_runs")
     if not ranked:
-        runs = "" if max_runs is None else (
+        runs = "" if "runs" not in log.limited_by else (
             f" or {'--max-runs' if cli else 'max_runs'} {max_runs} too few runs")
         raise PlanError(
             f"no layout of {source} could be simulated to the end: every candidate tried "

@@ -175,6 +175,9 @@ class SearchLog:
     space: int = 0
     #: (trainer size, mapping) candidates rung 0 has to run (``per_rung[0]`` ran to the end)
     first_rung_space: int = 0
+    #: how many of them rung 0 started (the rest were left by a limit; a started one may
+    #: have stalled)
+    first_rung_started: int = 0
     per_rung: list[int] = field(default_factory=list)
     runs: int = 0
     #: seeds the racing added after the last rung
@@ -474,13 +477,13 @@ def successive_halving(inputs: PlanInputs, *, budget_s: float, seeds: tuple[int,
             now = cpu_s()
             est = statistics.median(walls) * len(rung_seeds) if walls else 0.0
             # the first run of the search always starts; a layout that stalled still counts
-            if log.runs and _past_runs(log.runs + len(rung_seeds), max_runs, share):
-                log.limited_by.add("runs")
-                break
-            if (scores or rung > 0) and now + est > end:
-                log.limited_by.add("budget")
+            if _stop(log, runs_past=bool(log.runs) and _past_runs(
+                         log.runs + len(rung_seeds), max_runs, share),
+                     budget_past=bool(scores or rung > 0) and now + est > end):
                 break
             first_ever = not scores and rung == 0
+            if rung == 0:
+                log.first_rung_started += 1
             log.online_affinity_started |= c.online_affinity
             score = _score(inputs, c, rung, rung_seeds, walls, log,
                            end=t0 + budget_s if first_ever else end)
@@ -550,6 +553,16 @@ def with_online_twins(survivors: list[Candidate]) -> list[Candidate]:
         if c in tried:
             out.append(dataclasses.replace(c, online_affinity=True))
     return out
+
+
+def _stop(log: SearchLog, *, runs_past: bool, budget_past: bool) -> bool:
+    """Whether a limit stops the search here; records each limit that does (both, when both
+    do: either alone would stop it, so the user needs to raise both)."""
+    if runs_past:
+        log.limited_by.add("runs")
+    if budget_past:
+        log.limited_by.add("budget")
+    return runs_past or budget_past
 
 
 def _past_runs(runs: int, max_runs: int | None, share: float) -> bool:
@@ -630,13 +643,9 @@ def _race(inputs: PlanInputs, ranked: list[Score], seeds: tuple[int, ...],
     for extra in range(max(seeds) + 1, max(seeds) + 1 + noise.MAX_RACE_SEEDS):
         group = noise.racers(ranked, noise.RACE_WIDTH)
         need = statistics.median(walls) * len(group) if walls else 0.0
-        if len(group) < 2:
-            break
-        if _past_runs(log.runs + len(group), max_runs, 1.0):
-            log.limited_by.add("runs")
-            break
-        if cpu_s() + need > end:
-            log.limited_by.add("budget")
+        if len(group) < 2 or _stop(
+                log, runs_past=_past_runs(log.runs + len(group), max_runs, 1.0),
+                budget_past=cpu_s() + need > end):
             break
         racing = {id(ranked[i]) for i in group}
         out = []
