@@ -606,7 +606,7 @@ def test_max_runs_counts_stalled_runs_and_names_itself_when_it_binds(tmp_path, m
     ran, cpu, per_run = _runs_fake(monkeypatch, stall_first=1)
     res = plan(write(tmp_path), budget_s=10_000.0, model="qwen3-8b", seeds=(0,), max_runs=8)
     assert (res.log.first_rung_started, res.log.per_rung[0]) == (3, 2)
-    assert any("simulated only 2 of the 9 layouts" in w and "(1 more started and were "
+    assert any("simulated only 2 of the 9 layouts" in w and "(1 more started and was "
                "dropped)" in w and w.endswith("give a larger max_runs") for w in res.warnings)
     assert "(10000 CPU s, 8 runs)" in res.warnings[-1]
     # both limits bind at once: both are named
@@ -625,6 +625,34 @@ def test_max_runs_counts_stalled_runs_and_names_itself_when_it_binds(tmp_path, m
                      "--seeds", "1"]) == 0
     err = capsys.readouterr().err
     assert "give a larger --budget-s\n" in err and "--max-runs" not in err
+
+
+def test_a_first_round_layout_stopped_at_the_budgets_end_is_a_budget_warning_not_a_stall(
+        tmp_path, monkeypatch):
+    """The first round's last layout starts inside the budget's share and is stopped at its
+    end: the warning asks for a larger budget, and says nothing stalled."""
+    import rollart.planner.search as search
+
+    ran, cpu, _ = _runs_fake(monkeypatch)
+    fake_run = search.run_capped
+
+    def capped(sim, seed, warmup, cap):
+        cost = 3.0 if len(ran) == 8 else 1.0  # the ninth run outlasts what is left
+        if cost > cap:
+            ran.append(sim)
+            cpu[0] += cap
+            return None
+        before = cpu[0]
+        res = fake_run(sim, seed, warmup, cap)
+        cpu[0] = before + cost
+        return res
+
+    monkeypatch.setattr(search, "run_capped", capped)
+    res = plan(write(tmp_path), budget_s=20.0, model="qwen3-8b", seeds=(0,))
+    assert (res.log.first_rung_started, res.log.first_rung_cut, res.log.per_rung[0]) == (9, 1, 8)
+    assert any("simulated only 8 of the 9 layouts" in w and "dropped" not in w
+               and w.endswith("give a larger budget_s") for w in res.warnings)
+    assert not any("stalled" in w for w in res.warnings)
 
 
 @pytest.mark.parametrize("seeds", [(0,), (0, 1), (0, 1, 2)])

@@ -76,13 +76,16 @@ class PlanResult:
         if lg.online_affinity_short:
             out.append(f"{lg.online_affinity} ({budget}); give a larger "
                        f"{self._limits()} to have it tried")
-        stalled = lg.first_rung_started - ran
-        if lg.first_rung_started < lg.first_rung_space:
+        # layouts a limit left unrun or stopped, and layouts that stalled on their own
+        short = lg.first_rung_space - lg.first_rung_started + lg.first_rung_cut
+        stalled = lg.first_rung_started - lg.first_rung_cut - ran
+        if short > 0:
             out.append(f"the budget ({budget}) simulated only {ran} of the "
                        f"{lg.first_rung_space} layouts of the first round (each trainer / pool "
                        f"mapping, the scenario's own layout among them where the space holds "
                        f"it; {lg.space} layouts in all) to its end"
-                       + (f" ({stalled} more started and were dropped)" if stalled > 0 else "")
+                       + (f" ({stalled} more started and {'was' if stalled == 1 else 'were'} "
+                          "dropped)" if stalled > 0 else "")
                        + f": the plan is the best of those, not of all; give a larger "
                        f"{self._limits()}")
         elif stalled > 0:

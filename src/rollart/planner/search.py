@@ -176,8 +176,9 @@ class SearchLog:
     #: (trainer size, mapping) candidates rung 0 has to run (``per_rung[0]`` ran to the end)
     first_rung_space: int = 0
     #: how many of them rung 0 started (the rest were left by a limit; a started one may
-    #: have stalled)
+    #: have stalled, or been stopped at the budget's end: ``first_rung_cut``)
     first_rung_started: int = 0
+    first_rung_cut: int = 0
     per_rung: list[int] = field(default_factory=list)
     runs: int = 0
     #: seeds the racing added after the last rung
@@ -616,6 +617,7 @@ def _score(inputs: PlanInputs, c: Candidate, rung: int, seeds: tuple[int, ...],
         if res is None:
             if cpu_s() >= end:  # stopped by the budget, not stalled or a straggler
                 log.limited_by.add("budget")
+                log.first_rung_cut += rung == 0
             return None
         walls.append(cpu_s() - w0)
         kept = res.steps[warmup:]
