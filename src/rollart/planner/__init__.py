@@ -143,8 +143,7 @@ def plan(scenario: str | Path | Scenario, *, budget_s: float = DEFAULT_BUDGET_S,
 
     ``budget_s``: CPU seconds of this process the search may take (it stops starting runs
     before; ``rollart.planner.search``: other work on the machine shrinks it far less than it
-    would wall seconds); ``seeds``:
-    simulation seeds (the first ranks the early rungs, all of them the last; racing adds
+    would wall seconds); ``seeds``: simulation seeds (the first ranks the early rungs, all of them the last; racing adds
     ``max(seeds) + 1``, ... while budget is left, ``rollart.planner.noise``); ``model``: the
     simulated model profile (default: from ``model.path``); ``profiles``: workload per domain
     name (default: assumed from each domain's env, ``rollart.planner.inputs``);
@@ -159,8 +158,7 @@ def plan(scenario: str | Path | Scenario, *, budget_s: float = DEFAULT_BUDGET_S,
     ``--model`` rather than ``model=``); ``try_online_affinity``: where the scenario has
     ``[run.adaptive_affinity]`` off, the last round also runs the best layout of the round
     before, and its best with a larger trainer, with it on, and the plan turns it on when such
-    a variant ranks first (by mean step
-    time, after the race, as every choice); ``False``: plan with the scenario's setting only;
+    a variant ranks first (by mean step time, after the race, as every choice); ``False``: plan with the scenario's setting only;
     ``max_runs``: the most simulated runs the search may make (``successive_halving``: the
     rungs then stop on runs, and a plan that ``budget_s`` does not cut short is the same on any
     machine).

@@ -354,8 +354,7 @@ QUIET_LOGGERS = ("rollart.controller.rollout.tasks", "rollart.controller.routing
 def run_capped(sim: SimScenario, seed: int, warmup: int, cap_s: float) -> SimResult | None:
     """``run_simulated(sim, seed)``, or None when it takes more than ``cap_s`` CPU seconds of
     this process (enforced by an ``ITIMER_PROF`` timer, SIGPROF, in the main thread; elsewhere
-    not enforced) or its
-    controller stalls (``ControllerStalledError``: e.g. trajectories past
+    not enforced) or its controller stalls (``ControllerStalledError``: e.g. trajectories past
     ``run.trajectory_timeout_s`` on a layout far too small for the load)."""
     # A stalled layout is dropped and counted; its controller's "fatal error in traj-..."
     # lines would read as the planner failing (the stall is logged at INFO below), and its
@@ -435,11 +434,11 @@ def successive_halving(inputs: PlanInputs, *, budget_s: float, seeds: tuple[int,
     off, the last rung also runs the best layout of the one before, and its best with a larger
     trainer, with it on (each right after that layout, ``with_online_twins``), and the race
     weighs them like any others; ``log.online_affinity`` says how the best-ranked of them
-    compared with its static twin. A run longer than ``STRAGGLER_X`` x the median of its rung's runs so far, or
-    past its rung's share of the budget, is stopped and its candidate dropped (a run that
-    stops advancing its virtual clock, or a layout whose engines queue long). Raises PlanError when
-    ``budget_s`` is not in (0, ``MAX_BUDGET_S``] or cannot cover one simulated run, naming it
-    ``budget_option`` (``"--budget-s"`` from the command line).
+    compared with its static twin. A run longer than ``STRAGGLER_X`` x the median of its
+    rung's runs so far, or past its rung's share of the budget, is stopped and its candidate
+    dropped (a run that stops advancing its virtual clock, or a layout whose engines queue
+    long). Raises PlanError when ``budget_s`` is not in (0, ``MAX_BUDGET_S``] or cannot cover
+    one simulated run, naming it ``budget_option`` (``"--budget-s"`` from the command line).
 
     ``max_runs``: the most simulated runs the search may make (a run that stalls counts). With
     it each rung stops before the run that would pass its ``RUNG_SHARES`` of them, the race may
