@@ -36,10 +36,13 @@ so it measures routing and isolation, not hardware affinity.
 between pools and the KV working-set hold) on the layout rollart chooses, against the best
 static layout of the same budget, at load x1, x2 and x8 (trajectories per step times the
 benchmark's batch, same pools) and under a drifting task mix (the agentic domain's share of new
-groups 30% -> 70% a third of the way in, load x2). rollart's choice: every layout of the sweep
-above run with online affinity on seeds of its own (``SEARCH_SEED_OFFSET`` + the evaluation
-seeds), the fastest kept: what the planner finds with no budget limit in this space, chosen on
-data the score does not use. The best static layout is the fastest static one on the
+groups 30% -> 70% a third of the way in, load x2). The layouts (``adaptive_layouts``, static
+and adaptive alike): every split of the sweep above with the trainer from half to 1.5x the
+benchmark's size, GPUs moved between trainer and rollout at the same cost, as the planner
+searches the trainer vs rollout split too. rollart's choice: every layout run with online
+affinity on seeds of its own (``SEARCH_SEED_OFFSET`` + the evaluation seeds), the fastest
+kept: what the planner finds with no budget limit in this space, chosen on data the score does
+not use. The best static layout is the fastest static one on the
 evaluation seeds themselves (a minimum over layouts, biased towards static). Ratios ``adaptive
 vs best static at load xK`` / ``under drift`` (best static's step time over adaptive's, per
 seed; the mean step time after the first, as everywhere); the same ``(whole run)``: the mean of
@@ -51,22 +54,22 @@ layout chosen again by that measure), since a hold that lets short trajectories 
 fills a step's batch with fewer tokens and shortens the step without doing the same work;
 ``adaptive vs static on its layout (<layout>)`` (the chosen layout without online affinity);
 ``adaptive on <paper layout> vs best static`` and ``adaptive vs static <paper layout>`` (online
-affinity on the paper's split, the first mixed one); ``adaptive vs static on the best mixed
-split``: online affinity on the fastest mixed split of each case against that
-split static (where the split is already right, adaptive must not cost). Rows count spilled
-trajectories, moves, first turns the working-set hold delayed and turns that found their
-prefix evicted, and report each run's regime as above.
+affinity on the paper's split, the first mixed one, at the benchmark's trainer size);
+``adaptive vs static on the best mixed split``: online affinity on the fastest mixed split
+(any trainer size) of each case against that split static (where the split is already right,
+adaptive must not cost). Rows count spilled trajectories, moves, first turns the working-set
+hold delayed and turns that found their prefix evicted, and report each run's regime as above
+and the trainer's GPUs.
 
 ``best layout per drift phase vs best static under drift (bound on re-planning)``: an
 estimate of the most that re-planning among these layouts could gain under the drift. Every
-layout of the sweep, and the H800-only pool with the trainer from half to 1.5x its size (GPUs
-moved between trainer and rollout at the same cost: ``replan_space``), runs static on each
-phase's mix alone; the best single layout's step time (each phase weighted by its steps in the
-drifting run's step mean) over that of switching to each phase's best layout at the drift, at
-no cost and knowing the drift in advance, the layouts chosen on the scoring seeds themselves.
-Where it reads near 1.0, the same layout is (nearly) best in both phases, and switching among
-these layouts cannot gain more. Not covered: trainer sizes of the mixed splits, other
-tensor-parallel degrees or alphas, and online admission (the hold), which is not a layout.
+layout of ``adaptive_layouts`` runs static on each phase's mix alone; the best single
+layout's step time (each phase weighted by its steps in the drifting run's step mean) over
+that of switching to each phase's best layout at the drift, at no cost and knowing the drift
+in advance, the layouts chosen on the scoring seeds themselves. Where it reads near 1.0, the
+same layout is (nearly) best in both phases, and switching among these layouts cannot gain
+more. Not covered: other tensor-parallel degrees or alphas, and online admission (the hold),
+which is not a layout.
 """
 
 from __future__ import annotations
@@ -183,22 +186,34 @@ def _drifting(sc: SimScenario) -> SimScenario:
         (after, "agentic", hi), (after, "reasoning", 1 - hi)))
 
 
-def replan_space(quick: bool) -> dict[str, tuple[int, int, int]]:
-    """The layouts the re-planning bound under drift chooses from: name -> (rollout H800s,
-    rollout H20s, trainer GPUs). Every layout of the sweep with the benchmark's trainer, and
-    the H800-only rollout pool with the trainer from half to 1.5x its size (a quarter of it
-    apart; each GPU taken from or given to the rollout pool, so the cost stays the same)."""
+def adaptive_layouts(quick: bool) -> dict[str, tuple[int, int, int]]:
+    """The layouts of ``--adaptive``, static and with online affinity alike, and of the
+    re-planning bound: name -> (rollout H800s, rollout H20s, trainer GPUs). Every layout of
+    the sweep with the trainer from half to 1.5x the benchmark's size, a quarter of it apart
+    (the planner searches the trainer vs rollout split too: online affinity shortens a step's
+    rollout and leaves the trainer's side as it is, so the fastest layout with it may give the
+    trainer more GPUs than the fastest static one). Each trainer GPU added is taken from the
+    layout's rollout H800s, or 3 of its H20s where it has none (H20 = 1/3 H800, as the budget),
+    and each removed given back the same way, so every layout costs the same; a mixed split
+    that would keep no rollout H800 is left out at that trainer size."""
     trainer = scenario(1, 0, quick).trainer_gpus
-    space = {k: (h800, h20, trainer) for k, (h800, h20) in layouts(quick).items()}
-    h800_budget = space["h800_only"][0]
-    for t in range(trainer // 2, trainer * 3 // 2 + 1, max(1, trainer // 4)):
-        if t != trainer:
-            space[f"h800_only, trainer {t}"] = (h800_budget + trainer - t, 0, t)
+    space: dict[str, tuple[int, int, int]] = {}
+    for name, (h800, h20) in layouts(quick).items():
+        for t in range(trainer // 2, trainer * 3 // 2 + 1, max(1, trainer // 4)):
+            a, b = (h800 + trainer - t, h20) if h800 else (0, h20 + 3 * (trainer - t))
+            if h800 and a < 1:
+                continue
+            if t == trainer:
+                space[name] = (a, b, t)
+            elif a and b:
+                space[f"{a}xh800+{b}xh20, trainer {t}"] = (a, b, t)
+            else:
+                space[f"{name}, trainer {t}"] = (a, b, t)
     return space
 
 
 def _replan_bound(rows: list[dict[str, Any]], quick: bool, seeds: list[int]) -> list[float]:
-    """Per seed, the best single layout of ``replan_space`` over the best layout of each drift
+    """Per seed, the best single layout of ``adaptive_layouts`` over the best layout of each drift
     phase, both weighted by the phase's steps in the drifting run's step mean. Each layout runs
     static on each phase's mix alone (``DRIFT[0]``, then ``DRIFT[1]``, load ``DRIFT_LOAD``,
     the benchmark's steps, the step mean after the first). A re-planner that switched among
@@ -206,7 +221,7 @@ def _replan_bound(rows: list[dict[str, Any]], quick: bool, seeds: list[int]) -> 
     over the best static one (the layouts chosen by their mean over ``seeds``, the scoring
     seeds: an estimate, not a strict bound)."""
     phase_times: list[dict[str, list[float]]] = [{}, {}]
-    for name, (h800, h20, trainer) in replan_space(quick).items():
+    for name, (h800, h20, trainer) in adaptive_layouts(quick).items():
         for phase, share in enumerate(DRIFT):
             for sd in seeds:
                 sc = scenario(h800, h20, quick)
@@ -232,18 +247,19 @@ def _replan_bound(rows: list[dict[str, Any]], quick: bool, seeds: list[int]) -> 
 
 
 def _measure(rows: list[dict[str, Any]], times: dict[str, list[float]], case: str, load: int,
-             drift: bool, layout: str, split: tuple[int, int], on: str, seeds: list[int],
+             drift: bool, layout: str, split: tuple[int, int, int], on: str, seeds: list[int],
              quick: bool, run_times: dict[str, list[float]] | None = None,
              token_times: dict[str, list[float]] | None = None) -> None:
-    """Runs ``layout`` on split ``on`` (``split``: H800s, H20s) over ``seeds``: static when
+    """Runs ``layout`` on split ``on`` (``split``: rollout H800s, rollout H20s, trainer GPUs)
+    over ``seeds``: static when
     ``layout == on``, else with online affinity; appends its step times (after the first
     step), its whole-run times per step (``run_times``, first step included), its seconds per
     trained token (``token_times``: the step mean over the trained tokens' mean, both after
     the first step) and rows."""
-    h800, h20 = split
+    h800, h20, trainer = split
     for sd in seeds:
         sc = scenario(h800, h20, quick)
-        sc = sc.replace(batch_size=sc.batch_size * load)
+        sc = sc.replace(batch_size=sc.batch_size * load, trainer_gpus=trainer)
         if drift:
             sc = _drifting(sc)
         if layout != on:
@@ -266,7 +282,8 @@ def _measure(rows: list[dict[str, Any]], times: dict[str, list[float]], case: st
             "prefix_evicted_turns": sum(st.get("num_prefix_evicted_turns", 0)
                                         for st in res.steps)}
         rows.append({"case": case, "layout": layout if layout == on else f"adaptive on {on}",
-                     "step_time_s": res.step_time_s, "run_time_per_step_s": whole, **counts,
+                     "trainer_gpus": trainer, "step_time_s": res.step_time_s,
+                     "run_time_per_step_s": whole, **counts,
                      **regime})
 
 
@@ -276,8 +293,8 @@ def run_adaptive(quick: bool, seed: int) -> dict:
     started = time.perf_counter()
     seeds = seeds_for(quick, seed)
     choose_on = [SEARCH_SEED_OFFSET + s for s in seeds]
-    all_layouts = layouts(quick)
-    paper = next(k for k in all_layouts if k not in ("h800_only", "h20_only"))
+    all_layouts = adaptive_layouts(quick)
+    paper = next(k for k in layouts(quick) if k not in ("h800_only", "h20_only"))
     rows: list[dict[str, Any]] = []
     samples: dict[str, list[float]] = {}
     chosen: dict[str, str] = {}
@@ -316,7 +333,7 @@ def run_adaptive(quick: bool, seed: int) -> dict:
         best = min(static, key=lambda k: statistics.fmean(times[k]))
         # Where the split is already right, online affinity must not cost: adaptive on the
         # fastest mixed split against that split static.
-        mixed = min((k for k in static if k not in ("h800_only", "h20_only")),
+        mixed = min((k for k in static if all(all_layouts[k][:2])),
                     key=lambda k: statistics.fmean(times[k]))
         if mixed == pick:
             on_mixed = times["adaptive"]

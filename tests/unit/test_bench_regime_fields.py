@@ -196,9 +196,10 @@ def test_affinity_replan_bound_weighs_each_drift_phases_best_layout(monkeypatch)
 
     monkeypatch.setattr(affinity, "run_simulated", timed_run)
     assert affinity._drift_steps(3) == (6, 2, 1)
-    assert set(affinity.replan_space(True)) == set(affinity.layouts(True)) | {
-        f"h800_only, trainer {t}" for t in (2, 3, 5, 6)}
-    assert affinity.replan_space(True)["h800_only, trainer 2"] == (11, 0, 2)
+    space = affinity.adaptive_layouts(True)
+    assert set(affinity.layouts(True)) | {f"h800_only, trainer {t}" for t in (2, 3, 5, 6)} \
+        <= set(space)
+    assert space["h800_only, trainer 2"] == (11, 0, 2)
     res = affinity.run_adaptive(True, 0)
     assert res["ratios"][
         "best layout per drift phase vs best static under drift (bound on re-planning)"
@@ -213,3 +214,60 @@ def test_affinity_mixed_sets_both_domains_shares() -> None:
     sc = affinity._mixed(affinity.scenario(9, 0, True), 0.3)
     assert {d.spec.name: d.weight for d in sc.domains} == pytest.approx(
         {"agentic": 0.3, "reasoning": 0.7})
+
+
+def test_affinity_adaptive_layouts_move_gpus_between_trainer_and_rollout_at_equal_cost() -> None:
+    """Every split of the sweep at trainer 2-6 (the benchmark's 4 +- half, a quarter apart):
+    each trainer GPU comes from the rollout H800s, or 3 H20s where there are none, so every
+    layout costs what the benchmark's own does (H800 = 1, H20 = 1/3)."""
+    from benchmarks import affinity
+
+    space = affinity.adaptive_layouts(True)
+    base = affinity.scenario(9, 0, True).trainer_gpus
+    budget = 9 + base
+    assert len(space) == 4 * 5
+    for name, (h800, h20, trainer) in space.items():
+        assert h800 + h20 / 3 + trainer == pytest.approx(budget), name
+        assert 2 <= trainer <= 6
+    assert space["h800_only, trainer 6"] == (7, 0, 6)
+    assert space["h20_only, trainer 2"] == (0, 33, 2)
+    assert space["4xh800+9xh20, trainer 6"] == (4, 9, 6)
+    assert space["6xh800+9xh20"] == (6, 9, base)
+    big = affinity.adaptive_layouts(False)
+    assert big["h800_only, trainer 48"] == (56, 0, 48)
+    # a mixed split whose H800s would all go to the trainer is left out, never negative
+    assert "16xh800+168xh20" in big and "8xh800+192xh20, trainer 40" not in big
+    assert all(h800 >= 1 for k, (h800, _, _) in big.items() if "xh800+" in k)
+    assert all(h800 >= 0 and h20 >= 0 and h800 + h20 >= 1 for h800, h20, _ in big.values())
+
+
+def test_affinity_adaptive_chooses_the_trainer_size_too(monkeypatch) -> None:
+    """At load x8 static runs are fastest with a trainer of 3 (20 s), online affinity's with
+    a trainer of 6 (16 s; 19 s at the benchmark's own 4): rollart's choice is the 6-GPU
+    layout, scored against the fastest static one at any trainer size, 20 / 16 = 1.25 (with
+    the trainer fixed it would read 21 / 19)."""
+    from benchmarks import affinity
+
+    def timed_run(sim, seed, warmup=0):
+        adaptive = sim.adaptive_affinity is not None and sim.adaptive_affinity.enabled
+        h800_only = all(p.hardware == "h800" for p in sim.pools)
+        t = 40.0
+        if h800_only and sim.batch_size == affinity.scenario(9, 0, True).batch_size * 8:
+            t = ({3: 25.0, 4: 19.0, 6: 16.0} if adaptive else {3: 20.0, 4: 21.0, 6: 30.0}
+                 ).get(sim.trainer_gpus, 35.0)
+        res = fake_run(sim, seed, warmup)
+        for st in res.steps:
+            st["step_time_s"] = t
+        res.step_time_s = t
+        return res
+
+    monkeypatch.setattr(affinity, "run_simulated", timed_run)
+    res = affinity.run_adaptive(True, 0)
+    assert "load x8: h800_only, trainer 6" in res["meta"]["notes"]
+    assert res["ratios"]["adaptive vs best static at load x8"] == pytest.approx(1.25, abs=1e-4)
+    best = {row["case"]: row["layout"] for row in res["rows"]
+            if row["layout"].startswith("best static")}
+    assert best["load x8"] == "best static: h800_only, trainer 3"
+    adaptive = next(row for row in res["rows"] if row["case"] == "load x8"
+                    and row["layout"] == "adaptive on h800_only, trainer 6")
+    assert adaptive["trainer_gpus"] == 6
