@@ -571,15 +571,27 @@ def test_max_runs_makes_the_plan_the_same_however_long_each_run_takes(tmp_path, 
     assert (res.log.per_rung, res.log.runs, res.log.race_seeds) == ([9, 21, 4], 38, 0)
     assert res.log.limited_by == {"runs"}
     assert "searched 38 runs of 40 over" in res.table()
+    # the later rounds and the race that N cut short are named, with what they left
+    assert (res.log.later_rungs, res.log.race_cut_racers) == ([(24, 3), (11, 7)], 4)
+    assert [w.split(" left ")[-1].split(" unrun")[0] for w in res.warnings[:2]] == [
+        "3 of the 24 candidates of the second round", "7 of the 11 candidates of the third round"]
+    assert "stopped the race on further seeds with 4 candidates" in res.warnings[2]
+    assert all(w.endswith("give a larger max_runs") for w in res.warnings)
     # the budget only ends the search: one that holds the 38 runs (about 57 CPU s here) gives
     # the same search, though its rounds' shares of it would not have held them
     assert search_once(1.0, budget_s=60.0, max_runs=40)[:4] == fast[:4]
     # 100 runs: the race gets the runs the last round leaves
     res = search_once(1.0, budget_s=10_000.0, max_runs=100)[4]
     assert res.log.race_seeds > 0 and res.log.runs <= 100
+    assert (res.log.later_rungs, res.log.race_cut_racers, res.warnings) == (
+        [(24, 0), (16, 0)], 0, [])
     # the CPU budget alone: the slower machine gets less far
     fast, slow = (search_once(cost, budget_s=60.0) for cost in (1.0, 2.0))
     assert slow[0] < fast[0]
+    # 60 CPU s on the slower machine: every round and the race are cut, each named
+    assert (slow[4].log.later_rungs, slow[4].log.race_cut_racers) == ([(24, 18), (6, 4)], 2)
+    assert [w.split(") ")[1].split(" ")[0] for w in slow[4].warnings] == [
+        "simulated", "left", "left", "stopped"]
 
 
 def test_max_runs_counts_stalled_runs_and_names_itself_when_it_binds(tmp_path, monkeypatch,
@@ -653,6 +665,59 @@ def test_a_first_round_layout_stopped_at_the_budgets_end_is_a_budget_warning_not
     assert any("simulated only 8 of the 9 layouts" in w and "dropped" not in w
                and w.endswith("give a larger budget_s") for w in res.warnings)
     assert not any("stalled" in w for w in res.warnings)
+
+
+def test_a_second_round_run_stopped_at_the_budgets_end_counts_as_left_by_the_budget(
+        tmp_path, monkeypatch):
+    """The second round's first run outlasts its share of the budget and is stopped at its
+    end: none of its candidates ended, and the warning counts that one among those the
+    budget left (not 23 of 24)."""
+    import rollart.planner.search as search
+
+    ran, cpu, _ = _runs_fake(monkeypatch)
+    fake_run = search.run_capped
+
+    def capped(sim, seed, warmup, cap):
+        if sim[1] == search.RUNGS[1][0]:
+            ran.append(sim)
+            cpu[0] += cap
+            return None
+        return fake_run(sim, seed, warmup, cap)
+
+    monkeypatch.setattr(search, "run_capped", capped)
+    res = plan(write(tmp_path), budget_s=100.0, model="qwen3-8b", seeds=(0,))
+    assert (res.log.per_rung, res.log.later_rungs, res.log.cut_runs) == ([9], [(24, 24)], 1)
+    assert any("left 24 of the 24 candidates of the second round" in w
+               and w.endswith("give a larger budget_s") for w in res.warnings)
+
+
+@pytest.mark.parametrize("budget_end", [True, False])
+def test_a_race_run_stopped_at_the_budgets_end_is_named_a_straggler_is_not(
+        tmp_path, monkeypatch, budget_end):
+    """The race's first seed (2, after seeds 0 and 1) does not end: where the budget ran out
+    during it, the warning says the race was stopped with its racers; where it was a
+    straggler (the budget left), the race ends without a limit to blame."""
+    import rollart.planner.search as search
+
+    ran, cpu, _ = _runs_fake(monkeypatch)
+    fake_run = search.run_capped
+
+    def capped(sim, seed, warmup, cap):
+        if seed >= 2:
+            ran.append(sim)
+            cpu[0] += 1e9 if budget_end else cap
+            return None
+        return fake_run(sim, seed, warmup, cap)
+
+    monkeypatch.setattr(search, "run_capped", capped)
+    res = plan(write(tmp_path), budget_s=10_000.0, model="qwen3-8b", seeds=(0, 1))
+    assert res.log.race_seeds == 0 and res.log.per_rung and len(res.log.later_rungs) == 2
+    race = [w for w in res.warnings if "stopped the race" in w]
+    if budget_end:
+        assert res.log.race_cut_racers >= 2 and len(race) == 1
+        assert f"with {res.log.race_cut_racers} candidates within the noise" in race[0]
+    else:
+        assert res.log.race_cut_racers == 0 and not race
 
 
 @pytest.mark.parametrize("seeds", [(0,), (0, 1), (0, 1, 2)])

@@ -37,6 +37,7 @@ __all__ = ["Candidate", "MeasuredProfiles", "PlanError", "PlanResult", "Score", 
 
 #: the default search budget (CPU seconds of the planning process: five CPU minutes)
 DEFAULT_BUDGET_S = 300.0
+_ORDINAL = {2: "second", 3: "third"}
 
 
 @dataclass
@@ -93,6 +94,17 @@ class PlanResult:
                        f"stalled or overran their cap and were dropped (their simulated "
                        f"trajectories past run.trajectory_timeout_s, or a run far slower than "
                        f"the others): the plan is the best of the rest")
+        for rung, (n, short) in enumerate(lg.later_rungs, 2):
+            if short:
+                out.append(f"the budget ({budget}) left {short} of the {n} candidates of the "
+                           f"{_ORDINAL.get(rung, f'{rung}th')} round unrun or stopped (the "
+                           f"round before's best, longer runs): the plan is the best of the "
+                           f"rest; give a larger {self._limits()}")
+        if lg.race_cut_racers:
+            out.append(f"the budget ({budget}) stopped the race on further seeds with "
+                       f"{lg.race_cut_racers} candidates within the noise of the best: the "
+                       f"plan is the best of them on the seeds run so far; give a larger "
+                       f"{self._limits()}")
         return out
 
     def _limits(self) -> str:

@@ -197,6 +197,14 @@ class SearchLog:
     #: the limits that left candidates or race seeds unrun: "budget" (CPU seconds), "runs"
     #: (``max_runs``)
     limited_by: set[str] = field(default_factory=set)
+    #: per rung after the first that began: (candidates it had to run, how many of them a
+    #: limit left unrun or stopped at the budget's end); a rung no limit cut is (n, 0)
+    later_rungs: list[tuple[int, int]] = field(default_factory=list)
+    #: candidates within the leader's noise when a limit stopped the race (0: it was not
+    #: stopped by one)
+    race_cut_racers: int = 0
+    #: runs stopped at the budget's end, in every rung (``first_rung_cut`` of them in rung 0)
+    cut_runs: int = 0
 
 
 def sim_of(inputs: PlanInputs, c: Candidate, steps: int) -> SimScenario:
@@ -473,14 +481,17 @@ def successive_halving(inputs: PlanInputs, *, budget_s: float, seeds: tuple[int,
         end = t0 + budget_s * (share if max_runs is None else 1.0)
         walls = []  # this rung's completed runs
         scores: list[Score] = []
+        started, cut_before = 0, log.cut_runs
         for c in pending:
             now = cpu_s()
             est = statistics.median(walls) * len(rung_seeds) if walls else 0.0
-            # the first run of the search always starts; a layout that stalled still counts
+            # the first run of the search always starts; a layout that stalled still counts;
+            # at the share's end exactly a run would get no CPU at all
             if _stop(log, runs_past=bool(log.runs) and _past_runs(
                          log.runs + len(rung_seeds), max_runs, share),
-                     budget_past=bool(scores or rung > 0) and now + est > end):
+                     budget_past=bool(scores or rung > 0) and (now >= end or now + est > end)):
                 break
+            started += 1
             first_ever = not scores and rung == 0
             if rung == 0:
                 log.first_rung_started += 1
@@ -494,6 +505,9 @@ def successive_halving(inputs: PlanInputs, *, budget_s: float, seeds: tuple[int,
                     f"{budget_words(budget_s, budget_option)} is too small: one simulated "
                     f"candidate ({steps} steps of batch {inputs.scenario.run.batch_size}) did "
                     f"not end within it; give a larger {budget_option}")
+        if rung > 0:
+            log.later_rungs.append((len(pending), len(pending) - started
+                                    + log.cut_runs - cut_before))
         if not scores:  # this rung's share ran out: the previous rung's ranking stands
             break
         scores.sort(key=lambda s: (s.step_time_s, s.cost))
@@ -617,6 +631,7 @@ def _score(inputs: PlanInputs, c: Candidate, rung: int, seeds: tuple[int, ...],
             if cpu_s() >= end:  # stopped by the budget, not stalled or a straggler
                 log.limited_by.add("budget")
                 log.first_rung_cut += rung == 0
+                log.cut_runs += 1
             return None
         walls.append(cpu_s() - w0)
         kept = res.steps[warmup:]
@@ -644,16 +659,20 @@ def _race(inputs: PlanInputs, ranked: list[Score], seeds: tuple[int, ...],
     for extra in range(max(seeds) + 1, max(seeds) + 1 + noise.MAX_RACE_SEEDS):
         group = noise.racers(ranked, noise.RACE_WIDTH)
         need = statistics.median(walls) * len(group) if walls else 0.0
-        if len(group) < 2 or _stop(
-                log, runs_past=_past_runs(log.runs + len(group), max_runs, 1.0),
-                budget_past=cpu_s() + need > end):
+        if len(group) < 2:
+            break
+        if _stop(log, runs_past=_past_runs(log.runs + len(group), max_runs, 1.0),
+                 budget_past=cpu_s() + need > end):
+            log.race_cut_racers = len(group)
             break
         racing = {id(ranked[i]) for i in group}
-        out = []
+        out, cut_before = [], log.cut_runs
         for s in ranked:
             more = s if id(s) not in racing else _score(
                 inputs, s.candidate, rung, (extra,), walls, log, end=end, into=s)
             if more is None:
+                if log.cut_runs > cut_before:  # the budget's end, not a straggler
+                    log.race_cut_racers = len(group)
                 return ranked
             out.append(more)
         out.sort(key=lambda s: (s.step_time_s, s.cost))
