@@ -567,15 +567,17 @@ def test_max_runs_makes_the_plan_the_same_however_long_each_run_takes(tmp_path, 
     assert fast[:4] == slow[:4]
     res = fast[4]
     # 9 layouts (all of the first round, within 18), then 21 one-seed runs (to 30), then 4
-    # candidates of 2 seeds (to 38): no room left for a racing seed of 3 racers
+    # candidates of 2 seeds (to 38): no room left for a racing seed of the leader and the 3
+    # candidates not yet resolved against it
     assert (res.log.per_rung, res.log.runs, res.log.race_seeds) == ([9, 21, 4], 38, 0)
     assert res.log.limited_by == {"runs"}
     assert "searched 38 runs of 40 over" in res.table()
     # the later rounds and the race that N cut short are named, with what they left
-    assert (res.log.later_rungs, res.log.race_cut_racers) == ([(24, 3), (11, 7)], 4)
+    assert (res.log.later_rungs, res.log.race_cut_racers) == ([(24, 3, 21), (11, 7, 4)], 3)
     assert [w.split(" left ")[-1].split(" unrun")[0] for w in res.warnings[:2]] == [
         "3 of the 24 candidates of the second round", "7 of the 11 candidates of the third round"]
-    assert "stopped the race on further seeds with 4 candidates" in res.warnings[2]
+    assert "stopped the race on further seeds with 3 candidate(s) not yet resolved" in \
+        res.warnings[2]
     assert all(w.endswith("give a larger max_runs") for w in res.warnings)
     # the budget only ends the search: one that holds the 38 runs (about 57 CPU s here) gives
     # the same search, though its rounds' shares of it would not have held them
@@ -584,12 +586,13 @@ def test_max_runs_makes_the_plan_the_same_however_long_each_run_takes(tmp_path, 
     res = search_once(1.0, budget_s=10_000.0, max_runs=100)[4]
     assert res.log.race_seeds > 0 and res.log.runs <= 100
     assert (res.log.later_rungs, res.log.race_cut_racers, res.warnings) == (
-        [(24, 0), (16, 0)], 0, [])
+        [(24, 0, 24), (16, 0, 16)], 0, [])
     # the CPU budget alone: the slower machine gets less far
     fast, slow = (search_once(cost, budget_s=60.0) for cost in (1.0, 2.0))
     assert slow[0] < fast[0]
     # 60 CPU s on the slower machine: every round and the race are cut, each named
-    assert (slow[4].log.later_rungs, slow[4].log.race_cut_racers) == ([(24, 18), (6, 4)], 2)
+    assert (slow[4].log.later_rungs, slow[4].log.race_cut_racers) == (
+        [(24, 18, 6), (6, 4, 2)], 1)
     assert [w.split(") ")[1].split(" ")[0] for w in slow[4].warnings] == [
         "simulated", "left", "left", "stopped"]
 
@@ -670,8 +673,9 @@ def test_a_first_round_layout_stopped_at_the_budgets_end_is_a_budget_warning_not
 def test_a_second_round_run_stopped_at_the_budgets_end_counts_as_left_by_the_budget(
         tmp_path, monkeypatch):
     """The second round's first run outlasts its share of the budget and is stopped at its
-    end: none of its candidates ended, and the warning counts that one among those the
-    budget left (not 23 of 24)."""
+    end: none of its candidates ended, the warning counts that one among those the budget
+    left (all 24, not 23), and says the plan is the first round's best, the later rounds
+    unrun."""
     import rollart.planner.search as search
 
     ran, cpu, _ = _runs_fake(monkeypatch)
@@ -686,9 +690,115 @@ def test_a_second_round_run_stopped_at_the_budgets_end_counts_as_left_by_the_bud
 
     monkeypatch.setattr(search, "run_capped", capped)
     res = plan(write(tmp_path), budget_s=100.0, model="qwen3-8b", seeds=(0,))
-    assert (res.log.per_rung, res.log.later_rungs, res.log.cut_runs) == ([9], [(24, 24)], 1)
-    assert any("left 24 of the 24 candidates of the second round" in w
+    assert (res.log.per_rung, res.log.later_rungs, res.log.cut_runs) == ([9], [(24, 24, 0)], 1)
+    assert res.best.rung == 0
+    assert any(w.startswith("the budget (100 CPU s) left all 24 candidates of the second round "
+                            "unrun or stopped: the plan is the best of the first round, on its "
+                            "shorter runs, and no later round or race ran")
                and w.endswith("give a larger budget_s") for w in res.warnings)
+    assert not any("of the rest" in w for w in res.warnings)
+
+
+@pytest.mark.parametrize("max_runs", range(4, 15))
+def test_a_round_a_limit_left_wholly_unrun_names_the_round_the_plan_comes_from(
+        tmp_path, monkeypatch, max_runs):
+    """Where ``max_runs`` leaves every candidate of a later round unrun, the plan is the round
+    before's best, and the warning says so (never "the best of the rest")."""
+    _runs_fake(monkeypatch)
+    res = plan(write(tmp_path), budget_s=10_000.0, model="qwen3-8b", seeds=SEEDS,
+               max_runs=max_runs)
+    for rung, (n, short, scored) in enumerate(res.log.later_rungs, 1):
+        if not scored:
+            assert short == n and res.best.rung == rung - 1, res.log.later_rungs
+            assert any(f"left all {n} candidates of the {('second', 'third')[rung - 1]} round"
+                       f" unrun or stopped: the plan is the best of the "
+                       f"{('first', 'second')[rung - 1]} round" in w for w in res.warnings)
+        else:
+            assert res.best.rung >= rung
+    assert not any("of the rest" in w and "left all" in w for w in res.warnings)
+
+
+def test_a_later_round_that_stalls_with_budget_left_says_so_and_blames_no_limit(
+        tmp_path, monkeypatch):
+    """Every run of the second round stalls well inside the budget: the plan is the first
+    round's best; the warning says none ended and asks for no larger limit, and the online
+    affinity line does not blame the budget."""
+    import rollart.planner.search as search
+
+    ran, cpu, _ = _runs_fake(monkeypatch)
+    fake_run = search.run_capped
+
+    def capped(sim, seed, warmup, cap):
+        if sim[1] == search.RUNGS[1][0]:
+            ran.append(sim)
+            cpu[0] += 1.0
+            return None
+        return fake_run(sim, seed, warmup, cap)
+
+    monkeypatch.setattr(search, "run_capped", capped)
+    res = plan(write(tmp_path), budget_s=10_000.0, model="qwen3-8b", seeds=(0, 1))
+    assert (res.log.per_rung, res.log.later_rungs, res.best.rung) == ([9], [(24, 0, 0)], 0)
+    assert res.warnings == [
+        "none of the 24 candidates of the second round ended (0 left by the budget (10000 CPU "
+        "s), the others stalled or overran their cap): the plan is the best of the first round, "
+        "on its shorter runs, and no later round or race ran"]
+    assert not res.log.online_affinity_short
+    assert res.log.online_affinity.startswith("online affinity was not tried: the search ended")
+
+
+def test_the_race_warning_counts_every_candidate_not_yet_resolved(tmp_path, monkeypatch):
+    """Every layout is as fast as the others: when ``max_runs`` stops the race, the warning
+    counts every candidate not yet resolved against the leader, not only the (at most
+    ``RACE_WIDTH``) that race."""
+    import rollart.planner.noise as noise
+    import rollart.planner.search as search
+
+    ran, cpu, _ = _runs_fake(monkeypatch)
+
+    def same(sim, seed, warmup, cap):
+        c, steps = sim
+        ran.append(sim)
+        cpu[0] += 1.0
+        rng = random.Random(f"{c}|{seed}")
+        return _FakeRun([20.0 * (1.0 + 0.3 * rng.uniform(-1, 1)) for _ in range(steps)])
+
+    monkeypatch.setattr(search, "run_capped", same)
+    res = plan(write(tmp_path), budget_s=10_000.0, model="qwen3-8b", seeds=SEEDS, max_runs=80)
+    close = sum(noise.unresolved(s, res.ranked[0]) for s in res.ranked[1:])
+    assert res.log.race_cut_racers == close > noise.RACE_WIDTH
+    assert any(f"with {close} candidate(s) not yet resolved" in w for w in res.warnings)
+
+
+def test_a_first_round_cut_and_a_straggling_race_warn_only_of_the_first_round(
+        tmp_path, monkeypatch):
+    """A first-round run stopped at its share's end is that round's; the later rounds run
+    every candidate, and a race run stopped as a straggler (budget left) is no limit."""
+    import rollart.planner.search as search
+
+    ran, cpu, _ = _runs_fake(monkeypatch)
+    fake_run = search.run_capped
+    first = []
+
+    def capped(sim, seed, warmup, cap):
+        if sim[1] == search.RUNGS[0][0]:
+            first.append(sim)
+            if len(first) == 9:  # the first round's last layout meets its share's end
+                ran.append(sim)
+                cpu[0] = search.RUNG_SHARES[0] * 10_000.0
+                return None
+        if seed >= 2:  # the race's seeds straggle, well inside the budget
+            ran.append(sim)
+            cpu[0] += cap
+            return None
+        return fake_run(sim, seed, warmup, cap)
+
+    monkeypatch.setattr(search, "run_capped", capped)
+    res = plan(write(tmp_path), budget_s=10_000.0, model="qwen3-8b", seeds=(0, 1))
+    assert res.log.first_rung_cut == 1 and len(res.log.per_rung) == len(search.RUNGS)
+    assert all(short == 0 and scored == n for n, short, scored in res.log.later_rungs)
+    assert res.log.race_cut_racers == 0
+    assert [w.split(" ")[3] for w in res.warnings] == ["CPU"]  # the first round's line only
+    assert "simulated only 8 of the 9 layouts" in res.warnings[0]
 
 
 @pytest.mark.parametrize("budget_end", [True, False])
@@ -715,7 +825,7 @@ def test_a_race_run_stopped_at_the_budgets_end_is_named_a_straggler_is_not(
     race = [w for w in res.warnings if "stopped the race" in w]
     if budget_end:
         assert res.log.race_cut_racers >= 2 and len(race) == 1
-        assert f"with {res.log.race_cut_racers} candidates within the noise" in race[0]
+        assert f"with {res.log.race_cut_racers} candidate(s) not yet resolved" in race[0]
     else:
         assert res.log.race_cut_racers == 0 and not race
 

@@ -37,7 +37,7 @@ __all__ = ["Candidate", "MeasuredProfiles", "PlanError", "PlanResult", "Score", 
 
 #: the default search budget (CPU seconds of the planning process: five CPU minutes)
 DEFAULT_BUDGET_S = 300.0
-_ORDINAL = {2: "second", 3: "third"}
+_ORDINAL = {1: "first", 2: "second", 3: "third"}
 
 
 @dataclass
@@ -94,16 +94,26 @@ class PlanResult:
                        f"stalled or overran their cap and were dropped (their simulated "
                        f"trajectories past run.trajectory_timeout_s, or a run far slower than "
                        f"the others): the plan is the best of the rest")
-        for rung, (n, short) in enumerate(lg.later_rungs, 2):
-            if short:
-                out.append(f"the budget ({budget}) left {short} of the {n} candidates of the "
-                           f"{_ORDINAL.get(rung, f'{rung}th')} round unrun or stopped (the "
-                           f"round before's best, longer runs): the plan is the best of the "
-                           f"rest; give a larger {self._limits()}")
+        for rung, (n, short, scored) in enumerate(lg.later_rungs, 2):
+            which = f"the {_ORDINAL[rung]} round"
+            if not scored:
+                # the search stops there: the plan is the round before's ranking
+                why = (f"the budget ({budget}) left all {n} candidates of {which} unrun or "
+                       f"stopped" if short == n else
+                       f"none of the {n} candidates of {which} ended ({short} left by the "
+                       f"budget ({budget}), the others stalled or overran their cap)")
+                out.append(f"{why}: the plan is the best of the {_ORDINAL[rung - 1]} round, "
+                           f"on its shorter runs, and no later round or race ran"
+                           + (f"; give a larger {self._limits()}" if short else ""))
+            elif short:
+                out.append(f"the budget ({budget}) left {short} of the {n} candidates of "
+                           f"{which} unrun or stopped (the round before's best, longer runs): "
+                           f"the plan is the best of the rest; give a larger {self._limits()}")
         if lg.race_cut_racers:
             out.append(f"the budget ({budget}) stopped the race on further seeds with "
-                       f"{lg.race_cut_racers} candidates within the noise of the best: the "
-                       f"plan is the best of them on the seeds run so far; give a larger "
+                       f"{lg.race_cut_racers} candidate(s) not yet resolved against the best "
+                       f"(neither slower with about 95% confidence nor known to within 5% of "
+                       f"it): the plan is the best on the seeds run so far; give a larger "
                        f"{self._limits()}")
         return out
 

@@ -198,12 +198,14 @@ class SearchLog:
     #: (``max_runs``)
     limited_by: set[str] = field(default_factory=set)
     #: per rung after the first that began: (candidates it had to run, how many of them a
-    #: limit left unrun or stopped at the budget's end); a rung no limit cut is (n, 0)
-    later_rungs: list[tuple[int, int]] = field(default_factory=list)
-    #: candidates within the leader's noise when a limit stopped the race (0: it was not
-    #: stopped by one)
+    #: limit left unrun or stopped at the budget's end, how many ended on every seed); a
+    #: rung no limit cut is (n, 0, scored), one whose every candidate ended (n, 0, n)
+    later_rungs: list[tuple[int, int, int]] = field(default_factory=list)
+    #: candidates not yet resolved against the leader (``noise.unresolved``) when a limit
+    #: stopped the race (0: no limit stopped it)
     race_cut_racers: int = 0
-    #: runs stopped at the budget's end, in every rung (``first_rung_cut`` of them in rung 0)
+    #: runs stopped at the budget's end, in the rungs and the race (``first_rung_cut`` of
+    #: them in rung 0)
     cut_runs: int = 0
 
 
@@ -507,7 +509,7 @@ def successive_halving(inputs: PlanInputs, *, budget_s: float, seeds: tuple[int,
                     f"not end within it; give a larger {budget_option}")
         if rung > 0:
             log.later_rungs.append((len(pending), len(pending) - started
-                                    + log.cut_runs - cut_before))
+                                    + log.cut_runs - cut_before, len(scores)))
         if not scores:  # this rung's share ran out: the previous rung's ranking stands
             break
         scores.sort(key=lambda s: (s.step_time_s, s.cost))
@@ -586,12 +588,18 @@ def _past_runs(runs: int, max_runs: int | None, share: float) -> bool:
 
 def _note_online_affinity(ranked: list[Score], log: SearchLog) -> None:
     """Set ``log.online_affinity``: how the best-ranked layout with online affinity on
-    compared with the same layout static, or that the budget did not reach it."""
+    compared with the same layout static, or that the budget did not reach it, or that the
+    search ended (its later rounds' candidates stalled) before it."""
     on = next((s for s in ranked if s.candidate.online_affinity), None)
     if on is None and log.online_affinity_started:
         log.online_affinity = ("online affinity on the best layouts of the second round: no "
                                "run with it on ended (one stalled or overran its cap, dropped "
                                "like any such layout; any other ran out of budget): left off")
+        return
+    if on is None and len(log.per_rung) < len(RUNGS) and not log.limited_by:
+        log.online_affinity = ("online affinity was not tried: the search ended before its "
+                               "last round, where it is tried (no candidate of the round "
+                               "before ended)")
         return
     if on is None:
         log.online_affinity = ("online affinity was not tried on the best layout: the budget "
@@ -646,6 +654,11 @@ def _score(inputs: PlanInputs, c: Candidate, rung: int, seeds: tuple[int, ...],
                  idle_s=idle_s, busy_s=busy_s)
 
 
+def _unresolved(ranked: list[Score]) -> int:
+    """How many of ``ranked`` (best first) are not yet resolved against the leader."""
+    return len(noise.racers(ranked, len(ranked))) - 1
+
+
 def _race(inputs: PlanInputs, ranked: list[Score], seeds: tuple[int, ...],
           walls: list[float], log: SearchLog, *, end: float,
           progress: Callable[[str], None] | None,
@@ -663,7 +676,7 @@ def _race(inputs: PlanInputs, ranked: list[Score], seeds: tuple[int, ...],
             break
         if _stop(log, runs_past=_past_runs(log.runs + len(group), max_runs, 1.0),
                  budget_past=cpu_s() + need > end):
-            log.race_cut_racers = len(group)
+            log.race_cut_racers = _unresolved(ranked)
             break
         racing = {id(ranked[i]) for i in group}
         out, cut_before = [], log.cut_runs
@@ -672,7 +685,7 @@ def _race(inputs: PlanInputs, ranked: list[Score], seeds: tuple[int, ...],
                 inputs, s.candidate, rung, (extra,), walls, log, end=end, into=s)
             if more is None:
                 if log.cut_runs > cut_before:  # the budget's end, not a straggler
-                    log.race_cut_racers = len(group)
+                    log.race_cut_racers = _unresolved(ranked)
                 return ranked
             out.append(more)
         out.sort(key=lambda s: (s.step_time_s, s.cost))
