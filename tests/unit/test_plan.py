@@ -628,7 +628,13 @@ def test_max_runs_counts_stalled_runs_and_names_itself_when_it_binds(tmp_path, m
     ran, cpu, per_run = _runs_fake(monkeypatch)
     res = plan(write(tmp_path), budget_s=1.6, model="qwen3-8b", seeds=(0,), max_runs=2)
     assert res.log.limited_by == {"budget", "runs"}
-    assert res.warnings[-1].endswith("give a larger budget_s or max_runs")
+    # each line names the limits that bound where it speaks of: both in the first round,
+    # the runs alone in the second
+    assert res.log.phase_limits == {"rung0": {"budget", "runs"}, "rung1": {"runs"}}
+    first = next(w for w in res.warnings if "of the first round" in w)
+    second = next(w for w in res.warnings if "of the second round" in w)
+    assert first.endswith("give a larger budget_s or max_runs")
+    assert second.endswith("give a larger max_runs")
     # on the command line, the flags: --max-runs when the runs bind, --budget-s when it does
     _runs_fake(monkeypatch)
     assert cli_main(["plan", str(write(tmp_path)), "--out", str(tmp_path / "q.toml"),
@@ -696,7 +702,8 @@ def test_a_second_round_run_stopped_at_the_budgets_end_counts_as_left_by_the_bud
                             "unrun or stopped: the plan is the best of the first round, on its "
                             "shorter runs, and no later round or race ran")
                and w.endswith("give a larger budget_s") for w in res.warnings)
-    assert not any("of the rest" in w for w in res.warnings)
+    assert not any("of the rest" in w or "first round (" in w for w in res.warnings)
+    assert res.log.first_rung_cut == 0
 
 
 @pytest.mark.parametrize("max_runs", range(4, 15))
@@ -715,7 +722,6 @@ def test_a_round_a_limit_left_wholly_unrun_names_the_round_the_plan_comes_from(
                        f"{('first', 'second')[rung - 1]} round" in w for w in res.warnings)
         else:
             assert res.best.rung >= rung
-    assert not any("of the rest" in w and "left all" in w for w in res.warnings)
 
 
 def test_a_later_round_that_stalls_with_budget_left_says_so_and_blames_no_limit(
@@ -739,9 +745,9 @@ def test_a_later_round_that_stalls_with_budget_left_says_so_and_blames_no_limit(
     res = plan(write(tmp_path), budget_s=10_000.0, model="qwen3-8b", seeds=(0, 1))
     assert (res.log.per_rung, res.log.later_rungs, res.best.rung) == ([9], [(24, 0, 0)], 0)
     assert res.warnings == [
-        "none of the 24 candidates of the second round ended (0 left by the budget (10000 CPU "
-        "s), the others stalled or overran their cap): the plan is the best of the first round, "
-        "on its shorter runs, and no later round or race ran"]
+        "none of the 24 candidates of the second round ended (24 stalled or overran their "
+        "cap): the plan is the best of the first round, on its shorter runs, and no later "
+        "round or race ran"]
     assert not res.log.online_affinity_short
     assert res.log.online_affinity.startswith("online affinity was not tried: the search ended")
 
@@ -801,12 +807,130 @@ def test_a_first_round_cut_and_a_straggling_race_warn_only_of_the_first_round(
     assert "simulated only 8 of the 9 layouts" in res.warnings[0]
 
 
+def _later_rounds_fake(monkeypatch, stop) -> None:
+    """``_runs_fake`` where ``stop(sim, seed, cap, cpu)`` returning True makes that run end
+    without a result (having set the fake CPU clock as it likes)."""
+    import rollart.planner.search as search
+
+    ran, cpu, _ = _runs_fake(monkeypatch)
+    fake_run = search.run_capped
+
+    def capped(sim, seed, warmup, cap):
+        if stop(sim, seed, cap, cpu):
+            ran.append(sim)
+            return None
+        return fake_run(sim, seed, warmup, cap)
+
+    monkeypatch.setattr(search, "run_capped", capped)
+
+
+def test_later_round_stalls_are_told_apart_from_limits(tmp_path, monkeypatch):
+    """Every second second-round run stalls (1 CPU s each, the budget ample): 12 of 24 are
+    dropped, a line says so and asks for no limit. With ``max_runs`` 30 the round is also
+    cut: one line gives both counts and how many ended, and names ``max_runs``."""
+    import rollart.planner.search as search
+
+    count = [0]
+
+    def stall_every_second(sim, seed, cap, cpu):
+        if sim[1] != search.RUNGS[1][0]:
+            return False
+        count[0] += 1
+        cpu[0] += 1.0
+        return count[0] % 2 == 0
+
+    _later_rounds_fake(monkeypatch, stall_every_second)
+    res = plan(write(tmp_path), budget_s=10_000.0, model="qwen3-8b", seeds=(0, 1))
+    assert res.log.later_rungs[0] == (24, 0, 12) and not res.log.limited_by
+    assert res.warnings == ["12 of the 24 candidates of the second round stalled or overran "
+                            "their cap and were dropped: the plan is the best of the rest"]
+    count[0] = 0
+    res = plan(write(tmp_path), budget_s=10_000.0, model="qwen3-8b", seeds=(0, 1), max_runs=30)
+    assert res.log.later_rungs[0] == (24, 11, 7)
+    assert res.warnings[0] == (
+        "the budget (10000 CPU s, 30 runs) left 11 of the 24 candidates of the second round "
+        "unrun or stopped (the round before's best, longer runs) and 6 stalled or overran "
+        "their cap: the plan is the best of the 7 that ended; give a larger max_runs")
+
+
+def test_a_later_round_cut_and_stalled_with_nothing_ended_gives_both_counts(
+        tmp_path, monkeypatch):
+    """``max_runs`` 12 leaves 5 first-round layouts run; of the second round's 12 candidates 4
+    start and stall and 8 are left unrun: the plan is the first round's, and the line counts
+    both (not "left all 12")."""
+    import rollart.planner.search as search
+
+    def stall_second(sim, seed, cap, cpu):
+        cpu[0] += 1.0 if sim[1] == search.RUNGS[1][0] else 0.0
+        return sim[1] == search.RUNGS[1][0]
+
+    _later_rounds_fake(monkeypatch, stall_second)
+    res = plan(write(tmp_path), budget_s=10_000.0, model="qwen3-8b", seeds=(0, 1), max_runs=12)
+    assert (res.log.later_rungs, res.best.rung) == ([(12, 8, 0)], 0)
+    assert any(w.startswith("none of the 12 candidates of the second round ended (4 stalled "
+                            "or overran their cap, 8 left unrun or stopped by the budget "
+                            "(10000 CPU s, 12 runs)): the plan is the best of the first round")
+               and w.endswith("give a larger max_runs") for w in res.warnings)
+    assert not any("left all" in w for w in res.warnings)
+    # a limit cut that round too: the online-affinity line asks for it, naming max_runs
+    assert res.log.online_affinity_short
+    assert any(w.startswith("online affinity was not tried on the best layout: the budget ran "
+                            "out before it") and w.endswith("give a larger max_runs to have "
+                                                           "it tried") for w in res.warnings)
+
+
+def test_online_affinity_line_follows_why_its_round_did_not_run(tmp_path, monkeypatch):
+    """A first-round run is stopped at its share's end, then every second-round run stalls:
+    the online-affinity line says the search ended before its round, blaming no budget. A
+    twin stopped at the budget's end in the last round is a limit, not a stall: the warning
+    asks for a larger budget."""
+    import rollart.planner.search as search
+
+    first = []
+
+    def cut_then_stall(sim, seed, cap, cpu):
+        if sim[1] == search.RUNGS[0][0]:
+            first.append(sim)
+            if len(first) == 9:
+                cpu[0] = search.RUNG_SHARES[0] * 10_000.0
+                return True
+        if sim[1] == search.RUNGS[1][0]:
+            cpu[0] += 1.0
+            return True
+        return False
+
+    _later_rounds_fake(monkeypatch, cut_then_stall)
+    res = plan(write(tmp_path), budget_s=10_000.0, model="qwen3-8b", seeds=(0, 1))
+    assert (res.log.limited_by, res.log.later_rungs) == ({"budget"}, [(24, 0, 0)])
+    assert not res.log.online_affinity_short
+    assert res.log.online_affinity.startswith("online affinity was not tried: the search ended")
+    assert not any("online affinity" in w for w in res.warnings)
+
+    def twin_cut(sim, seed, cap, cpu):
+        c, steps = sim
+        if steps == search.RUNGS[2][0] and c.online_affinity:
+            cpu[0] = 1e9  # the budget ends during its first run
+            return True
+        return False
+
+    _later_rounds_fake(monkeypatch, twin_cut)
+    res = plan(write(tmp_path), budget_s=10_000.0, model="qwen3-8b", seeds=(0, 1))
+    assert res.log.online_affinity_cut and res.log.online_affinity_short
+    assert "stopped at the budget's end" in res.log.online_affinity
+    assert any(w.startswith("online affinity on the best layouts of the second round: stopped "
+                            "at the budget's end") and w.endswith("give a larger budget_s to "
+                                                                 "have it tried")
+               for w in res.warnings)
+    assert not any("stalled" in w for w in res.warnings)
+
+
 @pytest.mark.parametrize("budget_end", [True, False])
 def test_a_race_run_stopped_at_the_budgets_end_is_named_a_straggler_is_not(
         tmp_path, monkeypatch, budget_end):
     """The race's first seed (2, after seeds 0 and 1) does not end: where the budget ran out
-    during it, the warning says the race was stopped with its racers; where it was a
-    straggler (the budget left), the race ends without a limit to blame."""
+    during it, the warning says the race was stopped with the candidates not yet resolved;
+    where it was a straggler (the budget left), the race ends without a limit to blame."""
+    import rollart.planner.noise as noise
     import rollart.planner.search as search
 
     ran, cpu, _ = _runs_fake(monkeypatch)
@@ -824,7 +948,8 @@ def test_a_race_run_stopped_at_the_budgets_end_is_named_a_straggler_is_not(
     assert res.log.race_seeds == 0 and res.log.per_rung and len(res.log.later_rungs) == 2
     race = [w for w in res.warnings if "stopped the race" in w]
     if budget_end:
-        assert res.log.race_cut_racers >= 2 and len(race) == 1
+        close = sum(noise.unresolved(s, res.ranked[0]) for s in res.ranked[1:])
+        assert res.log.race_cut_racers == close >= 1 and len(race) == 1
         assert f"with {res.log.race_cut_racers} candidate(s) not yet resolved" in race[0]
     else:
         assert res.log.race_cut_racers == 0 and not race
@@ -1359,6 +1484,9 @@ def test_an_online_variant_that_stalls_is_left_off_without_a_budget_warning(
                         if sim[0].online_affinity else static_run(sim, seed, warmup, cap))
     res = plan(write(tmp_path), budget_s=600.0, seeds=SEEDS, model="qwen3-8b",
                budget_option="--budget-s")
-    assert not res.best.candidate.online_affinity and not res.warnings
+    assert not res.best.candidate.online_affinity
+    # the stall is a stall of the third round, not a limit
+    assert res.warnings == ["1 of the 17 candidates of the third round stalled or overran "
+                            "their cap and were dropped: the plan is the best of the rest"]
     assert "no run with it on ended (one stalled or overran its cap" in \
         res.table()

@@ -69,7 +69,8 @@ class PlanResult:
         measured on another model than the plan's (one line each)."""
         lg, out = self.log, []
         budget = f"{self.budget_s:g} CPU s" + (
-            f", {self.max_runs} runs" if self.max_runs is not None else "")
+            "" if self.max_runs is None else
+            f", {self.max_runs} run{'s' if self.max_runs != 1 else ''}")
         note = self.measured.model_note(self.inputs.model.name) if self.measured else None
         if note is not None:
             out.append(note)
@@ -88,40 +89,58 @@ class PlanResult:
                        + (f" ({stalled} more started and {'was' if stalled == 1 else 'were'} "
                           "dropped)" if stalled > 0 else "")
                        + f": the plan is the best of those, not of all; give a larger "
-                       f"{self._limits()}")
+                       f"{self._limits('rung0')}")
         elif stalled > 0:
             out.append(f"{stalled} of the {lg.first_rung_space} layouts of the first round "
                        f"stalled or overran their cap and were dropped (their simulated "
                        f"trajectories past run.trajectory_timeout_s, or a run far slower than "
                        f"the others): the plan is the best of the rest")
         for rung, (n, short, scored) in enumerate(lg.later_rungs, 2):
-            which = f"the {_ORDINAL[rung]} round"
-            if not scored:
-                # the search stops there: the plan is the round before's ranking
-                why = (f"the budget ({budget}) left all {n} candidates of {which} unrun or "
-                       f"stopped" if short == n else
-                       f"none of the {n} candidates of {which} ended ({short} left by the "
-                       f"budget ({budget}), the others stalled or overran their cap)")
-                out.append(f"{why}: the plan is the best of the {_ORDINAL[rung - 1]} round, "
-                           f"on its shorter runs, and no later round or race ran"
-                           + (f"; give a larger {self._limits()}" if short else ""))
-            elif short:
-                out.append(f"the budget ({budget}) left {short} of the {n} candidates of "
-                           f"{which} unrun or stopped (the round before's best, longer runs): "
-                           f"the plan is the best of the rest; give a larger {self._limits()}")
+            out += self._later_round(rung, n, short, scored, budget)
         if lg.race_cut_racers:
             out.append(f"the budget ({budget}) stopped the race on further seeds with "
                        f"{lg.race_cut_racers} candidate(s) not yet resolved against the best "
                        f"(neither slower with about 95% confidence nor known to within 5% of "
                        f"it): the plan is the best on the seeds run so far; give a larger "
-                       f"{self._limits()}")
+                       f"{self._limits('race')}")
         return out
 
-    def _limits(self) -> str:
-        """The option(s) that left the search short, as the user would give them."""
+    def _later_round(self, rung: int, n: int, short: int, scored: int,
+                     budget: str) -> list[str]:
+        """The warning for round ``rung`` (2, 3) of ``n`` candidates, ``short`` of them left
+        unrun or stopped by a limit, ``scored`` ended; the rest stalled or overran their cap.
+        Empty when every candidate ended."""
+        which, stalled = f"the {_ORDINAL[rung]} round", n - short - scored
+        limits = self._limits(f"rung{rung - 1}")
+        stalls = (f"{stalled} stalled or overran their cap" if stalled else "")
+        if not scored:  # the search stops there: the plan is the round before's ranking
+            why = (f"the budget ({budget}) left all {n} candidates of {which} unrun or "
+                   f"stopped" if short == n else
+                   f"none of the {n} candidates of {which} ended ({stalls}"
+                   + (f", {short} left unrun or stopped by the budget ({budget})"
+                      if short else "") + ")")
+            return [f"{why}: the plan is the best of the {_ORDINAL[rung - 1]} round, on its "
+                    f"shorter runs, and no later round or race ran"
+                    + (f"; give a larger {limits}" if short else "")]
+        if short:
+            return [f"the budget ({budget}) left {short} of the {n} candidates of {which} "
+                    f"unrun or stopped (the round before's best, longer runs)"
+                    + (f" and {stalls}" if stalled else "")
+                    + f": the plan is the best of the {scored} that ended; give a larger "
+                    f"{limits}"]
+        if stalled:
+            return [f"{stalls.replace('stalled', f'of the {n} candidates of {which} stalled', 1)}"
+                    f" and were dropped: the plan is the best of the rest"]
+        return []
+
+    def _limits(self, phase: str | None = None) -> str:
+        """The option(s) that left ``phase`` of the search short (``"rung0"``, ...,
+        ``"race"``; None: any part of it), as the user would give them."""
         runs = "--max-runs" if self.budget_option.startswith("--") else "max_runs"
+        bound = (self.log.limited_by if phase is None else
+                 self.log.phase_limits.get(phase) or self.log.limited_by)
         named = [name for key, name in (("budget", self.budget_option), ("runs", runs))
-                 if key in self.log.limited_by]
+                 if key in bound]
         return " or ".join(named or [self.budget_option])
 
     def table(self, top: int = 5) -> str:

@@ -207,6 +207,12 @@ class SearchLog:
     #: runs stopped at the budget's end, in the rungs and the race (``first_rung_cut`` of
     #: them in rung 0)
     cut_runs: int = 0
+    #: the limits that bound in each part of the search: "rung0", "rung1", ..., "race"
+    phase_limits: dict[str, set[str]] = field(default_factory=dict)
+    #: the part of the search running now (a key of ``phase_limits``)
+    phase: str = "rung0"
+    #: whether a run with online affinity on was stopped at the budget's end
+    online_affinity_cut: bool = False
 
 
 def sim_of(inputs: PlanInputs, c: Candidate, steps: int) -> SimScenario:
@@ -484,6 +490,7 @@ def successive_halving(inputs: PlanInputs, *, budget_s: float, seeds: tuple[int,
         walls = []  # this rung's completed runs
         scores: list[Score] = []
         started, cut_before = 0, log.cut_runs
+        log.phase = f"rung{rung}"
         for c in pending:
             now = cpu_s()
             est = statistics.median(walls) * len(rung_seeds) if walls else 0.0
@@ -575,10 +582,17 @@ def _stop(log: SearchLog, *, runs_past: bool, budget_past: bool) -> bool:
     """Whether a limit stops the search here; records each limit that does (both, when both
     do: either alone would stop it, so the user needs to raise both)."""
     if runs_past:
-        log.limited_by.add("runs")
+        _bound(log, "runs")
     if budget_past:
-        log.limited_by.add("budget")
+        _bound(log, "budget")
     return runs_past or budget_past
+
+
+def _bound(log: SearchLog, limit: str) -> None:
+    """Record that ``limit`` ("budget" or "runs") left something unrun in the current part
+    of the search."""
+    log.limited_by.add(limit)
+    log.phase_limits.setdefault(log.phase, set()).add(limit)
 
 
 def _past_runs(runs: int, max_runs: int | None, share: float) -> bool:
@@ -591,12 +605,19 @@ def _note_online_affinity(ranked: list[Score], log: SearchLog) -> None:
     compared with the same layout static, or that the budget did not reach it, or that the
     search ended (its later rounds' candidates stalled) before it."""
     on = next((s for s in ranked if s.candidate.online_affinity), None)
+    if on is None and log.online_affinity_cut:
+        log.online_affinity = ("online affinity on the best layouts of the second round: "
+                               "stopped at the budget's end before a run with it on ended")
+        log.online_affinity_short = True
+        return
     if on is None and log.online_affinity_started:
         log.online_affinity = ("online affinity on the best layouts of the second round: no "
                                "run with it on ended (one stalled or overran its cap, dropped "
                                "like any such layout; any other ran out of budget): left off")
         return
-    if on is None and len(log.per_rung) < len(RUNGS) and not log.limited_by:
+    # the round before the last scored nothing: on stalls alone where no limit cut it
+    if (on is None and len(log.per_rung) < len(RUNGS) and log.later_rungs
+            and not log.later_rungs[-1][1]):
         log.online_affinity = ("online affinity was not tried: the search ended before its "
                                "last round, where it is tried (no candidate of the round "
                                "before ended)")
@@ -637,9 +658,10 @@ def _score(inputs: PlanInputs, c: Candidate, rung: int, seeds: tuple[int, ...],
         log.runs += 1
         if res is None:
             if cpu_s() >= end:  # stopped by the budget, not stalled or a straggler
-                log.limited_by.add("budget")
+                _bound(log, "budget")
                 log.first_rung_cut += rung == 0
                 log.cut_runs += 1
+                log.online_affinity_cut |= c.online_affinity
             return None
         walls.append(cpu_s() - w0)
         kept = res.steps[warmup:]
@@ -669,6 +691,7 @@ def _race(inputs: PlanInputs, ranked: list[Score], seeds: tuple[int, ...],
     (past ``end``, a straggler) is left out for all of them, and the race ends: the seeds
     stay common. Best first."""
     rung = len(RUNGS) - 1
+    log.phase = "race"
     for extra in range(max(seeds) + 1, max(seeds) + 1 + noise.MAX_RACE_SEEDS):
         group = noise.racers(ranked, noise.RACE_WIDTH)
         need = statistics.median(walls) * len(group) if walls else 0.0
