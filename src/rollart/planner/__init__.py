@@ -129,8 +129,8 @@ class PlanResult:
                     + f": the plan is the best of the {scored} that ended; give a larger "
                     f"{limits}"]
         if stalled:
-            return [f"{stalls.replace('stalled', f'of the {n} candidates of {which} stalled', 1)}"
-                    f" and were dropped: the plan is the best of the rest"]
+            return [f"{stalled} of the {n} candidates of {which} stalled or overran their cap "
+                    f"and were dropped: the plan is the best of the rest"]
         return []
 
     def _limits(self, phase: str | None = None) -> str:
