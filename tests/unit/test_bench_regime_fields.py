@@ -25,6 +25,15 @@ def fake_run(sim, seed, warmup=0):
                                    "wasted_tokens": {"stale": 1}})
 
 
+def _taking(step_s: float, sim, seed, warmup=0):
+    """``fake_run`` with every step taking ``step_s``."""
+    res = fake_run(sim, seed, warmup)
+    for st in res.steps:
+        st["step_time_s"] = step_s
+    res.step_time_s = step_s
+    return res
+
+
 def _check_regime(row: dict, pools: set[str]) -> None:
     assert REGIME_KEYS <= set(row), row
     assert row["rollout_share"] == pytest.approx(0.6)
@@ -188,11 +197,7 @@ def test_affinity_replan_bound_weighs_each_drift_phases_best_layout(monkeypatch)
             elif sim.trainer_gpus == base.trainer_gpus:
                 t = {frozenset({"h800"}): 10.0 if first else 20.0,
                      frozenset({"h20"}): 40.0 if first else 10.0}.get(hw, 30.0)
-        res = fake_run(sim, seed, warmup)
-        for st in res.steps:
-            st["step_time_s"] = t
-        res.step_time_s = t
-        return res
+        return _taking(t, sim, seed, warmup)
 
     monkeypatch.setattr(affinity, "run_simulated", timed_run)
     assert affinity._drift_steps(3) == (6, 2, 1)
@@ -255,11 +260,7 @@ def test_affinity_adaptive_compares_the_splits_at_the_benchmarks_trainer(monkeyp
         if sim.weight_changes or all(d.weight == 1.0 for d in sim.domains):
             trainers.append(sim.trainer_gpus)
         t = 2.0 if sim.trainer_gpus != base else 10.0
-        res = fake_run(sim, seed, warmup)
-        for st in res.steps:
-            st["step_time_s"] = t
-        res.step_time_s = t
-        return res
+        return _taking(t, sim, seed, warmup)
 
     monkeypatch.setattr(affinity, "run_simulated", timed_run)
     res = affinity.run_adaptive(True, 0)
@@ -278,11 +279,7 @@ def _adaptive_with(monkeypatch, times_of):
         adaptive = sim.adaptive_affinity is not None and sim.adaptive_affinity.enabled
         pools = tuple((p.hardware, p.num_workers) for p in sim.pools)
         t = times_of(pools, sim.trainer_gpus, adaptive)
-        res = fake_run(sim, seed, warmup)
-        for st in res.steps:
-            st["step_time_s"] = t
-        res.step_time_s = t
-        return res
+        return _taking(t, sim, seed, warmup)
 
     monkeypatch.setattr(affinity, "run_simulated", timed_run)
     return affinity.run_adaptive(True, 0)

@@ -6,8 +6,9 @@ candidates (SIMULATED step time and its standard error, the share of the GPUs ro
 the trainer's idle share of a step, cost in H800 units) and writes the chosen layout as a
 scenario file. Where the scenario has ``[run.adaptive_affinity]`` off, the last round also runs
 the best layout, and the best with a larger trainer, with it on, and the plan turns it on when
-such a variant ranks first (``--static-affinity``: never). Exit codes: 0 written; 2 a scenario, request or --out the planner
-refuses (one line ``rollart plan: error: ...`` naming what is short or unknown).
+such a variant ranks first (``--static-affinity``: never). Exit codes: 0 written; 2 a
+scenario, request or --out the planner refuses (one line ``rollart plan: error: ...`` naming
+what is short or unknown).
 """
 
 from __future__ import annotations

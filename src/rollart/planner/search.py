@@ -194,9 +194,6 @@ class SearchLog:
     online_affinity_started: bool = False
     #: the second round's best layout, the first that online affinity is tried on
     online_leader: Candidate | None = None
-    #: the limits that left candidates or race seeds unrun: "budget" (CPU seconds), "runs"
-    #: (``max_runs``)
-    limited_by: set[str] = field(default_factory=set)
     #: per rung after the first that began: (candidates it had to run, how many of them a
     #: limit left unrun or stopped at the budget's end, how many ended on every seed); a
     #: rung no limit cut is (n, 0, scored), one whose every candidate ended (n, 0, n)
@@ -207,12 +204,18 @@ class SearchLog:
     #: runs stopped at the budget's end, in the rungs and the race (``first_rung_cut`` of
     #: them in rung 0)
     cut_runs: int = 0
-    #: the limits that bound in each part of the search: "rung0", "rung1", ..., "race"
+    #: the limits that left candidates or race seeds unrun in each part of the search
+    #: ("rung0", "rung1", ..., "race"): "budget" (CPU seconds), "runs" (``max_runs``)
     phase_limits: dict[str, set[str]] = field(default_factory=dict)
     #: the part of the search running now (a key of ``phase_limits``)
     phase: str = "rung0"
     #: whether a run with online affinity on was stopped at the budget's end
     online_affinity_cut: bool = False
+
+    @property
+    def limited_by(self) -> set[str]:
+        """The limits that left candidates or race seeds unrun anywhere in the search."""
+        return set().union(*self.phase_limits.values())
 
 
 def sim_of(inputs: PlanInputs, c: Candidate, steps: int) -> SimScenario:
@@ -591,7 +594,6 @@ def _stop(log: SearchLog, *, runs_past: bool, budget_past: bool) -> bool:
 def _bound(log: SearchLog, limit: str) -> None:
     """Record that ``limit`` ("budget" or "runs") left something unrun in the current part
     of the search."""
-    log.limited_by.add(limit)
     log.phase_limits.setdefault(log.phase, set()).add(limit)
 
 
